@@ -1,0 +1,25 @@
+"""LLM providers: the provider protocol and the OpenAI-compatible implementation."""
+
+from gateway.llm.types import (
+    LLMConfigError,
+    LLMError,
+    LLMMessage,
+    LLMProvider,
+    LLMResponse,
+    StreamDelta,
+    TokenUsage,
+    ToolCall,
+    ToolSpec,
+)
+
+__all__ = [
+    "LLMConfigError",
+    "LLMError",
+    "LLMMessage",
+    "LLMProvider",
+    "LLMResponse",
+    "StreamDelta",
+    "TokenUsage",
+    "ToolCall",
+    "ToolSpec",
+]

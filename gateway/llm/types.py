@@ -1,0 +1,177 @@
+"""Provider-neutral LLM message types and the provider protocol."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call requested by the model; `arguments` is the decoded JSON object."""
+
+    id: str
+    function_name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "function_name": self.function_name, "arguments": self.arguments}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ToolCall:
+        return cls(
+            id=str(data["id"]),
+            function_name=str(data["function_name"]),
+            arguments=dict(data.get("arguments") or {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUsage:
+    """Token counts as reported by the provider for one completion."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenUsage:
+        return cls(
+            prompt_tokens=int(data.get("prompt_tokens", 0)),
+            completion_tokens=int(data.get("completion_tokens", 0)),
+            total_tokens=int(data.get("total_tokens", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LLMMessage:
+    """One chat message. Immutable: build a new one instead of editing.
+
+    `usage` and `model` are set on assistant messages produced by a provider, so the
+    session records which model answered and what it cost.
+    """
+
+    role: Role
+    content: str | None = None
+    tool_calls: Sequence[ToolCall] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    usage: TokenUsage | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tool_calls, tuple):
+            object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role}
+        if self.content is not None:
+            d["content"] = self.content
+        if self.tool_calls:
+            d["tool_calls"] = [tc.to_dict() for tc in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        if self.usage is not None:
+            d["usage"] = self.usage.to_dict()
+        if self.model is not None:
+            d["model"] = self.model
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LLMMessage:
+        usage = data.get("usage")
+        return cls(
+            role=data["role"],
+            content=data.get("content"),
+            tool_calls=tuple(ToolCall.from_dict(tc) for tc in data.get("tool_calls") or ()),
+            tool_call_id=data.get("tool_call_id"),
+            name=data.get("name"),
+            usage=TokenUsage.from_dict(usage) if isinstance(usage, dict) else None,
+            model=data.get("model"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A tool offered to the model: name, description and JSON-schema parameters."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LLMResponse:
+    """The result of one completion: the assistant message and why it stopped."""
+
+    message: LLMMessage
+    model: str
+    finish_reason: str | None = None
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        return self.message.usage
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """A piece of a streamed completion: text so far arrives as `text` increments;
+    the last item of a stream carries `response` (the assembled message)."""
+
+    text: str = ""
+    response: LLMResponse | None = None
+
+
+class LLMError(Exception):
+    """The model could not answer (after retries and fallbacks). `user_message` is safe
+    to show to a chat user; `str(exc)` is for operators and may carry more detail."""
+
+    def __init__(self, detail: str, *, user_message: str | None = None) -> None:
+        super().__init__(detail)
+        self.user_message = (
+            user_message or "The model is not answering right now. Please try again."
+        )
+
+
+class LLMConfigError(LLMError):
+    """The provider is not configured well enough to make any call (e.g. no API key)."""
+
+
+@runtime_checkable
+class LLMProvider(Protocol):
+    """One seam for every model server. Implementations raise `LLMError` on failure."""
+
+    async def chat(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        model: str | None = None,
+        tools: Sequence[ToolSpec] = (),
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+    ) -> LLMResponse: ...
+
+    def stream(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        model: str | None = None,
+        tools: Sequence[ToolSpec] = (),
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[StreamDelta]: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,69 @@
+"""Messages that cross the boundary between channel adapters and the core."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_KEY_PART = 200
+
+
+def build_session_key(channel: str, chat_id: str, *, thread: tuple[str, str] | None = None) -> str:
+    """The one place a session key is built: `channel:chat_id[:kind:thread_id]`.
+
+    Parts are opaque strings; a colon inside a part is kept as it is (the file-name
+    encoding makes any key safe on disk), so keys stay readable for operators.
+    """
+    if not channel or not chat_id:
+        raise ValueError("a session key needs a channel and a chat id")
+    key = f"{channel}:{chat_id}"
+    if thread is not None:
+        kind, thread_id = thread
+        key = f"{key}:{kind}:{thread_id}"
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class InboundMessage:
+    """A message from a person (or a scheduled job) on its way to the agent.
+
+    `session_key` is decided here, at the edge: the core never learns which platform
+    a message came from beyond the key itself.
+    """
+
+    channel: str
+    chat_id: str
+    text: str
+    sender_id: str = ""
+    message_id: str | None = None
+    thread_kind: str | None = None
+    thread_id: str | None = None
+    session_key_override: str | None = None
+    received_at: float = field(default_factory=time.time)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def session_key(self) -> str:
+        if self.session_key_override:
+            return self.session_key_override
+        thread = (
+            (self.thread_kind, self.thread_id)
+            if self.thread_kind is not None and self.thread_id is not None
+            else None
+        )
+        return build_session_key(self.channel, self.chat_id, thread=thread)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboundMessage:
+    """The agent's reply, addressed back to where the inbound message came from."""
+
+    channel: str
+    chat_id: str
+    text: str
+    session_key: str
+    reply_to: str | None = None
+    thread_id: str | None = None
+    is_error: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,98 @@
+"""Configuration: defaults, file, environment, flags, and the errors a person sees."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, Settings, load_settings, starter_toml, write_starter_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_gateway_toml_is_the_documented_default() -> None:
+    shipped = (ROOT / "gateway.toml").read_text(encoding="utf-8")
+    assert shipped == starter_toml(), "regenerate gateway.toml from gateway.config.starter_toml()"
+    assert Settings.model_validate(tomllib.loads(shipped)) == Settings()
+
+
+def test_file_then_env_then_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "g.toml"
+    cfg.write_text('[llm]\nmodel = "from-file"\ntimeout = 5\n[http]\nport = 1234\n')
+    s = load_settings(cfg, environ={})
+    assert (s.llm.model, s.llm.timeout, s.http.port) == ("from-file", 5.0, 1234)
+
+    env = {"GATEWAY_LLM__MODEL": "from-env", "GATEWAY_HTTP__PORT": "9000"}
+    s = load_settings(cfg, environ=env)
+    assert (s.llm.model, s.http.port) == ("from-env", 9000)
+
+    s = load_settings(cfg, environ=env, overrides={"llm.model": "from-flag"})
+    assert s.llm.model == "from-flag"
+
+
+def test_shortcuts_and_openai_conventions(tmp_path: Path) -> None:
+    env = {
+        "GATEWAY_WORKSPACE": str(tmp_path / "ws"),
+        "GATEWAY_MODEL": "m1",
+        "OPENAI_API_KEY": "sk-test-secret-123456",
+        "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+        "GATEWAY_LLM__FALLBACK_MODELS": '["a", "b"]',
+    }
+    s = load_settings(None, environ=env)
+    assert s.workspace_path == tmp_path / "ws"
+    assert s.llm.model == "m1"
+    assert s.llm.base_url == "http://127.0.0.1:9/v1"
+    assert s.llm.fallback_models == ["a", "b"]
+    assert s.llm.resolved_api_key() == "sk-test-secret-123456"
+    assert "sk-test-secret-123456" not in repr(s)
+    assert "sk-test-secret-123456" in s.secrets()
+
+
+def test_api_key_file(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("sk-from-file\n")
+    s = load_settings(None, environ={"GATEWAY_LLM__API_KEY_FILE": str(key)})
+    assert s.llm.resolved_api_key() == "sk-from-file"
+    s = load_settings(None, environ={"GATEWAY_LLM__API_KEY_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="api_key_file"):
+        s.llm.resolved_api_key()
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "expected"),
+    [
+        ("[llm]\nmodle = 'x'\n", {}, "llm.modle: unknown key"),
+        ("[nonsense]\na = 1\n", {}, "nonsense: unknown key"),
+        ("[llm]\ntimeout = 'soon'\n", {}, "llm.timeout: "),
+        ("", {"GATEWAY_HTTP__PORT": "99999"}, "http.port: "),
+        ("", {"GATEWAY_SESSIONS__FSYNC": "sometimes"}, "sessions.fsync: "),
+        ("[llm]\napi_key = 'sk-oops'\n", {}, "llm.api_key: secrets do not belong"),
+        ("[llm\n", {}, "not valid TOML"),
+    ],
+)
+def test_errors_name_the_key(tmp_path: Path, toml: str, env: dict[str, str], expected: str) -> None:
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg, environ=env)
+    message = str(info.value)
+    assert expected in message
+    assert "sk-oops" not in message  # a refused secret is not echoed back
+    assert "Traceback" not in message
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="gateway init"):
+        load_settings(tmp_path / "nope.toml", environ={})
+
+
+def test_init_never_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    write_starter_config(path)
+    assert load_settings(path, environ={}) == Settings()
+    path.write_text("# mine\n")
+    with pytest.raises(ConfigError, match="already exists"):
+        write_starter_config(path)
+    assert path.read_text() == "# mine\n"
