@@ -1,0 +1,596 @@
+"""Sessions as the agent sees them (`Session`) and their owner (`SessionManager`).
+
+A `Session` is the handle of one session key: it appends entries through its store and
+answers questions from the in-memory tree. The manager hands out at most one live
+`Session` per key, caches hot ones (LRU), lists, resets, forks and deletes them.
+Everything here is blocking I/O guarded by threading locks: call it from a worker
+thread (``anyio.to_thread.run_sync``) when on the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from gateway.llm import LLMMessage
+from gateway.sessions.context import SessionContext, choose_cut
+from gateway.sessions.entries import (
+    BranchEntry,
+    CompactionEntry,
+    CustomInfoEntry,
+    CustomMessageEntry,
+    Entry,
+    LabelEntry,
+    LeafEntry,
+    MessageEntry,
+    ModelChangeEntry,
+    ParentSessionRef,
+    SessionHeader,
+    SessionInfoEntry,
+    ThinkingLevelChangeEntry,
+)
+from gateway.sessions.errors import EntryNotFoundError, SessionError, SessionExistsError
+from gateway.sessions.hooks import (
+    BeforeCompactEvent,
+    BeforeForkEvent,
+    CompactEvent,
+    HookRegistry,
+    TreeEvent,
+)
+from gateway.sessions.keys import SUFFIX, encode_key, key_from_filename, session_path
+from gateway.sessions.store import (
+    DIR_MODE,
+    FileSessionStore,
+    FsyncPolicy,
+    GroupCommitter,
+    LoadReport,
+    MemorySessionStore,
+    SessionStore,
+    check_fsync_policy,
+    new_header,
+)
+from gateway.sessions.tree import SessionTree, TreeNode
+
+
+def _require(tree: SessionTree, entry_id: str) -> None:
+    if not tree.is_usable(entry_id):
+        raise EntryNotFoundError(f"this session has no entry {entry_id!r}")
+
+
+class Session:
+    """One conversation: an append-only tree of entries and the context it yields.
+
+    The object is the handle of its key: `SessionManager.reset` and `delete` turn it
+    into the key's new session in place, and a reset done by another process is picked
+    up at the next append or refresh. Every method is thread-safe. Made by
+    `SessionManager`, not directly.
+    """
+
+    def __init__(self, store: SessionStore, hooks: HookRegistry) -> None:
+        self._store = store
+        self._hooks = hooks
+
+    def __repr__(self) -> str:
+        return f"<Session key={self.key!r} id={self.session_id} entries={len(self._store.tree)}>"
+
+    # -- identity ---------------------------------------------------------------------
+
+    @property
+    def key(self) -> str:
+        return self._store.key
+
+    @property
+    def session_id(self) -> str:
+        return self._store.header.id
+
+    @property
+    def header(self) -> SessionHeader:
+        return self._store.header
+
+    @property
+    def path(self) -> Path | None:
+        """The file of this session (None for in-memory sessions); it exists once the
+        first entry was appended."""
+        return self._store.path
+
+    @property
+    def load_report(self) -> LoadReport:
+        with self._store.lock:
+            return self._store.report
+
+    @property
+    def created_at(self) -> float:
+        return self._store.header.timestamp
+
+    @property
+    def updated_at(self) -> float:
+        with self._store.lock:
+            last = self._store.tree.last_entry()
+            return last.timestamp if last is not None else self._store.header.timestamp
+
+    @property
+    def name(self) -> str | None:
+        with self._store.lock:
+            return self._store.tree.name
+
+    # -- the tree ---------------------------------------------------------------------
+
+    @property
+    def leaf_id(self) -> str | None:
+        with self._store.lock:
+            return self._store.tree.leaf_id
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every entry in file order (the header excluded; see `header`)."""
+        with self._store.lock:
+            return self._store.tree.entries()
+
+    @property
+    def labels(self) -> dict[str, str]:
+        with self._store.lock:
+            return dict(self._store.tree.labels)
+
+    def get_entry(self, entry_id: str) -> Entry | None:
+        with self._store.lock:
+            return self._store.tree.get_entry(entry_id)
+
+    def children(self, entry_id: str | None) -> list[Entry]:
+        with self._store.lock:
+            return self._store.tree.children(entry_id)
+
+    def get_branch(self, from_id: str | None = None) -> list[Entry]:
+        """Entries from the root to ``from_id`` (default: the current leaf)."""
+        with self._store.lock:
+            if from_id is not None:
+                _require(self._store.tree, from_id)
+            return self._store.tree.get_branch(from_id)
+
+    def get_tree(self) -> list[TreeNode]:
+        with self._store.lock:
+            return self._store.tree.get_tree()
+
+    def refresh(self) -> None:
+        """Pick up entries other processes appended (one ``stat`` if there are none)."""
+        self._store.refresh()
+
+    def flush(self) -> None:
+        self._store.flush()
+
+    # -- context ----------------------------------------------------------------------
+
+    def build_context(self) -> SessionContext:
+        with self._store.lock:
+            return self._store.tree.build_context()
+
+    context = build_context
+
+    @property
+    def messages(self) -> list[LLMMessage]:
+        """Messages of the current context: after the latest compaction's cut."""
+        return list(self.build_context().messages)
+
+    @property
+    def message_count(self) -> int:
+        return len(self.build_context().messages)
+
+    @property
+    def summary(self) -> str | None:
+        """The latest compaction summary on the branch."""
+        return self.build_context().summary
+
+    @summary.setter
+    def summary(self, value: str | None) -> None:
+        # A compaction that keeps every current message and carries the new summary.
+        context = self.build_context()
+        first = context.entry_ids[0] if context.entry_ids else None
+        self.compact(value or "", first)
+
+    def get_recent(self, window: int) -> list[LLMMessage]:
+        """The last ``window`` messages of the context (none for ``window <= 0``)."""
+        messages = self.build_context().messages
+        return list(messages[-window:]) if window > 0 else []
+
+    def get_old_messages(self, window: int) -> list[LLMMessage]:
+        """Context messages before the last ``window`` (candidates for a summary)."""
+        messages = self.build_context().messages
+        if window <= 0:
+            return list(messages)
+        return list(messages[:-window]) if len(messages) > window else []
+
+    # -- appending --------------------------------------------------------------------
+
+    def add_message(self, msg: LLMMessage, meta: Mapping[str, Any] | None = None) -> MessageEntry:
+        """Append a message at the leaf; it is in the file when this returns."""
+        meta_dict = dict(meta) if meta is not None else None
+        return self._store.append(
+            lambda tree, eid, ts: MessageEntry(
+                id=eid, parent_id=tree.leaf_id, timestamp=ts, message=msg, meta=meta_dict
+            )
+        )
+
+    def append_model_change(self, model: str) -> ModelChangeEntry:
+        return self._store.append(
+            lambda tree, eid, ts: ModelChangeEntry(
+                id=eid, parent_id=tree.leaf_id, timestamp=ts, model=model
+            )
+        )
+
+    def append_thinking_level_change(self, thinking_level: str) -> ThinkingLevelChangeEntry:
+        return self._store.append(
+            lambda tree, eid, ts: ThinkingLevelChangeEntry(
+                id=eid, parent_id=tree.leaf_id, timestamp=ts, thinking_level=thinking_level
+            )
+        )
+
+    def append_custom_info(self, custom_type: str, data: Any) -> CustomInfoEntry:
+        return self._store.append(
+            lambda tree, eid, ts: CustomInfoEntry(
+                id=eid, parent_id=tree.leaf_id, timestamp=ts, custom_type=custom_type, data=data
+            )
+        )
+
+    def append_custom_message(
+        self, custom_type: str, content: str, *, display: bool = True
+    ) -> CustomMessageEntry:
+        return self._store.append(
+            lambda tree, eid, ts: CustomMessageEntry(
+                id=eid,
+                parent_id=tree.leaf_id,
+                timestamp=ts,
+                custom_type=custom_type,
+                content=content,
+                display=display,
+            )
+        )
+
+    def set_name(self, name: str | None) -> SessionInfoEntry:
+        return self._store.append(
+            lambda tree, eid, ts: SessionInfoEntry(
+                id=eid, parent_id=tree.leaf_id, timestamp=ts, name=name
+            )
+        )
+
+    def label(self, entry_id: str, label: str | None) -> LabelEntry:
+        """Attach ``label`` to an entry (None removes it)."""
+
+        def make(tree: SessionTree, eid: str, ts: float) -> LabelEntry:
+            _require(tree, entry_id)
+            return LabelEntry(
+                id=eid, parent_id=tree.leaf_id, timestamp=ts, target_id=entry_id, label=label
+            )
+
+        return self._store.append(make)
+
+    def branch(self, entry_id: str | None) -> LeafEntry:
+        """Move the leaf to ``entry_id`` (None: before the first entry); new entries then
+        hang off it. Persisted as a ``leaf`` entry, so it survives a restart; nothing is
+        removed. Fires ``session_tree``."""
+        old: list[str | None] = []
+
+        def make(tree: SessionTree, eid: str, ts: float) -> LeafEntry:
+            if entry_id is not None:
+                _require(tree, entry_id)
+            old[:] = [tree.leaf_id]
+            return LeafEntry(id=eid, parent_id=tree.leaf_id, timestamp=ts, target_id=entry_id)
+
+        entry = self._store.append(make)
+        self._hooks.emit("session_tree", TreeEvent(self, old[0], entry.target_id, entry))
+        return entry
+
+    def branch_with_summary(self, entry_id: str, summary: str) -> BranchEntry:
+        """Go back to ``entry_id`` leaving a summary of the abandoned branch, which the
+        model sees in place of it. Fires ``session_tree``."""
+        old: list[str | None] = []
+
+        def make(tree: SessionTree, eid: str, ts: float) -> BranchEntry:
+            _require(tree, entry_id)
+            old[:] = [tree.leaf_id]
+            return BranchEntry(
+                id=eid, parent_id=entry_id, timestamp=ts, from_id=entry_id, summary=summary
+            )
+
+        entry = self._store.append(make)
+        self._hooks.emit("session_tree", TreeEvent(self, old[0], entry.id, entry))
+        return entry
+
+    def compact(
+        self,
+        summary: str,
+        first_kept_entry_id: str | None,
+        tokens_before: int | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> CompactionEntry | None:
+        """Record a compaction: from now on the context is ``summary`` plus the messages
+        from ``first_kept_entry_id`` on. Nothing is removed from the file. Returns None
+        if a ``session_before_compact`` hook cancelled it."""
+        event = BeforeCompactEvent(self, summary, first_kept_entry_id, tokens_before)
+        if not self._hooks.allow("session_before_compact", event):
+            logger.bind(session_key=self.key).info("compaction cancelled by a hook")
+            return None
+
+        def make(tree: SessionTree, eid: str, ts: float) -> CompactionEntry:
+            if first_kept_entry_id is not None:
+                _require(tree, first_kept_entry_id)
+            return CompactionEntry(
+                id=eid,
+                parent_id=tree.leaf_id,
+                timestamp=ts,
+                summary=summary,
+                first_kept_entry_id=first_kept_entry_id,
+                tokens_before=tokens_before,
+                details=details,
+            )
+
+        entry = self._store.append(make)
+        self._hooks.emit("session_compact", CompactEvent(self, entry))
+        return entry
+
+    def prune_to_window(self, window: int) -> int:
+        """Compact so the context keeps about the last ``window`` messages, carrying the
+        current summary forward; returns how many messages left the context. Deletes
+        nothing, and never separates tool calls from their results (see `choose_cut`)."""
+        if window < 0:
+            raise ValueError("window must be >= 0")
+        context = self.build_context()
+        cut = choose_cut(context.messages, window)
+        if cut == 0:
+            return 0
+        first = context.entry_ids[cut] if cut < len(context.entry_ids) else None
+        entry = self.compact(context.summary or "", first)
+        return 0 if entry is None else cut
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """A session file as seen in a directory listing (no parsing involved)."""
+
+    key: str
+    path: Path | None
+    updated_at: float
+    size_bytes: int
+
+
+class SessionManager:
+    """Owns the sessions of one folder: ``<sessions_dir>/<encoded key>.jsonl``.
+
+    Promise: at most one live `Session` object per key. Hot sessions are held by an LRU
+    cache of ``max_cache_size``; every live session (cached or still referenced
+    elsewhere) is also tracked weakly, so an evicted session that someone still holds is
+    handed out again instead of being loaded twice. Eviction never loses an entry:
+    entries are on disk when ``append`` returns (the in-memory variant never evicts).
+    """
+
+    def __init__(
+        self,
+        sessions_dir: Path,
+        max_cache_size: int = 200,
+        *,
+        fsync: FsyncPolicy = "batch",
+        hooks: HookRegistry | None = None,
+        committer: GroupCommitter | None = None,
+    ) -> None:
+        self._dir: Path | None = Path(sessions_dir)
+        self._dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        self._setup(max_cache_size, fsync, hooks, committer)
+
+    @classmethod
+    def in_memory(cls, *, hooks: HookRegistry | None = None) -> SessionManager:
+        """A manager with no disk at all and the same API (tests, throwaway sessions)."""
+        manager = cls.__new__(cls)
+        manager._dir = None
+        manager._setup(0, "never", hooks, None)
+        return manager
+
+    def _setup(
+        self,
+        max_cache_size: int,
+        fsync: str,
+        hooks: HookRegistry | None,
+        committer: GroupCommitter | None,
+    ) -> None:
+        if max_cache_size < 0:
+            raise ValueError("max_cache_size must be >= 0")
+        self._fsync = check_fsync_policy(fsync)
+        self._max = max_cache_size
+        self.hooks = hooks or HookRegistry()
+        self._committer = committer
+        self._lock = threading.RLock()
+        self._lru: OrderedDict[str, Session] = OrderedDict()
+        self._live: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
+        self._memory: dict[str, Session] = {}  # the in-memory variant keeps everything
+
+    @property
+    def sessions_dir(self) -> Path | None:
+        return self._dir
+
+    def path_for(self, key: str) -> Path | None:
+        """The current file of ``key`` (raises `SessionKeyError` for an unusable key)."""
+        encode_key(key)
+        return None if self._dir is None else session_path(self._dir, key)
+
+    # -- the cache --------------------------------------------------------------------
+
+    def _new_session(
+        self, key: str, header: SessionHeader | None = None, stem: str | None = None
+    ) -> Session:
+        store: SessionStore
+        if self._dir is None:
+            store = MemorySessionStore(key, header=header)
+        else:
+            store = FileSessionStore(
+                self._dir / ((stem or encode_key(key)) + SUFFIX),
+                key,
+                fsync=self._fsync,
+                committer=self._committer,
+                header=header,
+            )
+        return Session(store, self.hooks)
+
+    def _remember(self, session: Session) -> None:
+        key = session.key
+        if self._dir is None:
+            self._memory[key] = session
+            return
+        self._live[key] = session
+        self._lru[key] = session
+        self._lru.move_to_end(key)
+        while len(self._lru) > self._max:
+            self._lru.popitem(last=False)  # still in _live while referenced elsewhere
+
+    def _lookup(self, key: str) -> Session | None:
+        if self._dir is None:
+            return self._memory.get(key)
+        session = self._lru.get(key) or self._live.get(key)
+        if session is not None:
+            self._remember(session)
+        return session
+
+    def _open(self, key: str, *, create: bool) -> Session | None:
+        stem = encode_key(key)
+        with self._lock:
+            session = self._lookup(key)
+            if session is None:
+                session = self._new_session(key, stem=stem)
+                if isinstance(session._store, FileSessionStore):
+                    session._store.load()
+                # Remembered even for get(): its load report (e.g. a file moved aside)
+                # stays visible to the next get_or_create.
+                self._remember(session)
+                return session if create or session._store.persisted else None
+        session.refresh()
+        if not create and not session._store.persisted:
+            return None
+        return session
+
+    def get_or_create(self, key: str) -> Session:
+        """The session of ``key``: cached, loaded from its file, or new (no file until the
+        first entry is appended)."""
+        session = self._open(key, create=True)
+        assert session is not None
+        return session
+
+    def get(self, key: str) -> Session | None:
+        """The session of ``key`` if it has saved entries (a file), else None."""
+        return self._open(key, create=False)
+
+    def save(self, session: Session) -> None:
+        """Entries are appended as they are added; this only forces them to disk under
+        ``fsync="never"`` (a no-op otherwise)."""
+        session.flush()
+
+    def clear_cache(self) -> None:
+        """Drop the cache's references (sessions still held elsewhere stay live)."""
+        with self._lock:
+            self._lru.clear()
+
+    def close(self) -> None:
+        """Close every live session's file (they reopen on next use)."""
+        with self._lock:
+            sessions = list(self._live.values()) + list(self._memory.values())
+        for session in sessions:
+            session._store.close()
+
+    # -- listing ----------------------------------------------------------------------
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """Sessions with a file, most recently active first, from the directory listing
+        and ``stat`` alone (files are not opened)."""
+        if self._dir is None:
+            with self._lock:
+                sessions = [s for s in self._memory.values() if s._store.persisted]
+            infos = [SessionInfo(s.key, None, s.updated_at, 0) for s in sessions]
+        else:
+            infos = []
+            with os.scandir(self._dir) as it:
+                for item in it:
+                    key = key_from_filename(item.name)
+                    if key is None:
+                        continue
+                    try:
+                        if not item.is_file(follow_symlinks=False):
+                            continue
+                        st = item.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # removed meanwhile
+                    infos.append(SessionInfo(key, Path(item.path), st.st_mtime, st.st_size))
+        infos.sort(key=lambda info: info.updated_at, reverse=True)
+        return infos
+
+    def continue_recent(self) -> Session | None:
+        """The most recently active session, or None if there is none."""
+        for info in self.list_sessions():
+            session = self.get(info.key)
+            if session is not None:
+                return session
+        return None
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def delete(self, key: str) -> bool:
+        """Remove the key's current file and cache entry; True if a file was removed.
+        A live `Session` of the key becomes a new, empty session."""
+        encode_key(key)
+        with self._lock:
+            session = self._lookup(key)
+            self._lru.pop(key, None)
+            if session is None:
+                session = self._new_session(key)
+            removed = session._store.delete()
+        logger.bind(session_key=key).info("deleted session (file removed: {})", removed)
+        return removed
+
+    def reset(self, key: str) -> Session:
+        """Start a new session for ``key`` (``/new``). The old file is kept: it moves to
+        ``archive/<stem>/<time>-<session id>.jsonl`` and the new header names it as
+        ``previous_session``. Returns the key's `Session`, now the new session."""
+        session = self.get_or_create(key)
+        with self._lock:
+            session._store.archive()
+        return session
+
+    def fork(
+        self, key: str, new_key: str | None = None, entry_id: str | None = None
+    ) -> Session | None:
+        """Copy the root-to-leaf path (or root-to-``entry_id``) of ``key`` into a new
+        session under ``new_key`` (default ``<key>:fork:<id>``) whose header links back
+        (``parent_session``). Returns None if a ``session_before_fork`` hook cancelled."""
+        source = self.get(key)
+        if source is None:
+            raise SessionError(f"there is no session {key!r} to fork")
+        target_key = new_key if new_key is not None else f"{key}:fork:{os.urandom(4).hex()}"
+        encode_key(target_key)
+        if not self.hooks.allow(
+            "session_before_fork", BeforeForkEvent(source, entry_id, target_key)
+        ):
+            logger.bind(session_key=key).info("fork cancelled by a hook")
+            return None
+        with source._store.lock:
+            branch = source.get_branch(entry_id)
+            ref = ParentSessionRef(
+                key=key,
+                session_id=source.session_id,
+                entry_id=branch[-1].id if branch else None,
+            )
+        with self._lock:
+            if self._lookup(target_key) is not None or (
+                self._dir is not None and session_path(self._dir, target_key).exists()
+            ):
+                raise SessionExistsError(
+                    f"session {target_key!r} already exists; pick another key or reset it first"
+                )
+            session = self._new_session(target_key, new_header(target_key, parent_session=ref))
+            session._store.create_with(branch)
+            self._remember(session)
+        logger.bind(session_key=key).info(
+            "forked {} entries into session {!r}", len(branch), target_key
+        )
+        return session

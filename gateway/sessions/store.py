@@ -1,0 +1,955 @@
+"""Session persistence: one append-only JSONL file per session (and an in-memory twin).
+
+Promises kept here:
+- The transcript stays append-only: a store only ever adds whole lines at the end of
+  its file; earlier bytes are never rewritten (the one exception, truncating a torn
+  last line, first copies those bytes to a sidecar file, so nothing is lost).
+- An acknowledged append is on disk: with ``fsync="always"`` or ``"batch"``,
+  `FileSessionStore.append` returns only after the entry's bytes were fsynced
+  (``"never"`` leaves that to the OS; the bytes are still in the page cache, which a
+  killed process does not lose).
+- A damaged file is never overwritten or deleted: bad lines are skipped and counted,
+  a torn tail is set aside before the next append, a file without a valid header is
+  renamed to ``<name>.corrupt-<time>``.
+
+Each append is one ``os.write`` of one complete line to an ``O_APPEND`` descriptor, under
+``flock(LOCK_EX)`` so several processes can share a session: under the lock the store
+first reads whatever other writers appended (only the new bytes) and only then chooses
+the new entry's ``parent_id``; a file replaced underneath (a reset elsewhere) is reopened.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
+
+from loguru import logger
+
+if TYPE_CHECKING:
+    from loguru import Logger
+
+from gateway.sessions.entries import (
+    Entry,
+    ParentSessionRef,
+    SessionHeader,
+    entry_from_dict,
+    new_entry_id,
+)
+from gateway.sessions.errors import SessionError, SessionExistsError, UnsupportedVersionError
+from gateway.sessions.keys import SUFFIX
+from gateway.sessions.tree import SessionTree
+
+FsyncPolicy = Literal["always", "batch", "never"]
+FSYNC_POLICIES: tuple[str, ...] = get_args(FsyncPolicy)
+
+E = TypeVar("E", bound=Entry)
+#: Builds the entry to append from the (synced) tree, a fresh id and the timestamp; it
+#: runs under the store's locks, so it sees the current leaf and may validate ids.
+EntryFactory = Callable[[SessionTree, str, float], E]
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
+_MAX_ATTEMPTS = 16  # reopen retries when other processes keep replacing the file
+
+
+def check_fsync_policy(value: str) -> FsyncPolicy:
+    if value not in FSYNC_POLICIES:
+        raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def encode_line(entry: Entry) -> str:
+    """The one-line JSON form of an entry, newline included."""
+    try:
+        return _ENCODER.encode(entry.to_dict()) + "\n"
+    except (TypeError, ValueError) as exc:
+        raise SessionError(f"{entry.type} entry cannot be stored as JSON: {exc}") from None
+
+
+def new_header(
+    key: str,
+    *,
+    previous_session: str | None = None,
+    parent_session: ParentSessionRef | None = None,
+) -> SessionHeader:
+    return SessionHeader(
+        id=uuid.uuid4().hex,
+        parent_id=None,
+        timestamp=time.time(),
+        key=key,
+        previous_session=previous_session,
+        parent_session=parent_session,
+    )
+
+
+def build_entry(tree: SessionTree, factory: EntryFactory[E]) -> E:
+    entry_id = new_entry_id()
+    while entry_id in tree:
+        entry_id = new_entry_id()
+    return factory(tree, entry_id, time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What loading a session file found. ``clean`` is True when nothing was wrong.
+
+    ``bad_lines`` counts skipped lines and entries found damaged when first decoded;
+    ``torn`` says the last line was cut off (``torn_sidecar``: where it was set aside);
+    ``moved_aside`` is where a file with an invalid header went (then ``started_fresh``).
+    """
+
+    path: Path | None = None
+    entries: int = 0
+    bad_lines: int = 0
+    bad_line_numbers: tuple[int, ...] = ()
+    damaged_entry_ids: tuple[str, ...] = ()
+    torn: bool = False
+    torn_sidecar: Path | None = None
+    moved_aside: Path | None = None
+    started_fresh: bool = True
+
+    @property
+    def clean(self) -> bool:
+        return not (self.bad_lines or self.torn or self.moved_aside)
+
+
+class SessionStore(Protocol):
+    """Where a session's entries live; `Session` talks to nothing else."""
+
+    lock: threading.RLock
+    key: str
+
+    @property
+    def path(self) -> Path | None: ...
+    @property
+    def header(self) -> SessionHeader: ...
+    @property
+    def tree(self) -> SessionTree: ...
+    @property
+    def report(self) -> LoadReport: ...
+    @property
+    def on_disk(self) -> bool: ...
+    @property
+    def persisted(self) -> bool: ...
+    def append(self, factory: EntryFactory[E]) -> E: ...
+    def create_with(self, entries: Sequence[Entry]) -> None: ...
+    def refresh(self) -> None: ...
+    def flush(self) -> None: ...
+    def archive(self) -> Path | None: ...
+    def delete(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+# -- low-level file helpers ---------------------------------------------------------
+
+
+def _pread_from(fd: int, offset: int, size: int) -> bytes:
+    """Bytes from ``offset`` to the end; ``size`` is the file size last seen (a hint)."""
+    parts: list[bytes] = []
+    while True:
+        want = max(size - offset, 0) + 65536
+        chunk = os.pread(fd, want, offset)
+        parts.append(chunk)
+        offset += len(chunk)
+        if len(chunk) < want:  # short read: we are at the end
+            break
+    return b"".join(parts)
+
+
+def _decode_lines(data: bytes) -> list[str]:
+    try:
+        return data.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        out: list[str] = []
+        for raw in data.split(b"\n"):
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append("\0not utf-8")  # parses as nothing: counted as a bad line
+        return out
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a created/renamed/removed name durable (best effort where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _timestamp_tag() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+
+
+def _free_name(path: Path) -> Path:
+    """``path`` itself, or with ``-1``, ``-2``… added: a name that does not exist yet."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class _FileHandle:
+    """An open session file: its descriptor, identity, and what is not fsynced yet."""
+
+    __slots__ = ("_closed", "_lock", "_synced", "dev", "fd", "ino", "written")
+
+    def __init__(self, fd: int) -> None:
+        st = os.fstat(fd)
+        self.fd = fd
+        self.dev, self.ino = st.st_dev, st.st_ino
+        self.written = 0  # writes so far (bumped under the store lock)
+        self._synced = 0  # writes covered by an fsync
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __del__(self) -> None:
+        # A store dropped from every cache closes its file when collected.
+        if not self._closed:
+            self._closed = True
+            _close_quietly(self.fd)
+
+    @property
+    def dirty(self) -> bool:
+        return self.written != self._synced
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def sync(self) -> None:
+        with self._lock:
+            if self._closed or self.written == self._synced:
+                return
+            target = self.written
+            _datasync(self.fd)
+            self._synced = max(self._synced, target)
+
+    def close(self, *, sync: bool) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if sync and self.written != self._synced:
+                    _datasync(self.fd)
+                    self._synced = self.written
+            finally:
+                _close_quietly(self.fd)
+
+
+class _Pending:
+    __slots__ = ("done", "error", "handle")
+
+    def __init__(self, handle: _FileHandle) -> None:
+        self.handle = handle
+        self.done = False
+        self.error: OSError | None = None
+
+
+class GroupCommitter:
+    """Group commit for ``fsync="batch"``: one fsync round covers every append that was
+    waiting when it started, across all sessions of the process.
+
+    Appenders write first, then call `commit`; the first waiter becomes the leader,
+    takes the whole queue, fsyncs each file in it once and wakes everyone; appends that
+    arrive meanwhile form the next round. `commit` returns only when the caller's
+    bytes are on disk (or raises if their file's fsync failed).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: list[_Pending] = []
+        self._leader_busy = False
+        self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
+
+    def commit(self, handle: _FileHandle) -> None:
+        request = _Pending(handle)
+        with self._cond:
+            self._queue.append(request)
+            while not request.done:
+                if self._leader_busy:
+                    self._cond.wait()
+                    continue
+                self._leader_busy = True
+                batch, self._queue = self._queue, []
+                errors: dict[int, OSError] = {}
+                self._cond.release()
+                try:
+                    for h in {id(p.handle): p.handle for p in batch}.values():
+                        try:
+                            h.sync()
+                        except OSError as exc:
+                            errors[id(h)] = exc
+                finally:
+                    self._cond.acquire()
+                    for p in batch:
+                        p.error = errors.get(id(p.handle))
+                        p.done = True
+                    self.rounds += 1
+                    self._leader_busy = False
+                    self._cond.notify_all()
+        if request.error is not None:
+            raise SessionError(
+                f"the session entry was written but could not be fsynced: "
+                f"{request.error.strerror}; check the disk"
+            )
+
+
+DEFAULT_COMMITTER = GroupCommitter()
+
+
+# -- the file store ------------------------------------------------------------------
+
+
+class FileSessionStore:
+    """The JSONL file of one session key; all methods hold ``lock`` (reentrant)."""
+
+    def __init__(
+        self,
+        path: Path,
+        key: str,
+        *,
+        fsync: FsyncPolicy = "batch",
+        committer: GroupCommitter | None = None,
+        header: SessionHeader | None = None,
+    ) -> None:
+        self.lock = threading.RLock()
+        self.key = key
+        self._path = path
+        self._policy = fsync
+        self._committer = committer or DEFAULT_COMMITTER
+        self._handle: _FileHandle | None = None
+        self._ident: tuple[int, int] | None = None  # (dev, ino) of the file the tree reflects
+        self._dir_dirty = False  # a name was created but the folder is not fsynced
+        self._bad_lines: list[int] = []
+        self._torn_sidecar: Path | None = None
+        self._moved_aside: Path | None = None
+        self._start_fresh(header=header)
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def _log(self) -> Logger:
+        return logger.bind(session_key=self.key)
+
+    def _start_fresh(
+        self, *, header: SessionHeader | None = None, previous_session: str | None = None
+    ) -> None:
+        """Forget the file: an empty tree under a new (not yet written) header."""
+        self._header_value = header  # made on first use: a load replaces it anyway
+        self._previous_session = previous_session
+        self._tree = SessionTree(self.key, str(self._path))
+        self._size = 0  # bytes of the file reflected in the tree
+        self._seen_size = 0  # file size at the last sync (> _size: a torn tail)
+        self._next_lineno = 1
+        self._unterminated = False  # the last consumed line has no newline yet
+        self._torn = False
+        self._on_disk = False
+        self._ident = None
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def header(self) -> SessionHeader:
+        return self._header
+
+    @property
+    def _header(self) -> SessionHeader:
+        if self._header_value is None:
+            self._header_value = new_header(self.key, previous_session=self._previous_session)
+        return self._header_value
+
+    @property
+    def tree(self) -> SessionTree:
+        return self._tree
+
+    @property
+    def on_disk(self) -> bool:
+        return self._on_disk
+
+    @property
+    def persisted(self) -> bool:
+        """True once the session has a file (its entries survive this process)."""
+        return self._on_disk
+
+    @property
+    def report(self) -> LoadReport:
+        damaged = tuple(self._tree.damaged)
+        return LoadReport(
+            path=self._path,
+            entries=len(self._tree),
+            bad_lines=len(self._bad_lines) + len(damaged),
+            bad_line_numbers=tuple(self._bad_lines),
+            damaged_entry_ids=damaged,
+            torn=self._torn or self._torn_sidecar is not None,
+            torn_sidecar=self._torn_sidecar,
+            moved_aside=self._moved_aside,
+            started_fresh=not self._on_disk,
+        )
+
+    # -- syncing with the file ----------------------------------------------------------
+
+    def _close_handle(self) -> None:
+        if self._handle is not None:
+            self._handle.close(sync=self._policy != "never")
+            self._handle = None
+
+    def _current_size(self, handle: _FileHandle) -> int | None:
+        """Size of the file at our path if it is still ``handle``'s file, else None."""
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return None
+        if st.st_ino != handle.ino or st.st_dev != handle.dev:
+            return None
+        return st.st_size
+
+    def _vanished(self) -> None:
+        """Our file is gone from the path (reset or deleted elsewhere): start over."""
+        self._close_handle()
+        if self._on_disk:
+            self._log.info("session file {} was replaced or removed; reloading", self._path)
+            self._start_fresh(previous_session=self._header.id)
+
+    def _acquire_current(self) -> _FileHandle | None:
+        """Lock (EX) the file now at our path and sync the tree with it.
+
+        Returns the locked handle (the caller unlocks), or None when the path holds no
+        file. Handles files replaced underneath and moves aside a file with a bad header.
+        """
+        for _ in range(_MAX_ATTEMPTS):
+            handle = self._handle
+            if handle is None:
+                try:
+                    fd = os.open(self._path, _OPEN_FLAGS)
+                except FileNotFoundError:
+                    self._vanished()
+                    return None
+                except OSError as exc:
+                    raise SessionError(
+                        f"cannot open session file {self._path}: {exc.strerror}"
+                    ) from None
+                handle = self._handle = _FileHandle(fd)
+            fcntl.flock(handle.fd, fcntl.LOCK_EX)
+            ok = False
+            try:
+                size = self._current_size(handle)
+                if size is not None and self._sync_locked(handle, size):
+                    ok = True
+                    return handle
+            finally:
+                if not ok:
+                    fcntl.flock(handle.fd, fcntl.LOCK_UN)
+            if self._handle is handle:
+                self._vanished()
+        raise SessionError(f"session file {self._path} keeps changing; try again")
+
+    def _sync_locked(self, handle: _FileHandle, size: int) -> bool:
+        """Apply bytes other writers appended (the file is ``size`` bytes now, and we
+        hold its lock). False if the file was moved aside."""
+        if (
+            self._ident != (handle.dev, handle.ino)
+            or size < self._size
+            or (self._size == 0 and size > 0)
+        ):
+            return self._load_whole(handle, size)  # another file, or rewritten: read it all
+        if size == self._seen_size:
+            return True
+        data = _pread_from(handle.fd, self._size, size)
+        lines = _decode_lines(data)
+        tail = lines.pop()
+        if self._unterminated and lines:
+            # The writer that ended our last line put a newline first; anything else
+            # glued onto that line is garbage.
+            if lines[0].strip():
+                self._bad_lines.append(self._next_lineno - 1)
+            lines = lines[1:]
+            self._unterminated = False
+        if lines:
+            bad = self._tree.ingest_lines(lines, self._next_lineno)
+            self._note_bad(bad)
+            self._next_lineno += len(lines)
+        tail_bytes = len(data) - (data.rfind(b"\n") + 1)
+        self._size += len(data) - tail_bytes
+        self._seen_size = self._size + tail_bytes
+        self._torn = False  # a torn tail seen before may have been repaired by another writer
+        if tail_bytes:
+            self._take_tail(tail)
+        return True
+
+    def _load_whole(self, handle: _FileHandle, size: int) -> bool:
+        data = _pread_from(handle.fd, 0, size)
+        if not data:  # an empty file counts as no session yet; we write the header
+            if self._on_disk:
+                self._start_fresh(previous_session=self._header.id)
+            self._ident = (handle.dev, handle.ino)
+            return True
+        lines = _decode_lines(data)
+        tail = lines.pop()
+        first = lines[0] if lines else tail
+        try:
+            header = entry_from_dict(json.loads(first))
+            if not isinstance(header, SessionHeader):
+                raise SessionError(f"first line is a {header.type} entry, not a header")
+        except UnsupportedVersionError as exc:
+            raise UnsupportedVersionError(f"{self._path}: {exc}") from None
+        except (ValueError, SessionError) as exc:
+            self._move_aside(handle, str(exc))
+            return False
+        if header.key != self.key:
+            self._log.warning(
+                "session file {} names key {!r} in its header; using {!r} from its file name",
+                self._path,
+                header.key,
+                self.key,
+            )
+        self._start_fresh(header=header)
+        self._bad_lines = []
+        self._torn_sidecar = None
+        self._on_disk = True
+        self._ident = (handle.dev, handle.ino)
+        tail_bytes = len(data) - (data.rfind(b"\n") + 1)
+        if not lines:  # a header without its newline
+            self._size = self._seen_size = len(data)
+            self._unterminated = True
+            self._next_lineno = 2
+            return True
+        body = lines[1:]
+        self._note_bad(self._tree.ingest_lines(body, 2))
+        self._next_lineno = 2 + len(body)
+        self._size = len(data) - tail_bytes
+        self._seen_size = len(data)
+        if tail_bytes:
+            self._take_tail(tail)
+        return True
+
+    def _take_tail(self, tail: str) -> None:
+        """A last line without newline: a complete entry (keep it) or torn (set aside later)."""
+        tail_bytes = self._seen_size - self._size
+        try:
+            entry = entry_from_dict(json.loads(tail))
+            if isinstance(entry, SessionHeader):
+                raise SessionError("a second header")
+            self._tree.add(entry)
+        except (ValueError, SessionError):
+            self._torn = True
+            self._log.warning(
+                "session file {}: the last line ({} bytes) is incomplete, probably cut off "
+                "by a crash; it is ignored and will be moved to a sidecar file before the "
+                "next append",
+                self._path,
+                tail_bytes,
+            )
+            return
+        self._size = self._seen_size
+        self._next_lineno += 1
+        self._unterminated = True
+        self._torn = False
+
+    def _note_bad(self, bad: list[int]) -> None:
+        if bad:
+            self._bad_lines.extend(bad)
+            shown = ", ".join(map(str, bad[:20])) + (" …" if len(bad) > 20 else "")
+            self._log.warning(
+                "session file {}: skipped {} unreadable line(s): {}", self._path, len(bad), shown
+            )
+
+    def _move_aside(self, handle: _FileHandle, reason: str) -> None:
+        """Rename a file whose header is invalid; never overwrite, never delete it."""
+        target = _free_name(self._path.with_name(f"{self._path.name}.corrupt-{_timestamp_tag()}"))
+        try:
+            os.rename(self._path, target)
+        except OSError as exc:
+            raise SessionError(
+                f"session file {self._path} has no valid header ({reason}) and could not be "
+                f"moved aside: {exc.strerror}; move it away by hand"
+            ) from None
+        if self._policy != "never":
+            fsync_dir(self._path.parent)
+        self._log.error(
+            "session file {} has no valid header ({}); moved it to {} and started a new "
+            "session for this key",
+            self._path,
+            reason,
+            target.name,
+        )
+        self._start_fresh()
+        self._bad_lines = []
+        self._moved_aside = target
+
+    def _repair_torn(self, handle: _FileHandle) -> None:
+        """Copy the torn tail to ``<file>.torn-<time>``, then cut the file back to it."""
+        fragment = os.pread(handle.fd, self._seen_size - self._size, self._size)
+        sidecar = _free_name(self._path.with_name(f"{self._path.name}.torn-{_timestamp_tag()}"))
+        try:
+            fd = os.open(sidecar, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            try:
+                if os.write(fd, fragment) != len(fragment):
+                    raise OSError(errno.ENOSPC, "short write")
+                if self._policy != "never":
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.ftruncate(handle.fd, self._size)
+            if self._policy != "never":
+                _datasync(handle.fd)
+                fsync_dir(self._path.parent)
+        except OSError as exc:
+            raise SessionError(
+                f"session file {self._path} ends with a torn line that could not be set "
+                f"aside ({exc.strerror}); not appending so nothing is glued to it"
+            ) from None
+        self._seen_size = self._size
+        self._torn = False
+        self._torn_sidecar = sidecar
+        self._log.warning(
+            "session file {}: moved the {}-byte torn last line to {}",
+            self._path,
+            len(fragment),
+            sidecar.name,
+        )
+
+    # -- public operations ----------------------------------------------------------------
+
+    def load(self) -> None:
+        """Read the file (if any) into the tree; a missing file means a fresh session."""
+        with self.lock:
+            handle = self._acquire_current()
+            if handle is not None:
+                fcntl.flock(handle.fd, fcntl.LOCK_UN)
+
+    def refresh(self) -> None:
+        """Pick up other writers' changes; costs one ``stat`` when nothing changed."""
+        with self.lock:
+            try:
+                st = os.stat(self._path)
+            except FileNotFoundError:
+                self._vanished()
+                return
+            except OSError:
+                return
+            handle = self._handle
+            if (
+                handle is not None
+                and (st.st_dev, st.st_ino) == (handle.dev, handle.ino)
+                and st.st_size == self._seen_size
+            ):
+                return
+            handle = self._acquire_current()
+            if handle is not None:
+                fcntl.flock(handle.fd, fcntl.LOCK_UN)
+
+    def append(self, factory: EntryFactory[E]) -> E:
+        """Append one entry built by ``factory`` under the locks; return it once durable."""
+        with self.lock:
+            entry, handle = self._append_locked(factory)
+        if self._policy == "batch":
+            self._committer.commit(handle)
+        return entry
+
+    def _append_locked(self, factory: EntryFactory[E]) -> tuple[E, _FileHandle]:
+        for _ in range(_MAX_ATTEMPTS):
+            handle = self._acquire_current()
+            if handle is None:
+                entry = build_entry(self._tree, factory)
+                data = (encode_line(self._header) + encode_line(entry)).encode()
+                if self._create_file(data):
+                    self._tree.add(entry)
+                    assert self._handle is not None
+                    return entry, self._handle
+                continue  # another writer created it first: adopt that file
+            try:
+                if self._torn:
+                    self._repair_torn(handle)
+                entry = build_entry(self._tree, factory)
+                line = encode_line(entry)
+                if self._size == 0:  # an empty file: our header goes first
+                    line = encode_line(self._header) + line
+                elif self._unterminated:
+                    line = "\n" + line
+                self._write(handle, line.encode())
+                self._tree.add(entry)
+                self._on_disk = True
+                self._unterminated = False
+            finally:
+                fcntl.flock(handle.fd, fcntl.LOCK_UN)
+            if self._policy == "always":
+                self._sync_now(handle)
+            return entry, handle
+        raise SessionError(f"session file {self._path} keeps changing; try again")
+
+    def _write(self, handle: _FileHandle, data: bytes) -> None:
+        try:
+            written = os.write(handle.fd, data)
+        except OSError as exc:
+            self._truncate_quietly(handle)
+            raise SessionError(
+                f"could not append to session file {self._path}: {exc.strerror}; "
+                "check free disk space and permissions"
+            ) from None
+        if written != len(data):
+            self._truncate_quietly(handle)
+            raise SessionError(
+                f"could not append to session file {self._path}: short write "
+                f"({written} of {len(data)} bytes); check free disk space"
+            )
+        handle.written += 1
+        self._size += written
+        self._seen_size = self._size
+        self._next_lineno += data.count(b"\n")
+
+    def _truncate_quietly(self, handle: _FileHandle) -> None:
+        try:
+            os.ftruncate(handle.fd, self._size)
+        except OSError:
+            pass
+
+    def _sync_now(self, handle: _FileHandle) -> None:
+        try:
+            handle.sync()
+        except OSError as exc:
+            raise SessionError(
+                f"the session entry was written but could not be fsynced: {exc.strerror}"
+            ) from None
+
+    def _create_file(self, data: bytes) -> bool:
+        """Create the file holding ``data`` (header first); False if it already exists.
+
+        ``O_EXCL`` create, then write under the lock. Until the write lands the file is
+        empty, which every reader treats as "no session yet"; a writer that took the
+        lock first has written its own header, so we back off and adopt its file. A
+        crash in between leaves an empty file, which the next append fills.
+        """
+        try:
+            fd = os.open(self._path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise SessionError(
+                f"could not create session file {self._path}: {exc.strerror}"
+            ) from None
+        handle = _FileHandle(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.fstat(fd).st_size:
+                handle.close(sync=False)
+                return False
+            try:
+                written = os.write(fd, data)
+                if written != len(data):
+                    raise OSError(errno.ENOSPC, "short write")
+                if self._policy != "never":
+                    _datasync(fd)
+            except OSError as exc:
+                try:
+                    os.ftruncate(fd, 0)  # back to "no session yet"
+                except OSError:
+                    pass
+                handle.close(sync=False)
+                raise SessionError(
+                    f"could not write session file {self._path}: {exc.strerror}; "
+                    "check free disk space"
+                ) from None
+        finally:
+            if not handle.closed:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        if self._policy == "never":
+            handle.written += 1  # not fsynced yet: flush() will
+        self._adopt_new_file(handle, len(data), data.count(b"\n"))
+        return True
+
+    def _adopt_new_file(self, handle: _FileHandle, size: int, lines: int) -> None:
+        self._close_handle()
+        self._handle = handle
+        self._ident = (handle.dev, handle.ino)
+        self._size = self._seen_size = size
+        self._next_lineno = lines + 1
+        self._unterminated = False
+        self._torn = False
+        self._on_disk = True
+        if self._policy != "never":
+            fsync_dir(self._path.parent)
+        else:
+            self._dir_dirty = True
+
+    def create_with(self, entries: Sequence[Entry]) -> None:
+        """Write a new file holding the header and ``entries`` (a fork's copied branch)."""
+        with self.lock:
+            if self._on_disk or self._path.exists():
+                raise SessionExistsError(f"a session already exists at {self._path}")
+            if not entries:
+                return  # like any session: the file appears with the first entry
+            data = "".join([encode_line(self._header), *map(encode_line, entries)]).encode()
+            if not self._create_file(data):
+                raise SessionExistsError(f"a session already exists at {self._path}")
+            for entry in entries:
+                self._tree.add(entry)
+
+    def flush(self) -> None:
+        """Under ``fsync="never"`` fsync now; otherwise every append already was."""
+        with self.lock:
+            if self._policy != "never":
+                return
+            if self._handle is not None:
+                self._sync_now(self._handle)
+            if self._dir_dirty:
+                fsync_dir(self._path.parent)
+                self._dir_dirty = False
+
+    def archive(self) -> Path | None:
+        """Move the current file to ``archive/<stem>/<time>-<session id>.jsonl`` and start
+        a fresh session whose header will name the old one as ``previous_session``.
+
+        Done under the file lock, so no other writer appends half-way through.
+        """
+        with self.lock:
+            handle = self._acquire_current()
+            if handle is None:  # nothing on disk: just a new session id
+                self._start_fresh(previous_session=self._header.previous_session)
+                return None
+            old_id = self._header.id
+            try:
+                stem = self._path.name[: -len(SUFFIX)]
+                archive = self._path.parent / "archive"
+                archive.mkdir(mode=DIR_MODE, exist_ok=True)
+                folder = archive / stem
+                folder.mkdir(mode=DIR_MODE, exist_ok=True)
+                target = _free_name(folder / f"{_timestamp_tag()}-{old_id}{SUFFIX}")
+                os.rename(self._path, target)
+                if self._policy != "never":
+                    fsync_dir(folder)
+                    fsync_dir(self._path.parent)
+            except OSError as exc:
+                raise SessionError(
+                    f"could not archive session file {self._path}: {exc.strerror}"
+                ) from None
+            finally:
+                fcntl.flock(handle.fd, fcntl.LOCK_UN)
+            self._close_handle()
+            self._start_fresh(previous_session=old_id)
+            self._log.info("archived session {} to {}", old_id, target)
+            return target
+
+    def delete(self) -> bool:
+        """Remove the current file (under its lock); the store starts fresh."""
+        with self.lock:
+            handle = self._acquire_current()
+            removed = False
+            if handle is not None:
+                try:
+                    os.unlink(self._path)
+                    removed = True
+                    if self._policy != "never":
+                        fsync_dir(self._path.parent)
+                finally:
+                    fcntl.flock(handle.fd, fcntl.LOCK_UN)
+                self._handle = None
+                handle.close(sync=False)
+            self._start_fresh()
+            return removed
+
+    def close(self) -> None:
+        """Close the descriptor (fsyncing unless ``never``); the next use reopens it."""
+        with self.lock:
+            self._close_handle()
+
+
+class MemorySessionStore:
+    """The same contract with no disk at all (tests, ephemeral sessions)."""
+
+    def __init__(self, key: str, *, header: SessionHeader | None = None) -> None:
+        self.lock = threading.RLock()
+        self.key = key
+        self._header = header or new_header(key)
+        self._tree = SessionTree(key)
+
+    @property
+    def path(self) -> None:
+        return None
+
+    @property
+    def header(self) -> SessionHeader:
+        return self._header
+
+    @property
+    def tree(self) -> SessionTree:
+        return self._tree
+
+    @property
+    def on_disk(self) -> bool:
+        return False
+
+    @property
+    def persisted(self) -> bool:
+        """True once an entry was added (the in-memory stand-in for "has a file")."""
+        return len(self._tree) > 0
+
+    @property
+    def report(self) -> LoadReport:
+        return LoadReport(entries=len(self._tree))
+
+    def append(self, factory: EntryFactory[E]) -> E:
+        with self.lock:
+            entry = build_entry(self._tree, factory)
+            encode_line(entry)  # same JSON rules as on disk
+            self._tree.add(entry)
+            return entry
+
+    def create_with(self, entries: Sequence[Entry]) -> None:
+        with self.lock:
+            if len(self._tree):
+                raise SessionExistsError(f"a session already exists for key {self.key!r}")
+            for entry in entries:
+                self._tree.add(entry)
+
+    def refresh(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def archive(self) -> None:
+        with self.lock:
+            previous = self._header.id if len(self._tree) else None
+            self._header = new_header(self.key, previous_session=previous)
+            self._tree = SessionTree(self.key)
+
+    def delete(self) -> bool:
+        with self.lock:
+            had = len(self._tree) > 0
+            self._header = new_header(self.key)
+            self._tree = SessionTree(self.key)
+            return had
