@@ -1,0 +1,550 @@
+"""The OpenAI-compatible LLM provider (OpenAI, Ollama, vLLM, llama.cpp, ...) on `openai`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+from urllib.parse import urlsplit
+
+import openai
+from loguru import logger
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessageParam,
+    ChatCompletionToolChoiceOptionParam,
+    ChatCompletionToolUnionParam,
+)
+from openai.types.completion_usage import CompletionUsage
+
+from gateway.llm.types import (
+    LLMConfigError,
+    LLMError,
+    LLMMessage,
+    LLMResponse,
+    StreamDelta,
+    TokenUsage,
+    ToolCall,
+    ToolSpec,
+)
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+# Sent when a local server needs no key: the client insists on one, servers ignore it.
+PLACEHOLDER_API_KEY = "not-needed"
+
+MISSING_KEY_MESSAGE = (
+    "No LLM API key: set OPENAI_API_KEY (or GATEWAY_LLM__API_KEY_FILE), or point "
+    "OPENAI_BASE_URL at a local OpenAI-compatible server "
+    "(Ollama: http://127.0.0.1:11434/v1, vLLM, llama.cpp)"
+)
+
+# Hosts of the hosted OpenAI APIs, which always need a key.
+_KEYED_HOST_SUFFIXES = ("openai.com", "openai.azure.com")
+_NAME_FORBIDDEN = re.compile(r"[^a-zA-Z0-9_-]")
+_SECRET_LIKE = re.compile(r"\bsk-[^\s\"',.]+")
+
+
+# -- configuration policy -----------------------------------------------------------------
+
+
+def api_key_required(base_url: str | None) -> bool:
+    """Whether calls to `base_url` need an API key: only the hosted OpenAI APIs do.
+
+    A local server (localhost, 127.x, ::1, *.local) or any other explicitly configured
+    OpenAI-compatible server is assumed to work without one.
+    """
+    if not base_url:
+        return True
+    host = (urlsplit(base_url.strip()).hostname or "").lower()
+    return any(host == suffix or host.endswith("." + suffix) for suffix in _KEYED_HOST_SUFFIXES)
+
+
+def check_credentials(base_url: str | None, api_key: str | None) -> None:
+    """Raise `LLMConfigError` saying what to set when no call could possibly succeed."""
+    if base_url is not None:
+        parts = urlsplit(base_url.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise LLMConfigError(
+                "OPENAI_BASE_URL must be an http(s) URL such as https://api.openai.com/v1 "
+                "or http://127.0.0.1:11434/v1 (Ollama)",
+                user_message="The gateway's model server address is misconfigured.",
+            )
+    if (api_key is None or not api_key.strip()) and api_key_required(base_url):
+        raise LLMConfigError(
+            MISSING_KEY_MESSAGE,
+            user_message="The gateway has no API key for its language model yet.",
+        )
+
+
+# -- message conversion (pure) ------------------------------------------------------------
+
+
+def to_openai_message(message: LLMMessage) -> dict[str, Any]:
+    """One `LLMMessage` as an OpenAI chat message dict.
+
+    Tool arguments become JSON strings; arguments kept as ``{"_raw": text}`` (because the
+    model sent malformed JSON) are sent back verbatim. A `name` is reduced to the
+    characters the API accepts, and dropped on tool messages, which take none.
+    """
+    result: dict[str, Any] = {"role": message.role}
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise LLMError(
+                "a tool message has no tool_call_id; cannot send it to the model",
+                user_message="The gateway built an invalid request for the model.",
+            )
+        result["tool_call_id"] = message.tool_call_id
+        result["content"] = message.content or ""
+        return result
+    if message.role == "assistant" and message.tool_calls:
+        result["content"] = message.content
+        result["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function_name, "arguments": encode_arguments(call)},
+            }
+            for call in message.tool_calls
+        ]
+    else:
+        result["content"] = message.content or ""
+    name = _api_name(message.name)
+    if name:
+        result["name"] = name
+    return result
+
+
+def _api_name(name: str | None) -> str | None:
+    """`name` as the API accepts it (``^[a-zA-Z0-9_-]{1,64}$``), or None."""
+    if not name:
+        return None
+    cleaned = _NAME_FORBIDDEN.sub("_", name)[:64]
+    return cleaned if cleaned.strip("_") else None
+
+
+def encode_arguments(call: ToolCall) -> str:
+    """A tool call's arguments as the JSON string the API carries."""
+    if set(call.arguments) == {"_raw"} and isinstance(call.arguments["_raw"], str):
+        return call.arguments["_raw"]
+    return json.dumps(call.arguments, ensure_ascii=False)
+
+
+def decode_arguments(raw: str | None) -> dict[str, Any]:
+    """A tool call's JSON arguments as a dict; anything else is kept as ``{"_raw": raw}``."""
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        decoded = json.loads(raw)
+    except ValueError:
+        return {"_raw": raw}
+    return decoded if isinstance(decoded, dict) else {"_raw": raw}
+
+
+def to_openai_tool(spec: ToolSpec) -> dict[str, Any]:
+    """A `ToolSpec` as an OpenAI function tool."""
+    return {
+        "type": "function",
+        "function": {
+            "name": spec.name,
+            "description": spec.description,
+            "parameters": spec.parameters,
+        },
+    }
+
+
+def display_url(base_url: str) -> str:
+    """`base_url` without any user:password part or query, fit for logs and errors."""
+    parts = urlsplit(base_url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def _new_call_id() -> str:
+    # Some local servers omit tool call ids; the transcript needs one to pair results.
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _token_usage(usage: CompletionUsage | None) -> TokenUsage | None:
+    if usage is None:
+        return None
+    return TokenUsage(
+        prompt_tokens=usage.prompt_tokens or 0,
+        completion_tokens=usage.completion_tokens or 0,
+        total_tokens=usage.total_tokens or 0,
+    )
+
+
+def response_from_completion(completion: ChatCompletion, requested_model: str) -> LLMResponse:
+    """An `LLMResponse` from a non-streamed completion (its first choice)."""
+    choice = completion.choices[0]
+    calls = tuple(
+        ToolCall(
+            id=call.id or _new_call_id(),
+            function_name=call.function.name,
+            arguments=decode_arguments(call.function.arguments),
+        )
+        for call in choice.message.tool_calls or ()
+        if call.type == "function"
+    )
+    answered_by = completion.model or requested_model
+    content = choice.message.content
+    message = LLMMessage(
+        role="assistant",
+        content="" if content is None and not calls else content,
+        tool_calls=calls,
+        usage=_token_usage(completion.usage),
+        model=answered_by,
+    )
+    return LLMResponse(message=message, model=answered_by, finish_reason=choice.finish_reason)
+
+
+@dataclass(slots=True)
+class _PartialCall:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamAssembly:
+    """Collects the chunks of one streamed completion into the final `LLMResponse`.
+
+    Tool-call deltas are merged by their `index`: the first delta of a call carries its
+    id and name, later ones append argument text.
+    """
+
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, _PartialCall] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: TokenUsage | None = None
+    model: str | None = None
+
+    def add(self, chunk: ChatCompletionChunk) -> str:
+        """Take one chunk in; return its text increment ("" if none)."""
+        self.model = chunk.model or self.model
+        if chunk.usage is not None:
+            self.usage = _token_usage(chunk.usage)
+        increment = ""
+        for choice in chunk.choices:
+            if choice.index != 0:
+                continue
+            if choice.finish_reason:
+                self.finish_reason = choice.finish_reason
+            delta = choice.delta
+            if delta.content:
+                increment += delta.content
+            for position, call_delta in enumerate(delta.tool_calls or ()):
+                index = getattr(call_delta, "index", None)
+                partial = self.calls.setdefault(
+                    position if index is None else index, _PartialCall()
+                )
+                if call_delta.id:
+                    partial.id = call_delta.id
+                function = call_delta.function
+                if function is not None:
+                    partial.name += function.name or ""
+                    if function.arguments:
+                        partial.arguments.append(function.arguments)
+        if increment:
+            self.text.append(increment)
+        return increment
+
+    def response(self, requested_model: str) -> LLMResponse:
+        calls = tuple(
+            ToolCall(
+                id=partial.id or _new_call_id(),
+                function_name=partial.name,
+                arguments=decode_arguments("".join(partial.arguments)),
+            )
+            for _, partial in sorted(self.calls.items())
+        )
+        answered_by = self.model or requested_model
+        text = "".join(self.text)
+        message = LLMMessage(
+            role="assistant",
+            content=text if text or not calls else None,
+            tool_calls=calls,
+            usage=self.usage,
+            model=answered_by,
+        )
+        return LLMResponse(message=message, model=answered_by, finish_reason=self.finish_reason)
+
+
+# -- failures -----------------------------------------------------------------------------
+
+FailureKind = Literal[
+    "auth", "denied", "bad_request", "not_found", "rate_limited", "timeout", "unavailable"
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFailure:
+    """Why one model could not answer, and whether another model might."""
+
+    model: str
+    kind: FailureKind
+    detail: str
+    status: int | None = None
+    code: str | None = None
+
+    @property
+    def try_next_model(self) -> bool:
+        # A rejected key or a malformed request fails the same way on every model.
+        return self.kind not in ("auth", "denied", "bad_request")
+
+
+def classify_failure(exc: openai.APIError, model: str, base_url: str) -> ModelFailure:
+    """A `ModelFailure` for an error the openai client raised after its own retries."""
+    if isinstance(exc, openai.APITimeoutError):
+        return ModelFailure(model, "timeout", f"model {model!r}: no answer in time ({base_url})")
+    if isinstance(exc, openai.APIConnectionError):
+        cause = exc.__cause__ or exc
+        return ModelFailure(
+            model, "unavailable", f"model {model!r}: cannot reach {base_url}: {cause}"
+        )
+    if isinstance(exc, openai.APIStatusError):
+        status = exc.status_code
+        code = exc.code
+        detail = f"model {model!r}: HTTP {status} from {base_url}"
+        if code:
+            detail += f" ({code})"
+        detail += f": {exc.message}"
+        kind: FailureKind
+        if status == 401:
+            kind = "auth"
+        elif status == 403:
+            kind = "denied"
+        elif status == 404:
+            kind = "not_found"
+            detail += " (check the model name, and that the base URL ends in /v1)"
+        elif status == 429:
+            kind = "rate_limited"
+        elif status in (408, 409) or status >= 500:
+            kind = "unavailable"
+        else:
+            kind = "bad_request"
+        return ModelFailure(model, kind, detail, status=status, code=code)
+    # An error event inside a stream, or an unparseable response.
+    return ModelFailure(model, "unavailable", f"model {model!r}: {exc.message}")
+
+
+_USER_MESSAGES: dict[FailureKind, str] = {
+    "auth": (
+        "The gateway's API key for the language model was rejected. "
+        "The operator should check OPENAI_API_KEY."
+    ),
+    "denied": (
+        "The gateway's API key is not allowed to use this model. "
+        "The operator should check the model name and the account's access."
+    ),
+    "bad_request": "The model could not process this request. The operator can see why in the log.",
+    "not_found": (
+        "The configured model does not exist on the model server. "
+        "The operator should check the model name."
+    ),
+    "rate_limited": "The model is busy right now. Please try again in a minute.",
+    "timeout": "The model took too long to answer. Please try again.",
+    "unavailable": "The model is not answering right now. Please try again.",
+}
+_CONTEXT_TOO_LONG = "This conversation is too long for the model. Start a new one with /new."
+
+
+def error_for_failures(failures: Sequence[ModelFailure]) -> LLMError:
+    """The `LLMError` to raise once no model is left to try.
+
+    The user message names the common cause when every model failed the same way.
+    """
+    detail = "LLM request failed: " + "; ".join(f.detail for f in failures)
+    kinds = {f.kind for f in failures}
+    kind: FailureKind = kinds.pop() if len(kinds) == 1 else "unavailable"
+    user_message = _USER_MESSAGES[kind]
+    if kind == "bad_request" and any(f.code == "context_length_exceeded" for f in failures):
+        user_message = _CONTEXT_TOO_LONG
+    error_class = LLMConfigError if kind in ("auth", "denied", "not_found") else LLMError
+    return error_class(detail, user_message=user_message)
+
+
+# -- the provider -------------------------------------------------------------------------
+
+
+class OpenAIProvider:
+    """`LLMProvider` for any server speaking OpenAI's chat completions API.
+
+    Each model gets the openai client's own retries (429, 5xx, timeouts, connection
+    errors; backoff honouring ``retry-after``). When a model still fails and another
+    model could succeed, the next fallback model is tried, in order. Errors say which
+    model failed and why; they never contain the API key.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None,
+        api_key: str | None,
+        model: str,
+        fallback_models: Sequence[str] = (),
+        timeout: float = 60.0,
+        max_retries: int = 2,
+        default_temperature: float | None = None,
+        default_max_tokens: int | None = None,
+    ) -> None:
+        check_credentials(base_url, api_key)
+        if not model.strip():
+            raise LLMConfigError(
+                "No LLM model name configured",
+                user_message="The gateway has no language model configured.",
+            )
+        self.base_url = base_url.strip() if base_url else DEFAULT_BASE_URL
+        self._display_url = display_url(self.base_url)
+        self.model = model
+        self.fallback_models = tuple(m for m in dict.fromkeys(fallback_models) if m and m != model)
+        self.default_temperature = default_temperature
+        self.default_max_tokens = default_max_tokens
+        key = api_key.strip() if api_key and api_key.strip() else PLACEHOLDER_API_KEY
+        self._secret = key
+        # base_url is always passed, so OPENAI_BASE_URL in the environment cannot make the
+        # client talk to a server other than the one check_credentials approved.
+        self._client = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=key, timeout=timeout, max_retries=max_retries
+        )
+
+    def candidate_models(self, model: str | None = None) -> list[str]:
+        """The models to try in order: the requested (or configured) one, then fallbacks."""
+        return list(dict.fromkeys((model or self.model, self.model, *self.fallback_models)))
+
+    async def chat(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        model: str | None = None,
+        tools: Sequence[ToolSpec] = (),
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+    ) -> LLMResponse:
+        wire_messages = self._wire_messages(messages)
+        failures: list[ModelFailure] = []
+        for candidate in self.candidate_models(model):
+            try:
+                completion = await self._client.chat.completions.create(
+                    model=candidate,
+                    messages=wire_messages,
+                    tools=self._wire_tools(tools),
+                    tool_choice=self._wire_tool_choice(tool_choice, tools),
+                    temperature=self._temperature(temperature),
+                    max_tokens=self._max_tokens(max_tokens),
+                )
+            except openai.APIError as exc:
+                failure = classify_failure(exc, candidate, self._display_url)
+            else:
+                if completion.choices:
+                    return response_from_completion(completion, candidate)
+                failure = ModelFailure(
+                    candidate, "unavailable", f"model {candidate!r}: answer had no choices"
+                )
+            failures.append(self._log_failure(failure))
+            if not failure.try_next_model:
+                break
+        raise self._error(failures)
+
+    async def stream(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        model: str | None = None,
+        tools: Sequence[ToolSpec] = (),
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Yield text increments, then one `StreamDelta` whose `response` is the whole
+        answer with tool calls and usage. A fallback model is tried only while nothing
+        has been yielded: text a user may have seen is never mixed with another model's."""
+        wire_messages = self._wire_messages(messages)
+        failures: list[ModelFailure] = []
+        for candidate in self.candidate_models(model):
+            assembly = StreamAssembly()
+            yielded = False
+            try:
+                chunks = await self._client.chat.completions.create(
+                    model=candidate,
+                    messages=wire_messages,
+                    tools=self._wire_tools(tools),
+                    temperature=self._temperature(temperature),
+                    max_tokens=self._max_tokens(max_tokens),
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                async with chunks:
+                    async for chunk in chunks:
+                        increment = assembly.add(chunk)
+                        if increment:
+                            yielded = True
+                            yield StreamDelta(text=increment)
+            except openai.APIError as exc:
+                failure = self._log_failure(classify_failure(exc, candidate, self._display_url))
+                if yielded:
+                    raise LLMError(
+                        self._redact(f"LLM stream broke off: {failure.detail}"),
+                        user_message="The model's answer was cut off. Please try again.",
+                    ) from None
+                failures.append(failure)
+                if not failure.try_next_model:
+                    break
+                continue
+            yield StreamDelta(response=assembly.response(candidate))
+            return
+        raise self._error(failures)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _wire_messages(self, messages: Sequence[LLMMessage]) -> list[ChatCompletionMessageParam]:
+        return [cast(ChatCompletionMessageParam, to_openai_message(m)) for m in messages]
+
+    @staticmethod
+    def _wire_tools(tools: Sequence[ToolSpec]) -> list[ChatCompletionToolUnionParam] | openai.Omit:
+        if not tools:
+            return openai.omit
+        return [cast(ChatCompletionToolUnionParam, to_openai_tool(t)) for t in tools]
+
+    @staticmethod
+    def _wire_tool_choice(
+        tool_choice: str | dict[str, Any] | None, tools: Sequence[ToolSpec]
+    ) -> ChatCompletionToolChoiceOptionParam | openai.Omit:
+        # The API rejects tool_choice without tools.
+        if tool_choice is None or not tools:
+            return openai.omit
+        return cast(ChatCompletionToolChoiceOptionParam, tool_choice)
+
+    def _temperature(self, temperature: float | None) -> float | openai.Omit:
+        value = temperature if temperature is not None else self.default_temperature
+        return openai.omit if value is None else value
+
+    def _max_tokens(self, max_tokens: int | None) -> int | openai.Omit:
+        value = max_tokens if max_tokens is not None else self.default_max_tokens
+        return openai.omit if value is None else value
+
+    def _redact(self, text: str) -> str:
+        if self._secret != PLACEHOLDER_API_KEY:
+            text = text.replace(self._secret, "***")
+        return _SECRET_LIKE.sub("sk-***", text)
+
+    def _log_failure(self, failure: ModelFailure) -> ModelFailure:
+        failure = dataclasses.replace(failure, detail=self._redact(failure.detail))
+        logger.warning("LLM call failed ({}): {}", failure.kind, failure.detail)
+        return failure
+
+    def _error(self, failures: Sequence[ModelFailure]) -> LLMError:
+        if not failures:  # pragma: no cover - candidate_models is never empty
+            return LLMError("no model to try")
+        return error_for_failures(failures)

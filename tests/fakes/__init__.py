@@ -1,0 +1,1 @@
+"""Protocol-faithful local fakes of the outside services the gateway talks to."""

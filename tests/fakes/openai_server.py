@@ -1,0 +1,841 @@
+"""A fake OpenAI-compatible HTTP server that speaks the real wire format, for tests.
+
+The real `openai` client (and anything else that speaks HTTP) talks to it unchanged:
+it is an aiohttp server on 127.0.0.1 with a random free port.
+
+Endpoints: ``POST /v1/chat/completions`` (JSON ``chat.completion`` objects, or SSE
+``chat.completion.chunk`` events with incremental tool-call deltas, a usage chunk when
+``stream_options.include_usage`` is set, and ``data: [DONE]``), ``GET /v1/models`` and
+``GET /v1/models/{id}``. Errors use OpenAI's ``{"error": {"message", "type", "param",
+"code"}}`` shape. Requests are checked like the real API does (a bearer key when
+``api_key`` is set; well-formed messages, every assistant tool call answered by a tool
+message, string tool arguments, valid ``name`` fields) so provider bugs show up as 400s.
+
+Run it in the current event loop::
+
+    async with FakeOpenAI() as fake:
+        client = openai.AsyncOpenAI(base_url=fake.base_url, api_key=fake.api_key)
+        fake.add_reply("Hello!")
+        fake.add_tool_call("get_weather", {"city": "Paris"})
+        fake.add_error(429, retry_after=0.05)
+        ...
+        assert fake.last_request.messages[-1]["content"] == "hi"
+
+or in a background thread, from sync tests or while a subprocess talks to it (every
+scripting method and the request log are thread-safe)::
+
+    with FakeOpenAI.in_thread() as fake:
+        env = {"OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": fake.api_key}
+        subprocess.run([...], env=env)
+        fake.wait_for_requests(1)
+
+Scripted replies are queued and consumed in order, one per chat request (a reply added
+with ``model=...`` is only consumed by a request for that model). ``fail_model`` makes
+every request for one model fail, without consuming the queue. With nothing queued, the
+reply comes from ``fake.responder(request_json)``, by default ``echo: <last user text>``.
+Token usage is estimated as ceil(characters / 4) of the prompt's and the reply's text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+DEFAULT_API_KEY = "sk-fake-test-key"
+
+Responder = Callable[[dict[str, Any]], "Reply | str"]
+
+
+@dataclass(frozen=True, slots=True)
+class FakeToolCall:
+    """One scripted tool call. A `str` arguments value is sent verbatim (malformed JSON
+    included); a mapping is JSON-encoded."""
+
+    name: str
+    arguments: Mapping[str, Any] | str = field(default_factory=dict)
+    call_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One scripted answer to a chat request: a success (`text` and/or `tool_calls`) or,
+    when `status` is not 200, an error in OpenAI's error shape.
+
+    `delay` waits before answering (timeouts, slow models); `chunk_delay` waits between
+    streamed events; `break_after` drops the connection after that many streamed `data:`
+    events (the first one carries only the assistant role). `model` restricts which
+    requests may consume this reply; `prompt_tokens`/`completion_tokens` override the
+    usage estimate.
+    """
+
+    text: str | None = None
+    tool_calls: Sequence[FakeToolCall] = ()
+    status: int = 200
+    error_message: str | None = None
+    error_type: str | None = None
+    error_code: str | None = None
+    retry_after: float | None = None
+    delay: float = 0.0
+    chunk_delay: float = 0.0
+    break_after: int | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """One request as the fake received it. `headers` keys are lower-case; `body` is the
+    parsed JSON (None for GET or an unparseable body)."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: Any
+    timestamp: float
+
+    @property
+    def model(self) -> str | None:
+        return self.body.get("model") if isinstance(self.body, dict) else None
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        messages = self.body.get("messages") if isinstance(self.body, dict) else None
+        return messages if isinstance(messages, list) else []
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        tools = self.body.get("tools") if isinstance(self.body, dict) else None
+        return tools if isinstance(tools, list) else []
+
+    @property
+    def stream(self) -> bool:
+        return isinstance(self.body, dict) and bool(self.body.get("stream"))
+
+    @property
+    def last_user_text(self) -> str | None:
+        for message in reversed(self.messages):
+            if isinstance(message, dict) and message.get("role") == "user":
+                return content_text(message.get("content"))
+        return None
+
+    @property
+    def bearer_token(self) -> str | None:
+        auth = self.headers.get("authorization", "")
+        return auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
+
+    @property
+    def retry_count(self) -> int:
+        """How many retries the openai client says preceded this request."""
+        try:
+            return int(self.headers.get("x-stainless-retry-count", "0"))
+        except ValueError:
+            return 0
+
+
+def content_text(content: Any) -> str:
+    """The text of a message `content`: a string, or the text parts of a parts list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text", ""))
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return ""
+
+
+def estimate_tokens(text: str) -> int:
+    """The fake's token count for a text: ceil(characters / 4)."""
+    return -(-len(text) // 4)
+
+
+def prompt_text(body: Mapping[str, Any]) -> str:
+    """All the text of a chat request's messages that the usage estimate counts."""
+    parts: list[str] = []
+    for message in body.get("messages") or ():
+        if not isinstance(message, dict):
+            continue
+        parts.append(content_text(message.get("content")))
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                parts.append(str(function.get("name", "")))
+                parts.append(str(function.get("arguments", "")))
+    return "\n".join(parts)
+
+
+def echo_responder(body: dict[str, Any]) -> Reply | str:
+    """The default reply: ``echo: <text of the last user message>``."""
+    for message in reversed(body.get("messages") or ()):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return f"echo: {content_text(message.get('content'))}"
+    return "echo: "
+
+
+_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def validate_chat_request(body: Any) -> str | None:
+    """The 400 message the real API would give this request body, or None when valid.
+
+    Checks the rules a provider most easily breaks: every assistant tool call is answered
+    by a tool message before the conversation goes on, every tool message answers one,
+    tool arguments are JSON strings, and `name` fields match ``^[a-zA-Z0-9_-]{1,64}$``.
+    """
+    if not isinstance(body, dict):
+        return "The request body must be a JSON object."
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        return "you must provide a model parameter"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "Invalid 'messages': empty array. Expected an array with minimum length 1."
+    if body.get("stream_options") is not None and not body.get("stream"):
+        return "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+    tools = body.get("tools")
+    if body.get("tool_choice") is not None and not tools:
+        return (
+            "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
+            "are specified."
+        )
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            return f"Invalid value for 'tools[{i}].type': expected 'function'."
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"Missing required parameter: 'tools[{i}].function.name'."
+
+    unanswered: list[str] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            return f"Invalid value for '{where}.role'."
+        role = message["role"]
+        name = message.get("name")
+        if name is not None and (not isinstance(name, str) or not _NAME_PATTERN.match(name)):
+            return (
+                f"Invalid '{where}.name': string does not match pattern. Expected a string "
+                f"that matches the pattern '{_NAME_PATTERN.pattern}'."
+            )
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                return f"Missing required parameter: '{where}.tool_call_id'."
+            if call_id not in unanswered:
+                return (
+                    "Invalid parameter: messages with role 'tool' must be a response to a "
+                    "preceeding message with 'tool_calls'."
+                )
+            unanswered.remove(call_id)
+            continue
+        if unanswered:
+            return (
+                "An assistant message with 'tool_calls' must be followed by tool messages "
+                "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+                f"response messages: {', '.join(unanswered)}"
+            )
+        tool_calls = message.get("tool_calls")
+        if role == "assistant" and tool_calls:
+            for j, call in enumerate(tool_calls):
+                problem = _tool_call_problem(call, f"{where}.tool_calls[{j}]")
+                if problem:
+                    return problem
+                unanswered.append(call["id"])
+        elif message.get("content") is None:
+            return f"Missing required parameter: '{where}.content'."
+    if unanswered:
+        return (
+            "An assistant message with 'tool_calls' must be followed by tool messages "
+            "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+            f"response messages: {', '.join(unanswered)}"
+        )
+    return None
+
+
+def _tool_call_problem(call: Any, where: str) -> str | None:
+    if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+        return f"Missing required parameter: '{where}.id'."
+    if call.get("type") != "function":
+        return f"Invalid value for '{where}.type': expected 'function'."
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return f"Missing required parameter: '{where}.function.name'."
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        got = "an object" if isinstance(arguments, dict) else type(arguments).__name__
+        return (
+            f"Invalid type for '{where}.function.arguments': expected a string, "
+            f"but got {got} instead."
+        )
+    return None
+
+
+# Default (type, code, message) per status, as the real API words them.
+_ERROR_DEFAULTS: dict[int, tuple[str, str | None, str]] = {
+    400: ("invalid_request_error", None, "Invalid request."),
+    401: ("invalid_request_error", "invalid_api_key", "Incorrect API key provided."),
+    403: ("invalid_request_error", None, "You are not allowed to sample from this model."),
+    404: ("invalid_request_error", "model_not_found", "The model does not exist."),
+    408: ("server_error", None, "Request timed out."),
+    429: ("requests", "rate_limit_exceeded", "Rate limit reached. Please try again later."),
+    500: (
+        "server_error",
+        None,
+        "The server had an error while processing your request. Sorry about that!",
+    ),
+    502: ("server_error", None, "Bad gateway."),
+    503: ("server_error", None, "The engine is currently overloaded, please try again later."),
+}
+
+
+def error_body(
+    status: int, message: str | None = None, error_type: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error JSON for a status, with realistic defaults."""
+    default_type, default_code, default_message = _ERROR_DEFAULTS.get(
+        status, ("server_error" if status >= 500 else "invalid_request_error", None, "Error.")
+    )
+    return {
+        "error": {
+            "message": message or default_message,
+            "type": error_type or default_type,
+            "param": None,
+            "code": code if code is not None else default_code,
+        }
+    }
+
+
+def _text_pieces(text: str) -> list[str]:
+    """Split text into word-sized stream increments whose concatenation is the text."""
+    return re.findall(r"\S+\s*|\s+", text)
+
+
+def _argument_pieces(arguments: str, size: int = 8) -> list[str]:
+    return [arguments[i : i + size] for i in range(0, len(arguments), size)] or [""]
+
+
+class FakeOpenAI:
+    """A scriptable OpenAI-compatible server; see the module docstring for usage.
+
+    Every chat request gets exactly one reply: the model's failure rule if any, else the
+    first queued reply it may consume, else the responder's answer.
+    """
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = DEFAULT_API_KEY,
+        models: Sequence[str] = ("gpt-4o-mini",),
+        responder: Responder | None = None,
+        validate: bool = True,
+    ) -> None:
+        """`api_key=None` accepts any or no Authorization header (like a local server);
+        `validate=False` skips the request checks of `validate_chat_request`."""
+        self.api_key = api_key
+        self.models = list(models)
+        self.responder: Responder = responder or echo_responder
+        self.validate = validate
+        self._lock = threading.Condition()
+        self._queue: list[Reply] = []
+        self._model_failures: dict[str, Reply] = {}
+        self._requests: list[RecordedRequest] = []
+        self._ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: asyncio.Event | None = None
+        self._arrival: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- running ----------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        """The URL to give an OpenAI client, e.g. ``http://127.0.0.1:41234/v1``."""
+        if self._port is None:
+            raise RuntimeError("FakeOpenAI is not running")
+        return f"http://127.0.0.1:{self._port}/v1"
+
+    async def start(self) -> None:
+        """Start serving in the running event loop."""
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/v1/models/{model_id}", self._get_model)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)
+        self._closing = asyncio.Event()
+        self._arrival = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self._runner = runner
+        self._port = int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        """Stop serving; pending delayed replies are cut short."""
+        if self._closing is not None:
+            self._closing.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeOpenAI:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    @classmethod
+    @contextlib.contextmanager
+    def in_thread(cls, **kwargs: Any) -> Iterator[FakeOpenAI]:
+        """Run a fake in its own thread and event loop for the `with` block (the
+        responder is then called in that thread)."""
+        fake = cls(**kwargs)
+        ready = threading.Event()
+        failures: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+
+        def serve() -> None:
+            try:
+                loop.run_until_complete(fake.start())
+            except BaseException as exc:
+                failures.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(fake.stop())
+            loop.close()
+
+        fake._thread = threading.Thread(target=serve, name="fake-openai", daemon=True)
+        fake._thread.start()
+        ready.wait(10)
+        if failures:
+            raise failures[0]
+        try:
+            yield fake
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            fake._thread.join(10)
+
+    # -- scripting --------------------------------------------------------------------
+
+    def add(self, reply: Reply) -> None:
+        """Queue any scripted reply."""
+        with self._lock:
+            self._queue.append(reply)
+
+    def add_reply(
+        self,
+        text: str,
+        *,
+        delay: float = 0.0,
+        chunk_delay: float = 0.0,
+        finish_reason: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        """Queue a plain text answer."""
+        self.add(
+            Reply(
+                text=text,
+                delay=delay,
+                chunk_delay=chunk_delay,
+                finish_reason=finish_reason,
+                model=model,
+            )
+        )
+
+    def add_tool_call(
+        self,
+        name: str,
+        arguments: Mapping[str, Any] | str | None = None,
+        call_id: str | None = None,
+        *,
+        text: str | None = None,
+        delay: float = 0.0,
+        model: str | None = None,
+    ) -> None:
+        """Queue an answer with one tool call (`arguments` as a str is sent verbatim)."""
+        call = FakeToolCall(name, {} if arguments is None else arguments, call_id)
+        self.add(Reply(text=text, tool_calls=(call,), delay=delay, model=model))
+
+    def add_tool_calls(
+        self,
+        calls: Sequence[FakeToolCall | tuple[str, Mapping[str, Any] | str]],
+        *,
+        text: str | None = None,
+        delay: float = 0.0,
+        model: str | None = None,
+    ) -> None:
+        """Queue one answer with several (parallel) tool calls."""
+        scripted = tuple(c if isinstance(c, FakeToolCall) else FakeToolCall(*c) for c in calls)
+        self.add(Reply(text=text, tool_calls=scripted, delay=delay, model=model))
+
+    def add_error(
+        self,
+        status: int,
+        message: str | None = None,
+        *,
+        retry_after: float | None = None,
+        error_type: str | None = None,
+        code: str | None = None,
+        delay: float = 0.0,
+        model: str | None = None,
+    ) -> None:
+        """Queue an error answer. `retry_after` (seconds, may be fractional) is sent as
+        ``retry-after`` and ``retry-after-ms`` headers."""
+        self.add(
+            Reply(
+                status=status,
+                error_message=message,
+                error_type=error_type,
+                error_code=code,
+                retry_after=retry_after,
+                delay=delay,
+                model=model,
+            )
+        )
+
+    def add_delay(
+        self, seconds: float, text: str | None = None, *, model: str | None = None
+    ) -> None:
+        """Queue an answer that comes after `seconds` (the responder's, unless `text`)."""
+        self.add(Reply(text=text, delay=seconds, model=model))
+
+    def fail_model(
+        self,
+        model: str,
+        status: int = 404,
+        message: str | None = None,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
+        """Make every request for `model` fail with `status` until `reset()`."""
+        if status == 404 and message is None:
+            message = f"The model `{model}` does not exist or you do not have access to it."
+        with self._lock:
+            self._model_failures[model] = Reply(
+                status=status, error_message=message, retry_after=retry_after
+            )
+
+    def reset(self) -> None:
+        """Forget queued replies, model failure rules and the request log."""
+        with self._lock:
+            self._queue.clear()
+            self._model_failures.clear()
+            self._requests.clear()
+
+    @property
+    def queued(self) -> int:
+        """How many scripted replies are still waiting to be consumed."""
+        with self._lock:
+            return len(self._queue)
+
+    # -- the request log --------------------------------------------------------------
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """Every request received so far, oldest first (a snapshot)."""
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def chat_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.requests if r.path.endswith("/chat/completions")]
+
+    @property
+    def last_request(self) -> RecordedRequest:
+        with self._lock:
+            if not self._requests:
+                raise AssertionError("FakeOpenAI has received no request")
+            return self._requests[-1]
+
+    def wait_for_requests(self, count: int, timeout: float = 5.0) -> list[RecordedRequest]:
+        """Block until at least `count` requests arrived (for thread mode)."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is self._loop:
+            # Blocking here would stop the very loop that serves the requests.
+            raise RuntimeError("use `await fake.wait_for_requests_async(...)` in the event loop")
+        with self._lock:
+            if not self._lock.wait_for(lambda: len(self._requests) >= count, timeout):
+                raise TimeoutError(f"{len(self._requests)} of {count} requests after {timeout}s")
+            return list(self._requests)
+
+    async def wait_for_requests_async(self, count: int) -> list[RecordedRequest]:
+        """Wait, without blocking the event loop, until at least `count` requests arrived.
+        Bound it with ``anyio.fail_after(...)``. For the event-loop mode only."""
+        if self._arrival is None or asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("the fake is not serving in this event loop; use wait_for_requests")
+        while len(requests := self.requests) < count:
+            await self._arrival.wait()
+        return requests
+
+    # -- handlers ---------------------------------------------------------------------
+
+    async def _record(self, request: web.Request) -> RecordedRequest:
+        body: Any = None
+        if request.can_read_body:
+            raw = await request.read()
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+        recorded = RecordedRequest(
+            method=request.method,
+            path=request.path,
+            headers={k.lower(): v for k, v in request.headers.items()},
+            body=body,
+            timestamp=time.time(),
+        )
+        with self._lock:
+            self._requests.append(recorded)
+            self._lock.notify_all()
+        if self._arrival is not None:
+            # A fresh event per arrival lets waiters re-check their count after each one.
+            arrived, self._arrival = self._arrival, asyncio.Event()
+            arrived.set()
+        return recorded
+
+    def _auth_error(self, recorded: RecordedRequest) -> web.Response | None:
+        if self.api_key is None:
+            return None
+        if "authorization" not in recorded.headers:
+            return _error_response(
+                401,
+                error_body(
+                    401,
+                    "You didn't provide an API key. You need to provide your API key in an "
+                    "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+                ),
+            )
+        if recorded.bearer_token != self.api_key:
+            return _error_response(401, error_body(401))
+        return None
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        message = f"Invalid URL ({request.method} {request.path})"
+        return _error_response(404, error_body(404, message))
+
+    async def _list_models(self, request: web.Request) -> web.Response:
+        recorded = await self._record(request)
+        if (denied := self._auth_error(recorded)) is not None:
+            return denied
+        data = [_model_object(m) for m in self.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _get_model(self, request: web.Request) -> web.Response:
+        recorded = await self._record(request)
+        if (denied := self._auth_error(recorded)) is not None:
+            return denied
+        model_id = request.match_info["model_id"]
+        if model_id not in self.models:
+            message = f"The model '{model_id}' does not exist"
+            return _error_response(404, error_body(404, message))
+        return web.json_response(_model_object(model_id))
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        recorded = await self._record(request)
+        if (denied := self._auth_error(recorded)) is not None:
+            return denied
+        body = recorded.body
+        if body is None:
+            message = "We could not parse the JSON body of your request."
+            return _error_response(400, error_body(400, message))
+        if self.validate and (problem := validate_chat_request(body)) is not None:
+            return _error_response(400, error_body(400, problem))
+        reply = self._next_reply(body)
+        if reply.delay:
+            await self._sleep(reply.delay)
+        if reply.status != 200:
+            return self._error_reply(reply)
+        if body.get("stream"):
+            return await self._stream(request, body, reply)
+        return web.json_response(self._completion(body, reply), headers=self._id_header())
+
+    def _next_reply(self, body: dict[str, Any]) -> Reply:
+        model = body.get("model")
+        with self._lock:
+            failure = self._model_failures.get(model) if isinstance(model, str) else None
+            if failure is not None:
+                return failure
+            for i, reply in enumerate(self._queue):
+                if reply.model is None or reply.model == model:
+                    del self._queue[i]
+                    return reply
+            responder = self.responder
+        try:
+            answer = responder(body)
+        except Exception as exc:
+            return Reply(status=500, error_message=f"FakeOpenAI responder raised {exc!r}")
+        return Reply(text=answer) if isinstance(answer, str) else answer
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake up early when the server stops."""
+        assert self._closing is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
+
+    def _id_header(self) -> dict[str, str]:
+        return {"x-request-id": f"req_fake{next(self._ids):06d}"}
+
+    def _error_reply(self, reply: Reply) -> web.Response:
+        headers = self._id_header()
+        if reply.retry_after is not None:
+            headers["retry-after"] = str(max(0, round(reply.retry_after)))
+            headers["retry-after-ms"] = str(int(reply.retry_after * 1000))
+        body = error_body(reply.status, reply.error_message, reply.error_type, reply.error_code)
+        return _error_response(reply.status, body, headers)
+
+    def _tool_call_objects(self, reply: Reply) -> list[dict[str, Any]]:
+        calls = []
+        for call in reply.tool_calls:
+            arguments = (
+                call.arguments
+                if isinstance(call.arguments, str)
+                else json.dumps(dict(call.arguments), ensure_ascii=False)
+            )
+            calls.append(
+                {
+                    "id": call.call_id or f"call_fake{next(self._ids):06d}",
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": arguments},
+                }
+            )
+        return calls
+
+    def _usage(
+        self, body: Mapping[str, Any], reply: Reply, calls: list[dict[str, Any]]
+    ) -> dict[str, int]:
+        prompt = (
+            reply.prompt_tokens
+            if reply.prompt_tokens is not None
+            else estimate_tokens(prompt_text(body))
+        )
+        if reply.completion_tokens is not None:
+            completion = reply.completion_tokens
+        else:
+            produced = (reply.text or "") + "".join(
+                c["function"]["name"] + c["function"]["arguments"] for c in calls
+            )
+            completion = estimate_tokens(produced)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _completion(self, body: Mapping[str, Any], reply: Reply) -> dict[str, Any]:
+        calls = self._tool_call_objects(reply)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.text, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        elif reply.text is None:
+            message["content"] = ""
+        return {
+            "id": f"chatcmpl-fake{next(self._ids):06d}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "system_fingerprint": "fp_fake",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": reply.finish_reason or ("tool_calls" if calls else "stop"),
+                }
+            ],
+            "usage": self._usage(body, reply, calls),
+        }
+
+    def _stream_chunks(self, body: Mapping[str, Any], reply: Reply) -> list[dict[str, Any]]:
+        calls = self._tool_call_objects(reply)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        base = {
+            "id": f"chatcmpl-fake{next(self._ids):06d}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body["model"],
+            "system_fingerprint": "fp_fake",
+        }
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            extra = {"usage": None} if include_usage else {}
+            return {**base, "choices": [choice], **extra}
+
+        chunks = [chunk({"role": "assistant", "content": "", "refusal": None})]
+        chunks += [chunk({"content": piece}) for piece in _text_pieces(reply.text or "")]
+        for index, call in enumerate(calls):
+            function = call["function"]
+            head = {
+                "index": index,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": function["name"], "arguments": ""},
+            }
+            chunks.append(chunk({"tool_calls": [head]}))
+            for piece in _argument_pieces(function["arguments"]):
+                if piece:
+                    delta = {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
+                    chunks.append(chunk(delta))
+        chunks.append(chunk({}, reply.finish_reason or ("tool_calls" if calls else "stop")))
+        if include_usage:
+            chunks.append({**base, "choices": [], "usage": self._usage(body, reply, calls)})
+        return chunks
+
+    async def _stream(
+        self, request: web.Request, body: Mapping[str, Any], reply: Reply
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                **self._id_header(),
+            }
+        )
+        await response.prepare(request)
+        for sent, chunk in enumerate(self._stream_chunks(body, reply)):
+            if reply.break_after is not None and sent >= reply.break_after:
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            await response.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
+            if reply.chunk_delay:
+                await self._sleep(reply.chunk_delay)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _model_object(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 1700000000, "owned_by": "fake-openai"}
+
+
+def _error_response(
+    status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.json_response(body, status=status, headers=dict(headers or {}))

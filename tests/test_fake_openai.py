@@ -1,0 +1,317 @@
+"""The fake OpenAI server is faithful: the real `openai` client parses what it sends."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import openai
+import pytest
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
+
+from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply, validate_chat_request
+
+USER_HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi there"}]
+WEATHER_TOOL: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeOpenAI]:
+    async with FakeOpenAI() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(fake: FakeOpenAI) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=fake.base_url, api_key=fake.api_key, max_retries=0, timeout=5
+    ) as c:
+        yield c
+
+
+@pytest.mark.anyio
+async def test_non_streaming_reply_parses_and_is_logged(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    fake.add_reply("Hello, world")
+
+    completion = await client.chat.completions.create(model="gpt-x", messages=USER_HI)
+
+    assert completion.object == "chat.completion"
+    assert completion.model == "gpt-x"
+    assert completion.choices[0].message.content == "Hello, world"
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == 2  # ceil(len("hi there") / 4)
+    assert completion.usage.completion_tokens == 3  # ceil(len("Hello, world") / 4)
+    assert completion.usage.total_tokens == 5
+    request = fake.last_request
+    assert request.path == "/v1/chat/completions"
+    assert request.model == "gpt-x"
+    assert request.messages == USER_HI
+    assert request.bearer_token == fake.api_key
+    assert fake.chat_requests == [request]
+
+
+@pytest.mark.anyio
+async def test_default_reply_echoes_and_responder_is_pluggable(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    echoed = await client.chat.completions.create(model="m", messages=USER_HI)
+    assert echoed.choices[0].message.content == "echo: hi there"
+
+    fake.responder = lambda body: Reply(text=f"{len(body['messages'])} messages")
+    custom = await client.chat.completions.create(model="m", messages=USER_HI)
+    assert custom.choices[0].message.content == "1 messages"
+
+
+@pytest.mark.anyio
+async def test_tool_call_reply_parses(fake: FakeOpenAI, client: openai.AsyncOpenAI) -> None:
+    fake.add_tool_calls(
+        [("get_weather", {"city": "Paris"}), FakeToolCall("get_time", {}, call_id="call_t")]
+    )
+
+    completion = await client.chat.completions.create(
+        model="m", messages=USER_HI, tools=[WEATHER_TOOL]
+    )
+
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert [c.type for c in calls] == ["function", "function"]
+    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    assert calls[1].id == "call_t"
+    assert calls[0].id != calls[1].id
+
+
+@pytest.mark.anyio
+async def test_streamed_text_with_usage(fake: FakeOpenAI, client: openai.AsyncOpenAI) -> None:
+    fake.add_reply("The quick  brown fox.\n")
+
+    stream = await client.chat.completions.create(
+        model="m", messages=USER_HI, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The quick  brown fox.\n"
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 4
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.anyio
+async def test_stream_without_include_usage_has_no_usage_chunk(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    stream = await client.chat.completions.create(model="m", messages=USER_HI, stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert all(c.choices and c.usage is None for c in chunks)
+
+
+@pytest.mark.anyio
+async def test_streamed_tool_calls_assemble_with_the_sdk_helper(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    long_args = {"city": "Rio de Janeiro", "units": "metric", "days": 3}
+    fake.add_tool_calls([("get_weather", long_args), ("get_weather", {"city": "Oslo"})])
+
+    async with client.chat.completions.stream(
+        model="m",
+        messages=USER_HI,
+        tools=[WEATHER_TOOL],
+        stream_options={"include_usage": True},
+    ) as stream:
+        final = await stream.get_final_completion()
+
+    calls = final.choices[0].message.tool_calls or []
+    assert [json.loads(c.function.arguments) for c in calls] == [long_args, {"city": "Oslo"}]
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.usage is not None and final.usage.total_tokens > 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "error_class"),
+    [
+        (400, openai.BadRequestError),
+        (403, openai.PermissionDeniedError),
+        (404, openai.NotFoundError),
+        (429, openai.RateLimitError),
+        (500, openai.InternalServerError),
+        (503, openai.InternalServerError),
+    ],
+)
+async def test_error_statuses_map_to_openai_exceptions(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI, status: int, error_class: type[Exception]
+) -> None:
+    fake.add_error(status, "scripted failure")
+
+    with pytest.raises(error_class) as caught:
+        await client.chat.completions.create(model="m", messages=USER_HI)
+
+    assert isinstance(caught.value, openai.APIStatusError)
+    assert caught.value.status_code == status
+    assert caught.value.message.endswith("scripted failure")
+    assert isinstance(caught.value.body, dict) and "type" in caught.value.body
+
+
+@pytest.mark.anyio
+async def test_wrong_key_is_401_authentication_error(fake: FakeOpenAI) -> None:
+    async with openai.AsyncOpenAI(base_url=fake.base_url, api_key="sk-wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await c.chat.completions.create(model="m", messages=USER_HI)
+    assert caught.value.code == "invalid_api_key"
+    assert "sk-wrong" not in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_fake_without_key_accepts_any_client() -> None:
+    async with (
+        FakeOpenAI(api_key=None) as fake,
+        openai.AsyncOpenAI(base_url=fake.base_url, api_key="anything") as c,
+    ):
+        completion = await c.chat.completions.create(model="m", messages=USER_HI)
+    assert completion.choices[0].message.content == "echo: hi there"
+
+
+@pytest.mark.anyio
+async def test_retry_after_is_sent_and_honoured_by_the_client(fake: FakeOpenAI) -> None:
+    fake.add_error(429, retry_after=0.3)
+    async with openai.AsyncOpenAI(base_url=fake.base_url, api_key=fake.api_key, max_retries=1) as c:
+        started = time.monotonic()
+        await c.chat.completions.create(model="m", messages=USER_HI)
+        elapsed = time.monotonic() - started
+    assert 0.3 <= elapsed < 2
+    assert [r.retry_count for r in fake.chat_requests] == [0, 1]
+
+
+@pytest.mark.anyio
+async def test_model_scoped_replies_and_failures(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    fake.add_reply("for b", model="b")
+    fake.fail_model("broken", 404)
+
+    a = await client.chat.completions.create(model="a", messages=USER_HI)
+    b = await client.chat.completions.create(model="b", messages=USER_HI)
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.chat.completions.create(model="broken", messages=USER_HI)
+
+    assert a.choices[0].message.content == "echo: hi there"
+    assert b.choices[0].message.content == "for b"
+    assert caught.value.code == "model_not_found"
+    assert fake.queued == 0
+
+
+@pytest.mark.anyio
+async def test_delay_causes_client_timeout_and_stop_is_prompt(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    fake.add_delay(30)
+    with pytest.raises(openai.APITimeoutError):
+        await client.with_options(timeout=0.2).chat.completions.create(model="m", messages=USER_HI)
+    fake.add_delay(30)
+    with anyio.move_on_after(0.2):
+        await client.chat.completions.create(model="m", messages=USER_HI)
+    started = time.monotonic()
+    await fake.stop()
+    assert time.monotonic() - started < 2
+
+
+@pytest.mark.anyio
+async def test_broken_stream_raises_connection_error(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    fake.add(Reply(text="one two three", break_after=2))
+    stream = await client.chat.completions.create(model="m", messages=USER_HI, stream=True)
+    seen: list[str] = []
+    with pytest.raises(openai.APIConnectionError):
+        async for chunk in stream:
+            seen.append(chunk.choices[0].delta.content or "")
+    assert "".join(seen) == "one "
+
+
+@pytest.mark.anyio
+async def test_models_endpoint(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["gpt-4o-mini"]
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("nope")
+
+
+@pytest.mark.anyio
+async def test_invalid_conversation_is_rejected_like_the_real_api(
+    client: openai.AsyncOpenAI,
+) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    unanswered: list[Any] = [*USER_HI, {"role": "assistant", "tool_calls": [call]}, *USER_HI]
+    with pytest.raises(openai.BadRequestError, match="did not have response messages: c1"):
+        await client.chat.completions.create(model="m", messages=unanswered)
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ([{"role": "tool", "tool_call_id": "x", "content": "r"}], "must be a response"),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+                    ],
+                }
+            ],
+            "expected a string",
+        ),
+        ([{"role": "user", "content": "x", "name": "Jürgen S"}], "does not match pattern"),
+        ([{"role": "user"}], "content"),
+        ([], "empty array"),
+    ],
+)
+def test_validation_rules(messages: list[Any], problem: str) -> None:
+    assert problem in (validate_chat_request({"model": "m", "messages": messages}) or "")
+
+
+def test_valid_tool_round_trip_passes_validation() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *USER_HI,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "result"},
+    ]
+    assert validate_chat_request({"model": "m", "messages": messages}) is None
+
+
+def test_thread_mode_serves_sync_clients_and_scripting_from_the_test_thread() -> None:
+    with FakeOpenAI.in_thread() as fake:
+        fake.add_reply("from the thread")
+        client = openai.OpenAI(base_url=fake.base_url, api_key=fake.api_key, max_retries=0)
+        with client:
+            first = client.chat.completions.create(model="m", messages=USER_HI)
+            second = client.chat.completions.create(model="m", messages=USER_HI)
+        assert first.choices[0].message.content == "from the thread"
+        assert second.choices[0].message.content == "echo: hi there"
+        assert len(fake.wait_for_requests(2, timeout=1)) == 2
+        with pytest.raises(TimeoutError):
+            fake.wait_for_requests(3, timeout=0.05)

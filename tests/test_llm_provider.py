@@ -1,0 +1,487 @@
+"""OpenAIProvider against the fake OpenAI server, through the real `openai` client."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gateway.llm import (
+    LLMConfigError,
+    LLMError,
+    LLMMessage,
+    LLMProvider,
+    StreamDelta,
+    ToolCall,
+    ToolSpec,
+)
+from gateway.llm.openai_provider import (
+    PLACEHOLDER_API_KEY,
+    OpenAIProvider,
+    check_credentials,
+    decode_arguments,
+    to_openai_message,
+)
+from tests.fakes.openai_server import FakeOpenAI, Reply
+
+WEATHER = ToolSpec(
+    name="get_weather",
+    description="Current weather for a city",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+)
+HELLO = [LLMMessage(role="system", content="Be brief."), LLMMessage(role="user", content="hello")]
+
+MakeProvider = Callable[..., OpenAIProvider]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeOpenAI]:
+    async with FakeOpenAI() as server:
+        yield server
+
+
+@pytest.fixture
+async def make_provider(fake: FakeOpenAI) -> AsyncIterator[MakeProvider]:
+    """Providers on the fake: model "primary", no retries, 5 s timeout unless overridden."""
+    made: list[OpenAIProvider] = []
+
+    def make(**overrides: Any) -> OpenAIProvider:
+        options: dict[str, Any] = {
+            "base_url": fake.base_url,
+            "api_key": fake.api_key,
+            "model": "primary",
+            "timeout": 5.0,
+            "max_retries": 0,
+            **overrides,
+        }
+        provider = OpenAIProvider(**options)
+        made.append(provider)
+        return provider
+
+    yield make
+    for provider in made:
+        await provider.aclose()
+
+
+async def collect(stream: AsyncIterator[StreamDelta]) -> tuple[list[str], StreamDelta]:
+    texts: list[str] = []
+    last = StreamDelta()
+    async for delta in stream:
+        if delta.response is None:
+            texts.append(delta.text)
+        last = delta
+    return texts, last
+
+
+# -- replies --------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_plain_reply_carries_usage_and_model(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider()
+    assert isinstance(provider, LLMProvider)
+    fake.add_reply("Hi! How can I help?")
+
+    response = await provider.chat(HELLO)
+
+    assert response.message.role == "assistant"
+    assert response.message.content == "Hi! How can I help?"
+    assert response.model == response.message.model == "primary"
+    assert response.finish_reason == "stop"
+    assert response.usage is not None
+    assert response.usage.completion_tokens == 5
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 5
+    assert fake.last_request.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello"},
+    ]
+
+
+@pytest.mark.anyio
+async def test_temperature_and_max_tokens_defaults_are_sent(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(default_temperature=0.2, default_max_tokens=50)
+    await provider.chat(HELLO)
+    await provider.chat(HELLO, temperature=0.9, max_tokens=7, model="other")
+    first, second = (r.body for r in fake.chat_requests)
+    assert (first["temperature"], first["max_tokens"], first["model"]) == (0.2, 50, "primary")
+    assert (second["temperature"], second["max_tokens"], second["model"]) == (0.9, 7, "other")
+    assert "tools" not in first and "tool_choice" not in first
+
+
+@pytest.mark.anyio
+async def test_tool_call_round_trip(fake: FakeOpenAI, make_provider: MakeProvider) -> None:
+    provider = make_provider()
+    fake.add_tool_call("get_weather", {"city": "Zürich"}, call_id="call_1")
+
+    first = await provider.chat(HELLO, tools=[WEATHER], tool_choice="auto")
+
+    assert first.finish_reason == "tool_calls"
+    assert first.message.tool_calls == (
+        ToolCall(id="call_1", function_name="get_weather", arguments={"city": "Zürich"}),
+    )
+    assert fake.last_request.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": WEATHER.description,
+                "parameters": WEATHER.parameters,
+            },
+        }
+    ]
+    assert fake.last_request.body["tool_choice"] == "auto"
+
+    # The fake rejects (HTTP 400) a history whose tool call is not answered or whose
+    # arguments are not a JSON string, so a reply proves the wire format is right.
+    fake.add_reply("It is sunny in Zürich.")
+    history = [
+        *HELLO,
+        first.message,
+        LLMMessage(role="tool", content="sunny, 24°C", tool_call_id="call_1"),
+    ]
+    second = await provider.chat(history, tools=[WEATHER])
+
+    assert second.message.content == "It is sunny in Zürich."
+    assistant, tool = fake.last_request.messages[2:]
+    assert assistant["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Zürich"}',
+    }
+    assert tool == {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24°C"}
+
+
+@pytest.mark.anyio
+async def test_malformed_tool_arguments_are_kept_raw_and_sent_back_verbatim(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider()
+    fake.add_tool_call("get_weather", '{"city": "Par', call_id="call_bad")
+
+    response = await provider.chat(HELLO, tools=[WEATHER])
+
+    (call,) = response.message.tool_calls
+    assert call.arguments == {"_raw": '{"city": "Par'}
+    history = [
+        *HELLO,
+        response.message,
+        LLMMessage(role="tool", content="error: bad arguments", tool_call_id="call_bad"),
+    ]
+    await provider.chat(history, tools=[WEATHER])
+    sent = fake.last_request.messages[2]["tool_calls"][0]["function"]["arguments"]
+    assert sent == '{"city": "Par'
+
+
+def test_decode_arguments() -> None:
+    assert decode_arguments('{"a": [1, 2]}') == {"a": [1, 2]}
+    assert decode_arguments("") == {}
+    assert decode_arguments(None) == {}
+    assert decode_arguments("[1]") == {"_raw": "[1]"}
+    assert decode_arguments("{oops") == {"_raw": "{oops"}
+
+
+def test_message_names_are_made_acceptable_to_the_api() -> None:
+    user = to_openai_message(LLMMessage(role="user", content="hi", name="Jürgen Smith"))
+    assert user == {"role": "user", "content": "hi", "name": "J_rgen_Smith"}
+    assert "name" not in to_openai_message(LLMMessage(role="user", content="hi", name="日本"))
+    tool = to_openai_message(
+        LLMMessage(role="tool", content="r", tool_call_id="c1", name="get_weather")
+    )
+    assert tool == {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    with pytest.raises(LLMError):
+        to_openai_message(LLMMessage(role="tool", content="r"))
+
+
+# -- streaming ----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_stream_yields_text_then_the_assembled_response(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider()
+    fake.add_reply("Streaming works, word by word.")
+
+    texts, last = await collect(provider.stream(HELLO))
+
+    assert len(texts) == 5
+    assert "".join(texts) == "Streaming works, word by word."
+    assert last.response is not None
+    assert last.response.message.content == "Streaming works, word by word."
+    assert last.response.model == "primary"
+    assert last.response.finish_reason == "stop"
+    assert last.response.usage is not None and last.response.usage.completion_tokens == 8
+    assert fake.last_request.body["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.anyio
+async def test_stream_assembles_tool_calls_by_index(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider()
+    long_city = {"city": "Llanfairpwllgwyngyll", "units": "metric", "days": 3}
+    fake.add_tool_calls([("get_weather", long_city), ("get_weather", {"city": "Oslo"})])
+
+    texts, last = await collect(provider.stream(HELLO, tools=[WEATHER]))
+
+    assert texts == []
+    assert last.response is not None
+    message = last.response.message
+    assert message.content is None
+    assert [c.arguments for c in message.tool_calls] == [long_city, {"city": "Oslo"}]
+    assert all(c.function_name == "get_weather" and c.id for c in message.tool_calls)
+    assert last.response.finish_reason == "tool_calls"
+    assert last.response.usage is not None and last.response.usage.total_tokens > 0
+
+
+@pytest.mark.anyio
+async def test_stream_falls_back_before_the_first_token(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(fallback_models=["backup"])
+    fake.fail_model("primary", 503)
+    fake.add_reply("from backup")
+
+    texts, last = await collect(provider.stream(HELLO))
+
+    assert "".join(texts) == "from backup"
+    assert last.response is not None and last.response.model == "backup"
+
+
+@pytest.mark.anyio
+async def test_stream_broken_after_text_raises_without_fallback(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(fallback_models=["backup"])
+    fake.add(Reply(text="partial answer that breaks", break_after=3))
+
+    seen: list[str] = []
+    with pytest.raises(LLMError) as caught:
+        async for delta in provider.stream(HELLO):
+            seen.append(delta.text)
+
+    assert seen == ["partial ", "answer "]
+    assert "cut off" in caught.value.user_message
+    assert [r.model for r in fake.chat_requests] == ["primary"]
+
+
+# -- retries and fallbacks ------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_rate_limit_with_retry_after_is_retried(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(max_retries=2)
+    fake.add_error(429, retry_after=0.2)
+    fake.add_reply("after the wait")
+
+    started = time.monotonic()
+    response = await provider.chat(HELLO)
+
+    assert time.monotonic() - started >= 0.2
+    assert response.message.content == "after the wait"
+    assert [r.retry_count for r in fake.chat_requests] == [0, 1]
+
+
+@pytest.mark.anyio
+async def test_server_errors_are_retried_with_backoff(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(max_retries=2)
+    fake.add_error(500)
+    fake.add_error(500)
+    fake.add_reply("third time lucky")
+
+    response = await provider.chat(HELLO)
+
+    assert response.message.content == "third time lucky"
+    assert len(fake.chat_requests) == 3
+
+
+@pytest.mark.anyio
+async def test_persistently_failing_primary_falls_back(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(max_retries=1, fallback_models=["backup"])
+    fake.fail_model("primary", 500, retry_after=0.01)
+    fake.add_reply("backup here", model="backup")
+
+    response = await provider.chat(HELLO)
+
+    assert response.model == response.message.model == "backup"
+    assert response.message.content == "backup here"
+    assert [r.model for r in fake.chat_requests] == ["primary", "primary", "backup"]
+
+
+@pytest.mark.anyio
+async def test_unknown_model_falls_back_in_order(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(max_retries=2, fallback_models=["gone-too", "backup"])
+    fake.fail_model("primary", 404)
+    fake.fail_model("gone-too", 404)
+
+    response = await provider.chat(HELLO)
+
+    assert response.model == "backup"
+    assert [r.model for r in fake.chat_requests] == ["primary", "gone-too", "backup"]
+
+
+@pytest.mark.anyio
+async def test_all_models_failing_raises_a_safe_error(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(fallback_models=["backup"])
+    fake.fail_model("primary", 500, f"upstream broke for key {fake.api_key}")
+    fake.fail_model("backup", 503)
+
+    with pytest.raises(LLMError) as caught:
+        await provider.chat(HELLO)
+
+    detail = str(caught.value)
+    assert "'primary'" in detail and "'backup'" in detail
+    assert "HTTP 500" in detail and "HTTP 503" in detail
+    assert fake.api_key and fake.api_key not in detail
+    assert caught.value.user_message == "The model is not answering right now. Please try again."
+
+
+@pytest.mark.anyio
+async def test_timeout_raises_llm_error(fake: FakeOpenAI, make_provider: MakeProvider) -> None:
+    provider = make_provider(timeout=0.2)
+    fake.add_delay(10)
+
+    started = time.monotonic()
+    with pytest.raises(LLMError) as caught:
+        await provider.chat(HELLO)
+
+    assert time.monotonic() - started < 2
+    assert "too long" in caught.value.user_message
+    assert "no answer in time" in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_rejected_key_is_reported_without_trying_fallbacks(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(api_key="sk-wrong-secret-123", fallback_models=["backup"])
+    fake.add_error(401, "Incorrect API key provided: sk-wrong-secret-123.", code="invalid_api_key")
+
+    with pytest.raises(LLMConfigError) as caught:
+        await provider.chat(HELLO)
+
+    assert "API key" in caught.value.user_message
+    assert "OPENAI_API_KEY" in caught.value.user_message
+    assert "sk-wrong-secret-123" not in str(caught.value)
+    assert "HTTP 401" in str(caught.value)
+    assert [r.model for r in fake.chat_requests] == ["primary"]
+
+
+@pytest.mark.anyio
+async def test_bad_request_is_not_retried_on_other_models(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(max_retries=2, fallback_models=["backup"])
+    fake.add_error(
+        400, "This model's maximum context length is 8192 tokens.", code=("context_length_exceeded")
+    )
+
+    with pytest.raises(LLMError) as caught:
+        await provider.chat(HELLO)
+
+    assert "/new" in caught.value.user_message
+    assert len(fake.chat_requests) == 1
+
+
+@pytest.mark.anyio
+async def test_unreachable_server_raises_llm_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    provider = OpenAIProvider(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key=None, model="m", max_retries=0
+    )
+    try:
+        with pytest.raises(LLMError) as caught:
+            await provider.chat(HELLO)
+    finally:
+        await provider.aclose()
+    assert "cannot reach" in str(caught.value)
+
+
+# -- credentials ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "base_url",
+    [
+        None,
+        "https://api.openai.com/v1",
+        "https://eu.api.openai.com/v1",
+        "https://my-resource.openai.azure.com/openai",
+    ],
+)
+@pytest.mark.parametrize("api_key", [None, "", "  \n"])
+def test_missing_key_for_hosted_openai_says_what_to_set(
+    base_url: str | None, api_key: str | None
+) -> None:
+    with pytest.raises(LLMConfigError) as caught:
+        check_credentials(base_url, api_key)
+    assert "OPENAI_API_KEY" in str(caught.value)
+    assert "OPENAI_BASE_URL" in str(caught.value)
+    assert "http://127.0.0.1:11434/v1" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "base_url",
+    [
+        "http://localhost:11434/v1",
+        "http://127.0.0.1:8000/v1",
+        "http://127.1.2.3:8080/v1",
+        "http://[::1]:8080/v1",
+        "http://gpu-box.local:8000/v1",
+        "https://llm.internal.example.com/v1",
+    ],
+)
+def test_key_is_optional_for_local_and_custom_servers(base_url: str) -> None:
+    check_credentials(base_url, None)
+
+
+def test_a_key_satisfies_hosted_openai_and_bad_urls_are_rejected() -> None:
+    check_credentials(None, "sk-x")
+    check_credentials("https://api.openai.com/v1", "sk-x")
+    with pytest.raises(LLMConfigError, match="http"):
+        check_credentials("localhost:11434", None)
+
+
+def test_provider_refuses_to_start_without_a_key() -> None:
+    with pytest.raises(LLMConfigError, match="OPENAI_API_KEY"):
+        OpenAIProvider(base_url=None, api_key=None, model="gpt-4o-mini")
+
+
+@pytest.fixture
+def keyless_fake() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI.in_thread(api_key=None) as server:
+        yield server
+
+
+@pytest.mark.anyio
+async def test_local_server_gets_a_placeholder_key(keyless_fake: FakeOpenAI) -> None:
+    provider = OpenAIProvider(base_url=keyless_fake.base_url, api_key=None, model="llama3")
+    try:
+        response = await provider.chat(HELLO)
+    finally:
+        await provider.aclose()
+    assert response.message.content == "echo: hello"
+    assert keyless_fake.last_request.bearer_token == PLACEHOLDER_API_KEY
