@@ -1,0 +1,270 @@
+"""The agent loop: one turn of one session, from inbound message to persisted reply."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from loguru import logger
+
+from gateway.agent.commands import PRIVILEGED, Command, help_text, parse_command
+from gateway.agent.context import build_llm_messages, repair_tool_pairs
+from gateway.agent.tokens import estimate_messages_tokens
+from gateway.agent.tools import ToolContext, ToolRegistry
+from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse
+from gateway.messages import InboundMessage, OutboundMessage
+from gateway.sessions.errors import SessionError, SessionKeyError
+
+if TYPE_CHECKING:
+    from gateway.sessions import Session, SessionManager
+
+DeltaCallback = Callable[[str], Awaitable[None]]
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+
+def clean_user_text(text: str) -> str:
+    """Text safe to store and send: valid UTF-8 (undecodable bytes become U+FFFD) and no
+    control characters other than tab and newlines."""
+    return _CONTROL_CHARS.sub("", _SURROGATES.sub("\ufffd", text))
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """The agent's knobs, taken from `[agent]` and `[llm]` of the configuration."""
+
+    model: str
+    system_prompt: str = "You are a helpful assistant."
+    memory_window: int = 10
+    max_tool_iterations: int = 8
+    context_window: int = 32_768
+    reply_reserve_tokens: int = 1024
+    max_message_chars: int = 100_000
+    temperature: float | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    owners: frozenset[str] = field(default_factory=frozenset)
+
+
+class AgentLoop:
+    """Runs turns. The promises it keeps:
+
+    - the user's message is on disk before the model is called, so neither a crash nor
+      an LLM failure loses what the user said;
+    - turns of one session run one at a time, in the order `handle` was called;
+    - every tool call persisted is followed by its persisted tool result, and the
+      history sent to the model never holds an orphaned result or an unanswered call.
+    """
+
+    def __init__(
+        self,
+        *,
+        sessions: SessionManager,
+        provider: LLMProvider,
+        config: AgentConfig,
+        tools: ToolRegistry | None = None,
+    ) -> None:
+        self.sessions = sessions
+        self.provider = provider
+        self.config = config
+        self.tools = tools or ToolRegistry()
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    def _lock_for(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._locks[key] = lock
+        return lock
+
+    async def handle(
+        self, inbound: InboundMessage, *, on_delta: DeltaCallback | None = None
+    ) -> OutboundMessage:
+        """Answer one inbound message. Never raises for user or model problems: the
+        reply then says what went wrong (`is_error=True`)."""
+        key = inbound.session_key
+        with logger.contextualize(session=key):
+            async with self._lock_for(key):
+                return await self._handle_locked(inbound, on_delta)
+
+    async def _handle_locked(
+        self, inbound: InboundMessage, on_delta: DeltaCallback | None
+    ) -> OutboundMessage:
+        text = clean_user_text(inbound.text).strip()
+        if not text:
+            return self._reply(inbound, "Send some text and I will answer.", is_error=True)
+        if len(text) > self.config.max_message_chars:
+            logger.warning("message refused: {} characters", len(text))
+            return self._reply(
+                inbound,
+                f"That message is too long ({len(text):,} characters; the limit is "
+                f"{self.config.max_message_chars:,}). Please shorten it or split it up.",
+                is_error=True,
+            )
+        command = parse_command(text)
+        if command is not None:
+            return await self._run_command(inbound, command)
+
+        started = time.monotonic()
+        try:
+            session = await anyio.to_thread.run_sync(
+                self.sessions.get_or_create, inbound.session_key
+            )
+            # The promise: what the user said is on disk before the model sees it.
+            user_message = LLMMessage(role="user", content=text)
+            await anyio.to_thread.run_sync(functools.partial(session.add_message, user_message))
+            reply = await self._run_model(session, inbound, on_delta)
+        except LLMError as exc:
+            logger.error("turn failed: {}", exc)
+            return self._reply(inbound, exc.user_message, is_error=True)
+        except SessionKeyError as exc:
+            logger.warning("unusable session key: {}", exc)
+            return self._reply(
+                inbound,
+                "This conversation cannot be stored: its address is invalid.",
+                is_error=True,
+            )
+        except SessionError as exc:
+            logger.error("session storage failed: {}", exc)
+            return self._reply(
+                inbound,
+                "I could not save this conversation right now, so I did not answer. "
+                "Please try again shortly.",
+                is_error=True,
+            )
+        logger.info(
+            "turn done in {:.0f} ms ({} chars)", (time.monotonic() - started) * 1000, len(reply)
+        )
+        return self._reply(inbound, reply)
+
+    def _model_for(self, session: Session) -> str:
+        return session.build_context().model or self.config.model
+
+    async def _run_model(
+        self, session: Session, inbound: InboundMessage, on_delta: DeltaCallback | None
+    ) -> str:
+        ctx = await anyio.to_thread.run_sync(session.build_context)
+        model = ctx.model or self.config.model
+        budget = self.config.context_window - self.config.reply_reserve_tokens
+        messages = build_llm_messages(
+            system_prompt=self.config.system_prompt,
+            summary=ctx.summary,
+            history=ctx.messages,
+            max_messages=self.config.memory_window + 1,
+            budget_tokens=budget,
+        )
+        tool_context = ToolContext(session_key=session.key, sender_id=inbound.sender_id)
+        specs = self.tools.specs()
+        for _ in range(self.config.max_tool_iterations):
+            response = await self._complete(messages, model, specs, on_delta)
+            assistant = response.message
+            await anyio.to_thread.run_sync(functools.partial(session.add_message, assistant))
+            messages.append(assistant)
+            if not assistant.tool_calls:
+                return assistant.content or ""
+            for call in assistant.tool_calls:
+                logger.info("tool call {}", call.function_name)
+                result = await self.tools.execute(call, tool_context)
+                tool_message = LLMMessage(
+                    role="tool", content=result, tool_call_id=call.id, name=call.function_name
+                )
+                await anyio.to_thread.run_sync(functools.partial(session.add_message, tool_message))
+                messages.append(tool_message)
+        # Out of tool rounds: ask once more without tools, so the user gets an answer.
+        logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
+        response = await self._complete(repair_tool_pairs(messages), model, [], on_delta)
+        await anyio.to_thread.run_sync(lambda: session.add_message(response.message))
+        return response.message.content or ""
+
+    async def _complete(
+        self,
+        messages: list[LLMMessage],
+        model: str,
+        specs: list[Any],
+        on_delta: DeltaCallback | None,
+    ) -> LLMResponse:
+        if self.config.stream and on_delta is not None:
+            final: LLMResponse | None = None
+            async for delta in self.provider.stream(
+                messages,
+                model=model,
+                tools=specs,
+                temperature=self.config.temperature,
+                max_tokens=self.config.max_tokens,
+            ):
+                if delta.text:
+                    await on_delta(delta.text)
+                if delta.response is not None:
+                    final = delta.response
+            if final is None:
+                raise LLMError("stream ended without a final response")
+            return final
+        return await self.provider.chat(
+            messages,
+            model=model,
+            tools=specs,
+            temperature=self.config.temperature,
+            max_tokens=self.config.max_tokens,
+        )
+
+    # ------------------------------------------------------------------ commands
+
+    def _is_owner(self, inbound: InboundMessage) -> bool:
+        # The terminal and system jobs run on the operator's own machine.
+        if inbound.channel in ("cli", "system"):
+            return True
+        return f"{inbound.channel}:{inbound.sender_id}" in self.config.owners
+
+    async def _run_command(self, inbound: InboundMessage, command: Command) -> OutboundMessage:
+        key = inbound.session_key
+        if command.name in PRIVILEGED and not self._is_owner(inbound):
+            return self._reply(inbound, f"/{command.name} is for the bot's owners.", is_error=True)
+        if command.name == "help":
+            return self._reply(inbound, help_text())
+        if command.name in ("new", "reset"):
+            await anyio.to_thread.run_sync(self.sessions.reset, key)
+            logger.info("session reset by /{}", command.name)
+            return self._reply(inbound, "Started a new conversation. The old one is kept.")
+        session = await anyio.to_thread.run_sync(self.sessions.get_or_create, key)
+        if command.name == "model":
+            if not command.argument:
+                model = await anyio.to_thread.run_sync(self._model_for, session)
+                return self._reply(inbound, f"Model: {model}")
+            name = command.argument.split()[0]
+            await anyio.to_thread.run_sync(session.append_model_change, name)
+            logger.info("model switched to {}", name)
+            return self._reply(inbound, f"Model for this conversation: {name}")
+        if command.name == "status":
+            ctx = await anyio.to_thread.run_sync(session.build_context)
+            used = estimate_messages_tokens(ctx.messages[-(self.config.memory_window + 1) :])
+            share = 100 * used / self.config.context_window
+            lines = [
+                f"Session: {key}",
+                f"Messages: {session.message_count}",
+                f"Model: {ctx.model or self.config.model}",
+                f"Context: ~{used:,} of {self.config.context_window:,} tokens ({share:.0f}%)",
+            ]
+            if ctx.summary:
+                lines.append("Summary: yes (older turns are summarized)")
+            return self._reply(inbound, "\n".join(lines))
+        raise AssertionError(f"unhandled command {command.name}")  # parse_command bounds this
+
+    @staticmethod
+    def _reply(inbound: InboundMessage, text: str, *, is_error: bool = False) -> OutboundMessage:
+        return OutboundMessage(
+            channel=inbound.channel,
+            chat_id=inbound.chat_id,
+            text=text,
+            session_key=inbound.session_key,
+            reply_to=inbound.message_id,
+            thread_id=inbound.thread_id,
+            is_error=is_error,
+        )

@@ -1,0 +1,309 @@
+"""Command line: `gateway run | chat | init | sessions ...`.
+
+Errors a user can cause end in one line on stderr and a distinct exit code, never a
+traceback: 2 for bad usage or input, 78 for configuration, 1 for a failed operation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from gateway import __version__
+from gateway.config import EXIT_CONFIG, ConfigError, Settings, load_settings, write_starter_config
+from gateway.llm.types import LLMConfigError
+from gateway.logs import setup_logging
+
+if TYPE_CHECKING:
+    from gateway.sessions import Session, SessionManager
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """A command could not do what was asked; the message says why and what to do."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gateway", description="Chat gateway: talk to an LLM agent from chat apps."
+    )
+    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
+    parser.add_argument("--config", metavar="PATH", help="config file (default ./gateway.toml)")
+    parser.add_argument("--workspace", metavar="DIR", help="data folder (also GATEWAY_WORKSPACE)")
+    parser.add_argument("--model", metavar="NAME", help="LLM model (also GATEWAY_MODEL)")
+    parser.add_argument("--log-level", metavar="LEVEL", help="TRACE, DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sub.add_parser("run", help="run the gateway daemon (terminal chat on a TTY)")
+
+    chat = sub.add_parser("chat", help="chat with the agent in this terminal")
+    chat.add_argument("-m", "--message", help="send one message, print the reply, exit")
+    chat.add_argument("--session", metavar="KEY", help="session name or key (default cli:direct)")
+
+    init = sub.add_parser("init", help="write a commented starter gateway.toml")
+    init.add_argument("path", nargs="?", default="gateway.toml")
+
+    sessions = sub.add_parser("sessions", help="inspect and manage stored sessions")
+    ssub = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
+    lst = ssub.add_parser("list", help="sessions, most recently active first")
+    lst.add_argument("--json", action="store_true", help="machine-readable output")
+    for name, text in (
+        ("show", "the conversation on the current branch"),
+        ("tree", "every entry of the session as a tree"),
+    ):
+        ssub.add_parser(name, help=text).add_argument("key")
+    fork = ssub.add_parser("fork", help="copy the current branch into a new session")
+    fork.add_argument("key")
+    fork.add_argument("--at", metavar="ENTRY_ID", help="fork at this entry instead of the leaf")
+    fork.add_argument("--as", dest="new_key", metavar="NEW_KEY", help="key of the new session")
+    delete = ssub.add_parser("delete", help="delete a session's current file")
+    delete.add_argument("key")
+    delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    export = ssub.add_parser("export", help="print a session (JSONL entries or Markdown)")
+    export.add_argument("key")
+    export.add_argument("--format", choices=("jsonl", "markdown"), default="jsonl")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {"workspace": args.workspace, "llm.model": args.model}
+    if args.log_level:
+        overrides["log.level"] = args.log_level
+    return load_settings(args.config, overrides=overrides)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    write_starter_config(path)
+    print(f"wrote {path}; edit it, then set OPENAI_API_KEY (or OPENAI_BASE_URL) and run it")
+    return EXIT_OK
+
+
+def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
+    from channels.cli import CLIChannel, cli_session_key
+    from gateway.daemon import Gateway
+
+    key = cli_session_key(args.session)
+    gateway = Gateway.build(settings)
+
+    async def main() -> int:
+        channel = CLIChannel(gateway.agent, session_key=key)
+        try:
+            if args.message is not None:
+                reply = await channel.send_once(args.message)
+                if reply.is_error:
+                    print(f"gateway: {reply.text}", file=sys.stderr)
+                    return EXIT_FAILED
+                print(reply.text)
+                return EXIT_OK
+            await channel.run_interactive()
+            return EXIT_OK
+        finally:
+            await gateway.aclose()
+
+    return anyio.run(main)
+
+
+def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.daemon import Gateway, run_daemon
+
+    gateway = Gateway.build(settings)
+    return anyio.run(run_daemon, gateway)
+
+
+def _manager(settings: Settings) -> SessionManager:
+    from gateway.daemon import build_session_manager
+
+    return build_session_manager(settings)
+
+
+def _existing(manager: SessionManager, key: str) -> Session:
+    session = manager.get(key)
+    if session is None:
+        raise CommandError(f"no session {key!r}; `gateway sessions list` shows the keys")
+    return session
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _message_line(message: Any) -> str:
+    if message.role == "assistant" and message.tool_calls:
+        calls = ", ".join(
+            f"{c.function_name}({json.dumps(c.arguments)})" for c in message.tool_calls
+        )
+        head = f"[assistant -> {calls}]"
+        return f"{head} {message.content}" if message.content else head
+    if message.role == "tool":
+        return f"[tool {message.name or ''}] {message.content or ''}"
+    return f"[{message.role}] {message.content or ''}"
+
+
+def _entry_summary(entry: Any) -> str:
+    data = entry.to_dict()
+    kind = data.get("type", "?")
+    if kind == "message":
+        text = _message_line(entry.message)
+        return text if len(text) <= 80 else text[:77] + "..."
+    detail = {k: v for k, v in data.items() if k not in ("type", "id", "parent_id", "timestamp")}
+    text = json.dumps(detail, ensure_ascii=False)
+    return f"<{kind}> {text if len(text) <= 70 else text[:67] + '...'}"
+
+
+def cmd_sessions(args: argparse.Namespace, settings: Settings) -> int:
+    manager = _manager(settings)
+    try:
+        return _sessions_action(args, manager)
+    finally:
+        manager.close()
+
+
+def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
+    action = args.action
+    if action == "delete":
+        return _delete(args, manager)
+    if action == "fork":
+        forked = manager.fork(args.key, new_key=args.new_key, entry_id=args.at)
+        if forked is None:
+            raise CommandError("fork cancelled by a hook")
+        print(forked.key)
+        return EXIT_OK
+    if action == "list":
+        infos = manager.list_sessions()
+        if args.json:
+            print(
+                json.dumps(
+                    [
+                        {"key": i.key, "updated_at": i.updated_at, "size_bytes": i.size_bytes}
+                        for i in infos
+                    ]
+                )
+            )
+        elif not infos:
+            print("no sessions yet")
+        else:
+            width = max(len(i.key) for i in infos)
+            for info in infos:
+                print(f"{info.key:<{width}}  {_when(info.updated_at)}  {info.size_bytes:>9} B")
+        return EXIT_OK
+    session = _existing(manager, args.key)
+    if action == "show":
+        ctx = session.build_context()
+        if ctx.summary:
+            print(f"[summary] {ctx.summary}\n")
+        for message in ctx.messages:
+            print(_message_line(message))
+        return EXIT_OK
+    if action == "tree":
+        _print_tree(session)
+        return EXIT_OK
+    if action == "export":
+        if args.format == "jsonl":
+            if session.path is not None and Path(session.path).exists():
+                sys.stdout.write(Path(session.path).read_text(encoding="utf-8"))
+        else:
+            ctx = session.build_context()
+            print(f"# Session {session.key}\n")
+            if ctx.summary:
+                print(f"> Summary: {ctx.summary}\n")
+            for message in ctx.messages:
+                print(f"**{message.role}**: {message.content or ''}\n")
+        return EXIT_OK
+    raise CommandError(f"unknown action {action}", EXIT_USAGE)
+
+
+def _delete(args: argparse.Namespace, manager: SessionManager) -> int:
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CommandError("refusing to delete without --yes", EXIT_USAGE)
+        answer = input(f"delete session {args.key!r}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not deleted")
+            return EXIT_OK
+    if not manager.delete(args.key):
+        raise CommandError(f"no session {args.key!r}")
+    print(f"deleted {args.key}")
+    return EXIT_OK
+
+
+def _print_tree(session: Session) -> None:
+    leaf = session.leaf_id
+    labels = session.labels
+
+    def walk(node: Any, prefix: str, last: bool, top: bool) -> None:
+        entry = node.entry
+        marker = " <- leaf" if entry.id == leaf else ""
+        label = f" [{labels[entry.id]}]" if entry.id in labels else ""
+        connector = "" if top else ("`-- " if last else "|-- ")
+        print(f"{prefix}{connector}{entry.id} {_entry_summary(entry)}{label}{marker}")
+        child_prefix = prefix if top else prefix + ("    " if last else "|   ")
+        for i, child in enumerate(node.children):
+            walk(child, child_prefix, i == len(node.children) - 1, False)
+
+    roots = session.get_tree()
+    for i, root in enumerate(roots):
+        walk(root, "", i == len(roots) - 1, True)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "init":
+        return cmd_init(args)
+    settings = _settings(args)
+    interactive = args.command == "run" or (args.command == "chat" and args.message is None)
+    level = settings.log.level
+    if interactive and not args.log_level and level in ("TRACE", "DEBUG", "INFO"):
+        level = "WARNING"  # keep the terminal chat readable
+    setup_logging(level, settings.log.format, settings.secrets())
+    handlers: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
+        "run": cmd_run,
+        "chat": cmd_chat,
+        "sessions": cmd_sessions,
+    }
+    return handlers[args.command](args, settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            print(f"gateway: config error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    except LLMConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except CommandError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return exc.code
+    except ValueError as exc:  # e.g. a session key that cannot be stored
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

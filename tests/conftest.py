@@ -1,0 +1,49 @@
+"""Shared fixtures: the anyio backend, the fake OpenAI server and a gateway wired to it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import Settings, load_settings
+from tests.fakes.openai_server import FakeOpenAI
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def fake_openai() -> AsyncIterator[FakeOpenAI]:
+    async with FakeOpenAI(models=("gpt-4o-mini", "other-model", "backup")) as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake_openai_thread() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI.in_thread(models=("gpt-4o-mini", "other-model", "backup")) as fake:
+        yield fake
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path) -> Callable[..., Settings]:
+    """Settings pointing at a fake server and a private workspace; keyword arguments
+    are GATEWAY_* style overrides as dotted keys (e.g. `agent__memory_window=4`)."""
+
+    def make(fake: FakeOpenAI, **overrides: Any) -> Settings:
+        env = {
+            "OPENAI_BASE_URL": fake.base_url,
+            "OPENAI_API_KEY": fake.api_key or "",
+            "GATEWAY_WORKSPACE": str(tmp_path / "ws"),
+            "GATEWAY_LLM__MAX_RETRIES": "0",
+            "GATEWAY_LLM__TIMEOUT": "10",
+        }
+        for key, value in overrides.items():
+            env["GATEWAY_" + key.upper()] = str(value)
+        return load_settings(None, environ=env)
+
+    return make

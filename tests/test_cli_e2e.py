@@ -1,0 +1,122 @@
+"""The `gateway` command as a user runs it: a subprocess against the fake OpenAI server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fakes.openai_server import FakeOpenAI
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_gateway(
+    args: list[str], env: dict[str, str], cwd: Path, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        env=env,
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def base_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
+    env["GATEWAY_WORKSPACE"] = str(tmp_path / "ws")
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def test_one_shot_chat_twice_carries_the_first_turn(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    first = run_gateway(["chat", "-m", "my favourite colour is teal"], env, tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "echo: my favourite colour is teal"
+
+    second = run_gateway(["chat", "-m", "what is my favourite colour?"], env, tmp_path)
+    assert second.returncode == 0, second.stderr
+    sent = fake_openai_thread.chat_requests[-1].messages
+    contents = [m.get("content") for m in sent]
+    assert "my favourite colour is teal" in contents
+    assert "echo: my favourite colour is teal" in contents
+
+    listing = run_gateway(["sessions", "list", "--json"], env, tmp_path)
+    assert [s["key"] for s in json.loads(listing.stdout)] == ["cli:direct"]
+    shown = run_gateway(["sessions", "show", "cli:direct"], env, tmp_path)
+    assert "[user] what is my favourite colour?" in shown.stdout
+    tree = run_gateway(["sessions", "tree", "cli:direct"], env, tmp_path)
+    assert tree.returncode == 0 and "<- leaf" in tree.stdout
+    exported = run_gateway(["sessions", "export", "cli:direct"], env, tmp_path)
+    lines = [json.loads(x) for x in exported.stdout.splitlines()]
+    assert lines[0]["type"] == "session_header" and len(lines) == 5
+
+    forked = run_gateway(["sessions", "fork", "cli:direct"], env, tmp_path)
+    assert forked.returncode == 0, forked.stderr
+    new_key = forked.stdout.strip()
+    third = run_gateway(["chat", "--session", new_key, "-m", "and now?"], env, tmp_path)
+    assert third.returncode == 0, third.stderr
+    assert "my favourite colour is teal" in [
+        m.get("content") for m in fake_openai_thread.chat_requests[-1].messages
+    ]
+
+    deleted = run_gateway(["sessions", "delete", new_key, "--yes"], env, tmp_path)
+    assert deleted.returncode == 0
+    missing = run_gateway(["sessions", "show", new_key], env, tmp_path)
+    assert missing.returncode == 1 and "no session" in missing.stderr
+
+
+def test_interactive_chat_reads_lines_until_eof(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    out = run_gateway(["chat", "--session", "work"], env, tmp_path, stdin="hello\n/status\n")
+    assert out.returncode == 0, out.stderr
+    assert "bot> echo: hello" in out.stdout
+    assert "Session: cli:work" in out.stdout
+
+
+def test_failures_are_one_clear_line(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
+    env = base_env(tmp_path)
+    no_key = run_gateway(["chat", "-m", "hi"], env, tmp_path)
+    assert no_key.returncode == 78
+    assert "OPENAI_API_KEY" in no_key.stderr and "OPENAI_BASE_URL" in no_key.stderr
+    assert "Traceback" not in no_key.stderr
+
+    bad = run_gateway(["chat", "-m", "hi"], env | {"GATEWAY_LLM__TIMEOUT": "never"}, tmp_path)
+    assert bad.returncode == 78 and "llm.timeout" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+    fake_openai_thread.fail_model("gpt-4o-mini", status=500)
+    env |= {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    down = run_gateway(["chat", "-m", "hi"], env, tmp_path)
+    assert down.returncode == 1 and down.stderr.strip() and "Traceback" not in down.stderr
+    assert fake_openai_thread.api_key not in down.stderr  # type: ignore[operator]
+
+    hostile = run_gateway(["chat", "--session", "x" * 5000, "-m", "hi"], env, tmp_path)
+    assert hostile.returncode == 2 and "Traceback" not in hostile.stderr
+
+
+def test_init_writes_a_valid_config_once(tmp_path: Path) -> None:
+    env = base_env(tmp_path)
+    made = run_gateway(["init"], env, tmp_path)
+    assert made.returncode == 0 and (tmp_path / "gateway.toml").exists()
+    again = run_gateway(["init"], env, tmp_path)
+    assert again.returncode == 78 and "already exists" in again.stderr

@@ -1,0 +1,98 @@
+"""Pure context policies: tool-pair repair and the recent window."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.agent.context import (
+    INTERRUPTED_TOOL_RESULT,
+    build_llm_messages,
+    repair_tool_pairs,
+    select_window,
+)
+from gateway.llm import LLMMessage, ToolCall
+
+
+def user(text: str) -> LLMMessage:
+    return LLMMessage(role="user", content=text)
+
+
+def call(*ids: str) -> LLMMessage:
+    return LLMMessage(
+        role="assistant", tool_calls=[ToolCall(id=i, function_name="f", arguments={}) for i in ids]
+    )
+
+
+def result(call_id: str) -> LLMMessage:
+    return LLMMessage(role="tool", content="ok", tool_call_id=call_id, name="f")
+
+
+def assert_well_paired(messages: list[LLMMessage]) -> None:
+    pending: set[str] = set()
+    for m in messages:
+        if m.role == "tool":
+            assert m.tool_call_id in pending, "tool result without its call"
+            pending.discard(m.tool_call_id)
+        else:
+            assert not pending, "tool call left unanswered"
+            if m.role == "assistant":
+                pending = {c.id for c in m.tool_calls}
+    assert not pending
+
+
+def test_orphan_result_dropped_and_unanswered_call_answered() -> None:
+    msgs = [result("gone"), user("hi"), call("a", "b"), result("a"), user("next")]
+    fixed = repair_tool_pairs(msgs)
+    assert_well_paired(fixed)
+    assert [m.role for m in fixed] == ["user", "assistant", "tool", "tool", "user"]
+    assert fixed[3].tool_call_id == "b" and fixed[3].content == INTERRUPTED_TOOL_RESULT
+
+
+messages_strategy = st.lists(
+    st.one_of(
+        st.builds(user, st.text(max_size=5)),
+        st.builds(lambda ids: call(*ids), st.lists(st.sampled_from("abc"), unique=True)),
+        st.builds(result, st.sampled_from("abcd")),
+    ),
+    max_size=30,
+)
+
+
+@given(messages_strategy)
+def test_repair_always_yields_well_paired_history(msgs: list[LLMMessage]) -> None:
+    fixed = repair_tool_pairs(msgs)
+    assert_well_paired(fixed)
+    # Nothing but tool results is ever dropped.
+    assert [m for m in fixed if m.role != "tool"] == [m for m in msgs if m.role != "tool"]
+
+
+@given(messages_strategy, st.integers(min_value=1, max_value=10), st.integers(0, 200))
+def test_window_keeps_last_message_and_pairs(
+    msgs: list[LLMMessage], max_messages: int, max_tokens: int
+) -> None:
+    msgs = [*msgs, user("the new question")]
+    window = select_window(msgs, max_messages=max_messages, max_tokens=max_tokens)
+    assert window[-1] == msgs[-1]
+    assert_well_paired(window)
+
+
+def test_window_cuts_oldest_by_count_and_tokens() -> None:
+    msgs = [user(f"m{i} " + "x" * 400) for i in range(10)]
+    assert select_window(msgs, max_messages=3, max_tokens=10**6) == msgs[-3:]
+    by_tokens = select_window(msgs, max_messages=10, max_tokens=250)
+    assert by_tokens == msgs[-2:]
+    huge = [user("y" * 100_000)]
+    assert select_window(huge, max_messages=5, max_tokens=10) == huge
+
+
+def test_build_puts_system_then_summary_then_window() -> None:
+    out = build_llm_messages(
+        system_prompt="sys",
+        summary="earlier: we met",
+        history=[user("a"), user("b")],
+        max_messages=5,
+        budget_tokens=1000,
+    )
+    assert [m.role for m in out] == ["system", "system", "user", "user"]
+    assert "earlier: we met" in (out[1].content or "")
