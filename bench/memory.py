@@ -1,0 +1,311 @@
+"""Benchmark of the memory layer: search latency, index build, appends, compaction, knowledge.
+
+Run `.venv/bin/python bench/memory.py` (a table) or with `--json`. The corpus is
+synthetic but shaped like real text: a seeded vocabulary of a few thousand words drawn
+with a Zipf law, mixed with English stopwords; queries are 2-4 words drawn the same way
+(so common words do appear in queries). Compaction runs in a child process so its
+peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from itertools import accumulate
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gateway.memory import CATEGORIES, KnowledgeBase, MemoryManager
+from gateway.memory.text import STOPWORDS
+
+SEED = 20240228
+VOCABULARY_SIZE = 4000
+QUERIES = 20
+_SYLLABLE_TEXT = (
+    "ka lo mi ra te su no vi da pe ri go ba zu le min tor sal ver dan kel pol rin gas tem "
+    "dor fin lak mor set bri cla dro fen gri hul jor kip lum nar orb pix"
+)
+_SYLLABLES = tuple(_SYLLABLE_TEXT.split())
+
+
+@dataclass(slots=True)
+class Row:
+    metric: str
+    size: int
+    value: float
+    unit: str
+    target: str
+    ok: bool | None
+
+
+def row(metric: str, size: int, value: float, unit: str, limit: float | None = None) -> Row:
+    """A result; with `limit`, the target is `value < limit`."""
+    if limit is None:
+        return Row(metric, size, value, unit, "-", None)
+    return Row(metric, size, value, unit, f"< {limit:g}", value < limit)
+
+
+class Corpus:
+    """Seeded Zipf-distributed synthetic text."""
+
+    def __init__(self, seed: int = SEED) -> None:
+        self.rng = random.Random(seed)
+        words: set[str] = set()
+        while len(words) < VOCABULARY_SIZE:
+            parts = self.rng.randint(2, 4)
+            words.add("".join(self.rng.choice(_SYLLABLES) for _ in range(parts)))
+        self.words = sorted(words)
+        self.rng.shuffle(self.words)
+        self.cum = list(accumulate(1.0 / (rank + 1) ** 1.05 for rank in range(len(self.words))))
+        self.stopwords = sorted(STOPWORDS - {"s", "t"})
+
+    def sentence(self, low: int = 6, high: int = 16) -> str:
+        n = self.rng.randint(low, high)
+        content = self.rng.choices(self.words, cum_weights=self.cum, k=n)
+        out: list[str] = []
+        for word in content:
+            if self.rng.random() < 0.5:
+                out.append(self.rng.choice(self.stopwords))
+            out.append(word)
+        return " ".join(out).capitalize()
+
+    def query(self) -> str:
+        n = self.rng.randint(2, 4)
+        return " ".join(self.rng.choices(self.words, cum_weights=self.cum, k=n))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 4)
+
+
+def _median_ms(fn: Callable[[str], object], queries: list[str]) -> tuple[float, float]:
+    for q in queries[:3]:
+        fn(q)  # warm caches (stemmer, allocator)
+    times = []
+    for q in queries:
+        start = time.perf_counter()
+        fn(q)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return _ms(statistics.median(times)), _ms(times[int(len(times) * 0.95) - 1])
+
+
+def write_history(folder: Path, corpus: Corpus, lines: int, archive_bytes: int = 512_000) -> None:
+    """`lines` timestamped lines over the last year, split into archives + HISTORY.md."""
+    start = datetime.now(UTC) - timedelta(days=365)
+    step = timedelta(days=365) / max(lines, 1)
+    chunk: list[str] = []
+    size = 0
+    archive = 0
+    for i in range(lines):
+        stamp = (start + step * i).strftime("%Y-%m-%d %H:%M:%S")
+        speaker = "User" if i % 2 == 0 else "Agent"
+        line = f"[{stamp}] {speaker}: {corpus.sentence()}\n"
+        chunk.append(line)
+        size += len(line)
+        if size > archive_bytes:
+            (folder / f"HISTORY.archive.20240101T000000-{archive:04d}.md").write_text(
+                "".join(chunk)
+            )
+            archive += 1
+            chunk, size = [], 0
+    (folder / "HISTORY.md").write_text("".join(chunk))
+
+
+def memory_text(corpus: Corpus, facts: int, duplicates: float = 0.0) -> str:
+    """MEMORY.md with `facts` bullets under daily headings, some of them redundant."""
+    out: list[str] = []
+    written: list[tuple[str, str]] = []
+    day = datetime(2024, 1, 1).date()
+    for i in range(facts):
+        if i % 25 == 0:
+            out.append(f"\n### Consolidated {day.isoformat()}\n")
+            day += timedelta(days=1)
+        if written and corpus.rng.random() < duplicates:
+            category, text = corpus.rng.choice(written)
+            if corpus.rng.random() < 0.5:
+                text = text.upper() + "."  # equal up to case and punctuation
+            else:
+                text = f"{text} {corpus.rng.choice(corpus.words)}"  # contains the original
+        else:
+            category, text = corpus.rng.choice(CATEGORIES), corpus.sentence(5, 12)
+            written.append((category, text))
+        out.append(f"- [{category}] {text}\n")
+    return "".join(out)
+
+
+def bench_search(sizes: list[int], rows: list[Row]) -> None:
+    corpus = Corpus()
+    queries = [corpus.query() for _ in range(QUERIES)]
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            manager = MemoryManager(Path(tmp), "bench:search", history_max_bytes=512_000)
+            write_history(manager.dir, corpus, n)
+            manager.memory_path.write_text(memory_text(corpus, n))
+
+            start = time.perf_counter()
+            manager.load_indexes()
+            build = time.perf_counter() - start
+            rows.append(row("index build (history + memory)", n, _ms(build), "ms"))
+            search_rows(manager, n, queries, rows)
+            if n == max(sizes):
+                append_rows(manager, corpus, n, rows)
+
+
+def search_rows(manager: MemoryManager, n: int, queries: list[str], rows: list[Row]) -> None:
+    med, p95 = _median_ms(manager.search_history, queries)
+    rows.append(row("search_history median (decay 0.001)", n, med, "ms", 5))
+    rows.append(row("search_history p95", n, p95, "ms"))
+    med, p95 = _median_ms(manager.search_memory, queries)
+    rows.append(row("search_memory median", n, med, "ms", 5))
+    rows.append(row("search_memory p95", n, p95, "ms"))
+    med, _ = _median_ms(lambda q: manager.search_memory(q, category="project_decision"), queries)
+    rows.append(row("search_memory +category median", n, med, "ms", 5))
+
+
+def append_rows(manager: MemoryManager, corpus: Corpus, n: int, rows: list[Row]) -> None:
+    appends = 2000
+    entries = [corpus.sentence() for _ in range(appends)]
+    start = time.perf_counter()
+    for entry in entries:
+        manager.append_history(entry)
+    per = _ms((time.perf_counter() - start) / appends)
+    rows.append(row("append_history (indexed, rotation incl.)", n, per, "ms", 0.1))
+    start = time.perf_counter()
+    for entry in entries:
+        manager.append_to_memory(f"- [learned_fact] {entry}")
+    per = _ms((time.perf_counter() - start) / appends)
+    rows.append(row("append_to_memory (indexed)", n, per, "ms", 0.1))
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak RSS. VmHWM is reset by exec (ru_maxrss on Linux is not)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _compact_child(folder: str) -> None:
+    manager = MemoryManager(Path(folder), "bench:compact")
+    before = _peak_rss_mb()
+    start = time.perf_counter()
+    removed = manager.compact_memory()
+    elapsed = time.perf_counter() - start
+    peak = _peak_rss_mb()
+    print(
+        json.dumps({"seconds": elapsed, "removed": removed, "peak_mb": peak, "before_mb": before})
+    )
+
+
+def bench_compact(sizes: list[int], rows: list[Row]) -> None:
+    corpus = Corpus(SEED + 1)
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            manager = MemoryManager(Path(tmp), "bench:compact")
+            manager.memory_path.write_text(memory_text(corpus, n, duplicates=0.15))
+            out = subprocess.run(
+                [sys.executable, __file__, "--compact-child", tmp],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            seconds, peak = result["seconds"], result["peak_mb"]
+            label = f"compact_memory time ({result['removed']} removed)"
+            rows.append(row(label, n, _ms(seconds), "ms", 1000))
+            rows.append(
+                row("compact_memory peak RSS (whole process)", n, round(peak, 1), "MB", 300)
+            )
+            growth = round(peak - result["before_mb"], 1)
+            rows.append(row("compact_memory RSS growth", n, growth, "MB"))
+
+
+def bench_knowledge(n: int, rows: list[Row]) -> None:
+    corpus = Corpus(SEED + 2)
+    texts = [(corpus.sentence(4, 12), corpus.rng.choice(CATEGORIES)) for _ in range(n)]
+    queries = [corpus.query() for _ in range(QUERIES)]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = KnowledgeBase(Path(tmp) / "knowledge.json")
+        start = time.perf_counter()
+        for text, category in texts:
+            base.add(text, category, source="bench")
+        per = (time.perf_counter() - start) / n
+        rows.append(row("knowledge add (amortized flushes)", n, _ms(per), "ms"))
+        start = time.perf_counter()
+        base.add("one more entry to make it dirty", "learned_fact")
+        base.flush()
+        rows.append(row("knowledge flush", n, _ms(time.perf_counter() - start), "ms"))
+        med, _ = _median_ms(base.search, queries)
+        rows.append(row("knowledge search median", n, med, "ms", 5))
+        start = time.perf_counter()
+        base.export_for_context()
+        rows.append(row("knowledge export_for_context", n, _ms(time.perf_counter() - start), "ms"))
+        start = time.perf_counter()
+        reopened = KnowledgeBase(Path(tmp) / "knowledge.json")
+        load = time.perf_counter() - start
+        rows.append(row("knowledge load", len(reopened), _ms(load), "ms"))
+
+
+def print_table(rows: list[Row]) -> None:
+    headers = ("metric", "size", "value", "unit", "target", "pass")
+    table = [
+        (
+            r.metric,
+            f"{r.size:,}",
+            f"{r.value:g}",
+            r.unit,
+            r.target,
+            "-" if r.ok is None else ("yes" if r.ok else "NO"),
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--sizes", default="1000,10000,100000", help="search corpus sizes")
+    parser.add_argument("--compact-sizes", default="1000,10000")
+    parser.add_argument("--knowledge-size", type=int, default=10_000)
+    parser.add_argument("--compact-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.compact_child:
+        _compact_child(args.compact_child)
+        return 0
+
+    from loguru import logger
+
+    logger.remove()  # keep the table readable
+    rows: list[Row] = []
+    bench_search([int(s) for s in args.sizes.split(",")], rows)
+    bench_compact([int(s) for s in args.compact_sizes.split(",")], rows)
+    bench_knowledge(args.knowledge_size, rows)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+    else:
+        print_table(rows)
+    return 0 if all(r.ok is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

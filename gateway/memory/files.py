@@ -1,0 +1,108 @@
+"""Private, crash-safe file primitives for the memory files.
+
+Invariants:
+- Files created here are mode 0600 and folders 0700 (the memory of one person is
+  readable by the daemon's user only).
+- `atomic_write_text` never leaves a half-written file under the target name: the new
+  content is written to a temp file in the same folder, fsynced, then renamed over.
+- `append_text` is one `write` in append mode: O(1) whatever the file's size.
+- `create_exclusive` never overwrites an existing file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create `path` (and missing parents) with mode 0700; an existing folder is kept."""
+    if path.is_dir():
+        return
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    # mkdir's mode is filtered by the umask; state it explicitly.
+    os.chmod(path, DIR_MODE)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a file creation inside `path` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` via temp file + fsync + rename (+ folder fsync)."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_name, FILE_MODE)
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """`atomic_write_bytes` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def append_text(path: Path, text: str, *, fsync: bool = False) -> int:
+    """Append `text` in one write, creating the file (0600) if needed.
+
+    If the file is non-empty and does not end with a newline, a newline is written
+    first so the appended text starts on its own line. Returns the file's new size.
+    """
+    data = text.encode("utf-8")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    try:
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        if fsync:
+            os.fsync(fd)
+        return size + len(data)
+    finally:
+        os.close(fd)
+
+
+def create_exclusive(path: Path, data: bytes) -> None:
+    """Write a new file that must not exist yet (FileExistsError otherwise), fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+
+
+def read_text(path: Path) -> str:
+    """The file's UTF-8 text ('' if it does not exist); undecodable bytes are replaced."""
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""

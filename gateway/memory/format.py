@@ -1,0 +1,138 @@
+"""Line formats of MEMORY.md and HISTORY.md, and the fact categories (pure functions).
+
+MEMORY.md holds `- [category] text` bullets under `### Consolidated YYYY-MM-DD`
+headings; people may edit it and add free text. HISTORY.md holds one entry per line,
+`[YYYY-MM-DD HH:MM:SS] text` in UTC (the seed's `... UTC]` variant is read too).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from datetime import time as time_of_day
+from functools import lru_cache
+
+from loguru import logger
+
+from gateway.memory.text import one_line
+
+# In export priority order (most important first).
+CATEGORIES: tuple[str, ...] = (
+    "user_preference",
+    "project_decision",
+    "error_pattern",
+    "system_behavior",
+    "learned_fact",
+)
+DEFAULT_CATEGORY = "learned_fact"
+
+HISTORY_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+_HISTORY_TS_RE = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?: UTC)?\]")
+_FACT_RE = re.compile(r"^[-*+]\s+\[([A-Za-z_][A-Za-z0-9_]*)\]\s*(.*)$")
+_BULLET_RE = re.compile(r"^[-*+]\s+(.*)$")
+_HEADING_PREFIX = "### Consolidated "
+_HEADING_RE = re.compile(r"^#+\s*Consolidated\s+(\d{4}-\d{2}-\d{2})\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class FactLine:
+    """A parsed `- [category] text` bullet (category as written, not normalized)."""
+
+    category: str
+    text: str
+
+
+def normalize_category(category: str) -> str:
+    """A known category, lowercased; anything else becomes `learned_fact` (with a warning)."""
+    cleaned = category.strip().lower()
+    if cleaned in CATEGORIES:
+        return cleaned
+    logger.warning("Unknown memory category {!r}; using {!r}", category, DEFAULT_CATEGORY)
+    return DEFAULT_CATEGORY
+
+
+def format_fact(category: str, text: str) -> str:
+    """`- [category] text` on one line (no trailing newline)."""
+    return f"- [{category}] {one_line(text)}"
+
+
+def parse_fact(line: str) -> FactLine | None:
+    """The bullet's category and text, or None for any other kind of line."""
+    match = _FACT_RE.match(line.strip())
+    if match is None:
+        return None
+    return FactLine(match.group(1), match.group(2).strip())
+
+
+def parse_bullet(line: str) -> FactLine | None:
+    """Any bullet: a fact (`- [category] text`) or a plain `- text` (category '')."""
+    fact = parse_fact(line)
+    if fact is not None:
+        return fact
+    match = _BULLET_RE.match(line.strip())
+    if match is None or not match.group(1).strip():
+        return None
+    return FactLine("", match.group(1).strip())
+
+
+def is_heading(line: str) -> bool:
+    return line.lstrip().startswith("#")
+
+
+def consolidated_heading(day: date) -> str:
+    return f"{_HEADING_PREFIX}{day.isoformat()}"
+
+
+def heading_day(line: str) -> date | None:
+    """The day of a `### Consolidated YYYY-MM-DD` heading, or None."""
+    match = _HEADING_RE.match(line.strip())
+    if match is None:
+        return None
+    try:
+        return date.fromisoformat(match.group(1))
+    except ValueError:
+        return None
+
+
+def memory_documents(content: str) -> list[tuple[str, str | None]]:
+    """The searchable lines of MEMORY.md: `(stripped line, category or None)`.
+
+    Headings and blank lines are not documents; free text is (without a category).
+    """
+    docs: list[tuple[str, str | None]] = []
+    for raw in content.splitlines():
+        line = raw.strip()
+        if not line or is_heading(line):
+            continue
+        fact = parse_fact(line)
+        docs.append((line, fact.category.lower() if fact else None))
+    return docs
+
+
+def format_history_line(text: str, when: datetime) -> str:
+    """`[YYYY-MM-DD HH:MM:SS] text` + newline, in UTC; the entry is folded to one line."""
+    stamp = when.astimezone(UTC).strftime(HISTORY_TIME_FORMAT)
+    return f"[{stamp}] {one_line(text)}\n"
+
+
+def history_timestamp(line: str) -> float | None:
+    """Epoch seconds of a history line's `[...]` timestamp (UTC), or None."""
+    match = _HISTORY_TS_RE.match(line)
+    if match is None:
+        return None
+    stamp = match.group(1)
+    day = _day_start(stamp[:10])
+    hour, minute, second = int(stamp[11:13]), int(stamp[14:16]), int(stamp[17:19])
+    if day is None or hour > 23 or minute > 59 or second > 61:
+        return None
+    return day + hour * 3600 + minute * 60 + second
+
+
+@lru_cache(maxsize=4096)
+def _day_start(text: str) -> float | None:
+    # strptime per line dominated index building; days repeat a lot, so cache them.
+    try:
+        return datetime.combine(date.fromisoformat(text), time_of_day(), UTC).timestamp()
+    except ValueError:
+        return None

@@ -1,0 +1,434 @@
+"""MemoryManager: the MEMORY.md / HISTORY.md / knowledge.json files of one memory scope.
+
+Invariants:
+- Appends (`append_to_memory`, `append_facts`, `append_history`) are one write in
+  append mode: O(1) whatever the file's size, never a read-modify-write.
+- Whole-file rewrites (`write_memory`, `compact_memory`, history rotation) go through
+  temp file + fsync + rename.
+- Rotation never loses a history line: the older lines go to a new, uniquely named
+  `HISTORY.archive.<ts>-<n>.md` (created exclusively, never overwriting) before
+  HISTORY.md is replaced by the newer lines; a crash in between can only duplicate
+  lines, not drop them. Archives stay searchable.
+- Searches never read the files: each index is built once from the files on first use
+  (or `load_indexes()`), then every append adds its documents to it. MEMORY.md is
+  meant to be edited by people: a search notices a hand edit (by the file's size and
+  mtime) and rebuilds that index once.
+- All methods are thread-safe (one lock per manager). Keep one manager per scope per
+  process (`MemoryStore` does). Hand edits of HISTORY.md or its archives while the
+  history index is loaded are seen after the scope is reopened.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from datetime import UTC, date, datetime
+from pathlib import Path
+
+from loguru import logger
+
+from gateway.memory.dedupe import redundant_facts
+from gateway.memory.files import (
+    append_text,
+    atomic_write_bytes,
+    atomic_write_text,
+    create_exclusive,
+    ensure_private_dir,
+    read_text,
+)
+from gateway.memory.format import (
+    consolidated_heading,
+    format_fact,
+    format_history_line,
+    heading_day,
+    history_timestamp,
+    is_heading,
+    memory_documents,
+    normalize_category,
+    parse_bullet,
+)
+from gateway.memory.index import SearchIndex
+from gateway.memory.knowledge import KnowledgeBase
+from gateway.memory.scopes import WORKSPACE_SCOPE, scope_dir
+from gateway.memory.text import one_line, tokenize
+
+MEMORY_FILE = "MEMORY.md"
+HISTORY_FILE = "HISTORY.md"
+KNOWLEDGE_FILE = "knowledge.json"
+MEMORY_BACKUP_FILE = "MEMORY.md.bak"
+ARCHIVE_GLOB = "HISTORY.archive.*.md"
+
+# How far back from the end of MEMORY.md to look for the last heading, per read.
+_TAIL_CHUNK = 64 * 1024
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class MemoryManager:
+    """The memory files of one scope under `<workspace>/memory/<encoded scope>/`."""
+
+    def __init__(
+        self,
+        workspace_path: Path,
+        scope: str = WORKSPACE_SCOPE,
+        *,
+        history_max_bytes: int = 512_000,
+        fsync_appends: bool = False,
+        knowledge_flush_every: int = 32,
+        clock: Callable[[], datetime] = _utc_now,
+    ) -> None:
+        if history_max_bytes < 2:
+            raise ValueError("history_max_bytes must be at least 2")
+        self.scope = scope
+        self.dir = scope_dir(Path(workspace_path), scope)
+        ensure_private_dir(self.dir.parent)
+        ensure_private_dir(self.dir)
+        self.memory_path = self.dir / MEMORY_FILE
+        self.history_path = self.dir / HISTORY_FILE
+        self.history_max_bytes = history_max_bytes
+        self.fsync_appends = fsync_appends
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._log = logger.bind(memory_scope=scope)
+        self._memory_index: SearchIndex | None = None
+        # (size, mtime_ns) of MEMORY.md as the memory index knows it: a different stat
+        # means someone edited the file by hand, and the index is rebuilt.
+        self._memory_seen: tuple[int, int] | None = None
+        self._history_index: SearchIndex | None = None
+        # (size, mtime_ns) of MEMORY.md when `_last_day` was known, and that day.
+        self._last_day_stat: tuple[int, int] | None = None
+        self._last_day: date | None = None
+        self.knowledge = KnowledgeBase(
+            self.dir / KNOWLEDGE_FILE,
+            flush_every=knowledge_flush_every,
+            clock=lambda: clock().timestamp(),
+        )
+
+    # -- MEMORY.md ---------------------------------------------------------------
+
+    def read_memory(self) -> str:
+        """The whole of MEMORY.md ('' if there is none yet)."""
+        return read_text(self.memory_path)
+
+    def write_memory(self, content: str) -> None:
+        """Replace MEMORY.md atomically; the facts index is rebuilt from `content`."""
+        with self._lock:
+            atomic_write_text(self.memory_path, content)
+            if self._memory_index is not None:  # else it is built on first search
+                self._memory_index = self._build_memory_index(content)
+                self._memory_seen = self._memory_stat()
+            self._last_day_stat = None
+
+    def append_to_memory(self, entry: str) -> None:
+        """Append `entry` (one or more lines) to MEMORY.md on a line of its own. O(1)."""
+        text = entry.rstrip() + "\n"
+        if not text.strip():
+            return
+        with self._lock:
+            index = self._memory_index
+            if index is not None and self._memory_stat() != self._memory_seen:
+                index = self._memory_index = None  # edited by hand: rebuilt when needed
+            append_text(self.memory_path, text, fsync=self.fsync_appends)
+            if index is not None:
+                for line, category in memory_documents(text):
+                    index.add(line, tag=category)
+                self._memory_seen = self._memory_stat()
+            self._last_day_stat = None
+
+    def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
+        """Append `- [category] text` bullets under today's (or `day`'s) heading.
+
+        The `### Consolidated YYYY-MM-DD` heading is written only if the last heading
+        in MEMORY.md is not already that day's. Unknown categories become
+        `learned_fact`; empty texts are skipped. Returns the number of bullets written.
+        """
+        bullets = [
+            format_fact(normalize_category(category), text)
+            for category, text in facts
+            if one_line(text)
+        ]
+        if not bullets:
+            return 0
+        day = day or self._clock().astimezone(UTC).date()
+        with self._lock:
+            block = "\n".join(bullets) + "\n"
+            if self._last_heading_day() != day:
+                lead = "\n" if self._memory_size() > 0 else ""
+                block = f"{lead}{consolidated_heading(day)}\n{block}"
+            self.append_to_memory(block)
+            self._remember_last_day(day)
+        return len(bullets)
+
+    def search_memory(
+        self, query: str, max_results: int = 10, category: str | None = None
+    ) -> list[str]:
+        """MEMORY.md lines (stripped, headings excluded) ranked by BM25 for `query`.
+
+        With `category`, only `- [category] ...` facts. A query without searchable
+        words returns the newest lines instead.
+        """
+        with self._lock:
+            index = self._memory_index_loaded()
+            tag = category.strip().lower() if category else None
+            hits = index.search(query, max_results, tag=tag)
+            if not hits and not _has_words(query):
+                hits = index.latest(max_results, tag=tag)
+            return [hit.text for hit in hits]
+
+    def compact_memory(self, similarity_threshold: float = 0.85) -> int:
+        """Remove facts that another kept fact implies; return how many were removed.
+
+        The rule is `gateway.memory.dedupe.redundant_facts`: same category, and equal
+        up to case/punctuation/articles, or contained in a longer fact with Jaccard >=
+        `similarity_threshold` and no negation among the extra words. Headings and
+        non-bullet lines are never touched. When something is removed, the previous
+        content is kept in `MEMORY.md.bak` (one backup, replaced by the next
+        compaction) and MEMORY.md is rewritten atomically.
+        """
+        with self._lock:
+            content = self.read_memory()
+            lines = content.splitlines(keepends=True)
+            positions: list[int] = []
+            facts: list[tuple[str, str]] = []
+            for number, line in enumerate(lines):
+                if is_heading(line):
+                    continue
+                bullet = parse_bullet(line)
+                if bullet is not None:
+                    positions.append(number)
+                    facts.append((bullet.category, bullet.text))
+            redundant = redundant_facts(facts, similarity_threshold)
+            if not redundant:
+                return 0
+            dropped = {positions[i] for i in redundant}
+            compacted = "".join(line for n, line in enumerate(lines) if n not in dropped)
+            atomic_write_text(self.dir / MEMORY_BACKUP_FILE, content)
+            self.write_memory(compacted)
+            self._log.info(
+                "Compacted MEMORY.md: removed {} redundant facts of {}", len(dropped), len(facts)
+            )
+            return len(dropped)
+
+    # -- HISTORY.md --------------------------------------------------------------
+
+    def read_history(self) -> str:
+        """The current HISTORY.md (archives not included)."""
+        return read_text(self.history_path)
+
+    def history_archives(self) -> list[Path]:
+        """Archive files, oldest first."""
+        return sorted(self.dir.glob(ARCHIVE_GLOB))
+
+    def append_history(self, entry: str) -> str:
+        """Append `[YYYY-MM-DD HH:MM:SS] entry` (UTC, folded to one line).
+
+        One append-mode write: O(1). Past `history_max_bytes` HISTORY.md is rotated,
+        which rewrites at most that many bytes once per half of it appended (O(1)
+        amortized). Returns the line written (without newline), or '' for an empty
+        entry (nothing is written).
+        """
+        if not one_line(entry):
+            return ""
+        line = format_history_line(entry, self._clock())
+        with self._lock:
+            size = append_text(self.history_path, line, fsync=self.fsync_appends)
+            if self._history_index is not None:
+                stripped = line.strip()
+                self._history_index.add(stripped, timestamp=history_timestamp(stripped))
+            if size > self.history_max_bytes:
+                self._rotate_history()
+        return line.rstrip("\n")
+
+    def search_history(
+        self,
+        query: str,
+        max_results: int = 20,
+        decay_rate: float = 0.001,
+        *,
+        now: datetime | None = None,
+    ) -> list[str]:
+        """History lines (archives included) by BM25 x recency, best first.
+
+        The score is multiplied by `1 / (1 + age_hours * decay_rate)`, the age taken
+        from the line's timestamp (`decay_rate=0` ranks by relevance alone). A query
+        without searchable words returns the newest lines.
+        """
+        moment = (now or self._clock()).timestamp()
+        with self._lock:
+            index = self._history_index_loaded()
+            hits = index.search(query, max_results, decay_rate=decay_rate, now=moment)
+            if not hits and not _has_words(query):
+                hits = index.latest(max_results)
+            return [hit.text for hit in hits]
+
+    # -- consolidation -----------------------------------------------------------
+
+    @staticmethod
+    def needs_consolidation(message_count: int, memory_window: int) -> bool:
+        """True when a session holds more than twice the memory window of messages."""
+        return message_count > 2 * memory_window
+
+    def record_consolidation(
+        self,
+        facts: Iterable[tuple[str, str]],
+        summary: str,
+        *,
+        day: date | None = None,
+        source: str = "consolidation",
+    ) -> None:
+        """Store one consolidation result: `(category, text)` facts to MEMORY.md (under
+        the day's heading) and to the knowledge base (flushed), then the summary as one
+        HISTORY.md line. Empty facts and an empty summary are skipped.
+
+        There is no transaction across the three files: a crash in between can leave
+        the facts without the summary, never half a file.
+        """
+        cleaned = [
+            (normalize_category(category), one_line(text))
+            for category, text in facts
+            if one_line(text)
+        ]
+        with self._lock:
+            written = self.append_facts(cleaned, day)
+            for category, text in cleaned:
+                self.knowledge.add(text, category, source=source)
+            self.knowledge.flush()
+            self.append_history(summary)
+        self._log.info("Recorded consolidation: {} facts, summary {}", written, bool(summary))
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def load_indexes(self) -> None:
+        """Build both search indexes now instead of on first search."""
+        with self._lock:
+            self._memory_index_loaded()
+            self._history_index_loaded()
+
+    def flush(self) -> None:
+        """Persist pending knowledge base changes (the .md files are always on disk)."""
+        self.knowledge.flush()
+
+    def close(self) -> None:
+        self.knowledge.close()
+
+    def __enter__(self) -> MemoryManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _memory_index_loaded(self) -> SearchIndex:
+        """The memory index, (re)built if MEMORY.md changed behind our back (one stat)."""
+        seen = self._memory_stat()
+        if self._memory_index is None or seen != self._memory_seen:
+            self._memory_index = self._build_memory_index(self.read_memory())
+            self._memory_seen = seen
+        return self._memory_index
+
+    @staticmethod
+    def _build_memory_index(content: str) -> SearchIndex:
+        index = SearchIndex()
+        index.add_many((line, category, None) for line, category in memory_documents(content))
+        return index
+
+    def _history_index_loaded(self) -> SearchIndex:
+        if self._history_index is None:
+            docs: list[tuple[str, str | None, float | None]] = []
+            last: float | None = None
+            for path in [*self.history_archives(), self.history_path]:
+                for raw in read_text(path).splitlines():
+                    line = raw.strip()
+                    if not line:
+                        continue
+                    # A line without a timestamp (edited by hand) dates from the line
+                    # before it: it keeps recency ranking and pruning meaningful.
+                    stamp = history_timestamp(line)
+                    last = stamp if stamp is not None else last
+                    docs.append((line, None, last))
+            index = SearchIndex()
+            index.add_many(docs)
+            self._history_index = index
+            self._log.debug("History index built: {} lines", len(index))
+        return self._history_index
+
+    def _rotate_history(self) -> None:
+        """Move the oldest lines to a new archive so that at most half the bound stays."""
+        data = self.history_path.read_bytes()
+        if len(data) <= self.history_max_bytes:
+            return
+        lines = data.splitlines(keepends=True)
+        keep_budget = self.history_max_bytes // 2
+        cut, kept = len(lines), 0
+        while cut > 1 and kept + len(lines[cut - 1]) <= keep_budget:
+            cut -= 1
+            kept += len(lines[cut])
+        archive = self._create_archive(b"".join(lines[:cut]))
+        atomic_write_bytes(self.history_path, b"".join(lines[cut:]))
+        self._log.info("Rotated HISTORY.md: {} lines to {}", cut, archive.name)
+
+    def _create_archive(self, data: bytes) -> Path:
+        stamp = self._clock().astimezone(UTC).strftime("%Y%m%dT%H%M%S")
+        counter = 0
+        while True:
+            path = self.dir / f"HISTORY.archive.{stamp}-{counter:04d}.md"
+            try:
+                create_exclusive(path, data)
+                return path
+            except FileExistsError:
+                counter += 1
+
+    def _memory_size(self) -> int:
+        try:
+            return self.memory_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _memory_stat(self) -> tuple[int, int] | None:
+        try:
+            st = self.memory_path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_size, st.st_mtime_ns)
+
+    def _remember_last_day(self, day: date) -> None:
+        self._last_day = day
+        self._last_day_stat = self._memory_stat()
+
+    def _last_heading_day(self) -> date | None:
+        """Day of MEMORY.md's last heading if it is a `### Consolidated` one, else None.
+
+        Reads the file backwards from its end, so the cost is the distance to the last
+        heading, not the file's size; cached by the file's size and mtime.
+        """
+        stat = self._memory_stat()
+        if stat is None:
+            return None
+        if stat == self._last_day_stat:
+            return self._last_day
+        day: date | None = None
+        found = False
+        with self.memory_path.open("rb") as handle:
+            end = stat[0]
+            carry = b""
+            while end > 0 and not found:
+                start = max(0, end - _TAIL_CHUNK)
+                handle.seek(start)
+                pieces = (handle.read(end - start) + carry).split(b"\n")
+                # The first piece may be a partial line unless the start was reached.
+                carry, complete = (pieces[0], pieces[1:]) if start > 0 else (b"", pieces)
+                for raw in reversed(complete):
+                    text = raw.decode("utf-8", errors="replace")
+                    if is_heading(text):  # any heading: facts after it belong to it
+                        day, found = heading_day(text), True
+                        break
+                end = start
+        self._last_day, self._last_day_stat = day, stat
+        return day
+
+
+def _has_words(query: str) -> bool:
+    return bool(tokenize(query))

@@ -1,0 +1,92 @@
+"""MemoryStore: the MemoryManager of a session key, by scope mode, with open managers cached.
+
+Invariant: while a manager for a scope is alive in this process, the store hands out
+that same object for the scope (never a second manager on the same files). At most
+`max_open` managers are held strongly (LRU); an evicted one is flushed and freed once
+nobody uses it, and a scope asked for again afterwards is reopened from its files.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+
+from gateway.memory.manager import MemoryManager
+from gateway.memory.scopes import ScopeMode, scope_for_session
+
+
+class MemoryStore:
+    """Memory managers of one workspace, one per scope."""
+
+    def __init__(
+        self,
+        workspace_path: Path,
+        *,
+        mode: ScopeMode = "per_session",
+        max_open: int = 128,
+        history_max_bytes: int = 512_000,
+        fsync_appends: bool = False,
+        knowledge_flush_every: int = 32,
+    ) -> None:
+        scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
+        self.workspace_path = Path(workspace_path)
+        self.mode: ScopeMode = mode
+        self.max_open = max(1, max_open)
+        self._options = {
+            "history_max_bytes": history_max_bytes,
+            "fsync_appends": fsync_appends,
+            "knowledge_flush_every": knowledge_flush_every,
+        }
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[str, MemoryManager] = OrderedDict()
+        self._alive: weakref.WeakValueDictionary[str, MemoryManager] = weakref.WeakValueDictionary()
+
+    def scope_for(self, session_key: str) -> str:
+        """The scope `session_key` uses in this store's mode."""
+        return scope_for_session(session_key, self.mode)
+
+    def for_session(self, session_key: str) -> MemoryManager:
+        """The manager holding `session_key`'s memory (opened on first use)."""
+        return self.for_scope(self.scope_for(session_key))
+
+    def for_scope(self, scope: str) -> MemoryManager:
+        """The manager of a scope by name (e.g. `WORKSPACE_SCOPE`)."""
+        evicted: list[MemoryManager] = []
+        with self._lock:
+            manager = self._alive.get(scope)
+            if manager is None:
+                manager = MemoryManager(
+                    self.workspace_path,
+                    scope,
+                    history_max_bytes=int(self._options["history_max_bytes"]),
+                    fsync_appends=bool(self._options["fsync_appends"]),
+                    knowledge_flush_every=int(self._options["knowledge_flush_every"]),
+                )
+                self._alive[scope] = manager
+            self._recent[scope] = manager
+            self._recent.move_to_end(scope)
+            while len(self._recent) > self.max_open:
+                evicted.append(self._recent.popitem(last=False)[1])
+        for old in evicted:
+            old.flush()
+        return manager
+
+    def open_scopes(self) -> list[str]:
+        """Scopes with a live manager."""
+        with self._lock:
+            return list(self._alive.keys())
+
+    def flush(self) -> None:
+        """Persist pending knowledge changes of every live manager."""
+        with self._lock:
+            managers = list(self._alive.values())
+        for manager in managers:
+            manager.flush()
+
+    def close(self) -> None:
+        """Flush everything and drop the cache (managers still in use stay valid)."""
+        self.flush()
+        with self._lock:
+            self._recent.clear()

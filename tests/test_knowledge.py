@@ -1,0 +1,266 @@
+"""KnowledgeBase: dedup, search, export, batched atomic writes, damaged files."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from loguru import logger
+
+from gateway.memory.knowledge import KnowledgeBase, _flush_open_bases
+
+
+class Ticker:
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "knowledge.json"
+
+
+@pytest.fixture
+def kb(path: Path) -> KnowledgeBase:
+    return KnowledgeBase(path, flush_every=1000, clock=Ticker())
+
+
+@pytest.fixture
+def logs() -> Iterator[list[str]]:
+    messages: list[str] = []
+    handler = logger.add(
+        lambda m: messages.append(str(m)), level="WARNING", format="{level} {message}"
+    )
+    yield messages
+    logger.remove(handler)
+
+
+def stored(path: Path) -> list[dict[str, object]]:
+    entries = json.loads(path.read_text())["entries"]
+    assert isinstance(entries, list)
+    return entries
+
+
+# -- adding ----------------------------------------------------------------------
+
+
+def test_add_dedupes_normalized_content_per_category(kb: KnowledgeBase) -> None:
+    first = kb.add("Prefers dark mode", "user_preference", tags=["ui"])
+    again = kb.add("  prefers DARK   mode. ", "user_preference", source="chat", tags=["theme"])
+    assert again.id == first.id
+    assert again.access_count == 1
+    assert again.last_accessed > first.last_accessed
+    assert again.tags == ("ui", "theme")
+    assert again.source == "chat"
+    assert again.content == "Prefers dark mode"
+    other = kb.add("Prefers dark mode", "learned_fact")
+    assert other.id != first.id
+    assert len(kb) == 2
+
+
+def test_unknown_category_falls_back_with_a_warning(kb: KnowledgeBase, logs: list[str]) -> None:
+    entry = kb.add("Has a cat named Miso", "pets")
+    assert entry.category == "learned_fact"
+    assert any(m.startswith("WARNING") and "'pets'" in m for m in logs)
+
+
+def test_empty_content_is_rejected(kb: KnowledgeBase) -> None:
+    with pytest.raises(ValueError):
+        kb.add("   ", "learned_fact")
+
+
+# -- searching -------------------------------------------------------------------
+
+
+def test_multi_word_queries_find_entries_with_any_of_the_words(kb: KnowledgeBase) -> None:
+    kb.add("Using Postgres as the primary database", "project_decision")
+    kb.add("Nightly backups go to S3", "system_behavior", tags=["backup"])
+    kb.add("Prefers short answers", "user_preference")
+    found = kb.search("which database holds primary data")
+    assert [e.content for e in found] == ["Using Postgres as the primary database"]
+    found = kb.search("postgres backups")
+    assert {e.content for e in found} == {
+        "Using Postgres as the primary database",
+        "Nightly backups go to S3",
+    }
+    assert kb.search("backup", category="system_behavior")[0].tags == ("backup",)
+    assert kb.search("backup", category="user_preference") == []
+
+
+def test_entries_matching_more_words_rank_first(kb: KnowledgeBase) -> None:
+    kb.add("Deploys run on Fridays", "system_behavior")
+    kb.add("Deploys to staging run on Fridays after the tests pass", "system_behavior")
+    kb.add("Staging tests are flaky", "error_pattern")
+    found = kb.search("staging deploys tests")
+    assert found[0].content == "Deploys to staging run on Fridays after the tests pass"
+
+
+def test_search_counts_as_an_access(kb: KnowledgeBase) -> None:
+    kb.add("Runs Arch Linux", "learned_fact")
+    assert kb.search("arch linux")[0].access_count == 1
+    assert kb.search("linux")[0].access_count == 2
+    entry = kb.by_category("learned_fact")[0]
+    assert entry.access_count == 2
+    assert kb.dirty
+
+
+def test_tag_change_is_searchable(kb: KnowledgeBase) -> None:
+    kb.add("Owns a bakery", "learned_fact")
+    assert kb.search("business") == []
+    kb.add("owns a bakery", "learned_fact", tags=["business"])
+    assert [e.content for e in kb.search("business")] == ["Owns a bakery"]
+    assert len(kb.search("bakery")) == 1
+
+
+def test_empty_query_lists_most_accessed(kb: KnowledgeBase) -> None:
+    kb.add("A fact", "learned_fact")
+    kb.add("B fact", "learned_fact")
+    kb.add("B fact", "learned_fact")
+    assert [e.content for e in kb.search("", category="learned_fact")] == ["B fact", "A fact"]
+    assert kb.search("", category="error_pattern") == []
+
+
+# -- export ----------------------------------------------------------------------
+
+
+def test_export_follows_category_priority_and_budget(kb: KnowledgeBase) -> None:
+    kb.add("learned one", "learned_fact")
+    kb.add("behaviour one", "system_behavior")
+    kb.add("error one", "error_pattern")
+    kb.add("decision one", "project_decision")
+    kb.add("pref one", "user_preference")
+    kb.add("pref two", "user_preference")
+    kb.add("pref two", "user_preference")  # more accessed: first within its category
+    assert kb.export_for_context().splitlines() == [
+        "[user_preference] pref two",
+        "[user_preference] pref one",
+        "[project_decision] decision one",
+        "[error_pattern] error one",
+        "[system_behavior] behaviour one",
+        "[learned_fact] learned one",
+    ]
+    for budget in range(0, 200, 7):
+        text = kb.export_for_context(max_chars=budget)
+        assert len(text) <= budget
+    kb.add("x" * 500, "user_preference")  # too long: skipped, the rest still fits
+    assert kb.export_for_context(max_chars=60) == (
+        "[user_preference] pref two\n[user_preference] pref one"
+    )
+
+
+# -- persistence -----------------------------------------------------------------
+
+
+def test_writes_are_batched_until_flush(kb: KnowledgeBase, path: Path) -> None:
+    kb.add("Lives in Porto", "learned_fact", source="chat", tags=["home"])
+    assert not path.exists()
+    assert kb.flush() is True
+    assert kb.flush() is False
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    (entry,) = stored(path)
+    assert entry["content"] == "Lives in Porto"
+    assert entry["tags"] == ["home"]
+    reopened = KnowledgeBase(path)
+    (loaded,) = list(reopened)
+    assert loaded == kb.get(loaded.id)
+
+
+def test_autoflush_after_flush_every_changes(path: Path) -> None:
+    kb = KnowledgeBase(path, flush_every=3)
+    kb.add("one", "learned_fact")
+    kb.add("two", "learned_fact")
+    assert not path.exists()
+    kb.add("three", "learned_fact")
+    assert len(stored(path)) == 3
+    assert not kb.dirty
+
+
+def test_close_and_garbage_collection_and_exit_flush(path: Path, tmp_path: Path) -> None:
+    with KnowledgeBase(path, flush_every=1000) as kb:
+        kb.add("saved on close", "learned_fact")
+    assert [e["content"] for e in stored(path)] == ["saved on close"]
+
+    other = tmp_path / "other.json"
+    dropped = KnowledgeBase(other, flush_every=1000)
+    dropped.add("saved when collected", "learned_fact")
+    del dropped
+    gc.collect()
+    assert [e["content"] for e in stored(other)] == ["saved when collected"]
+
+    third = tmp_path / "third.json"
+    alive = KnowledgeBase(third, flush_every=1000)
+    alive.add("saved at exit", "learned_fact")
+    _flush_open_bases()  # what atexit runs
+    assert [e["content"] for e in stored(third)] == ["saved at exit"]
+
+
+def test_failed_flush_leaves_the_old_file_intact(
+    kb: KnowledgeBase, path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kb.add("first", "learned_fact")
+    kb.flush()
+    before = path.read_bytes()
+    kb.add("second", "learned_fact")
+
+    def fail(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        kb.flush()
+    assert path.read_bytes() == before
+    assert kb.dirty
+    assert [p.name for p in path.parent.iterdir()] == ["knowledge.json"]  # no temp left
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"{not json", b'{"version": 1, "entries": "oops"}', b"42", b"\xff\xfe"],
+    ids=["bad-json", "entries-not-a-list", "a-number", "not-utf8"],
+)
+def test_damaged_file_is_moved_aside_and_reported(
+    path: Path, logs: list[str], damage: bytes
+) -> None:
+    path.write_bytes(damage)
+    kb = KnowledgeBase(path)
+    assert len(kb) == 0
+    assert kb.load_error is not None
+    assert kb.corrupt_path is not None
+    assert kb.corrupt_path.name.startswith("knowledge.json.corrupt-")
+    assert kb.corrupt_path.read_bytes() == damage
+    assert not path.exists()
+    assert any(m.startswith("ERROR") for m in logs)
+    kb.add("fresh start", "learned_fact")
+    kb.flush()
+    assert kb.corrupt_path.read_bytes() == damage  # never overwritten
+    assert [e["content"] for e in stored(path)] == ["fresh start"]
+
+
+def test_partly_damaged_file_keeps_the_readable_entries(path: Path) -> None:
+    good = {"category": "user_preference", "content": "Likes tea", "access_count": 3}
+    path.write_text(
+        json.dumps({"version": 1, "entries": [good, {"content": 5}, "junk", {"category": "x"}]})
+    )
+    kb = KnowledgeBase(path)
+    assert kb.load_error is not None and "3 malformed" in kb.load_error
+    assert [(e.content, e.access_count) for e in kb] == [("Likes tea", 3)]
+    assert kb.corrupt_path is not None and kb.corrupt_path.exists()
+    kb.close()
+    assert [e["content"] for e in stored(path)] == ["Likes tea"]
+
+
+def test_two_damaged_loads_keep_both_copies(path: Path) -> None:
+    path.write_text("{")
+    first = KnowledgeBase(path).corrupt_path
+    path.write_text("[")
+    second = KnowledgeBase(path).corrupt_path
+    assert first is not None and second is not None and first != second
+    assert first.read_text() == "{" and second.read_text() == "["

@@ -1,0 +1,339 @@
+"""MemoryManager: MEMORY.md, HISTORY.md (rotation, search), consolidation records."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from loguru import logger
+
+import gateway.memory.manager as manager_module
+from gateway.memory import MemoryManager
+
+
+class Clock:
+    """A settable UTC clock for deterministic timestamps."""
+
+    def __init__(self, start: datetime) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(datetime(2024, 2, 28, 14, 23, 45, tzinfo=UTC))
+
+
+@pytest.fixture
+def mm(tmp_path: Path, clock: Clock) -> MemoryManager:
+    return MemoryManager(tmp_path, "telegram:42", clock=clock)
+
+
+@pytest.fixture
+def warnings() -> Iterator[list[str]]:
+    messages: list[str] = []
+    handler = logger.add(lambda m: messages.append(str(m)), level="WARNING", format="{message}")
+    yield messages
+    logger.remove(handler)
+
+
+# -- MEMORY.md -------------------------------------------------------------------
+
+
+def test_scope_folder_and_private_permissions(mm: MemoryManager, tmp_path: Path) -> None:
+    assert mm.dir == tmp_path / "memory" / "telegram%3A42"
+    mm.append_to_memory("- [learned_fact] a")
+    mm.append_history("b")
+    mm.record_consolidation([("learned_fact", "c")], "d")
+    assert stat.S_IMODE(os.stat(mm.dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(mm.dir.parent).st_mode) == 0o700
+    for name in ("MEMORY.md", "HISTORY.md", "knowledge.json"):
+        assert stat.S_IMODE(os.stat(mm.dir / name).st_mode) == 0o600, name
+
+
+def test_write_and_read_memory(mm: MemoryManager) -> None:
+    assert mm.read_memory() == ""
+    mm.write_memory("### Consolidated 2024-01-01\n- [user_preference] Likes tea\n")
+    assert mm.read_memory() == "### Consolidated 2024-01-01\n- [user_preference] Likes tea\n"
+    assert stat.S_IMODE(os.stat(mm.memory_path).st_mode) == 0o600
+    assert not list(mm.dir.glob("*.tmp"))
+
+
+def test_append_to_memory_starts_on_its_own_line(mm: MemoryManager) -> None:
+    mm.memory_path.write_text("- [learned_fact] no trailing newline")
+    mm.append_to_memory("- [learned_fact] second")
+    mm.append_to_memory("- [learned_fact] third\n\n")
+    assert mm.read_memory() == (
+        "- [learned_fact] no trailing newline\n- [learned_fact] second\n- [learned_fact] third\n"
+    )
+
+
+def test_appends_never_read_the_whole_file(
+    mm: MemoryManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mm.write_memory("- [learned_fact] x\n" * 1000)
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, offset: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, offset)
+
+    def no_full_read(*args: object, **kwargs: object) -> str:
+        raise AssertionError("an append read the whole file")
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    monkeypatch.setattr(manager_module, "read_text", no_full_read)
+    monkeypatch.setattr(Path, "read_bytes", no_full_read)
+    monkeypatch.setattr(Path, "read_text", no_full_read)
+    mm.append_to_memory("- [learned_fact] y")
+    mm.append_history("an entry")
+    assert reads and all(n == 1 for n in reads)
+
+
+def test_search_memory_ranks_by_relevance_and_filters_category(mm: MemoryManager) -> None:
+    mm.append_facts(
+        [
+            ("project_decision", "Decided to drop cron for systemd timers"),
+            ("project_decision", "Decided to drop Terraform"),
+            ("user_preference", "Prefers systemd over cron for scheduling"),
+            ("learned_fact", "The staging database runs Postgres 16"),
+        ]
+    )
+    hits = mm.search_memory("drop cron timers")
+    assert hits[0] == "- [project_decision] Decided to drop cron for systemd timers"
+    assert all(not h.startswith("###") for h in hits)
+    assert mm.search_memory("cron", category="user_preference") == [
+        "- [user_preference] Prefers systemd over cron for scheduling"
+    ]
+    assert mm.search_memory("decisions")[0].startswith("- [project_decision]")  # stemmed
+    assert mm.search_memory("postgres") == [
+        "- [learned_fact] The staging database runs Postgres 16"
+    ]
+    assert mm.search_memory("", category="project_decision") == [
+        "- [project_decision] Decided to drop Terraform",
+        "- [project_decision] Decided to drop cron for systemd timers",
+    ]
+
+
+def test_memory_index_follows_appends_and_rewrites(mm: MemoryManager) -> None:
+    assert mm.search_memory("kubernetes") == []
+    mm.append_to_memory("- [learned_fact] Cluster runs kubernetes 1.29")
+    assert mm.search_memory("kubernetes") == ["- [learned_fact] Cluster runs kubernetes 1.29"]
+    mm.write_memory("- [learned_fact] Cluster moved to nomad\n")
+    assert mm.search_memory("kubernetes") == []
+    assert mm.search_memory("nomad") == ["- [learned_fact] Cluster moved to nomad"]
+
+
+def test_hand_edits_of_memory_are_picked_up(mm: MemoryManager) -> None:
+    mm.append_to_memory("- [learned_fact] Office is in Berlin")
+    assert mm.search_memory("berlin")
+    mm.memory_path.write_text("- [learned_fact] Office moved to Hamburg for good\n")
+    assert mm.search_memory("berlin") == []
+    assert mm.search_memory("hamburg") == ["- [learned_fact] Office moved to Hamburg for good"]
+    with mm.memory_path.open("a") as handle:  # edited again, then an append
+        handle.write("- [learned_fact] Parking in the yard\n")
+    mm.append_to_memory("- [learned_fact] Parking costs extra")
+    assert len(mm.search_memory("parking")) == 2
+
+
+def test_searches_never_reread_the_files(
+    mm: MemoryManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mm.append_facts([("learned_fact", "Backups run nightly at two")])
+    mm.append_history("talked about nightly backups")
+    mm.load_indexes()
+
+    def no_read(*args: object, **kwargs: object) -> str:
+        raise AssertionError("a search read a file")
+
+    monkeypatch.setattr(manager_module, "read_text", no_read)
+    monkeypatch.setattr(Path, "read_bytes", no_read)
+    monkeypatch.setattr(Path, "read_text", no_read)
+    for _ in range(3):
+        mm.append_history("more about backups")
+        assert mm.search_memory("nightly backups")
+        assert mm.search_history("nightly backups")[0].endswith("talked about nightly backups")
+
+
+def test_append_facts_writes_one_heading_per_day(mm: MemoryManager, clock: Clock) -> None:
+    assert mm.append_facts([("user_preference", "Likes tea"), ("bogus", "Has a cat")]) == 2
+    assert mm.append_facts([("project_decision", "Uses uv")]) == 1
+    clock.now += timedelta(days=1)
+    mm.append_facts([("learned_fact", "Moved to Lisbon")])
+    assert mm.append_facts([("learned_fact", "   ")]) == 0
+    assert mm.read_memory() == (
+        "### Consolidated 2024-02-28\n"
+        "- [user_preference] Likes tea\n"
+        "- [learned_fact] Has a cat\n"
+        "- [project_decision] Uses uv\n"
+        "\n### Consolidated 2024-02-29\n"
+        "- [learned_fact] Moved to Lisbon\n"
+    )
+
+
+def test_append_facts_sees_hand_edits_and_far_headings(mm: MemoryManager) -> None:
+    # The last heading is 200 KB back: found by reading backwards across chunks.
+    mm.write_memory("### Consolidated 2024-02-28\n" + "- [learned_fact] filler\n" * 9000)
+    mm.append_facts([("learned_fact", "same day")])
+    assert mm.read_memory().count("### Consolidated 2024-02-28") == 1
+    # A person adds another section: new facts must not land under it.
+    mm.memory_path.write_text(mm.read_memory() + "## My notes\nfree text\n")
+    mm.append_facts([("learned_fact", "after notes")])
+    assert mm.read_memory().endswith(
+        "## My notes\nfree text\n\n### Consolidated 2024-02-28\n- [learned_fact] after notes\n"
+    )
+    assert mm.append_facts([("learned_fact", "x")], day=date(2024, 3, 1)) == 1
+    assert "### Consolidated 2024-03-01\n- [learned_fact] x\n" in mm.read_memory()
+
+
+# -- HISTORY.md ------------------------------------------------------------------
+
+
+def test_append_history_writes_timestamped_single_lines(mm: MemoryManager) -> None:
+    assert mm.append_history("User asked about\nthe database") == (
+        "[2024-02-28 14:23:45] User asked about the database"
+    )
+    assert mm.append_history("  \n ") == ""
+    assert mm.read_history() == "[2024-02-28 14:23:45] User asked about the database\n"
+
+
+def test_rotation_never_loses_a_line_even_within_one_second(tmp_path: Path, clock: Clock) -> None:
+    mm = MemoryManager(tmp_path, "cli:direct", history_max_bytes=300, clock=clock)
+    entries = [f"entry number {i} about topic{i % 5}" for i in range(300)]
+    for entry in entries:  # the clock never moves: every rotation within one second
+        mm.append_history(entry)
+    archives = mm.history_archives()
+    assert len(archives) > 20
+    assert len({a.name for a in archives}) == len(archives)
+    assert all(os.stat(a).st_mode & 0o777 == 0o600 for a in archives)
+    lines = [
+        line for path in [*archives, mm.history_path] for line in path.read_text().splitlines()
+    ]
+    assert lines == [f"[2024-02-28 14:23:45] {e}" for e in entries]
+    assert mm.history_path.stat().st_size <= 300
+
+    reopened = MemoryManager(tmp_path, "cli:direct", history_max_bytes=300, clock=clock)
+    assert reopened.search_history("entry number 3 topic3", max_results=1) == [
+        "[2024-02-28 14:23:45] entry number 3 about topic3"
+    ]
+    assert mm.search_history("entry number 7", max_results=1)[0].endswith("number 7 about topic2")
+
+
+def test_rotation_keeps_an_oversized_line_whole(tmp_path: Path, clock: Clock) -> None:
+    mm = MemoryManager(tmp_path, "cli:direct", history_max_bytes=50, clock=clock)
+    mm.append_history("x" * 200)
+    mm.append_history("short")
+    text = "".join(p.read_text() for p in [*mm.history_archives(), mm.history_path])
+    assert text == f"[2024-02-28 14:23:45] {'x' * 200}\n[2024-02-28 14:23:45] short\n"
+
+
+def test_crash_during_rotation_duplicates_rather_than_loses(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mm = MemoryManager(tmp_path, "cli:direct", history_max_bytes=100, clock=clock)
+    mm.append_history("first line of the log")
+    mm.append_history("second line of the log")
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(manager_module, "atomic_write_bytes", crash)
+    with pytest.raises(OSError):
+        mm.append_history("third line of the log")
+    everything = "".join(p.read_text() for p in [*mm.history_archives(), mm.history_path])
+    for n in ("first", "second", "third"):
+        assert f"{n} line of the log" in everything
+
+
+def test_search_history_decays_by_age(tmp_path: Path, clock: Clock) -> None:
+    mm = MemoryManager(tmp_path, "cli:direct", clock=clock)
+    mm.append_history("deploy to staging failed because of the missing migration")
+    clock.now += timedelta(days=300)
+    mm.append_history("deploy failed")
+    query = "deploy failed staging migration"
+    assert mm.search_history(query, decay_rate=0.0)[0].endswith("missing migration")
+    assert mm.search_history(query, decay_rate=0.01)[0].endswith("deploy failed")
+    assert mm.search_history("")[0].endswith("deploy failed")  # no words: newest first
+
+
+def test_history_lines_without_timestamp_are_indexed(mm: MemoryManager) -> None:
+    mm.history_path.write_text(
+        "[2024-02-27 10:00:00 UTC] seed style line about kafka\nhand written note on kafka\n"
+    )
+    assert set(mm.search_history("kafka")) == {
+        "[2024-02-27 10:00:00 UTC] seed style line about kafka",
+        "hand written note on kafka",
+    }
+
+
+# -- consolidation API -----------------------------------------------------------
+
+
+def test_needs_consolidation_past_twice_the_window() -> None:
+    assert not MemoryManager.needs_consolidation(20, 10)
+    assert MemoryManager.needs_consolidation(21, 10)
+
+
+def test_record_consolidation_writes_all_three_files(
+    mm: MemoryManager, warnings: list[str]
+) -> None:
+    mm.record_consolidation(
+        [("user_preference", "Prefers short answers"), ("mystery", "Has two cats"), ("x", " ")],
+        "Talked about answer length and pets",
+    )
+    assert mm.read_memory() == (
+        "### Consolidated 2024-02-28\n"
+        "- [user_preference] Prefers short answers\n"
+        "- [learned_fact] Has two cats\n"
+    )
+    assert mm.read_history() == "[2024-02-28 14:23:45] Talked about answer length and pets\n"
+    stored = json.loads((mm.dir / "knowledge.json").read_text())["entries"]
+    assert {(e["category"], e["content"], e["source"]) for e in stored} == {
+        ("user_preference", "Prefers short answers", "consolidation"),
+        ("learned_fact", "Has two cats", "consolidation"),
+    }
+    assert sum("Unknown memory category 'mystery'" in w for w in warnings) == 1
+    assert [e.content for e in mm.knowledge.search("cats")] == ["Has two cats"]
+
+
+def test_record_consolidation_without_facts_still_logs_summary(mm: MemoryManager) -> None:
+    mm.record_consolidation([], "Small talk only")
+    assert mm.read_memory() == ""
+    assert mm.read_history().endswith("Small talk only\n")
+
+
+# -- threads ---------------------------------------------------------------------
+
+
+def test_concurrent_appends_from_worker_threads(mm: MemoryManager) -> None:
+    mm.load_indexes()
+
+    def work(worker: int) -> None:
+        for i in range(40):
+            mm.append_history(f"worker{worker} item{i}")
+            mm.append_to_memory(f"- [learned_fact] worker{worker} fact{i}")
+            mm.knowledge.add(f"worker{worker} knows {i}", "learned_fact")
+            mm.search_history(f"worker{worker}")
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(mm.read_history().splitlines()) == 320
+    assert len(mm.read_memory().splitlines()) == 320
+    assert len(mm.knowledge) == 320
+    assert len(mm.search_history("worker3", max_results=100)) == 40
+    mm.close()
+    reopened = MemoryManager(mm.dir.parent.parent, mm.scope)
+    assert len(reopened.search_memory("worker5", max_results=100)) == 40
+    assert len(reopened.knowledge) == 320
