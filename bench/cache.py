@@ -1,0 +1,339 @@
+"""Benchmark of the semantic cache: lookup/store latency per backend and size, and the
+quality of the optional near-duplicate layer on tests/data/cache_pairs.json.
+
+    .venv/bin/python bench/cache.py            # a table
+    .venv/bin/python bench/cache.py --json     # the same rows as JSON
+
+Latencies are measured through `SemanticCache.lookup/store` (policy, key hashing, the
+backend round trip, and SQLite's worker-thread hop), which is what a turn pays. Each
+store at full size also evicts one entry, as it would in a full cache. A Redis row is
+skipped with a note when Redis does not answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
+
+from loguru import logger  # noqa: E402
+
+from gateway.cache import (  # noqa: E402
+    CacheBackend,
+    CacheContext,
+    CacheSettings,
+    NearDuplicateIndex,
+    RedisCacheBackend,
+    SemanticCache,
+    SqliteCacheBackend,
+    WordLlamaEmbedder,
+    near_duplicates_available,
+)
+from gateway.cache.neardup import DEFAULT_THRESHOLD, score_pairs  # noqa: E402
+
+PAIRS_FILE = ROOT / "tests" / "data" / "cache_pairs.json"
+HIT_TARGET_MS = {"sqlite": 0.5, "redis": 1.0}
+SYSTEM_PROMPT = "You are a helpful assistant. " * 40  # a realistic ~1 KB system prompt
+RESPONSE = "A typical answer of a few sentences. " * 20  # ~700 bytes
+
+
+@dataclass
+class Row:
+    section: str
+    backend: str
+    entries: int | None
+    metric: str
+    median_ms: float | None = None
+    p99_ms: float | None = None
+    value: float | None = None
+    target: str = ""
+    ok: bool | None = None
+    note: str = ""
+
+
+def _ctx(i: int | str) -> CacheContext:
+    return CacheContext(
+        query=f"benchmark question number {i}?",
+        model="bench-model",
+        temperature=0.0,
+        session_key="cli:bench",
+        system_prompt=SYSTEM_PROMPT,
+    )
+
+
+def _percentiles(samples_ns: list[int]) -> tuple[float, float]:
+    ms = sorted(s / 1e6 for s in samples_ns)
+    p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+    return statistics.median(ms), p99
+
+
+async def _redis_backend(url: str, namespace: str) -> RedisCacheBackend | None:
+    backend = RedisCacheBackend(url, namespace=namespace)
+    try:
+        with anyio.fail_after(2):
+            await backend.ping()
+    except Exception as exc:
+        logger.debug("redis unreachable: {}", exc)
+        await backend.aclose()
+        return None
+    return backend
+
+
+async def _fill(cache: SemanticCache, size: int, concurrency: int) -> None:
+    async def worker(start: int) -> None:
+        for i in range(start, size, concurrency):
+            await cache.store(_ctx(i), RESPONSE)
+
+    async with anyio.create_task_group() as tg:
+        for w in range(concurrency):
+            tg.start_soon(worker, w)
+
+
+async def bench_backend(kind: str, size: int, samples: int, redis_url: str) -> list[Row]:
+    """Hit, miss and store latency with `size` entries in the cache."""
+    namespace = f"gateway:cache:bench:{uuid.uuid4().hex}:"
+    with tempfile.TemporaryDirectory() as tmp:
+        backend: CacheBackend | None
+        if kind == "sqlite":
+            backend = SqliteCacheBackend(Path(tmp) / "bench.sqlite3")
+        else:
+            backend = await _redis_backend(redis_url, namespace)
+            if backend is None:
+                return [Row("latency", kind, size, "hit", note=f"skipped: no Redis at {redis_url}")]
+        cache = SemanticCache(backend, CacheSettings(max_entries=size))
+        try:
+            started = time.perf_counter()
+            await _fill(cache, size, concurrency=1 if kind == "sqlite" else 16)
+            fill_s = time.perf_counter() - started
+            rng = random.Random(7)
+            hits: list[int] = []
+            for i in rng.sample(range(size), min(samples, size)):
+                t0 = time.perf_counter_ns()
+                answer = await cache.lookup(_ctx(i))
+                hits.append(time.perf_counter_ns() - t0)
+                assert answer is not None, "benchmark entry missing"
+            misses: list[int] = []
+            for i in range(samples):
+                t0 = time.perf_counter_ns()
+                await cache.lookup(_ctx(f"absent {i}"))
+                misses.append(time.perf_counter_ns() - t0)
+            puts: list[int] = []
+            for i in range(samples):
+                t0 = time.perf_counter_ns()
+                await cache.store(_ctx(f"new {i}"), RESPONSE)
+                puts.append(time.perf_counter_ns() - t0)
+            entries = (await cache.stats()).entries
+        finally:
+            if kind == "redis":
+                await cache.clear()
+                await backend.aclose()
+                await _drop_namespace(redis_url, namespace)
+            else:
+                await cache.aclose()
+
+    target = HIT_TARGET_MS[kind]
+    hit_median, hit_p99 = _percentiles(hits)
+    rows = [
+        Row(
+            "latency",
+            kind,
+            size,
+            "hit",
+            hit_median,
+            hit_p99,
+            target=f"median < {target} ms",
+            ok=hit_median < target,
+            note=f"filled in {fill_s:.1f} s",
+        ),
+        Row("latency", kind, size, "miss", *_percentiles(misses)),
+        Row(
+            "latency",
+            kind,
+            size,
+            "put (evicts 1)",
+            *_percentiles(puts),
+            note=f"{entries} entries after",
+        ),
+    ]
+    return rows
+
+
+async def _drop_namespace(url: str, namespace: str) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        keys = [k async for k in client.scan_iter(match=namespace + "*", count=1000)]
+        for i in range(0, len(keys), 1000):
+            await client.delete(*keys[i : i + 1000])
+    finally:
+        await client.aclose()
+
+
+async def bench_near_duplicates() -> list[Row]:
+    """Precision, recall and false hits of the near-duplicate layer on the labelled set."""
+    if not near_duplicates_available():
+        return [Row("near-dup", "-", None, "quality", note="skipped: cache-neardup not installed")]
+    data = json.loads(PAIRS_FILE.read_text(encoding="utf-8"))["pairs"]
+    rows: list[Row] = []
+    embedder = WordLlamaEmbedder()
+    started = time.perf_counter()
+    embedder.embed(["warm up"])
+    load_ms = (time.perf_counter() - started) * 1000
+    t0 = time.perf_counter_ns()
+    runs = 1000
+    for _ in range(runs):
+        embedder.embed(["how do I reset my password on the website?"])
+    embed_ms = (time.perf_counter_ns() - t0) / runs / 1e6
+    rows.append(
+        Row(
+            "near-dup",
+            "wordllama",
+            None,
+            "embed time per query",
+            value=embed_ms,
+            note=f"model load {load_ms:.0f} ms",
+        )
+    )
+
+    for split in ("all", "dev", "holdout"):
+        pairs = [(p["a"], p["b"], p["same"]) for p in data if split in ("all", p["split"])]
+        s = await score_pairs(NearDuplicateIndex(embedder, threshold=DEFAULT_THRESHOLD), pairs)
+        label = f"{split} ({s.pairs} pairs, {s.positives} paraphrases)"
+        rows += [
+            Row("near-dup", label, None, "precision", value=s.precision),
+            Row("near-dup", label, None, "recall", value=s.recall),
+            Row(
+                "near-dup",
+                label,
+                None,
+                "near-miss false hits",
+                value=s.near_miss_false_hits,
+                target="== 0",
+                ok=s.near_miss_false_hits == 0,
+            ),
+            Row(
+                "near-dup",
+                label,
+                None,
+                "false-hit rate",
+                value=s.false_hit_rate,
+                target="< 0.01",
+                ok=s.false_hit_rate < 0.01,
+            ),
+            Row("near-dup", label, None, "lookup time (embed+search+guard)", value=s.lookup_ms),
+        ]
+    pairs = [(p["a"], p["b"], p["same"]) for p in data]
+    unguarded = await score_pairs(NearDuplicateIndex(embedder, use_guard=False), pairs)
+    rows.append(
+        Row(
+            "near-dup",
+            "threshold only, no guard",
+            None,
+            "near-miss false hits",
+            value=unguarded.near_miss_false_hits,
+            note=f"of {unguarded.pairs - unguarded.positives}; why the guard exists",
+        )
+    )
+    return rows
+
+
+async def bench_agent_loop_turns() -> list[Row]:
+    """HOOK FOR THE LEAD: hit vs miss turn latency through the agent loop.
+
+    To fill in once gateway/agent lands: start tests/fakes/openai_server.py on
+    127.0.0.1, build the AgentLoop with a SemanticCache (SQLite in a temp dir), send
+    one standalone question twice through `AgentLoop.handle`, and return two rows
+    (metric "turn, cache miss" and "turn, cache hit") with median/p99 over N turns.
+    """
+    return [Row("agent loop", "-", None, "turn hit vs miss", note="TODO(lead): not wired yet")]
+
+
+async def run(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    for size in args.sizes:
+        for kind in ("sqlite", "redis"):
+            rows += await bench_backend(kind, size, args.samples, args.redis_url)
+    if not args.skip_neardup:
+        rows += await bench_near_duplicates()
+    rows += await bench_agent_loop_turns()
+    return rows
+
+
+def _fmt(value: float | int | None, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    header = (
+        "section",
+        "backend/set",
+        "entries",
+        "metric",
+        "median ms",
+        "p99 ms",
+        "value",
+        "target",
+        "pass",
+        "note",
+    )
+    table = [header] + [
+        (
+            r.section,
+            r.backend,
+            _fmt(r.entries),
+            r.metric,
+            _fmt(r.median_ms),
+            _fmt(r.p99_ms),
+            _fmt(r.value),
+            r.target,
+            "" if r.ok is None else ("PASS" if r.ok else "FAIL"),
+            r.note,
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
+    for n, line in enumerate(table):
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print rows as JSON")
+    parser.add_argument(
+        "--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[500, 50_000]
+    )
+    parser.add_argument("--samples", type=int, default=2000, help="timed operations per row")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--skip-neardup", action="store_true")
+    args = parser.parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    rows = anyio.run(run, args)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        print_table(rows)
+    return 1 if any(r.ok is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Semantic response cache: a pure policy, SQLite and Redis backends, optional near-dups.
+
+The agent loop builds a `CacheContext` for each turn, calls `SemanticCache.lookup(ctx)`
+before the LLM and `SemanticCache.store(ctx, reply)` after it. See `policy` for the
+rules that keep answers inside the sessions they are valid for.
+"""
+
+from gateway.cache.backend import BackendCounts, CacheBackend, CacheRecord
+from gateway.cache.guard import guard_conflict
+from gateway.cache.neardup import (
+    EXTRA_NAME,
+    NearDuplicateIndex,
+    NearDuplicateUnavailable,
+    NearMatch,
+    WordLlamaEmbedder,
+    near_duplicates_available,
+)
+from gateway.cache.policy import (
+    SHARED_SCOPE,
+    CacheContext,
+    CacheMode,
+    CacheSettings,
+    Decision,
+    cache_key,
+    cache_policy,
+    digest_messages,
+    fingerprint_system_prompt,
+    fingerprint_tools,
+    normalize_query,
+    partition_id,
+    session_scope,
+    strip_nocache,
+)
+from gateway.cache.redis_backend import RedisCacheBackend
+from gateway.cache.semantic import CachedAnswer, CacheStats, SemanticCache, backend_from_url
+from gateway.cache.sqlite_backend import SqliteCacheBackend
+
+__all__ = [
+    "EXTRA_NAME",
+    "SHARED_SCOPE",
+    "BackendCounts",
+    "CacheBackend",
+    "CacheContext",
+    "CacheMode",
+    "CacheRecord",
+    "CacheSettings",
+    "CacheStats",
+    "CachedAnswer",
+    "Decision",
+    "NearDuplicateIndex",
+    "NearDuplicateUnavailable",
+    "NearMatch",
+    "RedisCacheBackend",
+    "SemanticCache",
+    "SqliteCacheBackend",
+    "WordLlamaEmbedder",
+    "backend_from_url",
+    "cache_key",
+    "cache_policy",
+    "digest_messages",
+    "fingerprint_system_prompt",
+    "fingerprint_tools",
+    "guard_conflict",
+    "near_duplicates_available",
+    "normalize_query",
+    "partition_id",
+    "session_scope",
+    "strip_nocache",
+]

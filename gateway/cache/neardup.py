@@ -1,0 +1,301 @@
+"""The optional near-duplicate layer: embeddings find a similar shared question, the guard
+decides whether it really is the same question.
+
+Off by default. It needs the `cache-neardup` extra (`wordllama`, which ships its
+weights and runs offline on CPU without torch), imported only when the layer is turned
+on. Only shared entries (standalone questions) are ever indexed or matched, and only
+within one partition (same model, system prompt and tools), so this layer can never
+widen who sees an answer: it can only map one standalone question onto another, and
+`guard_conflict` vetoes every pair whose negations, numbers, times, entities, persons or
+antonyms differ.
+
+The index lives in this process: it is loaded from the backend per partition on first
+use, refreshed when older than `refresh_seconds` (entries written by other replicas
+show up then), and a candidate is always re-read from the backend before it is served,
+so an evicted, expired or invalidated entry is never returned.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio.to_thread
+from loguru import logger
+
+from gateway.cache.guard import guard_conflict
+from gateway.cache.policy import DEFAULT_NEAR_DUPLICATE_THRESHOLD, normalize_query
+
+if TYPE_CHECKING:
+    import numpy as np
+
+EXTRA_NAME = "cache-neardup"
+# For wordllama l2_supercat-256 on tests/data/cache_pairs.json, 96% of paraphrases
+# score >= 0.80, and near misses score up to 1.0: the threshold finds candidates, the
+# guard decides.
+DEFAULT_THRESHOLD = DEFAULT_NEAR_DUPLICATE_THRESHOLD
+
+
+class NearDuplicateUnavailable(RuntimeError):
+    """The near-duplicate layer was turned on but its extra is not installed."""
+
+
+class Embedder(Protocol):
+    """Turns texts into L2-normalized vectors (one row per text). May be slow: it is
+    always called from a worker thread."""
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+def near_duplicates_available() -> bool:
+    """True when the default embedder's package is importable."""
+    return (
+        importlib.util.find_spec("wordllama") is not None
+        and importlib.util.find_spec("numpy") is not None
+    )
+
+
+class WordLlamaEmbedder:
+    """Static token embeddings (wordllama l2_supercat, 256 dims) averaged per text.
+
+    Loads the weights the package ships, never from the network. wordllama configures
+    the root `logging` logger on import; that is undone here.
+    """
+
+    def __init__(self) -> None:
+        if not near_duplicates_available():
+            raise NearDuplicateUnavailable(
+                "near-duplicate cache matching needs the optional extra: "
+                f"pip install 'chat-gateway[{EXTRA_NAME}]' (or turn near_duplicates off)"
+            )
+        self._model: Any = None
+
+    def _load(self) -> Any:
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        try:
+            import wordllama
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+        package_dir = Path(wordllama.__file__).parent
+        # The package ships weights/ and tokenizers/ folders laid out like its download
+        # cache; pointing the cache there keeps loading offline.
+        return wordllama.WordLlama.load(cache_dir=package_dir, disable_download=True)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        import numpy as np
+
+        if self._model is None:
+            self._model = self._load()
+        vectors = self._model.embed(list(texts), norm=True)
+        return np.nan_to_num(np.asarray(vectors, dtype=np.float32))
+
+
+@dataclass(frozen=True, slots=True)
+class NearMatch:
+    """A stored shared question judged to ask the same as the new one."""
+
+    key: str
+    query: str
+    similarity: float
+
+
+@dataclass(slots=True)
+class _Partition:
+    keys: list[str] = field(default_factory=list)
+    queries: list[str] = field(default_factory=list)
+    matrix: Any = None  # np.ndarray with capacity >= len(keys)
+    loaded_at: float = -math.inf
+
+
+class NearDuplicateIndex:
+    """Shared questions per partition, their vectors, and the guarded nearest match."""
+
+    def __init__(
+        self,
+        embedder: Embedder,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        refresh_seconds: float = 60.0,
+        candidates: int = 5,
+        clock: Callable[[], float] = time.monotonic,
+        use_guard: bool = True,
+    ) -> None:
+        """`use_guard=False` exists only to measure what the guard prevents."""
+        self._embedder = embedder
+        self.threshold = threshold
+        self._refresh_seconds = refresh_seconds
+        self._candidates = candidates
+        self._clock = clock
+        self._use_guard = use_guard
+        self._partitions: dict[str, _Partition] = {}
+        self._vectors: dict[str, Any] = {}  # key -> vector, so a refresh re-embeds only new keys
+        self._dead: set[str] = set()
+
+    async def _embed(self, texts: Sequence[str]) -> np.ndarray:
+        return await anyio.to_thread.run_sync(self._embedder.embed, list(texts))
+
+    async def _ensure(
+        self, partition: str, load: Callable[[], Awaitable[list[tuple[str, str]]]]
+    ) -> _Partition:
+        import numpy as np
+
+        part = self._partitions.get(partition)
+        if part is not None and self._clock() - part.loaded_at < self._refresh_seconds:
+            return part
+        rows = await load()
+        missing = [(k, q) for k, q in rows if k not in self._vectors]
+        if missing:
+            vectors = await self._embed([q for _, q in missing])
+            for (key, _), vector in zip(missing, vectors, strict=True):
+                self._vectors[key] = vector
+        part = _Partition(loaded_at=self._clock())
+        part.keys = [k for k, _ in rows]
+        part.queries = [q for _, q in rows]
+        if rows:
+            part.matrix = np.stack([self._vectors[k] for k in part.keys])
+        live = set(part.keys)
+        for other in self._partitions.values():
+            live.update(other.keys)
+        self._vectors = {k: v for k, v in self._vectors.items() if k in live}
+        self._dead -= set(part.keys)
+        self._partitions[partition] = part
+        return part
+
+    async def add(self, partition: str, key: str, query: str) -> None:
+        """Index a freshly stored shared question (if its partition is loaded here)."""
+        import numpy as np
+
+        part = self._partitions.get(partition)
+        if part is None:
+            return  # loaded from the backend, with this entry, on first lookup
+        self._dead.discard(key)
+        if key in part.keys:
+            return
+        vector = (await self._embed([query]))[0]
+        self._vectors[key] = vector
+        n = len(part.keys)
+        if part.matrix is None or part.matrix.shape[0] == n:
+            capacity = max(16, 2 * n)
+            grown = np.zeros((capacity, vector.shape[0]), dtype=np.float32)
+            if part.matrix is not None:
+                grown[:n] = part.matrix[:n]
+            part.matrix = grown
+        part.matrix[n] = vector
+        part.keys.append(key)
+        part.queries.append(query)
+
+    def discard(self, key: str) -> None:
+        """Never propose `key` again (until a refresh finds it stored again)."""
+        self._dead.add(key)
+
+    def reset(self) -> None:
+        self._partitions.clear()
+        self._vectors.clear()
+        self._dead.clear()
+
+    async def find(
+        self,
+        partition: str,
+        query: str,
+        load: Callable[[], Awaitable[list[tuple[str, str]]]],
+    ) -> NearMatch | None:
+        """The most similar stored question at or above the threshold that the guard
+        accepts as the same question as `query`; None otherwise."""
+        import numpy as np
+
+        part = await self._ensure(partition, load)
+        n = len(part.keys)
+        if n == 0:
+            return None
+        vector = (await self._embed([query]))[0]
+        scores = part.matrix[:n] @ vector
+        k = min(self._candidates, n)
+        top = np.argpartition(-scores, k - 1)[:k]
+        for i in sorted(top.tolist(), key=lambda j: -float(scores[j])):
+            score = float(scores[i])
+            if score < self.threshold:
+                break
+            key, candidate = part.keys[i], part.queries[i]
+            if key in self._dead:
+                continue
+            conflict = guard_conflict(query, candidate) if self._use_guard else None
+            if conflict is not None:
+                logger.debug("near-duplicate {:.8} vetoed ({}), score {:.3f}", key, conflict, score)
+                continue
+            return NearMatch(key=key, query=candidate, similarity=score)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class PairScores:
+    """How the near-duplicate layer did on a labelled set of question pairs.
+
+    Every distinct `a` is indexed in one partition and every `b` looked up against all of
+    them, so a `b` can also hit the wrong `a`. `false_hits` counts hits that were not the
+    pair's own paraphrase (nor an identical stored text); `near_miss_false_hits` those
+    among pairs labelled different; `false_hit_rate` is false hits per lookup;
+    `lookup_ms` the mean time of one near-duplicate lookup (embedding, search, guard).
+    """
+
+    pairs: int
+    positives: int
+    true_hits: int
+    false_hits: int
+    near_miss_false_hits: int
+    precision: float
+    recall: float
+    false_hit_rate: float
+    lookup_ms: float
+    false_hit_examples: tuple[tuple[str, str], ...]
+
+
+async def score_pairs(
+    index: NearDuplicateIndex, pairs: Sequence[tuple[str, str, bool]]
+) -> PairScores:
+    """Score `index` (fresh, with its embedder) on `(a, b, same)` pairs."""
+    stored = {
+        normalize_query(a): f"k{i}" for i, a in enumerate(dict.fromkeys(a for a, _, _ in pairs))
+    }
+    rows = [(key, query) for query, key in stored.items()]
+
+    async def load() -> list[tuple[str, str]]:
+        return rows
+
+    await index._ensure("labelled", load)
+    lookup_seconds = 0.0
+    true_hits = false_hits = near_miss_false = 0
+    examples: list[tuple[str, str]] = []
+    for a, b, same in pairs:
+        t0 = time.perf_counter()
+        match = await index.find("labelled", normalize_query(b), load)
+        lookup_seconds += time.perf_counter() - t0
+        if match is None:
+            continue
+        if match.query == normalize_query(b) or (same and match.query == normalize_query(a)):
+            true_hits += int(same)
+            continue
+        false_hits += 1
+        near_miss_false += int(not same)
+        examples.append((b, match.query))
+    positives = sum(1 for _, _, same in pairs if same)
+    hits = true_hits + false_hits
+    return PairScores(
+        pairs=len(pairs),
+        positives=positives,
+        true_hits=true_hits,
+        false_hits=false_hits,
+        near_miss_false_hits=near_miss_false,
+        precision=true_hits / hits if hits else 1.0,
+        recall=true_hits / positives if positives else 0.0,
+        false_hit_rate=false_hits / len(pairs) if pairs else 0.0,
+        lookup_ms=1000 * lookup_seconds / len(pairs) if pairs else 0.0,
+        false_hit_examples=tuple(examples),
+    )

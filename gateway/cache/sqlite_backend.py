@@ -1,0 +1,297 @@
+"""The embedded cache backend: one SQLite file, safe for several processes.
+
+WAL journal, a busy timeout and `BEGIN IMMEDIATE` writes let several processes share the
+file; every `put` is committed before it returns, so a restart loses none (WAL with
+`synchronous=NORMAL` survives a process crash; a power cut may drop the last commits,
+which for a cache costs a few misses, never a wrong answer). Entry and byte totals are
+kept by triggers in the same transactions, so enforcing `max_entries` on a put never
+counts the table. Queries run in a worker thread, one at a time per backend object.
+
+A hit records its access time only when the stored one is at least `touch_resolution`
+seconds old (default 1 s), so a hot entry's hits are pure reads; LRU order is exact
+to that resolution.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+from loguru import logger
+
+from gateway.cache.backend import BackendCounts, CacheRecord
+from gateway.cache.policy import SHARED_SCOPE
+
+SCHEMA_VERSION = 1
+_T = TypeVar("_T")
+
+_SCHEMA = (
+    """CREATE TABLE entries (
+        key TEXT PRIMARY KEY,
+        response TEXT NOT NULL,
+        model TEXT NOT NULL,
+        scope TEXT NOT NULL,
+        partition TEXT NOT NULL,
+        query TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        accessed_at REAL NOT NULL,
+        size INTEGER NOT NULL
+    )""",
+    "CREATE INDEX entries_by_access ON entries(accessed_at)",
+    "CREATE INDEX entries_by_expiry ON entries(expires_at)",
+    "CREATE INDEX entries_by_model ON entries(model)",
+    "CREATE INDEX entries_by_scope ON entries(scope)",
+    f"CREATE INDEX entries_by_partition ON entries(partition) WHERE scope = '{SHARED_SCOPE}'",
+    """CREATE TABLE totals (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        entries INTEGER NOT NULL,
+        bytes INTEGER NOT NULL
+    )""",
+    "INSERT INTO totals (id, entries, bytes) VALUES (1, 0, 0)",
+    """CREATE TRIGGER entries_inserted AFTER INSERT ON entries BEGIN
+        UPDATE totals SET entries = entries + 1, bytes = bytes + NEW.size WHERE id = 1;
+    END""",
+    """CREATE TRIGGER entries_deleted AFTER DELETE ON entries BEGIN
+        UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.size WHERE id = 1;
+    END""",
+    """CREATE TRIGGER entries_resized AFTER UPDATE OF size ON entries BEGIN
+        UPDATE totals SET bytes = bytes - OLD.size + NEW.size WHERE id = 1;
+    END""",
+)
+
+_COLUMNS = "key, response, model, scope, partition, query, created_at, expires_at"
+
+
+class SqliteCacheBackend:
+    """Cache entries in a SQLite file at `path` (created with its folder if missing).
+
+    A file that is not a readable database, or has another schema version, is moved
+    aside (`<name>.broken-<time>`) or rebuilt: it only ever held a cache.
+    """
+
+    name = "sqlite"
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        busy_timeout_ms: int = 5000,
+        purge_batch: int = 1000,
+        touch_resolution: float = 1.0,
+    ) -> None:
+        self.path = Path(path)
+        self._touch_resolution = touch_resolution
+        self._busy_timeout_ms = busy_timeout_ms
+        self._purge_batch = purge_batch
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()  # held by worker threads only, never on the loop
+        self._limiter: anyio.CapacityLimiter | None = None
+        # Lookup counters are per process since start (Prometheus counters may reset).
+        self._counter_lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+
+    # -- plumbing -----------------------------------------------------------------
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        return await anyio.to_thread.run_sync(self._call, fn, limiter=self._thread_limiter())
+
+    def _thread_limiter(self) -> anyio.CapacityLimiter:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return self._limiter
+
+    def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        with self._lock:
+            if self._conn is None:
+                self._conn = self._open()
+            return fn(self._conn)
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._connect()
+        except sqlite3.DatabaseError as exc:
+            # Busy, read-only or missing-folder errors are operational: never move the
+            # file for those. Anything else means the bytes are not a usable database.
+            if isinstance(exc, sqlite3.OperationalError) or not self.path.exists():
+                raise
+            aside = self.path.with_name(f"{self.path.name}.broken-{int(time.time())}")
+            logger.warning("cache file {} is unreadable ({}); moved to {}", self.path, exc, aside)
+            self.path.rename(aside)
+            for suffix in ("-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            return self._connect()
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path,
+            timeout=self._busy_timeout_ms / 1000,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            self._migrate(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                if version != 0:
+                    logger.info("cache schema {} -> {}: rebuilding", version, SCHEMA_VERSION)
+                for table in ("entries", "totals"):
+                    conn.execute(f"DROP TABLE IF EXISTS {table}")
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    @staticmethod
+    def _write(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run `fn` in one immediate write transaction (takes the lock up front, so two
+        processes never deadlock upgrading a read lock)."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+
+    def _purge_expired(self, conn: sqlite3.Connection, now: float) -> int:
+        return conn.execute(
+            "DELETE FROM entries WHERE key IN "
+            "(SELECT key FROM entries WHERE expires_at <= ? LIMIT ?)",
+            (now, self._purge_batch),
+        ).rowcount
+
+    # -- the CacheBackend protocol ------------------------------------------------
+
+    async def get(self, key: str, *, now: float) -> CacheRecord | None:
+        def query(conn: sqlite3.Connection) -> CacheRecord | None:
+            row = conn.execute(
+                f"SELECT {_COLUMNS}, accessed_at FROM entries WHERE key = ?", (key,)
+            ).fetchone()
+            if row is None:
+                return None
+            record = CacheRecord(*row[:-1])
+            if record.expires_at <= now:
+                conn.execute("DELETE FROM entries WHERE key = ? AND expires_at <= ?", (key, now))
+                return None
+            if now - row[-1] >= self._touch_resolution:
+                conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
+            return record
+
+        return await self._run(query)
+
+    async def put(self, record: CacheRecord, *, now: float, max_entries: int) -> int:
+        def write(conn: sqlite3.Connection) -> int:
+            conn.execute(
+                f"INSERT INTO entries ({_COLUMNS}, accessed_at, size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET response = excluded.response, "
+                "model = excluded.model, scope = excluded.scope, "
+                "partition = excluded.partition, query = excluded.query, "
+                "created_at = excluded.created_at, expires_at = excluded.expires_at, "
+                "accessed_at = excluded.accessed_at, size = excluded.size",
+                (
+                    record.key,
+                    record.response,
+                    record.model,
+                    record.scope,
+                    record.partition,
+                    record.query,
+                    record.created_at,
+                    record.expires_at,
+                    now,
+                    record.size,
+                ),
+            )
+            removed = self._purge_expired(conn, now)
+            total = conn.execute("SELECT entries FROM totals WHERE id = 1").fetchone()[0]
+            if total > max_entries:
+                removed += conn.execute(
+                    "DELETE FROM entries WHERE key IN (SELECT key FROM entries WHERE key != ? "
+                    "ORDER BY accessed_at, rowid LIMIT ?)",
+                    (record.key, total - max_entries),
+                ).rowcount
+            return removed
+
+        return await self._run(lambda conn: self._write(conn, write))
+
+    async def delete(self, key: str) -> bool:
+        def write(conn: sqlite3.Connection) -> bool:
+            return conn.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount > 0
+
+        return await self._run(write)
+
+    async def delete_model(self, model: str) -> int:
+        return await self._run(
+            lambda conn: conn.execute("DELETE FROM entries WHERE model = ?", (model,)).rowcount
+        )
+
+    async def delete_scope(self, scope: str) -> int:
+        return await self._run(
+            lambda conn: conn.execute("DELETE FROM entries WHERE scope = ?", (scope,)).rowcount
+        )
+
+    async def clear(self) -> int:
+        return await self._run(lambda conn: conn.execute("DELETE FROM entries").rowcount)
+
+    async def record_lookup(self, *, hit: bool) -> None:
+        with self._counter_lock:
+            if hit:
+                self._hits += 1
+            else:
+                self._misses += 1
+
+    async def counts(self, *, now: float) -> BackendCounts:
+        def read(conn: sqlite3.Connection) -> tuple[int, int]:
+            self._write(conn, lambda c: self._purge_expired(c, now))
+            entries, size = conn.execute(
+                "SELECT entries, bytes FROM totals WHERE id = 1"
+            ).fetchone()
+            return int(entries), int(size)
+
+        entries, size = await self._run(read)
+        return BackendCounts(entries=entries, bytes=size, hits=self._hits, misses=self._misses)
+
+    async def shared_queries(self, partition: str, *, now: float) -> list[tuple[str, str]]:
+        def read(conn: sqlite3.Connection) -> list[tuple[str, str]]:
+            rows = conn.execute(
+                "SELECT key, query FROM entries "
+                "WHERE scope = ? AND partition = ? AND expires_at > ?",
+                (SHARED_SCOPE, partition, now),
+            ).fetchall()
+            return [(str(k), str(q)) for k, q in rows]
+
+        return await self._run(read)
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self._close, limiter=self._thread_limiter())
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None

@@ -1,0 +1,221 @@
+"""The near-duplicate layer: the guard (pure, always tested), the index with a stand-in
+embedder (needs numpy), and the real embedding model (needs the cache-neardup extra)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.cache import (
+    CacheContext,
+    CacheSettings,
+    NearDuplicateIndex,
+    NearDuplicateUnavailable,
+    SemanticCache,
+    SqliteCacheBackend,
+    WordLlamaEmbedder,
+    guard_conflict,
+    near_duplicates_available,
+    neardup,
+)
+from gateway.cache.neardup import score_pairs
+
+PAIRS_FILE = Path(__file__).parent / "data" / "cache_pairs.json"
+PAIRS: list[dict[str, Any]] = json.loads(PAIRS_FILE.read_text(encoding="utf-8"))["pairs"]
+needs_extra = pytest.mark.skipif(
+    not near_duplicates_available(),
+    reason="the cache-neardup extra (wordllama) is not installed",
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# -- the labelled set and the guard (no model) ------------------------------------------
+
+
+def test_labelled_set_is_big_and_balanced() -> None:
+    kinds = {p["kind"] for p in PAIRS if not p["same"]}
+    assert len(PAIRS) >= 60
+    assert sum(p["same"] for p in PAIRS) >= 30
+    assert {"negation", "entity", "number", "time", "antonym", "topic"} <= kinds
+    assert {p["split"] for p in PAIRS} == {"dev", "holdout"}
+
+
+@pytest.mark.parametrize(
+    "pair", [p for p in PAIRS if not p["same"]], ids=lambda p: f"{p['kind']}:{p['b']}"
+)
+def test_guard_vetoes_every_near_miss(pair: dict[str, Any]) -> None:
+    assert guard_conflict(pair["a"], pair["b"]) is not None
+    assert guard_conflict(pair["b"], pair["a"]) is not None
+
+
+def test_guard_lets_most_paraphrases_through() -> None:
+    for split, floor in (("dev", 0.8), ("holdout", 0.6)):
+        same = [p for p in PAIRS if p["same"] and p["split"] == split]
+        passed = [p for p in same if guard_conflict(p["a"], p["b"]) is None]
+        assert len(passed) / len(same) >= floor, split
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "reason"),
+    [
+        ("turn on the lights", "turn off the lights", "antonyms"),
+        ("is it safe", "is it not safe", "negation"),
+        ("convert 5 km to miles", "convert five km to miles", None),
+        ("convert 5 km to miles", "convert 6 km to miles", "numbers"),
+        ("weather today", "weather tomorrow", "time"),
+        ("what's my name", "what's your name", "person"),
+        ("capital of France", "capital of Germany", "content"),
+        ("flights from Paris to Rome", "flights from Rome to Paris", "object of"),
+        ("who killed Brutus", "who did Brutus kill", "order"),
+        ("when was Einstein born", "where was Einstein born", "question words"),
+        ("What's the capital of France?", "what is the capital of france", None),
+        ("Can you tell me what DNS is?", "What is DNS", None),
+        ("How do I reset my password?", "how can i reset my password please", None),
+        ("It\u2019s raining; do I need an umbrella?", "it's raining, do i need an umbrella", None),
+    ],
+)
+def test_guard_reasons(a: str, b: str, reason: str | None) -> None:
+    conflict = guard_conflict(a, b)
+    if reason is None:
+        assert conflict is None
+    else:
+        assert conflict is not None and reason in conflict
+
+
+def test_guard_accepts_identical_text() -> None:
+    for p in PAIRS:
+        assert guard_conflict(p["a"], p["a"]) is None
+
+
+# -- the index and the cache, with a stand-in embedder --------------------------------
+
+
+class BagOfWords:
+    """Hashes words into a small vector: similar wording, similar vector. Enough to drive
+    the index; the real model's quality is measured separately."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        np = pytest.importorskip("numpy")
+        self.calls += 1
+        out = np.zeros((len(texts), 64), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in text.lower().replace("?", " ").split():
+                out[row, zlib.crc32(word.encode()) % 64] += 1.0
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.where(norms == 0, 1, norms)
+
+
+def ctx(query: str, session: str = "telegram:1", **kw: Any) -> CacheContext:
+    return CacheContext(query=query, model="m", temperature=0.0, session_key=session, **kw)
+
+
+@pytest.fixture
+def near_cache(tmp_path: Path) -> SemanticCache:
+    pytest.importorskip("numpy")
+    index = NearDuplicateIndex(BagOfWords(), threshold=0.5, refresh_seconds=0.0)
+    return SemanticCache(
+        SqliteCacheBackend(tmp_path / "c.sqlite3"),
+        CacheSettings(near_duplicates=True),
+        near_duplicates=index,
+    )
+
+
+@pytest.mark.anyio
+async def test_near_duplicate_hit_across_sessions(near_cache: SemanticCache) -> None:
+    await near_cache.store(ctx("How do I reset my password?", "telegram:1"), "Use the link.")
+    answer = await near_cache.lookup(ctx("how can I reset my password please", "slack:C1"))
+    assert answer is not None
+    assert answer.match == "near" and 0.5 <= answer.similarity < 1.0
+    assert answer.response == "Use the link."
+    assert (await near_cache.stats()).hits == 1
+    await near_cache.aclose()
+
+
+@pytest.mark.anyio
+async def test_near_duplicate_guard_and_scope(near_cache: SemanticCache) -> None:
+    await near_cache.store(ctx("How do I turn on the lights?"), "Flip the switch up.")
+    assert await near_cache.lookup(ctx("How do I turn off the lights?")) is None
+    # A context-dependent question is never matched approximately, even in the same session.
+    personal = ctx("How do I reset my password?", memory_injected=True)
+    await near_cache.store(personal, "Your account uses SSO.")
+    assert await near_cache.lookup(replace(personal, query="how can I reset my password")) is None
+    stats = await near_cache.stats()
+    assert (stats.hits, stats.misses) == (0, 2)
+    await near_cache.aclose()
+
+
+@pytest.mark.anyio
+async def test_near_duplicate_never_serves_a_removed_entry(near_cache: SemanticCache) -> None:
+    key = await near_cache.store(ctx("What is the speed of light?"), "c")
+    assert key is not None
+    assert await near_cache.lookup(ctx("what's the speed of light please")) is not None
+    await near_cache.invalidate(key)
+    assert await near_cache.lookup(ctx("what's the speed of light please")) is None
+    await near_cache.aclose()
+
+
+@pytest.mark.anyio
+async def test_near_duplicate_sees_entries_written_by_another_process(
+    near_cache: SemanticCache, tmp_path: Path
+) -> None:
+    assert await near_cache.lookup(ctx("What is the speed of light?")) is None  # loads the index
+    other = SemanticCache(SqliteCacheBackend(tmp_path / "c.sqlite3"))
+    await other.store(ctx("What is the speed of light?"), "c")
+    await other.aclose()
+    assert await near_cache.lookup(ctx("what's the speed of light please")) is not None
+    await near_cache.aclose()
+
+
+@pytest.mark.anyio
+async def test_near_duplicates_are_off_by_default(tmp_path: Path) -> None:
+    cache = SemanticCache(SqliteCacheBackend(tmp_path / "c.sqlite3"))
+    await cache.store(ctx("How do I reset my password?"), "Use the link.")
+    assert await cache.lookup(ctx("how can I reset my password please")) is None
+    await cache.aclose()
+
+
+def test_missing_extra_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(neardup, "near_duplicates_available", lambda: False)
+    with pytest.raises(NearDuplicateUnavailable, match="cache-neardup"):
+        WordLlamaEmbedder()
+
+
+# -- the real model ---------------------------------------------------------------------
+
+
+@needs_extra
+@pytest.mark.anyio
+async def test_real_model_has_no_false_hits_on_the_labelled_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root_handlers = list(logging.getLogger().handlers)
+    index = NearDuplicateIndex(WordLlamaEmbedder())
+    scores = await score_pairs(index, [(p["a"], p["b"], p["same"]) for p in PAIRS])
+    assert logging.getLogger().handlers == root_handlers
+    assert scores.near_miss_false_hits == 0, scores.false_hit_examples
+    assert scores.false_hit_rate < 0.01
+    assert scores.recall >= 0.6
+
+
+@needs_extra
+@pytest.mark.anyio
+async def test_threshold_alone_would_give_false_hits() -> None:
+    """Why the guard exists: without it, the same model serves wrong answers."""
+    index = NearDuplicateIndex(WordLlamaEmbedder(), use_guard=False)
+    scores = await score_pairs(index, [(p["a"], p["b"], p["same"]) for p in PAIRS])
+    assert scores.near_miss_false_hits > 10
