@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -250,15 +251,92 @@ async def bench_near_duplicates() -> list[Row]:
     return rows
 
 
-async def bench_agent_loop_turns() -> list[Row]:
-    """HOOK FOR THE LEAD: hit vs miss turn latency through the agent loop.
+def _file_create_floor_ms(folder: str, count: int = 200) -> float:
+    """Median cost of creating and writing one small file in `folder`: the floor of any
+    turn that opens a new session, since its first line must be on disk first."""
+    samples = []
+    for i in range(count):
+        start = time.perf_counter_ns()
+        fd = os.open(
+            os.path.join(folder, f"floor-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600
+        )
+        os.write(fd, b"x" * 300 + b"\n")
+        os.close(fd)
+        samples.append(time.perf_counter_ns() - start)
+    return _percentiles(samples)[0]
 
-    To fill in once gateway/agent lands: start tests/fakes/openai_server.py on
-    127.0.0.1, build the AgentLoop with a SemanticCache (SQLite in a temp dir), send
-    one standalone question twice through `AgentLoop.handle`, and return two rows
-    (metric "turn, cache miss" and "turn, cache hit") with median/p99 over N turns.
+
+async def bench_agent_loop_turns(turns: int = 200, workdir: str | None = None) -> list[Row]:
+    """Hit vs miss turn latency through the real agent loop: the real openai client and
+    the fake OpenAI server on 127.0.0.1, sessions and the SQLite cache in a temp dir.
+
+    A miss is a new standalone question (one round trip to the fake server); a hit is a
+    question already answered, asked from a new session (shared entry). Both persist the
+    user message and the reply, so the difference is the LLM call the cache saves.
     """
-    return [Row("agent loop", "-", None, "turn hit vs miss", note="TODO(lead): not wired yet")]
+    from gateway.config import load_settings
+    from gateway.daemon import Gateway
+    from gateway.messages import InboundMessage
+    from tests.fakes.openai_server import FakeOpenAI
+
+    async def timed(gw: Gateway, text: str, chat: str) -> tuple[float, bool]:
+        start = time.perf_counter()
+        reply = await gw.agent.handle(
+            InboundMessage(channel="bench", chat_id=chat, sender_id=chat, text=text)
+        )
+        return (time.perf_counter() - start) * 1000, bool(reply.metadata.get("cached"))
+
+    async with FakeOpenAI() as fake:
+        with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+            floor = _file_create_floor_ms(tmp)
+            env = {
+                "OPENAI_BASE_URL": fake.base_url,
+                "OPENAI_API_KEY": fake.api_key or "",
+                "GATEWAY_WORKSPACE": tmp,
+                "GATEWAY_SESSIONS__FSYNC": "never",
+                "GATEWAY_LLM__MAX_RETRIES": "0",
+            }
+            gw = Gateway.build(load_settings(None, environ=env))
+            try:
+                misses = [await timed(gw, f"question {i}?", f"m{i}") for i in range(turns)]
+                hits = [await timed(gw, f"question {i}?", f"h{i}") for i in range(turns)]
+            finally:
+                await gw.aclose()
+    if not all(hit for _, hit in hits) or any(hit for _, hit in misses):
+        return [Row("agent loop", "sqlite", turns, "turn hit vs miss", note="unexpected hits")]
+    miss_med, miss_p99 = _percentiles([int(ms * 1e6) for ms, _ in misses])
+    hit_med, hit_p99 = _percentiles([int(ms * 1e6) for ms, _ in hits])
+    speedup = miss_med / hit_med
+    beyond_floor = (miss_med - floor) / max(hit_med - floor, 1e-3)
+    return [
+        Row("agent loop", "sqlite", turns, "turn, cache miss (fake LLM)", miss_med, miss_p99),
+        Row("agent loop", "sqlite", turns, "turn, cache hit", hit_med, hit_p99),
+        Row(
+            "agent loop",
+            "sqlite",
+            turns,
+            "speed-up hit vs miss",
+            value=speedup,
+            target=">= 10x",
+            ok=speedup >= 10,
+        ),
+        Row(
+            "agent loop",
+            "disk",
+            None,
+            "floor: create one session file",
+            floor,
+            note="every turn of a new session pays it",
+        ),
+        Row(
+            "agent loop",
+            "sqlite",
+            turns,
+            "speed-up above that floor",
+            value=beyond_floor,
+            note="(miss - floor) / (hit - floor)",
+        ),
+    ]
 
 
 async def run(args: argparse.Namespace) -> list[Row]:
@@ -268,7 +346,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
             rows += await bench_backend(kind, size, args.samples, args.redis_url)
     if not args.skip_neardup:
         rows += await bench_near_duplicates()
-    rows += await bench_agent_loop_turns()
+    rows += await bench_agent_loop_turns(workdir=args.dir)
     return rows
 
 
@@ -324,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=2000, help="timed operations per row")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--skip-neardup", action="store_true")
+    parser.add_argument(
+        "--dir", default=None, help="folder for the agent-loop workspace (default: system temp)"
+    )
     args = parser.parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="WARNING")

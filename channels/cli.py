@@ -10,15 +10,20 @@ import anyio
 
 from gateway.agent import AgentLoop
 from gateway.messages import InboundMessage, OutboundMessage
+from gateway.sessions.keys import encode_key
 
 EXIT_WORDS = frozenset({"/quit", "/exit"})
 
 
 def cli_session_key(name: str | None) -> str:
-    """`--session work` means `cli:work`; a full key (with a colon) is used as given."""
+    """`--session work` means `cli:work`; a full key (with a colon) is used as given.
+
+    Raises SessionKeyError (a ValueError) for a key that cannot be stored."""
     if not name:
         return "cli:direct"
-    return name if ":" in name else f"cli:{name}"
+    key = name if ":" in name else f"cli:{name}"
+    encode_key(key)
+    return key
 
 
 class CLIChannel:

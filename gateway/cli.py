@@ -7,6 +7,7 @@ traceback: 2 for bad usage or input, 78 for configuration, 1 for a failed operat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -76,6 +77,18 @@ def _parser() -> argparse.ArgumentParser:
     export = ssub.add_parser("export", help="print a session (JSONL entries or Markdown)")
     export.add_argument("key")
     export.add_argument("--format", choices=("jsonl", "markdown"), default="jsonl")
+
+    cache = sub.add_parser("cache", help="inspect and manage the response cache")
+    csub = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
+    stats = csub.add_parser("stats", help="entries, hits, misses, hit rate, bytes")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    csub.add_parser("clear", help="remove every entry")
+    inval = csub.add_parser("invalidate", help="remove some entries (exactly one selector)")
+    which = inval.add_mutually_exclusive_group(required=True)
+    which.add_argument("--key", help="one entry by its key")
+    which.add_argument("--model", dest="by_model", help="every entry of a model")
+    which.add_argument("--session", help="every entry scoped to a session key")
+    which.add_argument("--shared", action="store_true", help="every shared entry")
     return parser
 
 
@@ -263,6 +276,43 @@ def _print_tree(session: Session) -> None:
         walk(root, "", i == len(roots) - 1, True)
 
 
+def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.daemon import build_cache
+
+    cache = build_cache(settings)
+    if cache is None:
+        raise CommandError("the cache is disabled ([cache] enabled = false)")
+
+    async def main() -> int:
+        try:
+            if args.action == "stats":
+                st = await cache.stats()
+                if args.json:
+                    print(json.dumps(dataclasses.asdict(st)))
+                else:
+                    print(f"backend:  {st.backend}")
+                    print(f"entries:  {st.entries}")
+                    print(f"hits:     {st.hits}")
+                    print(f"misses:   {st.misses}")
+                    print(f"hit rate: {st.hit_rate:.1%}")
+                    print(f"bytes:    {st.bytes}")
+            elif args.action == "clear":
+                print(f"removed {await cache.clear()} entries")
+            else:
+                removed = await cache.invalidate(
+                    args.key,
+                    model=args.by_model,
+                    session_key=args.session,
+                    shared=args.shared,
+                )
+                print(f"removed {removed} entries")
+            return EXIT_OK
+        finally:
+            await cache.aclose()
+
+    return anyio.run(main)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
@@ -276,6 +326,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "run": cmd_run,
         "chat": cmd_chat,
         "sessions": cmd_sessions,
+        "cache": cmd_cache,
     }
     return handlers[args.command](args, settings)
 

@@ -51,7 +51,13 @@ class LLMSettings(_Section):
     )
     timeout: float = Field(60.0, gt=0, description="Seconds per request before giving up.")
     max_retries: int = Field(2, ge=0, le=10, description="Retries on 429/5xx/timeouts.")
-    temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature.")
+    temperature: float | None = Field(
+        0.3,
+        ge=0,
+        le=2,
+        description="Sampling temperature; answers sampled above cache.max_temperature are "
+        "never cached.",
+    )
     max_tokens: int | None = Field(None, gt=0, description="Upper bound on reply tokens.")
     context_window: int = Field(
         32_768, gt=256, description="The model's context window, in tokens."
@@ -109,6 +115,32 @@ class SessionSettings(_Section):
     max_cache_size: int = Field(200, ge=1, description="Sessions kept in memory.")
 
 
+class CacheSettingsSection(_Section):
+    enabled: bool = Field(True, description="Answer repeated questions from the cache.")
+    url: str | None = Field(
+        None,
+        description="Backend: unset for a SQLite file in the workspace, or redis://host:port/db "
+        "to share the cache between replicas.",
+    )
+    namespace: str = Field("gateway:cache:", description="Redis key prefix.")
+    ttl_seconds: float = Field(3600.0, gt=0, description="How long an answer stays valid.")
+    max_entries: int = Field(10_000, ge=1, description="Entries kept; least recently used go.")
+    max_temperature: float = Field(
+        0.3, ge=0, description="Replies sampled hotter than this are not cached."
+    )
+    near_duplicates: bool = Field(
+        False,
+        description="Also match paraphrases of standalone questions (needs the "
+        "cache-neardup extra).",
+    )
+    near_duplicate_threshold: float = Field(
+        0.8, gt=0, le=1, description="Cosine similarity a paraphrase must reach."
+    )
+    disabled_channels: list[str] = Field(
+        default_factory=list, description='Channels that never use the cache, e.g. ["slack"].'
+    )
+
+
 class LogSettings(_Section):
     level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Lowest level logged."
@@ -147,6 +179,7 @@ class Settings(_Section):
     llm: LLMSettings = Field(default_factory=LLMSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
+    cache: CacheSettingsSection = Field(default_factory=CacheSettingsSection)
     log: LogSettings = Field(default_factory=LogSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)

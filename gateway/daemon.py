@@ -10,6 +10,7 @@ import anyio
 from loguru import logger
 
 from gateway.agent import AgentConfig, AgentLoop, build_registry
+from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.config import ConfigError, Settings
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
@@ -66,7 +67,31 @@ def agent_config(settings: Settings) -> AgentConfig:
         max_tokens=settings.llm.max_tokens,
         stream=settings.llm.stream,
         owners=frozenset(settings.agent.owners),
+        cache_disabled_channels=frozenset(settings.cache.disabled_channels),
     )
+
+
+def build_cache(settings: Settings) -> SemanticCache | None:
+    """The response cache, or None when disabled. SQLite in the workspace by default."""
+    section = settings.cache
+    if not section.enabled:
+        return None
+    url = section.url or str(settings.workspace_path / "cache.sqlite")
+    try:
+        backend = backend_from_url(url, namespace=section.namespace)
+        return SemanticCache(
+            backend,
+            CacheSettings(
+                enabled=True,
+                ttl_seconds=section.ttl_seconds,
+                max_entries=section.max_entries,
+                max_temperature=section.max_temperature,
+                near_duplicates=section.near_duplicates,
+                near_duplicate_threshold=section.near_duplicate_threshold,
+            ),
+        )
+    except (ValueError, ImportError, OSError) as exc:
+        raise ConfigError(f"cache: {exc}") from None
 
 
 @dataclass
@@ -77,6 +102,7 @@ class Gateway:
     sessions: SessionManager
     provider: LLMProvider
     agent: AgentLoop
+    cache: SemanticCache | None = None
 
     @classmethod
     def build(cls, settings: Settings) -> Gateway:
@@ -86,13 +112,22 @@ class Gateway:
             raise ConfigError(str(exc)) from None
         provider = build_provider(settings)
         sessions = build_session_manager(settings)
+        cache = build_cache(settings)
         agent = AgentLoop(
-            sessions=sessions, provider=provider, config=agent_config(settings), tools=tools
+            sessions=sessions,
+            provider=provider,
+            config=agent_config(settings),
+            tools=tools,
+            cache=cache,
         )
-        return cls(settings=settings, sessions=sessions, provider=provider, agent=agent)
+        return cls(
+            settings=settings, sessions=sessions, provider=provider, agent=agent, cache=cache
+        )
 
     async def aclose(self) -> None:
         await self.provider.aclose()
+        if self.cache is not None:
+            await self.cache.aclose()
         await anyio.to_thread.run_sync(self.sessions.close)
 
 

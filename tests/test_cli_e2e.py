@@ -120,3 +120,29 @@ def test_init_writes_a_valid_config_once(tmp_path: Path) -> None:
     assert made.returncode == 0 and (tmp_path / "gateway.toml").exists()
     again = run_gateway(["init"], env, tmp_path)
     assert again.returncode == 78 and "already exists" in again.stderr
+
+
+def test_cache_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    for session in ("a", "b"):
+        out = run_gateway(["chat", "--session", session, "-m", "what is DNS?"], env, tmp_path)
+        assert out.returncode == 0, out.stderr
+    assert len(fake_openai_thread.chat_requests) == 1  # the second was a shared cache hit
+
+    stats = run_gateway(["cache", "stats", "--json"], env, tmp_path)
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["entries"] == 1
+
+    wrong = run_gateway(["cache", "invalidate", "--model", "nope"], env, tmp_path)
+    assert wrong.returncode == 0 and "removed 0 entries" in wrong.stdout
+    gone = run_gateway(["cache", "invalidate", "--model", "gpt-4o-mini"], env, tmp_path)
+    assert "removed 1 entries" in gone.stdout
+    run_gateway(["chat", "--session", "c", "-m", "what is DNS?"], env, tmp_path)
+    assert len(fake_openai_thread.chat_requests) == 2
+    cleared = run_gateway(["cache", "clear"], env, tmp_path)
+    assert cleared.returncode == 0 and "removed 1 entries" in cleared.stdout
+    usage = run_gateway(["cache", "invalidate"], env, tmp_path)
+    assert usage.returncode == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import re
 import time
@@ -18,12 +19,13 @@ from gateway.agent.commands import PRIVILEGED, Command, help_text, parse_command
 from gateway.agent.context import build_llm_messages, repair_tool_pairs
 from gateway.agent.tokens import estimate_messages_tokens
 from gateway.agent.tools import ToolContext, ToolRegistry
-from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse
+from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
+from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse, ToolSpec
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.errors import SessionError, SessionKeyError
 
 if TYPE_CHECKING:
-    from gateway.sessions import Session, SessionManager
+    from gateway.sessions import Session, SessionContext, SessionManager
 
 DeltaCallback = Callable[[str], Awaitable[None]]
 
@@ -52,6 +54,13 @@ class AgentConfig:
     max_tokens: int | None = None
     stream: bool = False
     owners: frozenset[str] = field(default_factory=frozenset)
+    cache_disabled_channels: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, slots=True)
+class _TurnResult:
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class AgentLoop:
@@ -61,7 +70,10 @@ class AgentLoop:
       an LLM failure loses what the user said;
     - turns of one session run one at a time, in the order `handle` was called;
     - every tool call persisted is followed by its persisted tool result, and the
-      history sent to the model never holds an orphaned result or an unanswered call.
+      history sent to the model never holds an orphaned result or an unanswered call;
+    - a cached answer is looked up only after the context is built, because the key
+      covers everything the answer depended on, and it is persisted like any other
+      reply (marked `cached` in the entry's meta).
     """
 
     def __init__(
@@ -71,11 +83,13 @@ class AgentLoop:
         provider: LLMProvider,
         config: AgentConfig,
         tools: ToolRegistry | None = None,
+        cache: SemanticCache | None = None,
     ) -> None:
         self.sessions = sessions
         self.provider = provider
         self.config = config
         self.tools = tools or ToolRegistry()
+        self.cache = cache
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def _lock_for(self, key: str) -> asyncio.Lock:
@@ -98,7 +112,8 @@ class AgentLoop:
     async def _handle_locked(
         self, inbound: InboundMessage, on_delta: DeltaCallback | None
     ) -> OutboundMessage:
-        text = clean_user_text(inbound.text).strip()
+        text, nocache = strip_nocache(clean_user_text(inbound.text).strip())
+        text = text.strip()
         if not text:
             return self._reply(inbound, "Send some text and I will answer.", is_error=True)
         if len(text) > self.config.max_message_chars:
@@ -115,13 +130,11 @@ class AgentLoop:
 
         started = time.monotonic()
         try:
-            session = await anyio.to_thread.run_sync(
-                self.sessions.get_or_create, inbound.session_key
-            )
-            # The promise: what the user said is on disk before the model sees it.
             user_message = LLMMessage(role="user", content=text)
-            await anyio.to_thread.run_sync(functools.partial(session.add_message, user_message))
-            reply = await self._run_model(session, inbound, on_delta)
+            session, ctx = await anyio.to_thread.run_sync(
+                self._open_turn, inbound.session_key, user_message
+            )
+            reply = await self._run_model(session, ctx, inbound, on_delta, nocache=nocache)
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
             return self._reply(inbound, exc.user_message, is_error=True)
@@ -141,17 +154,32 @@ class AgentLoop:
                 is_error=True,
             )
         logger.info(
-            "turn done in {:.0f} ms ({} chars)", (time.monotonic() - started) * 1000, len(reply)
+            "turn done in {:.0f} ms ({} chars)",
+            (time.monotonic() - started) * 1000,
+            len(reply.text),
         )
-        return self._reply(inbound, reply)
+        return self._reply(inbound, reply.text, metadata=reply.metadata)
+
+    def _open_turn(self, key: str, user_message: LLMMessage) -> tuple[Session, SessionContext]:
+        """In one worker-thread hop: the session, the user's message appended (the
+        promise: what the user said is on disk before the model sees it), and the
+        context rebuilt from the branch."""
+        session = self.sessions.get_or_create(key)
+        session.add_message(user_message)
+        return session, session.build_context()
 
     def _model_for(self, session: Session) -> str:
         return session.build_context().model or self.config.model
 
     async def _run_model(
-        self, session: Session, inbound: InboundMessage, on_delta: DeltaCallback | None
-    ) -> str:
-        ctx = await anyio.to_thread.run_sync(session.build_context)
+        self,
+        session: Session,
+        ctx: SessionContext,
+        inbound: InboundMessage,
+        on_delta: DeltaCallback | None,
+        *,
+        nocache: bool = False,
+    ) -> _TurnResult:
         model = ctx.model or self.config.model
         budget = self.config.context_window - self.config.reply_reserve_tokens
         messages = build_llm_messages(
@@ -161,15 +189,29 @@ class AgentLoop:
             max_messages=self.config.memory_window + 1,
             budget_tokens=budget,
         )
-        tool_context = ToolContext(session_key=session.key, sender_id=inbound.sender_id)
         specs = self.tools.specs()
+        cache_ctx = self._cache_context(inbound, session, model, messages, specs, on_delta, nocache)
+        if cache_ctx is not None and self.cache is not None:
+            hit = await self.cache.lookup(cache_ctx)
+            if hit is not None:
+                cached = LLMMessage(role="assistant", content=hit.response, model=model)
+                meta = {"cached": True, "cache_match": hit.match}
+                await anyio.to_thread.run_sync(functools.partial(session.add_message, cached, meta))
+                logger.info("answered from cache ({} match)", hit.match)
+                return _TurnResult(hit.response, {"cached": True})
+
+        tool_context = ToolContext(session_key=session.key, sender_id=inbound.sender_id)
+        used_tools = False
+        reply: str | None = None
         for _ in range(self.config.max_tool_iterations):
             response = await self._complete(messages, model, specs, on_delta)
             assistant = response.message
             await anyio.to_thread.run_sync(functools.partial(session.add_message, assistant))
             messages.append(assistant)
             if not assistant.tool_calls:
-                return assistant.content or ""
+                reply = assistant.content or ""
+                break
+            used_tools = True
             for call in assistant.tool_calls:
                 logger.info("tool call {}", call.function_name)
                 result = await self.tools.execute(call, tool_context)
@@ -178,17 +220,50 @@ class AgentLoop:
                 )
                 await anyio.to_thread.run_sync(functools.partial(session.add_message, tool_message))
                 messages.append(tool_message)
-        # Out of tool rounds: ask once more without tools, so the user gets an answer.
-        logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
-        response = await self._complete(repair_tool_pairs(messages), model, [], on_delta)
-        await anyio.to_thread.run_sync(lambda: session.add_message(response.message))
-        return response.message.content or ""
+        if reply is None:
+            # Out of tool rounds: ask once more without tools, so the user gets an answer.
+            logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
+            response = await self._complete(repair_tool_pairs(messages), model, [], on_delta)
+            await anyio.to_thread.run_sync(functools.partial(session.add_message, response.message))
+            reply = response.message.content or ""
+        if cache_ctx is not None and self.cache is not None:
+            await self.cache.store(
+                dataclasses.replace(cache_ctx, tool_calls_made=used_tools), reply
+            )
+        return _TurnResult(reply)
+
+    def _cache_context(
+        self,
+        inbound: InboundMessage,
+        session: Session,
+        model: str,
+        messages: list[LLMMessage],
+        specs: list[ToolSpec],
+        on_delta: DeltaCallback | None,
+        nocache: bool,
+    ) -> CacheContext | None:
+        """What a cached answer for this turn depends on: the system prompt as sent,
+        the tools offered and every message before the new one (summary included)."""
+        if self.cache is None:
+            return None
+        return CacheContext(
+            query=messages[-1].content or "",
+            model=model,
+            temperature=self.config.temperature,
+            session_key=session.key,
+            sender_id=inbound.sender_id,
+            system_prompt=messages[0].content or "",
+            tools=tuple(specs),
+            context_digest=digest_messages(messages[1:-1]),
+            streaming=self.config.stream and on_delta is not None,
+            nocache=nocache or inbound.channel in self.config.cache_disabled_channels,
+        )
 
     async def _complete(
         self,
         messages: list[LLMMessage],
         model: str,
-        specs: list[Any],
+        specs: list[ToolSpec],
         on_delta: DeltaCallback | None,
     ) -> LLMResponse:
         if self.config.stream and on_delta is not None:
@@ -258,7 +333,13 @@ class AgentLoop:
         raise AssertionError(f"unhandled command {command.name}")  # parse_command bounds this
 
     @staticmethod
-    def _reply(inbound: InboundMessage, text: str, *, is_error: bool = False) -> OutboundMessage:
+    def _reply(
+        inbound: InboundMessage,
+        text: str,
+        *,
+        is_error: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> OutboundMessage:
         return OutboundMessage(
             channel=inbound.channel,
             chat_id=inbound.chat_id,
@@ -267,4 +348,5 @@ class AgentLoop:
             reply_to=inbound.message_id,
             thread_id=inbound.thread_id,
             is_error=is_error,
+            metadata=metadata or {},
         )
