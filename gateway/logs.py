@@ -36,12 +36,13 @@ def setup_logging(level: str = "INFO", fmt: str = "text", secrets: Iterable[str]
     logger.remove()
     redactor = Redactor(secrets)
     if fmt == "json":
-        logger.add(sys.stderr, level=level, serialize=True, filter=redactor)
+        logger.add(sys.stderr, level=level, serialize=True, filter=redactor, diagnose=False)
     else:
         logger.add(
             sys.stderr,
             level=level,
             filter=redactor,
+            diagnose=False,  # tracebacks must not print local variables (secrets)
             format="<green>{time:YYYY-MM-DD HH:mm:ss}</green> <level>{level: <7}</level> "
             "{extra[session]} <level>{message}</level>",
         )

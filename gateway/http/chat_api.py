@@ -1,0 +1,111 @@
+"""The JSON chat API's request and reply shapes, as pure functions.
+
+`POST /api/chat` takes `{"session": "work", "text": "hello"}` and answers
+`{"session": "api:work", "reply": "...", "error": false}`.
+
+Invariants (tested in tests/test_http_chat_api.py):
+- Every session the API touches is in the `api:` namespace: a bare name `work` means
+  `api:work`, and a key of another channel (`telegram:123`) is refused, never served.
+- A session name is 1..200 characters of printable text: no control, format (bidi
+  override), separator or surrogate characters, which would forge log lines or break
+  file names.
+- Whatever the body holds, parsing ends in a `ChatRequest` or an `ApiError` with a 400
+  message saying what to fix; never in another exception.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.messages import MAX_KEY_PART, InboundMessage, OutboundMessage
+
+API_CHANNEL = "api"
+API_SENDER = "api"
+DEFAULT_SESSION = "default"
+# Unicode categories refused in a session name: control, format (e.g. U+202E), surrogate,
+# private use, unassigned, line and paragraph separators.
+_HOSTILE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+class ApiError(Exception):
+    """A request the API refuses; `status` is the HTTP status, the message says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def api_session_key(raw: str) -> str:
+    """`work` -> `api:work`; `api:work` stays; anything hostile raises ApiError(400)."""
+    prefix = f"{API_CHANNEL}:"
+    if raw.startswith(prefix):
+        name = raw[len(prefix) :]
+    elif ":" in raw:
+        raise ApiError(
+            400,
+            f"session: the chat API only reaches {API_CHANNEL}: sessions; "
+            f"send a bare name or {API_CHANNEL}:<name>",
+        )
+    else:
+        name = raw
+    if not name.strip():
+        raise ApiError(400, "session: the name is empty")
+    if len(name) > MAX_KEY_PART:
+        raise ApiError(400, f"session: the name is longer than {MAX_KEY_PART} characters")
+    if any(unicodedata.category(char) in _HOSTILE_CATEGORIES for char in name):
+        raise ApiError(400, "session: the name holds control or invisible characters")
+    return f"{API_CHANNEL}:{name}"
+
+
+def _has_surrogates(text: str) -> bool:
+    # json.loads turns an escaped lone surrogate ("\ud800") into one; it cannot be stored.
+    return any("\ud800" <= char <= "\udfff" for char in text)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    session_key: str
+    text: str
+
+    def inbound(self) -> InboundMessage:
+        """The message the core receives: channel `api`, chat id = the session name."""
+        _, _, name = self.session_key.partition(":")
+        return InboundMessage(
+            channel=API_CHANNEL, chat_id=name, text=self.text, sender_id=API_SENDER
+        )
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    """A request body to a ChatRequest, or ApiError(400) saying what is wrong."""
+    try:
+        data: Any = json.loads(body)
+    except (ValueError, RecursionError):  # bad JSON or UTF-8; absurd nesting
+        raise ApiError(400, 'body is not valid JSON; send {"session": ..., "text": ...}') from None
+    if not isinstance(data, dict):
+        raise ApiError(400, 'body must be a JSON object with "session" and "text"')
+    session = data.get("session", DEFAULT_SESSION)
+    text = data.get("text")
+    if not isinstance(session, str):
+        raise ApiError(400, "session: must be a string")
+    if text is None:
+        raise ApiError(400, "text: required")
+    if not isinstance(text, str):
+        raise ApiError(400, "text: must be a string")
+    if not text.strip():
+        raise ApiError(400, "text: is empty")
+    if _has_surrogates(text):
+        raise ApiError(400, "text: holds an unpaired surrogate; send valid Unicode")
+    return ChatRequest(session_key=api_session_key(session), text=text)
+
+
+def reply_body(session_key: str, reply: OutboundMessage | None) -> dict[str, Any]:
+    """The JSON answer; `reply` is null when the turn produced no message."""
+    return {
+        "session": session_key,
+        "reply": None if reply is None else reply.text,
+        "error": False if reply is None else reply.is_error,
+    }

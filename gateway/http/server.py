@@ -1,0 +1,333 @@
+"""The daemon's one HTTP server (aiohttp.web): probes, metrics, the chat API, and mount
+points for channel adapters (the Telegram webhook, Slack's events endpoint).
+
+Routes:
+  GET  /healthz   200 "ok" while the process is alive (liveness; stays 200 while draining)
+  GET  /readyz    200 when ready, else 503 with {"status", "reasons", "components"}
+  GET  /metrics   Prometheus text format 0.0.4
+  POST /api/chat  {"session", "text"} -> {"session", "reply", "error"}; bearer token
+  anything mounted with `mount()` before `run()`
+
+Invariants (tested in tests/test_http_server.py):
+- Without a token the server listens on loopback only (`HttpConfigError` otherwise), and
+  /api/chat answers 503 instead of being open.
+- Every error the server itself produces is JSON `{"error": "..."}` with a message that
+  says what to do; an unexpected exception becomes a 500 and a log line, never a
+  traceback in the response.
+- Access log lines carry method, path (without the query string), status, duration and
+  peer, never a header value: the Authorization header and tokens never reach a log.
+- While the gateway is not ready (starting or draining), /api/chat and mounted routes
+  answer 503 with Retry-After, so platforms redeliver later instead of losing messages.
+- `run()` releases the port however it ends, cancellation included.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import anyio
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler, Middleware
+from anyio.abc import TaskStatus
+from loguru import logger
+from pydantic import SecretStr
+
+from gateway.http.auth import (
+    TOKEN_ENV,
+    BearerCheck,
+    check_bearer,
+    check_bind_policy,
+    secret_value,
+    www_authenticate,
+)
+from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
+from gateway.http.health import HealthState, Phase
+from gateway.messages import InboundMessage, OutboundMessage
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import Metrics
+
+ChatHandler = Callable[[InboundMessage], Awaitable[OutboundMessage | None]]
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+RETRY_AFTER_SECONDS = "5"
+
+# Documented mount points for channel adapters (`server.mount("POST", PATH, handler)`).
+TELEGRAM_WEBHOOK_PATH = "/telegram/webhook"
+SLACK_EVENTS_PATH = "/slack/events"
+
+_BUILTIN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/api/chat"})
+_MOUNTABLE_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
+# Method names are client-chosen: anything else is counted as "other" to bound the labels.
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# Probes and scrapes arrive every few seconds: log them at DEBUG to keep the log useful.
+_QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+_MAX_LOGGED_PATH = 200
+
+
+class HttpSettingsLike(Protocol):
+    """What the server reads from `gateway.config.HTTPSettings`."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def token(self) -> SecretStr | str | None: ...
+
+
+class HttpBindError(Exception):
+    """The server could not listen (port taken, address not on this machine)."""
+
+
+def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """The one shape of every error the server answers: `{"error": message}`."""
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _loggable_path(request: web.Request) -> str:
+    path = request.raw_path.split("?", 1)[0]  # a query string may carry secrets
+    path = "".join(char if char.isprintable() else f"\\x{ord(char):02x}" for char in path)
+    return path if len(path) <= _MAX_LOGGED_PATH else path[:_MAX_LOGGED_PATH] + "…"
+
+
+def _route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _formatted_exception(exc: BaseException) -> str:
+    # Formatted into the message (no local variables, unlike loguru's diagnose mode) so
+    # the log redactor sees all of it.
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+class HttpServer:
+    """The gateway's HTTP server; see the module doc for its routes and promises."""
+
+    def __init__(
+        self,
+        settings: HttpSettingsLike,
+        *,
+        health: HealthState,
+        metrics: Metrics,
+        chat: ChatHandler | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    ) -> None:
+        self.host = settings.host
+        self.port = settings.port
+        self._token = secret_value(settings.token)
+        check_bind_policy(self.host, self._token)
+        if max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be positive")
+        self.health = health
+        self.metrics = metrics
+        self._chat = chat
+        self.max_body_bytes = max_body_bytes
+        self._shutdown_timeout = shutdown_timeout
+        self._started = False
+        self.bound_port: int | None = None
+        self._mounted: set[tuple[str, str]] = set()
+        self.app = web.Application(
+            client_max_size=max_body_bytes, middlewares=[self._edge_middleware()]
+        )
+        router = self.app.router
+        router.add_get("/healthz", self._healthz)
+        router.add_get("/readyz", self._readyz)
+        router.add_get("/metrics", self._metrics)
+        router.add_post("/api/chat", self._chat_api)
+
+    # ------------------------------------------------------------------ mounting
+
+    def mount(
+        self, method: str, path: str, handler: Handler, *, require_ready: bool = True
+    ) -> None:
+        """Route `method path` to `handler`, which gets the raw aiohttp request (body
+        unread, so a signature over the exact bytes can be checked). Mount before `run()`.
+
+        With `require_ready` (the default) the route answers 503 + Retry-After while the
+        gateway is starting or draining, so the platform redelivers later; the body-size
+        limit and the access log apply to every mounted route.
+        """
+        if self._started:
+            raise RuntimeError(f"mount {method} {path}: mount routes before run() starts")
+        method = method.upper()
+        if method not in _MOUNTABLE_METHODS:
+            raise ValueError(f"mount: method {method!r} is not one of {sorted(_MOUNTABLE_METHODS)}")
+        if not path.startswith("/") or path in _BUILTIN_PATHS:
+            raise ValueError(f"mount: path {path!r} must start with / and not be a built-in route")
+        if (method, path) in self._mounted:
+            raise ValueError(f"mount: {method} {path} is already mounted")
+        self.app.router.add_route(method, path, self._gated(handler) if require_ready else handler)
+        self._mounted.add((method, path))
+
+    def _gated(self, handler: Handler) -> Handler:
+        async def gated(request: web.Request) -> web.StreamResponse:
+            if not self.health.accepting:
+                return self._not_accepting()
+            return await handler(request)
+
+        return gated
+
+    def _not_accepting(self) -> web.Response:
+        phase = self.health.phase
+        why = "is starting" if phase is Phase.STARTING else "is shutting down"
+        return json_error(
+            503,
+            f"the gateway {why}; retry in a few seconds",
+            headers={hdrs.RETRY_AFTER: RETRY_AFTER_SECONDS},
+        )
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; reports the bound port through `task_status.started`
+        (so `http.port = 0` picks a free one) and always releases it on the way out."""
+        if self._started:
+            raise RuntimeError("HttpServer.run() can only be called once")
+        self._started = True
+        runner = web.AppRunner(
+            self.app,
+            handle_signals=False,
+            access_log=None,  # the edge middleware writes the access log through loguru
+            shutdown_timeout=self._shutdown_timeout,
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise HttpBindError(
+                    f"http: cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); "
+                    "is another gateway running? choose http.host / http.port "
+                    "(GATEWAY_HTTP__HOST, GATEWAY_HTTP__PORT)"
+                ) from None
+            self.bound_port = int(runner.addresses[0][1])
+            logger.info(
+                "http: listening on {}:{} (chat API {})",
+                self.host,
+                self.bound_port,
+                "on" if self._token else f"off until {TOKEN_ENV} is set",
+            )
+            task_status.started(self.bound_port)
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
+            if self.bound_port is not None:
+                logger.info("http: stopped listening on {}:{}", self.host, self.bound_port)
+
+    # ------------------------------------------------------------------ edge
+
+    def _edge_middleware(self) -> Middleware:
+        """Access log, request metrics, and JSON for every error (see the module doc)."""
+
+        @web.middleware
+        async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
+            start = time.perf_counter()
+            status = 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                if status < 400:
+                    raise
+                return self._error_from_http_exception(request, exc)
+            except Exception as exc:
+                logger.error(
+                    "http: {} {} failed:\n{}",
+                    request.method,
+                    _loggable_path(request),
+                    _formatted_exception(exc),
+                )
+                return json_error(500, "internal error; the gateway log has the details")
+            finally:
+                self._record(request, status, time.perf_counter() - start)
+
+        return edge
+
+    def _error_from_http_exception(
+        self, request: web.Request, exc: web.HTTPException
+    ) -> web.Response:
+        headers: dict[str, str] = {}
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            headers[hdrs.ALLOW] = allowed
+            message = f"method {request.method} is not allowed here; use {allowed}"
+        elif isinstance(exc, web.HTTPNotFound):
+            message = "no such endpoint; see /healthz, /readyz, /metrics, /api/chat"
+        elif isinstance(exc, web.HTTPRequestEntityTooLarge):
+            message = f"request body is over the {self.max_body_bytes}-byte limit"
+        else:
+            message = exc.reason
+        return json_error(exc.status, message, headers=headers)
+
+    def _record(self, request: web.Request, status: int, seconds: float) -> None:
+        method = request.method if request.method in _KNOWN_METHODS else "other"
+        route = _route_label(request)
+        self.metrics.http_requests.labels(method, route, str(status)).inc()
+        self.metrics.http_request_seconds.labels(route).observe(seconds)
+        path = _loggable_path(request)
+        logger.log(
+            "DEBUG" if request.path in _QUIET_PATHS and status < 500 else "INFO",
+            "http {} {} {} {:.1f}ms {}",
+            method,
+            path,
+            status,
+            seconds * 1000,
+            request.remote or "-",
+        )
+
+    # ------------------------------------------------------------------ routes
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        readiness = self.health.readiness()
+        return web.json_response(readiness.as_json(), status=200 if readiness.ready else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = await self.metrics.collect()
+        return web.Response(
+            body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE}
+        )
+
+    async def _chat_api(self, request: web.Request) -> web.Response:
+        if self._token is None:
+            return json_error(503, f"the chat API is off until a token is set: set {TOKEN_ENV}")
+        checked = check_bearer(request.headers.get(hdrs.AUTHORIZATION), self._token)
+        if checked is not BearerCheck.OK:
+            message = (
+                "missing bearer token; send Authorization: Bearer <token>"
+                if checked is BearerCheck.MISSING
+                else "invalid bearer token"
+            )
+            return json_error(
+                401, message, headers={hdrs.WWW_AUTHENTICATE: www_authenticate(checked)}
+            )
+        if not self.health.accepting:
+            return self._not_accepting()
+        if self._chat is None:
+            return json_error(503, "no agent is attached to the chat API in this process")
+        if request.content_type != "application/json" or (
+            request.charset is not None and request.charset.lower() not in ("utf-8", "utf8")
+        ):
+            return json_error(415, "send the body as Content-Type: application/json (UTF-8)")
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            return json_error(413, f"request body is over the {self.max_body_bytes}-byte limit")
+        body = await request.read()  # client_max_size bounds a body without Content-Length
+        try:
+            chat_request = parse_chat_request(body)
+        except ApiError as exc:
+            return json_error(exc.status, exc.message)
+        with logger.contextualize(session=chat_request.session_key):
+            reply = await self._chat(chat_request.inbound())
+        return web.json_response(reply_body(chat_request.session_key, reply))

@@ -1,0 +1,165 @@
+"""Binding policy, bearer tokens and the chat API's request parsing, as pure functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import SecretStr
+
+from gateway.config import ConfigError
+from gateway.http.auth import (
+    BearerCheck,
+    HttpConfigError,
+    check_bearer,
+    check_bind_policy,
+    is_loopback,
+    secret_value,
+    www_authenticate,
+)
+from gateway.http.chat_api import ApiError, api_session_key, parse_chat_request, reply_body
+from gateway.messages import OutboundMessage
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "127.8.9.1", "::1", "[::1]", "localhost", "LOCALHOST"]
+)
+def test_loopback_hosts(host: str) -> None:
+    assert is_loopback(host)
+    check_bind_policy(host, None)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "192.168.1.10", "gateway.example.com"])
+def test_non_loopback_bind_needs_a_token(host: str) -> None:
+    assert not is_loopback(host)
+    with pytest.raises(HttpConfigError) as raised:
+        check_bind_policy(host, None)
+    message = str(raised.value)
+    assert "http.host" in message and "GATEWAY_HTTP__TOKEN" in message
+    assert "\n" not in message
+    assert isinstance(raised.value, ConfigError)  # the CLI maps it to exit code 78
+    check_bind_policy(host, "a-long-random-token")
+
+
+def test_secret_value_treats_empty_as_unset() -> None:
+    assert secret_value(None) is None
+    assert secret_value(SecretStr("")) is None
+    assert secret_value("") is None
+    assert secret_value(SecretStr("abc")) == "abc"
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (None, BearerCheck.MISSING),
+        ("", BearerCheck.MISSING),
+        ("Bearer", BearerCheck.MISSING),
+        ("Bearer   ", BearerCheck.MISSING),
+        ("Basic dXNlcjpwYXNz", BearerCheck.MISSING),
+        ("Bearer s3cret", BearerCheck.OK),
+        ("bearer s3cret", BearerCheck.OK),
+        ("Bearer s3cret-not", BearerCheck.INVALID),
+        ("Bearer s3cre", BearerCheck.INVALID),
+        ("Bearer sécret", BearerCheck.INVALID),  # non-ASCII compares as bytes, no TypeError
+    ],
+)
+def test_bearer_check(header: str | None, expected: BearerCheck) -> None:
+    assert check_bearer(header, "s3cret") is expected
+
+
+def test_www_authenticate_says_why() -> None:
+    assert www_authenticate(BearerCheck.MISSING) == 'Bearer realm="gateway"'
+    assert 'error="invalid_token"' in www_authenticate(BearerCheck.INVALID)
+
+
+# --------------------------------------------------------------------------- session keys
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ("work", "api:work"),
+        ("api:work", "api:work"),
+        ("api:a:b", "api:a:b"),
+        ("my notes", "api:my notes"),
+        ("x" * 200, "api:" + "x" * 200),
+        ("api:" + "é" * 200, "api:" + "é" * 200),
+    ],
+)
+def test_api_session_keys(raw: str, key: str) -> None:
+    assert api_session_key(raw) == key
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "",
+        "api:",
+        "   ",
+        "x" * 201,
+        "api:" + "x" * 201,
+        "evil\nINFO forged log line",
+        "tab\there",
+        "nul\x00",
+        "del\x7f",
+        "bidi\u202eevil",
+        "zero\u200bwidth",
+        "line\u2028sep",
+        "surrogate\ud800",
+        "telegram:123",  # another channel's session is never reachable from the API
+        "slack:C1:thread:1.2",
+    ],
+)
+def test_hostile_session_keys_are_refused(raw: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        api_session_key(raw)
+    assert raised.value.status == 400
+    assert raised.value.message.startswith("session:")
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+def test_a_good_request_becomes_an_api_inbound_message() -> None:
+    request = parse_chat_request(json.dumps({"session": "work", "text": "hello"}).encode())
+    assert request.session_key == "api:work"
+    inbound = request.inbound()
+    assert inbound.session_key == "api:work"
+    assert (inbound.channel, inbound.chat_id, inbound.text) == ("api", "work", "hello")
+
+
+def test_session_defaults_and_unknown_fields_are_ignored() -> None:
+    request = parse_chat_request(b'{"text": "hi", "future_option": true}')
+    assert request.session_key == "api:default"
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"not json", "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+        (b"[" * 50_000 + b"]" * 50_000, "not valid JSON"),  # nesting past the recursion limit
+        (b'["text"]', "JSON object"),
+        (b'"hello"', "JSON object"),
+        (b"{}", "text: required"),
+        (b'{"session": "a"}', "text: required"),
+        (b'{"text": 5}', "text: must be a string"),
+        (b'{"text": null}', "text: required"),
+        (b'{"text": "   \\n "}', "text: is empty"),
+        (b'{"text": "x", "session": 7}', "session: must be a string"),
+        (b'{"text": "bad \\ud800 surrogate"}', "unpaired surrogate"),
+        (b'{"text": "x", "session": "telegram:1"}', "session:"),
+    ],
+)
+def test_bad_bodies_are_400_with_a_reason(body: bytes, fragment: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        parse_chat_request(body)
+    assert raised.value.status == 400
+    assert fragment in raised.value.message
+
+
+def test_reply_body() -> None:
+    out = OutboundMessage(channel="api", chat_id="w", text="hi", session_key="api:w")
+    assert reply_body("api:w", out) == {"session": "api:w", "reply": "hi", "error": False}
+    assert reply_body("api:w", None) == {"session": "api:w", "reply": None, "error": False}
