@@ -1,0 +1,1011 @@
+"""A fake Slack (Web API, Socket Mode and signed Events API requests) for tests.
+
+The real slack-sdk and slack-bolt talk to it unchanged: it is an aiohttp server on
+127.0.0.1 with a random free port that serves the Web API under ``/api/<method>`` and a
+Socket Mode websocket under ``/socket``. Point the clients at it like this (slack-sdk
+joins method names onto the base URL with ``urljoin``, so it needs the trailing slash;
+slack-sdk 3.47 appends one when it is missing, other clients may not)::
+
+    client = AsyncWebClient(token=fake.bot_token, base_url=fake.api_url)  # {url}/api/
+    app = AsyncApp(client=client, signing_secret=fake.signing_secret)  # not token= too
+    handler = AsyncSocketModeHandler(app, fake.app_token)  # inside a running loop
+    await handler.connect_async()  # apps.connections.open on app.client, then the socket
+
+Web API methods: auth.test, chat.postMessage, chat.update, apps.connections.open,
+conversations.info and users.info; anything else answers ``unknown_method``. Errors are
+Slack's: HTTP 200 with ``{"ok": false, "error": ...}`` (``not_authed``, ``invalid_auth``,
+``not_allowed_token_type`` - the bot token ``xoxb-`` for the Web API, the app-level
+token ``xapp-`` only for apps.connections.open - ``channel_not_found``, ``no_text``,
+``msg_too_long`` beyond 40,000 characters, ``invalid_blocks``, ``message_not_found``,
+``cant_update_message``) and, scripted with `fail_next`, HTTP 429 with a ``Retry-After``
+header and ``ratelimited``. Message timestamps look like ``"1712345678.000100"`` and
+increase strictly. Channel ids must look like Slack's (C..., G..., D...).
+
+Socket Mode: each apps.connections.open returns a single-use
+``ws://127.0.0.1:PORT/socket?ticket=...&app_id=...`` URL; on connect the fake sends a
+``hello``. ``await fake.socket_event(payload)`` sends an ``events_api`` envelope to the
+newest connection and `acks` records each ``{"envelope_id": ...}`` answer with its
+latency; ``fake.redeliver(envelope)`` resends the same payload (same event_id) the way
+Slack retries, and ``fake.socket_disconnect("refresh_requested")`` asks clients to
+reconnect::
+
+    async with FakeSlack() as fake:
+        ...  # start the bolt app and its AsyncSocketModeHandler
+        await fake.wait_for_socket()
+        envelope = await fake.socket_event(fake.app_mention("C0GENERAL1", "U0ALICE001", "hi"))
+        ack = await fake.wait_for_ack(envelope["envelope_id"])
+        [reply] = await fake.wait_for_calls_async("chat.postMessage")
+
+Events over HTTP: ``await fake.post_event(url, payload)`` POSTs a payload signed the way
+Slack signs (``X-Slack-Signature: v0=HMAC-SHA256(secret, "v0:{ts}:{body}")``,
+``X-Slack-Request-Timestamp``, optional ``X-Slack-Retry-Num``/``-Reason``); it can sign
+badly or with a stale timestamp. ``fake.url_verification(url)`` sends the challenge.
+
+Event builders (`app_mention`, `channel_message`, `dm_message`, `bot_message`,
+`event_callback`) return full ``event_callback`` payloads, each with a fresh event_id.
+
+``with FakeSlack.in_thread() as fake:`` serves from a background thread; the scripting
+methods and logs are thread-safe, and the coroutine helpers work from any event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hashlib
+import hmac
+import itertools
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+from aiohttp import WSCloseCode, WSMsgType, web
+
+DEFAULT_BOT_TOKEN = "xoxb-1000000001-2000000002-FakeSlackBotTokenForTests"
+DEFAULT_APP_TOKEN = "xapp-1-A0FAKEAPP01-3000000003-fakeslackapptokenfortests"
+DEFAULT_SIGNING_SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
+MAX_TEXT_LENGTH = 40_000
+MAX_BLOCKS = 50
+
+Payload = dict[str, Any]
+T = TypeVar("T")
+
+_CHANNEL_ID = re.compile(r"^[CGDZ][A-Z0-9]{2,}$")
+_USER_ID = re.compile(r"^[UWB][A-Z0-9]{2,}$")
+_TS = re.compile(r"^\d{10}\.\d{6}$")
+_JSON_PARAMS = ("blocks", "attachments", "metadata")
+
+
+def sign_request(signing_secret: str, timestamp: str | int, body: bytes | str) -> str:
+    """Slack's request signature: ``v0=`` + hex HMAC-SHA256 of ``v0:{timestamp}:{body}``."""
+    raw = body.encode() if isinstance(body, str) else body
+    base = b"v0:" + str(timestamp).encode() + b":" + raw
+    return "v0=" + hmac.new(signing_secret.encode(), base, hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCall:
+    """One answered Web API call: the method, its parameters (query, form and JSON body
+    merged, JSON-valued form fields decoded; the token is in `token`), the HTTP status
+    and the JSON answer."""
+
+    method: str
+    params: Mapping[str, Any]
+    token: str | None
+    timestamp: float
+    status: int
+    response: Mapping[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.response.get("ok"))
+
+    @property
+    def error(self) -> str | None:
+        error = self.response.get("error")
+        return error if isinstance(error, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """A Socket Mode acknowledgement: the envelope it answers, its optional response
+    ``payload``, and how long after sending the envelope it came (None for an envelope
+    the fake never sent)."""
+
+    envelope_id: str
+    payload: Mapping[str, Any] | None
+    latency: float | None
+    received_at: float
+    connection: int
+
+
+@dataclass(frozen=True, slots=True)
+class HttpDelivery:
+    """What the app's HTTP endpoint answered to `post_event` / `url_verification`."""
+
+    status: int
+    body: str
+    headers: Mapping[str, str]
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fault:
+    method: str  # or "*"
+    error: str
+    status: int
+    retry_after: int | None
+
+
+@dataclass(slots=True)
+class _Socket:
+    number: int
+    ws: web.WebSocketResponse
+
+
+class _SlackError(Exception):
+    def __init__(self, error: str, status: int = 200, headers: Mapping[str, str] | None = None):
+        super().__init__(error)
+        self.error = error
+        self.status = status
+        self.headers = dict(headers or {})
+
+
+TokenKind = Literal["bot", "app"]
+Handler = Callable[[dict[str, Any]], Awaitable[Payload]]
+
+
+class FakeSlack:
+    """A scriptable Slack; see the module docstring for usage.
+
+    Every envelope the fake sends is logged in `envelopes` and every ack in `acks`; a
+    retried event keeps its event_id and gets a new envelope_id, as Slack does.
+    """
+
+    def __init__(
+        self,
+        *,
+        bot_token: str = DEFAULT_BOT_TOKEN,
+        app_token: str = DEFAULT_APP_TOKEN,
+        signing_secret: str = DEFAULT_SIGNING_SECRET,
+        verification_token: str = "FakeVerificationToken0001",
+        team_id: str = "T0FAKETEAM1",
+        team_name: str = "Fake Workspace",
+        team_domain: str = "fake-workspace",
+        bot_user_id: str = "U0FAKEBOT01",
+        bot_id: str = "B0FAKEBOT01",
+        bot_name: str = "gateway",
+        app_id: str = "A0FAKEAPP01",
+    ) -> None:
+        self.bot_token = bot_token
+        self.app_token = app_token
+        self.signing_secret = signing_secret
+        self.verification_token = verification_token
+        self.team_id = team_id
+        self.team_name = team_name
+        self.team_domain = team_domain
+        self.bot_user_id = bot_user_id
+        self.bot_id = bot_id
+        self.bot_name = bot_name
+        self.app_id = app_id
+        self._lock = threading.Condition()
+        self._calls: list[ApiCall] = []
+        self._faults: list[_Fault] = []
+        self._messages: dict[tuple[str, str], Payload] = {}
+        self._users: dict[str, str] = {bot_user_id: bot_name}
+        self._last_ts_micros = 0
+        self._event_numbers = itertools.count(1)
+        self._tickets: set[str] = set()
+        self._sockets: list[_Socket] = []
+        self._socket_numbers = itertools.count(1)
+        self._hellos = 0
+        self._envelopes: list[Payload] = []
+        self._sent_at: dict[str, float] = {}
+        self._acks: list[Ack] = []
+        self._methods: dict[str, tuple[TokenKind, Handler]] = {
+            "auth.test": ("bot", self._auth_test),
+            "chat.postMessage": ("bot", self._post_message),
+            "chat.update": ("bot", self._update_message),
+            "apps.connections.open": ("app", self._connections_open),
+            "conversations.info": ("bot", self._conversations_info),
+            "users.info": ("bot", self._users_info),
+        }
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- running ----------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The server root, e.g. ``http://127.0.0.1:41234``."""
+        if self._port is None:
+            raise RuntimeError("FakeSlack is not running")
+        return f"http://127.0.0.1:{self._port}"
+
+    @property
+    def api_url(self) -> str:
+        """slack-sdk's ``base_url``, with the trailing slash it needs: ``{url}/api/``."""
+        return f"{self.url}/api/"
+
+    async def start(self) -> None:
+        """Start serving in the running event loop."""
+        app = web.Application()
+        app.router.add_route("*", "/api/{method}", self._api)
+        app.router.add_get("/socket", self._socket)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)
+        self._changed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self._runner = runner
+        self._port = int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        """Close open sockets (code 1001) and stop serving."""
+        with self._lock:
+            sockets = list(self._sockets)
+        for socket in sockets:
+            with contextlib.suppress(Exception):
+                await socket.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeSlack:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    @classmethod
+    @contextlib.contextmanager
+    def in_thread(cls, **kwargs: Any) -> Iterator[FakeSlack]:
+        """Run a fake in its own thread and event loop for the `with` block."""
+        fake = cls(**kwargs)
+        ready = threading.Event()
+        failures: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+
+        def serve() -> None:
+            try:
+                loop.run_until_complete(fake.start())
+            except BaseException as exc:
+                failures.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(fake.stop())
+            loop.close()
+
+        fake._thread = threading.Thread(target=serve, name="fake-slack", daemon=True)
+        fake._thread.start()
+        ready.wait(10)
+        if failures:
+            raise failures[0]
+        try:
+            yield fake
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            fake._thread.join(10)
+
+    async def _on_server_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` in the loop that serves the fake, awaiting it from any loop."""
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise RuntimeError("FakeSlack is not running")
+        if asyncio.get_running_loop() is loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    async def _until(self, condition: Callable[[], T | None]) -> T:
+        """In the server loop: wait until `condition()` returns something."""
+        while True:
+            changed = self._changed
+            if (found := condition()) is not None:
+                return found
+            assert changed is not None
+            await changed.wait()
+
+    def _notify(self) -> None:
+        """Wake `_until` waiters; call in the server loop."""
+        with self._lock:
+            self._lock.notify_all()
+        if self._changed is not None:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    # -- scripting --------------------------------------------------------------------
+
+    def fail_next(
+        self,
+        method: str,
+        error: str = "ratelimited",
+        *,
+        status: int | None = None,
+        retry_after: int | None = None,
+        count: int = 1,
+    ) -> None:
+        """Make the next `count` calls of `method` (``"*"``: any) fail with `error`.
+        ``ratelimited`` is HTTP 429 with ``Retry-After`` (default 1 s); other errors are
+        HTTP 200 unless `status` says otherwise (e.g. 500 for ``internal_error``)."""
+        if status is None:
+            status = 429 if error == "ratelimited" else 200
+        if status == 429 and retry_after is None:
+            retry_after = 1
+        with self._lock:
+            self._faults.extend([_Fault(method, error, status, retry_after)] * count)
+
+    def reset(self) -> None:
+        """Forget faults and the call, envelope and ack logs (messages stay)."""
+        with self._lock:
+            self._faults.clear()
+            self._calls.clear()
+            self._envelopes.clear()
+            self._acks.clear()
+
+    # -- event builders ---------------------------------------------------------------
+
+    def event_callback(self, event: Mapping[str, Any]) -> Payload:
+        """Wrap an inner event in an Events API ``event_callback`` with a fresh
+        event_id, the way Slack delivers it over HTTP and inside Socket Mode envelopes."""
+        return {
+            "token": self.verification_token,
+            "team_id": self.team_id,
+            "context_team_id": self.team_id,
+            "context_enterprise_id": None,
+            "api_app_id": self.app_id,
+            "event": copy.deepcopy(dict(event)),
+            "type": "event_callback",
+            "event_id": f"Ev0FAKE{next(self._event_numbers):05d}",
+            "event_time": int(time.time()),
+            "authorizations": [
+                {
+                    "enterprise_id": None,
+                    "team_id": self.team_id,
+                    "user_id": self.bot_user_id,
+                    "is_bot": True,
+                    "is_enterprise_install": False,
+                }
+            ],
+            "is_ext_shared_channel": False,
+            "event_context": f"4-{uuid.uuid4().hex}",
+        }
+
+    def app_mention(
+        self,
+        channel: str,
+        user: str,
+        text: str,
+        *,
+        ts: str | None = None,
+        thread_ts: str | None = None,
+    ) -> Payload:
+        """An ``app_mention`` event callback; the text gets the bot's ``<@U...>`` mention
+        in front unless it already has one."""
+        mention = f"<@{self.bot_user_id}>"
+        if mention not in text:
+            text = f"{mention} {text}"
+        return self.event_callback(
+            self._user_event("app_mention", channel, user, text, ts, thread_ts, None)
+        )
+
+    def channel_message(
+        self,
+        channel: str,
+        user: str,
+        text: str,
+        *,
+        ts: str | None = None,
+        thread_ts: str | None = None,
+    ) -> Payload:
+        """A ``message`` event callback from a user in a channel (``G...``: private)."""
+        channel_type = "group" if channel.startswith("G") else "channel"
+        return self.event_callback(
+            self._user_event("message", channel, user, text, ts, thread_ts, channel_type)
+        )
+
+    def dm_message(
+        self,
+        user: str,
+        text: str,
+        *,
+        channel: str | None = None,
+        ts: str | None = None,
+        thread_ts: str | None = None,
+    ) -> Payload:
+        """A ``message`` event callback in the user's direct-message channel with the
+        bot (``channel_type: im``; the channel defaults to ``D`` + the user id's rest)."""
+        dm = channel or f"D{user[1:]}"
+        return self.event_callback(self._user_event("message", dm, user, text, ts, thread_ts, "im"))
+
+    def bot_message(
+        self,
+        channel: str,
+        text: str,
+        *,
+        bot_id: str | None = None,
+        username: str = "otherbot",
+        ts: str | None = None,
+        thread_ts: str | None = None,
+    ) -> Payload:
+        """A ``message`` event callback posted by a bot. By default it is this app's own
+        bot (``bot_id`` and ``user`` of the bot, as Slack echoes the bot's own posts), which
+        bolt's self-event filter drops; another `bot_id` gives a ``bot_message``."""
+        own = bot_id is None or bot_id == self.bot_id
+        ts = ts or self._new_ts()
+        event: Payload = {
+            "type": "message",
+            "text": text,
+            "ts": ts,
+            "bot_id": bot_id or self.bot_id,
+            "channel": channel,
+            "event_ts": ts,
+            "channel_type": _channel_type(channel),
+        }
+        if own:
+            event.update(user=self.bot_user_id, app_id=self.app_id, team=self.team_id)
+        else:
+            event.update(subtype="bot_message", username=username)
+        if thread_ts:
+            event["thread_ts"] = thread_ts
+        with self._lock:
+            self._messages[(channel, event["ts"])] = event
+        return self.event_callback(event)
+
+    def _user_event(
+        self,
+        kind: str,
+        channel: str,
+        user: str,
+        text: str,
+        ts: str | None,
+        thread_ts: str | None,
+        channel_type: str | None,
+    ) -> Payload:
+        ts = ts or self._new_ts()
+        event: Payload = {
+            "type": kind,
+            "user": user,
+            "text": text,
+            "ts": ts,
+            "client_msg_id": str(uuid.uuid4()),
+            "team": self.team_id,
+            "channel": channel,
+            "event_ts": ts,
+        }
+        if channel_type is not None:
+            event["channel_type"] = channel_type
+        with self._lock:
+            if thread_ts:
+                event["thread_ts"] = thread_ts
+                parent = self._messages.get((channel, thread_ts))
+                if parent is not None and parent.get("user"):
+                    event["parent_user_id"] = parent["user"]
+            self._messages[(channel, ts)] = event
+            self._users.setdefault(user, user.lower())
+        return event
+
+    def _new_ts(self) -> str:
+        """A message timestamp like ``1712345678.000100``, strictly increasing."""
+        with self._lock:
+            micros = max(int(time.time() * 1_000_000), self._last_ts_micros + 1)
+            self._last_ts_micros = micros
+        return f"{micros // 1_000_000}.{micros % 1_000_000:06d}"
+
+    # -- Socket Mode ------------------------------------------------------------------
+
+    async def socket_event(
+        self,
+        payload: Mapping[str, Any],
+        *,
+        retry_num: int = 0,
+        retry_reason: str | None = None,
+        accepts_response_payload: bool = False,
+        envelope_type: str = "events_api",
+        connect_timeout: float = 5.0,
+    ) -> Payload:
+        """Send `payload` over the newest Socket Mode connection in an envelope and return
+        the envelope. An ``events_api`` payload may be a full event callback (from the
+        builders) or a bare inner event, which gets wrapped with a fresh event_id; other
+        envelope types (``slash_commands``, ``interactive``) send the payload as is.
+        Waits up to `connect_timeout` seconds for a client to be connected."""
+        body = copy.deepcopy(dict(payload))
+        if envelope_type == "events_api" and body.get("type") != "event_callback":
+            body = self.event_callback(body)
+        envelope: Payload = {
+            "envelope_id": str(uuid.uuid4()),
+            "payload": body,
+            "type": envelope_type,
+            "accepts_response_payload": accepts_response_payload,
+        }
+        if envelope_type == "events_api":
+            # Slack sends these on first deliveries too: 0 and "".
+            envelope["retry_attempt"] = retry_num
+            envelope["retry_reason"] = retry_reason or ""
+        await self._on_server_loop(self._send_envelope(envelope, connect_timeout))
+        return envelope
+
+    async def redeliver(
+        self,
+        envelope_or_payload: Mapping[str, Any],
+        *,
+        retry_num: int = 1,
+        retry_reason: str = "timeout",
+    ) -> Payload:
+        """Resend an event the way Slack retries an unacknowledged one: the same payload
+        and event_id in a new envelope with ``retry_attempt``/``retry_reason`` set."""
+        if "envelope_id" in envelope_or_payload:
+            payload = envelope_or_payload["payload"]
+            envelope_type = str(envelope_or_payload.get("type", "events_api"))
+        else:
+            payload, envelope_type = envelope_or_payload, "events_api"
+        return await self.socket_event(
+            payload, retry_num=retry_num, retry_reason=retry_reason, envelope_type=envelope_type
+        )
+
+    async def socket_disconnect(
+        self, reason: str = "refresh_requested", *, close: bool = False
+    ) -> None:
+        """Send ``{"type": "disconnect", "reason": ...}`` on every open connection (Slack's
+        reasons: ``warning``, ``refresh_requested``, ``link_disabled``); the client is
+        expected to open a new connection. ``close=True`` also closes them afterwards."""
+        await self._on_server_loop(self._disconnect(reason, close))
+
+    async def wait_for_socket(self, connections: int = 1) -> int:
+        """Wait until `connections` sockets in total have been greeted with ``hello``
+        (reconnections count). Bound it with ``asyncio.timeout(...)``."""
+        return await self._on_server_loop(
+            self._until(lambda: self._hellos if self._hellos >= connections else None)
+        )
+
+    async def wait_for_ack(self, envelope_id: str) -> Ack:
+        """Wait until the envelope is acknowledged. Bound it with ``asyncio.timeout``."""
+
+        def acked() -> Ack | None:
+            with self._lock:
+                return next((a for a in self._acks if a.envelope_id == envelope_id), None)
+
+        return await self._on_server_loop(self._until(acked))
+
+    @property
+    def acks(self) -> list[Ack]:
+        with self._lock:
+            return list(self._acks)
+
+    @property
+    def envelopes(self) -> list[Payload]:
+        """Every envelope sent, oldest first (a snapshot)."""
+        with self._lock:
+            return copy.deepcopy(self._envelopes)
+
+    @property
+    def open_sockets(self) -> int:
+        with self._lock:
+            return len(self._sockets)
+
+    async def _send_envelope(self, envelope: Payload, connect_timeout: float) -> None:
+        def newest() -> _Socket | None:
+            with self._lock:
+                return self._sockets[-1] if self._sockets else None
+
+        try:
+            async with asyncio.timeout(connect_timeout):
+                socket = await self._until(newest)
+        except TimeoutError:
+            raise RuntimeError(
+                f"no Socket Mode client connected within {connect_timeout}s"
+            ) from None
+        with self._lock:
+            self._envelopes.append(copy.deepcopy(envelope))
+            self._sent_at[envelope["envelope_id"]] = time.monotonic()
+        await socket.ws.send_str(json.dumps(envelope))
+
+    async def _disconnect(self, reason: str, close: bool) -> None:
+        with self._lock:
+            sockets = list(self._sockets)
+        message = {"type": "disconnect", "reason": reason, "debug_info": {"host": "applink-fake"}}
+        for socket in sockets:
+            with contextlib.suppress(ConnectionError):
+                await socket.ws.send_str(json.dumps(message))
+            if close:
+                await socket.ws.close(code=WSCloseCode.GOING_AWAY, message=reason.encode())
+
+    async def _socket(self, request: web.Request) -> web.StreamResponse:
+        ticket = request.query.get("ticket", "")
+        with self._lock:
+            valid = ticket in self._tickets
+            self._tickets.discard(ticket)  # single use, like Slack's
+        if not valid:
+            return web.Response(status=401, text="invalid or already used ticket")
+        ws = web.WebSocketResponse(autoping=True)
+        await ws.prepare(request)
+        with self._lock:
+            socket = _Socket(next(self._socket_numbers), ws)
+            self._sockets.append(socket)
+            self._hellos += 1
+            connections = len(self._sockets)
+        await ws.send_str(
+            json.dumps(
+                {
+                    "type": "hello",
+                    "num_connections": connections,
+                    "debug_info": {
+                        "host": "applink-fake",
+                        "build_number": 1,
+                        "approximate_connection_time": 18060,
+                    },
+                    "connection_info": {"app_id": self.app_id},
+                }
+            )
+        )
+        self._notify()
+        try:
+            async for message in ws:
+                if message.type == WSMsgType.TEXT:
+                    self._record_ack(message.data, socket.number)
+        finally:
+            with self._lock:
+                if socket in self._sockets:
+                    self._sockets.remove(socket)
+            self._notify()
+        return ws
+
+    def _record_ack(self, data: str, connection: int) -> None:
+        try:
+            message = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(message, dict) or not isinstance(message.get("envelope_id"), str):
+            return
+        envelope_id = message["envelope_id"]
+        payload = message.get("payload")
+        with self._lock:
+            sent_at = self._sent_at.get(envelope_id)
+            self._acks.append(
+                Ack(
+                    envelope_id=envelope_id,
+                    payload=payload if isinstance(payload, dict) else None,
+                    latency=None if sent_at is None else time.monotonic() - sent_at,
+                    received_at=time.time(),
+                    connection=connection,
+                )
+            )
+        self._notify()
+
+    # -- Events API over HTTP ---------------------------------------------------------
+
+    async def post_event(
+        self,
+        url: str,
+        payload: Mapping[str, Any],
+        signing_secret: str | None = None,
+        *,
+        timestamp: int | float | None = None,
+        bad_signature: bool = False,
+        retry_num: int | None = None,
+        retry_reason: str | None = None,
+    ) -> HttpDelivery:
+        """POST `payload` to the app's Events API endpoint the way Slack does: JSON body,
+        ``X-Slack-Request-Timestamp`` (now, or `timestamp` to make it stale) and
+        ``X-Slack-Signature`` (made with a wrong secret when `bad_signature`), plus
+        ``X-Slack-Retry-Num``/``X-Slack-Retry-Reason`` (default ``http_timeout``) when
+        `retry_num` is given."""
+        body = json.dumps(payload).encode()
+        stamp = str(int(timestamp if timestamp is not None else time.time()))
+        secret = signing_secret or self.signing_secret
+        if bad_signature:
+            secret = secret + "-wrong"
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "Slackbot 1.0 (+https://api.slack.com/robots)",
+            "X-Slack-Request-Timestamp": stamp,
+            "X-Slack-Signature": sign_request(secret, stamp, body),
+        }
+        if retry_num is not None:
+            headers["X-Slack-Retry-Num"] = str(retry_num)
+            headers["X-Slack-Retry-Reason"] = retry_reason or "http_timeout"
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, data=body, headers=headers) as response,
+        ):
+            return HttpDelivery(response.status, await response.text(), dict(response.headers))
+
+    async def url_verification(
+        self, url: str, signing_secret: str | None = None, *, challenge: str | None = None
+    ) -> HttpDelivery:
+        """Send Slack's signed ``url_verification`` request; the app must echo the
+        challenge."""
+        payload = {
+            "token": self.verification_token,
+            "challenge": challenge or uuid.uuid4().hex,
+            "type": "url_verification",
+        }
+        return await self.post_event(url, payload, signing_secret)
+
+    # -- the call log -----------------------------------------------------------------
+
+    @property
+    def calls(self) -> list[ApiCall]:
+        """Every answered Web API call, oldest first (a snapshot)."""
+        with self._lock:
+            return list(self._calls)
+
+    def calls_to(self, method: str) -> list[ApiCall]:
+        return [c for c in self.calls if c.method == method]
+
+    def posted_messages(self, channel: str | None = None) -> list[Payload]:
+        """The ``message`` of every successful chat.postMessage and chat.update, in order,
+        each with its ``channel`` (an update shows up again, with ``edited``)."""
+        posted = []
+        for call in self.calls:
+            if call.method in ("chat.postMessage", "chat.update") and call.ok:
+                message = {**call.response["message"], "channel": call.response["channel"]}
+                if channel is None or message["channel"] == channel:
+                    posted.append(message)
+        return posted
+
+    def wait_for_calls(self, method: str, count: int = 1, timeout: float = 5.0) -> list[ApiCall]:
+        """Block until at least `count` calls of `method` were answered (thread mode)."""
+        if self._loop is not None and _running_loop() is self._loop:
+            raise RuntimeError("use `await fake.wait_for_calls_async(...)` in the event loop")
+        with self._lock:
+            if not self._lock.wait_for(
+                lambda: sum(c.method == method for c in self._calls) >= count, timeout
+            ):
+                raise TimeoutError(
+                    f"{sum(c.method == method for c in self._calls)} of {count} {method} "
+                    f"calls after {timeout}s; calls: {[c.method for c in self._calls]}"
+                )
+            return [c for c in self._calls if c.method == method]
+
+    async def wait_for_calls_async(self, method: str, count: int = 1) -> list[ApiCall]:
+        """Wait until at least `count` calls of `method` were answered, from any event
+        loop. Bound it with ``asyncio.timeout(...)``."""
+
+        def enough() -> list[ApiCall] | None:
+            found = self.calls_to(method)
+            return found if len(found) >= count else None
+
+        return await self._on_server_loop(self._until(enough))
+
+    # -- Web API ----------------------------------------------------------------------
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        hint = ""
+        if re.fullmatch(r"/[a-z]+\.[A-Za-z.]+", request.path):
+            hint = f" (a base_url without its trailing slash? use {self.api_url!r})"
+        return web.Response(status=404, text=f"FakeSlack: no route {request.path}{hint}")
+
+    async def _api(self, request: web.Request) -> web.Response:
+        method = request.match_info["method"]
+        params = await _read_params(request)
+        auth = request.headers.get("Authorization", "")
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
+        body_token = params.pop("token", None)
+        token = token or (str(body_token) if body_token else None)
+        headers: dict[str, str] = {}
+        try:
+            known = self._methods.get(method)
+            if known is None:
+                raise _SlackError("unknown_method")
+            self._check_token(token, known[0])
+            self._raise_scripted_fault(method)
+            status, body = 200, {"ok": True, **await known[1](params)}
+        except _SlackError as exc:
+            status, headers = exc.status, exc.headers
+            body = {"ok": False, "error": exc.error}
+            if exc.error == "unknown_method":
+                body["req_method"] = method
+        call = ApiCall(method, params, token, time.time(), status, body)
+        with self._lock:
+            self._calls.append(call)
+        self._notify()
+        return web.json_response(body, status=status, headers=headers)
+
+    def _check_token(self, token: str | None, kind: TokenKind) -> None:
+        if not token:
+            raise _SlackError("not_authed")
+        if token not in (self.bot_token, self.app_token):
+            raise _SlackError("invalid_auth")
+        if token != (self.bot_token if kind == "bot" else self.app_token):
+            raise _SlackError("not_allowed_token_type")
+
+    def _raise_scripted_fault(self, method: str) -> None:
+        with self._lock:
+            for i, fault in enumerate(self._faults):
+                if fault.method in ("*", method):
+                    del self._faults[i]
+                    headers = {}
+                    if fault.retry_after is not None:
+                        headers["Retry-After"] = str(fault.retry_after)
+                    raise _SlackError(fault.error, fault.status, headers)
+
+    async def _auth_test(self, params: dict[str, Any]) -> Payload:
+        return {
+            "url": f"https://{self.team_domain}.slack.com/",
+            "team": self.team_name,
+            "user": self.bot_name,
+            "team_id": self.team_id,
+            "user_id": self.bot_user_id,
+            "bot_id": self.bot_id,
+            "is_enterprise_install": False,
+        }
+
+    async def _connections_open(self, params: dict[str, Any]) -> Payload:
+        ticket = uuid.uuid4().hex
+        with self._lock:
+            self._tickets.add(ticket)
+        port = self._port
+        return {"url": f"ws://127.0.0.1:{port}/socket?ticket={ticket}&app_id={self.app_id}"}
+
+    async def _post_message(self, params: dict[str, Any]) -> Payload:
+        channel = _channel_param(params)
+        text, blocks = _content(params)
+        thread_ts = params.get("thread_ts")
+        if thread_ts is not None and not _TS.match(str(thread_ts)):
+            raise _SlackError("invalid_thread_ts")
+        ts = self._new_ts()
+        message: Payload = {
+            "user": self.bot_user_id,
+            "type": "message",
+            "ts": ts,
+            "bot_id": self.bot_id,
+            "app_id": self.app_id,
+            "text": text,
+            "team": self.team_id,
+            "bot_profile": {
+                "id": self.bot_id,
+                "app_id": self.app_id,
+                "name": self.bot_name,
+                "deleted": False,
+                "team_id": self.team_id,
+            },
+        }
+        if blocks is not None:
+            message["blocks"] = blocks
+        with self._lock:
+            if thread_ts is not None:
+                message["thread_ts"] = str(thread_ts)
+                parent = self._messages.get((channel, str(thread_ts)))
+                if parent is not None and parent.get("user"):
+                    message["parent_user_id"] = parent["user"]
+            self._messages[(channel, ts)] = message
+        return {"channel": channel, "ts": ts, "message": copy.deepcopy(message)}
+
+    async def _update_message(self, params: dict[str, Any]) -> Payload:
+        channel = _channel_param(params)
+        ts = str(params.get("ts") or "")
+        with self._lock:
+            stored = self._messages.get((channel, ts))
+        if stored is None:
+            raise _SlackError("message_not_found")
+        if stored.get("bot_id") != self.bot_id:
+            raise _SlackError("cant_update_message")
+        text, blocks = _content(params)
+        updated = copy.deepcopy(stored)
+        updated["text"] = text
+        if blocks is not None:
+            updated["blocks"] = blocks
+        updated["edited"] = {"user": self.bot_user_id, "ts": self._new_ts()}
+        with self._lock:
+            self._messages[(channel, ts)] = updated
+        return {"channel": channel, "ts": ts, "text": text, "message": copy.deepcopy(updated)}
+
+    async def _conversations_info(self, params: dict[str, Any]) -> Payload:
+        channel = _channel_param(params)
+        kind = _channel_type(channel)
+        info: Payload = {
+            "id": channel,
+            "created": 1700000000,
+            "is_channel": kind == "channel",
+            "is_group": kind == "group",
+            "is_im": kind == "im",
+            "is_mpim": False,
+            "is_private": kind in ("group", "im"),
+            "is_archived": False,
+            "is_member": True,
+        }
+        if kind == "im":
+            info["user"] = f"U{channel[1:]}"
+        else:
+            info.update(
+                name=f"channel-{channel.lower()}", name_normalized=f"channel-{channel.lower()}"
+            )
+        return {"channel": info}
+
+    async def _users_info(self, params: dict[str, Any]) -> Payload:
+        user = str(params.get("user") or "")
+        if not _USER_ID.match(user):
+            raise _SlackError("user_not_found")
+        with self._lock:
+            name = self._users.get(user, user.lower())
+        is_bot = user == self.bot_user_id
+        return {
+            "user": {
+                "id": user,
+                "team_id": self.team_id,
+                "name": name,
+                "real_name": name.title(),
+                "deleted": False,
+                "is_bot": is_bot,
+                "is_app_user": False,
+                "profile": {"display_name": name, "real_name": name.title()},
+            }
+        }
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _channel_type(channel: str) -> str:
+    return {"D": "im", "G": "group"}.get(channel[:1], "channel")
+
+
+def _channel_param(params: Mapping[str, Any]) -> str:
+    channel = str(params.get("channel") or "")
+    if not _CHANNEL_ID.match(channel):
+        raise _SlackError("channel_not_found")
+    return channel
+
+
+def _content(params: Mapping[str, Any]) -> tuple[str, list[Any] | None]:
+    """The text and blocks of a message, or Slack's error for a message without either,
+    too long a text, or malformed blocks."""
+    text = params.get("text")
+    text = "" if text is None else str(text)
+    blocks = params.get("blocks")
+    if blocks is not None and (
+        not isinstance(blocks, list)
+        or len(blocks) > MAX_BLOCKS
+        or not all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in blocks)
+    ):
+        raise _SlackError("invalid_blocks")
+    if not text and not blocks and not params.get("attachments"):
+        raise _SlackError("no_text")
+    if len(text) > MAX_TEXT_LENGTH:
+        raise _SlackError("msg_too_long")
+    return text, blocks
+
+
+async def _read_params(request: web.Request) -> dict[str, Any]:
+    """The call's parameters from the query string and a JSON, form or multipart body;
+    JSON-valued form fields (blocks, attachments, metadata) are decoded."""
+    params: dict[str, Any] = dict(request.query)
+    if request.body_exists:
+        if request.content_type == "application/json":
+            with contextlib.suppress(ValueError):
+                body = await request.json()
+                if isinstance(body, dict):
+                    params.update(body)
+        else:
+            form = await request.post()
+            params.update({k: v for k, v in form.items() if isinstance(v, str)})
+    for key in _JSON_PARAMS:
+        if isinstance(params.get(key), str):
+            with contextlib.suppress(ValueError):
+                params[key] = json.loads(params[key])
+    return params
