@@ -1,0 +1,343 @@
+"""Inbound dedupe: a platform that redelivers an update gets it answered once.
+
+Platforms redeliver: Slack retries an event it thinks was not acknowledged, Telegram
+hands out the same updates again after a restart when their offset was not confirmed.
+The dispatcher asks a `DedupeStore` about every message that carries a platform id
+and drops the ones it has seen.
+
+The promises of a store:
+- `seen_or_add(key)` is an atomic check-and-claim: of two calls with one key, exactly
+  one gets False ("new: answer it"), whatever their interleaving.
+- A key is remembered for `ttl` seconds; once `mark_done` returned for it, also
+  across a restart (file store).
+- A claim whose turn never finished (the process crashed or was stopped mid-turn, so
+  `mark_done` was never called) does not block a redelivery after the restart: the
+  user rather gets an answer twice than never.
+
+`FileDedupeStore` (one SQLite file in the workspace) is the embedded default and
+assumes one daemon per workspace; `MemoryDedupeStore` is for tests and one-shot runs.
+A shared store for replicas (Redis) implements the same protocol, with `SET NX` and a
+lease for claims (in place of the in-memory claims used here) and a long TTL for
+answered keys.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+
+import anyio
+import anyio.to_thread
+from loguru import logger
+
+from gateway.messages import InboundMessage
+
+DEFAULT_TTL = 7 * 24 * 3600.0
+DEFAULT_MAX_ENTRIES = 100_000
+SCHEMA_VERSION = 1
+
+_T = TypeVar("_T")
+
+
+def dedupe_key(msg: InboundMessage) -> str | None:
+    """The identity of a platform message, or None when it has no id (never deduped).
+
+    The chat id is part of it because platform ids are unique per chat only (Telegram
+    message ids, Slack `ts`). Length prefixes keep the parts apart whatever they hold.
+    """
+    if not msg.message_id:
+        return None
+    channel, chat = msg.channel, msg.chat_id
+    return f"{len(channel)}:{channel}:{len(chat)}:{chat}:{msg.message_id}"
+
+
+@runtime_checkable
+class DedupeStore(Protocol):
+    """Remembers which platform messages were already taken in."""
+
+    async def seen_or_add(self, key: str) -> bool:
+        """True if `key` was seen (a duplicate); else remember it and return False."""
+        ...
+
+    async def mark_done(self, key: str) -> None:
+        """The message of `key` was answered: a redelivery is a duplicate for good,
+        also after a restart."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class MemoryDedupeStore:
+    """Dedupe in a dict: bounded, expiring, lost on restart."""
+
+    def __init__(
+        self,
+        *,
+        ttl: float = DEFAULT_TTL,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._clock = clock
+        self._seen: OrderedDict[str, float] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    async def seen_or_add(self, key: str) -> bool:
+        now = self._clock()
+        seen_at = self._seen.get(key)
+        if seen_at is not None and seen_at > now - self.ttl:
+            return True
+        # Room for one more: expired keys go first, then the oldest beyond the bound.
+        while self._seen:
+            oldest, oldest_at = next(iter(self._seen.items()))
+            if oldest_at > now - self.ttl and len(self._seen) < self.max_entries:
+                break
+            del self._seen[oldest]
+        self._seen[key] = now
+        self._seen.move_to_end(key)
+        return False
+
+    async def mark_done(self, key: str) -> None:
+        return None  # nothing survives a restart, so nothing to tell apart
+
+    def claimed_at(self, key: str) -> float | None:
+        return self._seen.get(key)
+
+    def preload(self, items: list[tuple[str, float]]) -> None:
+        """Remember `items` (key, time), oldest first, as seen."""
+        for key, seen_at in items:
+            self._seen[key] = seen_at
+            self._seen.move_to_end(key)
+
+    async def aclose(self) -> None:
+        self._seen.clear()
+
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS answered (
+        key TEXT PRIMARY KEY,
+        seen_at REAL NOT NULL
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS answered_by_time ON answered(seen_at)",
+)
+
+
+class FileDedupeStore:
+    """Dedupe with answered keys kept in a SQLite file (WAL): survives restarts, bounded
+    by age (`ttl`) and count (`max_entries`).
+
+    Claims live in memory (a `MemoryDedupeStore`, loaded with the file's answered keys
+    on first use), so `seen_or_add` costs no I/O. Only answered keys are written, by
+    `mark_done`, which returns once its key is committed; concurrent calls share one
+    transaction (group commit), so a busy gateway pays one worker-thread hop per batch,
+    not per message. A key claimed but never answered before a crash or a stop is not
+    on file, hence answered when the platform redelivers it after the restart.
+
+    With WAL and `synchronous=NORMAL` a commit survives a process crash; a power cut
+    may forget the last few answers (a redelivery is then answered twice). Expired and
+    surplus keys are purged every `purge_every` written keys. One daemon per file.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        ttl: float = DEFAULT_TTL,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        purge_every: int = 1000,
+        busy_timeout_ms: int = 5000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self.purge_every = purge_every
+        self._busy_timeout_ms = busy_timeout_ms
+        self._clock = clock
+        self._claims = MemoryDedupeStore(ttl=ttl, max_entries=max_entries, clock=clock)
+        self._loaded = False
+        self._loading: anyio.Lock | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()  # held by worker threads only, never on the loop
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._written_since_purge = 0
+        # Group commit: keys waiting for the next transaction, and batch generations.
+        self._pending: dict[str, float] = {}
+        self._batch = 0  # generation of the batch `_pending` belongs to
+        self._committed = 0  # last generation on disk
+        self._flushing: anyio.Event | None = None
+        self.batches_written = 0  # for tests and the benchmark
+
+    # -- plumbing -------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(self._call, fn, limiter=self._limiter)
+
+    def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        with self._lock:
+            if self._conn is None:
+                self._conn = self._open()
+            return fn(self._conn)
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            return self._connect()
+        except sqlite3.DatabaseError as exc:
+            # Busy or permission problems are the operator's to fix; only a file that
+            # is not a database is moved aside (it only ever held dedupe keys).
+            if isinstance(exc, sqlite3.OperationalError) or not self.path.exists():
+                raise
+            aside = self.path.with_name(f"{self.path.name}.broken-{int(time.time())}")
+            logger.warning("dedupe file {} is unreadable ({}); moved to {}", self.path, exc, aside)
+            self.path.rename(aside)
+            for suffix in ("-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            return self._connect()
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path,
+            timeout=self._busy_timeout_ms / 1000,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                logger.info("dedupe schema {} -> {}: starting afresh", version, SCHEMA_VERSION)
+                conn.execute("DROP TABLE IF EXISTS answered")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self.path.chmod(0o600)  # which messages people sent, and when: private
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+
+    # -- the DedupeStore protocol ---------------------------------------------------
+
+    async def seen_or_add(self, key: str) -> bool:
+        if not self._loaded:
+            await self._load()
+        return await self._claims.seen_or_add(key)
+
+    async def _load(self) -> None:
+        if self._loading is None:
+            self._loading = anyio.Lock()
+        async with self._loading:  # the first caller loads, the others wait for it
+            if not self._loaded:
+                await self._load_answered()
+
+    async def _load_answered(self) -> None:
+        since = self._clock() - self.ttl
+
+        def load(conn: sqlite3.Connection) -> list[tuple[str, float]]:
+            rows = conn.execute(
+                "SELECT key, seen_at FROM answered WHERE seen_at > ? ORDER BY seen_at DESC LIMIT ?",
+                (since, self.max_entries),
+            ).fetchall()
+            return [(str(k), float(t)) for k, t in reversed(rows)]
+
+        self._claims.preload(await self._run(load))
+        self._loaded = True
+
+    async def mark_done(self, key: str) -> None:
+        self._pending[key] = self._claims.claimed_at(key) or self._clock()
+        wanted = self._batch + 1  # the generation that holds this key, once committed
+        while self._committed < wanted:
+            if self._flushing is not None:
+                await self._flushing.wait()
+                continue
+            await self._flush()
+
+    async def _flush(self) -> None:
+        batch, generation = self._pending, self._batch
+        self._pending, self._batch = {}, self._batch + 1
+        self._flushing = flushing = anyio.Event()
+        now = self._clock()
+        purge = self._written_since_purge + len(batch) >= self.purge_every
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT OR REPLACE INTO answered (key, seen_at) VALUES (?, ?)", batch.items()
+            )
+            if purge:
+                self._purge(conn, now)
+
+        try:
+            await self._run(lambda conn: self._transaction(conn, write))
+        except BaseException:
+            # Back into the queue: the next flush retries them (the callers see the error).
+            self._pending = {**batch, **self._pending}
+            raise
+        finally:
+            self._flushing = None
+            flushing.set()
+        self._committed = generation + 1
+        self.batches_written += 1
+        self._written_since_purge = 0 if purge else self._written_since_purge + len(batch)
+
+    def _purge(self, conn: sqlite3.Connection, now: float) -> None:
+        conn.execute("DELETE FROM answered WHERE seen_at <= ?", (now - self.ttl,))
+        total = conn.execute("SELECT count(*) FROM answered").fetchone()[0]
+        if total > self.max_entries:
+            conn.execute(
+                "DELETE FROM answered WHERE key IN "
+                "(SELECT key FROM answered ORDER BY seen_at LIMIT ?)",
+                (total - self.max_entries,),
+            )
+
+    async def purge(self) -> None:
+        """Drop expired keys and the oldest beyond `max_entries` from the file now."""
+        now = self._clock()
+        await self._run(lambda conn: self._transaction(conn, lambda c: self._purge(c, now)))
+
+    async def count(self) -> int:
+        """Answered keys on file (for tests and metrics)."""
+        return int(
+            await self._run(lambda c: c.execute("SELECT count(*) FROM answered").fetchone()[0])
+        )
+
+    async def aclose(self) -> None:
+        if self._pending:
+            try:
+                while self._pending:
+                    if self._flushing is not None:
+                        await self._flushing.wait()
+                    else:
+                        await self._flush()
+            except Exception as exc:
+                logger.error("dedupe: {} answered keys not saved: {}", len(self._pending), exc)
+
+        def close(conn: sqlite3.Connection) -> None:
+            conn.close()
+            self._conn = None
+
+        if self._conn is not None:
+            await self._run(close)

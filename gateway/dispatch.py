@@ -1,0 +1,632 @@
+"""The dispatcher: one FIFO lane per session key, a global cap on concurrent turns.
+
+Channel adapters `submit` inbound messages and return at once; the dispatcher checks
+access (optional, `gateway.access.AccessGate`) and dedupe, runs one turn at a time per
+session through the handler (`AgentLoop.handle`) and hands every reply to `deliver`.
+The promises it keeps (each one tested in tests/test_dispatch.py):
+
+- Messages of one session are handled strictly in arrival order (the order `submit`
+  was called, whatever the timing of the access check and the dedupe store), one turn
+  at a time.
+- A slow session never delays another: a lane takes a slot of the global cap only
+  when it starts a turn, and lanes wait for slots independently (no head-of-line
+  blocking); a reply is delivered after the slot is given back.
+- A queued message is never silently dropped: every accepted message ends in a reply
+  (the handler's, a short error reply if the handler raised, or at a drain deadline a
+  "please send it again" notice), and every refused one is told why and counted.
+- A message carrying a platform id is answered once, also when the platform
+  redelivers it after a restart (see `gateway.dedupe`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Literal, Protocol
+
+import anyio
+import anyio.abc
+from loguru import logger
+
+from gateway.access import Allow, Challenge, Decision, Deny, Ignore
+from gateway.dedupe import DedupeStore, dedupe_key
+from gateway.messages import InboundMessage, OutboundMessage
+
+Handler = Callable[[InboundMessage], Awaitable[OutboundMessage]]
+Deliver = Callable[[OutboundMessage], Awaitable[None]]
+TurnDoneCallback = Callable[[str, float], None]
+Mode = Literal["followup", "collect"]
+
+
+class AccessCheck(Protocol):
+    """Who may talk to the bot (`gateway.access.AccessGate`)."""
+
+    async def check(self, msg: InboundMessage) -> Decision: ...
+
+
+#: Metadata key of a merged (collect mode) message: the ids of the messages it holds.
+MERGED_IDS_KEY = "merged_message_ids"
+
+BUSY_TEXT = (
+    "I'm still working through your earlier messages. Please wait for my replies, "
+    "then send this one again."
+)
+DRAINING_TEXT = (
+    "I'm restarting right now and can't take new messages. Please send yours again in a minute."
+)
+ERROR_TEXT = "Something went wrong while answering that. Please try again."
+RESTART_TEXT = (
+    "I was restarting and could not answer your last message. Please send it again in a minute."
+)
+
+
+class SubmitStatus(StrEnum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    DENIED = "denied"  # the access policy said no; the sender got its reply (or a code)
+    IGNORED = "ignored"  # not for the bot (group chatter, unknown channel); no reply
+    REJECTED_FULL = "rejected_full"
+    REJECTED_DRAINING = "rejected_draining"
+
+
+class Ticket:
+    """What `submit` hands back: the status, and the reply to await if wanted.
+
+    `reply()` returns the reply that was (or is being) delivered for this message: the
+    turn's reply, an error or a refusal notice; None for a duplicate. In collect mode
+    every message of a merged turn gets the one reply of that turn.
+    """
+
+    __slots__ = ("_event", "_reply", "message", "status")
+
+    def __init__(self, message: InboundMessage) -> None:
+        self.message = message
+        self.status = SubmitStatus.ACCEPTED
+        self._event = anyio.Event()
+        self._reply: OutboundMessage | None = None
+
+    def __repr__(self) -> str:
+        return f"Ticket({self.message.session_key!r}, {self.status.value})"
+
+    @property
+    def answered(self) -> bool:
+        return self._event.is_set()
+
+    async def reply(self) -> OutboundMessage | None:
+        await self._event.wait()
+        return self._reply
+
+    def _resolve(self, reply: OutboundMessage | None) -> None:
+        if not self._event.is_set():
+            self._reply = reply
+            self._event.set()
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    """A snapshot of the dispatcher's counters (since start) and gauges (now).
+
+    `queue_depths` holds non-empty lanes only; export the total and the maximum to
+    metrics rather than one series per session key.
+    """
+
+    accepted: int
+    duplicates: int
+    denied: int
+    ignored: int
+    access_errors: int
+    dropped_full: int
+    rejected_draining: int
+    turns_started: int
+    turns_finished: int
+    turn_failures: int
+    merged_messages: int
+    delivery_failures: int
+    dedupe_errors: int
+    in_flight: int
+    lanes: int
+    queued_total: int
+    max_queue_depth: int
+    queue_depths: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    """What `drain` did: turns finished while draining, and what was left unanswered
+    (those senders got `RESTART_TEXT`)."""
+
+    seconds: float
+    finished: int
+    unfinished_in_flight: int
+    unfinished_queued: int
+    sessions_left: tuple[str, ...]
+
+    @property
+    def clean(self) -> bool:
+        return not self.sessions_left
+
+
+def notice_for(msg: InboundMessage, text: str, *, is_error: bool = True) -> OutboundMessage:
+    """A reply from the dispatcher itself, addressed like the agent's replies."""
+    return OutboundMessage(
+        channel=msg.channel,
+        chat_id=msg.chat_id,
+        text=text,
+        session_key=msg.session_key,
+        reply_to=msg.message_id,
+        thread_id=msg.thread_id,
+        is_error=is_error,
+    )
+
+
+def merge_messages(messages: Sequence[InboundMessage]) -> InboundMessage:
+    """Collect mode: the messages of one lane as one, texts joined by blank lines in
+    order; ids, sender and metadata are the last message's, and the metadata records
+    the merged platform ids under `MERGED_IDS_KEY`."""
+    if not messages:
+        raise ValueError("nothing to merge")
+    last = messages[-1]
+    if len(messages) == 1:
+        return last
+    ids = [m.message_id for m in messages if m.message_id]
+    return replace(
+        last,
+        text="\n\n".join(m.text for m in messages),
+        metadata={**last.metadata, MERGED_IDS_KEY: ids},
+    )
+
+
+class _Item:
+    """One submitted message while it waits in its lane."""
+
+    __slots__ = ("dedupe_key", "message", "ready", "skip", "ticket")
+
+    def __init__(self, ticket: Ticket, dedupe_key: str | None, *, checked: bool) -> None:
+        self.message = ticket.message
+        self.ticket = ticket
+        self.dedupe_key = dedupe_key
+        # Set once access and dedupe have answered; None when there is nothing to ask.
+        self.ready: anyio.Event | None = anyio.Event() if checked or dedupe_key else None
+        self.skip = False  # a duplicate, or not allowed: the lane drops it
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready is None or self.ready.is_set()
+
+
+class _Lane:
+    __slots__ = ("current", "key", "queue", "wakeup")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.queue: deque[_Item] = deque()
+        self.current: list[_Item] = []  # the turn in progress
+        self.wakeup = anyio.Event()
+
+
+@dataclass
+class _Counters:
+    accepted: int = 0
+    duplicates: int = 0
+    denied: int = 0
+    ignored: int = 0
+    access_errors: int = 0
+    dropped_full: int = 0
+    rejected_draining: int = 0
+    turns_started: int = 0
+    turns_finished: int = 0
+    turn_failures: int = 0
+    merged_messages: int = 0
+    delivery_failures: int = 0
+    dedupe_errors: int = 0
+    in_flight: int = 0
+
+
+class Dispatcher:
+    """Runs turns for inbound messages: per-session FIFO lanes under a global cap.
+
+    Start `run` in the daemon's task group (`await tg.start(dispatcher.run)`), then
+    `submit` messages; on shutdown `drain`. `deliver` is called for every reply,
+    including those of messages submitted by an API that awaits its ticket: a reply
+    router skips channels that have no adapter. `deliver` should not raise; if it
+    does, the failure is logged and counted and the lane goes on. A lane waits for
+    its reply to be delivered (so replies of one session go out in order), at most
+    `deliver_timeout` seconds.
+
+    With `access`, a message the policy refuses never reaches the handler: the sender
+    gets the policy's reply (a refusal or a pairing code; status `denied`) or nothing
+    (status `ignored`). A failing access check lets nothing through; a failing dedupe
+    store lets everything through (both are logged and counted).
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        deliver: Deliver,
+        *,
+        max_concurrent_turns: int = 8,
+        max_queue_per_lane: int = 50,
+        mode: Mode = "followup",
+        dedupe: DedupeStore | None = None,
+        access: AccessCheck | None = None,
+        idle_lane_ttl: float = 300,
+        on_turn_done: TurnDoneCallback | None = None,
+        deliver_timeout: float = 60.0,
+    ) -> None:
+        if max_concurrent_turns < 1:
+            raise ValueError("max_concurrent_turns must be at least 1")
+        if max_queue_per_lane < 1:
+            raise ValueError("max_queue_per_lane must be at least 1")
+        if mode not in ("followup", "collect"):
+            raise ValueError(f"mode must be 'followup' or 'collect', not {mode!r}")
+        if idle_lane_ttl < 0:
+            raise ValueError("idle_lane_ttl must not be negative")
+        self._handler = handler
+        self._deliver = deliver
+        self.max_concurrent_turns = max_concurrent_turns
+        self.max_queue_per_lane = max_queue_per_lane
+        self.mode: Mode = mode
+        self.idle_lane_ttl = idle_lane_ttl
+        self.deliver_timeout = deliver_timeout
+        self._dedupe = dedupe
+        self._access = access
+        self._on_turn_done = on_turn_done
+        self._limiter = anyio.CapacityLimiter(max_concurrent_turns)
+        self._lanes: dict[str, _Lane] = {}
+        self._counters = _Counters()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._run_done = anyio.Event()
+        self._stopped = False
+        self._draining = False
+        self._outstanding = 0  # accepted messages not answered yet
+        self._idle: anyio.Event | None = None  # set when draining and nothing is left
+
+    # ------------------------------------------------------------------ service
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until `drain` finishes (or the surrounding task group is cancelled)."""
+        if self._tg is not None or self._stopped:
+            raise RuntimeError("a Dispatcher runs once")
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self._tg = None
+            self._stopped = True
+            self._run_done.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining or self._stopped
+
+    async def submit(self, msg: InboundMessage) -> Ticket:
+        """Take `msg` in; returns once it is queued, never waiting for its turn.
+
+        The ticket's status says what happened; a refused message was told why
+        (through `deliver`) and `ticket.reply()` gives that notice at once.
+        """
+        ticket = Ticket(msg)
+        key = msg.session_key
+        if self._draining or self._tg is None:
+            if self._tg is None and not self._stopped:
+                raise RuntimeError("Dispatcher.run is not running; start it first")
+            self._counters.rejected_draining += 1
+            with logger.contextualize(session=key):
+                logger.info("message refused: draining")
+            await self._refuse(ticket, SubmitStatus.REJECTED_DRAINING, DRAINING_TEXT)
+            return ticket
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(key)
+            self._tg.start_soon(self._run_lane, lane, name=f"lane {key}")
+        if len(lane.queue) >= self.max_queue_per_lane:
+            self._counters.dropped_full += 1
+            with logger.contextualize(session=key):
+                logger.warning(
+                    "lane full ({} queued): message refused, sender told to wait",
+                    len(lane.queue),
+                )
+            await self._refuse(ticket, SubmitStatus.REJECTED_FULL, BUSY_TEXT)
+            return ticket
+        # The position in the lane is taken now, before any await: arrival order is
+        # the order of `submit` calls whatever the access check's or dedupe's timing.
+        item = _Item(
+            ticket,
+            dedupe_key(msg) if self._dedupe is not None else None,
+            checked=self._access is not None,
+        )
+        lane.queue.append(item)
+        lane.wakeup.set()
+        self._outstanding += 1
+        if item.ready is not None:
+            await self._admit(item)
+        if ticket.status is SubmitStatus.ACCEPTED:
+            self._counters.accepted += 1
+        return ticket
+
+    async def _admit(self, item: _Item) -> None:
+        """Access, then dedupe, while the item keeps its place in the lane."""
+        assert item.ready is not None
+        allowed = self._access is None
+        try:
+            if self._access is not None:
+                decision = await self._check_access(item.message)
+                if not isinstance(decision, Allow):
+                    self._skip(item, decision)
+                    return
+                allowed = True
+            key, store = item.dedupe_key, self._dedupe
+            if key is not None and store is not None and await self._is_duplicate(key, store):
+                self._skip(item, None)
+        finally:
+            if not allowed and not item.skip:
+                # `submit` was cancelled before the access check answered: nothing
+                # unchecked may reach the handler.
+                self._skip(item, Ignore("submit cancelled during the access check"))
+            item.ready.set()  # also when cancelled: the lane must not wait forever
+
+    async def _check_access(self, msg: InboundMessage) -> Decision:
+        assert self._access is not None
+        try:
+            return await self._access.check(msg)
+        except Exception:
+            # Fail closed: a broken access check lets nobody through.
+            self._counters.access_errors += 1
+            with logger.contextualize(session=msg.session_key):
+                logger.exception("access check failed; message ignored")
+            return Ignore("the access check failed")
+
+    async def _is_duplicate(self, key: str, store: DedupeStore) -> bool:
+        try:
+            return await store.seen_or_add(key)
+        except Exception as exc:
+            # Fail open: answering a redelivery twice beats never answering.
+            self._counters.dedupe_errors += 1
+            logger.error("dedupe store failed ({}); taking the message", exc)
+            return False
+
+    def _skip(self, item: _Item, decision: Decision | None) -> None:
+        """Take `item` out of the running (the lane drops it when it reaches it)."""
+        item.skip = True
+        self._settled(1)
+        ticket = item.ticket
+        if decision is None:
+            ticket.status = SubmitStatus.DUPLICATE
+            self._counters.duplicates += 1
+            with logger.contextualize(session=item.message.session_key):
+                logger.info("duplicate of message {} ignored", item.message.message_id)
+            ticket._resolve(None)
+        elif isinstance(decision, Deny | Challenge):
+            ticket.status = SubmitStatus.DENIED
+            self._counters.denied += 1
+            notice = notice_for(item.message, decision.reply, is_error=isinstance(decision, Deny))
+            ticket._resolve(notice)
+            self._send_notice(notice)
+        else:
+            ticket.status = SubmitStatus.IGNORED
+            self._counters.ignored += 1
+            ticket._resolve(None)
+
+    async def _refuse(self, ticket: Ticket, status: SubmitStatus, text: str) -> None:
+        ticket.status = status
+        notice = notice_for(ticket.message, text)
+        ticket._resolve(notice)
+        if self._tg is None:  # stopped: nothing runs in the background any more
+            await self._deliver_safely(notice)
+        else:
+            self._send_notice(notice)
+
+    def _send_notice(self, notice: OutboundMessage) -> None:
+        if self._tg is None:
+            logger.warning("a notice could not be sent: the dispatcher has stopped")
+            return
+        # Counted as outstanding work so that a drain lets the notice go out.
+        self._outstanding += 1
+        self._tg.start_soon(self._deliver_notice, notice)
+
+    async def _deliver_notice(self, notice: OutboundMessage) -> None:
+        try:
+            await self._deliver_safely(notice)
+        finally:
+            self._settled(1)
+
+    # ------------------------------------------------------------------ lanes
+
+    async def _run_lane(self, lane: _Lane) -> None:
+        while True:
+            if not lane.queue:
+                lane.wakeup = anyio.Event()
+                with anyio.move_on_after(self.idle_lane_ttl):
+                    await lane.wakeup.wait()
+                if not lane.queue:
+                    # No await between the check and the removal: a submit either saw
+                    # this lane with an empty queue before, or makes a new lane after.
+                    del self._lanes[lane.key]
+                    return
+                continue
+            head = lane.queue[0]
+            if head.ready is not None and not head.ready.is_set():
+                await head.ready.wait()
+            if head.skip:
+                lane.queue.popleft()
+                continue
+            try:
+                self._limiter.acquire_nowait()  # fair: fails while others wait
+            except anyio.WouldBlock:
+                await self._limiter.acquire()
+            try:
+                # Taken after the slot is ours, so collect mode merges what arrived
+                # while waiting for it.
+                lane.current = self._take(lane)
+                reply = await self._run_turn(lane.key, lane.current)
+            finally:
+                self._limiter.release()
+            await self._finish(lane.current, reply)
+            lane.current = []
+
+    def _take(self, lane: _Lane) -> list[_Item]:
+        batch = [lane.queue.popleft()]
+        if self.mode == "collect":
+            while lane.queue and lane.queue[0].is_ready:
+                item = lane.queue.popleft()
+                if not item.skip:
+                    batch.append(item)
+        return batch
+
+    async def _run_turn(self, key: str, batch: list[_Item]) -> OutboundMessage:
+        msg = merge_messages([item.message for item in batch])
+        if len(batch) > 1:
+            self._counters.merged_messages += len(batch)
+        counters = self._counters
+        counters.turns_started += 1
+        counters.in_flight += 1
+        started = time.perf_counter()
+        with logger.contextualize(session=key):
+            try:
+                reply = await self._handler(msg)
+            except Exception:
+                counters.turn_failures += 1
+                logger.exception("turn failed; the sender gets an error reply")
+                reply = notice_for(msg, ERROR_TEXT)
+            finally:
+                counters.in_flight -= 1
+        seconds = time.perf_counter() - started
+        counters.turns_finished += 1
+        if self._on_turn_done is not None:
+            try:
+                self._on_turn_done(key, seconds)
+            except Exception:
+                logger.exception("on_turn_done callback failed")
+        return reply
+
+    async def _finish(self, batch: list[_Item], reply: OutboundMessage) -> None:
+        for item in batch:
+            item.ticket._resolve(reply)
+        await self._deliver_safely(reply)
+        if self._dedupe is not None:
+            for item in batch:
+                if item.dedupe_key is not None:
+                    try:
+                        await self._dedupe.mark_done(item.dedupe_key)
+                    except Exception as exc:
+                        self._counters.dedupe_errors += 1
+                        logger.error("dedupe store failed to record an answer: {}", exc)
+        self._settled(len(batch))
+
+    async def _deliver_safely(self, reply: OutboundMessage) -> None:
+        try:
+            with anyio.fail_after(self.deliver_timeout):
+                await self._deliver(reply)
+        except Exception as exc:
+            self._counters.delivery_failures += 1
+            with logger.contextualize(session=reply.session_key):
+                logger.error("reply could not be delivered: {!r}", exc)
+
+    def _settled(self, count: int) -> None:
+        self._outstanding -= count
+        if self._idle is not None and self._outstanding <= 0:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ drain
+
+    async def drain(self, grace: float) -> DrainReport:
+        """Stop intake, let queued and in-flight turns finish for up to `grace` seconds,
+        then stop every lane and tell the senders of what was left to send it again.
+        Returns when `run` has ended; a second call waits for the first one's end.
+        """
+        started = time.monotonic()
+        if self._draining or self._tg is None:  # drained already, or never ran
+            self._draining = True
+            if self._tg is not None:
+                await self._run_done.wait()
+            return DrainReport(time.monotonic() - started, 0, 0, 0, ())
+        finished_before = self._counters.turns_finished
+        self._draining = True
+        self._idle = anyio.Event()
+        if self._outstanding <= 0:
+            self._idle.set()
+        logger.info(
+            "draining: {} in flight, {} queued, up to {:.0f} s",
+            self._counters.in_flight,
+            self._queued_total(),
+            grace,
+        )
+        with anyio.move_on_after(grace):
+            await self._idle.wait()
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._run_done.wait()
+        in_flight, queued, left = self._unanswered()
+        if left:
+            logger.warning(
+                "drain deadline: {} turns in flight and {} queued messages left in {} "
+                "sessions; telling those senders to send again",
+                in_flight,
+                queued,
+                len(left),
+            )
+            with anyio.move_on_after(min(self.deliver_timeout, 5.0)):
+                async with anyio.create_task_group() as tg:
+                    for items in left.values():
+                        notice = notice_for(items[-1].message, RESTART_TEXT)
+                        for item in items:
+                            item.ticket._resolve(notice)
+                        tg.start_soon(self._deliver_safely, notice)
+        self._lanes.clear()
+        report = DrainReport(
+            seconds=time.monotonic() - started,
+            finished=self._counters.turns_finished - finished_before,
+            unfinished_in_flight=in_flight,
+            unfinished_queued=queued,
+            sessions_left=tuple(sorted(left)),
+        )
+        logger.info("drained in {:.1f} s: {} turns finished", report.seconds, report.finished)
+        return report
+
+    def _unanswered(self) -> tuple[int, int, dict[str, list[_Item]]]:
+        in_flight = queued = 0
+        left: dict[str, list[_Item]] = {}
+        for key, lane in self._lanes.items():
+            current = [i for i in lane.current if not i.ticket.answered]
+            waiting = [i for i in lane.queue if not i.skip and not i.ticket.answered]
+            in_flight += bool(current)
+            queued += len(waiting)
+            if current or waiting:
+                left[key] = current + waiting
+        return in_flight, queued, left
+
+    # ------------------------------------------------------------------ stats
+
+    def _queued_total(self) -> int:
+        return sum(len(lane.queue) for lane in self._lanes.values())
+
+    def stats(self) -> DispatcherStats:
+        c = self._counters
+        depths = {key: len(lane.queue) for key, lane in self._lanes.items() if lane.queue}
+        return DispatcherStats(
+            accepted=c.accepted,
+            duplicates=c.duplicates,
+            denied=c.denied,
+            ignored=c.ignored,
+            access_errors=c.access_errors,
+            dropped_full=c.dropped_full,
+            rejected_draining=c.rejected_draining,
+            turns_started=c.turns_started,
+            turns_finished=c.turns_finished,
+            turn_failures=c.turn_failures,
+            merged_messages=c.merged_messages,
+            delivery_failures=c.delivery_failures,
+            dedupe_errors=c.dedupe_errors,
+            in_flight=c.in_flight,
+            lanes=len(self._lanes),
+            queued_total=sum(depths.values()),
+            max_queue_depth=max(depths.values(), default=0),
+            queue_depths=depths,
+        )

@@ -1,0 +1,571 @@
+"""The dispatcher's promises: per-session order, no cross-session blocking, the global
+cap, no silent drops, dedupe (also across a restart), collect mode, drain, failures.
+
+The handlers are small async functions standing in for the agent: the dispatcher is
+generic over its handler, so nothing of ours is mocked.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from gateway.access import ALLOW, Decision
+from gateway.dedupe import FileDedupeStore, MemoryDedupeStore
+from gateway.dispatch import (
+    BUSY_TEXT,
+    DRAINING_TEXT,
+    ERROR_TEXT,
+    MERGED_IDS_KEY,
+    RESTART_TEXT,
+    Dispatcher,
+    Handler,
+    SubmitStatus,
+    merge_messages,
+)
+from gateway.messages import InboundMessage, OutboundMessage
+
+pytestmark = pytest.mark.anyio
+
+
+def inbound(chat: str, text: str, message_id: str | None = None) -> InboundMessage:
+    return InboundMessage(channel="test", chat_id=chat, text=text, message_id=message_id)
+
+
+def reply_to(msg: InboundMessage, text: str) -> OutboundMessage:
+    return OutboundMessage(
+        channel=msg.channel,
+        chat_id=msg.chat_id,
+        text=text,
+        session_key=msg.session_key,
+        reply_to=msg.message_id,
+    )
+
+
+async def echo(msg: InboundMessage) -> OutboundMessage:
+    return reply_to(msg, f"re: {msg.text}")
+
+
+class Outbox:
+    """The `deliver` end: what the channels would have sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[OutboundMessage] = []
+
+    async def deliver(self, out: OutboundMessage) -> None:
+        self.sent.append(out)
+
+    def texts(self, chat: str) -> list[str]:
+        return [o.text for o in self.sent if o.chat_id == chat]
+
+
+@asynccontextmanager
+async def running(dispatcher: Dispatcher, grace: float = 5.0) -> AsyncIterator[Dispatcher]:
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        try:
+            yield dispatcher
+        finally:
+            with anyio.CancelScope(shield=True):
+                await dispatcher.drain(grace)
+
+
+class SlowOpenAccess:
+    """An access check that lets everyone in after a random delay (a thread hop)."""
+
+    async def check(self, msg: InboundMessage) -> Decision:
+        await anyio.sleep(random.random() * 0.002)
+        return ALLOW
+
+
+class SlowDedupe(MemoryDedupeStore):
+    """A dedupe store that answers after a random delay, as a busy disk would."""
+
+    async def seen_or_add(self, key: str) -> bool:
+        await anyio.sleep(random.random() * 0.002)
+        return await super().seen_or_add(key)
+
+
+# --------------------------------------------------------------------------- ordering
+
+
+async def test_each_session_is_handled_in_submit_order_under_concurrent_load() -> None:
+    """Promise: messages of one session are handled strictly in arrival order, one at
+    a time, whatever the other sessions, the handler's timing and the dedupe store's."""
+    rng = random.Random(7)
+    sessions, per_session = 40, 25
+    submitted: dict[str, list[str]] = defaultdict(list)
+    handled: dict[str, list[str]] = defaultdict(list)
+    busy: set[str] = set()
+    overlaps: list[str] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        key = msg.session_key
+        if key in busy:
+            overlaps.append(key)
+        busy.add(key)
+        handled[key].append(msg.text)
+        await anyio.sleep(rng.random() * 0.003)
+        busy.discard(key)
+        return await echo(msg)
+
+    outbox = Outbox()
+    dispatcher = Dispatcher(
+        handler,
+        outbox.deliver,
+        max_concurrent_turns=6,
+        dedupe=SlowDedupe(),
+        access=SlowOpenAccess(),
+    )
+
+    async def submit(msg: InboundMessage) -> None:
+        submitted[msg.session_key].append(msg.text)  # arrival: the call of submit
+        ticket = await dispatcher.submit(msg)
+        assert ticket.status is SubmitStatus.ACCEPTED
+
+    async def client(chat: str) -> None:
+        async with anyio.create_task_group() as tg:
+            for n in range(per_session):
+                # Bursts of concurrent submits, so dedupe answers can overtake each other.
+                tg.start_soon(submit, inbound(chat, f"{chat}-{n}", message_id=str(n)))
+                if rng.random() < 0.3:
+                    await anyio.sleep(rng.random() * 0.002)
+
+    async with running(dispatcher), anyio.create_task_group() as tg:
+        for s in range(sessions):
+            tg.start_soon(client, f"c{s}")
+
+    assert not overlaps
+    assert len(outbox.sent) == sessions * per_session
+    for key, texts in submitted.items():
+        assert handled[key] == texts
+        chat = key.split(":", 1)[1]
+        assert outbox.texts(chat) == [f"re: {t}" for t in texts]  # replies in order too
+    stats = dispatcher.stats()
+    assert stats.turns_finished == stats.accepted == sessions * per_session
+
+
+# --------------------------------------------------------------------------- isolation
+
+
+async def test_a_slow_session_does_not_delay_another() -> None:
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        if msg.chat_id == "slow":
+            await anyio.sleep(1.0)
+        return await echo(msg)
+
+    outbox = Outbox()
+    async with running(Dispatcher(handler, outbox.deliver, max_concurrent_turns=2)) as d:
+        for n in range(5):  # a deep queue of slow turns holds one slot, not the cap
+            await d.submit(inbound("slow", f"s{n}"))
+        await anyio.sleep(0.01)
+        start = time.perf_counter()
+        fast = await d.submit(inbound("fast", "hi"))
+        reply = await fast.reply()
+        waited = time.perf_counter() - start
+        assert reply is not None and reply.text == "re: hi"
+        assert waited < 0.05, f"the fast session waited {waited * 1000:.0f} ms"
+        assert d.stats().queue_depths == {"test:slow": 4}
+        await d.drain(0)  # no need to wait for the slow ones
+
+
+async def test_the_global_cap_is_respected_and_reached() -> None:
+    cap, active, peak = 4, 0, 0
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await anyio.sleep(0.01)
+        active -= 1
+        return await echo(msg)
+
+    outbox = Outbox()
+    async with running(Dispatcher(handler, outbox.deliver, max_concurrent_turns=cap)) as d:
+        tickets = [await d.submit(inbound(f"c{n % 20}", str(n))) for n in range(60)]
+        for ticket in tickets:
+            await ticket.reply()
+    assert peak == cap
+    assert len(outbox.sent) == 60
+
+
+# --------------------------------------------------------------------------- no drops
+
+
+async def test_a_full_lane_tells_the_sender_to_wait_and_counts_it() -> None:
+    """Promise: a message is never silently dropped, even when its lane is full."""
+    release = anyio.Event()
+    started = anyio.Event()
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        started.set()
+        await release.wait()
+        return await echo(msg)
+
+    outbox = Outbox()
+    async with running(Dispatcher(handler, outbox.deliver, max_queue_per_lane=3)) as d:
+        first = await d.submit(inbound("a", "1"))
+        await started.wait()  # "1" is in flight, the queue is empty
+        queued = [await d.submit(inbound("a", t)) for t in ("2", "3", "4")]
+        refused = await d.submit(inbound("a", "5", message_id="m5"))
+        other = await d.submit(inbound("b", "elsewhere"))  # other lanes are unaffected
+
+        assert refused.status is SubmitStatus.REJECTED_FULL
+        notice = await refused.reply()
+        assert notice is not None and notice.is_error and notice.text == BUSY_TEXT
+        assert notice.reply_to == "m5"
+        stats = d.stats()
+        assert stats.dropped_full == 1 and stats.queue_depths["test:a"] == 3
+        release.set()
+        for ticket in [first, *queued, other]:
+            assert ticket.status is SubmitStatus.ACCEPTED
+            reply = await ticket.reply()
+            assert reply is not None and not reply.is_error
+    assert outbox.texts("a") == [BUSY_TEXT, "re: 1", "re: 2", "re: 3", "re: 4"]
+
+
+async def test_a_failing_turn_gets_an_error_reply_and_the_lane_goes_on() -> None:
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        if msg.text == "boom":
+            raise RuntimeError("handler bug")
+        return await echo(msg)
+
+    outbox = Outbox()
+    async with running(Dispatcher(handler, outbox.deliver)) as d:
+        failed = await d.submit(inbound("a", "boom", message_id="1"))
+        after = await d.submit(inbound("a", "after"))
+        await after.reply()
+        error = await failed.reply()
+    assert error is not None and error.is_error and error.text == ERROR_TEXT
+    assert error.reply_to == "1" and error.session_key == "test:a"
+    assert "handler bug" not in error.text
+    assert outbox.texts("a") == [ERROR_TEXT, "re: after"]
+    assert d.stats().turn_failures == 1
+
+
+async def test_a_failing_delivery_is_counted_and_the_lane_goes_on() -> None:
+    delivered: list[str] = []
+
+    async def deliver(out: OutboundMessage) -> None:
+        if out.text == "re: lost":
+            raise ConnectionError("platform down")
+        delivered.append(out.text)
+
+    async with running(Dispatcher(echo, deliver)) as d:
+        await d.submit(inbound("a", "lost"))
+        last = await d.submit(inbound("a", "kept"))
+        await last.reply()
+        await anyio.sleep(0.01)
+    assert delivered == ["re: kept"]
+    assert d.stats().delivery_failures == 1
+
+
+# --------------------------------------------------------------------------- dedupe
+
+
+async def test_a_redelivered_message_is_answered_once_also_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "dedupe.sqlite3"
+    calls: list[str] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        calls.append(msg.text)
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(path)
+    async with running(Dispatcher(handler, outbox.deliver, dedupe=store)) as d:
+        first = await d.submit(inbound("a", "hello", message_id="42"))
+        again = await d.submit(inbound("a", "hello", message_id="42"))
+        no_id = [await d.submit(inbound("a", "no id")) for _ in range(2)]
+        await first.reply()
+        for ticket in no_id:
+            await ticket.reply()
+        assert again.status is SubmitStatus.DUPLICATE and await again.reply() is None
+    await store.aclose()
+    assert d.stats().duplicates == 1
+
+    store = FileDedupeStore(path)  # a new process on the same workspace
+    async with running(Dispatcher(handler, outbox.deliver, dedupe=store)) as d:
+        redelivered = await d.submit(inbound("a", "hello", message_id="42"))
+        same_id_other_chat = await d.submit(inbound("b", "hello", message_id="42"))
+        await same_id_other_chat.reply()
+    await store.aclose()
+    assert redelivered.status is SubmitStatus.DUPLICATE
+    assert same_id_other_chat.status is SubmitStatus.ACCEPTED
+    assert calls == ["hello", "no id", "no id", "hello"]
+
+
+async def test_a_message_cut_off_by_a_restart_is_answered_when_redelivered(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "dedupe.sqlite3"
+    started = anyio.Event()
+
+    async def stuck(msg: InboundMessage) -> OutboundMessage:
+        started.set()
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    outbox = Outbox()
+    store = FileDedupeStore(path)
+    async with running(Dispatcher(stuck, outbox.deliver, dedupe=store), grace=0.05) as d:
+        await d.submit(inbound("a", "question", message_id="7"))
+        await started.wait()
+    await store.aclose()
+    assert outbox.texts("a") == [RESTART_TEXT]
+
+    store = FileDedupeStore(path)  # the platform redelivers after the restart
+    async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
+        ticket = await d.submit(inbound("a", "question", message_id="7"))
+        assert ticket.status is SubmitStatus.ACCEPTED
+        reply = await ticket.reply()
+        again = await d.submit(inbound("a", "question", message_id="7"))
+    await store.aclose()
+    assert reply is not None and reply.text == "re: question"
+    assert again.status is SubmitStatus.DUPLICATE
+
+
+# --------------------------------------------------------------------------- collect
+
+
+async def test_collect_mode_merges_what_queued_while_busy() -> None:
+    release = anyio.Event()
+    started = anyio.Event()
+    seen: list[InboundMessage] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        seen.append(msg)
+        started.set()
+        await release.wait()
+        return await echo(msg)
+
+    outbox = Outbox()
+    async with running(Dispatcher(handler, outbox.deliver, mode="collect")) as d:
+        await d.submit(inbound("a", "first", message_id="1"))
+        await started.wait()
+        later = [
+            await d.submit(
+                InboundMessage(
+                    channel="test",
+                    chat_id="a",
+                    text=text,
+                    message_id=mid,
+                    sender_id="u",
+                    metadata={"n": mid},
+                )
+            )
+            for text, mid in (("second", "2"), ("third", "3"), ("fourth", "4"))
+        ]
+        release.set()
+        replies = [await t.reply() for t in later]
+    assert [m.text for m in seen] == ["first", "second\n\nthird\n\nfourth"]
+    merged = seen[1]
+    assert merged.message_id == "4" and merged.metadata["n"] == "4"
+    assert merged.metadata[MERGED_IDS_KEY] == ["2", "3", "4"]
+    assert replies[0] is replies[1] is replies[2]
+    assert replies[0] is not None and replies[0].reply_to == "4"
+    assert len(outbox.sent) == 2
+    assert d.stats().merged_messages == 3
+
+
+def test_merge_keeps_a_single_message_as_it_is() -> None:
+    one = inbound("a", "only", message_id="1")
+    assert merge_messages([one]) is one
+    with pytest.raises(ValueError):
+        merge_messages([])
+
+
+# --------------------------------------------------------------------------- drain
+
+
+async def test_drain_finishes_in_flight_and_queued_turns_and_refuses_new_ones() -> None:
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        await anyio.sleep(0.05)
+        return await echo(msg)
+
+    outbox = Outbox()
+    dispatcher = Dispatcher(handler, outbox.deliver)
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        for text in ("1", "2", "3"):
+            await dispatcher.submit(inbound("a", text))
+        await dispatcher.submit(inbound("b", "x"))
+
+        reports = []
+
+        async def drain() -> None:
+            reports.append(await dispatcher.drain(5))
+
+        tg.start_soon(drain)
+        await anyio.sleep(0.01)
+        late = await dispatcher.submit(inbound("c", "too late", message_id="9"))
+        assert late.status is SubmitStatus.REJECTED_DRAINING
+        notice = await late.reply()
+        assert notice is not None and notice.is_error and notice.text == DRAINING_TEXT
+    report = reports[0]
+    assert report.clean and report.finished == 4
+    assert outbox.texts("a") == ["re: 1", "re: 2", "re: 3"] and outbox.texts("b") == ["re: x"]
+    assert outbox.texts("c") == [DRAINING_TEXT]
+    after = await dispatcher.submit(inbound("d", "after stop"))
+    assert after.status is SubmitStatus.REJECTED_DRAINING
+    assert dispatcher.stats().rejected_draining == 2
+
+
+async def test_drain_deadline_tells_every_waiting_sender_to_send_again() -> None:
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        if msg.chat_id == "stuck":
+            await anyio.sleep_forever()
+        return await echo(msg)
+
+    outbox = Outbox()
+    dispatcher = Dispatcher(handler, outbox.deliver)
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        tickets = [await dispatcher.submit(inbound("stuck", t)) for t in ("1", "2", "3")]
+        done = await dispatcher.submit(inbound("fine", "ok"))
+        await done.reply()
+        report = await dispatcher.drain(0.05)
+    assert report.sessions_left == ("test:stuck",)
+    assert report.unfinished_in_flight == 1 and report.unfinished_queued == 2
+    # One notice per session, addressed to the newest message; every ticket resolved.
+    assert outbox.texts("stuck") == [RESTART_TEXT]
+    for ticket in tickets:
+        reply = await ticket.reply()
+        assert reply is not None and reply.text == RESTART_TEXT
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+async def test_metrics_hooks_and_idle_lanes_go_away() -> None:
+    samples: list[tuple[str, float]] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        await anyio.sleep(0.01)
+        return await echo(msg)
+
+    d = Dispatcher(
+        handler,
+        Outbox().deliver,
+        idle_lane_ttl=0.02,
+        on_turn_done=lambda key, seconds: samples.append((key, seconds)),
+    )
+    async with running(d):
+        ticket = await d.submit(inbound("a", "hi"))
+        assert d.stats().lanes == 1
+        await ticket.reply()
+        await anyio.sleep(0.1)
+        stats = d.stats()
+        assert stats.lanes == 0 and stats.in_flight == 0 and stats.queued_total == 0
+    assert samples[0][0] == "test:a" and 0.009 < samples[0][1] < 1
+
+
+async def test_submit_needs_a_running_dispatcher() -> None:
+    d = Dispatcher(echo, Outbox().deliver)
+    with pytest.raises(RuntimeError, match="run"):
+        await d.submit(inbound("a", "hi"))
+
+
+def test_settings_are_checked() -> None:
+    handler: Handler = echo
+    with pytest.raises(ValueError):
+        Dispatcher(handler, Outbox().deliver, max_concurrent_turns=0)
+    with pytest.raises(ValueError):
+        Dispatcher(handler, Outbox().deliver, mode="other")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- access
+
+
+class PairingAccess:
+    """The real access gate with a pairing policy on the `test` channel."""
+
+    def __init__(self, path: Path) -> None:
+        from gateway.access import AccessGate, ChannelAccessPolicy, PairingStore
+
+        self.store = PairingStore(path)
+        self.gate = AccessGate({"test": ChannelAccessPolicy(dm_policy="pairing")}, self.store)
+
+    async def check(self, msg: InboundMessage) -> Decision:
+        return await self.gate.check(msg)
+
+
+def dm(sender: str, text: str, **meta: object) -> InboundMessage:
+    return InboundMessage(
+        channel="test", chat_id=sender, sender_id=sender, text=text, metadata=dict(meta)
+    )
+
+
+async def test_strangers_get_a_pairing_code_and_reach_the_agent_once_approved(
+    tmp_path: Path,
+) -> None:
+    from gateway.access import META_IS_GROUP, PairingStore
+
+    handled: list[str] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        handled.append(msg.text)
+        return await echo(msg)
+
+    outbox = Outbox()
+    access = PairingAccess(tmp_path / "pairing.json")
+    async with running(Dispatcher(handler, outbox.deliver, access=access)) as d:
+        first = await d.submit(dm("42", "hello?"))
+        assert first.status is SubmitStatus.DENIED
+        notice = await first.reply()
+        assert notice is not None and not notice.is_error
+        code = PairingStore(tmp_path / "pairing.json").list().pending[0].code
+        assert code in notice.text
+
+        chatter = await d.submit(dm("42", "in a group", **{META_IS_GROUP: True}))
+        assert chatter.status is SubmitStatus.IGNORED and await chatter.reply() is None
+
+        assert PairingStore(tmp_path / "pairing.json").approve("test", code) == "42"
+        allowed = await d.submit(dm("42", "now?"))
+        assert allowed.status is SubmitStatus.ACCEPTED
+        await allowed.reply()
+    assert handled == ["now?"]
+    assert [o.text for o in outbox.sent][1:] == ["re: now?"]
+    stats = d.stats()
+    assert stats.denied == 1 and stats.ignored == 1 and stats.accepted == 1
+
+
+async def test_a_broken_access_check_lets_nobody_through() -> None:
+    class Broken:
+        async def check(self, msg: InboundMessage) -> Decision:
+            raise OSError("disk gone")
+
+    outbox = Outbox()
+    async with running(Dispatcher(echo, outbox.deliver, access=Broken())) as d:
+        ticket = await d.submit(dm("1", "hi"))
+    assert ticket.status is SubmitStatus.IGNORED and not outbox.sent
+    assert d.stats().access_errors == 1
+
+
+async def test_a_submit_cancelled_during_the_access_check_lets_nothing_through() -> None:
+    class Slow:
+        async def check(self, msg: InboundMessage) -> Decision:
+            await anyio.sleep(1)
+            return ALLOW
+
+    handled: list[str] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        handled.append(msg.text)
+        return await echo(msg)
+
+    async with running(Dispatcher(handler, Outbox().deliver, access=Slow())) as d:
+        with anyio.move_on_after(0.02):
+            await d.submit(dm("1", "cut off"))  # e.g. the HTTP client went away
+        await anyio.sleep(0.02)
+        assert d.stats().ignored == 1
+    assert handled == []
