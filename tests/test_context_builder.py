@@ -1,0 +1,415 @@
+"""The token-budgeted context builder: promises as properties, pruning strategies by
+example, and a long scripted conversation through a real session."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.agent.context import (
+    MEMORY_PREFIX,
+    ContextBuilder,
+    PruningPolicy,
+    UsageHint,
+    build_llm_messages,
+    estimate_branch_tokens,
+    fit_context,
+    score_importance,
+    trim_middle,
+)
+from gateway.agent.tokens import estimate_messages_tokens, estimate_text_tokens
+from gateway.agent.tools import ToolContext, build_registry
+from gateway.llm import LLMMessage, TokenUsage, ToolCall
+from gateway.memory.consolidation import needs_consolidation, plan_compaction
+from gateway.memory.text import tokenize
+from gateway.sessions import SessionManager
+
+
+def user(text: str) -> LLMMessage:
+    return LLMMessage(role="user", content=text)
+
+
+def assistant(text: str, usage: TokenUsage | None = None) -> LLMMessage:
+    return LLMMessage(role="assistant", content=text, usage=usage)
+
+
+def call(*ids: str) -> LLMMessage:
+    return LLMMessage(
+        role="assistant", tool_calls=[ToolCall(id=i, function_name="f", arguments={}) for i in ids]
+    )
+
+
+def result(call_id: str, text: str = "ok") -> LLMMessage:
+    return LLMMessage(role="tool", content=text, tool_call_id=call_id, name="f")
+
+
+def assert_well_paired(messages: tuple[LLMMessage, ...] | list[LLMMessage]) -> None:
+    pending: set[str] = set()
+    for m in messages:
+        if m.role == "tool":
+            assert m.tool_call_id in pending, "tool result without its call"
+            pending.discard(m.tool_call_id)
+        else:
+            assert not pending, "tool call left unanswered"
+            if m.role == "assistant":
+                pending = {c.id for c in m.tool_calls}
+    assert not pending
+
+
+# -- properties ---------------------------------------------------------------------------
+
+VOCABULARY = ("alpha", "beta", "gamma", "deploy", "database", "error", "python", "rust")
+words = st.sampled_from((*VOCABULARY, "tea", "coffee", "log", "trace", "the", "a"))
+texts = st.lists(words, min_size=0, max_size=60).map(" ".join) | st.text(max_size=300)
+history_items = st.one_of(
+    st.builds(user, texts),
+    st.builds(assistant, texts),
+    st.builds(lambda ids: call(*ids), st.lists(st.sampled_from("abc"), unique=True, max_size=3)),
+    st.builds(result, st.sampled_from("abcd"), texts),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    history=st.lists(history_items, max_size=40),
+    last=texts,
+    window=st.integers(min_value=20, max_value=3000),
+    reserve=st.integers(min_value=0, max_value=100),
+    max_messages=st.integers(min_value=0, max_value=25),
+    memory=st.lists(texts, max_size=3),
+    summary=st.none() | texts,
+    ratio=st.floats(min_value=0.5, max_value=3.0),
+)
+def test_fit_context_keeps_its_promises(
+    history: list[LLMMessage],
+    last: str,
+    window: int,
+    reserve: int,
+    max_messages: int,
+    memory: list[str],
+    summary: str | None,
+    ratio: float,
+) -> None:
+    history = [*history, user(last)]
+    usage = UsageHint(prompt_tokens=int(1000 * ratio), estimated_tokens=1000)
+    plan = fit_context(
+        system_prompt="You are helpful.",
+        history=history,
+        summary=summary,
+        memory_texts=memory,
+        context_window=window,
+        reply_reserve=reserve,
+        max_messages=max_messages,
+        usage=usage,
+    )
+    budget = max(0, window - reserve)
+    limit = int(budget / usage.ratio)
+    assert plan.raw_tokens == estimate_messages_tokens(plan.messages)
+    kept = [i for i in plan.kept_indices if i is not None]
+    # Within budget, unless only protected messages remain (then memory is gone too).
+    if plan.over_budget:
+        assert all(i >= plan.protected_from for i in kept)
+        assert not plan.memory_injected
+    else:
+        assert plan.raw_tokens <= limit
+        assert plan.estimated_tokens <= budget + 1  # rounding of the scaled estimate
+    # The new user message is always there, last and untouched.
+    assert plan.messages[-1] is history[-1]
+    # Tool pairs are well formed; kept messages keep their order.
+    assert_well_paired(plan.history_messages)
+    assert kept == sorted(kept) and len(set(kept)) == len(kept)
+    # Every history message is either kept or reported as pruned, never both.
+    pruned = [p.index for p in plan.pruned]
+    assert sorted(kept + pruned) == list(range(len(history)))
+    # Protected messages (that were not orphans) are all kept.
+    orphans = {p.index for p in plan.pruned if p.reason == "orphan"}
+    for i in range(max(plan.protected_from, 0), len(history)):
+        assert i in kept or i in orphans
+
+
+@given(st.lists(st.lists(words, max_size=20), max_size=15), st.lists(words, max_size=5))
+def test_importance_is_bounded(units: list[list[str]], query: list[str]) -> None:
+    scores = score_importance(
+        [tokenize(" ".join(u)) for u in units], " ".join(query), PruningPolicy()
+    )
+    assert len(scores) == len(units)
+    assert all(0.0 <= s <= 1.0 + 1e-9 for s in scores)
+
+
+# -- strategies by example ----------------------------------------------------------------
+
+
+def filler(i: int, size: int = 400) -> str:
+    return f"note {i}: " + " ".join(f"w{i}x{j}" for j in range(size // 6))
+
+
+def test_small_history_is_sent_whole_with_head_in_order() -> None:
+    history = [user("hi"), assistant("hello"), user("what now")]
+    plan = fit_context(
+        system_prompt="sys",
+        history=history,
+        summary="we met before",
+        memory_texts=["[user_preference] likes tea"],
+        context_window=4000,
+        reply_reserve=100,
+    )
+    roles = [m.role for m in plan.messages]
+    assert roles == ["system", "system", "system", "user", "assistant", "user"]
+    assert "we met before" in (plan.messages[1].content or "")
+    assert (plan.messages[2].content or "").startswith(MEMORY_PREFIX)
+    assert plan.memory_injected and plan.summary_included and not plan.pruned
+    assert plan.kept_indices == (0, 1, 2)
+
+
+def test_oldest_unimportant_messages_go_first() -> None:
+    history = [user(filler(i)) if i % 2 == 0 else assistant(filler(i)) for i in range(12)]
+    history.append(user("and the weather tomorrow?"))
+    plan = fit_context(system_prompt="sys", history=history, context_window=700, reply_reserve=0)
+    reasons = {p.index: p.reason for p in plan.pruned}
+    assert reasons and min(reasons) == 0
+    assert set(reasons.values()) <= {"oldest", "least_important", "last_resort"}
+    assert "oldest" in reasons.values()
+    kept = [i for i in plan.kept_indices if i is not None]
+    assert kept == list(range(kept[0], 13))  # a contiguous recent tail
+    assert plan.raw_tokens <= 700
+
+
+def test_an_old_relevant_message_outlives_recent_chatter() -> None:
+    history = [user("my deployment target is the kubernetes cluster named orion")]
+    history.append(assistant("noted: orion"))
+    for i in range(8):
+        history.append(user(filler(i, 240)))
+        history.append(assistant(filler(100 + i, 240)))
+    history.append(user("which kubernetes cluster do I deploy to, orion?"))
+    plan = fit_context(system_prompt="sys", history=history, context_window=600)
+    kept = [i for i in plan.kept_indices if i is not None]
+    assert 0 in kept, plan.pruned
+    assert any(p.reason in ("oldest", "least_important") for p in plan.pruned)
+
+
+def test_near_duplicates_of_important_text_are_dropped_oldest_first() -> None:
+    # Pasted three times and asked about: every copy is relevant and reused, so the
+    # importance strategies keep them; the near-duplicate strategy drops old copies.
+    trace = "KeyError in loader " + " ".join(f"frame{j} module{j}" for j in range(40))
+    history = [
+        user(trace),
+        assistant("ok"),
+        user(trace + " again"),
+        assistant("hm"),
+        user(trace + " once more"),
+        assistant("see"),
+        user("why KeyError in loader frame1 module1 frame2 module2 frame3 module3?"),
+    ]
+    full = estimate_messages_tokens(history)
+    plan = fit_context(system_prompt="s", history=history, context_window=full - 60)
+    reasons = {p.index: p.reason for p in plan.pruned}
+    assert reasons[0] == "near_duplicate", reasons
+    assert 2 in plan.kept_indices and 4 in plan.kept_indices  # the newer copies stay
+    assert plan.raw_tokens <= full - 60
+
+
+def test_the_previous_exchange_is_protected_when_it_fits() -> None:
+    history = [user(filler(i)) for i in range(6)]
+    history += [user("question one"), assistant("answer one " + "y" * 300), user("follow-up")]
+    plan = fit_context(system_prompt="s", history=history, context_window=200)
+    assert plan.protected_from == 6
+    assert plan.kept_indices[-3:] == (6, 7, 8)
+    tight = fit_context(system_prompt="s", history=history, context_window=40)
+    assert tight.protected_from == 8 and tight.kept_indices[-1] == 8
+    assert 7 not in tight.kept_indices and tight.raw_tokens <= 40
+
+
+def test_huge_tool_results_are_trimmed_keeping_both_ends() -> None:
+    big = "HEAD-MARK " + "x" * 40_000 + " TAIL-MARK"
+    history = [user("run it"), call("c1"), result("c1", big), assistant("done"), user("ok?")]
+    plan = fit_context(system_prompt="s", history=history, context_window=4000)
+    tool = next(m for m in plan.messages if m.role == "tool")
+    assert tool.content is not None
+    assert tool.content.startswith("HEAD-MARK") and tool.content.endswith("TAIL-MARK")
+    assert "characters cut" in tool.content
+    assert [t.target for t in plan.trimmed] == ["tool_result"]
+    assert plan.trimmed[0].index == 2 and plan.trimmed[0].tokens_after <= 800
+    assert plan.raw_tokens <= 4000
+
+
+def test_a_pruned_tool_call_takes_its_results_along() -> None:
+    history = [user(filler(1)), call("a", "b"), result("a", filler(2)), result("b", filler(3))]
+    history += [assistant(filler(4)), user("next"), assistant("fine"), user("last one")]
+    plan = fit_context(system_prompt="s", history=history, context_window=150)
+    assert_well_paired(plan.history_messages)
+    dropped = {p.index for p in plan.pruned}
+    assert {1, 2, 3} <= dropped or not ({1, 2, 3} & dropped)
+
+
+def test_memory_block_is_cut_to_its_share_and_dropped_last() -> None:
+    lines = [f"[learned_fact] fact number {i} about something" for i in range(200)]
+    plan = fit_context(
+        system_prompt="s",
+        history=[user("hello")],
+        memory_texts=["\n".join(lines)],
+        context_window=1000,
+    )
+    memory = next(m for m in plan.messages if (m.content or "").startswith(MEMORY_PREFIX))
+    assert estimate_text_tokens(memory.content) <= 0.2 * 1000 + 2
+    assert "fact number 0 " in (memory.content or "")  # caller's order: first lines win
+    assert plan.memory_injected and plan.trimmed[0].target == "memory"
+    huge_question = user("q " * 1500)
+    starved = fit_context(
+        system_prompt="s",
+        history=[huge_question],
+        memory_texts=["\n".join(lines)],
+        context_window=900,
+    )
+    # The question fits only without memory: the memory block goes, the question stays.
+    assert not starved.over_budget and not starved.memory_injected
+    assert starved.trimmed[-1].target == "memory" and starved.trimmed[-1].tokens_after == 0
+    assert starved.messages[-1] is huge_question
+    too_big = fit_context(system_prompt="s", history=[user("q " * 4000)], context_window=900)
+    assert too_big.over_budget and too_big.kept_indices == (0,)
+
+
+def test_window_cap_counts_messages_but_never_cuts_a_tool_pair() -> None:
+    history = [user("a"), call("x"), result("x"), assistant("b"), user("c")]
+    plan = fit_context(system_prompt="s", history=history, context_window=5000, max_messages=3)
+    assert plan.kept_indices == (1, 2, 3, 4)
+    assert {p.index: p.reason for p in plan.pruned} == {0: "window"}
+
+
+def test_orphans_are_reported_and_unanswered_calls_answered() -> None:
+    history = [result("gone"), user("hi"), call("a"), user("next")]
+    plan = fit_context(system_prompt="s", history=history, context_window=5000)
+    assert_well_paired(plan.history_messages)
+    assert {p.index: p.reason for p in plan.pruned} == {0: "orphan"}
+    assert plan.kept_indices == (1, 2, None, 3)
+
+
+def test_usage_hint_makes_the_budget_tighter() -> None:
+    history = [user(filler(i)) for i in range(10)] + [user("now")]
+    loose = fit_context(system_prompt="s", history=history, context_window=800)
+    hint = UsageHint(prompt_tokens=2000, estimated_tokens=1000)
+    tight = fit_context(system_prompt="s", history=history, context_window=800, usage=hint)
+    assert hint.ratio == 2.0 and UsageHint(500, 1000).ratio == 1.0
+    assert tight.raw_tokens <= 400 < loose.raw_tokens
+    assert tight.estimated_tokens == 2 * tight.raw_tokens
+
+
+def test_builder_learns_the_ratio_per_session() -> None:
+    builder = ContextBuilder(context_window=800, reply_reserve=0, max_messages=0)
+    history = [user(filler(i)) for i in range(10)] + [user("now")]
+    first = builder.build(system_prompt="s", history=history, session_key="k")
+    builder.observe("k", first.messages, TokenUsage(prompt_tokens=first.raw_tokens * 3))
+    assert builder.hint_for("k") is not None and builder.hint_for("other") is None
+    second = builder.build(system_prompt="s", history=history, session_key="k")
+    other = builder.build(system_prompt="s", history=history, session_key="other")
+    assert second.raw_tokens < other.raw_tokens == first.raw_tokens
+    builder.observe("k", first.messages, None)  # nothing reported: nothing learned
+    with pytest.raises(ValueError):
+        ContextBuilder(context_window=100, reply_reserve=100, max_messages=0)
+
+
+def test_branch_tokens_prefer_the_reported_usage() -> None:
+    plain = [user("hi"), assistant("hello"), user("again")]
+    assert estimate_branch_tokens(plain) == estimate_messages_tokens(plain)
+    reported = TokenUsage(prompt_tokens=5000, completion_tokens=20, total_tokens=5020)
+    anchored = [user("hi"), assistant("hello", reported), user("again")]
+    assert estimate_branch_tokens(anchored) == 5020 + estimate_messages_tokens([user("again")])
+    tiny = TokenUsage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+    low = [user("x" * 4000), assistant("ok", tiny), user("more")]
+    assert estimate_branch_tokens(low) == estimate_messages_tokens(low)  # never below ours
+
+
+def test_trim_middle_fits_and_keeps_ends() -> None:
+    text = "start " + "é" * 5000 + " end"
+    cut = trim_middle(text, 300)
+    assert estimate_text_tokens(cut) <= 300
+    assert cut.startswith("start") and cut.endswith("end")
+    assert trim_middle("short", 10) == "short"
+
+
+def test_build_llm_messages_is_fit_context_without_memory() -> None:
+    out = build_llm_messages(
+        system_prompt="sys",
+        summary=None,
+        history=[user(filler(i)) for i in range(30)] + [user("q")],
+        max_messages=5,
+        budget_tokens=100_000,
+    )
+    assert len(out) == 1 + 5 and out[-1].content == "q"
+
+
+# -- a long scripted conversation through a real session ------------------------------------
+
+
+@pytest.mark.anyio
+async def test_three_hundred_turns_stay_within_the_context_window(tmp_path: Path) -> None:
+    """Every request of a long, mixed conversation (short and long messages, tool calls
+    through the registry's current_time tool, compactions when the trigger says so)
+    fits the configured window with the reply reserve left free."""
+    context_window, reserve, memory_window = 6000, 800, 10
+    sessions = SessionManager(tmp_path / "sessions", fsync="never")
+    session = sessions.get_or_create("cli:long")
+    registry = build_registry(["current_time"])
+    builder = ContextBuilder(
+        context_window=context_window, reply_reserve=reserve, max_messages=2 * memory_window + 1
+    )
+    rng = random.Random(7)
+    memory_lines = [f"[learned_fact] remembered thing {i}" for i in range(300)]
+    requests = compactions = 0
+    reasons: set[str] = set()
+
+    def send() -> None:
+        nonlocal requests
+        ctx = session.build_context()
+        plan = builder.build(
+            system_prompt="You are a test assistant.",
+            history=ctx.messages,
+            summary=ctx.summary,
+            memory_texts=["\n".join(memory_lines)],
+            session_key=session.key,
+        )
+        requests += 1
+        reasons.update(p.reason for p in plan.pruned)
+        reasons.update(t.target for t in plan.trimmed)
+        assert not plan.over_budget
+        assert plan.estimated_tokens + reserve <= context_window
+        last_user = next(m for m in reversed(ctx.messages) if m.role == "user")
+        assert any(m is last_user for m in plan.messages)
+        assert_well_paired(plan.history_messages)
+        builder.observe(session.key, plan.messages, TokenUsage(prompt_tokens=plan.raw_tokens))
+
+    for turn in range(300):
+        size = rng.choice([20, 80, 400, 3000, 9000])
+        session.add_message(user(f"turn {turn} " + "lorem ipsum " * (size // 12)))
+        send()
+        if turn % 7 == 3:
+            call_id = f"call_{turn}"
+            request = ToolCall(id=call_id, function_name="current_time", arguments={})
+            session.add_message(LLMMessage(role="assistant", tool_calls=[request]))
+            output = await registry.execute(request, ToolContext(session_key=session.key))
+            if turn % 21 == 3:
+                output += " " + "z" * 30_000  # an oversized tool result
+            session.add_message(
+                LLMMessage(role="tool", content=output, tool_call_id=call_id, name="current_time")
+            )
+            send()
+        reply = "answer " * rng.choice([3, 30, 300])
+        session.add_message(assistant(reply, TokenUsage(prompt_tokens=100, completion_tokens=5)))
+        ctx = session.build_context()
+        if needs_consolidation(
+            ctx, memory_window=memory_window, context_window=context_window
+        ) and (cut := plan_compaction(ctx, memory_window)):
+            await anyio.to_thread.run_sync(
+                session.compact, f"summary up to turn {turn}", cut.first_kept_entry_id
+            )
+            compactions += 1
+
+    assert requests > 300 and compactions > 10
+    assert {"tool_result", "memory", "window"} <= reasons
+    assert reasons & {"oldest", "least_important"}
+    assert session.message_count <= 2 * memory_window + 4
+    sessions.close()
