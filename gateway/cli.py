@@ -78,6 +78,19 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("key")
     export.add_argument("--format", choices=("jsonl", "markdown"), default="jsonl")
 
+    sub.add_parser("doctor", help="check the installation and say what to fix")
+
+    pairing = sub.add_parser("pairing", help="approve who may talk to the bot")
+    psub = pairing.add_subparsers(dest="action", metavar="ACTION", required=True)
+    approve = psub.add_parser("approve", help="let the sender holding CODE talk to the bot")
+    approve.add_argument("channel")
+    approve.add_argument("code")
+    plist = psub.add_parser("list", help="approved senders and pending codes")
+    plist.add_argument("channel", nargs="?")
+    revoke = psub.add_parser("revoke", help="withdraw a sender's approval")
+    revoke.add_argument("channel")
+    revoke.add_argument("sender")
+
     cache = sub.add_parser("cache", help="inspect and manage the response cache")
     csub = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
     stats = csub.add_parser("stats", help="entries, hits, misses, hit rate, bytes")
@@ -118,18 +131,26 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 
     async def main() -> int:
         channel = CLIChannel(gateway.agent, session_key=key)
+        code = EXIT_OK
         try:
-            if args.message is not None:
-                reply = await channel.send_once(args.message)
-                if reply.is_error:
-                    print(f"gateway: {reply.text}", file=sys.stderr)
-                    return EXIT_FAILED
-                print(reply.text)
-                return EXIT_OK
-            await channel.run_interactive()
-            return EXIT_OK
+            async with anyio.create_task_group() as tg:
+                await tg.start(gateway.run_services)
+                if args.message is not None:
+                    reply = await channel.send_once(args.message)
+                    if reply.is_error:
+                        print(f"gateway: {reply.text}", file=sys.stderr)
+                        code = EXIT_FAILED
+                    else:
+                        print(reply.text, flush=True)
+                else:
+                    await channel.run_interactive()
+                # Background consolidation gets its grace period before we leave.
+                await gateway.aclose()
+                tg.cancel_scope.cancel()
         finally:
-            await gateway.aclose()
+            with anyio.CancelScope(shield=True):
+                await gateway.aclose()
+        return code
 
     return anyio.run(main)
 
@@ -276,6 +297,41 @@ def _print_tree(session: Session) -> None:
         walk(root, "", i == len(roots) - 1, True)
 
 
+def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.doctor import run_checks
+
+    findings = anyio.run(run_checks, settings)
+    for finding in findings:
+        print(finding.line())
+    failed = sum(f.status == "fail" for f in findings)
+    print(f"\n{failed} problem(s) found" if failed else "\nall checks passed")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.access import (
+        PairingError,
+        PairingStore,
+        cli_pairing_approve,
+        cli_pairing_list,
+        cli_pairing_revoke,
+    )
+    from gateway.daemon import build_session_manager, pairing_path
+
+    build_session_manager(settings).close()  # creates the private workspace if needed
+    store = PairingStore(pairing_path(settings))
+    try:
+        if args.action == "approve":
+            print(cli_pairing_approve(store, args.channel, args.code))
+        elif args.action == "list":
+            print(cli_pairing_list(store, args.channel))
+        else:
+            print(cli_pairing_revoke(store, args.channel, args.sender))
+    except PairingError as exc:
+        raise CommandError(str(exc)) from None
+    return EXIT_OK
+
+
 def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.daemon import build_cache
 
@@ -317,7 +373,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
     settings = _settings(args)
-    interactive = args.command == "run" or (args.command == "chat" and args.message is None)
+    terminal_chat = settings.channels.cli.enabled and sys.stdin.isatty()
+    interactive = (args.command == "run" and terminal_chat) or (
+        args.command == "chat" and args.message is None
+    )
     level = settings.log.level
     if interactive and not args.log_level and level in ("TRACE", "DEBUG", "INFO"):
         level = "WARNING"  # keep the terminal chat readable
@@ -327,8 +386,38 @@ def _dispatch(args: argparse.Namespace) -> int:
         "chat": cmd_chat,
         "sessions": cmd_sessions,
         "cache": cmd_cache,
+        "pairing": cmd_pairing,
+        "doctor": cmd_doctor,
     }
     return handlers[args.command](args, settings)
+
+
+def _user_error_code(exc: BaseException) -> int | None:
+    """Print a user-caused error as one line and return its exit code; None if `exc` is
+    a bug (then it propagates with its traceback)."""
+    from gateway.http import HttpBindError
+
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, ConfigError):
+        for line in str(exc).splitlines():
+            print(f"gateway: config error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    if isinstance(exc, LLMConfigError):
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if isinstance(exc, CommandError):
+        print(f"gateway: {exc}", file=sys.stderr)
+        return exc.code
+    if isinstance(exc, HttpBindError):
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if isinstance(exc, ValueError):  # e.g. a session key that cannot be stored
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -339,21 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return _dispatch(args)
-    except ConfigError as exc:
-        for line in str(exc).splitlines():
-            print(f"gateway: config error: {line}", file=sys.stderr)
-        return EXIT_CONFIG
-    except LLMConfigError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except CommandError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return exc.code
-    except ValueError as exc:  # e.g. a session key that cannot be stored
-        print(f"gateway: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+    except (Exception, KeyboardInterrupt) as exc:
+        code = _user_error_code(exc)
+        if code is None:
+            raise
+        return code
 
 
 if __name__ == "__main__":

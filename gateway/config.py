@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_NAME = "gateway.toml"
@@ -24,7 +32,9 @@ DEFAULT_CONFIG_NAME = "gateway.toml"
 EXIT_CONFIG = 78
 
 # Keys whose values are secrets: refused in gateway.toml, redacted everywhere.
-SECRET_KEYS = frozenset({"api_key", "token", "bot_token", "app_token", "signing_secret"})
+SECRET_KEYS = frozenset(
+    {"api_key", "token", "bot_token", "app_token", "signing_secret", "webhook_secret"}
+)
 
 
 class ConfigError(Exception):
@@ -66,17 +76,7 @@ class LLMSettings(_Section):
 
     def resolved_api_key(self) -> str | None:
         """The API key from the environment or from `api_key_file`, if any."""
-        if self.api_key is not None and self.api_key.get_secret_value():
-            return self.api_key.get_secret_value()
-        if self.api_key_file is not None:
-            try:
-                return self.api_key_file.expanduser().read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise ConfigError(
-                    f"llm.api_key_file: cannot read {self.api_key_file}: {exc.strerror}; "
-                    "fix the path or set OPENAI_API_KEY instead"
-                ) from None
-        return None
+        return _secret_or_file(self.api_key, self.api_key_file, "llm.api_key_file")
 
 
 class AgentSettings(_Section):
@@ -141,6 +141,95 @@ class CacheSettingsSection(_Section):
     )
 
 
+class MemorySettings(_Section):
+    enabled: bool = Field(True, description="Long-term memory: MEMORY.md, HISTORY.md, knowledge.")
+    scope: Literal["per_session", "workspace"] = Field(
+        "per_session",
+        description="per_session: each conversation has its own memory (users never see each "
+        "other's); workspace: one shared memory for a single-owner assistant.",
+    )
+    auto_consolidate: bool = Field(
+        True, description="Summarize old turns into memory in the background."
+    )
+    consolidation_model: str | None = Field(
+        None, description="A cheaper model for consolidation; unset = llm.model."
+    )
+    consolidation_timeout: float = Field(
+        120.0, gt=0, description="Seconds one consolidation may take."
+    )
+    token_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="Consolidate when the conversation fills this share of the context window.",
+    )
+    retry_base_seconds: float = Field(30.0, gt=0, description="First retry after a failure.")
+    retry_max_seconds: float = Field(3600.0, gt=0, description="Longest wait between retries.")
+    history_max_bytes: int = Field(
+        512_000, ge=4096, description="HISTORY.md is archived past this size."
+    )
+
+
+class DispatchSettings(_Section):
+    max_concurrent_turns: int = Field(
+        8, ge=1, le=10_000, description="Turns running at once across all sessions."
+    )
+    max_queue_per_lane: int = Field(
+        50, ge=1, description="Messages waiting per session before senders are told to wait."
+    )
+    mode: Literal["followup", "collect"] = Field(
+        "followup",
+        description="Messages sent while a session is busy: followup = one turn each, "
+        "collect = merged into the next turn.",
+    )
+    drain_grace_seconds: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long in-flight turns may take to finish."
+    )
+    dedupe_ttl_seconds: float = Field(
+        7 * 86400.0, gt=0, description="How long platform message ids are remembered."
+    )
+
+
+class HeartbeatJobSettings(_Section):
+    every: str | None = Field(None, description="Interval, e.g. '30m' (or use cron).")
+    cron: str | None = Field(None, description="Cron schedule, e.g. '0 9 * * 1-5'.")
+    timezone: str = Field("UTC", description="Time zone of cron and active_hours.")
+    active_hours: str | None = Field(None, description="Only run within, e.g. '08:00-22:00'.")
+    prompt: str | None = Field(None, description="What to ask (or use prompt_file).")
+    prompt_file: str | None = Field(
+        None, description="File with the prompt, relative to the workspace (HEARTBEAT.md)."
+    )
+    deliver_to: str | None = Field(
+        None, description="Where replies go: telegram:<chat> or slack:<channel>; unset = log."
+    )
+    ok_token: str = Field("HEARTBEAT_OK", description="A reply of only this is not delivered.")
+
+    @model_validator(mode="after")
+    def _check(self) -> HeartbeatJobSettings:
+        from gateway.schedule import Schedule
+
+        Schedule.build(
+            every=self.every,
+            cron=self.cron,
+            timezone=self.timezone,
+            active_hours=self.active_hours,
+        )
+        if (self.prompt is None) == (self.prompt_file is None):
+            raise ValueError("give exactly one of prompt and prompt_file")
+        if self.deliver_to is not None:
+            channel, sep, chat = self.deliver_to.partition(":")
+            if not (channel and sep and chat):
+                raise ValueError("deliver_to: use channel:chat, e.g. 'telegram:123456'")
+        return self
+
+
+class HeartbeatSettings(_Section):
+    jobs: dict[str, HeartbeatJobSettings] = Field(
+        default_factory=dict,
+        description="Scheduled jobs, one [heartbeat.jobs.NAME] table each.",
+    )
+
+
 class LogSettings(_Section):
     level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Lowest level logged."
@@ -166,8 +255,100 @@ class CLIChannelSettings(_Section):
     session: str = Field("cli:direct", description="Session key of the terminal chat.")
 
 
+class AccessSection(_Section):
+    """Who may talk to the bot on a chat platform."""
+
+    dm_policy: Literal["open", "allowlist", "pairing"] = Field(
+        "pairing",
+        description="Direct messages: open = anyone, allowlist = allow_from only, pairing = "
+        "strangers get a code for `gateway pairing approve`.",
+    )
+    allow_from: list[str] = Field(
+        default_factory=list, description='Sender or chat ids always allowed; "*" = anyone.'
+    )
+    group_policy: Literal["open", "allowlist", "disabled"] = Field(
+        "allowlist", description="Groups and channels: open, allowlist or disabled."
+    )
+    require_mention: bool = Field(
+        True, description="In groups, answer only when mentioned or replied to."
+    )
+    pairing_ttl_seconds: float = Field(3600.0, gt=0, description="How long a code is valid.")
+    streaming: bool = Field(
+        False, description="Show the reply while it is written (needs llm.stream = true)."
+    )
+
+
+class TelegramSettings(AccessSection):
+    enabled: bool = Field(False, description="Serve a Telegram bot.")
+    token: SecretStr | None = Field(
+        None, description="Secret: the BotFather token, from GATEWAY_CHANNELS__TELEGRAM__TOKEN."
+    )
+    token_file: Path | None = Field(None, description="File holding the bot token.")
+    mode: Literal["polling", "webhook"] = Field(
+        "polling", description="polling (no public URL needed) or webhook."
+    )
+    base_url: str | None = Field(
+        None,
+        description="Bot API server for self-hosted servers, e.g. http://127.0.0.1:8081/bot "
+        "(the token is appended).",
+    )
+    base_file_url: str | None = Field(None, description="File download URL prefix, likewise.")
+    webhook_url: str | None = Field(
+        None,
+        description="Public HTTPS URL that reaches this gateway's /telegram/webhook "
+        "(webhook mode).",
+    )
+    webhook_secret: SecretStr | None = Field(
+        None,
+        description="Secret: webhook secret token ([A-Za-z0-9_-]), from "
+        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET.",
+    )
+    poll_timeout: int = Field(30, ge=0, le=50, description="Long-poll seconds per request.")
+
+    def resolved_token(self) -> str | None:
+        return _secret_or_file(self.token, self.token_file, "channels.telegram.token_file")
+
+
+class SlackSettings(AccessSection):
+    enabled: bool = Field(False, description="Serve a Slack app.")
+    bot_token: SecretStr | None = Field(
+        None, description="Secret: xoxb- token, from GATEWAY_CHANNELS__SLACK__BOT_TOKEN."
+    )
+    app_token: SecretStr | None = Field(
+        None,
+        description="Secret: xapp- token for Socket Mode, from GATEWAY_CHANNELS__SLACK__APP_TOKEN.",
+    )
+    signing_secret: SecretStr | None = Field(
+        None,
+        description="Secret: signing secret for HTTP mode, from "
+        "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET.",
+    )
+    mode: Literal["socket", "http"] = Field(
+        "socket", description="socket (no public URL needed) or http (/slack/events)."
+    )
+    base_url: str | None = Field(
+        None, description="Web API URL, e.g. https://slack-gov.com/api/ for GovSlack."
+    )
+    reply_mode: Literal["thread", "channel"] = Field(
+        "thread", description="thread = always answer in a thread; channel = in the channel."
+    )
+
+
+def _secret_or_file(secret: SecretStr | None, path: Path | None, key: str) -> str | None:
+    if secret is not None and secret.get_secret_value():
+        return secret.get_secret_value()
+    if path is not None:
+        try:
+            return path.expanduser().read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    return None
+
+
 class ChannelsSettings(_Section):
     cli: CLIChannelSettings = Field(default_factory=CLIChannelSettings)
+    telegram: TelegramSettings = Field(default_factory=TelegramSettings)
+    slack: SlackSettings = Field(default_factory=SlackSettings)
 
 
 class Settings(_Section):
@@ -179,7 +360,10 @@ class Settings(_Section):
     llm: LLMSettings = Field(default_factory=LLMSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
     cache: CacheSettingsSection = Field(default_factory=CacheSettingsSection)
+    dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
+    heartbeat: HeartbeatSettings = Field(default_factory=HeartbeatSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)
@@ -195,7 +379,16 @@ class Settings(_Section):
     def secrets(self) -> list[str]:
         """Every secret value configured, for log redaction."""
         found = []
-        for secret in (self.llm.api_key, self.http.token):
+        tg, slack = self.channels.telegram, self.channels.slack
+        for secret in (
+            self.llm.api_key,
+            self.http.token,
+            tg.token,
+            tg.webhook_secret,
+            slack.bot_token,
+            slack.app_token,
+            slack.signing_secret,
+        ):
             if secret is not None and secret.get_secret_value():
                 found.append(secret.get_secret_value())
         return found
@@ -340,6 +533,9 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
             body.append(f"# {field.description}")
         if name in SECRET_KEYS:
             continue
+        if isinstance(value, dict) and not value:
+            body.extend(_EXAMPLES.get(f"{header}.{name}" if header else name, []))
+            continue
         if value is None:
             body.append(f"# {name} = ")
         else:
@@ -353,6 +549,17 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
     for name, sub_model, sub in nested:
         lines.extend(_commented_section(sub_model, sub, f"{header}.{name}" if header else name))
     return lines
+
+
+_EXAMPLES: dict[str, list[str]] = {
+    "heartbeat.jobs": [
+        "# [heartbeat.jobs.morning]",
+        '# cron = "0 8 * * 1-5"',
+        '# timezone = "Europe/Berlin"',
+        '# prompt_file = "HEARTBEAT.md"',
+        '# deliver_to = "telegram:123456"',
+    ],
+}
 
 
 def starter_toml() -> str:

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
+import anyio.abc
 from loguru import logger
 
+from gateway import __version__
 from gateway.agent import AgentConfig, AgentLoop, build_registry
+from gateway.agent.memory_tools import memory_tools
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
-from gateway.config import ConfigError, Settings
+from gateway.channel import Channel, Ticket
+from gateway.config import AccessSection, ConfigError, Settings
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
+from gateway.memory import MemoryStore
+from gateway.memory.consolidation import Consolidator
+from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions import SessionManager
+
+if TYPE_CHECKING:
+    from gateway.access import ChannelAccessPolicy
 
 
 def ensure_private_dir(path: os.PathLike[str] | str) -> None:
@@ -68,6 +81,7 @@ def agent_config(settings: Settings) -> AgentConfig:
         stream=settings.llm.stream,
         owners=frozenset(settings.agent.owners),
         cache_disabled_channels=frozenset(settings.cache.disabled_channels),
+        auto_consolidate=settings.memory.auto_consolidate,
     )
 
 
@@ -94,6 +108,34 @@ def build_cache(settings: Settings) -> SemanticCache | None:
         raise ConfigError(f"cache: {exc}") from None
 
 
+def build_memory(
+    settings: Settings, sessions: SessionManager, provider: LLMProvider
+) -> tuple[MemoryStore | None, Consolidator | None]:
+    """The memory store and, with auto_consolidate, its background consolidator."""
+    section = settings.memory
+    if not section.enabled:
+        return None, None
+    memory = MemoryStore(
+        settings.workspace_path,
+        mode=section.scope,
+        history_max_bytes=section.history_max_bytes,
+    )
+    consolidator = Consolidator(
+        sessions,
+        memory,
+        provider,
+        model=settings.llm.model,
+        consolidation_model=section.consolidation_model,
+        memory_window=settings.agent.memory_window,
+        context_window=settings.llm.context_window,
+        token_share=section.token_share,
+        timeout=section.consolidation_timeout,
+        retry_base=section.retry_base_seconds,
+        retry_max=section.retry_max_seconds,
+    )
+    return memory, consolidator
+
+
 @dataclass
 class Gateway:
     """The assembled parts: one session manager, one provider, one agent."""
@@ -103,6 +145,9 @@ class Gateway:
     provider: LLMProvider
     agent: AgentLoop
     cache: SemanticCache | None = None
+    memory: MemoryStore | None = None
+    consolidator: Consolidator | None = None
+    closed: bool = field(default=False, init=False)
 
     @classmethod
     def build(cls, settings: Settings) -> Gateway:
@@ -113,39 +158,310 @@ class Gateway:
         provider = build_provider(settings)
         sessions = build_session_manager(settings)
         cache = build_cache(settings)
+        memory, consolidator = build_memory(settings, sessions, provider)
+        if memory is not None:
+            for tool in memory_tools(memory):
+                tools.register(tool)
         agent = AgentLoop(
             sessions=sessions,
             provider=provider,
             config=agent_config(settings),
             tools=tools,
             cache=cache,
+            memory=memory,
+            consolidator=consolidator,
         )
         return cls(
-            settings=settings, sessions=sessions, provider=provider, agent=agent, cache=cache
+            settings=settings,
+            sessions=sessions,
+            provider=provider,
+            agent=agent,
+            cache=cache,
+            memory=memory,
+            consolidator=consolidator,
         )
 
-    async def aclose(self) -> None:
+    async def run_services(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Background work every mode needs (memory consolidation), until cancelled."""
+        async with anyio.create_task_group() as tg:
+            if self.consolidator is not None:
+                await tg.start(self.consolidator.run)
+            task_status.started()
+
+    async def aclose(self, *, grace: float = 10.0) -> None:
+        """Finish background work (bounded by `grace`), then release everything.
+        Safe to call more than once."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.consolidator is not None:
+            await self.consolidator.drain(grace)
+            await self.consolidator.aclose()
+        if self.memory is not None:
+            await anyio.to_thread.run_sync(self.memory.close)
         await self.provider.aclose()
         if self.cache is not None:
             await self.cache.aclose()
         await anyio.to_thread.run_sync(self.sessions.close)
 
 
-async def run_daemon(gateway: Gateway) -> int:
-    """Run every enabled channel until it ends or the process is told to stop."""
-    from channels.cli import CLIChannel
+#: Channels whose senders are the operator (terminal, scheduled jobs) or are already
+#: authenticated (the HTTP API's bearer token): no pairing, no allowlist.
+TRUSTED_CHANNELS = frozenset({"cli", "system", "api"})
 
-    cli = gateway.settings.channels.cli
-    if not (cli.enabled and sys.stdin.isatty()):
-        logger.error(
-            "nothing to run: the terminal chat needs stdin to be a terminal "
-            "(other channels arrive with the daemon's HTTP server)"
+
+def pairing_path(settings: Settings) -> Path:
+    return settings.workspace_path / "pairing.json"
+
+
+def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
+    """One access policy per chat platform, from its `[channels.NAME]` section."""
+    from gateway.access import ChannelAccessPolicy
+
+    sections: dict[str, AccessSection] = {
+        "telegram": settings.channels.telegram,
+        "slack": settings.channels.slack,
+    }
+    return {
+        name: ChannelAccessPolicy(
+            dm_policy=section.dm_policy,
+            allow_from=frozenset(section.allow_from),
+            group_policy=section.group_policy,
+            require_mention=section.require_mention,
+            pairing_ttl=section.pairing_ttl_seconds,
         )
-        return 1
-    try:
-        async with anyio.create_task_group() as tg:
-            channel = CLIChannel(gateway.agent, session_key=cli.session)
-            tg.start_soon(channel.run_interactive)
-    finally:
-        await gateway.aclose()
-    return 0
+        for name, section in sections.items()
+    }
+
+
+class Daemon:
+    """`gateway run`: every part in one anyio task group on asyncio.
+
+    The HTTP server (probes, metrics, chat API, webhooks), the dispatcher, background
+    services and the enabled channels. A channel that crashes is restarted with backoff
+    and reported unhealthy meanwhile; it never takes the process down. SIGTERM or
+    SIGINT (or the end of the terminal chat) stops intake, lets in-flight turns finish
+    within `dispatch.drain_grace_seconds`, flushes, and returns 0.
+    """
+
+    BACKOFF_MAX = 60.0
+
+    def __init__(self, gateway: Gateway, *, interactive: bool | None = None) -> None:
+        from gateway.access import AccessGate, PairingStore
+        from gateway.dedupe import FileDedupeStore
+        from gateway.dispatch import Dispatcher
+        from gateway.http import HealthState, HttpServer
+        from gateway.metrics import Metrics
+
+        self.gateway = gateway
+        settings = gateway.settings
+        self.health = HealthState()
+        self.metrics = Metrics(version=__version__)
+        self.dedupe = FileDedupeStore(
+            settings.workspace_path / "dedupe.sqlite", ttl=settings.dispatch.dedupe_ttl_seconds
+        )
+        self.pairing = PairingStore(pairing_path(settings))
+        self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)
+        self.dispatcher = Dispatcher(
+            gateway.agent.handle,
+            self.deliver,
+            max_concurrent_turns=settings.dispatch.max_concurrent_turns,
+            max_queue_per_lane=settings.dispatch.max_queue_per_lane,
+            mode=settings.dispatch.mode,
+            dedupe=self.dedupe,
+            access=self.access,
+            on_turn_done=self._turn_done,
+        )
+        self.http = HttpServer(
+            settings.http, health=self.health, metrics=self.metrics, chat=self._api_chat
+        )
+        self.channels: dict[str, Channel] = {}
+        self._stop = anyio.Event()
+        self._watch_metrics()
+        cli = settings.channels.cli
+        if interactive is None:
+            interactive = cli.enabled and sys.stdin.isatty()
+        self.interactive = interactive
+        if interactive:
+            from channels.cli import CLIChannel
+
+            self.add_channel(CLIChannel(session_key=cli.session))
+        if settings.heartbeat.jobs:
+            self.add_channel(self._heartbeat_channel())
+
+    # ----------------------------------------------------------------- assembly
+
+    def add_channel(self, channel: Channel) -> None:
+        if channel.name in self.channels:
+            raise ValueError(f"channel {channel.name!r} is added twice")
+        self.channels[channel.name] = channel
+        self.health.component(channel.name)
+
+    def _heartbeat_channel(self) -> Channel:
+        from channels.heartbeat import HeartbeatChannel, HeartbeatJob
+        from gateway.schedule import Schedule
+
+        workspace = self.gateway.settings.workspace_path
+        jobs = {
+            name: HeartbeatJob(
+                name=name,
+                schedule=Schedule.build(
+                    every=job.every,
+                    cron=job.cron,
+                    timezone=job.timezone,
+                    active_hours=job.active_hours,
+                ),
+                prompt=job.prompt,
+                prompt_file=workspace / job.prompt_file if job.prompt_file else None,
+                deliver_to=job.deliver_to,
+                ok_token=job.ok_token,
+            )
+            for name, job in self.gateway.settings.heartbeat.jobs.items()
+        }
+        return HeartbeatChannel(
+            jobs, state_path=workspace / "heartbeat-state.json", route=self.deliver
+        )
+
+    def _watch_metrics(self) -> None:
+        metrics = self.metrics
+        if self.gateway.cache is not None:
+            metrics.watch_cache(self.gateway.cache)
+        metrics.queue_depth.set_function(lambda: self.dispatcher.stats().queued_total)
+        metrics.inflight_turns.set_function(lambda: self.dispatcher.stats().in_flight)
+
+        async def refresh_counters() -> None:
+            stats = self.dispatcher.stats()
+            metrics.dropped_messages.labels("all", "lane_full").set_total(stats.dropped_full)
+            metrics.dropped_messages.labels("all", "draining").set_total(stats.rejected_draining)
+            metrics.duplicates.labels("all").set_total(stats.duplicates)
+            for kind, count in self.gateway.agent.llm_errors.items():
+                metrics.llm_errors.labels(kind).set_total(count)
+
+        metrics.on_scrape("dispatcher", refresh_counters)
+
+    def _turn_done(self, session_key: str, seconds: float) -> None:
+        self.metrics.observe_turn(session_key.split(":", 1)[0], "answered", seconds)
+
+    # ----------------------------------------------------------------- routing
+
+    async def submit(self, message: InboundMessage) -> Ticket:
+        """What every channel calls. The dispatcher checks access in the message's lane:
+        a stranger's message never reaches the LLM (it is ignored, or answered with a
+        refusal or a pairing code), and one sender's messages keep their order."""
+        return await self.dispatcher.submit(message)
+
+    async def _api_chat(self, message: InboundMessage) -> OutboundMessage | None:
+        ticket = await self.dispatcher.submit(message)
+        return await ticket.reply()
+
+    async def deliver(self, message: OutboundMessage) -> None:
+        """Route a reply to its channel. API replies are returned by the HTTP handler."""
+        if message.channel == "api":
+            return
+        channel = self.channels.get(message.channel)
+        if channel is None:
+            logger.warning(
+                "reply for {} dropped: channel {!r} is not enabled",
+                message.session_key,
+                message.channel,
+            )
+            return
+        try:
+            await channel.send(message)
+        except Exception:
+            logger.exception("delivery to {} failed", message.channel)
+
+    # ----------------------------------------------------------------- running
+
+    def stop(self) -> None:
+        """Ask for a graceful stop (what SIGTERM does)."""
+        self._stop.set()
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
+    ) -> int:
+        """Serve until stopped; returns the exit code. Reports the HTTP port to
+        `task_status` once everything is up."""
+        self.health.set_starting()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_signals)
+                port = await tg.start(self.http.run)
+                await tg.start(self.dispatcher.run)
+                await tg.start(self.gateway.run_services)
+                for channel in self.channels.values():
+                    tg.start_soon(self._supervise, channel)
+                self.health.set_ready()
+                logger.info(
+                    "gateway ready: http://{}:{} channels: {}",
+                    self.gateway.settings.http.host,
+                    port,
+                    ", ".join(self.channels) or "none",
+                )
+                task_status.started(port)
+                await self._stop.wait()
+                await self._drain()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.dedupe.aclose()
+                await self.gateway.aclose()
+        logger.info("gateway stopped")
+        return 0
+
+    async def _drain(self) -> None:
+        grace = self.gateway.settings.dispatch.drain_grace_seconds
+        logger.info("draining: no new messages; up to {:g}s for turns in flight", grace)
+        self.health.set_draining()
+        report = await self.dispatcher.drain(grace)
+        if report.clean:
+            logger.info("drained in {:.1f}s ({} turns finished)", report.seconds, report.finished)
+        else:
+            logger.warning(
+                "drain grace ran out; senders in {} were asked to send again",
+                ", ".join(report.sessions_left),
+            )
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self._stop.is_set():
+                    logger.warning("second {}: stopping now", signal.Signals(signum).name)
+                    raise SystemExit(1)
+                logger.info("{} received: stopping", signal.Signals(signum).name)
+                self.stop()
+
+    async def _supervise(self, channel: Channel) -> None:
+        """Run a channel; restart it with exponential backoff when it fails."""
+        component = self.health.component(channel.name)
+        up = self.metrics.channel_up.labels(channel.name)
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(channel.run, self.submit)
+                    component.healthy(True)
+                    up.set(1)
+                    backoff = 1.0
+                # A channel whose input ended (the terminal chat at Ctrl-D) stops the gateway.
+                logger.info("channel {} finished", channel.name)
+                component.healthy(True, "finished")
+                up.set(0)
+                if channel.name == "cli":
+                    self.stop()
+                return
+            except Exception as exc:
+                up.set(0)
+                component.healthy(False, f"{type(exc).__name__}: {exc}")
+                logger.opt(exception=exc).error(
+                    "channel {} failed; restarting in {:g}s", channel.name, backoff
+                )
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, self.BACKOFF_MAX)
+
+
+async def run_daemon(gateway: Gateway) -> int:
+    """Run the gateway until a signal (or the end of the terminal chat) stops it."""
+    return await Daemon(gateway).run()

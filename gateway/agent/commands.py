@@ -9,6 +9,7 @@ COMMANDS: dict[str, str] = {
     "reset": "same as /new",
     "status": "session key, message count, model and context use",
     "model": "/model NAME switches this conversation's model; /model alone shows it",
+    "compact": "summarize older turns into memory now",
     "help": "this list",
 }
 PRIVILEGED = frozenset({"model"})

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import re
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,8 @@ import anyio
 from loguru import logger
 
 from gateway.agent.commands import PRIVILEGED, Command, help_text, parse_command
-from gateway.agent.context import build_llm_messages, repair_tool_pairs
+from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs
+from gateway.agent.memory_tools import memory_texts
 from gateway.agent.tokens import estimate_messages_tokens
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
@@ -25,6 +27,9 @@ from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.errors import SessionError, SessionKeyError
 
 if TYPE_CHECKING:
+    # Type-only: importing these at run time would make an import cycle.
+    from gateway.memory import MemoryStore
+    from gateway.memory.consolidation import Consolidator
     from gateway.sessions import Session, SessionContext, SessionManager
 
 DeltaCallback = Callable[[str], Awaitable[None]]
@@ -55,6 +60,7 @@ class AgentConfig:
     stream: bool = False
     owners: frozenset[str] = field(default_factory=frozenset)
     cache_disabled_channels: frozenset[str] = field(default_factory=frozenset)
+    auto_consolidate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +90,23 @@ class AgentLoop:
         config: AgentConfig,
         tools: ToolRegistry | None = None,
         cache: SemanticCache | None = None,
+        memory: MemoryStore | None = None,
+        consolidator: Consolidator | None = None,
     ) -> None:
         self.sessions = sessions
         self.provider = provider
         self.config = config
         self.tools = tools or ToolRegistry()
         self.cache = cache
+        self.memory = memory
+        self.consolidator = consolidator
+        self.context = ContextBuilder(
+            context_window=config.context_window,
+            reply_reserve=config.reply_reserve_tokens,
+            max_messages=config.memory_window + 1,
+        )
+        #: Failed turns by error kind, for metrics.
+        self.llm_errors: collections.Counter[str] = collections.Counter()
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def _lock_for(self, key: str) -> asyncio.Lock:
@@ -137,6 +154,7 @@ class AgentLoop:
             reply = await self._run_model(session, ctx, inbound, on_delta, nocache=nocache)
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
+            self.llm_errors[type(exc).__name__] += 1
             return self._reply(inbound, exc.user_message, is_error=True)
         except SessionKeyError as exc:
             logger.warning("unusable session key: {}", exc)
@@ -181,16 +199,27 @@ class AgentLoop:
         nocache: bool = False,
     ) -> _TurnResult:
         model = ctx.model or self.config.model
-        budget = self.config.context_window - self.config.reply_reserve_tokens
-        messages = build_llm_messages(
-            system_prompt=self.config.system_prompt,
-            summary=ctx.summary,
-            history=ctx.messages,
-            max_messages=self.config.memory_window + 1,
-            budget_tokens=budget,
-        )
+        query = ctx.messages[-1].content or "" if ctx.messages else ""
+        texts: list[str] = []
+        if self.memory is not None:
+            texts = await anyio.to_thread.run_sync(memory_texts, self.memory, session.key, query)
+
+        def fit(history: Sequence[LLMMessage]) -> ContextPlan:
+            return self.context.build(
+                system_prompt=self.config.system_prompt,
+                history=history,
+                summary=ctx.summary,
+                memory_texts=texts,
+                query=query,
+                session_key=session.key,
+            )
+
+        plan = fit(ctx.messages)
+        messages = list(plan.messages)
         specs = self.tools.specs()
-        cache_ctx = self._cache_context(inbound, session, model, messages, specs, on_delta, nocache)
+        cache_ctx = self._cache_context(
+            inbound, session, model, messages, specs, on_delta, nocache, plan.memory_injected
+        )
         if cache_ctx is not None and self.cache is not None:
             hit = await self.cache.lookup(cache_ctx)
             if hit is not None:
@@ -201,17 +230,17 @@ class AgentLoop:
                 return _TurnResult(hit.response, {"cached": True})
 
         tool_context = ToolContext(session_key=session.key, sender_id=inbound.sender_id)
-        used_tools = False
+        turn: list[LLMMessage] = []  # what this turn added after the user's message
         reply: str | None = None
         for _ in range(self.config.max_tool_iterations):
             response = await self._complete(messages, model, specs, on_delta)
+            self.context.observe(session.key, messages, response.usage)
             assistant = response.message
             await anyio.to_thread.run_sync(functools.partial(session.add_message, assistant))
-            messages.append(assistant)
+            turn.append(assistant)
             if not assistant.tool_calls:
                 reply = assistant.content or ""
                 break
-            used_tools = True
             for call in assistant.tool_calls:
                 logger.info("tool call {}", call.function_name)
                 result = await self.tools.execute(call, tool_context)
@@ -219,7 +248,9 @@ class AgentLoop:
                     role="tool", content=result, tool_call_id=call.id, name=call.function_name
                 )
                 await anyio.to_thread.run_sync(functools.partial(session.add_message, tool_message))
-                messages.append(tool_message)
+                turn.append(tool_message)
+            # Re-fit: tool results can be large, and the request must stay in the window.
+            messages = list(fit([*ctx.messages, *turn]).messages)
         if reply is None:
             # Out of tool rounds: ask once more without tools, so the user gets an answer.
             logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
@@ -227,9 +258,9 @@ class AgentLoop:
             await anyio.to_thread.run_sync(functools.partial(session.add_message, response.message))
             reply = response.message.content or ""
         if cache_ctx is not None and self.cache is not None:
-            await self.cache.store(
-                dataclasses.replace(cache_ctx, tool_calls_made=used_tools), reply
-            )
+            used_tools = any(m.tool_calls for m in turn)
+            stored_ctx = dataclasses.replace(cache_ctx, tool_calls_made=used_tools)
+            await self.cache.store(stored_ctx, reply)
         return _TurnResult(reply)
 
     def _cache_context(
@@ -241,6 +272,7 @@ class AgentLoop:
         specs: list[ToolSpec],
         on_delta: DeltaCallback | None,
         nocache: bool,
+        memory_injected: bool,
     ) -> CacheContext | None:
         """What a cached answer for this turn depends on: the system prompt as sent,
         the tools offered and every message before the new one (summary included)."""
@@ -255,6 +287,7 @@ class AgentLoop:
             system_prompt=messages[0].content or "",
             tools=tuple(specs),
             context_digest=digest_messages(messages[1:-1]),
+            memory_injected=memory_injected,
             streaming=self.config.stream and on_delta is not None,
             nocache=nocache or inbound.channel in self.config.cache_disabled_channels,
         )
@@ -317,6 +350,11 @@ class AgentLoop:
             await anyio.to_thread.run_sync(session.append_model_change, name)
             logger.info("model switched to {}", name)
             return self._reply(inbound, f"Model for this conversation: {name}")
+        if command.name == "compact":
+            if self.consolidator is None:
+                return self._reply(inbound, "Memory is turned off here.", is_error=True)
+            outcome = await self.consolidator.consolidate_now(key, force=True)
+            return self._reply(inbound, outcome.describe(), is_error=not outcome.ok)
         if command.name == "status":
             ctx = await anyio.to_thread.run_sync(session.build_context)
             used = estimate_messages_tokens(ctx.messages[-(self.config.memory_window + 1) :])

@@ -1,0 +1,199 @@
+"""Heartbeat jobs: scheduled prompts that run in their own `system:heartbeat:<job>`
+session and deliver the reply to a chat, unless the reply is only the all-is-well token.
+
+Promises: a job never runs inside a user's session; a job still running is not started
+again; runs missed while the gateway was down are made up once, not once per interval
+(the last run of each job is kept in `<workspace>/heartbeat-state.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+import anyio.abc
+from loguru import logger
+
+from gateway.channel import Submit
+from gateway.messages import InboundMessage, OutboundMessage
+from gateway.schedule import Schedule
+
+CHANNEL = "system"
+CHAT_PREFIX = "heartbeat:"
+DEFAULT_OK_TOKEN = "HEARTBEAT_OK"
+
+Route = Callable[[OutboundMessage], Awaitable[None]]
+Clock = Callable[[], datetime]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatJob:
+    """One job: when it runs, what it asks, and where a reply that matters goes."""
+
+    name: str
+    schedule: Schedule
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    deliver_to: str | None = None  # "telegram:<chat>", "slack:<channel>", or None
+    ok_token: str = DEFAULT_OK_TOKEN
+
+    @property
+    def chat_id(self) -> str:
+        return CHAT_PREFIX + self.name
+
+    def read_prompt(self) -> str | None:
+        if self.prompt_file is None:
+            return self.prompt
+        try:
+            return self.prompt_file.read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            logger.warning("heartbeat {}: cannot read {}: {}", self.name, self.prompt_file, exc)
+            return None
+
+
+def is_all_is_well(reply: str, token: str) -> bool:
+    """True when `reply` says nothing but `token` (ignoring case, whitespace, quotes,
+    Markdown emphasis and final punctuation): such replies are not delivered."""
+    stripped = re.sub(r"^[\s`*_\"'.!]+|[\s`*_\"'.!]+$", "", reply)
+    return stripped.casefold() == token.casefold()
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """'telegram:123' -> ('telegram', '123'); 'slack:C1:thread:17.2' keeps the rest."""
+    channel, sep, chat = target.partition(":")
+    if not sep or not channel or not chat:
+        raise ValueError(f"deliver_to {target!r}: use channel:chat, e.g. 'telegram:123456'")
+    return channel, chat
+
+
+class HeartbeatState:
+    """Last run time of each job, persisted so downtime is noticed across restarts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._last: dict[str, datetime] = {}
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            self._last = {k: datetime.fromisoformat(v) for k, v in raw.items()}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            aside = path.with_name(f"{path.name}.corrupt-{int(datetime.now().timestamp())}")
+            logger.error("heartbeat state {} unreadable ({}); moved to {}", path, exc, aside)
+            try:
+                path.rename(aside)
+            except OSError:
+                pass
+
+    def last_run(self, job: str) -> datetime | None:
+        return self._last.get(job)
+
+    def record(self, job: str, when: datetime) -> None:
+        self._last[job] = when
+        data = json.dumps({k: v.isoformat() for k, v in sorted(self._last.items())})
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".heartbeat-")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            logger.error("heartbeat state not saved: {}", exc)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+class HeartbeatChannel:
+    """Runs each job on its schedule through the dispatcher, like any inbound message."""
+
+    name = CHANNEL
+
+    def __init__(
+        self,
+        jobs: Mapping[str, HeartbeatJob],
+        *,
+        state_path: Path,
+        route: Route,
+        clock: Clock = _utc_now,
+    ) -> None:
+        self.jobs = dict(jobs)
+        self.state = HeartbeatState(state_path)
+        self._route = route
+        self._clock = clock
+        self.suppressed = 0
+        self.delivered = 0
+
+    async def run(
+        self,
+        submit: Submit,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async with anyio.create_task_group() as tg:
+            for job in self.jobs.values():
+                tg.start_soon(self._job_loop, job, submit)
+            task_status.started()
+
+    async def _job_loop(self, job: HeartbeatJob, submit: Submit) -> None:
+        with logger.contextualize(session=f"{CHANNEL}:{job.chat_id}"):
+            while True:
+                now = self._clock()
+                due = job.schedule.next_run(self.state.last_run(job.name), now)
+                await anyio.sleep(max((due - now).total_seconds(), 0.0))
+                await self.run_job(job, submit)
+
+    async def run_job(self, job: HeartbeatJob, submit: Submit) -> None:
+        """One run, awaited to the end: the loop cannot start the job again meanwhile."""
+        started = self._clock()
+        prompt = job.read_prompt()
+        if prompt is None:
+            logger.warning("heartbeat {}: no prompt; skipped", job.name)
+        else:
+            logger.info("heartbeat {} runs", job.name)
+            ticket = await submit(
+                InboundMessage(
+                    channel=CHANNEL, chat_id=job.chat_id, text=prompt, sender_id="heartbeat"
+                )
+            )
+            await ticket.reply()
+        await anyio.to_thread.run_sync(self.state.record, job.name, started)
+
+    async def send(self, message: OutboundMessage) -> None:
+        """A job's reply: delivered to its target unless it is only the all-is-well token."""
+        job = self.jobs.get(message.chat_id.removeprefix(CHAT_PREFIX))
+        if job is None:
+            logger.warning("reply for unknown heartbeat chat {}", message.chat_id)
+            return
+        if not message.is_error and is_all_is_well(message.text, job.ok_token):
+            self.suppressed += 1
+            logger.info("heartbeat {}: all is well, nothing delivered", job.name)
+            return
+        if job.deliver_to is None:
+            logger.info("heartbeat {} replied (no delivery target): {}", job.name, message.text)
+            return
+        channel, chat_id = split_target(job.deliver_to)
+        self.delivered += 1
+        await self._route(
+            OutboundMessage(
+                channel=channel,
+                chat_id=chat_id,
+                text=message.text,
+                session_key=message.session_key,
+                is_error=message.is_error,
+                metadata={"heartbeat": job.name},
+            )
+        )

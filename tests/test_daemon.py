@@ -1,0 +1,382 @@
+"""The daemon as a whole: one task group with the HTTP server, the dispatcher, channels
+and heartbeat jobs, driven through real HTTP and the fake OpenAI server."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import anyio.abc
+import pytest
+
+from gateway.channel import Submit
+from gateway.config import Settings
+from gateway.daemon import Daemon, Gateway
+from gateway.messages import InboundMessage, OutboundMessage
+from gateway.sessions.keys import encode_key
+from tests.fakes.openai_server import FakeOpenAI
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "test-api-token-123"
+
+
+class RecordingChannel:
+    """A stand-in platform: submits what a test feeds it, records what it is sent."""
+
+    def __init__(self, name: str = "telegram", *, crash_times: int = 0) -> None:
+        self.name = name
+        self.sent: list[OutboundMessage] = []
+        self.submit: Submit | None = None
+        self.starts = 0
+        self._crash_times = crash_times
+
+    async def run(
+        self, submit: Submit, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        self.starts += 1
+        self.submit = submit
+        task_status.started()
+        if self.starts <= self._crash_times:
+            raise ConnectionError("platform went away")
+        await anyio.sleep_forever()
+
+    async def send(self, message: OutboundMessage) -> None:
+        self.sent.append(message)
+
+    async def wait_sent(self, count: int) -> list[OutboundMessage]:
+        while len(self.sent) < count:  # noqa: ASYNC110 (polling a test recorder)
+            await anyio.sleep(0.01)
+        return self.sent
+
+
+@asynccontextmanager
+async def running(daemon: Daemon) -> AsyncIterator[str]:
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(daemon.run)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            daemon.stop()
+
+
+def daemon_settings(
+    make_settings: Callable[..., Settings], fake: FakeOpenAI, **kw: Any
+) -> Settings:
+    return make_settings(fake, http__port=0, http__token=TOKEN, **kw)
+
+
+async def test_api_chat_probes_and_metrics(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(make_settings, fake_openai)
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    async with running(daemon) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/readyz") as resp:
+            assert resp.status == 200
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        body = {"session": "work", "text": "hello over http"}
+        async with http.post(f"{url}/api/chat", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            data = await resp.json()
+        assert data["reply"] == "echo: hello over http" and data["session"] == "api:work"
+        async with http.post(f"{url}/api/chat", json=body) as resp:
+            assert resp.status == 401
+        async with http.post(f"{url}/api/chat", data=b"{nope", headers=headers) as resp:
+            assert resp.status in (400, 415)
+        big = {"session": "work", "text": "x" * 200_000}
+        async with http.post(f"{url}/api/chat", json=big, headers=headers) as resp:
+            assert resp.status == 413
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        assert 'gateway_turns_total{channel="api",outcome="answered"} 1' in text
+        assert "gateway_cache_misses_total" in text
+
+
+async def test_readyz_flips_while_draining_and_the_turn_finishes(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(make_settings, fake_openai)
+    fake_openai.add_delay(1.0, "slow but complete")
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    replies: list[dict[str, Any]] = []
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(daemon.run)
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+
+            async def ask() -> None:
+                headers = {"Authorization": f"Bearer {TOKEN}"}
+                body = {"session": "drain", "text": "take your time"}
+                async with http.post(f"{url}/api/chat", json=body, headers=headers) as resp:
+                    replies.append(await resp.json())
+
+            async with anyio.create_task_group() as client:
+                client.start_soon(ask)
+                await fake_openai.wait_for_requests_async(1)
+                daemon.stop()
+                with anyio.fail_after(2):
+                    while True:
+                        async with http.get(f"{url}/readyz") as resp:
+                            if resp.status == 503:
+                                assert "draining" in await resp.text()
+                                break
+                        await anyio.sleep(0.02)
+    assert replies == [{"session": "api:drain", "reply": "slow but complete", "error": False}]
+    path = settings.sessions_dir / f"{encode_key('api:drain')}.jsonl"
+    assert "slow but complete" in path.read_text()
+
+
+async def test_redelivered_message_is_answered_once_also_after_restart(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(make_settings, fake_openai, channels__telegram__dm_policy="open")
+    update = InboundMessage(
+        channel="telegram", chat_id="5", sender_id="5", text="hi", message_id="77"
+    )
+    for _ in range(2):  # two daemon lifetimes on one workspace
+        channel = RecordingChannel()
+        daemon = Daemon(Gateway.build(settings), interactive=False)
+        daemon.add_channel(channel)
+        async with running(daemon):
+            await anyio.sleep(0.05)
+            assert channel.submit is not None
+            await (await channel.submit(update)).reply()
+            await (await channel.submit(update)).reply()
+            await anyio.sleep(0.1)
+        if not channel.sent:
+            continue
+        assert [m.text for m in channel.sent] == ["echo: hi"]
+    assert len(fake_openai.chat_requests) == 1
+
+
+async def test_crashing_channel_is_restarted_and_reported(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(make_settings, fake_openai, channels__telegram__dm_policy="open")
+    channel = RecordingChannel(crash_times=1)
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.BACKOFF_MAX = 0.2
+    daemon.add_channel(channel)
+    async with running(daemon) as url, aiohttp.ClientSession() as http:
+        with anyio.fail_after(5):
+            while channel.starts < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+            while True:
+                async with http.get(f"{url}/readyz") as resp:
+                    if resp.status == 200:
+                        break
+                await anyio.sleep(0.05)
+        assert channel.submit is not None
+        await (
+            await channel.submit(
+                InboundMessage(channel="telegram", chat_id="1", sender_id="1", text="up?")
+            )
+        ).reply()
+        with anyio.fail_after(5):
+            assert [m.text for m in await channel.wait_sent(1)] == ["echo: up?"]
+
+
+async def test_heartbeat_suppresses_all_is_well_and_delivers_the_rest(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    settings = daemon_settings(
+        make_settings,
+        fake_openai,
+        heartbeat__jobs__disk__every="1s",
+        heartbeat__jobs__disk__prompt="Check the disks. Reply HEARTBEAT_OK if fine.",
+        heartbeat__jobs__disk__deliver_to="telegram:42",
+    )
+    fake_openai.add_reply("HEARTBEAT_OK")
+    fake_openai.add_reply("Disk /var is 97% full!")
+    telegram = RecordingChannel()
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.add_channel(telegram)
+    async with running(daemon):
+        with anyio.fail_after(6):
+            sent = await telegram.wait_sent(1)
+    assert [(m.chat_id, m.text) for m in sent] == [("42", "Disk /var is 97% full!")]
+    first = fake_openai.chat_requests[0]
+    assert first.last_user_text == "Check the disks. Reply HEARTBEAT_OK if fine."
+    hb = settings.sessions_dir / f"{encode_key('system:heartbeat:disk')}.jsonl"
+    assert "HEARTBEAT_OK" in hb.read_text()
+    # Only the heartbeat's own session was written.
+    assert sorted(p.name for p in settings.sessions_dir.glob("*.jsonl")) == [hb.name]
+    state = json.loads((settings.workspace_path / "heartbeat-state.json").read_text())
+    assert "disk" in state
+
+
+def test_sigterm_during_a_turn_finishes_and_persists_it(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    fake_openai_thread.add_delay(1.5, "finished after SIGTERM")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
+    env |= {
+        "PYTHONPATH": str(ROOT),
+        "GATEWAY_WORKSPACE": str(tmp_path / "ws"),
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_HTTP__TOKEN": TOKEN,
+        "GATEWAY_HTTP__PORT": "0",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "run"],
+        env=env,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        port = None
+        deadline = time.monotonic() + 20
+        while port is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if "gateway ready: http://" in line:
+                port = int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
+        assert port, "daemon did not report ready"
+        result: dict[str, Any] = {}
+
+        def ask() -> None:
+            import urllib.request
+
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/api/chat",
+                data=json.dumps({"session": "sig", "text": "long job"}).encode(),
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=20) as resp:
+                result.update(json.loads(resp.read()))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        fake_openai_thread.wait_for_requests(1, timeout=10)
+        proc.send_signal(signal.SIGTERM)
+        asker.join(20)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert result.get("reply") == "finished after SIGTERM"
+    session = tmp_path / "ws" / "sessions" / f"{encode_key('api:sig')}.jsonl"
+    assert "finished after SIGTERM" in session.read_text()
+
+
+async def test_pairing_end_to_end(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    settings = daemon_settings(make_settings, fake_openai)  # telegram dm_policy: pairing
+    telegram = RecordingChannel()
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.add_channel(telegram)
+    stranger = InboundMessage(
+        channel="telegram", chat_id="900", sender_id="900", text="hello?", message_id="900:1"
+    )
+    async with running(daemon):
+        await anyio.sleep(0.05)
+        assert telegram.submit is not None
+        await (await telegram.submit(stranger)).reply()
+        with anyio.fail_after(5):
+            [notice] = await telegram.wait_sent(1)
+        code = notice.text.split("pairing code is ", 1)[1].split()[0]
+        assert fake_openai.chat_requests == []  # nothing reached the LLM
+        again = InboundMessage(
+            channel="telegram", chat_id="900", sender_id="900", text="hi", message_id="900:2"
+        )
+        await (await telegram.submit(again)).reply()
+        assert code in telegram.sent[1].text  # the same code, not a new one
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
+        env |= {"PYTHONPATH": str(ROOT), "GATEWAY_WORKSPACE": str(settings.workspace_path)}
+        wrong = await anyio.run_process(
+            [sys.executable, "-m", "gateway.cli", "pairing", "approve", "telegram", "NOPE1234"],
+            env=env,
+            check=False,
+        )
+        assert wrong.returncode == 1 and b"no pending request" in wrong.stderr
+        approved = await anyio.run_process(
+            [sys.executable, "-m", "gateway.cli", "pairing", "approve", "telegram", code],
+            env=env,
+        )
+        assert b"Approved" in approved.stdout
+
+        third = InboundMessage(
+            channel="telegram", chat_id="900", sender_id="900", text="now?", message_id="900:3"
+        )
+        await (await telegram.submit(third)).reply()
+        with anyio.fail_after(5):
+            sent = await telegram.wait_sent(3)
+        assert sent[2].text == "echo: now?"
+        assert len(fake_openai.chat_requests) == 1
+
+        listing = await anyio.run_process(
+            [sys.executable, "-m", "gateway.cli", "pairing", "list", "telegram"], env=env
+        )
+        assert b"900" in listing.stdout
+        await anyio.run_process(
+            [sys.executable, "-m", "gateway.cli", "pairing", "revoke", "telegram", "900"], env=env
+        )
+        fourth = InboundMessage(
+            channel="telegram", chat_id="900", sender_id="900", text="still?", message_id="900:4"
+        )
+        await (await telegram.submit(fourth)).reply()
+        assert "pairing code" in telegram.sent[3].text
+    assert len(fake_openai.chat_requests) == 1
+
+
+async def test_groups_answer_only_when_mentioned(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    from gateway.access import META_IS_GROUP, META_MENTIONED
+
+    settings = daemon_settings(
+        make_settings, fake_openai, channels__telegram__allow_from='["-100"]'
+    )
+    telegram = RecordingChannel()
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.add_channel(telegram)
+
+    def group_msg(text: str, mentioned: bool, mid: str) -> InboundMessage:
+        meta = {META_IS_GROUP: True, META_MENTIONED: mentioned}
+        return InboundMessage(
+            channel="telegram",
+            chat_id="-100",
+            sender_id="7",
+            text=text,
+            message_id=mid,
+            metadata=meta,
+        )
+
+    async with running(daemon):
+        await anyio.sleep(0.05)
+        assert telegram.submit is not None
+        await (await telegram.submit(group_msg("chatter", False, "1"))).reply()
+        await (await telegram.submit(group_msg("bot, help", True, "2"))).reply()
+        with anyio.fail_after(5):
+            sent = await telegram.wait_sent(1)
+    assert [m.text for m in sent] == ["echo: bot, help"]
+    assert len(fake_openai.chat_requests) == 1
