@@ -1,0 +1,680 @@
+"""The Slack adapter: slack-bolt (async) events in, Web API replies out.
+
+Events arrive over Socket Mode (the default: an app-level `xapp-` token, no public URL)
+or over HTTP at the daemon's `POST /slack/events` (`mount`), where bolt checks Slack's
+signature and answers url_verification. The adapter takes `app_mention` in channels
+and `message` in direct messages, turns each into an `InboundMessage` with
+`translate_event` and submits it; it never calls the LLM itself.
+
+Where a conversation lives (the session key) and where its replies go:
+- A direct message: `slack:<D...>`, answered in the DM itself; a message in a DM
+  thread: `slack:<D...>:thread:<thread_ts>`, answered in that thread.
+- A mention inside a thread: `slack:<C...>:thread:<thread_ts>`, answered in the thread.
+- A top-level mention with `reply_mode = "thread"`: the answer starts a thread under
+  the mention, and the mention already belongs to that thread's session
+  (`slack:<C...>:thread:<mention ts>`), so a follow-up in the thread continues the
+  same conversation. With `reply_mode = "channel"`: `slack:<C...>`, answered in the
+  channel.
+
+Promises (tested in tests/test_slack*.py):
+- Slack is acknowledged once the event is translated and submitted (bolt runs the
+  listener before it acks, `process_before_response=True`), never after the LLM: the
+  ack comes well inside Slack's 3 s, and a message Slack considers delivered is
+  already queued.
+- An event is answered once: its message id is Slack's `event_id`, which a retry
+  (`X-Slack-Retry-Num`, a Socket Mode `retry_attempt`) keeps, and the dispatcher
+  drops ids it has seen, across restarts too.
+- The bot never answers itself or another bot: messages with a `bot_id`, from the
+  bot's user, or with a subtype other than file_share/thread_broadcast (edits,
+  deletions, joins) are ignored.
+- A reply is posted in order, in parts of at most `part_chars` characters (see
+  `channels.slack_format`), each part at most once: a part Slack confirmed is never
+  sent again; rate-limited calls wait for `Retry-After`; failures Slack did not act on
+  are retried with backoff; after a failure that may have posted the part (a 5xx, a
+  timeout) the conversation is read back and the part is re-sent only if it is not
+  there. All of it within `RetryPolicy.reply_deadline`, then the loss is logged.
+- With streaming on, a reply is one message posted at the first delta and edited at
+  most once per `stream_interval`; `send` finalizes that message instead of posting
+  the reply again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import anyio
+import anyio.abc
+from aiohttp import web
+from loguru import logger
+from pydantic import SecretStr
+from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
+from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
+from slack_bolt.app.async_app import AsyncApp
+from slack_bolt.context.async_context import AsyncBoltContext
+from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_sdk.errors import SlackApiError, SlackClientError
+from slack_sdk.web.async_client import AsyncWebClient
+from slack_sdk.web.async_slack_response import AsyncSlackResponse
+
+from channels.slack_format import (
+    DEFAULT_PART_CHARS,
+    markdown_to_mrkdwn,
+    preview,
+    slack_to_plain,
+    split_mrkdwn,
+)
+from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
+from gateway.channel import Submit
+from gateway.config import ConfigError, SlackSettings
+from gateway.http import SLACK_EVENTS_PATH, HttpServer, json_error
+from gateway.messages import InboundMessage, OutboundMessage
+
+CHANNEL = "slack"
+THREAD_KIND = "thread"
+DEFAULT_API_URL = "https://slack.com/api/"
+ENV_PREFIX = "GATEWAY_CHANNELS__SLACK__"
+
+#: Message subtypes that are a person writing; every other subtype is ignored.
+PERSON_SUBTYPES = frozenset({"file_share", "thread_broadcast"})
+# Errors with which Slack says it did not carry the call out, and those after which
+# it may have (Slack's docs: "it's possible some aspect of the operation succeeded").
+_NOT_DONE_ERRORS = frozenset({"service_unavailable", "request_timeout", "ratelimited"})
+_MAYBE_DONE_ERRORS = frozenset({"internal_error", "fatal_error"})
+_STREAM_TTL = 600.0  # a stream whose reply never came is forgotten after this long
+
+ReplyMode = Literal["thread", "channel"]
+
+
+class SlackCredentialsError(Exception):
+    """Slack refused the tokens or could not be reached; the message says what to do."""
+
+
+# --------------------------------------------------------------------------- inbound
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """An event the adapter does not submit, and why (logged at debug)."""
+
+    reason: str
+
+
+def translate_event(
+    body: Mapping[str, Any], *, bot_user_id: str | None, reply_mode: ReplyMode
+) -> InboundMessage | Skipped:
+    """The inbound message for one Events API payload (`event_callback`), or why not.
+
+    Pure: the whole policy of which events are answered, their session keys and
+    where the replies go (see the module docstring) lives here.
+    """
+    event = body.get("event")
+    if not isinstance(event, Mapping):
+        return Skipped("no event in the payload")
+    kind, channel = event.get("type"), event.get("channel")
+    if not isinstance(channel, str) or not channel:
+        return Skipped(f"{kind} without a channel")
+    if kind == "app_mention":
+        if channel.startswith("D"):
+            return Skipped("a mention in a DM also arrives as message.im")
+        is_dm = False
+    elif kind == "message":
+        if event.get("channel_type") != "im":
+            return Skipped("outside DMs the bot answers mentions only")
+        is_dm = True
+    else:
+        return Skipped(f"{kind} events are not handled")
+    subtype = event.get("subtype")
+    if subtype is not None and subtype not in PERSON_SUBTYPES:
+        return Skipped(f"message subtype {subtype}")
+    user, ts = event.get("user"), event.get("ts")
+    if event.get("bot_id") or event.get("bot_profile"):
+        return Skipped("posted by a bot")
+    if not isinstance(user, str) or not user or (bot_user_id and user == bot_user_id):
+        return Skipped("the bot's own message" if user else "no sender")
+    if not isinstance(ts, str) or not ts:
+        return Skipped("no message ts")
+    text = slack_to_plain(str(event.get("text") or ""), bot_user_id)
+    if not text:
+        return Skipped("no text (only a mention, or only files)")
+    thread_ts = event.get("thread_ts")
+    if not isinstance(thread_ts, str) or not thread_ts:
+        thread_ts = ts if (not is_dm and reply_mode == "thread") else None
+    metadata: dict[str, Any] = {
+        META_IS_GROUP: not is_dm,
+        META_MENTIONED: kind == "app_mention",
+        META_REPLY_TO_BOT: bool(bot_user_id) and event.get("parent_user_id") == bot_user_id,
+        "slack_ts": ts,
+        "slack_team": body.get("team_id"),
+    }
+    profile = event.get("user_profile")
+    if isinstance(profile, Mapping):
+        name = profile.get("display_name") or profile.get("real_name")
+        if name:
+            metadata[META_SENDER_NAME] = str(name)
+    event_id = body.get("event_id")
+    return InboundMessage(
+        channel=CHANNEL,
+        chat_id=channel,
+        text=text,
+        sender_id=user,
+        message_id=str(event_id) if event_id else f"{channel}:{ts}",
+        thread_kind=THREAD_KIND if thread_ts else None,
+        thread_id=thread_ts,
+        metadata=metadata,
+    )
+
+
+def address_of(message: OutboundMessage) -> tuple[str, str | None]:
+    """(Slack channel, thread_ts or None) of a reply. A heartbeat's `deliver_to` may
+    name a thread in the chat id: `C123:thread:1712345678.000100`."""
+    chat, separator, thread_ts = message.chat_id.partition(f":{THREAD_KIND}:")
+    if separator:
+        return chat, thread_ts or None
+    return chat, message.thread_id
+
+
+# --------------------------------------------------------------------------- outbound
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How hard one reply tries. Rate limits wait `Retry-After` and do not count as
+    attempts; other retryable failures back off from `backoff` seconds, doubling up to
+    `max_backoff`, for at most `attempts` tries per call. Nothing waits past
+    `reply_deadline` seconds after `send` began (keep it under the dispatcher's
+    delivery timeout of 60 s, which would cancel the send)."""
+
+    attempts: int = 4
+    backoff: float = 1.0
+    max_backoff: float = 8.0
+    reply_deadline: float = 50.0
+
+
+class _Kind(enum.Enum):
+    RATE_LIMITED = "rate limited"
+    NOT_DONE = "failed"  # Slack did not carry the call out
+    MAYBE_DONE = "failed, maybe after acting"
+    PERMANENT = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    kind: _Kind
+    detail: str
+    retry_after: float = 1.0
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}: {self.detail}"
+
+
+def _classify(exc: Exception) -> _Failure:
+    if isinstance(exc, SlackApiError):
+        response = exc.response
+        data = response.data if isinstance(response.data, dict) else {}
+        error = str(data.get("error") or "")
+        status = response.status_code
+        detail = f"{error or 'no error code'} (HTTP {status})"
+        if status == 429 or error == "ratelimited":
+            return _Failure(_Kind.RATE_LIMITED, detail, _retry_after(response))
+        if error in _NOT_DONE_ERRORS or status == 503:
+            return _Failure(_Kind.NOT_DONE, detail)
+        if error in _MAYBE_DONE_ERRORS or status >= 500:
+            return _Failure(_Kind.MAYBE_DONE, detail)
+        return _Failure(_Kind.PERMANENT, detail)
+    if isinstance(exc, aiohttp.ClientConnectorError):  # never connected: nothing sent
+        return _Failure(_Kind.NOT_DONE, f"cannot connect ({exc.os_error})")
+    if isinstance(exc, aiohttp.ClientError | TimeoutError):
+        return _Failure(_Kind.MAYBE_DONE, f"{type(exc).__name__} {exc}".strip())
+    return _Failure(_Kind.PERMANENT, f"{type(exc).__name__}: {exc}")
+
+
+def _retry_after(response: AsyncSlackResponse) -> float:
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", 1)))
+    except (TypeError, ValueError):
+        return 1.0
+
+
+class Delivery(enum.Enum):
+    POSTED = "posted"
+    UNCERTAIN = "maybe posted"  # could not tell; not re-sent, so never posted twice
+    FAILED = "not posted"
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A reply being streamed into one Slack message."""
+
+    channel: str
+    thread_ts: str | None
+    started: float
+    text: str = ""
+    ts: str | None = None
+    shown: str = ""
+    last_edit: float = 0.0
+    broken: bool = False
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+
+@dataclass(frozen=True, slots=True)
+class SlackIdentity:
+    """Who the bot is, from auth.test."""
+
+    team: str
+    team_id: str
+    user: str
+    user_id: str
+    bot_id: str
+
+    def describe(self) -> str:
+        return f"bot @{self.user} ({self.user_id}) in workspace {self.team} ({self.team_id})"
+
+
+async def _auth_test(client: AsyncWebClient) -> SlackIdentity:
+    """auth.test; raises SlackCredentialsError saying what to fix."""
+    try:
+        answer = await client.auth_test()
+    except SlackApiError as exc:
+        error = exc.response.get("error") if isinstance(exc.response.data, dict) else None
+        hint = {
+            "invalid_auth": f"the bot token was refused; check {ENV_PREFIX}BOT_TOKEN",
+            "not_authed": f"no bot token; set {ENV_PREFIX}BOT_TOKEN",
+            "account_inactive": "the app was uninstalled or its bot deactivated; reinstall it",
+            "token_revoked": "the bot token was revoked; reinstall the app for a new one",
+            "not_allowed_token_type": (
+                f"{ENV_PREFIX}BOT_TOKEN must be the Bot User OAuth Token (xoxb-...)"
+            ),
+        }.get(str(error), f"Slack answered {error or exc.response.status_code}")
+        raise SlackCredentialsError(f"slack: {hint}") from None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise SlackCredentialsError(
+            f"slack: cannot reach {client.base_url} ({type(exc).__name__}: {exc}); "
+            "check the network, or channels.slack.base_url"
+        ) from None
+    return SlackIdentity(
+        team=str(answer.get("team") or ""),
+        team_id=str(answer.get("team_id") or ""),
+        user=str(answer.get("user") or ""),
+        user_id=str(answer.get("user_id") or ""),
+        bot_id=str(answer.get("bot_id") or ""),
+    )
+
+
+def _web_client(settings: SlackSettings, token: str) -> AsyncWebClient:
+    # No retry handlers: `SlackChannel` decides itself what may be retried.
+    base_url = settings.base_url or DEFAULT_API_URL
+    return AsyncWebClient(
+        token=token, base_url=base_url.rstrip("/") + "/", retry_handlers=[], timeout=20
+    )
+
+
+async def check_credentials(
+    settings: SlackSettings, bot_token: str, *, app_token: str | None = None
+) -> str:
+    """For `gateway doctor`: who the bot token belongs to (auth.test), and, with an
+    app token, that Socket Mode can connect (apps.connections.open). Raises
+    SlackCredentialsError with what to fix."""
+    if not bot_token:
+        raise SlackCredentialsError(f"slack: no bot token; set {ENV_PREFIX}BOT_TOKEN")
+    identity = await _auth_test(_web_client(settings, bot_token))
+    description = f"Slack: {identity.describe()}"
+    if app_token:
+        try:
+            await _web_client(settings, app_token).apps_connections_open(app_token=app_token)
+        except SlackApiError as exc:
+            error = exc.response.get("error") if isinstance(exc.response.data, dict) else None
+            raise SlackCredentialsError(
+                f"slack: the app-level token was refused ({error}); {ENV_PREFIX}APP_TOKEN "
+                "must be an xapp- token with the connections:write scope, and Socket Mode "
+                "must be enabled for the app"
+            ) from None
+        description += ", Socket Mode ok"
+    return description
+
+
+# --------------------------------------------------------------------------- channel
+
+
+class SlackChannel:
+    """The Slack platform adapter (Channel protocol); see the module docstring."""
+
+    name = CHANNEL
+
+    def __init__(
+        self,
+        settings: SlackSettings,
+        *,
+        bot_token: str,
+        app_token: str | None = None,
+        signing_secret: str | None = None,
+        retry: RetryPolicy | None = None,
+        part_chars: int = DEFAULT_PART_CHARS,
+        stream_interval: float = 1.0,
+    ) -> None:
+        _check_tokens(settings, bot_token, app_token, signing_secret)
+        split_mrkdwn("", part_chars)  # validates the limit
+        self.settings = settings
+        self.mode = settings.mode
+        self.reply_mode: ReplyMode = settings.reply_mode
+        self.retry = retry or RetryPolicy()
+        self.part_chars = part_chars
+        self.stream_interval = stream_interval
+        self.client = _web_client(settings, bot_token)
+        self.identity: SlackIdentity | None = None
+        self._app_token = app_token
+        self._signing_secret = signing_secret
+        self._submit: Submit | None = None
+        self._mounted = False
+        self._streams: dict[str, _Stream] = {}
+        self.app = AsyncApp(
+            client=self.client,
+            signing_secret=signing_secret or "",
+            process_before_response=True,  # ack after the listener: it only submits
+        )
+        self.app.event("app_mention")(self._on_event)
+        self.app.event("message")(self._on_event)
+        self.app.error(self._on_error)
+
+    @classmethod
+    def from_settings(cls, settings: SlackSettings, **options: Any) -> SlackChannel:
+        """The channel with the tokens taken from `settings`' secrets."""
+
+        def secret(value: SecretStr | None) -> str | None:
+            return (value.get_secret_value() or None) if value is not None else None
+
+        return cls(
+            settings,
+            bot_token=secret(settings.bot_token) or "",
+            app_token=secret(settings.app_token),
+            signing_secret=secret(settings.signing_secret),
+            **options,
+        )
+
+    @property
+    def live(self) -> bool:
+        """True while `run` is running: events that arrive are submitted."""
+        return self._submit is not None
+
+    # ----------------------------------------------------------------- intake
+
+    def mount(self, http: HttpServer) -> bool:
+        """HTTP mode: route Slack's Events API (`POST /slack/events`) on the daemon's
+        server to this channel; call before the server runs. Socket Mode mounts
+        nothing. Returns whether it mounted."""
+        if self.mode != "http":
+            return False
+        http.mount("POST", SLACK_EVENTS_PATH, self.handle_http)
+        self._mounted = True
+        return True
+
+    async def handle_http(self, request: web.Request) -> web.StreamResponse:
+        """One Events API request: bolt checks the signature and its timestamp (401
+        when wrong or older than 5 minutes), answers url_verification, and acks an
+        event once it is submitted."""
+        if self._submit is None:
+            return json_error(
+                503, "the Slack channel is starting; retry shortly", {"Retry-After": "5"}
+            )
+        response = await self.app.async_dispatch(await to_bolt_request(request))
+        return await to_aiohttp_response(response)
+
+    async def run(
+        self,
+        submit: Submit,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Check the bot token, then receive events (Socket Mode: connect; HTTP: the
+        mounted route) until cancelled."""
+        if self.mode == "http" and not self._mounted:
+            raise RuntimeError("slack: HTTP mode, but mount(daemon.http) was never called")
+        self.identity = await _auth_test(self.client)
+        self._submit = submit
+        try:
+            if self.mode == "http":
+                logger.info(
+                    "slack: {}; events at POST {}", self.identity.describe(), SLACK_EVENTS_PATH
+                )
+                task_status.started()
+                await anyio.sleep_forever()
+            else:
+                await self._run_socket_mode(task_status)
+        finally:
+            self._submit = None
+
+    async def _run_socket_mode(self, task_status: anyio.abc.TaskStatus[None]) -> None:
+        # Built here: the handler's client needs a running event loop.
+        handler = AsyncSocketModeHandler(self.app, self._app_token)
+        try:
+            await handler.connect_async()  # type: ignore[no-untyped-call]
+            assert self.identity is not None
+            logger.info("slack: {}; connected over Socket Mode", self.identity.describe())
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await handler.close_async()  # type: ignore[no-untyped-call]
+
+    async def _on_event(
+        self, body: dict[str, Any], context: AsyncBoltContext, request: AsyncBoltRequest
+    ) -> None:
+        """The bolt listener: translate and submit, nothing slow (bolt acks after it)."""
+        submit = self._submit
+        if submit is None:
+            raise RuntimeError("slack: an event arrived while the channel is not running")
+        bot_user_id = context.bot_user_id or (self.identity.user_id if self.identity else None)
+        message = translate_event(body, bot_user_id=bot_user_id, reply_mode=self.reply_mode)
+        if isinstance(message, Skipped):
+            logger.debug("slack: event {} skipped: {}", body.get("event_id"), message.reason)
+            return
+        with logger.contextualize(session=message.session_key):
+            retry = request.headers.get("x-slack-retry-num")
+            if retry and retry[0] not in ("", "0"):
+                logger.info("slack: redelivery {} of event {}", retry[0], message.message_id)
+            await submit(message)
+
+    async def _on_error(self, error: Exception, body: dict[str, Any]) -> None:
+        logger.opt(exception=error).error(
+            "slack: handling event {} failed", body.get("event_id") if body else None
+        )
+
+    # ----------------------------------------------------------------- replies
+
+    async def send(self, message: OutboundMessage) -> None:
+        """Post a reply in its place, converted to mrkdwn and split; finalize its
+        streamed message when there is one (see the module docstring)."""
+        channel, thread_ts = address_of(message)
+        parts = split_mrkdwn(markdown_to_mrkdwn(message.text), self.part_chars)
+        stream = self._streams.pop(message.reply_to or message.session_key, None)
+        deadline = time.monotonic() + self.retry.reply_deadline
+        with logger.contextualize(session=message.session_key):
+            if not parts:
+                logger.warning("slack: empty reply not sent")
+                return
+            first = 0
+            if stream is not None and stream.ts is not None:
+                async with stream.lock:
+                    if await self._update(stream.channel, stream.ts, parts[0], deadline):
+                        first = 1
+            for index in range(first, len(parts)):
+                outcome, _ = await self._post_part(channel, thread_ts, parts[index], deadline)
+                if outcome is Delivery.FAILED:
+                    logger.error(
+                        "slack: reply part {} of {} to {} not posted; {} later part(s) dropped",
+                        index + 1,
+                        len(parts),
+                        channel,
+                        len(parts) - index - 1,
+                    )
+                    return
+
+    async def stream_delta(self, inbound: InboundMessage, delta: str) -> None:
+        """A piece of the reply to `inbound` while it is written (streaming on): the
+        first piece posts the message, later ones edit it at most once per
+        `stream_interval`; `send` writes the final text. Failures here are not retried:
+        the final `send` still delivers the whole reply."""
+        if not self.settings.streaming or not delta:
+            return
+        key = inbound.message_id or inbound.session_key
+        stream = self._streams.get(key)
+        now = time.monotonic()
+        if stream is None:
+            self._forget_stale_streams(now)
+            stream = self._streams[key] = _Stream(inbound.chat_id, inbound.thread_id, now)
+        stream.text += delta
+        if stream.broken or stream.lock.locked():
+            return
+        if stream.ts is not None and now - stream.last_edit < self.stream_interval:
+            return
+        async with stream.lock:
+            shown = preview(stream.text, self.part_chars)
+            if shown == stream.shown:
+                return
+            stream.last_edit, stream.shown = now, shown
+            with logger.contextualize(session=inbound.session_key):
+                if stream.ts is None:
+                    _, stream.ts = await self._post_part(
+                        stream.channel, stream.thread_ts, shown, deadline=None
+                    )
+                    stream.broken = stream.ts is None
+                else:
+                    await self._update(stream.channel, stream.ts, shown, deadline=None)
+
+    def _forget_stale_streams(self, now: float) -> None:
+        for key, stream in list(self._streams.items()):
+            if now - stream.started > _STREAM_TTL:
+                del self._streams[key]
+
+    # ----------------------------------------------------------------- Web API calls
+
+    async def _post_part(
+        self, channel: str, thread_ts: str | None, text: str, deadline: float | None
+    ) -> tuple[Delivery, str | None]:
+        """Post one message, at most once (see the module docstring); with `deadline`
+        None a single try. Returns how it went and the message's ts when known."""
+        since = time.time()
+        failures = 0
+        what = f"chat.postMessage to {channel}"
+        while True:
+            try:
+                answer = await self.client.chat_postMessage(
+                    channel=channel, text=text, thread_ts=thread_ts
+                )
+                return Delivery.POSTED, str(answer["ts"])
+            except (SlackClientError, aiohttp.ClientError, TimeoutError) as exc:
+                failure = _classify(exc)
+            if failure.kind is _Kind.MAYBE_DONE:
+                known, ts = await self._find_posted(channel, thread_ts, text, since)
+                if ts is not None:
+                    logger.info("slack: {} {}, but the message is there", what, failure)
+                    return Delivery.POSTED, ts
+                if not known:
+                    logger.error(
+                        "slack: {} {}; it may or may not have arrived and cannot be "
+                        "checked (needs the *:history scopes), so it is not sent again",
+                        what,
+                        failure,
+                    )
+                    return Delivery.UNCERTAIN, None
+            failures += failure.kind is not _Kind.RATE_LIMITED
+            if not await self._wait_to_retry(what, failure, failures, deadline):
+                return Delivery.FAILED, None
+
+    async def _update(self, channel: str, ts: str, text: str, deadline: float | None) -> bool:
+        """chat.update, retried like a post (an edit can be repeated safely)."""
+        failures = 0
+        what = f"chat.update of {channel}/{ts}"
+        while True:
+            try:
+                await self.client.chat_update(channel=channel, ts=ts, text=text)
+                return True
+            except (SlackClientError, aiohttp.ClientError, TimeoutError) as exc:
+                failure = _classify(exc)
+            failures += failure.kind is not _Kind.RATE_LIMITED
+            if not await self._wait_to_retry(what, failure, failures, deadline):
+                return False
+
+    async def _wait_to_retry(
+        self, what: str, failure: _Failure, failures: int, deadline: float | None
+    ) -> bool:
+        """Sleep before the next try and return True, or log and return False."""
+        policy = self.retry
+        delay: float | None
+        if failure.kind is _Kind.RATE_LIMITED:
+            delay = failure.retry_after
+        elif failure.kind is _Kind.PERMANENT or failures >= policy.attempts:
+            delay = None
+        else:
+            delay = min(policy.backoff * 2 ** (failures - 1), policy.max_backoff)
+        if deadline is None:
+            logger.debug("slack: {} {}; not retried", what, failure)
+            return False
+        if delay is None or time.monotonic() + delay > deadline:
+            logger.error("slack: {} {}; giving up", what, failure)
+            return False
+        logger.warning("slack: {} {}; retrying in {:.1f}s", what, failure, delay)
+        await anyio.sleep(delay)
+        return True
+
+    async def _find_posted(
+        self, channel: str, thread_ts: str | None, text: str, since: float
+    ) -> tuple[bool, str | None]:
+        """Did our message with `text` land after `since`? (known, its ts)."""
+        try:
+            if self.identity is None:
+                self.identity = await _auth_test(self.client)
+            # A little slack for clock skew between this host and Slack.
+            oldest = f"{since - 10:.6f}"
+            if thread_ts is not None:
+                answer = await self.client.conversations_replies(
+                    channel=channel, ts=thread_ts, oldest=oldest, limit=200
+                )
+            else:
+                answer = await self.client.conversations_history(
+                    channel=channel, oldest=oldest, limit=200
+                )
+        except (SlackClientError, SlackCredentialsError, aiohttp.ClientError, TimeoutError):
+            return False, None
+        me = self.identity
+        for item in answer.get("messages") or []:
+            mine = item.get("bot_id") == me.bot_id or item.get("user") == me.user_id
+            if mine and item.get("text") == text and item.get("ts") != thread_ts:
+                return True, str(item.get("ts"))
+        return True, None
+
+
+def _check_tokens(
+    settings: SlackSettings, bot_token: str, app_token: str | None, signing_secret: str | None
+) -> None:
+    """Raise ConfigError for tokens that cannot work, saying which variable to fix."""
+    if not bot_token:
+        raise ConfigError(
+            f"channels.slack: set the bot token (xoxb-...) in {ENV_PREFIX}BOT_TOKEN "
+            "(OAuth & Permissions > Bot User OAuth Token)"
+        )
+    if bot_token.startswith("xapp-"):
+        raise ConfigError(
+            f"channels.slack: {ENV_PREFIX}BOT_TOKEN holds the app-level token (xapp-); "
+            "it takes the Bot User OAuth Token (xoxb-), and the xapp- one goes in APP_TOKEN"
+        )
+    if settings.mode == "socket":
+        if not app_token:
+            raise ConfigError(
+                f"channels.slack: Socket Mode needs the app-level token (xapp-...) in "
+                f'{ENV_PREFIX}APP_TOKEN; or set channels.slack.mode = "http"'
+            )
+        if not app_token.startswith("xapp-"):
+            raise ConfigError(
+                f"channels.slack: {ENV_PREFIX}APP_TOKEN must be an app-level token (xapp-...) "
+                "with the connections:write scope (Basic Information > App-Level Tokens)"
+            )
+    elif not signing_secret:
+        raise ConfigError(
+            f"channels.slack: HTTP mode needs the signing secret in {ENV_PREFIX}SIGNING_SECRET "
+            "(Basic Information > App Credentials)"
+        )
