@@ -265,7 +265,7 @@ class Daemon:
         self.pairing = PairingStore(pairing_path(settings))
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)
         self.dispatcher = Dispatcher(
-            gateway.agent.handle,
+            self._handle,
             self.deliver,
             max_concurrent_turns=settings.dispatch.max_concurrent_turns,
             max_queue_per_lane=settings.dispatch.max_queue_per_lane,
@@ -290,6 +290,12 @@ class Daemon:
             self.add_channel(CLIChannel(session_key=cli.session))
         if settings.heartbeat.jobs:
             self.add_channel(self._heartbeat_channel())
+        if settings.channels.slack.enabled:
+            from channels.slack import SlackChannel
+
+            slack = SlackChannel.from_settings(settings.channels.slack)
+            slack.mount(self.http)
+            self.add_channel(slack)
 
     # ----------------------------------------------------------------- assembly
 
@@ -340,6 +346,19 @@ class Daemon:
                 metrics.llm_errors.labels(kind).set_total(count)
 
         metrics.on_scrape("dispatcher", refresh_counters)
+
+    async def _handle(self, message: InboundMessage) -> OutboundMessage:
+        """One turn; with streaming on, text deltas go to channels that can show them."""
+        agent = self.gateway.agent
+        channel = self.channels.get(message.channel)
+        stream_delta = getattr(channel, "stream_delta", None)
+        if stream_delta is None or not agent.config.stream:
+            return await agent.handle(message)
+
+        async def on_delta(text: str) -> None:
+            await stream_delta(message, text)
+
+        return await agent.handle(message, on_delta=on_delta)
 
     def _turn_done(self, session_key: str, seconds: float) -> None:
         self.metrics.observe_turn(session_key.split(":", 1)[0], "answered", seconds)

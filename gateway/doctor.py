@@ -194,7 +194,8 @@ async def check_channels(settings: Settings) -> list[Finding]:
                 )
             )
         else:
-            findings.append(await _remote_check("slack", _slack_identity(settings, bot)))
+            app = slack.app_token.get_secret_value() if slack.app_token else None
+            findings.append(await _remote_check("slack", _slack_identity(settings, bot, app)))
         if slack.mode == "socket" and not slack.app_token:
             findings.append(
                 Finding(
@@ -222,10 +223,13 @@ async def _telegram_identity(settings: Settings, token: str) -> str:
     return str(await check_credentials(settings.channels.telegram, token))
 
 
-async def _slack_identity(settings: Settings, token: str) -> str:
+async def _slack_identity(settings: Settings, token: str, app_token: str | None) -> str:
     from channels.slack import check_credentials
 
-    return str(await check_credentials(settings.channels.slack, token))
+    socket = settings.channels.slack.mode == "socket"
+    return await check_credentials(
+        settings.channels.slack, token, app_token=app_token if socket else None
+    )
 
 
 async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:

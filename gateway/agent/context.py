@@ -308,7 +308,7 @@ def _split_units(messages: Sequence[LLMMessage], indices: Sequence[int | None]) 
 
 
 def _shape_unit(unit: _Unit, tool_cap: int, trimmed: list[TrimmedItem]) -> None:
-    """Cut the unit's oversized tool results, then count its tokens and words."""
+    """Cut the unit's oversized tool results, then count its tokens."""
     for position, message in enumerate(unit.messages):
         if message.role == "tool" and message.content:
             before = estimate_text_tokens(message.content)
@@ -318,7 +318,6 @@ def _shape_unit(unit: _Unit, tool_cap: int, trimmed: list[TrimmedItem]) -> None:
                 after = estimate_text_tokens(content)
                 trimmed.append(TrimmedItem("tool_result", before, after, unit.indices[position]))
     unit.tokens = estimate_messages_tokens(unit.messages)
-    unit.terms = tokenize(" ".join(_unit_text(m) for m in unit.messages))
 
 
 def _unit_text(message: LLMMessage) -> str:
@@ -521,13 +520,15 @@ def fit_context(
             protected_at = previous_user
 
     # 3. pruning --------------------------------------------------------------------
-    query_text = query if query is not None else _last_user_text(repaired)
-    for unit, score in zip(
-        window, score_importance([u.terms for u in window], query_text, policy), strict=True
-    ):
-        unit.importance = score
     kept = [True] * len(window)
     used = head_tokens + sum(u.tokens for u in window)
+    if used > limit:  # scoring is only needed (and only paid for) when something must go
+        query_text = query if query is not None else _last_user_text(repaired)
+        for unit in window:
+            unit.terms = tokenize(" ".join(_unit_text(m) for m in unit.messages))
+        scores = score_importance([u.terms for u in window], query_text, policy)
+        for unit, score in zip(window, scores, strict=True):
+            unit.importance = score
 
     def drop(order: Sequence[int], reason: PruneReason) -> None:
         nonlocal used
@@ -640,6 +641,10 @@ def _near_duplicates(
 # -- what the loop calls ------------------------------------------------------------------
 
 
+#: Extra messages considered beyond the window so a tool call at its edge keeps its results.
+TOOL_GROUP_SLACK = 8
+
+
 class ContextBuilder:
     """Builds each turn's request with `fit_context` under fixed limits, and learns from
     the provider's reported prompt tokens how far the estimates run low, per session.
@@ -677,9 +682,16 @@ class ContextBuilder:
         usage: UsageHint | None = None,
     ) -> ContextPlan:
         """The plan for one request; `usage` defaults to what `observe` last learned
-        for `session_key`."""
+        for `session_key`.
+
+        Only the tail of `history` that the window could hold is considered (twice
+        `max_messages`, plus room for a tool call's results), so a turn costs the same
+        whatever the branch's length; plan positions count from that tail.
+        """
         if usage is None and session_key is not None:
             usage = self._hints.get(session_key)
+        if self.max_messages:
+            history = history[-(2 * self.max_messages + TOOL_GROUP_SLACK) :]
         return fit_context(
             system_prompt=system_prompt,
             history=history,

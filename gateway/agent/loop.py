@@ -148,10 +148,10 @@ class AgentLoop:
         started = time.monotonic()
         try:
             user_message = LLMMessage(role="user", content=text)
-            session, ctx = await anyio.to_thread.run_sync(
+            session, ctx, texts = await anyio.to_thread.run_sync(
                 self._open_turn, inbound.session_key, user_message
             )
-            reply = await self._run_model(session, ctx, inbound, on_delta, nocache=nocache)
+            reply = await self._run_model(session, ctx, texts, inbound, on_delta, nocache=nocache)
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
             self.llm_errors[type(exc).__name__] += 1
@@ -178,13 +178,18 @@ class AgentLoop:
         )
         return self._reply(inbound, reply.text, metadata=reply.metadata)
 
-    def _open_turn(self, key: str, user_message: LLMMessage) -> tuple[Session, SessionContext]:
+    def _open_turn(
+        self, key: str, user_message: LLMMessage
+    ) -> tuple[Session, SessionContext, list[str]]:
         """In one worker-thread hop: the session, the user's message appended (the
-        promise: what the user said is on disk before the model sees it), and the
-        context rebuilt from the branch."""
+        promise: what the user said is on disk before the model sees it), the context
+        rebuilt from the branch, and the memory relevant to the message."""
         session = self.sessions.get_or_create(key)
         session.add_message(user_message)
-        return session, session.build_context()
+        texts: list[str] = []
+        if self.memory is not None:
+            texts = memory_texts(self.memory, key, user_message.content or "")
+        return session, session.build_context(), texts
 
     def _model_for(self, session: Session) -> str:
         return session.build_context().model or self.config.model
@@ -193,6 +198,7 @@ class AgentLoop:
         self,
         session: Session,
         ctx: SessionContext,
+        texts: list[str],
         inbound: InboundMessage,
         on_delta: DeltaCallback | None,
         *,
@@ -200,9 +206,6 @@ class AgentLoop:
     ) -> _TurnResult:
         model = ctx.model or self.config.model
         query = ctx.messages[-1].content or "" if ctx.messages else ""
-        texts: list[str] = []
-        if self.memory is not None:
-            texts = await anyio.to_thread.run_sync(memory_texts, self.memory, session.key, query)
 
         def fit(history: Sequence[LLMMessage]) -> ContextPlan:
             return self.context.build(
