@@ -78,6 +78,21 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("key")
     export.add_argument("--format", choices=("jsonl", "markdown"), default="jsonl")
 
+    memory = sub.add_parser("memory", help="inspect a conversation's long-term memory")
+    msub = memory.add_subparsers(dest="action", metavar="ACTION", required=True)
+    msub.add_parser("show", help="MEMORY.md of the session's memory scope").add_argument("key")
+    msearch = msub.add_parser("search", help="search the remembered facts")
+    msearch.add_argument("key")
+    msearch.add_argument("query")
+    msearch.add_argument("--category", help="only facts of this category")
+    mhist = msub.add_parser("history", help="search the conversation summaries (HISTORY.md)")
+    mhist.add_argument("key")
+    mhist.add_argument("query")
+    msub.add_parser("compact", help="consolidate the session into memory now").add_argument("key")
+    mknow = msub.add_parser("knowledge", help="the knowledge base entries")
+    mknow.add_argument("key")
+    mknow.add_argument("--category", help="only this category")
+
     sub.add_parser("doctor", help="check the installation and say what to fix")
 
     pairing = sub.add_parser("pairing", help="approve who may talk to the bot")
@@ -297,6 +312,56 @@ def _print_tree(session: Session) -> None:
         walk(root, "", i == len(roots) - 1, True)
 
 
+def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.memory import MemoryStore
+
+    if not settings.memory.enabled:
+        raise CommandError("memory is disabled ([memory] enabled = false)")
+    if args.action == "compact":
+        return _memory_compact(args, settings)
+    store = MemoryStore(settings.workspace_path, mode=settings.memory.scope)
+    try:
+        manager = store.for_session(args.key)
+        if args.action == "show":
+            text = manager.read_memory()
+            print(text.rstrip() if text.strip() else f"no remembered facts for {args.key} yet")
+        elif args.action == "search":
+            hits = manager.search_memory(args.query, category=args.category)
+            print("\n".join(hits) if hits else "no matching facts")
+        elif args.action == "history":
+            hits = manager.search_history(args.query)
+            print("\n".join(hits) if hits else "no matching history")
+        else:
+            kb = manager.knowledge
+            entries = kb.by_category(args.category) if args.category else list(kb)
+            if not entries:
+                print("the knowledge base is empty")
+            for entry in entries:
+                print(f"[{entry.category}] {entry.content}  (used {entry.access_count}x)")
+    finally:
+        store.close()
+    return EXIT_OK
+
+
+def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.daemon import Gateway
+
+    gateway = Gateway.build(settings)
+    if gateway.sessions.get(args.key) is None:
+        raise CommandError(f"no session {args.key!r}; `gateway sessions list` shows the keys")
+
+    async def main() -> int:
+        try:
+            assert gateway.consolidator is not None
+            outcome = await gateway.consolidator.consolidate_now(args.key, force=True)
+        finally:
+            await gateway.aclose()
+        print(outcome.describe())
+        return EXIT_OK if outcome.ok else EXIT_FAILED
+
+    return anyio.run(main)
+
+
 def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.doctor import run_checks
 
@@ -388,6 +453,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "cache": cmd_cache,
         "pairing": cmd_pairing,
         "doctor": cmd_doctor,
+        "memory": cmd_memory,
     }
     return handlers[args.command](args, settings)
 

@@ -211,7 +211,7 @@ async def test_new_starts_fresh_and_keeps_the_old_file(
 async def test_recent_window_bounds_the_request(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
-    settings = make_settings(fake_openai, agent__memory_window=4)
+    settings = make_settings(fake_openai, agent__memory_window=4, memory__auto_consolidate="false")
     gw = Gateway.build(settings)
     try:
         for i in range(12):

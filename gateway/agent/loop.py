@@ -176,6 +176,9 @@ class AgentLoop:
             (time.monotonic() - started) * 1000,
             len(reply.text),
         )
+        if self.consolidator is not None and self.config.auto_consolidate:
+            # Runs in the background after this reply; the trigger check is queued too.
+            self.consolidator.maybe_schedule(inbound.session_key)
         return self._reply(inbound, reply.text, metadata=reply.metadata)
 
     def _open_turn(
