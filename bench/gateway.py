@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
 import anyio
 import anyio.lowlevel
 
@@ -361,6 +362,88 @@ async def measure_parts() -> dict[str, float]:
     return out
 
 
+async def run_http(sessions: int, clients: int, warmup: float, window: float) -> Outcome:
+    """POST /api/chat through the real Daemon (HTTP server, dispatcher, agent, sessions
+    and file dedupe), with the instant in-process LLM: what HTTP adds on top."""
+    from gateway.config import load_settings
+    from gateway.daemon import Daemon, Gateway
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-http-"))
+    token = "bench-token"
+    settings = load_settings(
+        None,
+        environ={
+            "GATEWAY_WORKSPACE": str(folder),
+            "GATEWAY_SESSIONS__FSYNC": FSYNC,
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_HTTP__TOKEN": token,
+            "GATEWAY_CACHE__ENABLED": "false",
+            "GATEWAY_MEMORY__ENABLED": "false",
+            "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+        },
+    )
+    sessions_mgr = SessionManager(settings.sessions_dir, fsync=FSYNC, max_cache_size=CACHE_SIZE)
+    provider = BenchProvider(0)
+    agent = AgentLoop(
+        sessions=sessions_mgr,
+        provider=provider,
+        config=AgentConfig(model="bench-model"),
+        tools=build_registry(["current_time"]),
+    )
+    gateway = Gateway(settings=settings, sessions=sessions_mgr, provider=provider, agent=agent)
+    daemon = Daemon(gateway, interactive=False)
+    latencies: list[float] = []
+    measuring = False
+    rng = random.Random(2)
+    headers = {"Authorization": f"Bearer {token}"}
+    try:
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(daemon.run)
+            url = f"http://127.0.0.1:{port}/api/chat"
+            connector = aiohttp.TCPConnector(limit=clients)
+            async with aiohttp.ClientSession(connector=connector) as http:
+
+                async def client() -> None:
+                    while True:
+                        body = {"session": f"s{rng.randrange(sessions)}", "text": USER_TEXT}
+                        start = time.perf_counter()
+                        async with http.post(url, json=body, headers=headers) as resp:
+                            await resp.read()
+                            if resp.status != 200:
+                                raise RuntimeError(f"HTTP {resp.status}")
+                        if measuring:
+                            latencies.append(time.perf_counter() - start)
+
+                async with anyio.create_task_group() as load:
+                    for _ in range(clients):
+                        load.start_soon(client)
+                    await anyio.sleep(warmup)
+                    measuring = True
+                    started, cpu_before = time.perf_counter(), _cpu_seconds()
+                    await anyio.sleep(window)
+                    measuring = False
+                    seconds = time.perf_counter() - started
+                    cpu = _cpu_seconds() - cpu_before
+                    load.cancel_scope.cancel()
+            daemon.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    ms = [x * 1000 for x in latencies]
+    return Outcome(
+        turns=len(ms),
+        seconds=seconds,
+        turns_per_s=len(ms) / seconds,
+        added_p50_ms=percentile(ms, 0.5),
+        added_p99_ms=percentile(ms, 0.99),
+        overhead_p50_ms=float("nan"),
+        overhead_p99_ms=float("nan"),
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        to_thread_hops_per_turn=float("nan"),
+        history_messages=float("nan"),
+        cpu_us_per_turn=cpu / max(len(ms), 1) * 1e6,
+    )
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -453,10 +536,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="shorter windows (a smoke run)")
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
     parser.add_argument("--parts", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--http", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logger.remove()
     if args.parts:
         print(json.dumps(anyio.run(measure_parts)))
+        return 0
+    if args.http:
+        sessions, clients, warmup, window = json.loads(args.http)
+        print(json.dumps(asdict(anyio.run(run_http, sessions, clients, warmup, window))))
         return 0
     if args.scenario:
         sc = Scenario(**json.loads(args.scenario))
@@ -488,21 +576,30 @@ def main() -> int:
                 passed,
             )
         )
-    rows.append(
-        Row(
-            "POST /api/chat (HTTP, 1,000 sessions)",
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            note="PLACEHOLDER: filled in once the HTTP server lands",
+    for clients in (1, 64):
+        w, win = (0.3, 1.0) if args.quick else (0.7, 3.0)
+        out = subprocess.run(
+            [sys.executable, __file__, "--http", json.dumps([1000, clients, w, win])],
+            check=True,
+            capture_output=True,
+            text=True,
         )
-    )
+        o = Outcome(**json.loads(out.stdout))
+        rows.append(
+            Row(
+                f"POST /api/chat, 1,000 sessions, {clients} client(s)",
+                8,
+                o.turns_per_s,
+                o.added_p50_ms,
+                o.added_p99_ms,
+                None,
+                o.peak_rss_mb,
+                None,
+                None,
+                o.cpu_us_per_turn,
+                note="HTTP round trip, instant LLM",
+            )
+        )
     parts_out = subprocess.run(
         [sys.executable, __file__, "--parts"], check=True, capture_output=True, text=True
     )
