@@ -1,0 +1,981 @@
+"""The Telegram channel: a python-telegram-bot adapter, long polling or a webhook,
+running inside the daemon's event loop.
+
+Inbound: every update goes through one handler that turns a message into an
+`InboundMessage` (session key `telegram:<chat>`, or `telegram:<chat>:topic:<thread>`
+in a forum topic; message id `<chat>:<message>`; group metadata for the access policy,
+which the daemon applies) and submits it. Outbound: `send` converts the reply's
+Markdown to Telegram HTML, splits it under the length limit and sends the pieces in
+order (see `channels.telegram_format`).
+
+Promises (each one tested in tests/test_telegram*.py):
+- Pending updates are never dropped: not at start (no `drop_pending_updates`), not at
+  stop (every update fetched, and so confirmed to Telegram, is handled before the
+  application stops, within `Pacing.stop_timeout`). Updates are handled one at a
+  time, in order.
+- An update id seen twice in this process is handled once; a message delivered in two
+  updates (or again after a restart) has one message id, which the dispatcher dedupes.
+- A reply is never sent twice: a request is retried only when it certainly did not
+  take effect (flood control, a connection that never opened, an error answer from the
+  server) or when repeating it is harmless (edits, chat actions). A send that timed out
+  after the request went out is logged as possibly lost instead (see `failure_kind`).
+- A 429 is waited out (every send to that chat waits) and retried, up to
+  `Pacing.flood_wait_limit` seconds of waiting per request.
+- HTML that Telegram refuses ("can't parse entities") is sent again as plain text.
+- Unsupported content (stickers, photos without caption, voice, ...) and edits get a
+  short notice in private chats (at most one per chat per `Pacing.notice_cooldown`);
+  in groups only a sticker or photo that replies to the bot gets one, never an edit.
+- The webhook answers 403 without the right `X-Telegram-Bot-Api-Secret-Token`
+  (compared in constant time) and 200 as soon as the update is queued.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hmac
+import re
+import secrets
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, TypeVar
+
+import anyio
+import anyio.abc
+import httpx
+from aiohttp import web
+from loguru import logger
+from telegram import Bot, BotCommand, Message, MessageEntity, ReplyParameters, Update
+from telegram.constants import ChatAction, ChatType, ParseMode
+from telegram.error import (
+    BadRequest,
+    ChatMigrated,
+    Conflict,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+)
+from telegram.ext import Application, ApplicationBuilder, TypeHandler
+from telegram.warnings import PTBDeprecationWarning
+
+from channels.telegram_format import html_to_text, markdown_to_html, split_markdown
+from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
+from gateway.agent.commands import COMMANDS
+from gateway.channel import Submit, Ticket
+from gateway.config import ConfigError, TelegramSettings
+from gateway.http import TELEGRAM_WEBHOOK_PATH, HttpServer, json_error
+from gateway.messages import InboundMessage, OutboundMessage
+
+CHANNEL = "telegram"
+TOPIC = "topic"
+#: The update kinds asked for; everything else never leaves Telegram's servers.
+ALLOWED_UPDATES = ("message", "edited_message")
+WEBHOOK_SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
+DEFAULT_BASE_URL = "https://api.telegram.org/bot"  # PTB appends the token
+DEFAULT_BASE_FILE_URL = "https://api.telegram.org/file/bot"
+_SECRET_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,256}")
+_SEEN_UPDATES = 10_000
+
+#: Metadata keys this adapter adds besides the access ones.
+META_CHAT_TYPE = "telegram_chat_type"
+META_ATTACHMENT = "telegram_attachment"
+
+EDIT_NOTICE = (
+    "I can't follow edited messages yet: I only see what you first wrote. "
+    "Send the changed text as a new message if you'd like an answer to it."
+)
+
+_ATTACHMENTS = (
+    ("photo", "a photo"),
+    ("video", "a video"),
+    ("animation", "a GIF"),
+    ("document", "a file"),
+    ("audio", "an audio file"),
+    ("voice", "a voice message"),
+    ("video_note", "a video message"),
+    ("sticker", "a sticker"),
+    ("location", "a location"),
+    ("venue", "a venue"),
+    ("contact", "a contact"),
+    ("poll", "a poll"),
+    ("dice", "a dice roll"),
+)
+
+_T = TypeVar("_T")
+AnyApplication = Application[Any, Any, Any, Any, Any, Any]
+
+
+class TelegramSetupError(Exception):
+    """The bot cannot start (or `gateway doctor` cannot reach it); says what to fix.
+    Never carries the token."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """How often and how patiently the channel talks to Telegram (seconds)."""
+
+    retry_attempts: int = 4  # per request, for failures that are safe to retry
+    retry_backoff: float = 0.5  # doubled per attempt
+    retry_backoff_max: float = 8.0
+    # Total 429 waiting per request; under the dispatcher's 60 s cap on one delivery.
+    flood_wait_limit: float = 50.0
+    typing_interval: float = 4.0  # Telegram shows "typing" for about 5 s
+    typing_grace: float = 0.3  # no indicator for replies (or refusals) faster than this
+    turn_limit: float = 600.0  # the longest a turn is shown as typing (or streaming)
+    stream_interval: float = 1.0  # at most one streaming edit per this
+    notice_cooldown: float = 60.0  # per chat, for "not supported" notices
+    stop_timeout: float = 10.0
+
+
+# --------------------------------------------------------------------------- inbound
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """Where a message goes: a chat, and a forum topic in it (None: the chat itself)."""
+
+    chat_id: int | str
+    thread_id: int | None = None
+
+    @property
+    def is_group(self) -> bool:
+        return isinstance(self.chat_id, int) and self.chat_id < 0
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Answer `message_id` at `address` with `text` without asking the agent."""
+
+    address: Address
+    message_id: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """Nothing to do for this update (logged at debug level with `reason`)."""
+
+    reason: str
+
+
+Translation = InboundMessage | Notice | Skip
+
+
+def parse_target(chat_id: str, thread_id: str | None = None) -> Address:
+    """An `OutboundMessage`'s chat and thread as Telegram ids. `chat_id` may carry the
+    topic itself (`-100123:topic:7`, as heartbeat targets do); `@name` stays a string."""
+    chat, sep, rest = chat_id.partition(f":{TOPIC}:")
+    if sep and thread_id is None:
+        thread_id = rest
+    chat_value: int | str = int(chat) if re.fullmatch(r"-?\d+", chat) else chat
+    thread = int(thread_id) if thread_id and thread_id.isdigit() else None
+    return Address(chat_value, thread)
+
+
+def telegram_message_id(message_id: str | None) -> int | None:
+    """The Telegram message id inside our `<chat>:<message>` id."""
+    if not message_id:
+        return None
+    tail = message_id.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def is_reply_to_bot(message: Message, bot_id: int) -> bool:
+    """Does `message` reply to one of the bot's messages? A message in a forum topic
+    that replies to nothing else looks like a reply to the topic's first message;
+    that is not a reply."""
+    reply = message.reply_to_message
+    if reply is None or reply.forum_topic_created is not None:
+        return False
+    if message.is_topic_message and reply.message_id == message.message_thread_id:
+        return False
+    return reply.from_user is not None and reply.from_user.id == bot_id
+
+
+def _utf16_positions(text: str) -> list[int]:
+    positions = [0]
+    for char in text:
+        positions.append(positions[-1] + (2 if ord(char) > 0xFFFF else 1))
+    return positions
+
+
+@dataclass(frozen=True, slots=True)
+class Addressing:
+    """What the entities of a text say about the bot, and the text without @mentions."""
+
+    text: str
+    mentioned: bool
+    command_for_another_bot: bool
+
+
+def read_addressing(
+    text: str, entities: tuple[MessageEntity, ...], *, bot_id: int, bot_username: str
+) -> Addressing:
+    """Find mentions of the bot (`@username`, a text mention of its user, a
+    `/command@username`) and cut the `@username` parts out of the text; a comma or
+    colon right after a mention goes with it. A text of nothing but the mention is
+    kept as it is."""
+    positions = _utf16_positions(text)
+    me = bot_username.lower()
+    cuts: list[tuple[int, int]] = []
+    mentioned = foreign = False
+    for entity in entities:
+        start = bisect.bisect_left(positions, entity.offset)
+        end = bisect.bisect_left(positions, entity.offset + entity.length)
+        piece = text[start:end]
+        if entity.type == MessageEntity.MENTION and piece[1:].lower() == me:
+            mentioned = True
+            while end < len(text) and text[end] in ",:":
+                end += 1
+            while end < len(text) and text[end] in " \t":
+                end += 1
+            cuts.append((start, end))
+        elif entity.type == MessageEntity.TEXT_MENTION and entity.user is not None:
+            mentioned = mentioned or entity.user.id == bot_id
+        elif entity.type == MessageEntity.BOT_COMMAND and "@" in piece:
+            target = piece.split("@", 1)[1].lower()
+            if target == me:
+                mentioned = True
+                cuts.append((start + piece.index("@"), end))
+            elif start == 0:
+                foreign = True
+    kept = []
+    position = 0
+    for start, end in sorted(cuts):
+        kept.append(text[position:start])
+        position = max(position, end)
+    kept.append(text[position:])
+    stripped = "".join(kept).strip()
+    return Addressing(stripped or text.strip(), mentioned, foreign)
+
+
+def attachment_kind(message: Message) -> str | None:
+    """What the message carries besides text ("a photo", "a sticker", ...), if anything."""
+    for name, label in _ATTACHMENTS:
+        if getattr(message, name, None):
+            return label
+    return "an attachment" if message.effective_attachment is not None else None
+
+
+def unsupported_notice(kind: str) -> str:
+    return (
+        f"Sorry, I can't open {kind} yet: I can only read text. "
+        "Please write what you'd like me to know."
+    )
+
+
+def translate_message(
+    message: Message, *, bot_id: int, bot_username: str, edited: bool = False
+) -> Translation:
+    """The inbound message (or notice, or nothing) for one Telegram message."""
+    chat = message.chat
+    is_group = chat.type != ChatType.PRIVATE
+    topic = message.message_thread_id if message.is_topic_message else None
+    address = Address(chat.id, topic)
+    user = message.from_user
+    if message.is_automatic_forward:
+        return Skip("a channel post forwarded into its discussion group")
+    if user is not None and user.is_bot and message.sender_chat is None:
+        return Skip("a message from a bot")
+    if edited:
+        if is_group:
+            return Skip("an edited message in a group")
+        return Notice(address, message.message_id, EDIT_NOTICE)
+    raw = message.text if message.text is not None else message.caption
+    kind = attachment_kind(message)
+    reply_to_bot = is_reply_to_bot(message, bot_id)
+    if raw is None or not raw.strip():
+        if kind is None:
+            return Skip("a service message")
+        if is_group and not reply_to_bot:
+            return Skip(f"{kind} in a group, not addressed to the bot")
+        return Notice(address, message.message_id, unsupported_notice(kind))
+    entities = message.entities if message.text is not None else message.caption_entities
+    addressing = read_addressing(raw, entities, bot_id=bot_id, bot_username=bot_username)
+    if addressing.command_for_another_bot:
+        return Skip("a command for another bot")
+    text = addressing.text
+    metadata: dict[str, Any] = {
+        META_IS_GROUP: is_group,
+        META_MENTIONED: addressing.mentioned,
+        META_REPLY_TO_BOT: reply_to_bot,
+        META_CHAT_TYPE: str(chat.type),
+    }
+    if kind is not None:
+        metadata[META_ATTACHMENT] = kind
+        text += f"\n\n[The user attached {kind}, which the assistant cannot see.]"
+    if message.sender_chat is not None:
+        sender_id = str(message.sender_chat.id)
+        metadata[META_SENDER_NAME] = message.sender_chat.title or ""
+    elif user is not None:
+        sender_id = str(user.id)
+        name = user.full_name
+        metadata[META_SENDER_NAME] = f"{name} (@{user.username})" if user.username else name
+    else:
+        sender_id = ""
+    return InboundMessage(
+        channel=CHANNEL,
+        chat_id=str(chat.id),
+        text=text,
+        sender_id=sender_id,
+        message_id=f"{chat.id}:{message.message_id}",
+        thread_kind=TOPIC if topic is not None else None,
+        thread_id=str(topic) if topic is not None else None,
+        metadata=metadata,
+    )
+
+
+def translate_update(update: Update, *, bot_id: int, bot_username: str) -> Translation:
+    if update.message is not None:
+        return translate_message(update.message, bot_id=bot_id, bot_username=bot_username)
+    if update.edited_message is not None:
+        return translate_message(
+            update.edited_message, bot_id=bot_id, bot_username=bot_username, edited=True
+        )
+    return Skip("an update kind this channel does not handle")
+
+
+# --------------------------------------------------------------------------- failures
+
+FailureKind = Literal["retry", "ambiguous", "final"]
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def failure_kind(exc: TelegramError) -> FailureKind:
+    """Whether a failed request may be repeated.
+
+    "retry": it certainly did not take effect (flood control; the connection never
+    opened; the server answered with an error, e.g. a 5xx). "ambiguous": the request
+    went out and no answer came back (read or write timeout, dropped connection), so
+    Telegram may have acted on it. "final": repeating cannot help (bad request,
+    blocked by the user, invalid token, the chat moved).
+    """
+    if isinstance(exc, RetryAfter):
+        return "retry"
+    if isinstance(exc, BadRequest | Forbidden | InvalidToken | Conflict | ChatMigrated):
+        return "final"
+    if isinstance(exc, NetworkError):
+        cause = exc.__cause__
+        if isinstance(cause, _NOT_SENT):
+            return "retry"
+        if isinstance(cause, httpx.HTTPError):
+            return "ambiguous"
+        return "retry"  # the server answered, with an error
+    return "final"
+
+
+def retry_after_seconds(exc: RetryAfter) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PTBDeprecationWarning)
+        value = exc.retry_after
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def is_parse_error(exc: TelegramError) -> bool:
+    return "can't parse entities" in exc.message.lower()
+
+
+def _not_modified(exc: TelegramError) -> bool:
+    return "message is not modified" in exc.message.lower()
+
+
+# --------------------------------------------------------------------------- channel
+
+
+@dataclass
+class _Typing:
+    waiting: int = 0
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
+@dataclass
+class _Stream:
+    """A reply shown while it is written: one message, edited as text arrives."""
+
+    reply_to: str | None
+    address: Address
+    quote: int | None
+    next_edit: float
+    text: str = ""
+    shown: str = ""
+    message_id: int | None = None
+    flushing: bool = False
+    closed: bool = False
+    idle: anyio.Event = field(default_factory=anyio.Event)
+    started: float = field(default_factory=time.monotonic)
+
+
+class TelegramChannel:
+    """The Telegram adapter; see the module docstring for what it promises.
+
+    Build it from `settings.channels.telegram` and the resolved token, add it to the
+    daemon, and in webhook mode `mount` it on the daemon's HTTP server before running.
+    """
+
+    name = CHANNEL
+
+    def __init__(
+        self, settings: TelegramSettings, *, token: str, pacing: Pacing | None = None
+    ) -> None:
+        if not token:
+            raise ConfigError(
+                "channels.telegram.token: set GATEWAY_CHANNELS__TELEGRAM__TOKEN (the token "
+                "@BotFather gave you) or channels.telegram.token_file"
+            )
+        if settings.mode == "webhook" and not settings.webhook_url:
+            raise ConfigError(
+                "channels.telegram.webhook_url: webhook mode needs the public HTTPS URL of "
+                f"this gateway's {TELEGRAM_WEBHOOK_PATH} (GATEWAY_CHANNELS__TELEGRAM__"
+                'WEBHOOK_URL), or use mode = "polling"'
+            )
+        secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret else ""
+        if secret and not _SECRET_PATTERN.fullmatch(secret):
+            raise ConfigError(
+                "channels.telegram.webhook_secret: use 1-256 characters from A-Z, a-z, 0-9, "
+                "_ and - (Telegram refuses others)"
+            )
+        self.settings = settings
+        self.pacing = pacing or Pacing()
+        self._token = token
+        # Without a configured secret each process makes its own; it sets the webhook
+        # at start, so Telegram always sends the current one.
+        self._secret = secret or secrets.token_urlsafe(32)
+        self._app: AnyApplication | None = None
+        self._submit: Submit | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._bot_id = 0
+        self._bot_username = ""
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._flood_until: dict[int | str, float] = {}
+        self._noticed: dict[int | str, float] = {}
+        self._typing: dict[Address, _Typing] = {}
+        self._streams: dict[str, _Stream] = {}
+        self.live = anyio.Event()  # set once updates flow (for tests and probes)
+
+    # ----------------------------------------------------------------- wiring
+
+    def mount(self, http: HttpServer) -> bool:
+        """Webhook mode: route `POST /telegram/webhook` to this channel (before the
+        server runs). Polling mode mounts nothing. Returns whether it mounted."""
+        if self.settings.mode != "webhook":
+            return False
+        http.mount("POST", TELEGRAM_WEBHOOK_PATH, self._webhook)
+        return True
+
+    def _build_application(self) -> AnyApplication:
+        # One update at a time, in order: arrival order is the order of `submit` calls.
+        builder: Any = ApplicationBuilder().token(self._token).concurrent_updates(False)
+        if self.settings.base_url:
+            builder = builder.base_url(self.settings.base_url)
+        if self.settings.base_file_url:
+            builder = builder.base_file_url(self.settings.base_file_url)
+        builder = builder.job_queue(None)
+        if self.settings.mode == "webhook":
+            builder = builder.updater(None)
+        app: AnyApplication = builder.build()
+        app.add_handler(TypeHandler(Update, self._on_update))
+        app.add_error_handler(self._on_handler_error)
+        return app
+
+    # ----------------------------------------------------------------- running
+
+    async def run(
+        self,
+        submit: Submit,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Receive updates until cancelled. Raises TelegramSetupError when the token is
+        refused or the webhook cannot be set (the daemon restarts the channel)."""
+        self._submit = submit
+        app = self._build_application()
+        failure: Exception | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                try:
+                    await self._serve(app, task_status)
+                except Exception as exc:
+                    failure = exc  # raised below as itself, not inside an exception group
+                finally:
+                    tg.cancel_scope.cancel()  # typing indicators, streaming edits
+        finally:
+            self._tg = None
+            self.live = anyio.Event()
+        if failure is not None:
+            raise failure
+
+    async def _serve(self, app: AnyApplication, task_status: anyio.abc.TaskStatus[None]) -> None:
+        try:
+            await app.initialize()  # getMe
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await app.shutdown()
+            if isinstance(exc, InvalidToken):  # its message holds the token: not shown
+                raise TelegramSetupError(
+                    f"telegram: {api_server(self.settings)} refused the bot token; check "
+                    "GATEWAY_CHANNELS__TELEGRAM__TOKEN (from @BotFather)"
+                ) from None
+            raise
+        try:
+            self._bot_id, self._bot_username = app.bot.id, app.bot.username
+            await app.start()
+            self._app = app
+            await self._start_receiving(app)
+            await self._advertise_commands(app)
+            logger.info(
+                "telegram: @{} is live ({})",
+                self._bot_username,
+                "webhook" if self.settings.mode == "webhook" else "long polling",
+            )
+            self.live.set()
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._app = None  # the webhook answers 503 from now on: Telegram retries later
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.pacing.stop_timeout):
+                await self._stop(app)
+
+    async def _start_receiving(self, app: AnyApplication) -> None:
+        if self.settings.mode == "webhook":
+            url = self.settings.webhook_url or ""
+            try:
+                await app.bot.set_webhook(
+                    url=url,
+                    secret_token=self._secret,
+                    allowed_updates=list(ALLOWED_UPDATES),
+                    drop_pending_updates=False,
+                )
+            except TelegramError as exc:
+                raise TelegramSetupError(
+                    f"telegram: setWebhook to {url} failed ({exc}); check "
+                    "channels.telegram.webhook_url (a public HTTPS URL reaching "
+                    f"{TELEGRAM_WEBHOOK_PATH})"
+                ) from None
+            return
+        assert app.updater is not None
+        await app.updater.start_polling(
+            poll_interval=0.0,
+            timeout=self.settings.poll_timeout,
+            allowed_updates=ALLOWED_UPDATES,
+            drop_pending_updates=False,
+            error_callback=self._on_polling_error,
+        )
+
+    async def _advertise_commands(self, app: AnyApplication) -> None:
+        """Fill the "/" menu in Telegram with the commands the gateway understands."""
+        try:
+            await app.bot.set_my_commands(
+                [BotCommand(name, text[:256]) for name, text in COMMANDS.items()]
+            )
+        except TelegramError as exc:
+            logger.warning("telegram: could not set the command menu: {}", exc)
+
+    async def _stop(self, app: AnyApplication) -> None:
+        try:
+            if app.updater is not None and app.updater.running:
+                await app.updater.stop()  # confirms the updates fetched so far
+            if app.running:
+                await app.stop()  # handles every update already fetched, then stops
+        finally:
+            if not app.running:
+                await app.shutdown()
+
+    def _on_polling_error(self, exc: TelegramError) -> None:
+        if isinstance(exc, Conflict):
+            logger.error(
+                "telegram: another process is polling with this bot token (or a webhook "
+                "is set); stop it, or use one gateway per bot"
+            )
+        else:
+            logger.warning("telegram: fetching updates failed ({}); retrying", exc)
+
+    async def _on_handler_error(self, update: object, context: Any) -> None:
+        error = getattr(context, "error", None)
+        logger.opt(exception=error).error("telegram: an update could not be handled")
+
+    # ----------------------------------------------------------------- inbound
+
+    def _first_sighting(self, update_id: int) -> bool:
+        if update_id in self._seen:
+            return False
+        self._seen[update_id] = None
+        if len(self._seen) > _SEEN_UPDATES:
+            self._seen.popitem(last=False)
+        return True
+
+    async def _on_update(self, update: object, context: Any) -> None:
+        if not isinstance(update, Update):
+            return
+        if not self._first_sighting(update.update_id):
+            logger.debug("telegram: update {} seen before; dropped", update.update_id)
+            return
+        result = translate_update(update, bot_id=self._bot_id, bot_username=self._bot_username)
+        if isinstance(result, Skip):
+            logger.debug("telegram: update {} skipped: {}", update.update_id, result.reason)
+        elif isinstance(result, Notice):
+            self._spawn(self._send_notice, result)
+        elif self._submit is not None:
+            ticket = await self._submit(result)
+            where = parse_target(result.chat_id, result.thread_id)
+            self._spawn(self._typing_while_pending, ticket, where)
+
+    def _spawn(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        if self._tg is not None:
+            self._tg.start_soon(func, *args)
+
+    async def _webhook(self, request: web.Request) -> web.StreamResponse:
+        given = request.headers.get(WEBHOOK_SECRET_HEADER, "").encode("utf-8", "replace")
+        if not hmac.compare_digest(given, self._secret.encode()):
+            return json_error(403, f"wrong or missing {WEBHOOK_SECRET_HEADER} header")
+        app = self._app
+        if app is None:
+            return json_error(
+                503, "the Telegram channel is starting; retry shortly", {"Retry-After": "5"}
+            )
+        try:
+            data = await request.json()
+            update = Update.de_json(data, app.bot) if isinstance(data, dict) else None
+        except (ValueError, TypeError, KeyError):
+            update = None
+        if update is None:
+            return json_error(400, "the body is not a Telegram update")
+        if self._app is not app:  # stopped while the body was read: let Telegram retry
+            return json_error(503, "the Telegram channel is stopping", {"Retry-After": "5"})
+        app.update_queue.put_nowait(update)  # no await between the check and the put
+        return web.json_response({"ok": True})
+
+    async def _send_notice(self, notice: Notice) -> None:
+        chat = notice.address.chat_id
+        now = time.monotonic()
+        last = self._noticed.get(chat)
+        if last is not None and now - last < self.pacing.notice_cooldown:
+            return
+        if len(self._noticed) > 10_000:
+            self._noticed.clear()
+        self._noticed[chat] = now
+        quote = notice.message_id if notice.address.is_group else None
+        try:
+            await self._send_piece(notice.address, notice.text, quote)
+        except TelegramError as exc:
+            logger.warning("telegram: a notice to chat {} was not sent: {}", chat, exc)
+
+    # ----------------------------------------------------------------- typing
+
+    async def _typing_while_pending(self, ticket: Ticket, where: Address) -> None:
+        """Show "typing" in `where` until the ticket's reply is ready (then it is sent)."""
+        with anyio.move_on_after(self.pacing.typing_grace):
+            await ticket.reply()
+            return  # refused, ignored, a duplicate, or simply fast
+        state = self._typing.get(where)
+        if state is None:
+            state = self._typing[where] = _Typing()
+            self._spawn(self._typing_loop, where, state)
+        state.waiting += 1
+        try:
+            with anyio.move_on_after(self.pacing.turn_limit):
+                await ticket.reply()
+        finally:
+            state.waiting -= 1
+            if state.waiting == 0:
+                state.scope.cancel()
+                if self._typing.get(where) is state:
+                    del self._typing[where]
+
+    async def _typing_loop(self, where: Address, state: _Typing) -> None:
+        with state.scope:
+            while True:
+                await self._chat_action(where)
+                await anyio.sleep(self.pacing.typing_interval)
+
+    async def _chat_action(self, where: Address) -> None:
+        app = self._app
+        if app is None or self._flood_until.get(where.chat_id, 0.0) > time.monotonic():
+            return
+        try:
+            await app.bot.send_chat_action(
+                where.chat_id, ChatAction.TYPING, message_thread_id=where.thread_id
+            )
+        except RetryAfter as exc:
+            self._note_flood(where.chat_id, retry_after_seconds(exc))
+        except TelegramError as exc:
+            logger.debug("telegram: typing indicator failed: {}", exc)
+
+    # ----------------------------------------------------------------- outbound
+
+    async def send(self, message: OutboundMessage) -> None:
+        """Deliver a reply: Markdown as HTML, split under the length limit, in order.
+        Raises the Telegram error when a piece cannot be delivered, and sends none of
+        the pieces after it (they would read out of context)."""
+        where = parse_target(message.chat_id, message.thread_id)
+        reply_to = telegram_message_id(message.reply_to)
+        quote = reply_to if where.is_group else None
+        pieces = split_markdown(message.text)
+        stream = await self._finish_stream(message)
+        with logger.contextualize(session=message.session_key):
+            if not pieces:
+                logger.warning("telegram: empty reply not sent")
+                return
+            first = 0
+            if stream is not None and stream.message_id is not None:
+                if await self._edit_piece(where, stream.message_id, pieces[0]):
+                    first = 1
+                quote = None
+            for i, piece in enumerate(pieces[first:]):
+                await self._send_piece(where, piece, quote if i == 0 else None)
+
+    async def _send_piece(self, where: Address, markdown: str, quote: int | None) -> Message:
+        """Send one piece as HTML; as plain text when Telegram refuses the HTML."""
+        bot = self._bot()
+        reply = ReplyParameters(quote, allow_sending_without_reply=True) if quote else None
+        send = functools.partial(
+            bot.send_message,
+            where.chat_id,
+            message_thread_id=where.thread_id,
+            reply_parameters=reply,
+        )
+        markup = markdown_to_html(markdown)
+        if html_to_text(markup).strip():
+            try:
+                as_html = functools.partial(send, text=markup, parse_mode=ParseMode.HTML)
+                return await self.call_api("sendMessage", where.chat_id, as_html, idempotent=False)
+            except BadRequest as exc:
+                if not is_parse_error(exc):
+                    raise
+                logger.warning("telegram refused the HTML ({}); sending plain text", exc)
+        as_plain = functools.partial(send, text=markdown)
+        return await self.call_api("sendMessage", where.chat_id, as_plain, idempotent=False)
+
+    async def _edit_piece(self, where: Address, message_id: int, markdown: str) -> bool:
+        """Replace a streamed message's text; False when it cannot be edited any more
+        (the caller sends a new message instead)."""
+        bot = self._bot()
+        markup = markdown_to_html(markdown)
+        attempts: list[tuple[str, str | None]] = [(markdown, None)]
+        if html_to_text(markup).strip():
+            attempts.insert(0, (markup, ParseMode.HTML))
+        for text, mode in attempts:
+            edit = functools.partial(
+                bot.edit_message_text,
+                text,
+                chat_id=where.chat_id,
+                message_id=message_id,
+                parse_mode=mode,
+            )
+            try:
+                await self.call_api("editMessageText", where.chat_id, edit, idempotent=True)
+                return True
+            except BadRequest as exc:
+                if _not_modified(exc):
+                    return True
+                if mode is not None and is_parse_error(exc):
+                    logger.warning("telegram refused the HTML ({}); sending plain text", exc)
+                    continue
+                logger.warning("telegram: streamed message {} not edited: {}", message_id, exc)
+                return False
+        return False
+
+    def _bot(self) -> Bot:
+        app = self._app
+        if app is None:
+            raise TelegramSetupError("telegram: the channel is not running; reply not sent")
+        bot: Bot = app.bot
+        return bot
+
+    def _note_flood(self, chat: int | str, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        self._flood_until[chat] = max(self._flood_until.get(chat, 0.0), until)
+
+    async def call_api(
+        self,
+        method: str,
+        chat: int | str,
+        request: Callable[[], Awaitable[_T]],
+        *,
+        idempotent: bool,
+    ) -> _T:
+        """Make one Bot API request, repeating it only when that is safe (see
+        `failure_kind`); every request to a chat under flood control waits first."""
+        attempt = 0
+        flood_waited = 0.0
+        while True:
+            pause = self._flood_until.get(chat, 0.0) - time.monotonic()
+            if pause > 0:
+                await anyio.sleep(pause)
+            try:
+                return await request()
+            except RetryAfter as exc:
+                seconds = retry_after_seconds(exc)
+                flood_waited += seconds
+                if flood_waited > self.pacing.flood_wait_limit:
+                    logger.error(
+                        "telegram: {} to chat {} still under flood control after {:g}s; giving up",
+                        method,
+                        chat,
+                        flood_waited,
+                    )
+                    raise
+                logger.warning(
+                    "telegram: flood control on {} to chat {}: waiting {:g}s", method, chat, seconds
+                )
+                self._note_flood(chat, seconds)
+            except TelegramError as exc:
+                kind = failure_kind(exc)
+                attempt += 1
+                if kind == "ambiguous" and not idempotent:
+                    logger.error(
+                        "telegram: {} to chat {} timed out after the request went out; not "
+                        "repeated (it may have arrived; repeating could send it twice): {!r}",
+                        method,
+                        chat,
+                        exc,
+                    )
+                    raise
+                if kind == "final" or attempt >= self.pacing.retry_attempts:
+                    raise
+                delay = min(
+                    self.pacing.retry_backoff * 2 ** (attempt - 1), self.pacing.retry_backoff_max
+                )
+                logger.warning(
+                    "telegram: {} to chat {} failed ({!r}); retry {} in {:g}s",
+                    method,
+                    chat,
+                    exc,
+                    attempt,
+                    delay,
+                )
+                await anyio.sleep(delay)
+
+    # ----------------------------------------------------------------- streaming
+
+    async def stream_delta(self, inbound: InboundMessage, delta: str) -> None:
+        """Show the reply to `inbound` while it is written: the first text after
+        `Pacing.stream_interval` becomes a message, edited at most once per interval;
+        `send` with the whole reply then edits it a last time (and sends what does not
+        fit in it). Does nothing unless `channels.telegram.streaming` is on."""
+        if not self.settings.streaming or not delta:
+            return
+        key = inbound.session_key
+        now = time.monotonic()
+        stream = self._streams.get(key)
+        if stream is None or stream.reply_to != inbound.message_id or stream.closed:
+            self._forget_stale_streams(now)
+            where = parse_target(inbound.chat_id, inbound.thread_id)
+            message_id = telegram_message_id(inbound.message_id)
+            stream = _Stream(
+                reply_to=inbound.message_id,
+                address=where,
+                quote=message_id if where.is_group else None,
+                next_edit=now + self.pacing.stream_interval,
+            )
+            stream.idle.set()
+            self._streams[key] = stream
+        stream.text += delta
+        if stream.flushing or now < stream.next_edit or self._tg is None:
+            return
+        stream.flushing = True
+        stream.idle = anyio.Event()
+        self._tg.start_soon(self._flush_stream, stream)
+
+    def _forget_stale_streams(self, now: float) -> None:
+        for key, stream in list(self._streams.items()):
+            if now - stream.started > self.pacing.turn_limit:
+                del self._streams[key]
+
+    async def _flush_stream(self, stream: _Stream) -> None:
+        """One streaming update: a single attempt, best effort (the final `send`
+        corrects whatever is shown)."""
+        try:
+            pieces = split_markdown(stream.text)
+            if stream.closed or not pieces or pieces[0] == stream.shown:
+                return
+            preview = pieces[0]
+            bot = self._bot()
+            markup = markdown_to_html(preview)
+            if not html_to_text(markup).strip():
+                return
+            if stream.message_id is None:
+                reply = (
+                    ReplyParameters(stream.quote, allow_sending_without_reply=True)
+                    if stream.quote
+                    else None
+                )
+                sent = await bot.send_message(
+                    stream.address.chat_id,
+                    markup,
+                    parse_mode=ParseMode.HTML,
+                    message_thread_id=stream.address.thread_id,
+                    reply_parameters=reply,
+                )
+                stream.message_id = sent.message_id
+            else:
+                await bot.edit_message_text(
+                    markup,
+                    chat_id=stream.address.chat_id,
+                    message_id=stream.message_id,
+                    parse_mode=ParseMode.HTML,
+                )
+            stream.shown = preview
+        except RetryAfter as exc:
+            self._note_flood(stream.address.chat_id, retry_after_seconds(exc))
+            stream.next_edit = time.monotonic() + retry_after_seconds(exc)
+        except (TelegramError, TelegramSetupError) as exc:
+            logger.debug("telegram: streaming update skipped: {}", exc)
+        finally:
+            stream.next_edit = max(stream.next_edit, time.monotonic() + self.pacing.stream_interval)
+            stream.flushing = False
+            stream.idle.set()
+
+    async def _finish_stream(self, message: OutboundMessage) -> _Stream | None:
+        """The stream showing this reply, once no edit of it is in flight."""
+        stream = self._streams.get(message.session_key)
+        if stream is None or stream.reply_to != message.reply_to:
+            return None
+        del self._streams[message.session_key]
+        stream.closed = True
+        with anyio.move_on_after(self.pacing.stop_timeout):
+            await stream.idle.wait()
+        return stream
+
+
+def api_server(settings: TelegramSettings) -> str:
+    """The Bot API server, for messages (never with the token, which PTB appends)."""
+    return settings.base_url or DEFAULT_BASE_URL
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+async def check_credentials(settings: TelegramSettings, token: str) -> str:
+    """`gateway doctor`: ask the Bot API who the token belongs to. Returns
+    "@username (id)"; raises TelegramSetupError saying what to fix."""
+    if not token:
+        raise TelegramSetupError(
+            "telegram: no bot token; set GATEWAY_CHANNELS__TELEGRAM__TOKEN (from @BotFather)"
+        )
+    bot = Bot(
+        token,
+        base_url=settings.base_url or DEFAULT_BASE_URL,
+        base_file_url=settings.base_file_url or DEFAULT_BASE_FILE_URL,
+    )
+    server = api_server(settings)
+    try:
+        async with bot:
+            user = bot.bot
+    except InvalidToken:
+        raise TelegramSetupError(
+            f"telegram: {server} refused the bot token; copy it again from @BotFather "
+            "into GATEWAY_CHANNELS__TELEGRAM__TOKEN"
+        ) from None
+    except TelegramError as exc:
+        raise TelegramSetupError(
+            f"telegram: cannot reach the Bot API at {server} ({exc}); check the network "
+            "or channels.telegram.base_url"
+        ) from None
+    return f"@{user.username} ({user.id})"
