@@ -185,6 +185,11 @@ class DispatchSettings(_Section):
     drain_grace_seconds: float = Field(
         30.0, ge=0, description="On SIGTERM, how long in-flight turns may take to finish."
     )
+    deliver_timeout_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="How long sending one reply may take, flood-control waits included.",
+    )
     dedupe_ttl_seconds: float = Field(
         7 * 86400.0, gt=0, description="How long platform message ids are remembered."
     )
@@ -377,8 +382,15 @@ class Settings(_Section):
         return self.workspace_path / "sessions"
 
     def secrets(self) -> list[str]:
-        """Every secret value configured, for log redaction."""
+        """Every secret value configured (also those read from files), for log redaction."""
         found = []
+        for read in (self.llm.resolved_api_key, self.channels.telegram.resolved_token):
+            try:
+                value = read()
+            except ConfigError:
+                value = None
+            if value:
+                found.append(value)
         tg, slack = self.channels.telegram, self.channels.slack
         for secret in (
             self.llm.api_key,

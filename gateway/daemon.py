@@ -273,6 +273,7 @@ class Daemon:
             dedupe=self.dedupe,
             access=self.access,
             on_turn_done=self._turn_done,
+            deliver_timeout=settings.dispatch.deliver_timeout_seconds,
         )
         self.http = HttpServer(
             settings.http, health=self.health, metrics=self.metrics, chat=self._api_chat
@@ -290,6 +291,15 @@ class Daemon:
             self.add_channel(CLIChannel(session_key=cli.session))
         if settings.heartbeat.jobs:
             self.add_channel(self._heartbeat_channel())
+        if settings.channels.telegram.enabled:
+            from channels.telegram import TelegramChannel
+
+            telegram_settings = settings.channels.telegram
+            telegram = TelegramChannel(
+                telegram_settings, token=telegram_settings.resolved_token() or ""
+            )
+            telegram.mount(self.http)
+            self.add_channel(telegram)
         if settings.channels.slack.enabled:
             from channels.slack import SlackChannel
 
