@@ -9,9 +9,7 @@ again; runs missed while the gateway was down are made up once, not once per int
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,6 +20,7 @@ import anyio.abc
 from loguru import logger
 
 from gateway.channel import Submit
+from gateway.fsutil import atomic_write_text
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.schedule import Schedule
 
@@ -102,19 +101,10 @@ class HeartbeatState:
     def record(self, job: str, when: datetime) -> None:
         self._last[job] = when
         data = json.dumps({k: v.isoformat() for k, v in sorted(self._last.items())})
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".heartbeat-")
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, data)
         except OSError as exc:
             logger.error("heartbeat state not saved: {}", exc)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 class HeartbeatChannel:

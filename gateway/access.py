@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeVar
 import anyio.to_thread
 from loguru import logger
 
-from gateway.memory.files import atomic_write_text, ensure_private_dir
+from gateway.fsutil import atomic_write_text, ensure_private_dir
 from gateway.messages import InboundMessage
 
 #: True when the message comes from a group chat / channel rather than a DM.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from gateway.agent.memory_tools import memory_tools
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket
 from gateway.config import AccessSection, ConfigError, Settings
+from gateway.fsutil import ensure_private_dir
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
 from gateway.memory import MemoryStore
@@ -28,11 +28,6 @@ from gateway.sessions import SessionManager
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy
-
-
-def ensure_private_dir(path: os.PathLike[str] | str) -> None:
-    """Create a folder readable only by its owner (0700); conversations are private."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
 
 
 def build_provider(settings: Settings) -> LLMProvider:

@@ -35,6 +35,7 @@ import anyio
 import anyio.to_thread
 from loguru import logger
 
+from gateway.fsutil import open_sqlite
 from gateway.messages import InboundMessage
 
 DEFAULT_TTL = 7 * 24 * 3600.0
@@ -130,6 +131,16 @@ _SCHEMA = (
 )
 
 
+def _migrate(conn: sqlite3.Connection) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version not in (0, SCHEMA_VERSION):
+        logger.info("dedupe schema {} -> {}: starting afresh", version, SCHEMA_VERSION)
+        conn.execute("DROP TABLE IF EXISTS answered")
+    for statement in _SCHEMA:
+        conn.execute(statement)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
 class FileDedupeStore:
     """Dedupe with answered keys kept in a SQLite file (WAL): survives restarts, bounded
     by age (`ttl`) and count (`max_entries`).
@@ -190,44 +201,10 @@ class FileDedupeStore:
             return fn(self._conn)
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            return self._connect()
-        except sqlite3.DatabaseError as exc:
-            # Busy or permission problems are the operator's to fix; only a file that
-            # is not a database is moved aside (it only ever held dedupe keys).
-            if isinstance(exc, sqlite3.OperationalError) or not self.path.exists():
-                raise
-            aside = self.path.with_name(f"{self.path.name}.broken-{int(time.time())}")
-            logger.warning("dedupe file {} is unreadable ({}); moved to {}", self.path, exc, aside)
-            self.path.rename(aside)
-            for suffix in ("-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-            return self._connect()
-
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.path,
-            timeout=self._busy_timeout_ms / 1000,
-            isolation_level=None,
-            check_same_thread=False,
+        # Which messages people sent, and when: a private file (open_sqlite: 0600).
+        return open_sqlite(
+            self.path, what="dedupe", init=_migrate, busy_timeout_ms=self._busy_timeout_ms
         )
-        try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
-                logger.info("dedupe schema {} -> {}: starting afresh", version, SCHEMA_VERSION)
-                conn.execute("DROP TABLE IF EXISTS answered")
-            for statement in _SCHEMA:
-                conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            self.path.chmod(0o600)  # which messages people sent, and when: private
-        except BaseException:
-            conn.close()
-            raise
-        return conn
 
     @staticmethod
     def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], _T]) -> _T:

@@ -33,7 +33,7 @@ from loguru import logger
 
 from gateway.access import Allow, Challenge, Decision, Deny, Ignore
 from gateway.dedupe import DedupeStore, dedupe_key
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import InboundMessage, OutboundMessage, reply_for
 
 Handler = Callable[[InboundMessage], Awaitable[OutboundMessage]]
 Deliver = Callable[[OutboundMessage], Awaitable[None]]
@@ -147,19 +147,6 @@ class DrainReport:
     @property
     def clean(self) -> bool:
         return not self.sessions_left
-
-
-def notice_for(msg: InboundMessage, text: str, *, is_error: bool = True) -> OutboundMessage:
-    """A reply from the dispatcher itself, addressed like the agent's replies."""
-    return OutboundMessage(
-        channel=msg.channel,
-        chat_id=msg.chat_id,
-        text=text,
-        session_key=msg.session_key,
-        reply_to=msg.message_id,
-        thread_id=msg.thread_id,
-        is_error=is_error,
-    )
 
 
 def merge_messages(messages: Sequence[InboundMessage]) -> InboundMessage:
@@ -406,7 +393,7 @@ class Dispatcher:
         elif isinstance(decision, Deny | Challenge):
             ticket.status = SubmitStatus.DENIED
             self._counters.denied += 1
-            notice = notice_for(item.message, decision.reply, is_error=isinstance(decision, Deny))
+            notice = reply_for(item.message, decision.reply, is_error=isinstance(decision, Deny))
             ticket._resolve(notice)
             self._send_notice(notice)
         else:
@@ -416,7 +403,7 @@ class Dispatcher:
 
     async def _refuse(self, ticket: Ticket, status: SubmitStatus, text: str) -> None:
         ticket.status = status
-        notice = notice_for(ticket.message, text)
+        notice = reply_for(ticket.message, text, is_error=True)
         ticket._resolve(notice)
         if self._tg is None:  # stopped: nothing runs in the background any more
             await self._deliver_safely(notice)
@@ -494,7 +481,7 @@ class Dispatcher:
             except Exception:
                 counters.turn_failures += 1
                 logger.exception("turn failed; the sender gets an error reply")
-                reply = notice_for(msg, ERROR_TEXT)
+                reply = reply_for(msg, ERROR_TEXT, is_error=True)
             finally:
                 counters.in_flight -= 1
         seconds = time.perf_counter() - started
@@ -575,7 +562,7 @@ class Dispatcher:
             with anyio.move_on_after(min(self.deliver_timeout, 5.0)):
                 async with anyio.create_task_group() as tg:
                     for items in left.values():
-                        notice = notice_for(items[-1].message, RESTART_TEXT)
+                        notice = reply_for(items[-1].message, RESTART_TEXT, is_error=True)
                         for item in items:
                             item.ticket._resolve(notice)
                         tg.start_soon(self._deliver_safely, notice)

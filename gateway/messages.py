@@ -67,3 +67,23 @@ class OutboundMessage:
     thread_id: str | None = None
     is_error: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def reply_for(
+    inbound: InboundMessage,
+    text: str,
+    *,
+    is_error: bool = False,
+    metadata: dict[str, Any] | None = None,
+) -> OutboundMessage:
+    """A reply addressed back to where `inbound` came from: same chat, thread, session."""
+    return OutboundMessage(
+        channel=inbound.channel,
+        chat_id=inbound.chat_id,
+        text=text,
+        session_key=inbound.session_key,
+        reply_to=inbound.message_id,
+        thread_id=inbound.thread_id,
+        is_error=is_error,
+        metadata=metadata or {},
+    )

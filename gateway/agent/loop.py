@@ -23,7 +23,7 @@ from gateway.agent.tokens import estimate_messages_tokens
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
 from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse, ToolSpec
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import InboundMessage, OutboundMessage, reply_for
 from gateway.sessions.errors import SessionError, SessionKeyError
 
 if TYPE_CHECKING:
@@ -132,10 +132,10 @@ class AgentLoop:
         text, nocache = strip_nocache(clean_user_text(inbound.text).strip())
         text = text.strip()
         if not text:
-            return self._reply(inbound, "Send some text and I will answer.", is_error=True)
+            return reply_for(inbound, "Send some text and I will answer.", is_error=True)
         if len(text) > self.config.max_message_chars:
             logger.warning("message refused: {} characters", len(text))
-            return self._reply(
+            return reply_for(
                 inbound,
                 f"That message is too long ({len(text):,} characters; the limit is "
                 f"{self.config.max_message_chars:,}). Please shorten it or split it up.",
@@ -155,17 +155,17 @@ class AgentLoop:
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
             self.llm_errors[type(exc).__name__] += 1
-            return self._reply(inbound, exc.user_message, is_error=True)
+            return reply_for(inbound, exc.user_message, is_error=True)
         except SessionKeyError as exc:
             logger.warning("unusable session key: {}", exc)
-            return self._reply(
+            return reply_for(
                 inbound,
                 "This conversation cannot be stored: its address is invalid.",
                 is_error=True,
             )
         except SessionError as exc:
             logger.error("session storage failed: {}", exc)
-            return self._reply(
+            return reply_for(
                 inbound,
                 "I could not save this conversation right now, so I did not answer. "
                 "Please try again shortly.",
@@ -179,7 +179,7 @@ class AgentLoop:
         if self.consolidator is not None and self.config.auto_consolidate:
             # Runs in the background after this reply; the trigger check is queued too.
             self.consolidator.maybe_schedule(inbound.session_key)
-        return self._reply(inbound, reply.text, metadata=reply.metadata)
+        return reply_for(inbound, reply.text, metadata=reply.metadata)
 
     def _open_turn(
         self, key: str, user_message: LLMMessage
@@ -340,27 +340,27 @@ class AgentLoop:
     async def _run_command(self, inbound: InboundMessage, command: Command) -> OutboundMessage:
         key = inbound.session_key
         if command.name in PRIVILEGED and not self._is_owner(inbound):
-            return self._reply(inbound, f"/{command.name} is for the bot's owners.", is_error=True)
+            return reply_for(inbound, f"/{command.name} is for the bot's owners.", is_error=True)
         if command.name == "help":
-            return self._reply(inbound, help_text())
+            return reply_for(inbound, help_text())
         if command.name in ("new", "reset"):
             await anyio.to_thread.run_sync(self.sessions.reset, key)
             logger.info("session reset by /{}", command.name)
-            return self._reply(inbound, "Started a new conversation. The old one is kept.")
+            return reply_for(inbound, "Started a new conversation. The old one is kept.")
         session = await anyio.to_thread.run_sync(self.sessions.get_or_create, key)
         if command.name == "model":
             if not command.argument:
                 model = await anyio.to_thread.run_sync(self._model_for, session)
-                return self._reply(inbound, f"Model: {model}")
+                return reply_for(inbound, f"Model: {model}")
             name = command.argument.split()[0]
             await anyio.to_thread.run_sync(session.append_model_change, name)
             logger.info("model switched to {}", name)
-            return self._reply(inbound, f"Model for this conversation: {name}")
+            return reply_for(inbound, f"Model for this conversation: {name}")
         if command.name == "compact":
             if self.consolidator is None:
-                return self._reply(inbound, "Memory is turned off here.", is_error=True)
+                return reply_for(inbound, "Memory is turned off here.", is_error=True)
             outcome = await self.consolidator.consolidate_now(key, force=True)
-            return self._reply(inbound, outcome.describe(), is_error=not outcome.ok)
+            return reply_for(inbound, outcome.describe(), is_error=not outcome.ok)
         if command.name == "status":
             ctx = await anyio.to_thread.run_sync(session.build_context)
             used = estimate_messages_tokens(ctx.messages[-(self.config.memory_window + 1) :])
@@ -373,24 +373,5 @@ class AgentLoop:
             ]
             if ctx.summary:
                 lines.append("Summary: yes (older turns are summarized)")
-            return self._reply(inbound, "\n".join(lines))
+            return reply_for(inbound, "\n".join(lines))
         raise AssertionError(f"unhandled command {command.name}")  # parse_command bounds this
-
-    @staticmethod
-    def _reply(
-        inbound: InboundMessage,
-        text: str,
-        *,
-        is_error: bool = False,
-        metadata: dict[str, Any] | None = None,
-    ) -> OutboundMessage:
-        return OutboundMessage(
-            channel=inbound.channel,
-            chat_id=inbound.chat_id,
-            text=text,
-            session_key=inbound.session_key,
-            reply_to=inbound.message_id,
-            thread_id=inbound.thread_id,
-            is_error=is_error,
-            metadata=metadata or {},
-        )

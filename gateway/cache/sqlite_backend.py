@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -27,6 +26,7 @@ from loguru import logger
 
 from gateway.cache.backend import BackendCounts, CacheRecord
 from gateway.cache.policy import SHARED_SCOPE
+from gateway.fsutil import open_sqlite
 
 SCHEMA_VERSION = 1
 _T = TypeVar("_T")
@@ -115,37 +115,9 @@ class SqliteCacheBackend:
             return fn(self._conn)
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            return self._connect()
-        except sqlite3.DatabaseError as exc:
-            # Busy, read-only or missing-folder errors are operational: never move the
-            # file for those. Anything else means the bytes are not a usable database.
-            if isinstance(exc, sqlite3.OperationalError) or not self.path.exists():
-                raise
-            aside = self.path.with_name(f"{self.path.name}.broken-{int(time.time())}")
-            logger.warning("cache file {} is unreadable ({}); moved to {}", self.path, exc, aside)
-            self.path.rename(aside)
-            for suffix in ("-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-            return self._connect()
-
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.path,
-            timeout=self._busy_timeout_ms / 1000,
-            isolation_level=None,
-            check_same_thread=False,
+        return open_sqlite(
+            self.path, what="cache", init=self._migrate, busy_timeout_ms=self._busy_timeout_ms
         )
-        try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            self._migrate(conn)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from loguru import logger
 
-from gateway.memory.files import atomic_write_text
+from gateway.fsutil import atomic_write_text
 from gateway.memory.format import CATEGORIES, normalize_category
 from gateway.memory.index import SearchIndex
 from gateway.memory.text import normalize_text, one_line, tokenize

@@ -27,8 +27,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from gateway.memory.dedupe import redundant_facts
-from gateway.memory.files import (
+from gateway.fsutil import (
     append_text,
     atomic_write_bytes,
     atomic_write_text,
@@ -36,6 +35,7 @@ from gateway.memory.files import (
     ensure_private_dir,
     read_text,
 )
+from gateway.memory.dedupe import redundant_facts
 from gateway.memory.format import (
     consolidated_heading,
     format_fact,

@@ -38,6 +38,7 @@ from loguru import logger
 if TYPE_CHECKING:
     from loguru import Logger
 
+from gateway.fsutil import fsync_dir
 from gateway.sessions.entries import (
     Entry,
     ParentSessionRef,
@@ -180,20 +181,6 @@ def _decode_lines(data: bytes) -> list[str]:
             except UnicodeDecodeError:
                 out.append("\0not utf-8")  # parses as nothing: counted as a bad line
         return out
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a created/renamed/removed name durable (best effort where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _timestamp_tag() -> str:

@@ -1,20 +1,27 @@
-"""Private, crash-safe file primitives for the memory files.
+"""Private, crash-safe file primitives: the one home for how the gateway writes files.
 
 Invariants:
-- Files created here are mode 0600 and folders 0700 (the memory of one person is
-  readable by the daemon's user only).
+- Files created here are mode 0600 and folders 0700 (conversations, memory, caches and
+  pairing records are readable by the daemon's user only).
 - `atomic_write_text` never leaves a half-written file under the target name: the new
   content is written to a temp file in the same folder, fsynced, then renamed over.
 - `append_text` is one `write` in append mode: O(1) whatever the file's size.
 - `create_exclusive` never overwrites an existing file.
+- `open_sqlite` moves a file that is not a database aside (never deletes it) and opens
+  a fresh one; busy, permission or disk errors are raised for the operator instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+from loguru import logger
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -32,7 +39,7 @@ def ensure_private_dir(path: Path) -> None:
 def fsync_dir(path: Path) -> None:
     """Make a rename or a file creation inside `path` durable (no-op where unsupported)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
         return
     try:
@@ -106,3 +113,46 @@ def read_text(path: Path) -> str:
         return path.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def open_sqlite(
+    path: Path,
+    *,
+    what: str,
+    init: Callable[[sqlite3.Connection], None],
+    busy_timeout_ms: int = 5000,
+) -> sqlite3.Connection:
+    """A WAL-mode connection to the SQLite file `path` (0600, folder 0700), with `init`
+    (schema creation or migration) run on it. `what` names the file in log lines.
+
+    Only a file whose bytes are not a database is moved aside (`<name>.broken-<time>`)
+    and replaced by a fresh one; busy, permission or missing-folder errors are raised.
+    """
+    ensure_private_dir(path.parent)
+
+    def connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            path, timeout=busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
+        )
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            init(conn)
+            os.chmod(path, FILE_MODE)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    try:
+        return connect()
+    except sqlite3.DatabaseError as exc:
+        if isinstance(exc, sqlite3.OperationalError) or not path.exists():
+            raise
+        aside = path.with_name(f"{path.name}.broken-{int(time.time())}")
+        logger.warning("{} file {} is unreadable ({}); moved to {}", what, path, exc, aside)
+        path.rename(aside)
+        for suffix in ("-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        return connect()
