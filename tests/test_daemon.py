@@ -380,3 +380,48 @@ async def test_groups_answer_only_when_mentioned(
             sent = await telegram.wait_sent(1)
     assert [m.text for m in sent] == ["echo: bot, help"]
     assert len(fake_openai.chat_requests) == 1
+
+
+async def test_heartbeat_never_overlaps_itself_and_makes_up_missed_runs_once(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    settings = daemon_settings(
+        make_settings,
+        fake_openai,
+        heartbeat__jobs__slow__every="1h",
+        heartbeat__jobs__slow__prompt="Anything new?",
+    )
+    settings.workspace_path.mkdir(parents=True, exist_ok=True)
+    three_days_ago = (datetime.now(UTC) - timedelta(days=3)).isoformat()
+    (settings.workspace_path / "heartbeat-state.json").write_text(
+        json.dumps({"slow": three_days_ago})
+    )
+    fake_openai.add_delay(1.0, "HEARTBEAT_OK")
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    async with running(daemon):
+        await fake_openai.wait_for_requests_async(1)  # the missed runs, made up once
+        await anyio.sleep(1.5)
+    assert len(fake_openai.chat_requests) == 1
+    state = json.loads((settings.workspace_path / "heartbeat-state.json").read_text())
+    assert datetime.fromisoformat(state["slow"]) > datetime.now(UTC) - timedelta(minutes=1)
+
+
+async def test_a_running_heartbeat_is_not_started_again(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(
+        make_settings,
+        fake_openai,
+        heartbeat__jobs__busy__every="1s",
+        heartbeat__jobs__busy__prompt="Slow check",
+    )
+    fake_openai.add_delay(2.5, "HEARTBEAT_OK")
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    async with running(daemon):
+        with anyio.fail_after(10):
+            await fake_openai.wait_for_requests_async(2)
+    first, second = fake_openai.chat_requests[:2]
+    # Due every second, but the second run starts only after the first one finished.
+    assert second.timestamp - first.timestamp >= 2.4
