@@ -89,7 +89,10 @@ def memory_texts(
 ) -> list[str]:
     """What `fit_context` takes as `memory_texts` for a turn: the memory relevant to
     `query`, then the knowledge base's export (`fit_context` drops repeated lines and
-    cuts the block to its share). Scoped by `session_key`. Blocking: worker thread."""
+    cuts the block to its share). Scoped by `session_key`. Blocking: worker thread.
+    A conversation without memory yet costs one stat: reading creates nothing."""
+    if not store.exists(session_key):
+        return []
     manager = store.for_session(session_key)
     relevant = relevant_memory(manager, query, limit=limit) if query.strip() else []
     return ["\n".join(relevant), manager.knowledge.export_for_context(export_chars)]

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from gateway.memory.manager import MemoryManager
-from gateway.memory.scopes import ScopeMode, scope_for_session
+from gateway.memory.scopes import ScopeMode, scope_dir, scope_for_session
 
 
 class MemoryStore:
@@ -46,6 +46,14 @@ class MemoryStore:
     def scope_for(self, session_key: str) -> str:
         """The scope `session_key` uses in this store's mode."""
         return scope_for_session(session_key, self.mode)
+
+    def exists(self, session_key: str) -> bool:
+        """Has `session_key`'s scope any memory yet? A stat, nothing is created."""
+        scope = self.scope_for(session_key)
+        with self._lock:
+            if scope in self._alive:
+                return True
+        return scope_dir(self.workspace_path, scope).is_dir()
 
     def for_session(self, session_key: str) -> MemoryManager:
         """The manager holding `session_key`'s memory (opened on first use)."""
