@@ -303,7 +303,9 @@ def _count_thread_hops() -> list[int]:
 
 async def measure_parts() -> dict[str, float]:
     """Microseconds per call of the pieces a turn is made of, one at a time."""
-    from gateway.agent.context import build_llm_messages
+    from gateway.agent.context import ContextBuilder
+
+    builder = ContextBuilder(context_window=32_768, reply_reserve=1024, max_messages=11)
 
     out: dict[str, float] = {}
     for size in (2, 26, 50, 200, 2000):
@@ -316,14 +318,8 @@ async def measure_parts() -> dict[str, float]:
         repeat = 20 if size > 500 else 200
         start = time.perf_counter()
         for _ in range(repeat):
-            build_llm_messages(
-                system_prompt=AgentConfig(model="m").system_prompt,
-                summary=None,
-                history=history,
-                max_messages=11,
-                budget_tokens=32_768 - 1024,
-            )
-        out[f"build_llm_messages, {size:,}-message history"] = (
+            builder.build(system_prompt=AgentConfig(model="m").system_prompt, history=history)
+        out[f"context build, {size:,}-message history"] = (
             (time.perf_counter() - start) / repeat * 1e6
         )
     repeat = 2000

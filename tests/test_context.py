@@ -1,16 +1,11 @@
-"""Pure context policies: tool-pair repair and the recent window."""
+"""Pure context policies: tool-pair repair and the recent window of fit_context."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.agent.context import (
-    INTERRUPTED_TOOL_RESULT,
-    build_llm_messages,
-    repair_tool_pairs,
-    select_window,
-)
+from gateway.agent.context import INTERRUPTED_TOOL_RESULT, fit_context, repair_tool_pairs
 from gateway.llm import LLMMessage, ToolCall
 
 
@@ -67,32 +62,36 @@ def test_repair_always_yields_well_paired_history(msgs: list[LLMMessage]) -> Non
     assert [m for m in fixed if m.role != "tool"] == [m for m in msgs if m.role != "tool"]
 
 
-@given(messages_strategy, st.integers(min_value=1, max_value=10), st.integers(0, 200))
-def test_window_keeps_last_message_and_pairs(
-    msgs: list[LLMMessage], max_messages: int, max_tokens: int
+@given(messages_strategy, st.integers(min_value=1, max_value=10), st.integers(300, 2000))
+def test_context_keeps_last_message_and_pairs(
+    msgs: list[LLMMessage], max_messages: int, window: int
 ) -> None:
     msgs = [*msgs, user("the new question")]
-    window = select_window(msgs, max_messages=max_messages, max_tokens=max_tokens)
-    assert window[-1] == msgs[-1]
-    assert_well_paired(window)
+    plan = fit_context(
+        system_prompt="sys", history=msgs, context_window=window, max_messages=max_messages
+    )
+    assert plan.messages[0].role == "system"
+    assert plan.messages[-1] == msgs[-1]
+    assert_well_paired(list(plan.messages[1:]))
 
 
-def test_window_cuts_oldest_by_count_and_tokens() -> None:
+def test_context_caps_the_recent_window_by_count() -> None:
     msgs = [user(f"m{i} " + "x" * 400) for i in range(10)]
-    assert select_window(msgs, max_messages=3, max_tokens=10**6) == msgs[-3:]
-    by_tokens = select_window(msgs, max_messages=10, max_tokens=250)
-    assert by_tokens == msgs[-2:]
+    plan = fit_context(system_prompt="sys", history=msgs, context_window=10**6, max_messages=3)
+    assert list(plan.messages[1:]) == msgs[-3:]
     huge = [user("y" * 100_000)]
-    assert select_window(huge, max_messages=5, max_tokens=10) == huge
+    assert (
+        list(fit_context(system_prompt="s", history=huge, context_window=300).messages[1:]) == huge
+    )
 
 
-def test_build_puts_system_then_summary_then_window() -> None:
-    out = build_llm_messages(
+def test_context_is_system_then_summary_then_window() -> None:
+    plan = fit_context(
         system_prompt="sys",
         summary="earlier: we met",
         history=[user("a"), user("b")],
         max_messages=5,
-        budget_tokens=1000,
+        context_window=1000,
     )
-    assert [m.role for m in out] == ["system", "system", "user", "user"]
-    assert "earlier: we met" in (out[1].content or "")
+    assert [m.role for m in plan.messages] == ["system", "system", "user", "user"]
+    assert "earlier: we met" in (plan.messages[1].content or "")

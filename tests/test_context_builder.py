@@ -16,7 +16,6 @@ from gateway.agent.context import (
     ContextBuilder,
     PruningPolicy,
     UsageHint,
-    build_llm_messages,
     estimate_branch_tokens,
     fit_context,
     score_importance,
@@ -329,17 +328,6 @@ def test_trim_middle_fits_and_keeps_ends() -> None:
     assert estimate_text_tokens(cut) <= 300
     assert cut.startswith("start") and cut.endswith("end")
     assert trim_middle("short", 10) == "short"
-
-
-def test_build_llm_messages_is_fit_context_without_memory() -> None:
-    out = build_llm_messages(
-        system_prompt="sys",
-        summary=None,
-        history=[user(filler(i)) for i in range(30)] + [user("q")],
-        max_messages=5,
-        budget_tokens=100_000,
-    )
-    assert len(out) == 1 + 5 and out[-1].content == "q"
 
 
 # -- a long scripted conversation through a real session ------------------------------------

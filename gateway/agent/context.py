@@ -81,23 +81,6 @@ def repair_tool_pairs(messages: Sequence[LLMMessage]) -> list[LLMMessage]:
     return repaired
 
 
-def select_window(
-    history: Sequence[LLMMessage], *, max_messages: int, max_tokens: int
-) -> list[LLMMessage]:
-    """The most recent messages of `history` that fit both bounds, oldest first.
-
-    The last message (the turn being answered) is always kept, whatever its size. The
-    window never starts with a tool result whose call it cut off.
-    """
-    if not history:
-        return []
-    window = list(history[-max_messages:]) if max_messages > 0 else [history[-1]]
-    used = sum(estimate_message_tokens(m) for m in window)
-    while len(window) > 1 and used > max_tokens:
-        used -= estimate_message_tokens(window.pop(0))
-    return repair_tool_pairs(window)
-
-
 # -- token accounting with the provider's reported usage -----------------------------------
 
 
@@ -720,24 +703,3 @@ class ContextBuilder:
 
     def hint_for(self, session_key: str) -> UsageHint | None:
         return self._hints.get(session_key)
-
-
-def build_llm_messages(
-    *,
-    system_prompt: str,
-    summary: str | None,
-    history: Sequence[LLMMessage],
-    max_messages: int,
-    budget_tokens: int,
-) -> list[LLMMessage]:
-    """System prompt, then the session summary, then the recent window of `history`
-    (whose last message is the new user message), fitted to `budget_tokens`: the plain
-    form of `fit_context` (no memory, no reply reserve)."""
-    plan = fit_context(
-        system_prompt=system_prompt,
-        history=history,
-        summary=summary,
-        context_window=budget_tokens,
-        max_messages=max_messages,
-    )
-    return list(plan.messages)
