@@ -339,19 +339,22 @@ class Dispatcher:
         return ticket
 
     async def _admit(self, item: _Item) -> None:
-        """Access, then dedupe, while the item keeps its place in the lane."""
+        """Dedupe, then access, while the item keeps its place in the lane. Dedupe goes
+        first so that a platform's redelivery of a refused message is a duplicate, not a
+        second refusal (or a second pairing code)."""
         assert item.ready is not None
         allowed = self._access is None
         try:
+            key, store = item.dedupe_key, self._dedupe
+            if key is not None and store is not None and await self._is_duplicate(key, store):
+                self._skip(item, None)
+                return
             if self._access is not None:
                 decision = await self._check_access(item.message)
                 if not isinstance(decision, Allow):
                     self._skip(item, decision)
                     return
                 allowed = True
-            key, store = item.dedupe_key, self._dedupe
-            if key is not None and store is not None and await self._is_duplicate(key, store):
-                self._skip(item, None)
         finally:
             if not allowed and not item.skip:
                 # `submit` was cancelled before the access check answered: nothing

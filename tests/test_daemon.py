@@ -304,6 +304,9 @@ async def test_pairing_end_to_end(
             [notice] = await telegram.wait_sent(1)
         code = notice.text.split("pairing code is ", 1)[1].split()[0]
         assert fake_openai.chat_requests == []  # nothing reached the LLM
+        await (await telegram.submit(stranger)).reply()  # the platform redelivers it
+        await anyio.sleep(0.1)
+        assert len(telegram.sent) == 1  # a duplicate, not a second notice
         again = InboundMessage(
             channel="telegram", chat_id="900", sender_id="900", text="hi", message_id="900:2"
         )
