@@ -43,13 +43,14 @@ import contextlib
 import itertools
 import json
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from tests.fakes._serving import LocalServer, at_least
 
 DEFAULT_API_KEY = "sk-fake-test-key"
 
@@ -327,12 +328,15 @@ def _argument_pieces(arguments: str, size: int = 8) -> list[str]:
     return [arguments[i : i + size] for i in range(0, len(arguments), size)] or [""]
 
 
-class FakeOpenAI:
+class FakeOpenAI(LocalServer):
     """A scriptable OpenAI-compatible server; see the module docstring for usage.
 
     Every chat request gets exactly one reply: the model's failure rule if any, else the
-    first queued reply it may consume, else the responder's answer.
+    first queued reply it may consume, else the responder's answer. In thread mode the
+    responder is called in the fake's thread.
     """
+
+    _thread_name = "fake-openai"
 
     def __init__(
         self,
@@ -344,98 +348,30 @@ class FakeOpenAI:
     ) -> None:
         """`api_key=None` accepts any or no Authorization header (like a local server);
         `validate=False` skips the request checks of `validate_chat_request`."""
+        super().__init__()
         self.api_key = api_key
         self.models = list(models)
         self.responder: Responder = responder or echo_responder
         self.validate = validate
-        self._lock = threading.Condition()
         self._queue: list[Reply] = []
         self._model_failures: dict[str, Reply] = {}
         self._requests: list[RecordedRequest] = []
         self._ids = itertools.count(1)
-        self._runner: web.AppRunner | None = None
-        self._port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closing: asyncio.Event | None = None
-        self._arrival: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
 
     # -- running ----------------------------------------------------------------------
 
     @property
     def base_url(self) -> str:
         """The URL to give an OpenAI client, e.g. ``http://127.0.0.1:41234/v1``."""
-        if self._port is None:
-            raise RuntimeError("FakeOpenAI is not running")
-        return f"http://127.0.0.1:{self._port}/v1"
+        return f"{self.url}/v1"
 
-    async def start(self) -> None:
-        """Start serving in the running event loop."""
+    def _build_app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/v1/models/{model_id}", self._get_model)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
-        self._closing = asyncio.Event()
-        self._arrival = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-        runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self._runner = runner
-        self._port = int(runner.addresses[0][1])
-
-    async def stop(self) -> None:
-        """Stop serving; pending delayed replies are cut short."""
-        if self._closing is not None:
-            self._closing.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> FakeOpenAI:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
-    @classmethod
-    @contextlib.contextmanager
-    def in_thread(cls, **kwargs: Any) -> Iterator[FakeOpenAI]:
-        """Run a fake in its own thread and event loop for the `with` block (the
-        responder is then called in that thread)."""
-        fake = cls(**kwargs)
-        ready = threading.Event()
-        failures: list[BaseException] = []
-        loop = asyncio.new_event_loop()
-
-        def serve() -> None:
-            try:
-                loop.run_until_complete(fake.start())
-            except BaseException as exc:
-                failures.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(fake.stop())
-            loop.close()
-
-        fake._thread = threading.Thread(target=serve, name="fake-openai", daemon=True)
-        fake._thread.start()
-        ready.wait(10)
-        if failures:
-            raise failures[0]
-        try:
-            yield fake
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            fake._thread.join(10)
+        return app
 
     # -- scripting --------------------------------------------------------------------
 
@@ -571,26 +507,19 @@ class FakeOpenAI:
 
     def wait_for_requests(self, count: int, timeout: float = 5.0) -> list[RecordedRequest]:
         """Block until at least `count` requests arrived (for thread mode)."""
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not None and running is self._loop:
-            # Blocking here would stop the very loop that serves the requests.
-            raise RuntimeError("use `await fake.wait_for_requests_async(...)` in the event loop")
-        with self._lock:
-            if not self._lock.wait_for(lambda: len(self._requests) >= count, timeout):
-                raise TimeoutError(f"{len(self._requests)} of {count} requests after {timeout}s")
-            return list(self._requests)
+        return self._wait_blocking(
+            at_least(count, lambda: self.requests),
+            timeout,
+            async_method="wait_for_requests_async",
+            describe_timeout=lambda: f"{len(self._requests)} of {count} requests after {timeout}s",
+        )
 
     async def wait_for_requests_async(self, count: int) -> list[RecordedRequest]:
         """Wait, without blocking the event loop, until at least `count` requests arrived.
         Bound it with ``anyio.fail_after(...)``. For the event-loop mode only."""
-        if self._arrival is None or asyncio.get_running_loop() is not self._loop:
+        if self._loop is None or asyncio.get_running_loop() is not self._loop:
             raise RuntimeError("the fake is not serving in this event loop; use wait_for_requests")
-        while len(requests := self.requests) < count:
-            await self._arrival.wait()
-        return requests
+        return await self._until(at_least(count, lambda: self.requests))
 
     # -- handlers ---------------------------------------------------------------------
 
@@ -611,11 +540,7 @@ class FakeOpenAI:
         )
         with self._lock:
             self._requests.append(recorded)
-            self._lock.notify_all()
-        if self._arrival is not None:
-            # A fresh event per arrival lets waiters re-check their count after each one.
-            arrived, self._arrival = self._arrival, asyncio.Event()
-            arrived.set()
+        self._notify()
         return recorded
 
     def _auth_error(self, recorded: RecordedRequest) -> web.Response | None:

@@ -58,15 +58,16 @@ import hmac
 import itertools
 import json
 import re
-import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
+
+from tests.fakes._serving import LocalApiServer
 
 DEFAULT_BOT_TOKEN = "xoxb-1000000001-2000000002-FakeSlackBotTokenForTests"
 DEFAULT_APP_TOKEN = "xapp-1-A0FAKEAPP01-3000000003-fakeslackapptokenfortests"
@@ -75,7 +76,6 @@ MAX_TEXT_LENGTH = 40_000
 MAX_BLOCKS = 50
 
 Payload = dict[str, Any]
-T = TypeVar("T")
 
 _CHANNEL_ID = re.compile(r"^[CGDZ][A-Z0-9]{2,}$")
 _USER_ID = re.compile(r"^[UWB][A-Z0-9]{2,}$")
@@ -164,12 +164,14 @@ TokenKind = Literal["bot", "app"]
 Handler = Callable[[dict[str, Any]], Awaitable[Payload]]
 
 
-class FakeSlack:
+class FakeSlack(LocalApiServer[ApiCall]):
     """A scriptable Slack; see the module docstring for usage.
 
     Every envelope the fake sends is logged in `envelopes` and every ack in `acks`; a
     retried event keeps its event_id and gets a new envelope_id, as Slack does.
     """
+
+    _thread_name = "fake-slack"
 
     def __init__(
         self,
@@ -186,6 +188,7 @@ class FakeSlack:
         bot_name: str = "gateway",
         app_id: str = "A0FAKEAPP01",
     ) -> None:
+        super().__init__()
         self.bot_token = bot_token
         self.app_token = app_token
         self.signing_secret = signing_secret
@@ -197,8 +200,6 @@ class FakeSlack:
         self.bot_id = bot_id
         self.bot_name = bot_name
         self.app_id = app_id
-        self._lock = threading.Condition()
-        self._calls: list[ApiCall] = []
         self._faults: list[_Fault] = []
         self._messages: dict[tuple[str, str], Payload] = {}
         self._users: dict[str, str] = {bot_user_id: bot_name}
@@ -219,42 +220,20 @@ class FakeSlack:
             "conversations.info": ("bot", self._conversations_info),
             "users.info": ("bot", self._users_info),
         }
-        self._runner: web.AppRunner | None = None
-        self._port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
 
     # -- running ----------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """The server root, e.g. ``http://127.0.0.1:41234``."""
-        if self._port is None:
-            raise RuntimeError("FakeSlack is not running")
-        return f"http://127.0.0.1:{self._port}"
 
     @property
     def api_url(self) -> str:
         """slack-sdk's ``base_url``, with the trailing slash it needs: ``{url}/api/``."""
         return f"{self.url}/api/"
 
-    async def start(self) -> None:
-        """Start serving in the running event loop."""
+    def _build_app(self) -> web.Application:
         app = web.Application()
         app.router.add_route("*", "/api/{method}", self._api)
         app.router.add_get("/socket", self._socket)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
-        self._changed = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-        runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self._runner = runner
-        self._port = int(runner.addresses[0][1])
+        return app
 
     async def stop(self) -> None:
         """Close open sockets (code 1001) and stop serving."""
@@ -263,76 +242,7 @@ class FakeSlack:
         for socket in sockets:
             with contextlib.suppress(Exception):
                 await socket.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> FakeSlack:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
-    @classmethod
-    @contextlib.contextmanager
-    def in_thread(cls, **kwargs: Any) -> Iterator[FakeSlack]:
-        """Run a fake in its own thread and event loop for the `with` block."""
-        fake = cls(**kwargs)
-        ready = threading.Event()
-        failures: list[BaseException] = []
-        loop = asyncio.new_event_loop()
-
-        def serve() -> None:
-            try:
-                loop.run_until_complete(fake.start())
-            except BaseException as exc:
-                failures.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(fake.stop())
-            loop.close()
-
-        fake._thread = threading.Thread(target=serve, name="fake-slack", daemon=True)
-        fake._thread.start()
-        ready.wait(10)
-        if failures:
-            raise failures[0]
-        try:
-            yield fake
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            fake._thread.join(10)
-
-    async def _on_server_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` in the loop that serves the fake, awaiting it from any loop."""
-        loop = self._loop
-        if loop is None:
-            coro.close()
-            raise RuntimeError("FakeSlack is not running")
-        if asyncio.get_running_loop() is loop:
-            return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
-
-    async def _until(self, condition: Callable[[], T | None]) -> T:
-        """In the server loop: wait until `condition()` returns something."""
-        while True:
-            changed = self._changed
-            if (found := condition()) is not None:
-                return found
-            assert changed is not None
-            await changed.wait()
-
-    def _notify(self) -> None:
-        """Wake `_until` waiters; call in the server loop."""
-        with self._lock:
-            self._lock.notify_all()
-        if self._changed is not None:
-            changed, self._changed = self._changed, asyncio.Event()
-            changed.set()
+        await super().stop()
 
     # -- scripting --------------------------------------------------------------------
 
@@ -744,15 +654,6 @@ class FakeSlack:
 
     # -- the call log -----------------------------------------------------------------
 
-    @property
-    def calls(self) -> list[ApiCall]:
-        """Every answered Web API call, oldest first (a snapshot)."""
-        with self._lock:
-            return list(self._calls)
-
-    def calls_to(self, method: str) -> list[ApiCall]:
-        return [c for c in self.calls if c.method == method]
-
     def posted_messages(self, channel: str | None = None) -> list[Payload]:
         """The ``message`` of every successful chat.postMessage and chat.update, in order,
         each with its ``channel`` (an update shows up again, with ``edited``)."""
@@ -763,30 +664,6 @@ class FakeSlack:
                 if channel is None or message["channel"] == channel:
                     posted.append(message)
         return posted
-
-    def wait_for_calls(self, method: str, count: int = 1, timeout: float = 5.0) -> list[ApiCall]:
-        """Block until at least `count` calls of `method` were answered (thread mode)."""
-        if self._loop is not None and _running_loop() is self._loop:
-            raise RuntimeError("use `await fake.wait_for_calls_async(...)` in the event loop")
-        with self._lock:
-            if not self._lock.wait_for(
-                lambda: sum(c.method == method for c in self._calls) >= count, timeout
-            ):
-                raise TimeoutError(
-                    f"{sum(c.method == method for c in self._calls)} of {count} {method} "
-                    f"calls after {timeout}s; calls: {[c.method for c in self._calls]}"
-                )
-            return [c for c in self._calls if c.method == method]
-
-    async def wait_for_calls_async(self, method: str, count: int = 1) -> list[ApiCall]:
-        """Wait until at least `count` calls of `method` were answered, from any event
-        loop. Bound it with ``asyncio.timeout(...)``."""
-
-        def enough() -> list[ApiCall] | None:
-            found = self.calls_to(method)
-            return found if len(found) >= count else None
-
-        return await self._on_server_loop(self._until(enough))
 
     # -- Web API ----------------------------------------------------------------------
 
@@ -817,9 +694,7 @@ class FakeSlack:
             if exc.error == "unknown_method":
                 body["req_method"] = method
         call = ApiCall(method, params, token, time.time(), status, body)
-        with self._lock:
-            self._calls.append(call)
-        self._notify()
+        self._log_call(call)
         return web.json_response(body, status=status, headers=headers)
 
     def _check_token(self, token: str | None, kind: TokenKind) -> None:
@@ -952,13 +827,6 @@ class FakeSlack:
                 "profile": {"display_name": name, "real_name": name.title()},
             }
         }
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def _channel_type(channel: str) -> str:

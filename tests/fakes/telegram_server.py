@@ -60,15 +60,16 @@ import copy
 import itertools
 import json
 import re
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
+
+from tests.fakes._serving import LocalApiServer
 
 DEFAULT_TOKEN = "123456789:AAFakeTelegramBotTokenForTests-0123456"
 MAX_MESSAGE_LENGTH = 4096  # UTF-16 code units, after entity parsing
@@ -77,7 +78,6 @@ WEBHOOK_SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 ChatType = Literal["private", "group", "supergroup", "channel"]
 Update = dict[str, Any]
 Message = dict[str, Any]
-T = TypeVar("T")
 
 # Update kinds the server leaves out unless `allowed_updates` names them.
 _OPT_IN_UPDATES = frozenset({"chat_member", "message_reaction", "message_reaction_count"})
@@ -481,13 +481,15 @@ def _bad_request(description: str) -> _ApiError:
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 
 
-class FakeTelegram:
+class FakeTelegram(LocalApiServer[ApiCall]):
     """A scriptable Telegram Bot API server; see the module docstring for usage.
 
     Every pushed update is delivered by getUpdates at most until a later call's
     ``offset`` passes its update_id; message ids are per chat and shared by the users'
     and the bot's messages, as in real chats.
     """
+
+    _thread_name = "fake-telegram"
 
     def __init__(
         self,
@@ -500,14 +502,13 @@ class FakeTelegram:
         can_read_all_group_messages: bool = False,
     ) -> None:
         """`bot_id` defaults to the numeric prefix of `token`, as on the real server."""
+        super().__init__()
         self.token = token
         prefix = token.split(":", 1)[0]
         self.bot_id = bot_id if bot_id is not None else int(prefix) if prefix.isdigit() else 1
         self.bot_username = bot_username
         self.bot_first_name = bot_first_name
         self.can_read_all_group_messages = can_read_all_group_messages
-        self._lock = threading.Condition()
-        self._calls: list[ApiCall] = []
         self._updates: list[Update] = []
         self._next_update_id = first_update_id
         self._allowed_updates: list[str] = []
@@ -538,21 +539,8 @@ class FakeTelegram:
                 "deleteMyCommands": self._delete_my_commands,
             }.items()
         }
-        self._runner: web.AppRunner | None = None
-        self._port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closing: asyncio.Event | None = None
-        self._changed: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
 
     # -- running ----------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """The server root, e.g. ``http://127.0.0.1:41234``."""
-        if self._port is None:
-            raise RuntimeError("FakeTelegram is not running")
-        return f"http://127.0.0.1:{self._port}"
 
     @property
     def api_url(self) -> str:
@@ -574,104 +562,12 @@ class FakeTelegram:
             "username": self.bot_username,
         }
 
-    async def start(self) -> None:
-        """Start serving in the running event loop."""
+    def _build_app(self) -> web.Application:
         app = web.Application()
         app.router.add_route("*", "/bot{token}/{method}", self._api)
         app.router.add_get("/file/bot{token}/{file_path:.+}", self._download)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
-        self._closing = asyncio.Event()
-        self._changed = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-        runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self._runner = runner
-        self._port = int(runner.addresses[0][1])
-
-    async def stop(self) -> None:
-        """Stop serving; pending long polls are cut short."""
-        if self._closing is not None:
-            self._closing.set()
-        self._wake()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> FakeTelegram:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
-    @classmethod
-    @contextlib.contextmanager
-    def in_thread(cls, *args: Any, **kwargs: Any) -> Iterator[FakeTelegram]:
-        """Run a fake in its own thread and event loop for the `with` block."""
-        fake = cls(*args, **kwargs)
-        ready = threading.Event()
-        failures: list[BaseException] = []
-        loop = asyncio.new_event_loop()
-
-        def serve() -> None:
-            try:
-                loop.run_until_complete(fake.start())
-            except BaseException as exc:
-                failures.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(fake.stop())
-            loop.close()
-
-        fake._thread = threading.Thread(target=serve, name="fake-telegram", daemon=True)
-        fake._thread.start()
-        ready.wait(10)
-        if failures:
-            raise failures[0]
-        try:
-            yield fake
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            fake._thread.join(10)
-
-    async def _on_server_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` in the loop that serves the fake, awaiting it from any loop."""
-        loop = self._loop
-        if loop is None:
-            coro.close()
-            raise RuntimeError("FakeTelegram is not running")
-        if asyncio.get_running_loop() is loop:
-            return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
-
-    def _wake(self) -> None:
-        """Tell every waiter (long polls, `wait_for_calls_async`) that the state changed;
-        safe from any thread."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            self._set_changed()
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._set_changed)
-
-    def _set_changed(self) -> None:
-        # A fresh event per change lets each waiter re-check its condition.
-        if self._changed is not None:
-            changed, self._changed = self._changed, asyncio.Event()
-            changed.set()
+        return app
 
     # -- scripting: updates -----------------------------------------------------------
 
@@ -685,7 +581,7 @@ class FakeTelegram:
             self._remember_messages(update)
             self._updates.append(copy.deepcopy(update))
             self._updates.sort(key=lambda u: int(u["update_id"]))
-        self._wake()
+        self._notify()
         return update
 
     def redeliver(self, update: Update) -> Update:
@@ -695,7 +591,7 @@ class FakeTelegram:
         with self._lock:
             self._updates.append(copy.deepcopy(update))
             self._updates.sort(key=lambda u: int(u["update_id"]))
-        self._wake()
+        self._notify()
         return update
 
     @property
@@ -856,17 +752,6 @@ class FakeTelegram:
 
     # -- the call log -----------------------------------------------------------------
 
-    @property
-    def calls(self) -> list[ApiCall]:
-        """Every answered call so far, in the order the answers went out (a snapshot; a
-        pending long poll shows up when it is answered)."""
-        with self._lock:
-            return list(self._calls)
-
-    def calls_to(self, method: str) -> list[ApiCall]:
-        canonical = self._canonical(method)
-        return [c for c in self.calls if c.method == canonical]
-
     def sent_messages(self, chat_id: int | None = None) -> list[Message]:
         """The Message results of successful sendMessage and editMessageText calls, in
         order (an edit appears again, with its ``edit_date``)."""
@@ -892,43 +777,6 @@ class FakeTelegram:
         """The command list setMyCommands stored for a scope type and language."""
         with self._lock:
             return copy.deepcopy(self._commands.get((scope_type, language_code), []))
-
-    def wait_for_calls(self, method: str, count: int = 1, timeout: float = 5.0) -> list[ApiCall]:
-        """Block until at least `count` calls of `method` were answered (thread mode)."""
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not None and running is self._loop:
-            # Blocking here would stop the very loop that serves the calls.
-            raise RuntimeError("use `await fake.wait_for_calls_async(...)` in the event loop")
-        canonical = self._canonical(method)
-
-        def matching() -> list[ApiCall]:
-            return [c for c in self._calls if c.method == canonical]
-
-        with self._lock:
-            if not self._lock.wait_for(lambda: len(matching()) >= count, timeout):
-                raise TimeoutError(
-                    f"{len(matching())} of {count} {canonical} calls after {timeout}s; "
-                    f"calls: {[c.method for c in self._calls]}"
-                )
-            return matching()
-
-    async def wait_for_calls_async(self, method: str, count: int = 1) -> list[ApiCall]:
-        """Wait, without blocking the event loop, until at least `count` calls of
-        `method` were answered; works from any event loop. Bound it with
-        ``asyncio.timeout(...)``."""
-
-        async def enough() -> list[ApiCall]:
-            while True:
-                changed = self._changed
-                if len(found := self.calls_to(method)) >= count:
-                    return found
-                assert changed is not None
-                await changed.wait()
-
-        return await self._on_server_loop(enough())
 
     # -- webhook delivery -------------------------------------------------------------
 
@@ -1036,10 +884,7 @@ class FakeTelegram:
             response=body,
             content_type=request.content_type if request.body_exists else "",
         )
-        with self._lock:
-            self._calls.append(call)
-            self._lock.notify_all()
-        self._wake()
+        self._log_call(call)
         return _response(status, body)
 
     def _raise_scripted_fault(self, method: str) -> None:
@@ -1077,7 +922,7 @@ class FakeTelegram:
                 self._updates = self._updates[offset:]
             self._poll_generation += 1
             generation = self._poll_generation
-        self._wake()  # an older pending poll is now terminated
+        self._notify()  # an older pending poll is now terminated
         assert self._closing is not None and self._loop is not None
         deadline = self._loop.time() + timeout
         while True:
@@ -1209,7 +1054,7 @@ class FakeTelegram:
                 "has_custom_certificate": params.get("certificate") is not None,
             }
             self._webhook_error = None
-        self._wake()
+        self._notify()
         return _WithDescription(True, "Webhook was set")
 
     async def _delete_webhook(self, params: dict[str, Any]) -> _WithDescription:
