@@ -146,3 +146,17 @@ def test_cache_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI)
     assert cleared.returncode == 0 and "removed 1 entries" in cleared.stdout
     usage = run_gateway(["cache", "invalidate"], env, tmp_path)
     assert usage.returncode == 2
+
+
+def test_cache_stats_count_lookups_of_other_processes(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    for session in ("a", "b", "c"):
+        out = run_gateway(["chat", "--session", session, "-m", "what is TCP?"], env, tmp_path)
+        assert out.returncode == 0, out.stderr
+    stats = json.loads(run_gateway(["cache", "stats", "--json"], env, tmp_path).stdout)
+    assert (stats["hits"], stats["misses"]) == (2, 1)

@@ -58,8 +58,9 @@ class CachedAnswer:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """Counters for metrics. Lookups the policy bypassed are not counted. On Redis the
-    counters are shared by every replica; on SQLite they count this process since start."""
+    """Counters for metrics. Lookups the policy bypassed are not counted. The counters
+    are shared by every process using the backend (Redis: live; SQLite: as of each
+    process's last `stats` call or close), so aggregate replicas with max(), not sum()."""
 
     entries: int
     hits: int

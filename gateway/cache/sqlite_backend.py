@@ -28,7 +28,7 @@ from gateway.cache.backend import BackendCounts, CacheRecord
 from gateway.cache.policy import SHARED_SCOPE
 from gateway.fsutil import open_sqlite
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _T = TypeVar("_T")
 
 _SCHEMA = (
@@ -52,9 +52,11 @@ _SCHEMA = (
     """CREATE TABLE totals (
         id INTEGER PRIMARY KEY CHECK (id = 1),
         entries INTEGER NOT NULL,
-        bytes INTEGER NOT NULL
+        bytes INTEGER NOT NULL,
+        hits INTEGER NOT NULL DEFAULT 0,
+        misses INTEGER NOT NULL DEFAULT 0
     )""",
-    "INSERT INTO totals (id, entries, bytes) VALUES (1, 0, 0)",
+    "INSERT INTO totals (id, entries, bytes, hits, misses) VALUES (1, 0, 0, 0, 0)",
     """CREATE TRIGGER entries_inserted AFTER INSERT ON entries BEGIN
         UPDATE totals SET entries = entries + 1, bytes = bytes + NEW.size WHERE id = 1;
     END""",
@@ -93,7 +95,8 @@ class SqliteCacheBackend:
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()  # held by worker threads only, never on the loop
         self._limiter: anyio.CapacityLimiter | None = None
-        # Lookup counters are per process since start (Prometheus counters may reset).
+        # Lookups counted since the last fold into the file's totals: a lookup stays a
+        # pure read; `counts` and `aclose` add these to the shared, persisted totals.
         self._counter_lock = threading.Lock()
         self._hits = 0
         self._misses = 0
@@ -237,16 +240,32 @@ class SqliteCacheBackend:
             else:
                 self._misses += 1
 
-    async def counts(self, *, now: float) -> BackendCounts:
-        def read(conn: sqlite3.Connection) -> tuple[int, int]:
-            self._write(conn, lambda c: self._purge_expired(c, now))
-            entries, size = conn.execute(
-                "SELECT entries, bytes FROM totals WHERE id = 1"
-            ).fetchone()
-            return int(entries), int(size)
+    def _fold_counts(self, conn: sqlite3.Connection) -> None:
+        """Add this process's lookups since the last fold to the file's totals, so
+        every process (the daemon, `gateway cache stats`) reads the same counts."""
+        with self._counter_lock:
+            hits, misses = self._hits, self._misses
+            self._hits = self._misses = 0
+        if hits or misses:
+            conn.execute(
+                "UPDATE totals SET hits = hits + ?, misses = misses + ? WHERE id = 1",
+                (hits, misses),
+            )
 
-        entries, size = await self._run(read)
-        return BackendCounts(entries=entries, bytes=size, hits=self._hits, misses=self._misses)
+    async def counts(self, *, now: float) -> BackendCounts:
+        def read(conn: sqlite3.Connection) -> tuple[int, int, int, int]:
+            def fold_and_purge(c: sqlite3.Connection) -> None:
+                self._fold_counts(c)
+                self._purge_expired(c, now)
+
+            self._write(conn, fold_and_purge)
+            entries, size, hits, misses = conn.execute(
+                "SELECT entries, bytes, hits, misses FROM totals WHERE id = 1"
+            ).fetchone()
+            return int(entries), int(size), int(hits), int(misses)
+
+        entries, size, hits, misses = await self._run(read)
+        return BackendCounts(entries=entries, bytes=size, hits=hits, misses=misses)
 
     async def shared_queries(self, partition: str, *, now: float) -> list[tuple[str, str]]:
         def read(conn: sqlite3.Connection) -> list[tuple[str, str]]:
@@ -265,5 +284,9 @@ class SqliteCacheBackend:
     def _close(self) -> None:
         with self._lock:
             if self._conn is not None:
+                try:
+                    self._write(self._conn, self._fold_counts)
+                except sqlite3.Error as exc:
+                    logger.warning("cache counters not saved: {}", exc)
                 self._conn.close()
                 self._conn = None
