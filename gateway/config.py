@@ -177,6 +177,9 @@ class DispatchSettings(_Section):
     max_queue_per_lane: int = Field(
         50, ge=1, description="Messages waiting per session before senders are told to wait."
     )
+    max_queued_total: int = Field(
+        10_000, ge=1, description="Messages waiting in all sessions together, at most."
+    )
     mode: Literal["followup", "collect"] = Field(
         "followup",
         description="Messages sent while a session is busy: followup = one turn each, "

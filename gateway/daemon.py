@@ -264,6 +264,7 @@ class Daemon:
             self.deliver,
             max_concurrent_turns=settings.dispatch.max_concurrent_turns,
             max_queue_per_lane=settings.dispatch.max_queue_per_lane,
+            max_queued_total=settings.dispatch.max_queued_total,
             mode=settings.dispatch.mode,
             dedupe=self.dedupe,
             access=self.access,

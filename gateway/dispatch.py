@@ -236,6 +236,7 @@ class Dispatcher:
         *,
         max_concurrent_turns: int = 8,
         max_queue_per_lane: int = 50,
+        max_queued_total: int = 10_000,
         mode: Mode = "followup",
         dedupe: DedupeStore | None = None,
         access: AccessCheck | None = None,
@@ -247,6 +248,8 @@ class Dispatcher:
             raise ValueError("max_concurrent_turns must be at least 1")
         if max_queue_per_lane < 1:
             raise ValueError("max_queue_per_lane must be at least 1")
+        if max_queued_total < 1:
+            raise ValueError("max_queued_total must be at least 1")
         if mode not in ("followup", "collect"):
             raise ValueError(f"mode must be 'followup' or 'collect', not {mode!r}")
         if idle_lane_ttl < 0:
@@ -255,6 +258,7 @@ class Dispatcher:
         self._deliver = deliver
         self.max_concurrent_turns = max_concurrent_turns
         self.max_queue_per_lane = max_queue_per_lane
+        self.max_queued_total = max_queued_total
         self.mode: Mode = mode
         self.idle_lane_ttl = idle_lane_ttl
         self.deliver_timeout = deliver_timeout
@@ -308,6 +312,16 @@ class Dispatcher:
             with logger.contextualize(session=key):
                 logger.info("message refused: draining")
             await self._refuse(ticket, SubmitStatus.REJECTED_DRAINING, DRAINING_TEXT)
+            return ticket
+        if self._outstanding >= self.max_queued_total:
+            # Bounded memory however many sessions write at once: told, counted, logged.
+            self._counters.dropped_full += 1
+            with logger.contextualize(session=key):
+                logger.warning(
+                    "gateway full ({} messages waiting): message refused, sender told to wait",
+                    self._outstanding,
+                )
+            await self._refuse(ticket, SubmitStatus.REJECTED_FULL, BUSY_TEXT)
             return ticket
         lane = self._lanes.get(key)
         if lane is None:

@@ -231,6 +231,31 @@ async def test_a_full_lane_tells_the_sender_to_wait_and_counts_it() -> None:
     assert outbox.texts("a") == [BUSY_TEXT, "re: 1", "re: 2", "re: 3", "re: 4"]
 
 
+async def test_the_gateway_as_a_whole_is_bounded_too() -> None:
+    """Many sessions at once cannot grow the queues without bound: past
+    `max_queued_total` senders are told to wait, whichever lane they are in."""
+    release = anyio.Event()
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        await release.wait()
+        return await echo(msg)
+
+    outbox = Outbox()
+    dispatcher = Dispatcher(handler, outbox.deliver, max_concurrent_turns=2, max_queued_total=5)
+    async with running(dispatcher) as d:
+        accepted = [await d.submit(inbound(f"s{i}", "hi")) for i in range(5)]
+        refused = await d.submit(inbound("s99", "one too many"))
+        assert refused.status is SubmitStatus.REJECTED_FULL
+        notice = await refused.reply()
+        assert notice is not None and notice.text == BUSY_TEXT
+        assert d.stats().dropped_full == 1
+        release.set()
+        for ticket in accepted:
+            assert ticket.status is SubmitStatus.ACCEPTED
+            reply = await ticket.reply()
+            assert reply is not None and not reply.is_error
+
+
 async def test_a_failing_turn_gets_an_error_reply_and_the_lane_goes_on() -> None:
     async def handler(msg: InboundMessage) -> OutboundMessage:
         if msg.text == "boom":
