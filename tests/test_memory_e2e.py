@@ -38,6 +38,7 @@ def consolidating_responder(body: dict[str, Any]) -> Reply | str:
                             {"category": "project_decision", "text": "the launch is on Friday"},
                         ],
                         "summary": f"The user talked about tea and the Friday launch ({turn}).",
+                        "recent": f"Tea and the Friday launch came up again ({turn}).",
                     },
                 ),
             )
@@ -128,7 +129,9 @@ def test_memory_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI
     found = gateway("memory", "search", "cli:mem", "launch friday")
     assert "the launch is on Friday" in found.stdout
     history = gateway("memory", "history", "cli:mem", "tea launch")
-    assert "The user talked about tea" in history.stdout
+    # HISTORY.md logs what the new messages were about, not the cumulative summary.
+    assert "Tea and the Friday launch came up again" in history.stdout
+    assert "The user talked about tea" not in history.stdout
     knowledge = gateway("memory", "knowledge", "cli:mem", "--category", "project_decision")
     assert "[project_decision] the launch is on Friday" in knowledge.stdout
     other = gateway("memory", "show", "cli:someone-else")

@@ -136,10 +136,17 @@ def _previous_boundary(messages: Sequence[LLMMessage], cut: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ConsolidationResult:
-    """Facts as ``(category, text)`` (categories normalized) and the new summary."""
+    """Facts as ``(category, text)`` (categories normalized), the new cumulative
+    summary (for the compaction entry), and what only the new messages were about (for
+    HISTORY.md, so its lines do not repeat each other; the summary when not given)."""
 
     facts: tuple[tuple[str, str], ...]
     summary: str
+    recent: str | None = None
+
+    @property
+    def history_line(self) -> str:
+        return self.recent or self.summary
 
 
 class ConsolidationError(Exception):
@@ -172,6 +179,11 @@ def consolidation_tool() -> ToolSpec:
                     "description": "The whole conversation so far: previous summary "
                     "plus the new messages.",
                 },
+                "recent": {
+                    "type": "string",
+                    "description": "One or two sentences on what only the new messages "
+                    "were about, for the history log.",
+                },
             },
             "required": ["facts", "summary"],
             "additionalProperties": False,
@@ -188,11 +200,12 @@ error_pattern, system_behavior or learned_fact. No small talk, greetings, one-of
 details or tool chatter. An empty list when nothing qualifies.
 - summary: ONE summary of the whole conversation so far. It replaces the previous \
 summary, so carry over everything from it that still matters (people, decisions, open \
-tasks, promises), then add the new messages. At most {SUMMARY_WORDS} words."""
+tasks, promises), then add the new messages. At most {SUMMARY_WORDS} words.
+- recent: one or two sentences on what only the new messages were about."""
 
 _JSON_FALLBACK = (
     "If you cannot call tools, answer with only this JSON object and nothing else: "
-    '{"facts": [{"category": "...", "text": "..."}], "summary": "..."}'
+    '{"facts": [{"category": "...", "text": "..."}], "summary": "...", "recent": "..."}'
 )
 
 
@@ -287,7 +300,9 @@ def _validated(data: Mapping[str, Any]) -> ConsolidationResult:
         text = one_line(text)[:MAX_FACT_CHARS]
         if text:
             facts.append((normalize_category(category or ""), text))
-    return ConsolidationResult(tuple(facts), summary.strip())
+    recent = data.get("recent")
+    recent_line = one_line(recent) if isinstance(recent, str) else ""
+    return ConsolidationResult(tuple(facts), summary.strip(), recent_line or None)
 
 
 async def summarize(
@@ -707,7 +722,7 @@ class Consolidator:
             # would hide that branch's messages. Try again on the next trigger.
             return ConsolidationOutcome(key, "stale")
         # Facts first: a crash before the compaction can only repeat them next time.
-        self.memory.for_session(key).record_consolidation(result.facts, result.summary)
+        self.memory.for_session(key).record_consolidation(result.facts, result.history_line)
         if reset:  # /new meanwhile: the old conversation's facts still count
             return ConsolidationOutcome(key, "reset", facts, summarized)
         try:
