@@ -418,6 +418,7 @@ class Daemon:
                 await tg.start(self.gateway.run_services)
                 for channel in self.channels.values():
                     tg.start_soon(self._supervise, channel)
+                tg.start_soon(self._replay_unanswered)
                 self.health.set_ready()
                 logger.info(
                     "gateway ready: http://{}:{} channels: {}",
@@ -435,6 +436,19 @@ class Daemon:
                 await self.gateway.aclose()
         logger.info("gateway stopped")
         return 0
+
+    async def _replay_unanswered(self) -> None:
+        """Messages a crash left unanswered (platforms will not send them again) go
+        through the dispatcher once their channels are up (at most 30 s wait)."""
+        pending = await self.dedupe.unanswered()
+        if not pending:
+            return
+        with anyio.move_on_after(30):
+            while not self.health.readiness().ready:  # noqa: ASYNC110 (channels report in)
+                await anyio.sleep(0.05)
+        logger.warning("replaying {} messages left unanswered by a crash", len(pending))
+        for message in pending:
+            await self.dispatcher.submit(message)
 
     async def _drain(self) -> None:
         grace = self.gateway.settings.dispatch.drain_grace_seconds

@@ -13,6 +13,9 @@ The promises of a store:
 - A claim whose turn never finished (the process crashed or was stopped mid-turn, so
   `mark_done` was never called) does not block a redelivery after the restart: the
   user rather gets an answer twice than never.
+- A journaled message stays on file until `mark_done`: after a crash, `unanswered()`
+  gives back what platforms had handed over (and will not send again) but nobody
+  answered, oldest first, for the daemon to replay.
 
 `FileDedupeStore` (one SQLite file in the workspace) is the embedded default and
 assumes one daemon per workspace; `MemoryDedupeStore` is for tests and one-shot runs.
@@ -23,6 +26,7 @@ answered keys.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -40,7 +44,7 @@ from gateway.messages import InboundMessage
 
 DEFAULT_TTL = 7 * 24 * 3600.0
 DEFAULT_MAX_ENTRIES = 100_000
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _T = TypeVar("_T")
 
@@ -67,7 +71,15 @@ class DedupeStore(Protocol):
 
     async def mark_done(self, key: str) -> None:
         """The message of `key` was answered: a redelivery is a duplicate for good,
-        also after a restart."""
+        also after a restart; its journal entry goes."""
+        ...
+
+    async def journal(self, key: str, msg: InboundMessage) -> None:
+        """Keep `msg` until `mark_done(key)`: returns once it would survive a crash."""
+        ...
+
+    async def unanswered(self) -> list[InboundMessage]:
+        """Journaled messages never answered (oldest first): what a crash left."""
         ...
 
     async def aclose(self) -> None: ...
@@ -109,6 +121,12 @@ class MemoryDedupeStore:
     async def mark_done(self, key: str) -> None:
         return None  # nothing survives a restart, so nothing to tell apart
 
+    async def journal(self, key: str, msg: InboundMessage) -> None:
+        return None  # nothing survives a crash here anyway
+
+    async def unanswered(self) -> list[InboundMessage]:
+        return []
+
     def claimed_at(self, key: str) -> float | None:
         return self._seen.get(key)
 
@@ -128,14 +146,20 @@ _SCHEMA = (
         seen_at REAL NOT NULL
     ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS answered_by_time ON answered(seen_at)",
+    """CREATE TABLE IF NOT EXISTS inbox (
+        key TEXT PRIMARY KEY,
+        received_at REAL NOT NULL,
+        message TEXT NOT NULL
+    ) WITHOUT ROWID""",
 )
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
     version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version not in (0, SCHEMA_VERSION):
+    if version not in (0, 1, SCHEMA_VERSION):  # 1 -> 2 only adds the inbox table
         logger.info("dedupe schema {} -> {}: starting afresh", version, SCHEMA_VERSION)
         conn.execute("DROP TABLE IF EXISTS answered")
+        conn.execute("DROP TABLE IF EXISTS inbox")
     for statement in _SCHEMA:
         conn.execute(statement)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -181,7 +205,8 @@ class FileDedupeStore:
         self._limiter: anyio.CapacityLimiter | None = None
         self._written_since_purge = 0
         # Group commit: keys waiting for the next transaction, and batch generations.
-        self._pending: dict[str, float] = {}
+        self._pending: dict[str, float] = {}  # answered: key -> claimed at
+        self._journaled: dict[str, tuple[float, str]] = {}  # key -> (received, JSON)
         self._batch = 0  # generation of the batch `_pending` belongs to
         self._committed = 0  # last generation on disk
         self._flushing: anyio.Event | None = None
@@ -246,7 +271,28 @@ class FileDedupeStore:
 
     async def mark_done(self, key: str) -> None:
         self._pending[key] = self._claims.claimed_at(key) or self._clock()
-        wanted = self._batch + 1  # the generation that holds this key, once committed
+        await self._committed_batch()
+
+    async def journal(self, key: str, msg: InboundMessage) -> None:
+        self._journaled[key] = (msg.received_at, json.dumps(msg.to_dict(), default=str))
+        await self._committed_batch()
+
+    async def unanswered(self) -> list[InboundMessage]:
+        def read(conn: sqlite3.Connection) -> list[str]:
+            rows = conn.execute("SELECT message FROM inbox ORDER BY received_at").fetchall()
+            return [str(row[0]) for row in rows]
+
+        messages = []
+        for raw in await self._run(read):
+            try:
+                messages.append(InboundMessage.from_dict(json.loads(raw)))
+            except (ValueError, TypeError, KeyError) as exc:
+                logger.error("dedupe: an unreadable journaled message is skipped: {}", exc)
+        return messages
+
+    async def _committed_batch(self) -> None:
+        """Wait until the batch holding what was just queued is on disk."""
+        wanted = self._batch + 1  # the generation that holds it, once committed
         while self._committed < wanted:
             if self._flushing is not None:
                 await self._flushing.wait()
@@ -254,16 +300,23 @@ class FileDedupeStore:
             await self._flush()
 
     async def _flush(self) -> None:
-        batch, generation = self._pending, self._batch
-        self._pending, self._batch = {}, self._batch + 1
+        batch, journaled, generation = self._pending, self._journaled, self._batch
+        self._pending, self._journaled, self._batch = {}, {}, self._batch + 1
         self._flushing = flushing = anyio.Event()
         now = self._clock()
         purge = self._written_since_purge + len(batch) >= self.purge_every
 
         def write(conn: sqlite3.Connection) -> None:
+            # Journal first, answers second: a message journaled and answered within
+            # one batch leaves no journal entry behind.
+            conn.executemany(
+                "INSERT OR REPLACE INTO inbox (key, received_at, message) VALUES (?, ?, ?)",
+                [(key, at, raw) for key, (at, raw) in journaled.items()],
+            )
             conn.executemany(
                 "INSERT OR REPLACE INTO answered (key, seen_at) VALUES (?, ?)", batch.items()
             )
+            conn.executemany("DELETE FROM inbox WHERE key = ?", [(key,) for key in batch])
             if purge:
                 self._purge(conn, now)
 
@@ -272,6 +325,7 @@ class FileDedupeStore:
         except BaseException:
             # Back into the queue: the next flush retries them (the callers see the error).
             self._pending = {**batch, **self._pending}
+            self._journaled = {**journaled, **self._journaled}
             raise
         finally:
             self._flushing = None
@@ -302,9 +356,9 @@ class FileDedupeStore:
         )
 
     async def aclose(self) -> None:
-        if self._pending:
+        if self._pending or self._journaled:
             try:
-                while self._pending:
+                while self._pending or self._journaled:
                     if self._flushing is not None:
                         await self._flushing.wait()
                     else:

@@ -15,7 +15,8 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   (the handler's, a short error reply if the handler raised, or at a drain deadline a
   "please send it again" notice), and every refused one is told why and counted.
 - A message carrying a platform id is answered once, also when the platform
-  redelivers it after a restart (see `gateway.dedupe`).
+  redelivers it after a restart (see `gateway.dedupe`), and it is journaled until it
+  is answered, so one the platform will not send again survives a crash.
 """
 
 from __future__ import annotations
@@ -369,6 +370,8 @@ class Dispatcher:
                     self._skip(item, decision)
                     return
                 allowed = True
+            if key is not None and store is not None:
+                await self._journal(key, store, item.message)
         finally:
             if not allowed and not item.skip:
                 # `submit` was cancelled before the access check answered: nothing
@@ -395,6 +398,14 @@ class Dispatcher:
             self._counters.dedupe_errors += 1
             logger.error("dedupe store failed ({}); taking the message", exc)
             return False
+
+    async def _journal(self, key: str, store: DedupeStore, msg: InboundMessage) -> None:
+        try:
+            await store.journal(key, msg)
+        except Exception as exc:
+            # Fail open: the message is answered now; only a crash could still lose it.
+            self._counters.dedupe_errors += 1
+            logger.error("inbound journal failed ({}); taking the message anyway", exc)
 
     def _skip(self, item: _Item, decision: Decision | None) -> None:
         """Take `item` out of the running (the lane drops it when it reaches it)."""

@@ -43,6 +43,36 @@ class InboundMessage:
     received_at: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The message as JSON-ready data (for the inbound journal)."""
+        return {
+            "channel": self.channel,
+            "chat_id": self.chat_id,
+            "text": self.text,
+            "sender_id": self.sender_id,
+            "message_id": self.message_id,
+            "thread_kind": self.thread_kind,
+            "thread_id": self.thread_id,
+            "session_key_override": self.session_key_override,
+            "received_at": self.received_at,
+            "metadata": self.metadata,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InboundMessage:
+        return cls(
+            channel=str(data["channel"]),
+            chat_id=str(data["chat_id"]),
+            text=str(data["text"]),
+            sender_id=str(data.get("sender_id") or ""),
+            message_id=data.get("message_id"),
+            thread_kind=data.get("thread_kind"),
+            thread_id=data.get("thread_id"),
+            session_key_override=data.get("session_key_override"),
+            received_at=float(data.get("received_at") or time.time()),
+            metadata=dict(data.get("metadata") or {}),
+        )
+
     @property
     def session_key(self) -> str:
         if self.session_key_override:

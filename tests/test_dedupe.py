@@ -201,3 +201,55 @@ def test_keys_of_different_messages_never_collide(
     a = InboundMessage(channel=parts[0], chat_id=parts[1], text="", message_id=parts[2])
     b = InboundMessage(channel=other[0], chat_id=other[1], text="", message_id=other[2])
     assert (dedupe_key(a) == dedupe_key(b)) == (parts == other)
+
+
+async def test_journaled_messages_survive_until_answered(tmp_path: Path) -> None:
+    """Promise: a journaled message stays on file until `mark_done`, across restarts,
+    so what a crash left unanswered can be replayed, oldest first."""
+    path = tmp_path / "dedupe.sqlite3"
+    store = FileDedupeStore(path)
+    first = InboundMessage(
+        channel="telegram",
+        chat_id="1",
+        sender_id="1",
+        text="first",
+        message_id="1:10",
+        received_at=100.0,
+        metadata={"is_group": False},
+    )
+    second = InboundMessage(
+        channel="telegram",
+        chat_id="1",
+        sender_id="1",
+        text="second",
+        message_id="1:11",
+        received_at=101.0,
+    )
+    answered = InboundMessage(
+        channel="slack", chat_id="C1", text="done", message_id="E1", received_at=99.0
+    )
+    for msg in (second, first, answered):
+        key = dedupe_key(msg)
+        assert key is not None
+        assert not await store.seen_or_add(key)
+        await store.journal(key, msg)
+    answered_key = dedupe_key(answered)
+    assert answered_key is not None
+    await store.mark_done(answered_key)
+    await store.aclose()
+
+    reopened = FileDedupeStore(path)
+    assert await reopened.unanswered() == [first, second]
+    assert await reopened.seen_or_add(answered_key)  # answered: a duplicate for good
+    key = dedupe_key(first)
+    assert key is not None
+    await reopened.mark_done(key)
+    assert await reopened.unanswered() == [second]
+    await reopened.aclose()
+
+
+async def test_memory_store_journals_nothing() -> None:
+    store = MemoryDedupeStore()
+    msg = InboundMessage(channel="telegram", chat_id="1", text="x", message_id="1:1")
+    await store.journal("k", msg)
+    assert await store.unanswered() == []
