@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,7 +38,7 @@ import anyio
 import anyio.to_thread
 from loguru import logger
 
-from gateway.fsutil import open_sqlite
+from gateway.fsutil import SqliteFile
 from gateway.messages import InboundMessage
 
 DEFAULT_TTL = 7 * 24 * 3600.0
@@ -195,14 +194,14 @@ class FileDedupeStore:
         self.ttl = ttl
         self.max_entries = max_entries
         self.purge_every = purge_every
-        self._busy_timeout_ms = busy_timeout_ms
         self._clock = clock
         self._claims = MemoryDedupeStore(ttl=ttl, max_entries=max_entries, clock=clock)
         self._loaded = False
         self._loading: anyio.Lock | None = None
-        self._conn: sqlite3.Connection | None = None
-        self._lock = threading.Lock()  # held by worker threads only, never on the loop
-        self._limiter: anyio.CapacityLimiter | None = None
+        # Which messages people sent, and when: a private file (open_sqlite: 0600).
+        self._db = SqliteFile(
+            self.path, what="dedupe", init=_migrate, busy_timeout_ms=busy_timeout_ms
+        )
         self._written_since_purge = 0
         # Group commit: keys waiting for the next transaction, and batch generations.
         self._pending: dict[str, float] = {}  # answered: key -> claimed at
@@ -211,36 +210,6 @@ class FileDedupeStore:
         self._committed = 0  # last generation on disk
         self._flushing: anyio.Event | None = None
         self.batches_written = 0  # for tests and the benchmark
-
-    # -- plumbing -------------------------------------------------------------------
-
-    async def _run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(1)
-        return await anyio.to_thread.run_sync(self._call, fn, limiter=self._limiter)
-
-    def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        with self._lock:
-            if self._conn is None:
-                self._conn = self._open()
-            return fn(self._conn)
-
-    def _open(self) -> sqlite3.Connection:
-        # Which messages people sent, and when: a private file (open_sqlite: 0600).
-        return open_sqlite(
-            self.path, what="dedupe", init=_migrate, busy_timeout_ms=self._busy_timeout_ms
-        )
-
-    @staticmethod
-    def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(conn)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
 
     # -- the DedupeStore protocol ---------------------------------------------------
 
@@ -266,7 +235,7 @@ class FileDedupeStore:
             ).fetchall()
             return [(str(k), float(t)) for k, t in reversed(rows)]
 
-        self._claims.preload(await self._run(load))
+        self._claims.preload(await self._db.run(load))
         self._loaded = True
 
     async def mark_done(self, key: str) -> None:
@@ -283,7 +252,7 @@ class FileDedupeStore:
             return [str(row[0]) for row in rows]
 
         messages = []
-        for raw in await self._run(read):
+        for raw in await self._db.run(read):
             try:
                 messages.append(InboundMessage.from_dict(json.loads(raw)))
             except (ValueError, TypeError, KeyError) as exc:
@@ -321,7 +290,7 @@ class FileDedupeStore:
                 self._purge(conn, now)
 
         try:
-            await self._run(lambda conn: self._transaction(conn, write))
+            await self._db.transaction(write)
         except BaseException:
             # Back into the queue: the next flush retries them (the callers see the error).
             self._pending = {**batch, **self._pending}
@@ -347,12 +316,12 @@ class FileDedupeStore:
     async def purge(self) -> None:
         """Drop expired keys and the oldest beyond `max_entries` from the file now."""
         now = self._clock()
-        await self._run(lambda conn: self._transaction(conn, lambda c: self._purge(c, now)))
+        await self._db.transaction(lambda c: self._purge(c, now))
 
     async def count(self) -> int:
         """Answered keys on file (for tests and metrics)."""
         return int(
-            await self._run(lambda c: c.execute("SELECT count(*) FROM answered").fetchone()[0])
+            await self._db.run(lambda c: c.execute("SELECT count(*) FROM answered").fetchone()[0])
         )
 
     async def aclose(self) -> None:
@@ -366,9 +335,4 @@ class FileDedupeStore:
             except Exception as exc:
                 logger.error("dedupe: {} answered keys not saved: {}", len(self._pending), exc)
 
-        def close(conn: sqlite3.Connection) -> None:
-            conn.close()
-            self._conn = None
-
-        if self._conn is not None:
-            await self._run(close)
+        await self._db.aclose()

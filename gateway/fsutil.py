@@ -17,11 +17,17 @@ import contextlib
 import os
 import sqlite3
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import anyio
+import anyio.to_thread
 from loguru import logger
+
+_T = TypeVar("_T")
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -156,3 +162,81 @@ def open_sqlite(
         for suffix in ("-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
         return connect()
+
+
+def immediate(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+    """Run `fn` in one write transaction taken up front (BEGIN IMMEDIATE), so two
+    processes never deadlock upgrading a read lock; rolled back if `fn` raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = fn(conn)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+class SqliteFile:
+    """One SQLite file used from an event loop: the connection is opened lazily by
+    `open_sqlite`, and every call runs in a worker thread, one at a time (never on the
+    loop, never two at once on the connection)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        what: str,
+        init: Callable[[sqlite3.Connection], None],
+        busy_timeout_ms: int = 5000,
+    ) -> None:
+        self.path = path
+        self._what = what
+        self._init = init
+        self._busy_timeout_ms = busy_timeout_ms
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()  # held by worker threads only, never on the loop
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """`fn(connection)` in a worker thread."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(self.call, fn, limiter=self._limiter)
+
+    def call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """`fn(connection)` in this (worker) thread."""
+        with self._lock:
+            if self._conn is None:
+                self._conn = open_sqlite(
+                    self.path,
+                    what=self._what,
+                    init=self._init,
+                    busy_timeout_ms=self._busy_timeout_ms,
+                )
+            return fn(self._conn)
+
+    async def transaction(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """`fn(connection)` inside one immediate write transaction."""
+        return await self.run(lambda conn: immediate(conn, fn))
+
+    async def aclose(self, last_write: Callable[[sqlite3.Connection], None] | None = None) -> None:
+        """Close the connection (if open), after `last_write` in a final transaction;
+        a failing last write is logged, the file is closed anyway."""
+
+        def close() -> None:
+            with self._lock:
+                if self._conn is None:
+                    return
+                try:
+                    if last_write is not None:
+                        immediate(self._conn, last_write)
+                except sqlite3.Error as exc:
+                    logger.warning("{} file {}: last write failed: {}", self._what, self.path, exc)
+                finally:
+                    self._conn.close()
+                    self._conn = None
+
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        await anyio.to_thread.run_sync(close, limiter=self._limiter)

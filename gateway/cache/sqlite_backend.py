@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import anyio
-import anyio.to_thread
 from loguru import logger
 
 from gateway.cache.backend import BackendCounts, CacheRecord
 from gateway.cache.policy import SHARED_SCOPE
-from gateway.fsutil import open_sqlite
+from gateway.fsutil import SqliteFile, immediate
 
 SCHEMA_VERSION = 2
 _T = TypeVar("_T")
@@ -90,37 +87,15 @@ class SqliteCacheBackend:
     ) -> None:
         self.path = Path(path)
         self._touch_resolution = touch_resolution
-        self._busy_timeout_ms = busy_timeout_ms
         self._purge_batch = purge_batch
-        self._conn: sqlite3.Connection | None = None
-        self._lock = threading.Lock()  # held by worker threads only, never on the loop
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._db = SqliteFile(
+            self.path, what="cache", init=self._migrate, busy_timeout_ms=busy_timeout_ms
+        )
         # Lookups counted since the last fold into the file's totals: a lookup stays a
         # pure read; `counts` and `aclose` add these to the shared, persisted totals.
         self._counter_lock = threading.Lock()
         self._hits = 0
         self._misses = 0
-
-    # -- plumbing -----------------------------------------------------------------
-
-    async def _run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        return await anyio.to_thread.run_sync(self._call, fn, limiter=self._thread_limiter())
-
-    def _thread_limiter(self) -> anyio.CapacityLimiter:
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(1)
-        return self._limiter
-
-    def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        with self._lock:
-            if self._conn is None:
-                self._conn = self._open()
-            return fn(self._conn)
-
-    def _open(self) -> sqlite3.Connection:
-        return open_sqlite(
-            self.path, what="cache", init=self._migrate, busy_timeout_ms=self._busy_timeout_ms
-        )
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:
@@ -139,19 +114,6 @@ class SqliteCacheBackend:
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-
-    @staticmethod
-    def _write(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run `fn` in one immediate write transaction (takes the lock up front, so two
-        processes never deadlock upgrading a read lock)."""
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(conn)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
 
     def _purge_expired(self, conn: sqlite3.Connection, now: float) -> int:
         return conn.execute(
@@ -177,7 +139,7 @@ class SqliteCacheBackend:
                 conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
             return record
 
-        return await self._run(query)
+        return await self._db.run(query)
 
     async def put(self, record: CacheRecord, *, now: float, max_entries: int) -> int:
         def write(conn: sqlite3.Connection) -> int:
@@ -212,26 +174,26 @@ class SqliteCacheBackend:
                 ).rowcount
             return removed
 
-        return await self._run(lambda conn: self._write(conn, write))
+        return await self._db.run(lambda conn: immediate(conn, write))
 
     async def delete(self, key: str) -> bool:
         def write(conn: sqlite3.Connection) -> bool:
             return conn.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount > 0
 
-        return await self._run(write)
+        return await self._db.run(write)
 
     async def delete_model(self, model: str) -> int:
-        return await self._run(
+        return await self._db.run(
             lambda conn: conn.execute("DELETE FROM entries WHERE model = ?", (model,)).rowcount
         )
 
     async def delete_scope(self, scope: str) -> int:
-        return await self._run(
+        return await self._db.run(
             lambda conn: conn.execute("DELETE FROM entries WHERE scope = ?", (scope,)).rowcount
         )
 
     async def clear(self) -> int:
-        return await self._run(lambda conn: conn.execute("DELETE FROM entries").rowcount)
+        return await self._db.run(lambda conn: conn.execute("DELETE FROM entries").rowcount)
 
     async def record_lookup(self, *, hit: bool) -> None:
         with self._counter_lock:
@@ -258,13 +220,13 @@ class SqliteCacheBackend:
                 self._fold_counts(c)
                 self._purge_expired(c, now)
 
-            self._write(conn, fold_and_purge)
+            immediate(conn, fold_and_purge)
             entries, size, hits, misses = conn.execute(
                 "SELECT entries, bytes, hits, misses FROM totals WHERE id = 1"
             ).fetchone()
             return int(entries), int(size), int(hits), int(misses)
 
-        entries, size, hits, misses = await self._run(read)
+        entries, size, hits, misses = await self._db.run(read)
         return BackendCounts(entries=entries, bytes=size, hits=hits, misses=misses)
 
     async def shared_queries(self, partition: str, *, now: float) -> list[tuple[str, str]]:
@@ -276,17 +238,7 @@ class SqliteCacheBackend:
             ).fetchall()
             return [(str(k), str(q)) for k, q in rows]
 
-        return await self._run(read)
+        return await self._db.run(read)
 
     async def aclose(self) -> None:
-        await anyio.to_thread.run_sync(self._close, limiter=self._thread_limiter())
-
-    def _close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                try:
-                    self._write(self._conn, self._fold_counts)
-                except sqlite3.Error as exc:
-                    logger.warning("cache counters not saved: {}", exc)
-                self._conn.close()
-                self._conn = None
+        await self._db.aclose(last_write=self._fold_counts)
