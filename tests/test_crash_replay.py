@@ -5,51 +5,16 @@ updates), SIGKILL mid-turn, restart, and every message is answered, in order."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
+from tests.gateway_process import GatewayProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = 4242
-
-
-def start_daemon(env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "run"],
-        env=env,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return proc, lines
-
-
-def wait_for(lines: queue.Queue[str], text: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if text in lines.get(timeout=0.2):
-                return
-        except queue.Empty:
-            continue
-    raise AssertionError(f"daemon never logged {text!r}")
 
 
 def wait_until(predicate: object, timeout: float = 20) -> None:
@@ -83,30 +48,28 @@ def test_messages_queued_at_a_crash_are_answered_after_restart(tmp_path: Path) -
             "GATEWAY_CHANNELS__TELEGRAM__POLL_TIMEOUT": "1",
             "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
         }
-        first, lines = start_daemon(env, tmp_path)
+        first = GatewayProcess(env, tmp_path)
         try:
-            wait_for(lines, "gateway ready")
+            first.wait_ready()
             telegram.push_update(telegram.user_message(CHAT, "first", user_id=CHAT))
             telegram.push_update(telegram.user_message(CHAT, "second", user_id=CHAT))
             llm.wait_for_requests(1, timeout=20)  # "first" is with the model
             # Telegram has confirmed both updates: it will never send them again.
             wait_until(lambda: not telegram.pending_updates)
             time.sleep(0.5)  # "second" waits in its lane behind "first"
-            first.send_signal(signal.SIGKILL)
-            first.wait(10)
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait(10)
         finally:
-            if first.poll() is None:
-                first.kill()
+            first.stop()
         assert telegram.sent_messages(CHAT) == []
 
-        second, lines = start_daemon(env, tmp_path)
+        second = GatewayProcess(env, tmp_path)
         try:
             wait_until(lambda: len(telegram.sent_messages(CHAT)) >= 2, timeout=30)
             time.sleep(0.5)
-            second.send_signal(signal.SIGTERM)
-            assert second.wait(20) == 0
+            second.proc.send_signal(signal.SIGTERM)
+            assert second.proc.wait(20) == 0
         finally:
-            if second.poll() is None:
-                second.kill()
+            second.stop()
     texts = [m["text"] for m in telegram.sent_messages(CHAT)]
     assert texts == ["echo: first", "echo: second"]

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,6 +24,7 @@ from gateway.daemon import Daemon, Gateway
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,34 +229,10 @@ def test_sigterm_during_a_turn_finishes_and_persists_it(
         "GATEWAY_HTTP__TOKEN": TOKEN,
         "GATEWAY_HTTP__PORT": "0",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "run"],
-        env=env,
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
+    gateway = GatewayProcess(env, tmp_path)
+    proc = gateway.proc
     try:
-        port = None
-        deadline = time.monotonic() + 20
-        while port is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if "gateway ready: http://" in line:
-                port = int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
-        assert port, "daemon did not report ready"
+        port = gateway.wait_ready()
         result: dict[str, Any] = {}
 
         def ask() -> None:
@@ -279,8 +253,7 @@ def test_sigterm_during_a_turn_finishes_and_persists_it(
         asker.join(20)
         assert proc.wait(20) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        gateway.stop()
     assert result.get("reply") == "finished after SIGTERM"
     session = tmp_path / "ws" / "sessions" / f"{encode_key('api:sig')}.jsonl"
     assert "finished after SIGTERM" in session.read_text()
