@@ -386,7 +386,7 @@ async def run_http(sessions: int, clients: int, warmup: float, window: float) ->
         config=AgentConfig(model="bench-model"),
         tools=build_registry(["current_time"]),
     )
-    gateway = Gateway(settings=settings, sessions=sessions_mgr, provider=provider, agent=agent)
+    gateway = Gateway(settings=settings, agent=agent)
     daemon = Daemon(gateway, interactive=False)
     latencies: list[float] = []
     measuring = False

@@ -133,16 +133,31 @@ def build_memory(
 
 @dataclass
 class Gateway:
-    """The assembled parts: one session manager, one provider, one agent."""
+    """The assembled parts. The agent holds them; the properties name them."""
 
     settings: Settings
-    sessions: SessionManager
-    provider: LLMProvider
     agent: AgentLoop
-    cache: SemanticCache | None = None
-    memory: MemoryStore | None = None
-    consolidator: Consolidator | None = None
     closed: bool = field(default=False, init=False)
+
+    @property
+    def sessions(self) -> SessionManager:
+        return self.agent.sessions
+
+    @property
+    def provider(self) -> LLMProvider:
+        return self.agent.provider
+
+    @property
+    def cache(self) -> SemanticCache | None:
+        return self.agent.cache
+
+    @property
+    def memory(self) -> MemoryStore | None:
+        return self.agent.memory
+
+    @property
+    def consolidator(self) -> Consolidator | None:
+        return self.agent.consolidator
 
     @classmethod
     def build(cls, settings: Settings) -> Gateway:
@@ -166,15 +181,7 @@ class Gateway:
             memory=memory,
             consolidator=consolidator,
         )
-        return cls(
-            settings=settings,
-            sessions=sessions,
-            provider=provider,
-            agent=agent,
-            cache=cache,
-            memory=memory,
-            consolidator=consolidator,
-        )
+        return cls(settings=settings, agent=agent)
 
     async def run_services(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
