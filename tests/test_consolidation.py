@@ -29,16 +29,9 @@ from gateway.memory.consolidation import (
 )
 from gateway.sessions import CompactionEntry, Session, SessionContext, SessionManager
 from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply
+from tests.llm_messages import assistant, user
 
 KEY = "telegram:1"
-
-
-def user(text: str) -> LLMMessage:
-    return LLMMessage(role="user", content=text)
-
-
-def assistant(text: str, usage: TokenUsage | None = None) -> LLMMessage:
-    return LLMMessage(role="assistant", content=text, usage=usage)
 
 
 def consolidation_reply(

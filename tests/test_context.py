@@ -6,34 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.agent.context import INTERRUPTED_TOOL_RESULT, fit_context, repair_tool_pairs
-from gateway.llm import LLMMessage, ToolCall
-
-
-def user(text: str) -> LLMMessage:
-    return LLMMessage(role="user", content=text)
-
-
-def call(*ids: str) -> LLMMessage:
-    return LLMMessage(
-        role="assistant", tool_calls=[ToolCall(id=i, function_name="f", arguments={}) for i in ids]
-    )
-
-
-def result(call_id: str) -> LLMMessage:
-    return LLMMessage(role="tool", content="ok", tool_call_id=call_id, name="f")
-
-
-def assert_well_paired(messages: list[LLMMessage]) -> None:
-    pending: set[str] = set()
-    for m in messages:
-        if m.role == "tool":
-            assert m.tool_call_id in pending, "tool result without its call"
-            pending.discard(m.tool_call_id)
-        else:
-            assert not pending, "tool call left unanswered"
-            if m.role == "assistant":
-                pending = {c.id for c in m.tool_calls}
-    assert not pending
+from gateway.llm import LLMMessage
+from tests.llm_messages import assert_well_paired, call, result, user
 
 
 def test_orphan_result_dropped_and_unanswered_call_answered() -> None:

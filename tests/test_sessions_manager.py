@@ -26,10 +26,7 @@ from gateway.sessions import (
     SessionManager,
     TreeEvent,
 )
-
-
-def user(text: str) -> LLMMessage:
-    return LLMMessage(role="user", content=text)
+from tests.llm_messages import user
 
 
 def texts(session: Session) -> list[str | None]:

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from gateway.llm import LLMMessage
 from gateway.sessions import (
     GroupCommitter,
     MessageEntry,
@@ -25,13 +24,10 @@ from gateway.sessions import (
     UnsupportedVersionError,
 )
 from gateway.sessions.store import FileSessionStore
+from tests.llm_messages import user
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("sessions_child.py")
-
-
-def user(text: str) -> LLMMessage:
-    return LLMMessage(role="user", content=text)
 
 
 @pytest.fixture
