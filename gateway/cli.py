@@ -462,6 +462,7 @@ def _user_error_code(exc: BaseException) -> int | None:
     """Print a user-caused error as one line and return its exit code; None if `exc` is
     a bug (then it propagates with its traceback)."""
     from gateway.http import HttpBindError
+    from gateway.sessions.errors import SessionError
 
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
@@ -481,6 +482,9 @@ def _user_error_code(exc: BaseException) -> int | None:
     if isinstance(exc, ValueError):  # e.g. a session key that cannot be stored
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if isinstance(exc, SessionError):  # no such entry, key taken, file unwritable
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if isinstance(exc, KeyboardInterrupt):
         return 130
     return None

@@ -71,6 +71,12 @@ def test_one_shot_chat_twice_carries_the_first_turn(
         m.get("content") for m in fake_openai_thread.chat_requests[-1].messages
     ]
 
+    no_entry = run_gateway(["sessions", "fork", "cli:direct", "--at", "nope"], env, tmp_path)
+    assert no_entry.returncode == 1 and "no entry 'nope'" in no_entry.stderr
+    taken = run_gateway(["sessions", "fork", "cli:direct", "--as", new_key], env, tmp_path)
+    assert taken.returncode == 1 and "already exists" in taken.stderr
+    assert "Traceback" not in no_entry.stderr + taken.stderr
+
     deleted = run_gateway(["sessions", "delete", new_key, "--yes"], env, tmp_path)
     assert deleted.returncode == 0
     missing = run_gateway(["sessions", "show", new_key], env, tmp_path)
