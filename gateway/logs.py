@@ -12,7 +12,8 @@ from loguru import logger
 if TYPE_CHECKING:
     from loguru import Record
 
-_BEARER = re.compile(r"(?i)(bearer\s+|api[_-]?key[=:]\s*|sk-)[A-Za-z0-9._\-]{6,}")
+# `sk-` only at a word start: "ask-questions" or "task-list" are not keys.
+_BEARER = re.compile(r"(?i)(bearer\s+|api[_-]?key[=:]\s*|\bsk-)[A-Za-z0-9._\-]{6,}")
 
 
 class Redactor:

@@ -66,3 +66,6 @@ def test_redactor() -> None:
     assert r.redact("key hunter2-secret used") == "key *** used"
     assert "abcdef123456" not in r.redact("Authorization: Bearer abcdef123456")
     assert "sk-***" in r.redact("got sk-abcdefghijkl")
+    assert r.redact("ask-questions about the task-description") == (
+        "ask-questions about the task-description"
+    )
