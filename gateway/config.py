@@ -384,6 +384,24 @@ class Settings(_Section):
     def sessions_dir(self) -> Path:
         return self.workspace_path / "sessions"
 
+    def undeliverable_heartbeats(self) -> list[tuple[str, str]]:
+        """(job, deliver_to) of heartbeat jobs whose target channel is not enabled: their
+        replies would only reach the log."""
+        enabled = {
+            name
+            for name, on in (
+                ("cli", self.channels.cli.enabled),
+                ("telegram", self.channels.telegram.enabled),
+                ("slack", self.channels.slack.enabled),
+            )
+            if on
+        }
+        return [
+            (name, job.deliver_to)
+            for name, job in self.heartbeat.jobs.items()
+            if job.deliver_to and job.deliver_to.partition(":")[0] not in enabled
+        ]
+
     def secrets(self) -> list[str]:
         """Every secret value configured (also those read from files), for log redaction."""
         found = []

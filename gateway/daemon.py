@@ -294,6 +294,13 @@ class Daemon:
             self.add_channel(CLIChannel(session_key=cli.session))
         if settings.heartbeat.jobs:
             self.add_channel(self._heartbeat_channel())
+            for job, target in settings.undeliverable_heartbeats():
+                logger.warning(
+                    "heartbeat job {} delivers to {}, whose channel is not enabled: "
+                    "its replies only reach this log",
+                    job,
+                    target,
+                )
         if settings.channels.telegram.enabled:
             from channels.telegram import TelegramChannel
 

@@ -212,6 +212,15 @@ async def check_channels(settings: Settings) -> list[Finding]:
                     "set GATEWAY_CHANNELS__SLACK__SIGNING_SECRET",
                 )
             )
+    for job, target in settings.undeliverable_heartbeats():
+        channel = target.partition(":")[0]
+        findings.append(
+            Finding(
+                "fail",
+                f"heartbeat job {job!r} delivers to {target}, but {channel} is not enabled",
+                f"enable channels.{channel} or change heartbeat.jobs.{job}.deliver_to",
+            )
+        )
     if not findings:
         findings.append(Finding("ok", "no chat platform enabled (terminal and HTTP API only)"))
     return findings

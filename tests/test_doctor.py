@@ -52,6 +52,9 @@ def test_problems_are_named_with_a_fix(tmp_path: Path, fake_openai_thread: FakeO
         "GATEWAY_HTTP__TOKEN": "",
         "GATEWAY_CHANNELS__TELEGRAM__ENABLED": "true",
         "GATEWAY_CHANNELS__SLACK__ENABLED": "true",
+        "GATEWAY_HEARTBEAT__JOBS__DISKS__EVERY": "1h",
+        "GATEWAY_HEARTBEAT__JOBS__DISKS__PROMPT": "check the disks",
+        "GATEWAY_HEARTBEAT__JOBS__DISKS__DELIVER_TO": "discord:123",
     }
     out = doctor(env, tmp_path)
     assert out.returncode == 1
@@ -62,6 +65,7 @@ def test_problems_are_named_with_a_fix(tmp_path: Path, fake_openai_thread: FakeO
     assert "GATEWAY_CHANNELS__TELEGRAM__TOKEN" in text
     assert "GATEWAY_CHANNELS__SLACK__BOT_TOKEN" in text
     assert "GATEWAY_CHANNELS__SLACK__APP_TOKEN" in text
+    assert "heartbeat job 'disks' delivers to discord:123, but discord is not enabled" in text
     assert "Traceback" not in out.stderr
 
 
