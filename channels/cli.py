@@ -37,6 +37,8 @@ class CLIChannel:
     """
 
     name = "cli"
+    #: In the daemon, the end of the terminal chat (Ctrl-D, /quit) stops the gateway.
+    ends_gateway = True
 
     def __init__(
         self,

@@ -487,7 +487,11 @@ class Daemon:
                 self.stop()
 
     async def _supervise(self, channel: Channel) -> None:
-        """Run a channel; restart it with exponential backoff when it fails."""
+        """Run a channel; restart it with exponential backoff when it fails or stops.
+
+        A channel whose end is the user leaving (`ends_gateway`, the terminal chat at
+        Ctrl-D) stops the gateway instead; any other channel that returns has lost its
+        platform (e.g. polling stopped) and is restarted like a failed one."""
         component = self.health.component(channel.name)
         up = self.metrics.channel_up.labels(channel.name)
         backoff = 1.0
@@ -498,21 +502,21 @@ class Daemon:
                     component.healthy(True)
                     up.set(1)
                     backoff = 1.0
-                # A channel whose input ended (the terminal chat at Ctrl-D) stops the gateway.
-                logger.info("channel {} finished", channel.name)
-                component.healthy(True, "finished")
                 up.set(0)
-                if channel.name == "cli":
+                if getattr(channel, "ends_gateway", False):
+                    logger.info("channel {} finished: stopping the gateway", channel.name)
+                    component.healthy(True, "finished")
                     self.stop()
-                return
+                    return
+                problem = "stopped by itself"
             except Exception as exc:
                 up.set(0)
-                component.healthy(False, f"{type(exc).__name__}: {exc}")
-                logger.opt(exception=exc).error(
-                    "channel {} failed; restarting in {:g}s", channel.name, backoff
-                )
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.BACKOFF_MAX)
+                problem = f"{type(exc).__name__}: {exc}"
+                logger.opt(exception=exc).error("channel {} failed", channel.name)
+            component.healthy(False, problem)
+            logger.warning("channel {} {}; restarting in {:g}s", channel.name, problem, backoff)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, self.BACKOFF_MAX)
 
 
 async def run_daemon(gateway: Gateway) -> int:

@@ -34,12 +34,15 @@ TOKEN = "test-api-token-123"
 class RecordingChannel:
     """A stand-in platform: submits what a test feeds it, records what it is sent."""
 
-    def __init__(self, name: str = "telegram", *, crash_times: int = 0) -> None:
+    def __init__(
+        self, name: str = "telegram", *, crash_times: int = 0, return_times: int = 0
+    ) -> None:
         self.name = name
         self.sent: list[OutboundMessage] = []
         self.submit: Submit | None = None
         self.starts = 0
         self._crash_times = crash_times
+        self._return_times = return_times
 
     async def run(
         self, submit: Submit, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -49,6 +52,8 @@ class RecordingChannel:
         task_status.started()
         if self.starts <= self._crash_times:
             raise ConnectionError("platform went away")
+        if self.starts <= self._crash_times + self._return_times:
+            return  # e.g. polling stopped quietly
         await anyio.sleep_forever()
 
     async def send(self, message: OutboundMessage) -> None:
@@ -158,6 +163,21 @@ async def test_redelivered_message_is_answered_once_also_after_restart(
             continue
         assert [m.text for m in channel.sent] == ["echo: hi"]
     assert len(fake_openai.chat_requests) == 1
+
+
+async def test_a_channel_that_stops_by_itself_is_restarted(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(make_settings, fake_openai)
+    channel = RecordingChannel(return_times=1)
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.BACKOFF_MAX = 0.2
+    daemon.add_channel(channel)
+    async with running(daemon):
+        with anyio.fail_after(5):
+            while channel.starts < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert not daemon._stop.is_set()  # only the terminal chat ends the gateway
 
 
 async def test_crashing_channel_is_restarted_and_reported(
