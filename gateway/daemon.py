@@ -249,6 +249,7 @@ class Daemon:
     """
 
     BACKOFF_MAX = 60.0
+    CHANNEL_WAIT = 30.0
 
     def __init__(self, gateway: Gateway, *, interactive: bool | None = None) -> None:
         from gateway.access import AccessGate, PairingStore
@@ -407,10 +408,21 @@ class Daemon:
                 message.channel,
             )
             return
+        await self._channel_up(message.channel)
         try:
             await channel.send(message)
         except Exception:
             logger.exception("delivery to {} failed", message.channel)
+
+    async def _channel_up(self, name: str) -> None:
+        """Wait (at most `CHANNEL_WAIT` seconds) until channel `name` reports healthy: a
+        reply made while its channel starts or reconnects is sent once it is back."""
+        with anyio.move_on_after(self.CHANNEL_WAIT):
+            while True:
+                status = self.health.readiness().components.get(name)
+                if status is None or status.healthy:
+                    return
+                await anyio.sleep(0.05)
 
     # ----------------------------------------------------------------- running
 
@@ -430,9 +442,9 @@ class Daemon:
                 port = await tg.start(self.http.run)
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
+                await self._replay_unanswered()
                 for channel in self.channels.values():
                     tg.start_soon(self._supervise, channel)
-                tg.start_soon(self._replay_unanswered)
                 self.health.set_ready()
                 logger.info(
                     "gateway ready: http://{}:{} channels: {}",
@@ -453,14 +465,11 @@ class Daemon:
 
     async def _replay_unanswered(self) -> None:
         """Messages a crash left unanswered (platforms will not send them again) go
-        through the dispatcher once their channels are up (at most 30 s wait)."""
+        back into the dispatcher before any channel starts, so each stays ahead of the
+        newer messages of its session; their replies wait for the channel (`deliver`)."""
         pending = await self.dedupe.unanswered()
-        if not pending:
-            return
-        with anyio.move_on_after(30):
-            while not self.health.readiness().ready:  # noqa: ASYNC110 (channels report in)
-                await anyio.sleep(0.05)
-        logger.warning("replaying {} messages left unanswered by a crash", len(pending))
+        if pending:
+            logger.warning("replaying {} messages left unanswered by a crash", len(pending))
         for message in pending:
             await self.dispatcher.submit(message)
 

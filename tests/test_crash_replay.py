@@ -1,6 +1,7 @@
 """A crash never loses a message a platform has handed over: the real daemon in a
 subprocess, Telegram through the fake Bot API (which never redelivers confirmed
-updates), SIGKILL mid-turn, restart, and every message is answered, in order."""
+updates), SIGKILL mid-turn, restart, and every message is answered, in order, ahead of
+what arrived while the gateway was down."""
 
 from __future__ import annotations
 
@@ -63,13 +64,15 @@ def test_messages_queued_at_a_crash_are_answered_after_restart(tmp_path: Path) -
             first.stop()
         assert telegram.sent_messages(CHAT) == []
 
+        # Written while the gateway was down: it must come after the replayed ones.
+        telegram.push_update(telegram.user_message(CHAT, "third", user_id=CHAT))
         second = GatewayProcess(env, tmp_path)
         try:
-            wait_until(lambda: len(telegram.sent_messages(CHAT)) >= 2, timeout=30)
+            wait_until(lambda: len(telegram.sent_messages(CHAT)) >= 3, timeout=30)
             time.sleep(0.5)
             second.proc.send_signal(signal.SIGTERM)
             assert second.proc.wait(20) == 0
         finally:
             second.stop()
     texts = [m["text"] for m in telegram.sent_messages(CHAT)]
-    assert texts == ["echo: first", "echo: second"]
+    assert texts == ["echo: first", "echo: second", "echo: third"]
