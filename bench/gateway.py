@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without instal
 from loguru import logger  # noqa: E402
 
 from gateway.agent import AgentConfig, AgentLoop, build_registry  # noqa: E402
+from gateway.daemon import SPARE_FILES  # noqa: E402
 from gateway.dedupe import FileDedupeStore  # noqa: E402
 from gateway.dispatch import Dispatcher  # noqa: E402
 from gateway.llm.types import (  # noqa: E402
@@ -147,7 +148,9 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 async def run_scenario(sc: Scenario, folder: Path) -> Outcome:
-    sessions = SessionManager(folder / "sessions", fsync=FSYNC, max_cache_size=CACHE_SIZE)
+    sessions = SessionManager(
+        folder / "sessions", fsync=FSYNC, max_cache_size=CACHE_SIZE, spare_files=SPARE_FILES
+    )
     agent = AgentLoop(
         sessions=sessions,
         provider=BenchProvider(sc.llm_ms / 1000),
@@ -378,7 +381,9 @@ async def run_http(sessions: int, clients: int, warmup: float, window: float) ->
             "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
         },
     )
-    sessions_mgr = SessionManager(settings.sessions_dir, fsync=FSYNC, max_cache_size=CACHE_SIZE)
+    sessions_mgr = SessionManager(
+        settings.sessions_dir, fsync=FSYNC, max_cache_size=CACHE_SIZE, spare_files=SPARE_FILES
+    )
     provider = BenchProvider(0)
     agent = AgentLoop(
         sessions=sessions_mgr,

@@ -47,7 +47,14 @@ def build_provider(settings: Settings) -> LLMProvider:
     )
 
 
-def build_session_manager(settings: Settings) -> SessionManager:
+#: Empty session files a gateway keeps ready, so a new conversation's first message is
+#: not held up by the file system creating a file (`gateway.sessions.spares`).
+SPARE_FILES = 16
+
+
+def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:
+    """The sessions of the workspace; a long-running gateway passes `spare_files` (see
+    `gateway.sessions.spares`), one-shot commands do not."""
     try:
         ensure_private_dir(settings.workspace_path)
     except OSError as exc:
@@ -59,6 +66,7 @@ def build_session_manager(settings: Settings) -> SessionManager:
         settings.sessions_dir,
         max_cache_size=settings.sessions.max_cache_size,
         fsync=settings.sessions.fsync,
+        spare_files=spare_files,
     )
 
 
@@ -166,7 +174,7 @@ class Gateway:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         provider = build_provider(settings)
-        sessions = build_session_manager(settings)
+        sessions = build_session_manager(settings, spare_files=SPARE_FILES)
         cache = build_cache(settings)
         memory, consolidator = build_memory(settings, sessions, provider)
         if memory is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import re
 import time
 import weakref
@@ -148,9 +147,7 @@ class AgentLoop:
         started = time.monotonic()
         try:
             user_message = LLMMessage(role="user", content=text)
-            session, ctx, texts = await anyio.to_thread.run_sync(
-                self._open_turn, inbound.session_key, user_message
-            )
+            session, ctx, texts = await self._open_turn(inbound.session_key, user_message)
             reply = await self._run_model(session, ctx, texts, inbound, on_delta, nocache=nocache)
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
@@ -181,17 +178,21 @@ class AgentLoop:
             self.consolidator.maybe_schedule(inbound.session_key)
         return reply_for(inbound, reply.text, metadata=reply.metadata)
 
-    def _open_turn(
+    async def _open_turn(
         self, key: str, user_message: LLMMessage
     ) -> tuple[Session, SessionContext, list[str]]:
-        """In one worker-thread hop: the session, the user's message appended (the
-        promise: what the user said is on disk before the model sees it), the context
-        rebuilt from the branch, and the memory relevant to the message."""
-        session = self.sessions.get_or_create(key)
-        session.add_message(user_message)
+        """The session, the user's message appended (the promise: what the user said is
+        on disk before the model sees it), the context rebuilt from the branch, and the
+        memory relevant to the message. The session steps run on the event loop when
+        they cannot block (see `SessionManager.aget_or_create`); memory search, which
+        may build an index, runs in a worker thread when there is memory to search."""
+        session = await self.sessions.aget_or_create(key)
+        await session.aadd_message(user_message)
         texts: list[str] = []
-        if self.memory is not None:
-            texts = memory_texts(self.memory, key, user_message.content or "")
+        if self.memory is not None and self.memory.exists(key):  # one stat
+            texts = await anyio.to_thread.run_sync(
+                memory_texts, self.memory, key, user_message.content or ""
+            )
         return session, session.build_context(), texts
 
     def _model_for(self, session: Session) -> str:
@@ -231,7 +232,7 @@ class AgentLoop:
             if hit is not None:
                 cached = LLMMessage(role="assistant", content=hit.response, model=model)
                 meta = {"cached": True, "cache_match": hit.match}
-                await anyio.to_thread.run_sync(functools.partial(session.add_message, cached, meta))
+                await session.aadd_message(cached, meta)
                 logger.info("answered from cache ({} match)", hit.match)
                 return _TurnResult(hit.response, {"cached": True})
 
@@ -242,7 +243,7 @@ class AgentLoop:
             response = await self._complete(messages, model, specs, on_delta)
             self.context.observe(session.key, messages, response.usage)
             assistant = response.message
-            await anyio.to_thread.run_sync(functools.partial(session.add_message, assistant))
+            await session.aadd_message(assistant)
             turn.append(assistant)
             if not assistant.tool_calls:
                 reply = assistant.content or ""
@@ -253,7 +254,7 @@ class AgentLoop:
                 tool_message = LLMMessage(
                     role="tool", content=result, tool_call_id=call.id, name=call.function_name
                 )
-                await anyio.to_thread.run_sync(functools.partial(session.add_message, tool_message))
+                await session.aadd_message(tool_message)
                 turn.append(tool_message)
             # Re-fit: tool results can be large, and the request must stay in the window.
             messages = list(fit([*ctx.messages, *turn]).messages)
@@ -261,7 +262,7 @@ class AgentLoop:
             # Out of tool rounds: ask once more without tools, so the user gets an answer.
             logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
             response = await self._complete(repair_tool_pairs(messages), model, [], on_delta)
-            await anyio.to_thread.run_sync(functools.partial(session.add_message, response.message))
+            await session.aadd_message(response.message)
             reply = response.message.content or ""
         if cache_ctx is not None and self.cache is not None:
             used_tools = any(m.tool_calls for m in turn)

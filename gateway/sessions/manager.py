@@ -4,7 +4,10 @@ A `Session` is the handle of one session key: it appends entries through its sto
 answers questions from the in-memory tree. The manager hands out at most one live
 `Session` per key, caches hot ones (LRU), lists, resets, forks and deletes them.
 Everything here is blocking I/O guarded by threading locks: call it from a worker
-thread (``anyio.to_thread.run_sync``) when on the event loop.
+thread (``anyio.to_thread.run_sync``) when on the event loop. The exceptions are made
+for the loop: `SessionManager.aget_or_create` and `Session.aadd_message` do the work on
+the loop when it cannot block (a cached or small session, an append to an open file)
+and hop to a worker thread otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 from loguru import logger
 
 from gateway.llm import LLMMessage
@@ -46,8 +51,13 @@ from gateway.sessions.hooks import (
     TreeEvent,
 )
 from gateway.sessions.keys import SUFFIX, encode_key, key_from_filename, session_path
+from gateway.sessions.spares import SPARES_DIR, SparePool
 from gateway.sessions.store import (
     DIR_MODE,
+    FILE_MODE,
+    STORE_OPEN_FLAGS,
+    AsyncGroupCommitter,
+    EntryFactory,
     FileSessionStore,
     FsyncPolicy,
     GroupCommitter,
@@ -63,6 +73,13 @@ from gateway.sessions.tree import SessionTree, TreeNode
 def _require(tree: SessionTree, entry_id: str) -> None:
     if not tree.is_usable(entry_id):
         raise EntryNotFoundError(f"this session has no entry {entry_id!r}")
+
+
+def _message_factory(msg: LLMMessage, meta: Mapping[str, Any] | None) -> EntryFactory[MessageEntry]:
+    meta_dict = dict(meta) if meta is not None else None
+    return lambda tree, eid, ts: MessageEntry(
+        id=eid, parent_id=tree.leaf_id, timestamp=ts, message=msg, meta=meta_dict
+    )
 
 
 class Session:
@@ -210,12 +227,14 @@ class Session:
 
     def add_message(self, msg: LLMMessage, meta: Mapping[str, Any] | None = None) -> MessageEntry:
         """Append a message at the leaf; it is in the file when this returns."""
-        meta_dict = dict(meta) if meta is not None else None
-        return self._store.append(
-            lambda tree, eid, ts: MessageEntry(
-                id=eid, parent_id=tree.leaf_id, timestamp=ts, message=msg, meta=meta_dict
-            )
-        )
+        return self._store.append(_message_factory(msg, meta))
+
+    async def aadd_message(
+        self, msg: LLMMessage, meta: Mapping[str, Any] | None = None
+    ) -> MessageEntry:
+        """`add_message` for the event loop: the same promise (in the file, fsynced as
+        the policy says, when this returns) without blocking the loop."""
+        return await self._store.aappend(_message_factory(msg, meta))
 
     def append_model_change(self, model: str) -> ModelChangeEntry:
         return self._store.append(
@@ -377,10 +396,22 @@ class SessionManager:
         fsync: FsyncPolicy = "batch",
         hooks: HookRegistry | None = None,
         committer: GroupCommitter | None = None,
+        spare_files: int = 0,
     ) -> None:
         self._dir: Path | None = Path(sessions_dir)
         self._dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._setup(max_cache_size, fsync, hooks, committer)
+        # Empty files kept ready for new sessions (`gateway.sessions.spares`): for a
+        # long-running owner that calls `close`; 0 (the default) keeps none.
+        self._spares: SparePool | None = None
+        if spare_files > 0:
+            self._spares = SparePool(
+                self._dir / SPARES_DIR,
+                flags=STORE_OPEN_FLAGS,
+                mode=FILE_MODE,
+                dir_mode=DIR_MODE,
+                size=spare_files,
+            )
 
     @classmethod
     def in_memory(cls, *, hooks: HookRegistry | None = None) -> SessionManager:
@@ -388,6 +419,7 @@ class SessionManager:
         manager = cls.__new__(cls)
         manager._dir = None
         manager._setup(0, "never", hooks, None)
+        manager._spares = None
         return manager
 
     def _setup(
@@ -403,6 +435,7 @@ class SessionManager:
         self._max = max_cache_size
         self.hooks = hooks or HookRegistry()
         self._committer = committer
+        self._async_committer = AsyncGroupCommitter()
         self._lock = threading.RLock()
         self._lru: OrderedDict[str, Session] = OrderedDict()
         self._live: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
@@ -431,6 +464,8 @@ class SessionManager:
                 key,
                 fsync=self._fsync,
                 committer=self._committer,
+                async_committer=self._async_committer,
+                spares=self._spares,
                 header=header,
             )
         return Session(store, self.hooks)
@@ -440,9 +475,11 @@ class SessionManager:
         if self._dir is None:
             self._memory[key] = session
             return
-        self._live[key] = session
-        self._lru[key] = session
-        self._lru.move_to_end(key)
+        if key not in self._lru:
+            self._live[key] = session
+            self._lru[key] = session
+        else:
+            self._lru.move_to_end(key)
         while len(self._lru) > self._max:
             self._lru.popitem(last=False)  # still in _live while referenced elsewhere
 
@@ -478,6 +515,37 @@ class SessionManager:
         assert session is not None
         return session
 
+    def open_nowait(self, key: str) -> Session | None:
+        """`get_or_create` without blocking: the session when it is cached and current
+        or its file is small and free, None when that needs a worker thread (a busy
+        lock, a large file, a change by another process to read)."""
+        stem = encode_key(key)
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            session = self._lookup(key)
+            if session is not None:
+                store = session._store
+                if isinstance(store, FileSessionStore) and not store.is_current_nowait():
+                    return None
+                return session
+            session = self._new_session(key, stem=stem)
+            store = session._store
+            if isinstance(store, FileSessionStore) and not store.try_load_nowait():
+                return None  # dropped unused: the worker thread loads it afresh
+            self._remember(session)
+            return session
+        finally:
+            self._lock.release()
+
+    async def aget_or_create(self, key: str) -> Session:
+        """`get_or_create` for the event loop: on the loop when `open_nowait` can, else
+        in a worker thread."""
+        session = self.open_nowait(key)
+        if session is None:
+            session = await anyio.to_thread.run_sync(self.get_or_create, key)
+        return session
+
     def get(self, key: str) -> Session | None:
         """The session of ``key`` if it has saved entries (a file), else None."""
         return self._open(key, create=False)
@@ -498,6 +566,8 @@ class SessionManager:
             sessions = list(self._live.values()) + list(self._memory.values())
         for session in sessions:
             session._store.close()
+        if self._spares is not None:
+            self._spares.close()
 
     # -- listing ----------------------------------------------------------------------
 

@@ -16,6 +16,13 @@ Each append is one ``os.write`` of one complete line to an ``O_APPEND`` descript
 ``flock(LOCK_EX)`` so several processes can share a session: under the lock the store
 first reads whatever other writers appended (only the new bytes) and only then chooses
 the new entry's ``parent_id``; a file replaced underneath (a reset elsewhere) is reopened.
+
+The event loop's fast path (`FileSessionStore.try_append_nowait`, `try_load_nowait`,
+`aappend`): an append to a file that is open, with its locks free and little or nothing
+new to read, costs a few microseconds of system calls and runs on the loop itself; the
+fsync of ``"batch"`` is then a group commit (`AsyncGroupCommitter`) whose one worker
+thread covers every append of the round. Anything that could block (a lock held
+elsewhere, a file to create or to read at length, ``"always"``) goes to a worker thread.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
+import anyio
+import anyio.to_thread
 from loguru import logger
 
 if TYPE_CHECKING:
@@ -48,6 +57,7 @@ from gateway.sessions.entries import (
 )
 from gateway.sessions.errors import SessionError, SessionExistsError, UnsupportedVersionError
 from gateway.sessions.keys import SUFFIX
+from gateway.sessions.spares import SparePool
 from gateway.sessions.tree import SessionTree
 
 FsyncPolicy = Literal["always", "batch", "never"]
@@ -60,10 +70,17 @@ EntryFactory = Callable[[SessionTree, str, float], E]
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS = STORE_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 _datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 _MAX_ATTEMPTS = 16  # reopen retries when other processes keep replacing the file
+#: The most bytes the event loop's fast path reads from a session file (a small file
+#: loads in well under a millisecond); more goes to a worker thread.
+INLINE_READ_MAX = 64 * 1024
+
+
+class _WouldBlock(Exception):
+    """The non-blocking path met a busy lock or too much to read: use a worker thread."""
 
 
 def check_fsync_policy(value: str) -> FsyncPolicy:
@@ -146,6 +163,7 @@ class SessionStore(Protocol):
     @property
     def persisted(self) -> bool: ...
     def append(self, factory: EntryFactory[E]) -> E: ...
+    async def aappend(self, factory: EntryFactory[E]) -> E: ...
     def create_with(self, entries: Sequence[Entry]) -> None: ...
     def refresh(self) -> None: ...
     def flush(self) -> None: ...
@@ -261,6 +279,16 @@ class _Pending:
         self.error: OSError | None = None
 
 
+def _sync_handles(batch: list[_Pending]) -> dict[int, OSError]:
+    errors: dict[int, OSError] = {}
+    for h in {id(p.handle): p.handle for p in batch}.values():
+        try:
+            h.sync()
+        except OSError as exc:
+            errors[id(h)] = exc
+    return errors
+
+
 class GroupCommitter:
     """Group commit for ``fsync="batch"``: one fsync round covers every append that was
     waiting when it started, across all sessions of the process.
@@ -290,11 +318,7 @@ class GroupCommitter:
                 errors: dict[int, OSError] = {}
                 self._cond.release()
                 try:
-                    for h in {id(p.handle): p.handle for p in batch}.values():
-                        try:
-                            h.sync()
-                        except OSError as exc:
-                            errors[id(h)] = exc
+                    errors = _sync_handles(batch)
                 finally:
                     self._cond.acquire()
                     for p in batch:
@@ -313,6 +337,45 @@ class GroupCommitter:
 DEFAULT_COMMITTER = GroupCommitter()
 
 
+class AsyncGroupCommitter:
+    """`GroupCommitter` for appends made on the event loop: the first waiter of a round
+    fsyncs every file queued so far in one worker-thread hop (shielded from
+    cancellation, so a round always completes), the others wait for it; appends that
+    arrive meanwhile form the next round. One per event loop user (a `SessionManager`).
+    """
+
+    def __init__(self) -> None:
+        self._queue: list[_Pending] = []
+        self._busy: anyio.Event | None = None
+        self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
+
+    async def commit(self, handle: _FileHandle) -> None:
+        request = _Pending(handle)
+        self._queue.append(request)
+        while not request.done:
+            if self._busy is not None:
+                await self._busy.wait()
+                continue
+            batch, self._queue = self._queue, []
+            self._busy = busy = anyio.Event()
+            errors: dict[int, OSError] = {}
+            try:
+                with anyio.CancelScope(shield=True):
+                    errors = await anyio.to_thread.run_sync(_sync_handles, batch)
+            finally:
+                for p in batch:
+                    p.error = errors.get(id(p.handle))
+                    p.done = True
+                self.rounds += 1
+                self._busy = None
+                busy.set()
+        if request.error is not None:
+            raise SessionError(
+                f"the session entry was written but could not be fsynced: "
+                f"{request.error.strerror}; check the disk"
+            )
+
+
 # -- the file store ------------------------------------------------------------------
 
 
@@ -326,6 +389,8 @@ class FileSessionStore:
         *,
         fsync: FsyncPolicy = "batch",
         committer: GroupCommitter | None = None,
+        async_committer: AsyncGroupCommitter | None = None,
+        spares: SparePool | None = None,
         header: SessionHeader | None = None,
     ) -> None:
         self.lock = threading.RLock()
@@ -333,6 +398,8 @@ class FileSessionStore:
         self._path = path
         self._policy = fsync
         self._committer = committer or DEFAULT_COMMITTER
+        self._async_committer = async_committer or AsyncGroupCommitter()
+        self._spares = spares
         self._handle: _FileHandle | None = None
         self._ident: tuple[int, int] | None = None  # (dev, ino) of the file the tree reflects
         self._dir_dirty = False  # a name was created but the folder is not fsynced
@@ -428,12 +495,15 @@ class FileSessionStore:
             self._log.info("session file {} was replaced or removed; reloading", self._path)
             self._start_fresh(previous_session=self._header.id)
 
-    def _acquire_current(self) -> _FileHandle | None:
+    def _acquire_current(self, *, wait: bool = True) -> _FileHandle | None:
         """Lock (EX) the file now at our path and sync the tree with it.
 
         Returns the locked handle (the caller unlocks), or None when the path holds no
         file. Handles files replaced underneath and moves aside a file with a bad header.
+        With ``wait=False`` raises `_WouldBlock` instead of waiting for another
+        process's lock or reading more than `INLINE_READ_MAX` bytes.
         """
+        lock_op = fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB
         for _ in range(_MAX_ATTEMPTS):
             handle = self._handle
             if handle is None:
@@ -447,10 +517,15 @@ class FileSessionStore:
                         f"cannot open session file {self._path}: {exc.strerror}"
                     ) from None
                 handle = self._handle = _FileHandle(fd)
-            fcntl.flock(handle.fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(handle.fd, lock_op)
+            except BlockingIOError:
+                raise _WouldBlock from None
             ok = False
             try:
                 size = self._current_size(handle)
+                if not wait and size is not None and self._to_read(handle, size) > INLINE_READ_MAX:
+                    raise _WouldBlock
                 if size is not None and self._sync_locked(handle, size):
                     ok = True
                     return handle
@@ -460,6 +535,12 @@ class FileSessionStore:
             if self._handle is handle:
                 self._vanished()
         raise SessionError(f"session file {self._path} keeps changing; try again")
+
+    def _to_read(self, handle: _FileHandle, size: int) -> int:
+        """How many bytes `_sync_locked` would read for a file of ``size`` bytes."""
+        if self._ident != (handle.dev, handle.ino) or size < self._size or self._size == 0:
+            return size
+        return size - self._size
 
     def _sync_locked(self, handle: _FileHandle, size: int) -> bool:
         """Apply bytes other writers appended (the file is ``size`` bytes now, and we
@@ -664,13 +745,76 @@ class FileSessionStore:
             self._committer.commit(handle)
         return entry
 
-    def _append_locked(self, factory: EntryFactory[E]) -> tuple[E, _FileHandle]:
+    def try_append_nowait(self, factory: EntryFactory[E]) -> tuple[E, _FileHandle] | None:
+        """`append` without blocking: the entry is written (not yet fsynced) and
+        returned with its file, or None (nothing written) when appending would wait
+        for a lock, create the file, read much, or fsync (``"always"``). Under
+        ``"batch"`` the entry is durable once the file's group commit is done."""
+        if self._policy == "always" or not self.lock.acquire(blocking=False):
+            return None
+        try:
+            return self._append_locked(factory, wait=False)
+        except _WouldBlock:
+            return None
+        finally:
+            self.lock.release()
+
+    async def aappend(self, factory: EntryFactory[E]) -> E:
+        """`append` for the event loop: on the loop when that cannot block (then
+        awaiting the group commit under ``"batch"``), else in a worker thread."""
+        done = self.try_append_nowait(factory)
+        if done is None:
+            return await anyio.to_thread.run_sync(self.append, factory)
+        entry, handle = done
+        if self._policy == "batch":
+            await self._async_committer.commit(handle)
+        return entry
+
+    def try_load_nowait(self) -> bool:
+        """`load` without blocking: False (nothing loaded) when it would wait for a
+        lock or read more than `INLINE_READ_MAX` bytes."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            handle = self._acquire_current(wait=False)
+        except _WouldBlock:
+            return False
+        finally:
+            self.lock.release()
+        if handle is not None:
+            fcntl.flock(handle.fd, fcntl.LOCK_UN)
+        return True
+
+    def is_current_nowait(self) -> bool:
+        """True when the tree reflects the file (one ``stat``); False when a `refresh`
+        is due or the store is busy."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            try:
+                st = os.stat(self._path)
+            except FileNotFoundError:
+                return not self._on_disk
+            except OSError:
+                return False
+            handle = self._handle
+            return (
+                handle is not None
+                and (st.st_dev, st.st_ino) == (handle.dev, handle.ino)
+                and st.st_size == self._seen_size
+            )
+        finally:
+            self.lock.release()
+
+    def _append_locked(
+        self, factory: EntryFactory[E], *, wait: bool = True
+    ) -> tuple[E, _FileHandle]:
         for _ in range(_MAX_ATTEMPTS):
-            handle = self._acquire_current()
+            handle = self._acquire_current(wait=wait)
             if handle is None:
                 entry = build_entry(self._tree, factory)
                 data = (encode_line(self._header) + encode_line(entry)).encode()
-                if self._create_file(data):
+                if self._create_file(data, wait=wait):
                     self._tree.add(entry)
                     assert self._handle is not None
                     return entry, self._handle
@@ -729,22 +873,49 @@ class FileSessionStore:
                 f"the session entry was written but could not be fsynced: {exc.strerror}"
             ) from None
 
-    def _create_file(self, data: bytes) -> bool:
-        """Create the file holding ``data`` (header first); False if it already exists.
-
-        ``O_EXCL`` create, then write under the lock. Until the write lands the file is
-        empty, which every reader treats as "no session yet"; a writer that took the
-        lock first has written its own header, so we back off and adopt its file. A
-        crash in between leaves an empty file, which the next append fills.
-        """
+    def _open_new(self, *, wait: bool) -> int | None:
+        """A descriptor of a new, empty file at our path (a linked spare, or an
+        ``O_EXCL`` create), or None if the path exists. With ``wait=False`` raises
+        `_WouldBlock` unless a spare is at hand and nothing must be fsynced."""
+        pool = self._spares
+        spare = pool.take() if pool is not None and (wait or self._policy == "never") else None
+        if pool is not None and spare is not None:
+            try:
+                os.link(spare.path, self._path)  # never replaces an existing name
+            except FileExistsError:
+                pool.give_back(spare)
+                return None
+            except OSError:
+                _close_quietly(spare.fd)  # unusable (e.g. removed): create instead
+            else:
+                try:
+                    os.unlink(spare.path)
+                except OSError:
+                    pass
+                return spare.fd
+        if not wait:
+            raise _WouldBlock
         try:
-            fd = os.open(self._path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            return os.open(self._path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, FILE_MODE)
         except FileExistsError:
-            return False
+            return None
         except OSError as exc:
             raise SessionError(
                 f"could not create session file {self._path}: {exc.strerror}"
             ) from None
+
+    def _create_file(self, data: bytes, *, wait: bool = True) -> bool:
+        """Create the file holding ``data`` (header first); False if it already exists.
+
+        A new empty file (see `_open_new`), then the write under the lock. Until the
+        write lands the file is empty, which every reader treats as "no session yet";
+        a writer that took the lock first has written its own header, so we back off
+        and adopt its file. A crash in between leaves an empty file, which the next
+        append fills.
+        """
+        fd = self._open_new(wait=wait)
+        if fd is None:
+            return False
         handle = _FileHandle(fd)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -911,6 +1082,9 @@ class MemorySessionStore:
             encode_line(entry)  # same JSON rules as on disk
             self._tree.add(entry)
             return entry
+
+    async def aappend(self, factory: EntryFactory[E]) -> E:
+        return self.append(factory)
 
     def create_with(self, entries: Sequence[Entry]) -> None:
         with self.lock:
