@@ -139,6 +139,9 @@ class SqliteCacheBackend:
                 conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
             return record
 
+        ran, found = self._db.try_run_nowait(query)  # a lookup on the loop: no thread hop
+        if ran:
+            return found
         return await self._db.run(query)
 
     async def put(self, record: CacheRecord, *, now: float, max_entries: int) -> int:

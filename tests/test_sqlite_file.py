@@ -1,0 +1,115 @@
+"""`SqliteFile`: calls on the loop only when they cannot wait, the worker thread
+otherwise, and WAL checkpoints kept out of commits."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+from gateway import fsutil
+from gateway.cache.backend import CacheRecord
+from gateway.cache.sqlite_backend import SqliteCacheBackend
+from gateway.fsutil import SqliteFile
+
+pytestmark = pytest.mark.anyio
+
+
+def schema(conn: sqlite3.Connection) -> None:
+    conn.execute("CREATE TABLE IF NOT EXISTS t (k TEXT PRIMARY KEY, v TEXT)")
+
+
+def lock_database(path: Path, seconds: float) -> threading.Thread:
+    """Another connection (as another process would) holds the write lock."""
+    held = threading.Event()
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        threading.Event().wait(seconds)
+        conn.execute("COMMIT")
+        conn.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait()
+    return thread
+
+
+async def test_nowait_runs_here_only_when_it_cannot_wait(tmp_path: Path) -> None:
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
+    put = lambda conn: conn.execute("INSERT INTO t VALUES ('a', '1')")  # noqa: E731
+    assert db.try_transaction_nowait(put) == (False, None)  # not open yet: nothing ran
+    await db.run(lambda conn: None)  # opens it
+    assert db.try_transaction_nowait(put)[0] is True
+    holder = lock_database(db.path, 0.3)
+    try:
+        put_b = lambda conn: conn.execute("INSERT INTO t VALUES ('b', '2')")  # noqa: E731
+        assert db.try_transaction_nowait(put_b) == (False, None)  # locked: not here
+        await db.transaction(put_b)  # the worker thread waits for the lock
+    finally:
+        holder.join()
+    rows = await db.run(lambda conn: conn.execute("SELECT k, v FROM t ORDER BY k").fetchall())
+    assert rows == [("a", "1"), ("b", "2")]
+    await db.aclose()
+
+
+async def test_checkpoints_run_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fsutil, "CHECKPOINT_EVERY", 50)
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
+    await db.run(lambda conn: None)
+    mode = await db.run(lambda conn: conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+    assert mode == 0  # commits never checkpoint themselves
+    for n in range(120):
+        db.try_transaction_nowait(
+            lambda conn, n=n: conn.execute("INSERT INTO t VALUES (?, 'x')", (str(n),))
+        )
+    assert db.checkpoints >= 1
+    await db.aclose()  # waits for a checkpoint still running
+    conn = sqlite3.connect(db.path)
+    assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 120
+    conn.close()
+
+
+async def test_a_cache_lookup_waits_for_a_foreign_lock_off_the_loop(tmp_path: Path) -> None:
+    """A lookup that must write (an expired entry to drop) while another process holds
+    the lock: not on the loop, still answered correctly once the lock is free."""
+    backend = SqliteCacheBackend(tmp_path / "cache.sqlite3")
+    record = CacheRecord(
+        key="k",
+        response="answer",
+        model="m",
+        scope="shared",
+        partition="",
+        query="q",
+        created_at=0.0,
+        expires_at=10.0,
+    )
+    await backend.put(record, now=1.0, max_entries=100)
+    assert (await backend.get("k", now=2.0)) is not None
+    holder = lock_database(backend.path, 0.3)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.01)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            gone = await backend.get("k", now=20.0)  # expired: the lookup deletes it
+            tg.cancel_scope.cancel()
+    finally:
+        holder.join()
+    assert gone is None
+    assert ticks >= 10
+    assert (await backend.get("k", now=2.0)) is None  # the delete happened
+    await backend.aclose()
