@@ -112,7 +112,15 @@ class SessionSettings(_Section):
         description="always: fsync each append; batch: group commit, a turn is still "
         "acknowledged only once on disk; never: leave it to the OS.",
     )
-    max_cache_size: int = Field(200, ge=1, description="Sessions kept in memory.")
+    max_cache_size: int = Field(
+        2000,
+        ge=1,
+        description="Sessions kept in memory (the recently active ones), at most "
+        "max_cache_mb of session files between them.",
+    )
+    max_cache_mb: int = Field(
+        256, ge=1, description="Budget of the session cache, in MiB of session files."
+    )
 
 
 class CacheSettingsSection(_Section):

@@ -73,6 +73,24 @@ def test_lru_never_holds_two_live_objects_per_key(folder: Path) -> None:
     assert manager.get("a") is held
 
 
+def test_the_cache_is_bounded_by_bytes_too(folder: Path) -> None:
+    """A few large sessions cannot hold the whole budget: least recent go first, and
+    the cache always keeps the session in use."""
+    manager = SessionManager(folder, max_cache_size=100, max_cache_bytes=30_000, fsync="never")
+    for key in ("a", "b", "c"):
+        manager.get_or_create(key).add_message(user(key * 12_000))  # ~12 KB each
+    for key in ("a", "b", "c"):
+        manager.get_or_create(key)  # touched: sizes are known now
+    gc.collect()
+    cached = [s.key for s in manager._lru.values()]
+    assert cached == ["b", "c"]  # "a" (least recent) went to stay under 30,000 bytes
+    assert manager._bytes == sum(s._store.size for s in manager._lru.values())
+    manager.get_or_create("huge").add_message(user("x" * 50_000))
+    manager.get_or_create("huge")  # touched with its new size: over the budget alone
+    assert [s.key for s in manager._lru.values()] == ["huge"]  # the one in use stays
+    assert texts(manager.get_or_create("a")) == ["a" * 12_000]  # reloaded from disk
+
+
 def test_in_memory_never_evicts_and_touches_no_disk(tmp_path: Path) -> None:
     cwd = os.getcwd()
     os.chdir(tmp_path)

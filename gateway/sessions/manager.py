@@ -391,8 +391,9 @@ class SessionManager:
     def __init__(
         self,
         sessions_dir: Path,
-        max_cache_size: int = 200,
+        max_cache_size: int = 2000,
         *,
+        max_cache_bytes: int = 256 * 1024 * 1024,
         fsync: FsyncPolicy = "batch",
         hooks: HookRegistry | None = None,
         committer: GroupCommitter | None = None,
@@ -401,6 +402,7 @@ class SessionManager:
         self._dir: Path | None = Path(sessions_dir)
         self._dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._setup(max_cache_size, fsync, hooks, committer)
+        self._max_bytes = max_cache_bytes
         # Empty files kept ready for new sessions (`gateway.sessions.spares`): for a
         # long-running owner that calls `close`; 0 (the default) keeps none.
         self._spares: SparePool | None = None
@@ -438,6 +440,11 @@ class SessionManager:
         self._async_committer = AsyncGroupCommitter()
         self._lock = threading.RLock()
         self._lru: OrderedDict[str, Session] = OrderedDict()
+        # File bytes of each cached session when last touched, and their sum: the
+        # cache is bounded by bytes as well as by count.
+        self._lru_bytes: dict[str, int] = {}
+        self._bytes = 0
+        self._max_bytes = 0  # 0: no byte bound
         self._live: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self._memory: dict[str, Session] = {}  # the in-memory variant keeps everything
 
@@ -480,8 +487,15 @@ class SessionManager:
             self._lru[key] = session
         else:
             self._lru.move_to_end(key)
-        while len(self._lru) > self._max:
-            self._lru.popitem(last=False)  # still in _live while referenced elsewhere
+        size = session._store.size
+        self._bytes += size - self._lru_bytes.get(key, 0)
+        self._lru_bytes[key] = size
+        while len(self._lru) > self._max or (
+            self._max_bytes and self._bytes > self._max_bytes and len(self._lru) > 1
+        ):
+            # Still in _live while referenced elsewhere.
+            old, _ = self._lru.popitem(last=False)
+            self._bytes -= self._lru_bytes.pop(old, 0)
 
     def _lookup(self, key: str) -> Session | None:
         if self._dir is None:
@@ -559,6 +573,8 @@ class SessionManager:
         """Drop the cache's references (sessions still held elsewhere stay live)."""
         with self._lock:
             self._lru.clear()
+            self._lru_bytes.clear()
+            self._bytes = 0
 
     def close(self) -> None:
         """Close every live session's file (they reopen on next use)."""
@@ -612,6 +628,7 @@ class SessionManager:
         with self._lock:
             session = self._lookup(key)
             self._lru.pop(key, None)
+            self._bytes -= self._lru_bytes.pop(key, 0)
             if session is None:
                 session = self._new_session(key)
             removed = session._store.delete()

@@ -162,6 +162,8 @@ class SessionStore(Protocol):
     def on_disk(self) -> bool: ...
     @property
     def persisted(self) -> bool: ...
+    @property
+    def size(self) -> int: ...
     def append(self, factory: EntryFactory[E]) -> E: ...
     async def aappend(self, factory: EntryFactory[E]) -> E: ...
     def create_with(self, entries: Sequence[Entry]) -> None: ...
@@ -455,6 +457,12 @@ class FileSessionStore:
     def persisted(self) -> bool:
         """True once the session has a file (its entries survive this process)."""
         return self._on_disk
+
+    @property
+    def size(self) -> int:
+        """Bytes of the file the tree reflects (what the session costs in memory,
+        roughly)."""
+        return self._size
 
     @property
     def report(self) -> LoadReport:
@@ -1071,6 +1079,10 @@ class MemorySessionStore:
     def persisted(self) -> bool:
         """True once an entry was added (the in-memory stand-in for "has a file")."""
         return len(self._tree) > 0
+
+    @property
+    def size(self) -> int:
+        return 0
 
     @property
     def report(self) -> LoadReport:
