@@ -189,8 +189,9 @@ class SqliteFile:
 
     `run` and `transaction` run in a worker thread. `try_run_nowait` and
     `try_transaction_nowait` run on the caller's thread (the loop) when that cannot
-    block: the connection is open, no worker is using it, and SQLite's lock is free
-    (busy timeout 0 for that call); otherwise they report that nothing ran. A short
+    block: the connection is open, no worker is using it, no checkpoint is running,
+    and SQLite's lock is free (the connection's busy timeout is 0 except during a
+    worker's call); otherwise they report that nothing ran. A short
     transaction costs tens of microseconds there, less than a thread hop: WAL commits
     do not fsync (``synchronous = NORMAL``) and the connection never checkpoints in a
     commit: every `CHECKPOINT_EVERY` commits a background thread does, on its own
@@ -219,12 +220,20 @@ class SqliteFile:
     def _init_connection(self, conn: sqlite3.Connection) -> None:
         self._init(conn)
         conn.execute("PRAGMA wal_autocheckpoint = 0")  # see `_committed`
+        # Never wait for another connection's lock by default: the loop's calls must
+        # not; a worker thread's call sets the timeout for its own duration.
+        conn.execute("PRAGMA busy_timeout = 0")
+
+    def _checkpointing(self) -> bool:
+        """A checkpoint is running: it fsyncs, and on some file systems (ext4's journal)
+        writes wait for that; the loop then leaves this file to the worker thread."""
+        return self._checkpointer is not None and self._checkpointer.is_alive()
 
     def _committed(self) -> None:
         self._commits += 1
         if self._commits < CHECKPOINT_EVERY:
             return
-        if self._checkpointer is not None and self._checkpointer.is_alive():
+        if self._checkpointing():
             return
         self._commits = 0
         self.checkpoints += 1
@@ -247,18 +256,14 @@ class SqliteFile:
         """``(True, fn(connection))`` run here and now, or ``(False, None)`` when that
         would wait (connection not open yet, in use, or the database locked)."""
         conn = self._conn
-        if conn is None or not self._lock.acquire(blocking=False):
+        if conn is None or self._checkpointing() or not self._lock.acquire(blocking=False):
             return False, None
         try:
-            conn.execute("PRAGMA busy_timeout = 0")
-            try:
-                return True, fn(conn)
-            except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode in _BUSY_CODES:
-                    return False, None
-                raise
-            finally:
-                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            return True, fn(conn)  # busy timeout 0: a held lock raises at once
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode in _BUSY_CODES:
+                return False, None
+            raise
         finally:
             self._lock.release()
 
@@ -287,7 +292,12 @@ class SqliteFile:
                     init=self._init_connection,
                     busy_timeout_ms=self._busy_timeout_ms,
                 )
-            return fn(self._conn)
+            conn = self._conn
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            try:
+                return fn(conn)
+            finally:
+                conn.execute("PRAGMA busy_timeout = 0")
 
     async def transaction(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """`fn(connection)` inside one immediate write transaction."""
@@ -307,6 +317,7 @@ class SqliteFile:
                     return
                 try:
                     if last_write is not None:
+                        self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
                         immediate(self._conn, last_write)
                 except sqlite3.Error as exc:
                     logger.warning("{} file {}: last write failed: {}", self._what, self.path, exc)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import stat
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -253,3 +256,45 @@ async def test_memory_store_journals_nothing() -> None:
     msg = InboundMessage(channel="telegram", chat_id="1", text="x", message_id="1:1")
     await store.journal("k", msg)
     assert await store.unanswered() == []
+
+
+async def test_a_journal_write_never_waits_on_the_loop(tmp_path: Path) -> None:
+    """The journal commit runs on the loop only when SQLite's lock is free; while
+    another process holds it the write waits in a worker thread and the loop runs on.
+    Either way the message is on file when `journal` returns."""
+    path = tmp_path / "d.sqlite3"
+    store = FileDedupeStore(path)
+    msg = InboundMessage(channel="t", chat_id="1", text="first", message_id="1")
+    await store.journal("k1", msg)  # the loop path (the file is open now)
+    held = threading.Event()
+
+    def hold() -> None:  # another process's write transaction, for 0.3 s
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        time.sleep(0.3)
+        conn.execute("COMMIT")
+        conn.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.01)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            second = InboundMessage(channel="t", chat_id="1", text="second", message_id="2")
+            await store.journal("k2", second)
+            tg.cancel_scope.cancel()
+    finally:
+        holder.join()
+    assert ticks >= 10  # the loop kept running while the write waited for the lock
+    assert [m.text for m in await store.unanswered()] == ["first", "second"]
+    await store.aclose()
