@@ -44,9 +44,11 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without instal
 from loguru import logger  # noqa: E402
 
 from gateway.agent import AgentConfig, AgentLoop, build_registry  # noqa: E402
-from gateway.daemon import SPARE_FILES  # noqa: E402
+from gateway.config import SessionSettings, load_settings  # noqa: E402
+from gateway.daemon import SPARE_FILES, build_session_manager  # noqa: E402
 from gateway.dedupe import FileDedupeStore  # noqa: E402
 from gateway.dispatch import Dispatcher  # noqa: E402
+from gateway.gcpolicy import GCPolicy  # noqa: E402
 from gateway.llm.types import (  # noqa: E402
     LLMMessage,
     LLMResponse,
@@ -58,7 +60,7 @@ from gateway.messages import InboundMessage, OutboundMessage  # noqa: E402
 from gateway.sessions import SessionManager  # noqa: E402
 
 FSYNC: Literal["never"] = "never"
-CACHE_SIZE = 200  # the default of sessions.max_cache_size
+CACHE_SIZE = SessionSettings().max_cache_size  # the default, as `gateway run` uses it
 USER_TEXT = "Could you summarize what we talked about so far, in two sentences? " * 2
 REPLY_TEXT = "Here is a short answer of about the usual length for a chat reply. " * 4
 
@@ -147,10 +149,22 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def run_scenario(sc: Scenario, folder: Path) -> Outcome:
-    sessions = SessionManager(
-        folder / "sessions", fsync=FSYNC, max_cache_size=CACHE_SIZE, spare_files=SPARE_FILES
+def daemon_sessions(folder: Path) -> SessionManager:
+    """The sessions as `gateway run` builds them: the default settings (cache size and
+    budget, spare files), with the bench's fsync policy."""
+    settings = load_settings(
+        None,
+        environ={
+            "GATEWAY_WORKSPACE": str(folder),
+            "GATEWAY_SESSIONS__FSYNC": FSYNC,
+            "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+        },
     )
+    return build_session_manager(settings, spare_files=SPARE_FILES)
+
+
+async def run_scenario(sc: Scenario, folder: Path) -> Outcome:
+    sessions = daemon_sessions(folder)
     agent = AgentLoop(
         sessions=sessions,
         provider=BenchProvider(sc.llm_ms / 1000),
@@ -244,6 +258,7 @@ async def run_scenario(sc: Scenario, folder: Path) -> Outcome:
 
     hops = _count_thread_hops()
     async with anyio.create_task_group() as tg:
+        await tg.start(GCPolicy().run)  # as `gateway run` does once started
         await tg.start(dispatcher.run)
         if sc.rate:
             tg.start_soon(open_loop)
@@ -364,7 +379,6 @@ async def measure_parts() -> dict[str, float]:
 async def run_http(sessions: int, clients: int, warmup: float, window: float) -> Outcome:
     """POST /api/chat through the real Daemon (HTTP server, dispatcher, agent, sessions
     and file dedupe), with the instant in-process LLM: what HTTP adds on top."""
-    from gateway.config import load_settings
     from gateway.daemon import Daemon, Gateway
 
     folder = Path(tempfile.mkdtemp(prefix="bench-http-"))
@@ -381,9 +395,7 @@ async def run_http(sessions: int, clients: int, warmup: float, window: float) ->
             "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
         },
     )
-    sessions_mgr = SessionManager(
-        settings.sessions_dir, fsync=FSYNC, max_cache_size=CACHE_SIZE, spare_files=SPARE_FILES
-    )
+    sessions_mgr = build_session_manager(settings, spare_files=SPARE_FILES)
     provider = BenchProvider(0)
     agent = AgentLoop(
         sessions=sessions_mgr,

@@ -19,6 +19,7 @@ from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket
 from gateway.config import AccessSection, ConfigError, Settings
 from gateway.fsutil import ensure_private_dir
+from gateway.gcpolicy import GCPolicy
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
 from gateway.memory import MemoryStore
@@ -65,6 +66,7 @@ def build_session_manager(settings: Settings, *, spare_files: int = 0) -> Sessio
     return SessionManager(
         settings.sessions_dir,
         max_cache_size=settings.sessions.max_cache_size,
+        max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
         fsync=settings.sessions.fsync,
         spare_files=spare_files,
     )
@@ -270,6 +272,7 @@ class Daemon:
         settings = gateway.settings
         self.health = HealthState()
         self.metrics = Metrics(version=__version__)
+        self.gc_policy = GCPolicy()
         self.dedupe = FileDedupeStore(
             settings.workspace_path / "dedupe.sqlite", ttl=settings.dispatch.dedupe_ttl_seconds
         )
@@ -453,6 +456,7 @@ class Daemon:
                 await self._replay_unanswered()
                 for channel in self.channels.values():
                     tg.start_soon(self._supervise, channel)
+                await tg.start(self.gc_policy.run)  # start-up done: freeze what it made
                 self.health.set_ready()
                 logger.info(
                     "gateway ready: http://{}:{} channels: {}",
