@@ -18,7 +18,7 @@ import bisect
 import dataclasses
 import math
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -94,7 +94,9 @@ def last_reported_usage(messages: Sequence[LLMMessage]) -> tuple[int, TokenUsage
     return None
 
 
-def estimate_branch_tokens(messages: Sequence[LLMMessage]) -> int:
+def estimate_branch_tokens(
+    messages: Sequence[LLMMessage], count: Callable[[LLMMessage], int] = estimate_message_tokens
+) -> int:
     """Tokens of a branch, anchored on what the provider reported where it can be.
 
     The latest assistant message with a usage tells how many tokens the request that
@@ -107,12 +109,12 @@ def estimate_branch_tokens(messages: Sequence[LLMMessage]) -> int:
     """
     found = last_reported_usage(messages)
     if found is None:
-        return estimate_messages_tokens(messages)
+        return sum(map(count, messages))
     index, usage = found
-    completion = usage.completion_tokens or estimate_message_tokens(messages[index])
+    completion = usage.completion_tokens or count(messages[index])
     reported = usage.prompt_tokens + completion
-    estimated = estimate_messages_tokens(messages[: index + 1])
-    return max(reported, estimated) + estimate_messages_tokens(messages[index + 1 :])
+    estimated = sum(map(count, messages[: index + 1]))
+    return max(reported, estimated) + sum(map(count, messages[index + 1 :]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +268,22 @@ class ContextPlan:
         return self.messages[len(self.messages) - len(self.kept_indices) :]
 
 
+class _Counter:
+    """Token estimates for one `fit_context` call, each message counted once. Messages
+    are immutable; the memo keeps each one it saw alive, so an id is never reused."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[LLMMessage, int]] = {}
+
+    def __call__(self, message: LLMMessage) -> int:
+        hit = self._seen.get(id(message))
+        if hit is None:
+            hit = self._seen[id(message)] = (message, estimate_message_tokens(message))
+        return hit[1]
+
+
 @dataclass(slots=True)
 class _Unit:
     """A group pruned as one: one message, or a tool call with its results."""
@@ -290,7 +308,7 @@ def _split_units(messages: Sequence[LLMMessage], indices: Sequence[int | None]) 
     return units
 
 
-def _shape_unit(unit: _Unit, tool_cap: int, trimmed: list[TrimmedItem]) -> None:
+def _shape_unit(unit: _Unit, tool_cap: int, trimmed: list[TrimmedItem], count: _Counter) -> None:
     """Cut the unit's oversized tool results, then count its tokens."""
     for position, message in enumerate(unit.messages):
         if message.role == "tool" and message.content:
@@ -300,7 +318,7 @@ def _shape_unit(unit: _Unit, tool_cap: int, trimmed: list[TrimmedItem]) -> None:
                 unit.messages[position] = dataclasses.replace(message, content=content)
                 after = estimate_text_tokens(content)
                 trimmed.append(TrimmedItem("tool_result", before, after, unit.indices[position]))
-    unit.tokens = estimate_messages_tokens(unit.messages)
+    unit.tokens = sum(map(count, unit.messages))
 
 
 def _unit_text(message: LLMMessage) -> str:
@@ -426,6 +444,7 @@ def fit_context(
     4. Still over budget with only protected messages: the memory block goes.
     """
     policy = policy or PruningPolicy()
+    tokens_of = _Counter()
     budget = max(0, context_window - reply_reserve)
     ratio = usage.ratio if usage is not None else 1.0
     limit = int(budget / ratio)  # budget in raw-estimate tokens
@@ -438,7 +457,7 @@ def fit_context(
     seen = {i for i in indices if i is not None}
     for position, original in enumerate(history):
         if position not in seen:
-            tokens = estimate_message_tokens(original)
+            tokens = tokens_of(original)
             pruned.append(PrunedMessage(position, original.role, tokens, "orphan"))
     head = [LLMMessage(role="system", content=system_prompt)]
     summary_included = bool(summary and summary.strip())
@@ -461,7 +480,7 @@ def fit_context(
         if lines:
             memory_message = LLMMessage(role="system", content=MEMORY_PREFIX + "\n".join(lines))
             head.append(memory_message)
-    head_tokens = estimate_messages_tokens(head)
+    head_tokens = sum(map(tokens_of, head))
 
     # 2. window and protection ------------------------------------------------------
     units = _split_units(repaired, indices)
@@ -484,15 +503,15 @@ def fit_context(
     reach, seen_tokens = len(units), 0
     while reach > start and seen_tokens <= policy.horizon * limit:
         reach -= 1
-        seen_tokens += estimate_messages_tokens(units[reach].messages)
+        seen_tokens += sum(map(tokens_of, units[reach].messages))
     start = min(max(start, reach), protected_at)
     for unit in units[:start]:
-        _record(pruned, unit, "window")
+        _record(pruned, unit, "window", count=tokens_of)
     window = units[start:]
     protected_at -= start
     tool_cap = max(1, int(limit * policy.tool_result_share))
     for unit in window:
-        _shape_unit(unit, tool_cap, trimmed)
+        _shape_unit(unit, tool_cap, trimmed, tokens_of)
     previous_user = next(
         (i for i in range(protected_at - 1, -1, -1) if window[i].messages[0].role == "user"),
         None,
@@ -521,20 +540,21 @@ def fit_context(
             if kept[i]:
                 kept[i] = False
                 used -= window[i].tokens
-                _record(pruned, window[i], reason, window[i].importance)
+                _record(pruned, window[i], reason, window[i].importance, tokens_of)
 
-    prunable = range(protected_at)
-    unimportant = [i for i in prunable if window[i].importance < policy.important]
-    drop([i for i in unimportant if i < protected_at / 2], "oldest")
-    drop(sorted(unimportant, key=lambda i: (window[i].importance, i)), "least_important")
-    if used > limit:
-        drop(_near_duplicates(window, kept, protected_at, policy), "near_duplicate")
-    drop(sorted(prunable, key=lambda i: (window[i].importance, i)), "last_resort")
+    if used > limit:  # the common case fits: nothing to order or drop
+        prunable = range(protected_at)
+        unimportant = [i for i in prunable if window[i].importance < policy.important]
+        drop([i for i in unimportant if i < protected_at / 2], "oldest")
+        drop(sorted(unimportant, key=lambda i: (window[i].importance, i)), "least_important")
+        if used > limit:
+            drop(_near_duplicates(window, kept, protected_at, policy), "near_duplicate")
+        drop(sorted(prunable, key=lambda i: (window[i].importance, i)), "last_resort")
 
     # 4. the memory block goes before the protected messages would -----------------
     if used > limit and memory_message is not None:
         head.remove(memory_message)
-        used -= estimate_message_tokens(memory_message)
+        used -= tokens_of(memory_message)
         before = estimate_text_tokens(memory_message.content)
         trimmed.append(TrimmedItem("memory", before, 0))
         memory_message = None
@@ -546,7 +566,7 @@ def fit_context(
             body.extend(unit.messages)
             body_indices.extend(unit.indices)
     messages = (*head, *body)
-    raw = estimate_messages_tokens(messages)
+    raw = sum(map(tokens_of, messages))
     pruned.sort(key=lambda p: p.index)
     return ContextPlan(
         messages=messages,
@@ -554,7 +574,7 @@ def fit_context(
         estimated_tokens=math.ceil(raw * ratio),
         raw_tokens=raw,
         budget_tokens=budget,
-        branch_tokens=estimate_branch_tokens(history),
+        branch_tokens=estimate_branch_tokens(history, tokens_of),
         memory_injected=memory_message is not None,
         summary_included=summary_included,
         protected_from=_first_index(window[protected_at:]),
@@ -580,11 +600,15 @@ def _distinct_lines(texts: Sequence[str]) -> list[str]:
 
 
 def _record(
-    pruned: list[PrunedMessage], unit: _Unit, reason: PruneReason, importance: float | None = None
+    pruned: list[PrunedMessage],
+    unit: _Unit,
+    reason: PruneReason,
+    importance: float | None = None,
+    count: Callable[[LLMMessage], int] = estimate_message_tokens,
 ) -> None:
     for message, index in zip(unit.messages, unit.indices, strict=True):
         if index is not None:
-            tokens = estimate_message_tokens(message)
+            tokens = count(message)
             pruned.append(PrunedMessage(index, message.role, tokens, reason, importance))
 
 
