@@ -50,7 +50,7 @@ def build_provider(settings: Settings) -> LLMProvider:
 
 #: Empty session files a gateway keeps ready, so a new conversation's first message is
 #: not held up by the file system creating a file (`gateway.sessions.spares`).
-SPARE_FILES = 16
+SPARE_FILES = 64
 
 
 def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:

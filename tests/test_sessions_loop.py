@@ -162,13 +162,14 @@ async def test_new_sessions_start_from_spare_files(tmp_path: Path) -> None:
         await session.aadd_message(user(f"hi {n}"))
         assert session.path is not None
         assert stat.S_IMODE(session.path.stat().st_mode) == 0o600
-        assert session.path.stat().st_nlink == 1  # the spare's own name is gone
         assert [r["message"]["content"] for r in message_lines(session.path)] == [f"hi {n}"]
     assert pool.taken >= 3
     spares_dir = tmp_path / SPARES_DIR
     assert stat.S_IMODE(spares_dir.stat().st_mode) == 0o700
+    paths = [manager.get_or_create(f"t:{n}").path for n in range(4)]
     manager.close()
-    assert list(spares_dir.iterdir()) == []  # close removes what was not used
+    assert list(spares_dir.iterdir()) == []  # used spares lost their names, unused went
+    assert all(p is not None and p.stat().st_nlink == 1 for p in paths)
     again = SessionManager(tmp_path, fsync="never")
     assert [m.content for m in again.get_or_create("t:2").messages] == ["hi 2"]
 

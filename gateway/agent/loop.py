@@ -174,8 +174,9 @@ class AgentLoop:
             len(reply.text),
         )
         if self.consolidator is not None and self.config.auto_consolidate:
-            # Runs in the background after this reply; the trigger check is queued too.
-            self.consolidator.maybe_schedule(inbound.session_key)
+            # Runs in the background after this reply. The trigger check is cheap on
+            # the context (a count, then at most twice the window's messages).
+            self.consolidator.maybe_schedule(inbound.session_key, session.build_context())
         return reply_for(inbound, reply.text, metadata=reply.metadata)
 
     async def _open_turn(

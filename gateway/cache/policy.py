@@ -158,8 +158,22 @@ def fingerprint_system_prompt(system_prompt: str) -> str:
 
 
 def fingerprint_tools(tools: Sequence[ToolSpec]) -> str:
-    """Digest of the tool names, descriptions and JSON schemas, in the order offered."""
-    return _sha256_json([[t.name, t.description, t.parameters] for t in tools])
+    """Digest of the tool names, descriptions and JSON schemas, in the order offered.
+
+    Remembered per sequence of spec objects (a registry hands out the same ones every
+    turn; the memo keeps them alive, so their ids stay theirs). Specs are immutable
+    descriptions: build a new one rather than editing a schema in place."""
+    ident = tuple(map(id, tools))
+    hit = _TOOL_FINGERPRINTS.get(ident)
+    if hit is None:
+        if len(_TOOL_FINGERPRINTS) >= 64:
+            _TOOL_FINGERPRINTS.clear()
+        digest = _sha256_json([[t.name, t.description, t.parameters] for t in tools])
+        hit = _TOOL_FINGERPRINTS[ident] = (tuple(tools), digest)
+    return hit[1]
+
+
+_TOOL_FINGERPRINTS: dict[tuple[int, ...], tuple[tuple[ToolSpec, ...], str]] = {}
 
 
 def digest_messages(messages: Sequence[LLMMessage]) -> str | None:

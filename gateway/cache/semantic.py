@@ -18,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from loguru import logger
+
+if TYPE_CHECKING:
+    from loguru import Logger
 
 from gateway.cache.backend import CacheBackend, CacheRecord
 from gateway.cache.neardup import NearDuplicateIndex, WordLlamaEmbedder
@@ -110,19 +113,26 @@ class SemanticCache:
     async def lookup(self, ctx: CacheContext) -> CachedAnswer | None:
         """The stored answer valid for `ctx`, or None (miss, bypass or backend failure)."""
         decision = self.decide(ctx)
-        log = logger.bind(session_key=ctx.session_key)
         if not decision.cacheable:
-            log.debug("cache bypass: {}", decision.reason)
+            self._log(ctx).debug("cache bypass: {}", decision.reason)
             return None
         try:
             answer = await self._lookup(ctx, decision)
             await self.backend.record_lookup(hit=answer is not None)
         except Exception as exc:
-            log.warning("cache lookup failed, treating as a miss: {}: {}", type(exc).__name__, exc)
+            self._log(ctx).warning(
+                "cache lookup failed, treating as a miss: {}: {}", type(exc).__name__, exc
+            )
             return None
         if answer is not None:
-            log.debug("cache {} hit {:.12} ({})", answer.match, answer.key, decision.mode.value)
+            self._log(ctx).debug(
+                "cache {} hit {:.12} ({})", answer.match, answer.key, decision.mode.value
+            )
         return answer
+
+    @staticmethod
+    def _log(ctx: CacheContext) -> Logger:
+        return logger.bind(session_key=ctx.session_key)
 
     async def _lookup(self, ctx: CacheContext, decision: Decision) -> CachedAnswer | None:
         now = self._clock()

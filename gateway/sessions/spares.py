@@ -48,6 +48,7 @@ class SparePool:
         self._mode = mode
         self._size = size
         self._spares: deque[Spare] = deque()
+        self._retired: list[Path] = []  # names of spares now in use, to unlink
         self._lock = threading.Lock()
         self._wanted = threading.Event()
         self._closed = False
@@ -64,6 +65,22 @@ class SparePool:
             self._start_locked()
         self._wanted.set()
         return spare
+
+    def retire(self, spare: Spare) -> None:
+        """`spare` is linked under its session's name now: its own name is dropped by
+        the top-up thread (off the caller's path; a crash first leaves a second name
+        that the next pool removes)."""
+        with self._lock:
+            if not self._closed:
+                self._retired.append(spare.path)
+                self._start_locked()
+                retire_now = None
+            else:
+                retire_now = spare.path
+        if retire_now is not None:
+            _unlink_quietly(retire_now)
+        else:
+            self._wanted.set()
 
     def give_back(self, spare: Spare) -> None:
         """Return a spare that was not used (e.g. its target name existed)."""
@@ -84,6 +101,10 @@ class SparePool:
             thread.join()
         for spare in spares:
             _discard(spare)
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for path in retired:
+            _unlink_quietly(path)
 
     def _start_locked(self) -> None:
         if self._thread is None and not self._closed:
@@ -95,6 +116,10 @@ class SparePool:
             self._wanted.wait()
             self._wanted.clear()
             while True:
+                with self._lock:
+                    retired, self._retired = self._retired, []
+                for path in retired:
+                    _unlink_quietly(path)
                 with self._lock:
                     if self._closed:
                         return
@@ -153,11 +178,15 @@ def _pid_gone(name: str) -> bool:
     return False
 
 
-def _discard(spare: Spare) -> None:
+def _unlink_quietly(path: Path) -> None:
     try:
-        os.unlink(spare.path)
+        os.unlink(path)
     except OSError:
         pass
+
+
+def _discard(spare: Spare) -> None:
+    _unlink_quietly(spare.path)
     try:
         os.close(spare.fd)
     except OSError:

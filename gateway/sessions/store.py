@@ -896,10 +896,7 @@ class FileSessionStore:
             except OSError:
                 _close_quietly(spare.fd)  # unusable (e.g. removed): create instead
             else:
-                try:
-                    os.unlink(spare.path)
-                except OSError:
-                    pass
+                pool.retire(spare)  # its spare name goes, off this path
                 return spare.fd
         if not wait:
             raise _WouldBlock
