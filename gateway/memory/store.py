@@ -8,13 +8,19 @@ nobody uses it, and a scope asked for again afterwards is reopened from its file
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import OrderedDict
 from pathlib import Path
 
 from gateway.memory.manager import MemoryManager
-from gateway.memory.scopes import ScopeMode, scope_dir, scope_for_session
+from gateway.memory.scopes import (
+    MEMORY_DIRNAME,
+    ScopeMode,
+    scope_dirname,
+    scope_for_session,
+)
 
 
 class MemoryStore:
@@ -32,6 +38,7 @@ class MemoryStore:
     ) -> None:
         scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
         self.workspace_path = Path(workspace_path)
+        self._memory_root = str(self.workspace_path / MEMORY_DIRNAME)
         self.mode: ScopeMode = mode
         self.max_open = max(1, max_open)
         self._options = {
@@ -53,7 +60,8 @@ class MemoryStore:
         with self._lock:
             if scope in self._alive:
                 return True
-        return scope_dir(self.workspace_path, scope).is_dir()
+        # Called on the event loop every turn: plain strings, not pathlib, and one stat.
+        return os.path.isdir(os.path.join(self._memory_root, scope_dirname(scope)))
 
     def for_session(self, session_key: str) -> MemoryManager:
         """The manager holding `session_key`'s memory (opened on first use)."""
