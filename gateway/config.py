@@ -373,6 +373,12 @@ class Settings(_Section):
     workspace: Path = Field(
         Path("~/.gateway"), description="Folder for sessions, memory and cache."
     )
+    workspace_io: Literal["loop", "threads"] = Field(
+        "loop",
+        description="loop: a turn's small file and SQLite work runs on the event loop "
+        "when it cannot wait (local disks); threads: all of it in worker threads "
+        "(network file systems, where even a small write can stall).",
+    )
     llm: LLMSettings = Field(default_factory=LLMSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
@@ -536,7 +542,11 @@ def load_settings(
     if env.get("OPENAI_BASE_URL"):
         _set_path(data, ["llm", "base_url"], env["OPENAI_BASE_URL"])
 
-    shortcuts = {"GATEWAY_WORKSPACE": ["workspace"], "GATEWAY_MODEL": ["llm", "model"]}
+    shortcuts = {
+        "GATEWAY_WORKSPACE": ["workspace"],
+        "GATEWAY_WORKSPACE_IO": ["workspace_io"],
+        "GATEWAY_MODEL": ["llm", "model"],
+    }
     for name, value in sorted(env.items()):
         if name in shortcuts:
             _set_path(data, shortcuts[name], value)

@@ -69,6 +69,7 @@ def build_session_manager(settings: Settings, *, spare_files: int = 0) -> Sessio
         max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
         fsync=settings.sessions.fsync,
         spare_files=spare_files,
+        io_on_loop=settings.workspace_io == "loop",
     )
 
 
@@ -97,7 +98,9 @@ def build_cache(settings: Settings) -> SemanticCache | None:
         return None
     url = section.url or str(settings.workspace_path / "cache.sqlite")
     try:
-        backend = backend_from_url(url, namespace=section.namespace)
+        backend = backend_from_url(
+            url, namespace=section.namespace, io_on_loop=settings.workspace_io == "loop"
+        )
         return SemanticCache(
             backend,
             CacheSettings(
@@ -274,7 +277,9 @@ class Daemon:
         self.metrics = Metrics(version=__version__)
         self.gc_policy = GCPolicy()
         self.dedupe = FileDedupeStore(
-            settings.workspace_path / "dedupe.sqlite", ttl=settings.dispatch.dedupe_ttl_seconds
+            settings.workspace_path / "dedupe.sqlite",
+            ttl=settings.dispatch.dedupe_ttl_seconds,
+            io_on_loop=settings.workspace_io == "loop",
         )
         self.pairing = PairingStore(pairing_path(settings))
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)

@@ -190,6 +190,7 @@ class FileDedupeStore:
         purge_every: int = 1000,
         busy_timeout_ms: int = 5000,
         clock: Callable[[], float] = time.time,
+        io_on_loop: bool = True,
     ) -> None:
         self.path = Path(path)
         self.ttl = ttl
@@ -201,7 +202,11 @@ class FileDedupeStore:
         self._loading: anyio.Lock | None = None
         # Which messages people sent, and when: a private file (open_sqlite: 0600).
         self._db = SqliteFile(
-            self.path, what="dedupe", init=_migrate, busy_timeout_ms=busy_timeout_ms
+            self.path,
+            what="dedupe",
+            init=_migrate,
+            busy_timeout_ms=busy_timeout_ms,
+            io_on_loop=io_on_loop,
         )
         self._written_since_purge = 0
         # Group commit: keys waiting for the next transaction, and batch generations.

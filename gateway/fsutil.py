@@ -205,8 +205,10 @@ class SqliteFile:
         what: str,
         init: Callable[[sqlite3.Connection], None],
         busy_timeout_ms: int = 5000,
+        io_on_loop: bool = True,
     ) -> None:
         self.path = path
+        self._io_on_loop = io_on_loop  # False: the *_nowait calls never run here
         self._what = what
         self._init = init
         self._busy_timeout_ms = busy_timeout_ms
@@ -256,7 +258,12 @@ class SqliteFile:
         """``(True, fn(connection))`` run here and now, or ``(False, None)`` when that
         would wait (connection not open yet, in use, or the database locked)."""
         conn = self._conn
-        if conn is None or self._checkpointing() or not self._lock.acquire(blocking=False):
+        if (
+            conn is None
+            or not self._io_on_loop
+            or self._checkpointing()
+            or not self._lock.acquire(blocking=False)
+        ):
             return False, None
         try:
             return True, fn(conn)  # busy timeout 0: a held lock raises at once

@@ -34,11 +34,13 @@ def session_path(settings: Settings, key: str) -> Path:
     return settings.sessions_dir / f"{encode_key(key)}.jsonl"
 
 
+@pytest.mark.parametrize("io", ["loop", "threads"])
 async def test_turn_is_persisted_and_carried_into_the_next(
-    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], io: str
 ) -> None:
-    settings = make_settings(fake_openai)
+    settings = make_settings(fake_openai, workspace_io=io)
     gw = Gateway.build(settings)
+    assert gw.agent.sessions.io_on_loop is (io == "loop")
     try:
         first = await gw.agent.handle(inbound("my name is Ada"))
         assert first.text == "echo: my name is Ada" and not first.is_error

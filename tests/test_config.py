@@ -68,6 +68,8 @@ def test_api_key_file(tmp_path: Path) -> None:
         ("[llm]\ntimeout = 'soon'\n", {}, "llm.timeout: "),
         ("", {"GATEWAY_HTTP__PORT": "99999"}, "http.port: "),
         ("", {"GATEWAY_SESSIONS__FSYNC": "sometimes"}, "sessions.fsync: "),
+        ("workspace_io = 'disk'\n", {}, "workspace_io: Input should be 'loop' or 'threads'"),
+        ("", {"GATEWAY_WORKSPACE_IO": "fast"}, "workspace_io: "),
         ("[llm]\napi_key = 'sk-oops'\n", {}, "llm.api_key: secrets do not belong"),
         ("[llm\n", {}, "not valid TOML"),
     ],

@@ -219,3 +219,19 @@ def test_spares_of_a_finished_process_are_removed(tmp_path: Path) -> None:
     assert not stale.exists()
     assert mine.exists()  # a live process's spare is left alone
     manager.close()
+
+
+async def test_threads_mode_never_touches_files_on_the_loop(tmp_path: Path) -> None:
+    """workspace_io = "threads" (network file systems): the loop's methods hand every
+    file operation to a worker thread, with the same results."""
+    manager = SessionManager(tmp_path, fsync="batch", io_on_loop=False)
+    seed = manager.get_or_create("t:1")
+    seed.add_message(user("one"))
+    assert manager.open_nowait("t:1") is None  # even cached: not on the loop
+    session = await manager.aget_or_create("t:1")
+    assert session is seed
+    assert session._store.try_append_nowait(factory_of(user("x"))) is None
+    await session.aadd_message(assistant("two"))
+    assert manager._async_committer.rounds == 0  # fsynced by the thread committer
+    assert session.path is not None
+    assert [r["message"]["content"] for r in message_lines(session.path)] == ["one", "two"]

@@ -117,3 +117,12 @@ async def test_a_cache_lookup_waits_for_a_foreign_lock_off_the_loop(tmp_path: Pa
     assert ticks >= 10
     assert (await backend.get("k", now=2.0)) is None  # the delete happened
     await backend.aclose()
+
+
+async def test_threads_mode_never_runs_on_the_loop(tmp_path: Path) -> None:
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema, io_on_loop=False)
+    await db.run(lambda conn: None)  # open
+    assert db.try_run_nowait(lambda conn: 1) == (False, None)
+    await db.transaction(lambda conn: conn.execute("INSERT INTO t VALUES ('a', '1')"))
+    assert await db.run(lambda conn: conn.execute("SELECT v FROM t").fetchone()[0]) == "1"
+    await db.aclose()

@@ -190,7 +190,9 @@ class AgentLoop:
         session = await self.sessions.aget_or_create(key)
         await session.aadd_message(user_message)
         texts: list[str] = []
-        if self.memory is not None and self.memory.exists(key):  # one stat
+        if self.memory is not None and (
+            not self.sessions.io_on_loop or self.memory.exists(key)  # one stat
+        ):
             texts = await anyio.to_thread.run_sync(
                 memory_texts, self.memory, key, user_message.content or ""
             )

@@ -294,7 +294,9 @@ def _standalone(message: str, model: str) -> CacheContext:
     return CacheContext(query=message, model=model, temperature=0.0)
 
 
-def backend_from_url(url: str, *, namespace: str | None = None) -> CacheBackend:
+def backend_from_url(
+    url: str, *, namespace: str | None = None, io_on_loop: bool = True
+) -> CacheBackend:
     """`redis://`, `rediss://` or `unix://` URLs give a Redis backend; anything else a
     SQLite file: a path, or `sqlite:///relative/path`, `sqlite:////absolute/path`."""
     from gateway.cache.redis_backend import DEFAULT_NAMESPACE, RedisCacheBackend
@@ -303,4 +305,4 @@ def backend_from_url(url: str, *, namespace: str | None = None) -> CacheBackend:
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisCacheBackend(url, namespace=namespace or DEFAULT_NAMESPACE)
     path = url.removeprefix("sqlite:///")
-    return SqliteCacheBackend(Path(path))
+    return SqliteCacheBackend(Path(path), io_on_loop=io_on_loop)

@@ -84,12 +84,17 @@ class SqliteCacheBackend:
         busy_timeout_ms: int = 5000,
         purge_batch: int = 1000,
         touch_resolution: float = 1.0,
+        io_on_loop: bool = True,
     ) -> None:
         self.path = Path(path)
         self._touch_resolution = touch_resolution
         self._purge_batch = purge_batch
         self._db = SqliteFile(
-            self.path, what="cache", init=self._migrate, busy_timeout_ms=busy_timeout_ms
+            self.path,
+            what="cache",
+            init=self._migrate,
+            busy_timeout_ms=busy_timeout_ms,
+            io_on_loop=io_on_loop,
         )
         # Lookups counted since the last fold into the file's totals: a lookup stays a
         # pure read; `counts` and `aclose` add these to the shared, persisted totals.

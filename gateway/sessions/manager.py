@@ -398,11 +398,15 @@ class SessionManager:
         hooks: HookRegistry | None = None,
         committer: GroupCommitter | None = None,
         spare_files: int = 0,
+        io_on_loop: bool = True,
     ) -> None:
         self._dir: Path | None = Path(sessions_dir)
         self._dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._setup(max_cache_size, fsync, hooks, committer)
         self._max_bytes = max_cache_bytes
+        #: False: the `a*`/`*_nowait` methods never touch files on the caller's
+        #: thread (every file operation goes to a worker thread).
+        self.io_on_loop = io_on_loop
         # Empty files kept ready for new sessions (`gateway.sessions.spares`): for a
         # long-running owner that calls `close`; 0 (the default) keeps none.
         self._spares: SparePool | None = None
@@ -438,6 +442,7 @@ class SessionManager:
         self.hooks = hooks or HookRegistry()
         self._committer = committer
         self._async_committer = AsyncGroupCommitter()
+        self.io_on_loop = True
         self._lock = threading.RLock()
         self._lru: OrderedDict[str, Session] = OrderedDict()
         # File bytes of each cached session when last touched, and their sum: the
@@ -473,6 +478,7 @@ class SessionManager:
                 committer=self._committer,
                 async_committer=self._async_committer,
                 spares=self._spares,
+                io_on_loop=self.io_on_loop,
                 header=header,
             )
         return Session(store, self.hooks)
@@ -534,7 +540,9 @@ class SessionManager:
         or its file is small and free, None when that needs a worker thread (a busy
         lock, a large file, a change by another process to read)."""
         stem = encode_key(key)
-        if not self._lock.acquire(blocking=False):
+        if (self._dir is not None and not self.io_on_loop) or not self._lock.acquire(
+            blocking=False
+        ):
             return None
         try:
             session = self._lookup(key)

@@ -393,6 +393,7 @@ class FileSessionStore:
         committer: GroupCommitter | None = None,
         async_committer: AsyncGroupCommitter | None = None,
         spares: SparePool | None = None,
+        io_on_loop: bool = True,
         header: SessionHeader | None = None,
     ) -> None:
         self.lock = threading.RLock()
@@ -402,6 +403,7 @@ class FileSessionStore:
         self._committer = committer or DEFAULT_COMMITTER
         self._async_committer = async_committer or AsyncGroupCommitter()
         self._spares = spares
+        self._io_on_loop = io_on_loop
         self._handle: _FileHandle | None = None
         self._ident: tuple[int, int] | None = None  # (dev, ino) of the file the tree reflects
         self._dir_dirty = False  # a name was created but the folder is not fsynced
@@ -758,7 +760,11 @@ class FileSessionStore:
         returned with its file, or None (nothing written) when appending would wait
         for a lock, create the file, read much, or fsync (``"always"``). Under
         ``"batch"`` the entry is durable once the file's group commit is done."""
-        if self._policy == "always" or not self.lock.acquire(blocking=False):
+        if (
+            self._policy == "always"
+            or not self._io_on_loop
+            or not self.lock.acquire(blocking=False)
+        ):
             return None
         try:
             return self._append_locked(factory, wait=False)
@@ -781,7 +787,7 @@ class FileSessionStore:
     def try_load_nowait(self) -> bool:
         """`load` without blocking: False (nothing loaded) when it would wait for a
         lock or read more than `INLINE_READ_MAX` bytes."""
-        if not self.lock.acquire(blocking=False):
+        if not self._io_on_loop or not self.lock.acquire(blocking=False):
             return False
         try:
             handle = self._acquire_current(wait=False)
@@ -796,7 +802,7 @@ class FileSessionStore:
     def is_current_nowait(self) -> bool:
         """True when the tree reflects the file (one ``stat``); False when a `refresh`
         is due or the store is busy."""
-        if not self.lock.acquire(blocking=False):
+        if not self._io_on_loop or not self.lock.acquire(blocking=False):
             return False
         try:
             try:
