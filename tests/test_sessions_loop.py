@@ -235,3 +235,21 @@ async def test_threads_mode_never_touches_files_on_the_loop(tmp_path: Path) -> N
     assert manager._async_committer.rounds == 0  # fsynced by the thread committer
     assert session.path is not None
     assert [r["message"]["content"] for r in message_lines(session.path)] == ["one", "two"]
+
+
+async def test_a_vanished_spare_falls_back_to_a_plain_create(tmp_path: Path) -> None:
+    manager = SessionManager(tmp_path, fsync="never", spare_files=2)
+    pool = manager._spares
+    assert pool is not None
+    pool.take()  # starts the top-up
+    for _ in range(200):
+        if len(pool._spares) == 2:
+            break
+        await anyio.sleep(0.01)
+    for spare in list(pool._spares):
+        spare.path.unlink()  # e.g. removed by another process's clean-up
+    session = await manager.aget_or_create("t:new")
+    await session.aadd_message(user("still saved"))
+    assert session.path is not None
+    assert [r["message"]["content"] for r in message_lines(session.path)] == ["still saved"]
+    manager.close()

@@ -82,6 +82,10 @@ class SparePool:
         else:
             self._wanted.set()
 
+    def discard(self, spare: Spare) -> None:
+        """Drop a spare that cannot be used (its file and descriptor)."""
+        _discard(spare)
+
     def give_back(self, spare: Spare) -> None:
         """Return a spare that was not used (e.g. its target name existed)."""
         with self._lock:

@@ -900,7 +900,7 @@ class FileSessionStore:
                 pool.give_back(spare)
                 return None
             except OSError:
-                _close_quietly(spare.fd)  # unusable (e.g. removed): create instead
+                pool.discard(spare)  # unusable (removed, another file system): create
             else:
                 pool.retire(spare)  # its spare name goes, off this path
                 return spare.fd
