@@ -149,8 +149,9 @@ def bench_load(root: Path) -> list[Result]:
 
 
 def many_sessions(folder: Path, cache_size: int) -> dict[str, float]:
-    """1,000 sessions x 20 turns, round robin. With the default cache (200) every turn
-    misses the cache and reloads its session from disk: the worst case."""
+    """1,000 sessions x 20 turns, round robin. With a cache of 200 sessions (a tenth of
+    the default) every turn misses the cache and reloads its session from disk: the
+    worst case."""
     manager = SessionManager(folder, max_cache_size=cache_size, fsync="never")
     keys = [f"telegram:{100000 + i}" for i in range(1_000)]
     start = time.perf_counter()
