@@ -69,3 +69,49 @@ def test_context_is_system_then_summary_then_window() -> None:
     )
     assert [m.role for m in plan.messages] == ["system", "system", "user", "user"]
     assert "earlier: we met" in (plan.messages[1].content or "")
+
+
+plain_messages = st.lists(
+    st.builds(
+        lambda role, text: LLMMessage(role=role, content=text),
+        st.sampled_from(["user", "assistant"]),
+        st.text(max_size=400),
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@given(
+    plain_messages,
+    st.integers(min_value=0, max_value=16),
+    st.integers(200, 4000),
+    st.one_of(st.none(), st.text(min_size=1, max_size=300)),
+    st.lists(st.text(max_size=80), max_size=3),
+)
+def test_one_pass_plan_for_plain_histories_equals_the_steps(
+    history: list[LLMMessage],
+    max_messages: int,
+    window: int,
+    summary: str | None,
+    memory: list[str],
+) -> None:
+    """The fast path (plain messages that all fit) plans exactly what the steps do."""
+    import gateway.agent.context as context
+
+    args = dict(
+        system_prompt="You are terse.",
+        history=history,
+        summary=summary,
+        memory_texts=memory,
+        context_window=window,
+        reply_reserve=100,
+        max_messages=max_messages,
+    )
+    fast = fit_context(**args)  # type: ignore[arg-type]
+    context._PLAIN_FAST_PATH = False
+    try:
+        steps = fit_context(**args)  # type: ignore[arg-type]
+    finally:
+        context._PLAIN_FAST_PATH = True
+    assert fast == steps

@@ -268,6 +268,10 @@ class ContextPlan:
         return self.messages[len(self.messages) - len(self.kept_indices) :]
 
 
+#: Tests switch the one-pass plan for plain histories off to compare it with the steps.
+_PLAIN_FAST_PATH = True
+
+
 class _Counter:
     """Token estimates for one `fit_context` call, each message counted once. Messages
     are immutable; the memo keeps each one it saw alive, so an id is never reused."""
@@ -452,8 +456,13 @@ def fit_context(
     pruned: list[PrunedMessage] = []
 
     # 1. repair and shape the head --------------------------------------------------
-    repaired = repair_tool_pairs(history)
-    indices = _history_indices(history, repaired)
+    plain = _PLAIN_FAST_PATH and not any(m.role == "tool" or m.tool_calls for m in history)
+    if plain:  # no tool call or result: nothing to repair
+        repaired: list[LLMMessage] = list(history)
+        indices: list[int | None] = list(range(len(history)))
+    else:
+        repaired = repair_tool_pairs(history)
+        indices = _history_indices(history, repaired)
     seen = {i for i in indices if i is not None}
     for position, original in enumerate(history):
         if position not in seen:
@@ -481,6 +490,30 @@ def fit_context(
             memory_message = LLMMessage(role="system", content=MEMORY_PREFIX + "\n".join(lines))
             head.append(memory_message)
     head_tokens = sum(map(tokens_of, head))
+
+    if plain and history and (max_messages <= 0 or len(history) <= max_messages):
+        # The common turn: plain messages, all inside the window and the budget. The
+        # steps below would keep everything and protect from the previous user
+        # message; this is their plan without building units (a test holds them equal).
+        history_tokens = sum(map(tokens_of, history))
+        raw = head_tokens + history_tokens
+        if raw <= limit and history_tokens <= policy.horizon * limit:
+            users = [i for i, m in enumerate(history) if m.role == "user"]
+            protected = users[-2] if len(users) >= 2 else users[-1] if users else len(history) - 1
+            return ContextPlan(
+                messages=(*head, *history),
+                kept_indices=tuple(range(len(history))),
+                estimated_tokens=math.ceil(raw * ratio),
+                raw_tokens=raw,
+                budget_tokens=budget,
+                branch_tokens=estimate_branch_tokens(history, tokens_of),
+                memory_injected=memory_message is not None,
+                summary_included=summary_included,
+                protected_from=protected,
+                over_budget=False,
+                pruned=(),
+                trimmed=tuple(trimmed),
+            )
 
     # 2. window and protection ------------------------------------------------------
     units = _split_units(repaired, indices)
