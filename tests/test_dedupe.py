@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import stat
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from hypothesis import strategies as st
 
 from gateway.dedupe import DedupeStore, FileDedupeStore, MemoryDedupeStore, dedupe_key
 from gateway.messages import InboundMessage
+from tests.loop_probe import hold_sqlite_write_lock, loop_ticks
 
 pytestmark = pytest.mark.anyio
 
@@ -266,35 +264,13 @@ async def test_a_journal_write_never_waits_on_the_loop(tmp_path: Path) -> None:
     store = FileDedupeStore(path)
     msg = InboundMessage(channel="t", chat_id="1", text="first", message_id="1")
     await store.journal("k1", msg)  # the loop path (the file is open now)
-    held = threading.Event()
-
-    def hold() -> None:  # another process's write transaction, for 0.3 s
-        conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute("BEGIN IMMEDIATE")
-        held.set()
-        time.sleep(0.3)
-        conn.execute("COMMIT")
-        conn.close()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait()
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await anyio.sleep(0.01)
-
+    holder = hold_sqlite_write_lock(path, 0.3)  # another process's write transaction
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
+        async with loop_ticks() as ticks:
             second = InboundMessage(channel="t", chat_id="1", text="second", message_id="2")
             await store.journal("k2", second)
-            tg.cancel_scope.cancel()
     finally:
         holder.join()
-    assert ticks >= 10  # the loop kept running while the write waited for the lock
+    assert ticks.count >= 10  # the loop kept running while the write waited for the lock
     assert [m.text for m in await store.unanswered()] == ["first", "second"]
     await store.aclose()

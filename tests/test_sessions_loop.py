@@ -4,14 +4,11 @@ spare files that lets a new session start without creating a file."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import stat
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import anyio
@@ -22,6 +19,7 @@ from gateway.sessions import MessageEntry, SessionManager
 from gateway.sessions.spares import SPARES_DIR
 from gateway.sessions.store import INLINE_READ_MAX, EntryFactory, FileSessionStore
 from tests.llm_messages import assistant, user
+from tests.loop_probe import hold_flock, loop_ticks
 
 pytestmark = pytest.mark.anyio
 
@@ -35,26 +33,6 @@ def factory_of(message: LLMMessage) -> EntryFactory[MessageEntry]:
     return lambda tree, eid, ts: MessageEntry(
         id=eid, parent_id=tree.leaf_id, timestamp=ts, message=message
     )
-
-
-def hold_flock(path: Path, seconds: float) -> threading.Thread:
-    """Another open file description takes the file's lock for `seconds` (as another
-    process would); returns once the lock is held."""
-    held = threading.Event()
-
-    def hold() -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            held.set()
-            time.sleep(seconds)
-        finally:
-            os.close(fd)  # releases the lock
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    held.wait()
-    return thread
 
 
 async def test_batch_appends_on_the_loop_are_group_committed(tmp_path: Path) -> None:
@@ -95,22 +73,12 @@ async def test_a_lock_held_elsewhere_sends_the_append_to_a_thread(tmp_path: Path
     holder = hold_flock(session.path, 0.3)
     try:
         assert store.try_append_nowait(factory_of(user("not now"))) is None
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await anyio.sleep(0.01)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
+        async with loop_ticks() as ticks:
             entry = await session.aadd_message(assistant("two"))
-            tg.cancel_scope.cancel()
     finally:
         holder.join()
     assert isinstance(entry, MessageEntry)
-    assert ticks >= 10  # the loop ran while the append waited for the lock
+    assert ticks.count >= 10  # the loop ran while the append waited for the lock
     assert [r["message"]["content"] for r in message_lines(session.path)] == ["one", "two"]
 
 

@@ -4,16 +4,15 @@ otherwise, and WAL checkpoints kept out of commits."""
 from __future__ import annotations
 
 import sqlite3
-import threading
 from pathlib import Path
 
-import anyio
 import pytest
 
 from gateway import fsutil
 from gateway.cache.backend import CacheRecord
 from gateway.cache.sqlite_backend import SqliteCacheBackend
 from gateway.fsutil import SqliteFile
+from tests.loop_probe import hold_sqlite_write_lock, loop_ticks
 
 pytestmark = pytest.mark.anyio
 
@@ -22,31 +21,13 @@ def schema(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TABLE IF NOT EXISTS t (k TEXT PRIMARY KEY, v TEXT)")
 
 
-def lock_database(path: Path, seconds: float) -> threading.Thread:
-    """Another connection (as another process would) holds the write lock."""
-    held = threading.Event()
-
-    def hold() -> None:
-        conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute("BEGIN IMMEDIATE")
-        held.set()
-        threading.Event().wait(seconds)
-        conn.execute("COMMIT")
-        conn.close()
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    held.wait()
-    return thread
-
-
 async def test_nowait_runs_here_only_when_it_cannot_wait(tmp_path: Path) -> None:
     db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
     put = lambda conn: conn.execute("INSERT INTO t VALUES ('a', '1')")  # noqa: E731
     assert db.try_transaction_nowait(put) == (False, None)  # not open yet: nothing ran
     await db.run(lambda conn: None)  # opens it
     assert db.try_transaction_nowait(put)[0] is True
-    holder = lock_database(db.path, 0.3)
+    holder = hold_sqlite_write_lock(db.path, 0.3)
     try:
         put_b = lambda conn: conn.execute("INSERT INTO t VALUES ('b', '2')")  # noqa: E731
         assert db.try_transaction_nowait(put_b) == (False, None)  # locked: not here
@@ -97,24 +78,14 @@ async def test_a_cache_lookup_waits_for_a_foreign_lock_off_the_loop(tmp_path: Pa
     )
     await backend.put(record, now=1.0, max_entries=100)
     assert (await backend.get("k", now=2.0)) is not None
-    holder = lock_database(backend.path, 0.3)
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await anyio.sleep(0.01)
-
+    holder = hold_sqlite_write_lock(backend.path, 0.3)
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
+        async with loop_ticks() as ticks:
             gone = await backend.get("k", now=20.0)  # expired: the lookup deletes it
-            tg.cancel_scope.cancel()
     finally:
         holder.join()
     assert gone is None
-    assert ticks >= 10
+    assert ticks.count >= 10
     assert (await backend.get("k", now=2.0)) is None  # the delete happened
     await backend.aclose()
 
