@@ -391,6 +391,11 @@ class Settings(_Section):
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)
 
     @property
+    def io_on_loop(self) -> bool:
+        """`workspace_io == "loop"`: what the stores take as `io_on_loop`."""
+        return self.workspace_io == "loop"
+
+    @property
     def workspace_path(self) -> Path:
         return self.workspace.expanduser()
 

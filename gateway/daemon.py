@@ -69,7 +69,7 @@ def build_session_manager(settings: Settings, *, spare_files: int = 0) -> Sessio
         max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
         fsync=settings.sessions.fsync,
         spare_files=spare_files,
-        io_on_loop=settings.workspace_io == "loop",
+        io_on_loop=settings.io_on_loop,
     )
 
 
@@ -98,9 +98,7 @@ def build_cache(settings: Settings) -> SemanticCache | None:
         return None
     url = section.url or str(settings.workspace_path / "cache.sqlite")
     try:
-        backend = backend_from_url(
-            url, namespace=section.namespace, io_on_loop=settings.workspace_io == "loop"
-        )
+        backend = backend_from_url(url, namespace=section.namespace, io_on_loop=settings.io_on_loop)
         return SemanticCache(
             backend,
             CacheSettings(
@@ -279,7 +277,7 @@ class Daemon:
         self.dedupe = FileDedupeStore(
             settings.workspace_path / "dedupe.sqlite",
             ttl=settings.dispatch.dedupe_ttl_seconds,
-            io_on_loop=settings.workspace_io == "loop",
+            io_on_loop=settings.io_on_loop,
         )
         self.pairing = PairingStore(pairing_path(settings))
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)

@@ -402,11 +402,7 @@ class SessionManager:
     ) -> None:
         self._dir: Path | None = Path(sessions_dir)
         self._dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        self._setup(max_cache_size, fsync, hooks, committer)
-        self._max_bytes = max_cache_bytes
-        #: False: the `a*`/`*_nowait` methods never touch files on the caller's
-        #: thread (every file operation goes to a worker thread).
-        self.io_on_loop = io_on_loop
+        self._setup(max_cache_size, fsync, hooks, committer, max_cache_bytes, io_on_loop)
         # Empty files kept ready for new sessions (`gateway.sessions.spares`): for a
         # long-running owner that calls `close`; 0 (the default) keeps none.
         self._spares: SparePool | None = None
@@ -424,7 +420,7 @@ class SessionManager:
         """A manager with no disk at all and the same API (tests, throwaway sessions)."""
         manager = cls.__new__(cls)
         manager._dir = None
-        manager._setup(0, "never", hooks, None)
+        manager._setup(0, "never", hooks, None, max_bytes=0, io_on_loop=True)
         manager._spares = None
         return manager
 
@@ -434,6 +430,8 @@ class SessionManager:
         fsync: str,
         hooks: HookRegistry | None,
         committer: GroupCommitter | None,
+        max_bytes: int,
+        io_on_loop: bool,
     ) -> None:
         if max_cache_size < 0:
             raise ValueError("max_cache_size must be >= 0")
@@ -442,14 +440,16 @@ class SessionManager:
         self.hooks = hooks or HookRegistry()
         self._committer = committer
         self._async_committer = AsyncGroupCommitter()
-        self.io_on_loop = True
+        #: False: the `a*`/`*_nowait` methods never touch files on the caller's
+        #: thread (every file operation goes to a worker thread).
+        self.io_on_loop = io_on_loop
         self._lock = threading.RLock()
         self._lru: OrderedDict[str, Session] = OrderedDict()
         # File bytes of each cached session when last touched, and their sum: the
         # cache is bounded by bytes as well as by count.
         self._lru_bytes: dict[str, int] = {}
         self._bytes = 0
-        self._max_bytes = 0  # 0: no byte bound
+        self._max_bytes = max_bytes  # 0: no byte bound
         self._live: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self._memory: dict[str, Session] = {}  # the in-memory variant keeps everything
 
@@ -540,9 +540,7 @@ class SessionManager:
         or its file is small and free, None when that needs a worker thread (a busy
         lock, a large file, a change by another process to read)."""
         stem = encode_key(key)
-        if (self._dir is not None and not self.io_on_loop) or not self._lock.acquire(
-            blocking=False
-        ):
+        if not self.io_on_loop or not self._lock.acquire(blocking=False):
             return None
         try:
             session = self._lookup(key)
