@@ -183,6 +183,13 @@ CHECKPOINT_EVERY = 1000
 _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Locked by another connection, extended codes included (SQLITE_BUSY_RECOVERY,
+    _SNAPSHOT, ...: the primary code is the low byte)."""
+    code = exc.sqlite_errorcode
+    return code is not None and code & 0xFF in _BUSY_CODES
+
+
 class SqliteFile:
     """One SQLite file used from an event loop: the connection is opened lazily by
     `open_sqlite`, and calls run one at a time on it (never two at once).
@@ -268,7 +275,7 @@ class SqliteFile:
         try:
             return True, fn(conn)  # busy timeout 0: a held lock raises at once
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode in _BUSY_CODES:
+            if _is_busy(exc):
                 return False, None
             raise
         finally:
@@ -290,21 +297,35 @@ class SqliteFile:
         return await anyio.to_thread.run_sync(self.call, fn, limiter=self._limiter)
 
     def call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """`fn(connection)` in this (worker) thread."""
+        """`fn(connection)` in this (worker) thread, which may wait: for another
+        connection's lock up to the busy timeout, also where SQLite answers "locked" at
+        once instead of waiting (two processes creating the file and switching it to
+        WAL, a WAL being recovered). `fn` must be safe to run again after such an error
+        (a transaction is rolled back; reads and idempotent statements are)."""
+        deadline = time.monotonic() + self._busy_timeout_ms / 1000
         with self._lock:
-            if self._conn is None:
-                self._conn = open_sqlite(
-                    self.path,
-                    what=self._what,
-                    init=self._init_connection,
-                    busy_timeout_ms=self._busy_timeout_ms,
-                )
-            conn = self._conn
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-            try:
-                return fn(conn)
-            finally:
-                conn.execute("PRAGMA busy_timeout = 0")
+            while True:
+                try:
+                    return self._call_once(fn)
+                except sqlite3.OperationalError as exc:
+                    if not _is_busy(exc) or time.monotonic() >= deadline:
+                        raise
+                time.sleep(0.01)
+
+    def _call_once(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        if self._conn is None:
+            self._conn = open_sqlite(
+                self.path,
+                what=self._what,
+                init=self._init_connection,
+                busy_timeout_ms=self._busy_timeout_ms,
+            )
+        conn = self._conn
+        conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+        try:
+            return fn(conn)
+        finally:
+            conn.execute("PRAGMA busy_timeout = 0")
 
     async def transaction(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """`fn(connection)` inside one immediate write transaction."""

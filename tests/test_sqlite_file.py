@@ -97,3 +97,31 @@ async def test_threads_mode_never_runs_on_the_loop(tmp_path: Path) -> None:
     await db.transaction(lambda conn: conn.execute("INSERT INTO t VALUES ('a', '1')"))
     assert await db.run(lambda conn: conn.execute("SELECT v FROM t").fetchone()[0]) == "1"
     await db.aclose()
+
+
+async def test_a_worker_call_waits_out_an_immediate_locked_answer(tmp_path: Path) -> None:
+    """SQLite sometimes answers "locked" at once instead of waiting (two processes
+    switching a new file to WAL): a worker call retries until the busy timeout."""
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
+    other = tmp_path / "other.sqlite3"
+    sqlite3.connect(other).close()
+    attempts = 0
+
+    def fn(conn: sqlite3.Connection) -> str:
+        nonlocal attempts
+        attempts += 1
+        probe = sqlite3.connect(other, timeout=0, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")  # "locked" at once while the holder holds it
+            probe.execute("COMMIT")
+        finally:
+            probe.close()
+        return "done"
+
+    holder = hold_sqlite_write_lock(other, 0.2)
+    try:
+        assert await db.run(fn) == "done"
+    finally:
+        holder.join()
+    assert attempts > 1
+    await db.aclose()
