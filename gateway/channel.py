@@ -4,6 +4,13 @@ A channel adapter translates platform events into `InboundMessage`s and hands th
 `submit` (the dispatcher); it never calls the LLM or touches storage itself. Replies
 come back through `send`. The daemon supervises `run`: a channel that crashes is
 restarted with backoff and reported unhealthy meanwhile.
+
+Journal before confirm: `submit` returns once the message is durable in the gateway's
+journal, and only then may a channel tell its platform it has the message (advance the
+Telegram offset, answer a webhook with 200, ack a Slack event). When the ticket says the
+message was not taken, the channel must leave it with the platform, which sends it
+again. A channel with a `pause_intake()` method stops taking new events when the daemon
+begins to drain, leaving them with the platform for the next start.
 """
 
 from __future__ import annotations
@@ -19,6 +26,12 @@ from gateway.messages import InboundMessage, OutboundMessage
 
 class Ticket(Protocol):
     """What submitting a message returns: its fate, and the reply once there is one."""
+
+    @property
+    def taken(self) -> bool:
+        """True when the platform may forget the message (it is journaled, or settled);
+        False when the channel must leave it with the platform to be sent again."""
+        ...
 
     async def reply(self) -> OutboundMessage | None: ...
 

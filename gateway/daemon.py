@@ -456,7 +456,9 @@ class Daemon:
                 port = await tg.start(self.http.run)
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
-                await self._replay_unanswered()
+                # Before any channel starts: each replayed message stays ahead of the
+                # newer messages of its session; replies wait for their channel.
+                await self.dispatcher.replay()
                 for channel in self.channels.values():
                     tg.start_soon(self._supervise, channel)
                 await tg.start(self.gc_policy.run)  # start-up done: freeze what it made
@@ -478,20 +480,16 @@ class Daemon:
         logger.info("gateway stopped")
         return 0
 
-    async def _replay_unanswered(self) -> None:
-        """Messages a crash left unanswered (platforms will not send them again) go
-        back into the dispatcher before any channel starts, so each stays ahead of the
-        newer messages of its session; their replies wait for the channel (`deliver`)."""
-        pending = await self.dedupe.unanswered()
-        if pending:
-            logger.warning("replaying {} messages left unanswered by a crash", len(pending))
-        for message in pending:
-            await self.dispatcher.submit(message)
-
     async def _drain(self) -> None:
         grace = self.gateway.settings.dispatch.drain_grace_seconds
         logger.info("draining: no new messages; up to {:g}s for turns in flight", grace)
         self.health.set_draining()
+        for channel in self.channels.values():
+            # What platforms still hold stays with them for the next start, rather than
+            # being refused with "send it again".
+            pause = getattr(channel, "pause_intake", None)
+            if pause is not None:
+                pause()
         report = await self.dispatcher.drain(grace)
         if report.clean:
             logger.info("drained in {:.1f}s ({} turns finished)", report.seconds, report.finished)

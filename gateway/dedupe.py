@@ -1,27 +1,31 @@
-"""Inbound dedupe: a platform that redelivers an update gets it answered once.
+"""The inbound journal: what a platform handed over is answered once, and never lost.
 
 Platforms redeliver: Slack retries an event it thinks was not acknowledged, Telegram
-hands out the same updates again after a restart when their offset was not confirmed.
-The dispatcher asks a `DedupeStore` about every message that carries a platform id
-and drops the ones it has seen.
+hands out the same updates again until a later `getUpdates` confirms them. The
+dispatcher asks a `DedupeStore` about every message that carries a platform id and
+drops the ones it has seen; it journals the others before the channel confirms them to
+the platform, and records each reply in an outbox before it is sent.
 
-The promises of a store:
+The delivery promise, in ARCHITECTURE terms ("Delivery"): a message a platform handed
+us is answered exactly once; when the process dies at the worst moment, its reply is
+sent at most one extra time; it is never lost. The store keeps its part of it:
 - `seen_or_add(key)` is an atomic check-and-claim: of two calls with one key, exactly
-  one gets False ("new: answer it"), whatever their interleaving.
-- A key is remembered for `ttl` seconds; once `mark_done` returned for it, also
-  across a restart (file store).
-- A claim whose turn never finished (the process crashed or was stopped mid-turn, so
-  `mark_done` was never called) does not block a redelivery after the restart: the
-  user rather gets an answer twice than never.
-- A journaled message stays on file until `mark_done`: after a crash, `unanswered()`
-  gives back what platforms had handed over (and will not send again) but nobody
-  answered, oldest first, for the daemon to replay.
+  one gets False ("new: answer it"), whatever their interleaving. `release(key)` gives
+  a claim back (the message could not be journaled: the platform must send it again).
+- `journal(key, msg)` returns once `msg` would survive a crash of the process; a
+  channel confirms a message to its platform only after that (journal before confirm).
+- `record_reply(keys, reply)` returns once the reply would survive a crash; the
+  dispatcher calls it before the reply is sent, so after a crash the replay re-sends
+  that reply instead of running the turn again (the outbox).
+- `mark_done(key)`, after the reply went out, makes the key a duplicate for good (for
+  `ttl` seconds, across restarts) and drops its journal and outbox rows.
+- `unanswered()` gives back what a crash left between `journal` and `mark_done`,
+  oldest first, each with its recorded reply if there was one, for the replay.
 
 `FileDedupeStore` (one SQLite file in the workspace) is the embedded default and
-assumes one daemon per workspace; `MemoryDedupeStore` is for tests and one-shot runs.
-A shared store for replicas (Redis) implements the same protocol, with `SET NX` and a
-lease for claims (in place of the in-memory claims used here) and a long TTL for
-answered keys.
+assumes one daemon per workspace; `MemoryDedupeStore` is for tests and one-shot runs
+and journals nothing. A shared store for replicas (PostgreSQL) implements the same
+protocol, with a unique key on the platform message id in place of the in-memory claims.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -40,11 +46,11 @@ import anyio.to_thread
 from loguru import logger
 
 from gateway.fsutil import SqliteFile
-from gateway.messages import InboundMessage
+from gateway.messages import InboundMessage, OutboundMessage
 
 DEFAULT_TTL = 7 * 24 * 3600.0
 DEFAULT_MAX_ENTRIES = 100_000
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _T = TypeVar("_T")
 
@@ -61,24 +67,44 @@ def dedupe_key(msg: InboundMessage) -> str | None:
     return f"{len(channel)}:{channel}:{len(chat)}:{chat}:{msg.message_id}"
 
 
+@dataclass(frozen=True, slots=True)
+class Unanswered:
+    """A journaled message a crash left unanswered, and the reply recorded for it
+    before the crash (None: the turn never finished; it has to run)."""
+
+    message: InboundMessage
+    reply: OutboundMessage | None = None
+    #: One id per recorded reply: messages merged into one turn share it.
+    reply_id: str | None = None
+
+
 @runtime_checkable
 class DedupeStore(Protocol):
-    """Remembers which platform messages were already taken in."""
+    """Remembers which platform messages were already taken in (see the module)."""
 
     async def seen_or_add(self, key: str) -> bool:
         """True if `key` was seen (a duplicate); else remember it and return False."""
         ...
 
+    async def release(self, key: str) -> None:
+        """Forget the claim `seen_or_add` made (the message was not taken in)."""
+        ...
+
     async def mark_done(self, key: str) -> None:
         """The message of `key` was answered: a redelivery is a duplicate for good,
-        also after a restart; its journal entry goes."""
+        also after a restart; its journal and outbox rows go."""
         ...
 
     async def journal(self, key: str, msg: InboundMessage) -> None:
         """Keep `msg` until `mark_done(key)`: returns once it would survive a crash."""
         ...
 
-    async def unanswered(self) -> list[InboundMessage]:
+    async def record_reply(self, keys: Sequence[str], reply: OutboundMessage) -> None:
+        """The reply to the messages of `keys`, about to be sent: returns once it would
+        survive a crash (until `mark_done`)."""
+        ...
+
+    async def unanswered(self) -> list[Unanswered]:
         """Journaled messages never answered (oldest first): what a crash left."""
         ...
 
@@ -118,13 +144,19 @@ class MemoryDedupeStore:
         self._seen.move_to_end(key)
         return False
 
+    async def release(self, key: str) -> None:
+        self._seen.pop(key, None)
+
     async def mark_done(self, key: str) -> None:
         return None  # nothing survives a restart, so nothing to tell apart
 
     async def journal(self, key: str, msg: InboundMessage) -> None:
         return None  # nothing survives a crash here anyway
 
-    async def unanswered(self) -> list[InboundMessage]:
+    async def record_reply(self, keys: Sequence[str], reply: OutboundMessage) -> None:
+        return None
+
+    async def unanswered(self) -> list[Unanswered]:
         return []
 
     def claimed_at(self, key: str) -> float | None:
@@ -151,12 +183,17 @@ _SCHEMA = (
         received_at REAL NOT NULL,
         message TEXT NOT NULL
     ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS outbox (
+        key TEXT PRIMARY KEY,
+        reply_id TEXT NOT NULL,
+        reply TEXT NOT NULL
+    ) WITHOUT ROWID""",
 )
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
     version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version not in (0, 1, SCHEMA_VERSION):  # 1 -> 2 only adds the inbox table
+    if version not in (0, 1, 2, SCHEMA_VERSION):  # 1 -> 2 -> 3 only add tables
         logger.info("dedupe schema {} -> {}: starting afresh", version, SCHEMA_VERSION)
         conn.execute("DROP TABLE IF EXISTS answered")
         conn.execute("DROP TABLE IF EXISTS inbox")
@@ -212,6 +249,7 @@ class FileDedupeStore:
         # Group commit: keys waiting for the next transaction, and batch generations.
         self._pending: dict[str, float] = {}  # answered: key -> claimed at
         self._journaled: dict[str, tuple[float, str]] = {}  # key -> (received, JSON)
+        self._recorded: dict[str, tuple[str, str]] = {}  # key -> (reply id, JSON)
         self._batch = 0  # generation of the batch `_pending` belongs to
         self._committed = 0  # last generation on disk
         self._flushing: anyio.Event | None = None
@@ -244,6 +282,9 @@ class FileDedupeStore:
         self._claims.preload(await self._db.run(load))
         self._loaded = True
 
+    async def release(self, key: str) -> None:
+        await self._claims.release(key)
+
     async def mark_done(self, key: str) -> None:
         self._pending[key] = self._claims.claimed_at(key) or self._clock()
         await self._committed_batch()
@@ -252,18 +293,39 @@ class FileDedupeStore:
         self._journaled[key] = (msg.received_at, json.dumps(msg.to_dict(), default=str))
         await self._committed_batch()
 
-    async def unanswered(self) -> list[InboundMessage]:
-        def read(conn: sqlite3.Connection) -> list[str]:
-            rows = conn.execute("SELECT message FROM inbox ORDER BY received_at").fetchall()
-            return [str(row[0]) for row in rows]
+    async def record_reply(self, keys: Sequence[str], reply: OutboundMessage) -> None:
+        if not keys:
+            return
+        entry = (uuid.uuid4().hex, json.dumps(reply.to_dict(), default=str))
+        for key in keys:
+            self._recorded[key] = entry
+        await self._committed_batch()
 
-        messages = []
-        for raw in await self._db.run(read):
+    async def unanswered(self) -> list[Unanswered]:
+        def read(conn: sqlite3.Connection) -> list[tuple[str, str | None, str | None]]:
+            rows = conn.execute(
+                "SELECT inbox.message, outbox.reply_id, outbox.reply FROM inbox "
+                "LEFT JOIN outbox ON outbox.key = inbox.key ORDER BY inbox.received_at"
+            ).fetchall()
+            return [(str(m), r_id, r) for m, r_id, r in rows]
+
+        found = []
+        for raw, reply_id, raw_reply in await self._db.run(read):
             try:
-                messages.append(InboundMessage.from_dict(json.loads(raw)))
+                message = InboundMessage.from_dict(json.loads(raw))
             except (ValueError, TypeError, KeyError) as exc:
                 logger.error("dedupe: an unreadable journaled message is skipped: {}", exc)
-        return messages
+                continue
+            reply = None
+            if raw_reply is not None:
+                try:
+                    reply = OutboundMessage.from_dict(json.loads(raw_reply))
+                except (ValueError, TypeError, KeyError) as exc:
+                    # The turn runs again instead: a second answer beats none.
+                    logger.error("dedupe: an unreadable recorded reply is skipped: {}", exc)
+                    reply_id = None
+            found.append(Unanswered(message, reply, reply_id if reply is not None else None))
+        return found
 
     async def _committed_batch(self) -> None:
         """Wait until the batch holding what was just queued is on disk."""
@@ -278,23 +340,31 @@ class FileDedupeStore:
             await self._flush()
 
     async def _flush(self) -> None:
-        batch, journaled, generation = self._pending, self._journaled, self._batch
-        self._pending, self._journaled, self._batch = {}, {}, self._batch + 1
+        batch, journaled, recorded = self._pending, self._journaled, self._recorded
+        generation = self._batch
+        self._pending, self._journaled, self._recorded = {}, {}, {}
+        self._batch += 1
         self._flushing = flushing = anyio.Event()
         now = self._clock()
         purge = self._written_since_purge + len(batch) >= self.purge_every
 
         def write(conn: sqlite3.Connection) -> None:
-            # Journal first, answers second: a message journaled and answered within
-            # one batch leaves no journal entry behind.
+            # Journal and outbox first, answers second: a message journaled and
+            # answered within one batch leaves no row behind.
             conn.executemany(
                 "INSERT OR REPLACE INTO inbox (key, received_at, message) VALUES (?, ?, ?)",
                 [(key, at, raw) for key, (at, raw) in journaled.items()],
             )
             conn.executemany(
+                "INSERT OR REPLACE INTO outbox (key, reply_id, reply) VALUES (?, ?, ?)",
+                [(key, reply_id, raw) for key, (reply_id, raw) in recorded.items()],
+            )
+            conn.executemany(
                 "INSERT OR REPLACE INTO answered (key, seen_at) VALUES (?, ?)", batch.items()
             )
-            conn.executemany("DELETE FROM inbox WHERE key = ?", [(key,) for key in batch])
+            done = [(key,) for key in batch]
+            conn.executemany("DELETE FROM inbox WHERE key = ?", done)
+            conn.executemany("DELETE FROM outbox WHERE key = ?", done)
             if purge:
                 self._purge(conn, now)
 
@@ -310,6 +380,7 @@ class FileDedupeStore:
             # Back into the queue: the next flush retries them (the callers see the error).
             self._pending = {**batch, **self._pending}
             self._journaled = {**journaled, **self._journaled}
+            self._recorded = {**recorded, **self._recorded}
             raise
         finally:
             self._flushing = None
@@ -340,9 +411,9 @@ class FileDedupeStore:
         )
 
     async def aclose(self) -> None:
-        if self._pending or self._journaled:
+        if self._pending or self._journaled or self._recorded:
             try:
-                while self._pending or self._journaled:
+                while self._pending or self._journaled or self._recorded:
                     if self._flushing is not None:
                         await self._flushing.wait()
                     else:

@@ -15,8 +15,13 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   (the handler's, a short error reply if the handler raised, or at a drain deadline a
   "please send it again" notice), and every refused one is told why and counted.
 - A message carrying a platform id is answered once, also when the platform
-  redelivers it after a restart (see `gateway.dedupe`), and it is journaled until it
-  is answered, so one the platform will not send again survives a crash.
+  redelivers it after a restart (see `gateway.dedupe`). `submit` returns only once it
+  is journaled (journal before confirm: the channel confirms it to the platform after
+  that); a message that cannot be journaled is not taken (`Ticket.taken` is False), so
+  the platform keeps it and sends it again.
+- A reply is recorded in the outbox before it is delivered and the message is marked
+  answered after, so `replay` after a crash re-sends a recorded reply (at most once per
+  crash) instead of running its turn again, and runs the turns that never finished.
 """
 
 from __future__ import annotations
@@ -33,8 +38,16 @@ import anyio.abc
 from loguru import logger
 
 from gateway.access import Allow, Challenge, Decision, Deny, Ignore
-from gateway.dedupe import DedupeStore, dedupe_key
-from gateway.messages import InboundMessage, OutboundMessage, reply_for
+from gateway.dedupe import DedupeStore, Unanswered, dedupe_key
+from gateway.messages import (
+    MERGED_IDS_KEY,
+    META_REPLAYED,
+    InboundMessage,
+    OutboundMessage,
+    reply_for,
+)
+
+__all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_messages"]
 
 Handler = Callable[[InboundMessage], Awaitable[OutboundMessage]]
 Deliver = Callable[[OutboundMessage], Awaitable[None]]
@@ -47,9 +60,6 @@ class AccessCheck(Protocol):
 
     async def check(self, msg: InboundMessage) -> Decision: ...
 
-
-#: Metadata key of a merged (collect mode) message: the ids of the messages it holds.
-MERGED_IDS_KEY = "merged_message_ids"
 
 BUSY_TEXT = (
     "I'm still working through your earlier messages. Please wait for my replies, "
@@ -71,6 +81,8 @@ class SubmitStatus(StrEnum):
     IGNORED = "ignored"  # not for the bot (group chatter, unknown channel); no reply
     REJECTED_FULL = "rejected_full"
     REJECTED_DRAINING = "rejected_draining"
+    # Not journaled (the journal failed): not taken; the platform must send it again.
+    RETRY_LATER = "retry_later"
 
 
 class Ticket:
@@ -95,6 +107,13 @@ class Ticket:
     @property
     def answered(self) -> bool:
         return self._event.is_set()
+
+    @property
+    def taken(self) -> bool:
+        """May the platform forget the message? True once it is journaled (or settled:
+        a duplicate, refused or ignored, its sender told); False when the gateway could
+        not keep it, so the channel must not confirm it."""
+        return self.status is not SubmitStatus.RETRY_LATER
 
     async def reply(self) -> OutboundMessage | None:
         await self._event.wait()
@@ -127,6 +146,7 @@ class DispatcherStats:
     merged_messages: int
     delivery_failures: int
     dedupe_errors: int
+    not_taken: int
     in_flight: int
     lanes: int
     queued_total: int
@@ -170,15 +190,24 @@ def merge_messages(messages: Sequence[InboundMessage]) -> InboundMessage:
 class _Item:
     """One submitted message while it waits in its lane."""
 
-    __slots__ = ("dedupe_key", "message", "ready", "skip", "ticket")
+    __slots__ = ("dedupe_key", "message", "ready", "recorded", "skip", "ticket")
 
-    def __init__(self, ticket: Ticket, dedupe_key: str | None, *, checked: bool) -> None:
+    def __init__(
+        self,
+        ticket: Ticket,
+        dedupe_key: str | None,
+        *,
+        checked: bool,
+        recorded: Unanswered | None = None,
+    ) -> None:
         self.message = ticket.message
         self.ticket = ticket
         self.dedupe_key = dedupe_key
         # Set once access and dedupe have answered; None when there is nothing to ask.
         self.ready: anyio.Event | None = anyio.Event() if checked or dedupe_key else None
         self.skip = False  # a duplicate, or not allowed: the lane drops it
+        # A replayed message (on file in the journal already), with its recorded reply.
+        self.recorded = recorded
 
     @property
     def is_ready(self) -> bool:
@@ -210,6 +239,7 @@ class _Counters:
     merged_messages: int = 0
     delivery_failures: int = 0
     dedupe_errors: int = 0
+    not_taken: int = 0
     in_flight: int = 0
 
 
@@ -275,6 +305,7 @@ class Dispatcher:
         self._draining = False
         self._outstanding = 0  # accepted messages not answered yet
         self._idle: anyio.Event | None = None  # set when draining and nothing is left
+        self._resent: set[str] = set()  # recorded replies the replay has sent again
 
     # ------------------------------------------------------------------ service
 
@@ -304,6 +335,31 @@ class Dispatcher:
         The ticket's status says what happened; a refused message was told why
         (through `deliver`) and `ticket.reply()` gives that notice at once.
         """
+        return await self._enqueue(msg, None)
+
+    async def replay(self) -> int:
+        """Queue what a crash left unanswered (the journal's `unanswered`), oldest first,
+        before any channel submits: each stays ahead of the newer messages of its
+        session. A message with a recorded reply gets that reply again and its turn does
+        not run; the others run, marked `META_REPLAYED` so the handler does not store
+        what the session holds already. Returns how many were queued."""
+        if self._dedupe is None:
+            return 0
+        pending = await self._dedupe.unanswered()
+        if pending:
+            resend = sum(entry.reply is not None for entry in pending)
+            logger.warning(
+                "replaying {} messages left unanswered by a crash ({} with a reply to re-send)",
+                len(pending),
+                resend,
+            )
+        for entry in pending:
+            metadata = {**entry.message.metadata, META_REPLAYED: True}
+            message = replace(entry.message, metadata=metadata)
+            await self._enqueue(message, Unanswered(message, entry.reply, entry.reply_id))
+        return len(pending)
+
+    async def _enqueue(self, msg: InboundMessage, recorded: Unanswered | None) -> Ticket:
         ticket = Ticket(msg)
         key = msg.session_key
         if self._draining or self._tg is None:
@@ -314,7 +370,9 @@ class Dispatcher:
                 logger.info("message refused: draining")
             await self._refuse(ticket, SubmitStatus.REJECTED_DRAINING, DRAINING_TEXT)
             return ticket
-        if self._outstanding >= self.max_queued_total:
+        # A replayed message was taken before the crash: the bounds never refuse it.
+        bounded = recorded is None
+        if bounded and self._outstanding >= self.max_queued_total:
             # Bounded memory however many sessions write at once: told, counted, logged.
             self._counters.dropped_full += 1
             with logger.contextualize(session=key):
@@ -328,7 +386,7 @@ class Dispatcher:
         if lane is None:
             lane = self._lanes[key] = _Lane(key)
             self._tg.start_soon(self._run_lane, lane, name=f"lane {key}")
-        if len(lane.queue) >= self.max_queue_per_lane:
+        if bounded and len(lane.queue) >= self.max_queue_per_lane:
             self._counters.dropped_full += 1
             with logger.contextualize(session=key):
                 logger.warning(
@@ -343,6 +401,7 @@ class Dispatcher:
             ticket,
             dedupe_key(msg) if self._dedupe is not None else None,
             checked=self._access is not None,
+            recorded=recorded,
         )
         lane.queue.append(item)
         lane.wakeup.set()
@@ -368,10 +427,17 @@ class Dispatcher:
                 decision = await self._check_access(item.message)
                 if not isinstance(decision, Allow):
                     self._skip(item, decision)
+                    if key is not None and store is not None and item.recorded is not None:
+                        # Replayed, and no longer allowed: out of the journal, or it
+                        # would come back at every start.
+                        await self._mark_done(store, key)
                     return
                 allowed = True
-            if key is not None and store is not None:
-                await self._journal(key, store, item.message)
+            if key is None or store is None or item.recorded is not None:
+                return  # nothing to journal, or on file already (a replay)
+            if not await self._journal(key, store, item.message):
+                self._skip(item, None, status=SubmitStatus.RETRY_LATER)
+                return
         finally:
             if not allowed and not item.skip:
                 # `submit` was cancelled before the access check answered: nothing
@@ -399,20 +465,38 @@ class Dispatcher:
             logger.error("dedupe store failed ({}); taking the message", exc)
             return False
 
-    async def _journal(self, key: str, store: DedupeStore, msg: InboundMessage) -> None:
+    async def _journal(self, key: str, store: DedupeStore, msg: InboundMessage) -> bool:
+        """Journal `msg`; False when that failed: the message is then not taken (its claim
+        is given back), so the platform, which was not told we have it, sends it again."""
         try:
             await store.journal(key, msg)
+            return True
         except Exception as exc:
-            # Fail open: the message is answered now; only a crash could still lose it.
             self._counters.dedupe_errors += 1
-            logger.error("inbound journal failed ({}); taking the message anyway", exc)
+            with logger.contextualize(session=msg.session_key):
+                logger.error("inbound journal failed ({}); message left with the platform", exc)
+        try:
+            await store.release(key)
+        except Exception as exc:
+            logger.error("dedupe store failed to give a claim back: {}", exc)
+        return False
 
-    def _skip(self, item: _Item, decision: Decision | None) -> None:
+    def _skip(
+        self,
+        item: _Item,
+        decision: Decision | None,
+        *,
+        status: SubmitStatus = SubmitStatus.DUPLICATE,
+    ) -> None:
         """Take `item` out of the running (the lane drops it when it reaches it)."""
         item.skip = True
         self._settled(1)
         ticket = item.ticket
-        if decision is None:
+        if status is SubmitStatus.RETRY_LATER:
+            ticket.status = status
+            self._counters.not_taken += 1
+            ticket._resolve(None)
+        elif decision is None:
             ticket.status = SubmitStatus.DUPLICATE
             self._counters.duplicates += 1
             with logger.contextualize(session=item.message.session_key):
@@ -488,14 +572,20 @@ class Dispatcher:
 
     def _take(self, lane: _Lane) -> list[_Item]:
         batch = [lane.queue.popleft()]
-        if self.mode == "collect":
-            while lane.queue and lane.queue[0].is_ready:
+        if self.mode == "collect" and batch[0].recorded is None:
+            # A replayed message is never merged: its turn is its own (or already ran).
+            while lane.queue and lane.queue[0].is_ready and lane.queue[0].recorded is None:
                 item = lane.queue.popleft()
                 if not item.skip:
                     batch.append(item)
         return batch
 
     async def _run_turn(self, key: str, batch: list[_Item]) -> OutboundMessage:
+        recorded = batch[0].recorded
+        if recorded is not None and recorded.reply is not None:
+            # The turn ran before the crash and its reply may not have gone out: send
+            # that reply again rather than run the turn twice.
+            return recorded.reply
         msg = merge_messages([item.message for item in batch])
         if len(batch) > 1:
             self._counters.merged_messages += len(batch)
@@ -522,18 +612,41 @@ class Dispatcher:
         return reply
 
     async def _finish(self, batch: list[_Item], reply: OutboundMessage) -> None:
+        """Deliver the reply of a turn: recorded in the outbox first, marked answered
+        after (see the module docstring)."""
         for item in batch:
             item.ticket._resolve(reply)
-        await self._deliver_safely(reply)
-        if self._dedupe is not None:
-            for item in batch:
-                if item.dedupe_key is not None:
-                    try:
-                        await self._dedupe.mark_done(item.dedupe_key)
-                    except Exception as exc:
-                        self._counters.dedupe_errors += 1
-                        logger.error("dedupe store failed to record an answer: {}", exc)
+        store = self._dedupe
+        keys = [item.dedupe_key for item in batch if item.dedupe_key is not None]
+        recorded = batch[0].recorded
+        if store is not None and keys and (recorded is None or recorded.reply is None):
+            try:
+                await store.record_reply(keys, reply)
+            except Exception as exc:
+                # Delivered all the same: after a crash the turn would run again.
+                self._counters.dedupe_errors += 1
+                logger.error("outbox failed to record a reply: {}", exc)
+        send = True
+        if recorded is not None and recorded.reply_id is not None:
+            # A merged turn's reply is re-sent once for all its messages.
+            send = recorded.reply_id not in self._resent
+            self._resent.add(recorded.reply_id)
+            if send:
+                with logger.contextualize(session=reply.session_key):
+                    logger.warning("re-sending a reply a crash may have kept from going out")
+        if send:
+            await self._deliver_safely(reply)
+        if store is not None:
+            for key in keys:
+                await self._mark_done(store, key)
         self._settled(len(batch))
+
+    async def _mark_done(self, store: DedupeStore, key: str) -> None:
+        try:
+            await store.mark_done(key)
+        except Exception as exc:
+            self._counters.dedupe_errors += 1
+            logger.error("dedupe store failed to record an answer: {}", exc)
 
     async def _deliver_safely(self, reply: OutboundMessage) -> None:
         try:
@@ -639,6 +752,7 @@ class Dispatcher:
             merged_messages=c.merged_messages,
             delivery_failures=c.delivery_failures,
             dedupe_errors=c.dedupe_errors,
+            not_taken=c.not_taken,
             in_flight=c.in_flight,
             lanes=len(self._lanes),
             queued_total=sum(depths.values()),

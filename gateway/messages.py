@@ -8,6 +8,13 @@ from typing import Any
 
 MAX_KEY_PART = 200
 
+#: Metadata of a merged (collect mode) message: the platform ids of the messages it holds.
+MERGED_IDS_KEY = "merged_message_ids"
+
+#: Metadata of a message the dispatcher replays after a crash: its turn may have begun
+#: (the user's entry may be in the session already).
+META_REPLAYED = "replayed"
+
 
 def build_session_key(channel: str, chat_id: str, *, thread: tuple[str, str] | None = None) -> str:
     """The one place a session key is built: `channel:chat_id[:kind:thread_id]`.
@@ -97,6 +104,32 @@ class OutboundMessage:
     thread_id: str | None = None
     is_error: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The reply as JSON-ready data (for the outbox)."""
+        return {
+            "channel": self.channel,
+            "chat_id": self.chat_id,
+            "text": self.text,
+            "session_key": self.session_key,
+            "reply_to": self.reply_to,
+            "thread_id": self.thread_id,
+            "is_error": self.is_error,
+            "metadata": self.metadata,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OutboundMessage:
+        return cls(
+            channel=str(data["channel"]),
+            chat_id=str(data["chat_id"]),
+            text=str(data["text"]),
+            session_key=str(data["session_key"]),
+            reply_to=data.get("reply_to"),
+            thread_id=data.get("thread_id"),
+            is_error=bool(data.get("is_error")),
+            metadata=dict(data.get("metadata") or {}),
+        )
 
 
 def reply_for(

@@ -240,12 +240,12 @@ async def test_journaled_messages_survive_until_answered(tmp_path: Path) -> None
     await store.aclose()
 
     reopened = FileDedupeStore(path)
-    assert await reopened.unanswered() == [first, second]
+    assert [u.message for u in await reopened.unanswered()] == [first, second]
     assert await reopened.seen_or_add(answered_key)  # answered: a duplicate for good
     key = dedupe_key(first)
     assert key is not None
     await reopened.mark_done(key)
-    assert await reopened.unanswered() == [second]
+    assert [u.message for u in await reopened.unanswered()] == [second]
     await reopened.aclose()
 
 
@@ -272,5 +272,5 @@ async def test_a_journal_write_never_waits_on_the_loop(tmp_path: Path) -> None:
     finally:
         holder.join()
     assert ticks.count >= 10  # the loop kept running while the write waited for the lock
-    assert [m.text for m in await store.unanswered()] == ["first", "second"]
+    assert [u.message.text for u in await store.unanswered()] == ["first", "second"]
     await store.aclose()

@@ -20,9 +20,10 @@ from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs
 from gateway.agent.memory_tools import memory_texts
 from gateway.agent.tokens import estimate_messages_tokens
 from gateway.agent.tools import ToolContext, ToolRegistry
+from gateway.agent.turns import EarlierTurn, find_turn, user_entry_meta
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
 from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse, ToolSpec
-from gateway.messages import InboundMessage, OutboundMessage, reply_for
+from gateway.messages import META_REPLAYED, InboundMessage, OutboundMessage, reply_for
 from gateway.sessions.errors import SessionError, SessionKeyError
 
 if TYPE_CHECKING:
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from gateway.sessions import Session, SessionContext, SessionManager
 
 DeltaCallback = Callable[[str], Awaitable[None]]
+
+INTERRUPTED_TEXT = (
+    "I was restarting while answering an earlier message and lost my place. Please send it again."
+)
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
@@ -73,6 +78,10 @@ class AgentLoop:
 
     - the user's message is on disk before the model is called, so neither a crash nor
       an LLM failure loses what the user said;
+    - a message is stored once: its entry carries the platform message id, and a
+      message replayed after a crash (`META_REPLAYED`) that the session holds already
+      is not stored again; its turn goes on where it stopped, or, when it had finished,
+      its reply is given again without asking the model;
     - turns of one session run one at a time, in the order `handle` was called;
     - every tool call persisted is followed by its persisted tool result, and the
       history sent to the model never holds an orphaned result or an unanswered call;
@@ -147,7 +156,17 @@ class AgentLoop:
         started = time.monotonic()
         try:
             user_message = LLMMessage(role="user", content=text)
-            session, ctx, texts = await self._open_turn(inbound.session_key, user_message)
+            session, earlier = await self._open_session(inbound)
+            if earlier is not None:
+                if earlier.reply is not None:
+                    logger.info("replayed message: its reply is in the session; not run again")
+                    return reply_for(inbound, earlier.reply, metadata={"replayed": True})
+                if not earlier.is_latest:
+                    logger.warning("replayed message: its turn cannot go on after later ones")
+                    return reply_for(inbound, INTERRUPTED_TEXT, is_error=True)
+                logger.info("replayed message: its turn goes on where a crash stopped it")
+                nocache = True
+            ctx, texts = await self._open_turn(session, user_message, inbound, earlier is None)
             reply = await self._run_model(session, ctx, texts, inbound, on_delta, nocache=nocache)
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
@@ -179,16 +198,33 @@ class AgentLoop:
             self.consolidator.maybe_schedule(inbound.session_key, session.build_context())
         return reply_for(inbound, reply.text, metadata=reply.metadata)
 
+    async def _open_session(self, inbound: InboundMessage) -> tuple[Session, EarlierTurn | None]:
+        """The session, and for a replayed message what the session holds of its turn
+        already (None: nothing, the turn runs as new). Only replays look: a message the
+        dispatcher takes in for the first time cannot be in the session."""
+        session = await self.sessions.aget_or_create(inbound.session_key)
+        earlier = None
+        if inbound.metadata.get(META_REPLAYED) and inbound.message_id:
+            branch = await anyio.to_thread.run_sync(session.get_branch)
+            earlier = find_turn(branch, inbound.message_id)
+        return session, earlier
+
     async def _open_turn(
-        self, key: str, user_message: LLMMessage
-    ) -> tuple[Session, SessionContext, list[str]]:
-        """The session, the user's message appended (the promise: what the user said is
-        on disk before the model sees it), the context rebuilt from the branch, and the
-        memory relevant to the message. The session steps run on the event loop when
-        they cannot block (see `SessionManager.aget_or_create`); memory search, which
-        may build an index, runs in a worker thread when there is memory to search."""
-        session = await self.sessions.aget_or_create(key)
-        await session.aadd_message(user_message)
+        self,
+        session: Session,
+        user_message: LLMMessage,
+        inbound: InboundMessage,
+        append: bool,
+    ) -> tuple[SessionContext, list[str]]:
+        """The user's message appended (the promise: what the user said is on disk
+        before the model sees it) unless the session holds it already, the context
+        rebuilt from the branch, and the memory relevant to the message. The session
+        steps run on the event loop when they cannot block (see
+        `SessionManager.aget_or_create`); memory search, which may build an index, runs
+        in a worker thread when there is memory to search."""
+        key = session.key
+        if append:
+            await session.aadd_message(user_message, user_entry_meta(inbound))
         texts: list[str] = []
         if self.memory is not None and (
             not self.sessions.io_on_loop or self.memory.exists(key)  # one stat
@@ -196,7 +232,7 @@ class AgentLoop:
             texts = await anyio.to_thread.run_sync(
                 memory_texts, self.memory, key, user_message.content or ""
             )
-        return session, session.build_context(), texts
+        return session.build_context(), texts
 
     def _model_for(self, session: Session) -> str:
         return session.build_context().model or self.config.model

@@ -1,0 +1,71 @@
+"""What a session already holds of a turn, found by the platform message id it answers.
+
+The user's session entry carries the id of the platform message it came from
+(`meta["message_id"]`, and `meta["merged_message_ids"]` for a merged turn). After a
+crash the dispatcher replays journaled messages; `find_turn` tells the agent loop
+whether such a message is in the session already, so the replay never stores it twice
+and never asks the model again for a reply the session holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.messages import MERGED_IDS_KEY, InboundMessage
+from gateway.sessions.entries import Entry, MessageEntry
+
+META_MESSAGE_ID = "message_id"
+
+
+@dataclass(frozen=True, slots=True)
+class EarlierTurn:
+    """A turn that began before a crash: its final reply (None: it never finished), and
+    whether it is still the branch's latest user message (only then can it go on)."""
+
+    reply: str | None
+    is_latest: bool
+
+
+def user_entry_meta(inbound: InboundMessage) -> dict[str, Any] | None:
+    """The `meta` of the user's session entry: the platform ids it answers, if any."""
+    if not inbound.message_id:
+        return None
+    meta: dict[str, Any] = {META_MESSAGE_ID: inbound.message_id}
+    merged = inbound.metadata.get(MERGED_IDS_KEY)
+    if merged:
+        meta[MERGED_IDS_KEY] = list(merged)
+    return meta
+
+
+def _carries(meta: Mapping[str, Any] | None, message_id: str) -> bool:
+    if not meta:
+        return False
+    merged = meta.get(MERGED_IDS_KEY)
+    return meta.get(META_MESSAGE_ID) == message_id or (
+        isinstance(merged, list) and message_id in merged
+    )
+
+
+def find_turn(branch: Sequence[Entry], message_id: str) -> EarlierTurn | None:
+    """The turn of the user entry carrying `message_id` on `branch` (root to leaf), or
+    None when the session does not hold that message."""
+    for index in range(len(branch) - 1, -1, -1):
+        entry = branch[index]
+        if not (
+            isinstance(entry, MessageEntry)
+            and entry.message.role == "user"
+            and _carries(entry.meta, message_id)
+        ):
+            continue
+        for later in branch[index + 1 :]:
+            if not isinstance(later, MessageEntry):
+                continue
+            message = later.message
+            if message.role == "user":
+                return EarlierTurn(reply=None, is_latest=False)
+            if message.role == "assistant" and not message.tool_calls:
+                return EarlierTurn(reply=message.content or "", is_latest=True)
+        return EarlierTurn(reply=None, is_latest=True)
+    return None
