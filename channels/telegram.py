@@ -1,18 +1,23 @@
 """The Telegram channel: a python-telegram-bot adapter, long polling or a webhook,
 running inside the daemon's event loop.
 
-Inbound: every update goes through one handler that turns a message into an
-`InboundMessage` (session key `telegram:<chat>`, or `telegram:<chat>:topic:<thread>`
-in a forum topic; message id `<chat>:<message>`; group metadata for the access policy,
-which the daemon applies) and submits it. Outbound: `send` converts the reply's
-Markdown to Telegram HTML, splits it under the length limit and sends the pieces in
-order (see `channels.telegram_format`).
+Inbound: python-telegram-bot's `Bot` makes the requests, but the channel polls itself
+(`_poll`) instead of using PTB's Updater, which confirms a fetched batch on its next
+`getUpdates` while the updates still wait in memory. Every update goes through one
+handler that turns a message into an `InboundMessage` (session key `telegram:<chat>`,
+or `telegram:<chat>:topic:<thread>` in a forum topic; message id `<chat>:<message>`;
+group metadata for the access policy, which the daemon applies) and submits it.
+Outbound: `send` converts the reply's Markdown to Telegram HTML, splits it under the
+length limit and sends the pieces in order (see `channels.telegram_format`).
 
-Promises (each one tested in tests/test_telegram*.py):
-- Pending updates are never dropped: not at start (no `drop_pending_updates`), not at
-  stop (every update fetched, and so confirmed to Telegram, is handled before the
-  application stops, within `Pacing.stop_timeout`). Updates are handled one at a
-  time, in order.
+Promises (each one tested in tests/test_telegram*.py and tests/test_kill_delivery.py):
+- Journal before confirm: an update is confirmed to Telegram (the `getUpdates` offset
+  moves past it, or the webhook answers 200) only once `submit` returned for it, when
+  the message is in the gateway's journal (or settled: skipped, a notice, a refusal).
+  A crash at any moment leaves every update either in the journal or with Telegram,
+  which sends it again. Nothing is dropped at start (no `drop_pending_updates`); at a
+  drain (`pause_intake`) polling stops and what Telegram holds stays there.
+  Updates are submitted one at a time, in order.
 - An update id seen twice in this process is handled once; a message delivered in two
   updates (or again after a restart) has one message id, which the dispatcher dedupes.
 - A reply is never sent twice: a request is retried only when it certainly did not
@@ -26,7 +31,8 @@ Promises (each one tested in tests/test_telegram*.py):
   short notice in private chats (at most one per chat per `Pacing.notice_cooldown`);
   in groups only a sticker or photo that replies to the bot gets one, never an edit.
 - The webhook answers 403 without the right `X-Telegram-Bot-Api-Secret-Token`
-  (compared in constant time) and 200 as soon as the update is queued.
+  (compared in constant time), and 200 only once the update is journaled (503, which
+  Telegram retries, when it could not be kept or the gateway is stopping).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ from telegram.error import (
     RetryAfter,
     TelegramError,
 )
-from telegram.ext import Application, ApplicationBuilder, TypeHandler
+from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning
 
 from channels.telegram_format import html_to_text, markdown_to_html, split_markdown
@@ -108,7 +114,6 @@ _ATTACHMENTS = (
 )
 
 _T = TypeVar("_T")
-AnyApplication = Application[Any, Any, Any, Any, Any, Any]
 
 
 class TelegramSetupError(Exception):
@@ -446,7 +451,11 @@ class TelegramChannel:
         # Without a configured secret each process makes its own; it sets the webhook
         # at start, so Telegram always sends the current one.
         self._secret = secret or secrets.token_urlsafe(32)
-        self._app: AnyApplication | None = None
+        self._client: Bot | None = None  # while running: the Bot API client
+        self._offset: int | None = None  # the next getUpdates offset (see `_poll`)
+        self._confirmed: int | None = None  # the offset Telegram was last sent
+        self._paused = False
+        self._poll_scope: anyio.CancelScope | None = None
         self._submit: Submit | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._bot_id = 0
@@ -468,20 +477,16 @@ class TelegramChannel:
         http.mount("POST", TELEGRAM_WEBHOOK_PATH, self._webhook)
         return True
 
-    def _build_application(self) -> AnyApplication:
-        # One update at a time, in order: arrival order is the order of `submit` calls.
-        builder: Any = ApplicationBuilder().token(self._token).concurrent_updates(False)
-        if self.settings.base_url:
-            builder = builder.base_url(self.settings.base_url)
-        if self.settings.base_file_url:
-            builder = builder.base_file_url(self.settings.base_file_url)
-        builder = builder.job_queue(None)
-        if self.settings.mode == "webhook":
-            builder = builder.updater(None)
-        app: AnyApplication = builder.build()
-        app.add_handler(TypeHandler(Update, self._on_update))
-        app.add_error_handler(self._on_handler_error)
-        return app
+    def _build_bot(self) -> Bot:
+        # One connection for getUpdates, a pool for replies (python-telegram-bot's
+        # ApplicationBuilder defaults, without its Updater: see `_poll`).
+        return Bot(
+            self._token,
+            base_url=self.settings.base_url or DEFAULT_BASE_URL,
+            base_file_url=self.settings.base_file_url or DEFAULT_BASE_FILE_URL,
+            request=HTTPXRequest(connection_pool_size=256),
+            get_updates_request=HTTPXRequest(connection_pool_size=1),
+        )
 
     # ----------------------------------------------------------------- running
 
@@ -494,13 +499,14 @@ class TelegramChannel:
         """Receive updates until cancelled. Raises TelegramSetupError when the token is
         refused or the webhook cannot be set (the daemon restarts the channel)."""
         self._submit = submit
-        app = self._build_application()
+        self._paused = False
+        bot = self._build_bot()
         failure: Exception | None = None
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 try:
-                    await self._serve(app, task_status)
+                    await self._serve(bot, task_status)
                 except Exception as exc:
                     failure = exc  # raised below as itself, not inside an exception group
                 finally:
@@ -511,24 +517,28 @@ class TelegramChannel:
         if failure is not None:
             raise failure
 
-    async def _serve(self, app: AnyApplication, task_status: anyio.abc.TaskStatus[None]) -> None:
+    def pause_intake(self) -> None:
+        """Take no more updates (the daemon is draining): polling stops, leaving what
+        Telegram holds unconfirmed for the next start; the webhook answers 503, which
+        Telegram retries. Replies still go out until the channel stops."""
+        self._paused = True
+        if self._poll_scope is not None:
+            self._poll_scope.cancel()
+
+    async def _serve(self, bot: Bot, task_status: anyio.abc.TaskStatus[None]) -> None:
         try:
-            await app.initialize()  # getMe
+            await bot.initialize()  # getMe
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
-                await app.shutdown()
+                await bot.shutdown()
             if isinstance(exc, InvalidToken):  # its message holds the token: not shown
-                raise TelegramSetupError(
-                    f"telegram: {api_server(self.settings)} refused the bot token; check "
-                    "GATEWAY_CHANNELS__TELEGRAM__TOKEN (from @BotFather)"
-                ) from None
+                raise self._token_refused() from None
             raise
         try:
-            self._bot_id, self._bot_username = app.bot.id, app.bot.username
-            await app.start()
-            self._app = app
-            await self._start_receiving(app)
-            await self._advertise_commands(app)
+            self._bot_id, self._bot_username = bot.id, bot.username
+            self._client = bot
+            await self._start_receiving(bot)
+            await self._advertise_commands(bot)
             logger.info(
                 "telegram: @{} is live ({})",
                 self._bot_username,
@@ -536,17 +546,25 @@ class TelegramChannel:
             )
             self.live.set()
             task_status.started()
+            if self.settings.mode == "polling":
+                await self._poll(bot)
             await anyio.sleep_forever()
         finally:
-            self._app = None  # the webhook answers 503 from now on: Telegram retries later
+            self._client = None  # the webhook answers 503 from now on: Telegram retries later
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.pacing.stop_timeout):
-                await self._stop(app)
+                await self._stop(bot)
 
-    async def _start_receiving(self, app: AnyApplication) -> None:
+    def _token_refused(self) -> TelegramSetupError:
+        return TelegramSetupError(
+            f"telegram: {api_server(self.settings)} refused the bot token; check "
+            "GATEWAY_CHANNELS__TELEGRAM__TOKEN (from @BotFather)"
+        )
+
+    async def _start_receiving(self, bot: Bot) -> None:
         if self.settings.mode == "webhook":
             url = self.settings.webhook_url or ""
             try:
-                await app.bot.set_webhook(
+                await bot.set_webhook(
                     url=url,
                     secret_token=self._secret,
                     allowed_updates=list(ALLOWED_UPDATES),
@@ -559,33 +577,77 @@ class TelegramChannel:
                     f"{TELEGRAM_WEBHOOK_PATH})"
                 ) from None
             return
-        assert app.updater is not None
-        await app.updater.start_polling(
-            poll_interval=0.0,
-            timeout=self.settings.poll_timeout,
-            allowed_updates=ALLOWED_UPDATES,
-            drop_pending_updates=False,
-            error_callback=self._on_polling_error,
-        )
+        try:
+            # getUpdates is refused while a webhook is set; pending updates are kept.
+            await bot.delete_webhook(drop_pending_updates=False)
+        except TelegramError as exc:
+            logger.warning("telegram: deleteWebhook failed ({}); polling anyway", exc)
 
-    async def _advertise_commands(self, app: AnyApplication) -> None:
+    async def _advertise_commands(self, bot: Bot) -> None:
         """Fill the "/" menu in Telegram with the commands the gateway understands."""
         try:
-            await app.bot.set_my_commands(
+            await bot.set_my_commands(
                 [BotCommand(name, text[:256]) for name, text in COMMANDS.items()]
             )
         except TelegramError as exc:
             logger.warning("telegram: could not set the command menu: {}", exc)
 
-    async def _stop(self, app: AnyApplication) -> None:
+    async def _poll(self, bot: Bot) -> None:
+        """Long polling that confirms only what the journal holds.
+
+        Telegram keeps an update until a `getUpdates` call asks for an `offset` past its
+        id. This loop owns that offset: it moves past an update only once `submit` has
+        returned for it (the message is journaled, or settled), so a crash at any moment
+        leaves every update either in our journal or still with Telegram. Updates are
+        submitted one at a time, in order; one that is not taken (the journal failed)
+        stops the batch, and it is fetched again after a pause.
+        """
+        failures = 0
+        while not self._paused:
+            with anyio.CancelScope() as scope:
+                self._poll_scope = scope
+                try:
+                    updates = await bot.get_updates(
+                        offset=self._offset,
+                        limit=100,
+                        timeout=self.settings.poll_timeout,
+                        allowed_updates=list(ALLOWED_UPDATES),
+                    )
+                    failures = 0
+                except InvalidToken:
+                    raise self._token_refused() from None
+                except TelegramError as exc:
+                    failures += 1
+                    self._on_polling_error(exc)
+                    updates = ()
+                finally:
+                    self._poll_scope = None
+            if scope.cancelled_caught:
+                return  # paused: whatever that call fetched stays unconfirmed
+            self._confirmed = self._offset
+            for update in updates:
+                if self._paused:
+                    return
+                if not await self._take_update(update):
+                    failures += 1
+                    break
+                self._offset = update.update_id + 1
+            if failures:
+                delay = self.pacing.retry_backoff * 2 ** min(failures - 1, 10)
+                await anyio.sleep(min(delay, self.pacing.retry_backoff_max))
+
+    async def _stop(self, bot: Bot) -> None:
         try:
-            if app.updater is not None and app.updater.running:
-                await app.updater.stop()  # confirms the updates fetched so far
-            if app.running:
-                await app.stop()  # handles every update already fetched, then stops
+            offset = self._offset
+            if self.settings.mode == "polling" and offset not in (None, self._confirmed):
+                # Confirm what the journal holds, so the next start is not sent it
+                # again (it would only be dropped as a duplicate).
+                await bot.get_updates(offset=offset, limit=1, timeout=0)
+                self._confirmed = offset
+        except TelegramError as exc:
+            logger.debug("telegram: last confirmation skipped: {}", exc)
         finally:
-            if not app.running:
-                await app.shutdown()
+            await bot.shutdown()
 
     def _on_polling_error(self, exc: TelegramError) -> None:
         if isinstance(exc, Conflict):
@@ -595,10 +657,6 @@ class TelegramChannel:
             )
         else:
             logger.warning("telegram: fetching updates failed ({}); retrying", exc)
-
-    async def _on_handler_error(self, update: object, context: Any) -> None:
-        error = getattr(context, "error", None)
-        logger.opt(exception=error).error("telegram: an update could not be handled")
 
     # ----------------------------------------------------------------- inbound
 
@@ -610,12 +668,12 @@ class TelegramChannel:
             self._seen.popitem(last=False)
         return True
 
-    async def _on_update(self, update: object, context: Any) -> None:
-        if not isinstance(update, Update):
-            return
+    async def _take_update(self, update: Update) -> bool:
+        """Translate and submit one update. True when Telegram may forget it: it is in
+        the journal, or settled (skipped, a notice, a duplicate, refused with a reply)."""
         if not self._first_sighting(update.update_id):
             logger.debug("telegram: update {} seen before; dropped", update.update_id)
-            return
+            return True
         result = translate_update(update, bot_id=self._bot_id, bot_username=self._bot_username)
         if isinstance(result, Skip):
             logger.debug("telegram: update {} skipped: {}", update.update_id, result.reason)
@@ -623,32 +681,42 @@ class TelegramChannel:
             self._spawn(self._send_notice, result)
         elif self._submit is not None:
             ticket = await self._submit(result)
+            if not ticket.taken:
+                self._seen.pop(update.update_id, None)  # taken when it comes again
+                return False
             where = parse_target(result.chat_id, result.thread_id)
             self._spawn(self._typing_while_pending, ticket, where)
+        return True
 
     def _spawn(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         if self._tg is not None:
             self._tg.start_soon(func, *args)
 
     async def _webhook(self, request: web.Request) -> web.StreamResponse:
+        """One update from Telegram: 200 only once it is journaled (or settled), so an
+        update Telegram considers delivered is never lost; 503 otherwise, and Telegram
+        sends it again."""
         given = request.headers.get(WEBHOOK_SECRET_HEADER, "").encode("utf-8", "replace")
         if not hmac.compare_digest(given, self._secret.encode()):
             return json_error(403, f"wrong or missing {WEBHOOK_SECRET_HEADER} header")
-        app = self._app
-        if app is None:
+        bot = self._client
+        if bot is None or self._paused:
             return json_error(
-                503, "the Telegram channel is starting; retry shortly", {"Retry-After": "5"}
+                503, "the Telegram channel is not taking updates", {"Retry-After": "5"}
             )
         try:
             data = await request.json()
-            update = Update.de_json(data, app.bot) if isinstance(data, dict) else None
+            update = Update.de_json(data, bot) if isinstance(data, dict) else None
         except (ValueError, TypeError, KeyError):
             update = None
         if update is None:
             return json_error(400, "the body is not a Telegram update")
-        if self._app is not app:  # stopped while the body was read: let Telegram retry
+        if self._client is not bot or self._paused:  # stopped while the body was read
             return json_error(503, "the Telegram channel is stopping", {"Retry-After": "5"})
-        app.update_queue.put_nowait(update)  # no await between the check and the put
+        if not await self._take_update(update):
+            return json_error(
+                503, "the gateway could not keep the update; send it again", {"Retry-After": "5"}
+            )
         return web.json_response({"ok": True})
 
     async def _send_notice(self, notice: Notice) -> None:
@@ -695,11 +763,11 @@ class TelegramChannel:
                 await anyio.sleep(self.pacing.typing_interval)
 
     async def _chat_action(self, where: Address) -> None:
-        app = self._app
-        if app is None or self._flood_until.get(where.chat_id, 0.0) > time.monotonic():
+        bot = self._client
+        if bot is None or self._flood_until.get(where.chat_id, 0.0) > time.monotonic():
             return
         try:
-            await app.bot.send_chat_action(
+            await bot.send_chat_action(
                 where.chat_id, ChatAction.TYPING, message_thread_id=where.thread_id
             )
         except RetryAfter as exc:
@@ -782,10 +850,9 @@ class TelegramChannel:
         return False
 
     def _bot(self) -> Bot:
-        app = self._app
-        if app is None:
+        bot = self._client
+        if bot is None:
             raise TelegramSetupError("telegram: the channel is not running; reply not sent")
-        bot: Bot = app.bot
         return bot
 
     def _note_flood(self, chat: int | str, seconds: float) -> None:

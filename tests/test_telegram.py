@@ -47,8 +47,9 @@ FAST = Pacing(retry_backoff=0.01, typing_grace=0.05, stream_interval=0.05, stop_
 class StubTicket:
     """A dispatcher ticket the test resolves by hand."""
 
-    def __init__(self) -> None:
+    def __init__(self, taken: bool = True) -> None:
         self.answered = anyio.Event()
+        self.taken = taken
 
     async def reply(self) -> OutboundMessage | None:
         await self.answered.wait()
@@ -304,6 +305,114 @@ async def test_updates_queued_before_start_are_all_handled_and_confirmed_at_stop
     assert [m.text for m in messages] == ["one", "two", "three"]
     assert not any(c.params.get("drop_pending_updates") for c in fake.calls)
     assert fake.pending_updates == []  # confirmed on the way out: no redelivery
+
+
+class GatedSubmit:
+    """A dispatcher stand-in whose `submit` is held open for chosen texts (as a slow
+    journal commit would be), and which can refuse to take messages (a failed one)."""
+
+    def __init__(self) -> None:
+        self.messages: list[InboundMessage] = []
+        self.hold: dict[str, anyio.Event] = {}
+        self.entered: dict[str, anyio.Event] = {}
+        self.refuse: set[str] = set()
+
+    async def submit(self, message: InboundMessage) -> StubTicket:
+        self.messages.append(message)
+        if message.text in self.hold:
+            self.entered.setdefault(message.text, anyio.Event()).set()
+            await self.hold[message.text].wait()
+        return StubTicket(taken=message.text not in self.refuse)
+
+    async def wait_entered(self, text: str) -> None:
+        with anyio.fail_after(5):
+            await self.entered.setdefault(text, anyio.Event()).wait()
+
+
+def offsets_sent(fake: FakeTelegram) -> list[int]:
+    return [int(c.params.get("offset") or 0) for c in fake.calls_to("getUpdates")]
+
+
+async def test_an_update_is_confirmed_only_after_submit_returned_for_it(
+    fake: FakeTelegram,
+) -> None:
+    """Journal before confirm: while the second update of a fetched batch is being
+    journaled (its `submit` has not returned), no getUpdates offset has passed it, so
+    Telegram still holds it and everything after it: a crash now loses nothing."""
+    gate = GatedSubmit()
+    gate.hold["two"] = anyio.Event()
+    updates = [fake.push_update(fake.user_message(CHAT, t)) for t in ("one", "two", "three")]
+    ids = [u["update_id"] for u in updates]
+    channel = TelegramChannel(tg_settings(fake), token=fake.token, pacing=FAST)
+    async with anyio.create_task_group() as tg:
+        await tg.start(channel.run, gate.submit)
+        await gate.wait_entered("two")
+        await anyio.sleep(0.2)  # PTB's Updater would have confirmed the batch by now
+        assert max(offsets_sent(fake)) <= ids[0]  # not even "one": no poll since the batch
+        pending = [u["update_id"] for u in fake.pending_updates]
+        assert pending == ids  # "one" is confirmed by the next poll, not before
+        gate.hold["two"].set()
+        with anyio.fail_after(5):
+            while len(gate.messages) < 3 or fake.pending_updates:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert [m.text for m in gate.messages] == ["one", "two", "three"]
+    assert max(offsets_sent(fake)) == ids[-1] + 1
+
+
+async def test_an_update_not_taken_stays_with_telegram_and_is_fetched_again(
+    fake: FakeTelegram,
+) -> None:
+    """An update the gateway could not keep (the journal failed) is not confirmed, nor
+    anything after it; it is fetched again, and taken once the journal works."""
+    gate = GatedSubmit()
+    gate.refuse.add("two")
+    for text in ("one", "two", "three"):
+        fake.push_update(fake.user_message(CHAT, text))
+    channel = TelegramChannel(tg_settings(fake), token=fake.token, pacing=FAST)
+    async with anyio.create_task_group() as tg:
+        await tg.start(channel.run, gate.submit)
+        with anyio.fail_after(5):
+            while [m.text for m in gate.messages].count("two") < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        assert "three" not in [m.text for m in gate.messages]  # order kept: not past "two"
+        assert [u["message"]["text"] for u in fake.pending_updates] == ["two", "three"]
+        gate.refuse.clear()
+        with anyio.fail_after(5):
+            while "three" not in [m.text for m in gate.messages]:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    texts = [m.text for m in gate.messages]
+    assert (
+        texts[0] == "one"
+        and texts[-2:] == ["two", "three"]
+        and set(texts)
+        == {
+            "one",
+            "two",
+            "three",
+        }
+    )
+
+
+async def test_pause_intake_stops_polling_and_leaves_updates_with_telegram(
+    fake: FakeTelegram,
+) -> None:
+    recorder = Recorder()
+    channel = TelegramChannel(tg_settings(fake), token=fake.token, pacing=FAST)
+    async with anyio.create_task_group() as tg:
+        await tg.start(channel.run, recorder.submit)
+        fake.push_update(fake.user_message(CHAT, "before"))
+        await recorder.wait(1)
+        await anyio.sleep(0.1)
+        channel.pause_intake()  # the long poll in flight is abandoned
+        polls = len(fake.calls_to("getUpdates"))
+        later = fake.push_update(fake.user_message(CHAT, "during the drain"))
+        await anyio.sleep(0.3)
+        assert len(fake.calls_to("getUpdates")) <= polls + 1  # at most the final confirm
+        tg.cancel_scope.cancel()
+    assert [m.text for m in recorder.messages] == ["before"]
+    assert [u["update_id"] for u in fake.pending_updates] == [later["update_id"]]
 
 
 async def test_an_update_delivered_twice_is_submitted_once(fake: FakeTelegram) -> None:

@@ -278,3 +278,34 @@ async def test_webhook_mode_answers_only_with_the_right_secret(
         await anyio.sleep(0.3)
     assert [m["text"] for m in fake_tg.sent_messages(CHAT)] == ["echo: via webhook"]
     assert fake_tg.calls_to("getUpdates") == []
+
+
+async def test_a_webhook_update_is_journaled_before_the_200(
+    fake_openai: FakeOpenAI,
+    fake_tg: FakeTelegram,
+    make_settings: Callable[..., Settings],
+) -> None:
+    """Journal before confirm: the 200 Telegram gets for a webhook update comes after
+    the message is in the journal, while its turn is still with the model."""
+    import json
+    import sqlite3
+
+    webhook = {
+        "channels__telegram__mode": "webhook",
+        "channels__telegram__webhook_url": "https://bot.example.org/telegram/webhook",
+        "channels__telegram__webhook_secret": SECRET,
+    }
+    fake_openai.add_delay(1.0, "slow answer")
+    async with gateway(make_settings, fake_openai, fake_tg, **webhook) as gw:
+        target = gw.url + TELEGRAM_WEBHOOK_PATH
+        delivery = await fake_tg.deliver_webhook(fake_tg.user_message(CHAT, "keep me"), target)
+        assert delivery.status == 200
+        with sqlite3.connect(gw.settings.workspace_path / "dedupe.sqlite") as conn:
+            rows = conn.execute("SELECT message FROM inbox").fetchall()
+        assert [json.loads(row[0])["text"] for row in rows] == ["keep me"]
+        assert fake_tg.sent_messages(CHAT) == []
+        await wait_sent(fake_tg, CHAT, 1)
+        gw.channel.pause_intake()
+        late = await fake_tg.deliver_webhook(fake_tg.user_message(CHAT, "too late"), target)
+        assert late.status == 503
+    assert [m["text"] for m in fake_tg.sent_messages(CHAT)] == ["slow answer"]
