@@ -17,10 +17,13 @@ Where a conversation lives (the session key) and where its replies go:
   channel.
 
 Promises (tested in tests/test_slack*.py):
-- Slack is acknowledged once the event is translated and submitted (bolt runs the
-  listener before it acks, `process_before_response=True`), never after the LLM: the
-  ack comes well inside Slack's 3 s, and a message Slack considers delivered is
-  already queued.
+- Journal before confirm: Slack is acknowledged once the event is submitted, and
+  `submit` returns once the message is in the gateway's journal (bolt runs the listener
+  before it acks, `process_before_response=True`), never after the LLM: the ack comes
+  well inside Slack's 3 s, and a message Slack considers delivered survives a crash.
+  An event the gateway could not journal, or that arrives while it drains
+  (`pause_intake`), is not acknowledged (HTTP 503, or no Socket Mode ack), so Slack
+  sends it again.
 - An event is answered once: its message id is Slack's `event_id`, which a retry
   (`X-Slack-Retry-Num`, a Socket Mode `retry_attempt`) keeps, and the dispatcher
   drops ids it has seen, across restarts too.
@@ -92,6 +95,11 @@ ReplyMode = Literal["thread", "channel"]
 
 class SlackCredentialsError(Exception):
     """Slack refused the tokens or could not be reached; the message says what to do."""
+
+
+class EventNotTaken(Exception):
+    """The gateway did not keep an event (journal failure, or draining): it is not
+    acknowledged, so Slack delivers it again."""
 
 
 # --------------------------------------------------------------------------- inbound
@@ -369,6 +377,7 @@ class SlackChannel:
         self._app_token = app_token
         self._signing_secret = signing_secret
         self._submit: Submit | None = None
+        self._paused = False
         self._mounted = False
         self._streams: dict[str, _Stream] = {}
         self.app = AsyncApp(
@@ -416,9 +425,9 @@ class SlackChannel:
         """One Events API request: bolt checks the signature and its timestamp (401
         when wrong or older than 5 minutes), answers url_verification, and acks an
         event once it is submitted."""
-        if self._submit is None:
+        if self._submit is None or self._paused:
             return json_error(
-                503, "the Slack channel is starting; retry shortly", {"Retry-After": "5"}
+                503, "the Slack channel is not taking events; retry shortly", {"Retry-After": "5"}
             )
         response = await self.app.async_dispatch(await to_bolt_request(request))
         return await to_aiohttp_response(response)
@@ -435,6 +444,7 @@ class SlackChannel:
             raise RuntimeError("slack: HTTP mode, but mount(daemon.http) was never called")
         self.identity = await _auth_test(self.client)
         self._submit = submit
+        self._paused = False
         try:
             if self.mode == "http":
                 logger.info(
@@ -460,13 +470,18 @@ class SlackChannel:
             with anyio.CancelScope(shield=True):
                 await handler.close_async()  # type: ignore[no-untyped-call]
 
+    def pause_intake(self) -> None:
+        """Take no more events (the daemon is draining): they are not acknowledged, so
+        Slack delivers them again, to the next start."""
+        self._paused = True
+
     async def _on_event(
         self, body: dict[str, Any], context: AsyncBoltContext, request: AsyncBoltRequest
     ) -> None:
         """The bolt listener: translate and submit, nothing slow (bolt acks after it)."""
         submit = self._submit
-        if submit is None:
-            raise RuntimeError("slack: an event arrived while the channel is not running")
+        if submit is None or self._paused:
+            raise EventNotTaken("the channel is not taking events")
         bot_user_id = context.bot_user_id or (self.identity.user_id if self.identity else None)
         message = translate_event(body, bot_user_id=bot_user_id, reply_mode=self.reply_mode)
         if isinstance(message, Skipped):
@@ -476,9 +491,18 @@ class SlackChannel:
             retry = request.headers.get("x-slack-retry-num")
             if retry and retry[0] not in ("", "0"):
                 logger.info("slack: redelivery {} of event {}", retry[0], message.message_id)
-            await submit(message)
+            ticket = await submit(message)
+            if not ticket.taken:
+                raise EventNotTaken("the gateway could not keep it")
 
     async def _on_error(self, error: Exception, body: dict[str, Any]) -> None:
+        if isinstance(error, EventNotTaken):
+            logger.warning(
+                "slack: event {} not acknowledged ({}); Slack sends it again",
+                body.get("event_id") if body else None,
+                error,
+            )
+            return
         logger.opt(exception=error).error(
             "slack: handling event {} failed", body.get("event_id") if body else None
         )

@@ -231,8 +231,9 @@ def reply(text: str, chat_id: str = CHANNEL, thread_id: str | None = None) -> Ou
 class Recorder:
     """A stand-in for the dispatcher's submit."""
 
-    def __init__(self) -> None:
+    def __init__(self, taken: bool = True) -> None:
         self.messages: list[InboundMessage] = []
+        self.taken = taken
 
     async def __call__(self, message: InboundMessage) -> Recorder:
         self.messages.append(message)
@@ -267,6 +268,34 @@ async def test_socket_mode_submits_acks_and_closes_on_cancel(fake: FakeSlack) ->
     with anyio.fail_after(5):
         while fake.open_sockets:  # noqa: ASYNC110 (the fake sees the close a moment later)
             await anyio.sleep(0.01)
+
+
+async def test_an_event_the_gateway_did_not_keep_is_not_acknowledged(fake: FakeSlack) -> None:
+    """Journal before confirm: an event whose message was not taken (the journal
+    failed), or that arrives while the gateway drains, gets no ack, so Slack sends it
+    again; a taken one is acked."""
+    channel = channel_for(fake)
+    refusing = Recorder(taken=False)
+    async with anyio.create_task_group() as tg:
+        await tg.start(channel.run, refusing)
+        with anyio.fail_after(5):
+            await fake.wait_for_socket()
+        kept_out = await fake.socket_event(fake.app_mention(CHANNEL, ALICE, "not kept"))
+        with anyio.fail_after(5):
+            while not refusing.messages:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        refusing.taken = True
+        taken = await fake.socket_event(fake.app_mention(CHANNEL, ALICE, "kept"))
+        with anyio.fail_after(5):
+            await fake.wait_for_ack(taken["envelope_id"])
+        channel.pause_intake()
+        paused = await fake.socket_event(fake.app_mention(CHANNEL, ALICE, "draining"))
+        await anyio.sleep(0.3)
+        tg.cancel_scope.cancel()
+    acked = {ack.envelope_id for ack in fake.acks}
+    assert taken["envelope_id"] in acked
+    assert kept_out["envelope_id"] not in acked and paused["envelope_id"] not in acked
+    assert [m.text for m in refusing.messages] == ["not kept", "kept"]
 
 
 async def test_a_refused_bot_token_fails_run_with_what_to_fix(fake: FakeSlack) -> None:

@@ -268,3 +268,38 @@ async def test_a_stranger_gets_a_pairing_code_until_approved(
         await event(fake_slack, fake_slack.dm_message(ALICE, "now?"))
         [_, answer] = await posts(fake_slack, 2)
         assert answer.params["text"] == "echo: now?"
+
+
+def journaled_texts(settings: Settings) -> list[str]:
+    """What the gateway's journal holds, read through another SQLite connection."""
+    import json
+    import sqlite3
+
+    with sqlite3.connect(settings.workspace_path / "dedupe.sqlite") as conn:
+        rows = conn.execute("SELECT message FROM inbox").fetchall()
+    return [json.loads(row[0])["text"] for row in rows]
+
+
+async def test_http_events_are_journaled_before_the_200_and_refused_while_draining(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], fake_slack: FakeSlack
+) -> None:
+    """Journal before confirm over HTTP: when Slack gets its 200 the message is in the
+    journal (the turn has not even finished); once the gateway drains, events get a 503
+    and stay Slack's to send again."""
+    fake_openai.add_delay(1.0, "slow answer")
+    async with slack_gateway(
+        make_settings, fake_openai, fake_slack, channels__slack__mode="http"
+    ) as gw:
+        accepted = await fake_slack.post_event(
+            gw.events_url, fake_slack.app_mention(CHANNEL, ALICE, "keep me")
+        )
+        assert accepted.status == 200
+        assert journaled_texts(gw.settings) == ["keep me"]
+        assert fake_slack.calls_to("chat.postMessage") == []  # still with the model
+        await posts(fake_slack, 1)
+        gw.channel.pause_intake()  # what the daemon does when it starts to drain
+        late = await fake_slack.post_event(
+            gw.events_url, fake_slack.app_mention(CHANNEL, ALICE, "too late")
+        )
+        assert late.status == 503
+    assert [c.params["text"] for c in fake_slack.calls_to("chat.postMessage")] == ["slow answer"]
