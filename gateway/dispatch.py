@@ -19,9 +19,11 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   is journaled (journal before confirm: the channel confirms it to the platform after
   that); a message that cannot be journaled is not taken (`Ticket.taken` is False), so
   the platform keeps it and sends it again.
-- A reply is recorded in the outbox before it is delivered and the message is marked
-  answered after, so `replay` after a crash re-sends a recorded reply (at most once per
-  crash) instead of running its turn again, and runs the turns that never finished.
+- A reply is durable before it is delivered and the message is marked answered after,
+  so `replay` after a crash re-sends it (at most once per crash) instead of running its
+  turn again, and runs the turns that never finished. Durable means: in the session as
+  the answer to its message (`META_IN_SESSION`: the handler finds it there again), or
+  else recorded in the outbox (errors, commands, a merged turn's reply).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gateway.access import Allow, Challenge, Decision, Deny, Ignore
 from gateway.dedupe import DedupeStore, Unanswered, dedupe_key
 from gateway.messages import (
     MERGED_IDS_KEY,
+    META_IN_SESSION,
     META_REPLAYED,
     InboundMessage,
     OutboundMessage,
@@ -619,7 +622,11 @@ class Dispatcher:
         store = self._dedupe
         keys = [item.dedupe_key for item in batch if item.dedupe_key is not None]
         recorded = batch[0].recorded
-        if store is not None and keys and (recorded is None or recorded.reply is None):
+        # A reply the session holds as the answer to its message is found there by the
+        # replay; any other (errors, commands, a merged turn's) is recorded here.
+        in_session = reply.metadata.get(META_IN_SESSION) is True and len(batch) == 1
+        needs_record = recorded is None or recorded.reply is None
+        if store is not None and keys and needs_record and not in_session:
             try:
                 await store.record_reply(keys, reply)
             except Exception as exc:

@@ -11,6 +11,10 @@ MAX_KEY_PART = 200
 #: Metadata of a merged (collect mode) message: the platform ids of the messages it holds.
 MERGED_IDS_KEY = "merged_message_ids"
 
+#: Metadata of a reply that is the session's stored answer to its message: a replay
+#: after a crash finds it there (`gateway.agent.turns`), so it needs no outbox record.
+META_IN_SESSION = "in_session"
+
 #: Metadata of a message the dispatcher replays after a crash: its turn may have begun
 #: (the user's entry may be in the session already).
 META_REPLAYED = "replayed"

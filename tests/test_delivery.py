@@ -19,7 +19,7 @@ import pytest
 
 from gateway.dedupe import FileDedupeStore, MemoryDedupeStore, dedupe_key
 from gateway.dispatch import Dispatcher, SubmitStatus
-from gateway.messages import META_REPLAYED, InboundMessage, OutboundMessage
+from gateway.messages import META_IN_SESSION, META_REPLAYED, InboundMessage, OutboundMessage
 
 pytestmark = pytest.mark.anyio
 
@@ -185,6 +185,44 @@ async def test_a_reply_is_in_the_outbox_while_it_is_sent(tmp_path: Path) -> None
     with sqlite3.connect(path) as other:
         assert other.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
         assert other.execute("SELECT count(*) FROM inbox").fetchone() == (0,)
+
+
+async def test_a_reply_the_session_holds_needs_no_outbox_record(tmp_path: Path) -> None:
+    """A reply the handler marks as the session's stored answer (`META_IN_SESSION`) is
+    found there by a replay, so it costs no outbox write; a merged turn's reply is
+    recorded all the same (one replayed message must not re-send it for each)."""
+    path = tmp_path / "j.sqlite"
+    store = FileDedupeStore(path)
+    outbox_sizes: list[int] = []
+
+    async def stored_answer(msg: InboundMessage) -> OutboundMessage:
+        out = reply_to(msg, f"re: {msg.text}")
+        return OutboundMessage(**{**out.to_dict(), "metadata": {META_IN_SESSION: True}})
+
+    async def deliver(out: OutboundMessage) -> None:
+        with sqlite3.connect(path) as other:
+            outbox_sizes.append(other.execute("SELECT count(*) FROM outbox").fetchone()[0])
+
+    async with running(Dispatcher(stored_answer, deliver, dedupe=store)) as d:
+        await (await d.submit(message("1", "hello", "1:1"))).reply()
+        await settle(d)
+    assert outbox_sizes == [0]
+    gate = anyio.Event()
+
+    async def slow_first(msg: InboundMessage) -> OutboundMessage:
+        if msg.text == "a":
+            await gate.wait()  # a slow first turn, so the next two merge
+        return await stored_answer(msg)
+
+    async with running(Dispatcher(slow_first, deliver, dedupe=store, mode="collect")) as d:
+        first = await d.submit(message("2", "a", "2:1"))
+        await d.submit(message("2", "b", "2:2"))
+        await d.submit(message("2", "c", "2:3"))
+        gate.set()
+        await first.reply()
+        await settle(d)
+    assert outbox_sizes == [0, 0, 2]  # the merged turn recorded for both of its messages
+    await store.aclose()
 
 
 # --------------------------------------------------------------------------- the replay

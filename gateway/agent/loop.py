@@ -23,7 +23,13 @@ from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.agent.turns import EarlierTurn, find_turn, user_entry_meta
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
 from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse, ToolSpec
-from gateway.messages import META_REPLAYED, InboundMessage, OutboundMessage, reply_for
+from gateway.messages import (
+    META_IN_SESSION,
+    META_REPLAYED,
+    InboundMessage,
+    OutboundMessage,
+    reply_for,
+)
 from gateway.sessions.errors import SessionError, SessionKeyError
 
 if TYPE_CHECKING:
@@ -160,7 +166,8 @@ class AgentLoop:
             if earlier is not None:
                 if earlier.reply is not None:
                     logger.info("replayed message: its reply is in the session; not run again")
-                    return reply_for(inbound, earlier.reply, metadata={"replayed": True})
+                    meta = {"replayed": True, META_IN_SESSION: True}
+                    return reply_for(inbound, earlier.reply, metadata=meta)
                 if not earlier.is_latest:
                     logger.warning("replayed message: its turn cannot go on after later ones")
                     return reply_for(inbound, INTERRUPTED_TEXT, is_error=True)
@@ -196,7 +203,8 @@ class AgentLoop:
             # Runs in the background after this reply. The trigger check is cheap on
             # the context (a count, then at most twice the window's messages).
             self.consolidator.maybe_schedule(inbound.session_key, session.build_context())
-        return reply_for(inbound, reply.text, metadata=reply.metadata)
+        # The reply is the session's last entry: a replay finds it (no outbox needed).
+        return reply_for(inbound, reply.text, metadata={**reply.metadata, META_IN_SESSION: True})
 
     async def _open_session(self, inbound: InboundMessage) -> tuple[Session, EarlierTurn | None]:
         """The session, and for a replayed message what the session holds of its turn
