@@ -278,6 +278,9 @@ class Daemon:
             settings.workspace_path / "dedupe.sqlite",
             ttl=settings.dispatch.dedupe_ttl_seconds,
             io_on_loop=settings.io_on_loop,
+            # Power-cut safe like the sessions: what a platform was told we have is
+            # fsynced before it is told.
+            durable=settings.sessions.fsync != "never",
         )
         self.pairing = PairingStore(pairing_path(settings))
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)

@@ -214,7 +214,10 @@ class FileDedupeStore:
     on file, hence answered when the platform redelivers it after the restart.
 
     With WAL and `synchronous=NORMAL` a commit survives a process crash; a power cut
-    may forget the last few answers (a redelivery is then answered twice). Expired and
+    may forget the last few commits. With `durable` (the daemon's default, unless
+    `sessions.fsync = "never"`) journal and outbox commits are fsynced, in a worker
+    thread: a power cut loses no message a platform was told we have; it may forget
+    the last few answered marks (such a reply is then sent again). Expired and
     surplus keys are purged every `purge_every` written keys. One daemon per file.
     """
 
@@ -228,8 +231,10 @@ class FileDedupeStore:
         busy_timeout_ms: int = 5000,
         clock: Callable[[], float] = time.time,
         io_on_loop: bool = True,
+        durable: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.durable = durable
         self.ttl = ttl
         self.max_entries = max_entries
         self.purge_every = purge_every
@@ -368,14 +373,19 @@ class FileDedupeStore:
             if purge:
                 self._purge(conn, now)
 
+        # With `durable`, what a platform is told we have (the journal) and a reply
+        # about to go out (the outbox) are fsynced; answered marks need not be (one
+        # lost to a power cut means a reply sent again, never a message lost).
+        fsync = self.durable and bool(journaled or recorded)
         try:
             # On the loop when the connection is free (tens of microseconds, no fsync
-            # in a WAL commit), else in a worker thread; a purge (a table scan) always.
+            # in a WAL commit), else in a worker thread; an fsync or a purge (a table
+            # scan) always.
             ran = False
-            if not purge:
+            if not purge and not fsync:
                 ran, _ = self._db.try_transaction_nowait(write)
             if not ran:
-                await self._db.transaction(write)
+                await self._db.transaction(write, durable=fsync)
         except BaseException:
             # Back into the queue: the next flush retries them (the callers see the error).
             self._pending = {**batch, **self._pending}

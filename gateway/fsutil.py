@@ -327,9 +327,23 @@ class SqliteFile:
         finally:
             conn.execute("PRAGMA busy_timeout = 0")
 
-    async def transaction(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """`fn(connection)` inside one immediate write transaction."""
-        result = await self.run(lambda conn: immediate(conn, fn))
+    async def transaction(
+        self, fn: Callable[[sqlite3.Connection], _T], *, durable: bool = False
+    ) -> _T:
+        """`fn(connection)` inside one immediate write transaction. `durable`: this
+        commit is fsynced (``synchronous = FULL``), so it survives a power cut, not only
+        a crashed process (it also makes every earlier commit durable)."""
+
+        def run(conn: sqlite3.Connection) -> _T:
+            if not durable:
+                return immediate(conn, fn)
+            conn.execute("PRAGMA synchronous = FULL")  # not allowed inside a transaction
+            try:
+                return immediate(conn, fn)
+            finally:
+                conn.execute("PRAGMA synchronous = NORMAL")
+
+        result = await self.run(run)
         self._committed()
         return result
 

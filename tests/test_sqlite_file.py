@@ -125,3 +125,50 @@ async def test_a_worker_call_waits_out_an_immediate_locked_answer(tmp_path: Path
         holder.join()
     assert attempts > 1
     await db.aclose()
+
+
+async def test_a_durable_transaction_commits_with_fsync_and_others_do_not(
+    tmp_path: Path,
+) -> None:
+    """`transaction(..., durable=True)` commits with synchronous = FULL (fsynced: it
+    survives a power cut); the connection goes back to NORMAL for the others."""
+    db = SqliteFile(tmp_path / "d.sqlite", what="test", init=schema)
+    rows = iter(range(100))
+
+    def level(conn: sqlite3.Connection) -> int:
+        conn.execute("INSERT INTO t VALUES (?, 'v')", (str(next(rows)),))
+        return int(conn.execute("PRAGMA synchronous").fetchone()[0])
+
+    assert await db.transaction(level, durable=True) == 2  # FULL
+    assert await db.transaction(level) == 1  # NORMAL
+    ran, plain = db.try_transaction_nowait(level)
+    assert ran and plain == 1
+    await db.aclose()
+
+
+async def test_the_journal_is_fsynced_when_durable_and_answers_are_not(tmp_path: Path) -> None:
+    """A durable journal (the daemon's default) fsyncs what a platform is told we
+    have before `journal` returns; answered marks ride plain commits. Observed with
+    SQLite's statement trace on the store's connection."""
+    from gateway.dedupe import FileDedupeStore
+    from gateway.messages import InboundMessage
+
+    store = FileDedupeStore(tmp_path / "j.sqlite", durable=True)
+    statements: list[str] = []
+    msg = InboundMessage(channel="t", chat_id="1", text="hi", message_id="1")
+    await store.journal("k", msg)  # opens the connection
+    conn = store._db._conn  # the store's own connection: trace what it runs
+    assert conn is not None
+    conn.set_trace_callback(statements.append)
+    await store.journal("k2", msg)
+    await store.mark_done("k2")
+    await store.aclose()
+    full = [i for i, s in enumerate(statements) if s == "PRAGMA synchronous = FULL"]
+    inserts = [i for i, s in enumerate(statements) if s.startswith("INSERT OR REPLACE INTO inbox")]
+    answered = [
+        i for i, s in enumerate(statements) if s.startswith("INSERT OR REPLACE INTO answered")
+    ]
+    assert len(full) == 1 and full[0] < inserts[0]  # the journal commit ran under FULL
+    assert answered and answered[0] > full[0]
+    resets = [i for i, s in enumerate(statements) if s == "PRAGMA synchronous = NORMAL"]
+    assert resets and resets[0] < answered[0]  # the answer's commit did not
