@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import json
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetry
 from slack_sdk.signature import SignatureVerifier
 from slack_sdk.web.async_client import AsyncWebClient
 
+from tests.fakes._serving import free_port
 from tests.fakes.slack_server import FakeSlack, sign_request
 
 pytestmark = pytest.mark.anyio
@@ -285,12 +285,6 @@ async def test_http_events_are_signed_and_verified(fake: FakeSlack) -> None:
 
 
 # -- deliver_event: the Events API's acks and retries, against a tiny local app -------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
