@@ -265,9 +265,12 @@ async def test_ids_pending_updates_and_sent_messages_survive_a_restart_of_the_fa
         assert len(again.sent_messages()) == 2
 
 
-def test_wait_for_confirmed_returns_once_an_offset_confirms_updates() -> None:
+def test_confirmations_can_be_awaited_and_hooked() -> None:
     with FakeTelegram.in_thread() as fake:
         pushed = [fake.push_update(fake.user_message(CHAT, t))["update_id"] for t in "ab"]
+        hooked: list[tuple[tuple[int, ...], list[Any]]] = []
+        # Called before the confirming call is answered: the pending updates are gone.
+        fake.on_confirm = lambda ids: hooked.append((ids, fake.pending_updates))
 
         async def poll_twice() -> None:
             async with telegram.Bot(fake.token, base_url=fake.api_url) as bot:
@@ -278,6 +281,7 @@ def test_wait_for_confirmed_returns_once_an_offset_confirms_updates() -> None:
             fake.wait_for_confirmed(1, timeout=0.1)
         asyncio.run(poll_twice())
         assert fake.wait_for_confirmed(2, timeout=5) == pushed
+        assert hooked == [(tuple(pushed), [])]
 
 
 async def test_a_second_poller_terminates_the_first(fake: FakeTelegram, bot: telegram.Bot) -> None:

@@ -90,7 +90,7 @@ from typing import Any, Literal
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from tests.fakes._serving import LocalApiServer
+from tests.fakes._serving import LocalApiServer, at_least
 
 DEFAULT_BOT_TOKEN = "xoxb-1000000001-2000000002-FakeSlackBotTokenForTests"
 DEFAULT_APP_TOKEN = "xapp-1-A0FAKEAPP01-3000000003-fakeslackapptokenfortests"
@@ -808,6 +808,21 @@ class FakeSlack(LocalApiServer[ApiCall]):
         """Every `deliver_event` so far, in the order they started (a snapshot)."""
         with self._lock:
             return list(self._deliveries)
+
+    def acked_deliveries(self) -> list[EventDelivery]:
+        """The deliveries the app has acknowledged, in the order they started."""
+        return [d for d in self.event_deliveries if d.acked]
+
+    def wait_for_event_acks(self, count: int, timeout: float = 5.0) -> list[EventDelivery]:
+        """Block until at least `count` deliveries were acknowledged (thread mode)."""
+        return self._wait_blocking(
+            at_least(count, self.acked_deliveries),
+            timeout,
+            async_method="deliver_event",
+            describe_timeout=lambda: (
+                f"{len(self.acked_deliveries())} of {count} events acked after {timeout}s"
+            ),
+        )
 
     async def _attempt_delivery(
         self,

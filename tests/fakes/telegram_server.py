@@ -63,7 +63,9 @@ never stored twice" promise rests on (https://core.telegram.org/bots/api#getupda
 
 Every getUpdates is kept in `polls` (when it arrived, its offset, the ids it confirmed,
 the ids it returned, when it was answered) for diagnostics; `wait_for_confirmed` blocks
-until a number of updates have been confirmed, the moment a kill test aims at.
+until a number of updates have been confirmed, and `on_confirm` (a callable) is called
+in the serving thread the instant a call confirms updates: the moment a kill test aims
+at, when updates become the bot's alone to keep.
 
 ``FakeTelegram(state_path=...)`` keeps what a real server keeps across a restart of
 the server itself in a JSON file (replaced atomically on every change): pending
@@ -570,6 +572,9 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         self._polls: list[PollRecord] = []
         self._confirmed_ids: list[int] = []
         self.state_path = Path(state_path) if state_path is not None else None
+        #: Called with the confirmed ids, in the serving thread, the moment a getUpdates
+        #: call confirms updates (before it is answered): a kill test's trigger.
+        self.on_confirm: Callable[[tuple[int, ...]], None] | None = None
         self._allowed_updates: list[str] = []
         self._chats: dict[int, dict[str, Any]] = {}
         self._next_message_id: dict[int, int] = {}
@@ -1046,6 +1051,9 @@ class FakeTelegram(LocalApiServer[ApiCall]):
             self._polls.append(record)
             if confirmed:
                 self._save_state()
+            on_confirm = self.on_confirm
+        if confirmed and on_confirm is not None:
+            on_confirm(confirmed)
         self._notify()  # an older pending poll is now terminated; confirmations
         outcome = "cancelled"
         batch: list[Update] = []
