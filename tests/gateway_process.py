@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 20, what: str = "") -> None:
+    """Poll `predicate` every 50 ms until it is true; AssertionError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what or 'condition'} not met within {timeout:g}s")
 
 
 class GatewayProcess:
@@ -24,11 +38,13 @@ class GatewayProcess:
             text=True,
         )
         self._lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []  # every line so far, for diagnostics
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
+            self.log.append(line)
             self._lines.put(line)
 
     def wait_for_line(self, text: str, timeout: float = 20) -> str:
@@ -38,15 +54,40 @@ class GatewayProcess:
             try:
                 line = self._lines.get(timeout=0.2)
             except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
                 continue
             if text in line:
                 return line
-        raise AssertionError(f"the gateway never logged {text!r}")
+        tail = "".join(self.log[-20:])
+        raise AssertionError(f"the gateway never logged {text!r}; its last lines:\n{tail}")
 
     def wait_ready(self) -> int:
         """Wait for start-up; the HTTP port it listens on."""
         line = self.wait_for_line("gateway ready: http://")
         return int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
+
+    def wait_readyz(self, port: int, timeout: float = 20) -> None:
+        """Poll ``GET /readyz`` until it answers 200 (every channel is up)."""
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
+                    return bool(r.status == 200)
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_until(ready, timeout, f"/readyz 200 on port {port}")
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no flush, nothing after this instant."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30) -> int:
+        """SIGTERM (drain, then stop); the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
 
     def stop(self) -> None:
         """Kill it if it still runs (for `finally`)."""

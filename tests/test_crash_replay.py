@@ -12,19 +12,10 @@ from pathlib import Path
 
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
-from tests.gateway_process import GatewayProcess
+from tests.gateway_process import GatewayProcess, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = 4242
-
-
-def wait_until(predicate: object, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def test_messages_queued_at_a_crash_are_answered_after_restart(tmp_path: Path) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -22,6 +25,7 @@ from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetry
 from slack_sdk.signature import SignatureVerifier
 from slack_sdk.web.async_client import AsyncWebClient
 
+from tests.fakes._serving import free_port
 from tests.fakes.slack_server import FakeSlack, sign_request
 
 pytestmark = pytest.mark.anyio
@@ -278,6 +282,159 @@ async def test_http_events_are_signed_and_verified(fake: FakeSlack) -> None:
         async with asyncio.timeout(5):
             [reply] = await fake.wait_for_calls_async("chat.postMessage")
     assert reply.params["text"] == "over http"
+
+
+# -- deliver_event: the Events API's acks and retries, against a tiny local app -------
+
+
+@dataclass
+class Receiver:
+    """A minimal Events API endpoint: checks Slack's signature like bolt does, logs what
+    it got, and answers whatever `answer` says for the n-th request (0-based)."""
+
+    fake: FakeSlack
+    answer: Callable[[int], Awaitable[web.StreamResponse]]
+    requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = dict(request.headers)
+        verifier = SignatureVerifier(signing_secret=self.fake.signing_secret)
+        assert verifier.is_valid(
+            body, headers["X-Slack-Request-Timestamp"], headers["X-Slack-Signature"]
+        )
+        self.requests.append((headers, json.loads(body)))
+        return await self.answer(len(self.requests) - 1)
+
+    def retry_headers(self) -> list[tuple[str | None, str | None]]:
+        return [
+            (h.get("X-Slack-Retry-Num"), h.get("X-Slack-Retry-Reason")) for h, _ in self.requests
+        ]
+
+
+@contextlib.asynccontextmanager
+async def receiver_app(receiver: Receiver, port: int = 0) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/slack/events", receiver.handle)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/slack/events"
+    finally:
+        await runner.cleanup()
+
+
+def answering(*statuses: int, delay: float = 0.0, headers: dict[str, str] | None = None) -> Any:
+    """Answer the n-th request with statuses[n] (the last one from then on), the first
+    one after `delay` seconds."""
+
+    async def answer(n: int) -> web.Response:
+        if n == 0 and delay:
+            await asyncio.sleep(delay)
+        return web.Response(status=statuses[min(n, len(statuses) - 1)], headers=headers)
+
+    return answer
+
+
+FAST = (0.05, 0.1, 0.2)  # a compressed "nearly immediately, 1 minute, 5 minutes"
+
+
+async def test_delivery_acked_with_a_2xx_is_sent_once(fake: FakeSlack) -> None:
+    receiver = Receiver(fake, answering(200))
+    event = fake.dm_message(ALICE, "hello")
+    async with receiver_app(receiver) as url:
+        delivery = await fake.deliver_event(url, event, retry_delays=FAST)
+    assert delivery.acked and not delivery.gave_up and delivery.event_id == event["event_id"]
+    [attempt] = delivery.attempts
+    assert (attempt.retry_num, attempt.status, attempt.failure) == (0, 200, None)
+    assert receiver.retry_headers() == [(None, None)]  # a first delivery has none
+    assert receiver.requests[0][1] == event
+    assert fake.event_deliveries == [delivery]
+
+
+async def test_no_answer_within_the_ack_timeout_is_retried_as_http_timeout(
+    fake: FakeSlack,
+) -> None:
+    receiver = Receiver(fake, answering(200, delay=1.0))  # the first answer comes late
+    event = fake.dm_message(ALICE, "slow")
+    async with receiver_app(receiver) as url:
+        delivery = await fake.deliver_event(url, event, retry_delays=FAST, ack_timeout=0.3)
+    first, retry = delivery.attempts
+    assert (first.failure, first.status) == ("http_timeout", 0)
+    assert 0.3 <= first.answered_at - first.sent_at < 0.9  # Slack did not wait for it
+    assert retry.acked and retry.retry_num == 1
+    assert retry.sent_at - first.answered_at >= FAST[0]
+    assert receiver.retry_headers() == [(None, None), ("1", "http_timeout")]
+    assert [body["event_id"] for _, body in receiver.requests] == [event["event_id"]] * 2
+
+
+async def test_an_error_status_is_retried_three_times_then_slack_gives_up(
+    fake: FakeSlack,
+) -> None:
+    receiver = Receiver(fake, answering(500))
+    async with receiver_app(receiver) as url:
+        delivery = await fake.deliver_event(url, fake.dm_message(ALICE, "boom"), retry_delays=FAST)
+    assert delivery.gave_up and not delivery.acked
+    assert [(a.retry_num, a.status, a.failure) for a in delivery.attempts] == [
+        (n, 500, "http_error") for n in range(4)
+    ]
+    assert receiver.retry_headers() == [
+        (None, None),
+        ("1", "http_error"),
+        ("2", "http_error"),
+        ("3", "http_error"),
+    ]
+    gaps = [b.sent_at - a.answered_at for a, b in itertools.pairwise(delivery.attempts)]
+    assert all(gap >= wanted for gap, wanted in zip(gaps, FAST, strict=True))
+
+
+async def test_x_slack_no_retry_turns_the_retries_off(fake: FakeSlack) -> None:
+    receiver = Receiver(fake, answering(503, headers={"X-Slack-No-Retry": "1"}))
+    async with receiver_app(receiver) as url:
+        delivery = await fake.deliver_event(url, fake.dm_message(ALICE, "no"), retry_delays=FAST)
+    [attempt] = delivery.attempts
+    assert attempt.no_retry and attempt.failure == "http_error" and delivery.gave_up
+
+
+async def test_retries_span_an_app_that_is_down_and_comes_back(fake: FakeSlack) -> None:
+    """Connection refused while the app is down; the retry after it is back is acked:
+    the compressed schedule is long enough to span a restart."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/slack/events"
+    event = fake.dm_message(ALICE, "are you there?")
+    delivery = asyncio.create_task(fake.deliver_event(url, event, retry_delays=(0.05, 0.05, 1.5)))
+    async with asyncio.timeout(5):
+        while [len(d.attempts) for d in fake.event_deliveries] != [3]:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    assert fake.event_deliveries[0].in_progress
+    receiver = Receiver(fake, answering(200))
+    async with receiver_app(receiver, port):
+        async with asyncio.timeout(5):
+            done = await delivery
+    assert [a.failure for a in done.attempts] == [
+        "connection_failed",
+        "connection_failed",
+        "connection_failed",
+        None,
+    ]
+    assert done.acked_at == done.attempts[-1].answered_at
+    assert receiver.retry_headers() == [("3", "connection_failed")]
+
+
+def test_deliver_event_soon_runs_in_the_fakes_thread() -> None:
+    with FakeSlack.in_thread() as fake:
+
+        async def serve_and_deliver() -> None:
+            receiver = Receiver(fake, answering(200))
+            async with receiver_app(receiver) as url:
+                future = fake.deliver_event_soon(url, fake.dm_message(ALICE, "hi"))
+                delivery = await asyncio.wrap_future(future)
+                assert delivery.acked
+
+        asyncio.run(serve_and_deliver())
+        [delivery] = fake.event_deliveries
+        assert delivery.acked and not delivery.in_progress
 
 
 def test_event_builders_and_signatures_match_slack() -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,7 +147,7 @@ async def test_get_updates_offsets_limits_and_long_polling(
     assert [u.update_id for u in rest] == [third["update_id"]]
     assert [u["update_id"] for u in fake.pending_updates] == [third["update_id"]]
 
-    fake.redeliver(second)  # a confirmed id is dropped by the next offset, as on Telegram
+    fake.redeliver(second)  # a confirmed id is never handed out again, as on Telegram
     assert await bot.get_updates(offset=third["update_id"] + 1, timeout=0) == ()
 
     started = time.monotonic()
@@ -161,6 +162,126 @@ async def test_get_updates_offsets_limits_and_long_polling(
     started = time.monotonic()
     assert await bot.get_updates(offset=late["update_id"] + 1, timeout=1) == ()
     assert time.monotonic() - started >= 0.9
+
+
+# -- the Bot API's delivery contract, which "never lost, never stored twice" rests on ----
+
+
+async def test_an_update_stays_pending_until_a_later_offset_confirms_it(
+    fake: FakeTelegram, bot: telegram.Bot
+) -> None:
+    first, second = (fake.push_update(fake.user_message(CHAT, t)) for t in ("one", "two"))
+    ids = [first["update_id"], second["update_id"]]
+    for _ in range(3):  # fetched, but not confirmed: handed out again, every time
+        assert [u.update_id for u in await bot.get_updates(timeout=0)] == ids
+    assert await bot.get_updates(offset=ids[0], timeout=0)  # offset == id: not confirmed
+    assert fake.confirmed_ids == []
+
+    [rest] = await bot.get_updates(offset=ids[0] + 1, timeout=0)
+    assert rest.update_id == ids[1]
+    assert fake.confirmed_ids == [ids[0]]
+    assert fake.confirmed_offset == ids[0] + 1
+    # The poll log: the confirmation happened when that call arrived, before its answer.
+    poll = fake.polls[-1]
+    assert (poll.offset, poll.confirmed, poll.update_ids) == (ids[0] + 1, (ids[0],), (ids[1],))
+    assert poll.outcome == "ok"
+    assert poll.answered_at is not None and poll.received_at <= poll.answered_at
+
+
+async def test_get_updates_returns_at_most_100_updates_per_call(
+    fake: FakeTelegram, bot: telegram.Bot
+) -> None:
+    pushed = [fake.push_update(fake.user_message(CHAT, f"m{i}"))["update_id"] for i in range(250)]
+
+    assert len(await bot.get_updates(timeout=0)) == 100  # the default limit
+    assert len(await bot.get_updates(limit=7, timeout=0)) == 7
+    assert len(await bot.get_updates(limit=1000, timeout=0)) == 100  # 1-100 accepted
+    received: list[int] = []
+    offset = 0
+    while batch := await bot.get_updates(offset=offset, timeout=0):
+        assert len(batch) <= 100
+        received += [u.update_id for u in batch]
+        offset = batch[-1].update_id + 1
+    assert received == pushed  # in update_id order, each once
+    assert [len(p.update_ids) for p in fake.polls[-4:]] == [100, 100, 50, 0]
+
+
+async def test_a_confirmed_update_is_never_returned_again(
+    fake: FakeTelegram, bot: telegram.Bot
+) -> None:
+    first, second, third = (fake.push_update(fake.user_message(CHAT, t)) for t in "abc")
+    await bot.get_updates(offset=second["update_id"] + 1, timeout=0)
+
+    fake.redeliver(first)  # the server has forgotten it: nothing to hand out again
+    fake.redeliver(third)  # pending already: still there once
+    # Not even to a call without offset, or with an offset below the confirmed one.
+    for offset in (None, first["update_id"]):
+        [update] = await bot.get_updates(offset=offset, timeout=0)
+        assert update.update_id == third["update_id"]
+    with pytest.raises(ValueError, match="below the confirmed offset"):
+        fake.push_update(first)
+
+    # A negative offset keeps the last -offset updates and forgets the others.
+    fourth, fifth = (fake.push_update(fake.user_message(CHAT, t)) for t in "de")
+    kept = await bot.get_updates(offset=-1, timeout=0)
+    assert [u.update_id for u in kept] == [fifth["update_id"]]
+    assert fake.confirmed_ids == [
+        first["update_id"],
+        second["update_id"],
+        third["update_id"],
+        fourth["update_id"],
+    ]
+    assert [u.update_id for u in await bot.get_updates(timeout=0)] == [fifth["update_id"]]
+
+
+async def test_ids_pending_updates_and_sent_messages_survive_a_restart_of_the_fake(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "telegram-state.json"
+    async with FakeTelegram(state_path=state) as fake:
+        one, two, three = (fake.push_update(fake.user_message(CHAT, t)) for t in "abc")
+        async with telegram.Bot(fake.token, base_url=fake.api_url) as bot:
+            await bot.get_updates(offset=one["update_id"] + 1, timeout=0)  # confirms "a"
+            reply = await bot.send_message(CHAT, "echo: a")
+    assert reply.message_id == one["message"]["message_id"] + 3  # after a, b and c
+
+    async with FakeTelegram(state_path=state) as restarted:
+        assert restarted.pending_updates == [two, three]
+        assert [m["text"] for m in restarted.sent_messages(CHAT)] == ["echo: a"]
+        later = restarted.user_message(CHAT, "d")
+        assert later["update_id"] == three["update_id"] + 1
+        assert later["message"]["message_id"] == reply.message_id + 1
+        restarted.push_update(later)
+        async with telegram.Bot(restarted.token, base_url=restarted.api_url) as bot:
+            # The bot's own offset went with the process: a call without offset gets
+            # everything unconfirmed, and never the confirmed update.
+            updates = await bot.get_updates(timeout=0)
+            assert [u.update_id for u in updates] == [u["update_id"] for u in (two, three, later)]
+            await bot.edit_message_text("echo: a!", chat_id=CHAT, message_id=reply.message_id)
+        assert [m["text"] for m in restarted.sent_messages(CHAT)] == ["echo: a", "echo: a!"]
+
+    async with FakeTelegram(state_path=state) as again:  # every change was written
+        assert again.pending_updates == [two, three, later]
+        assert len(again.sent_messages()) == 2
+
+
+def test_confirmations_can_be_awaited_and_hooked() -> None:
+    with FakeTelegram.in_thread() as fake:
+        pushed = [fake.push_update(fake.user_message(CHAT, t))["update_id"] for t in "ab"]
+        hooked: list[tuple[tuple[int, ...], list[Any]]] = []
+        # Called before the confirming call is answered: the pending updates are gone.
+        fake.on_confirm = lambda ids: hooked.append((ids, fake.pending_updates))
+
+        async def poll_twice() -> None:
+            async with telegram.Bot(fake.token, base_url=fake.api_url) as bot:
+                await bot.get_updates(timeout=0)
+                await bot.get_updates(offset=pushed[-1] + 1, timeout=0)
+
+        with pytest.raises(TimeoutError, match="0 of 1 updates confirmed"):
+            fake.wait_for_confirmed(1, timeout=0.1)
+        asyncio.run(poll_twice())
+        assert fake.wait_for_confirmed(2, timeout=5) == pushed
+        assert hooked == [(tuple(pushed), [])]
 
 
 async def test_a_second_poller_terminates_the_first(fake: FakeTelegram, bot: telegram.Bot) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
@@ -20,6 +21,14 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a server that must keep its
+    address across restarts, where port 0 would not do)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def at_least(count: int, items: Callable[[], list[T]]) -> Callable[[], list[T] | None]:

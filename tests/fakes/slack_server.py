@@ -36,10 +36,31 @@ reconnect::
         ack = await fake.wait_for_ack(envelope["envelope_id"])
         [reply] = await fake.wait_for_calls_async("chat.postMessage")
 
-Events over HTTP: ``await fake.post_event(url, payload)`` POSTs a payload signed the way
-Slack signs (``X-Slack-Signature: v0=HMAC-SHA256(secret, "v0:{ts}:{body}")``,
+Events over HTTP: ``await fake.post_event(url, payload)`` POSTs a payload once, signed
+the way Slack signs (``X-Slack-Signature: v0=HMAC-SHA256(secret, "v0:{ts}:{body}")``,
 ``X-Slack-Request-Timestamp``, optional ``X-Slack-Retry-Num``/``-Reason``); it can sign
 badly or with a stale timestamp. ``fake.url_verification(url)`` sends the challenge.
+
+``await fake.deliver_event(url, payload)`` delivers an event the way the Events API
+does, retries included (``fake.deliver_event_soon(...)`` starts one from any thread),
+and records every attempt in `event_deliveries`. Slack's rules (the Events API docs,
+https://api.slack.com/apis/events-api#retries, "Responding to events" and "Error
+handling / graceful retries"):
+
+- The app acknowledges an event with an HTTP 2xx within 3 seconds; anything else is a
+  failed delivery, reported on the retry as ``X-Slack-Retry-Reason``: ``http_timeout``
+  (no answer within 3 s: Slack does not wait for a late one, and a late 2xx does not
+  count), ``http_error`` (a non-2xx status), ``connection_failed`` (no connection),
+  ``too_many_redirects`` (Slack follows at most 2), ``ssl_error`` and ``unknown_error``
+  (here: a connection that closed before any answer).
+- A failed event is retried up to 3 times, "nearly immediately", after 1 minute and
+  after 5 minutes, with ``X-Slack-Retry-Num: 1``, ``2``, ``3`` and the same payload, so
+  the same ``event_id``; each attempt is signed afresh.
+- An error answer with ``X-Slack-No-Retry: 1`` turns the retries of that event off.
+
+`retry_delays` (default `SLACK_RETRY_DELAYS`, the real 0/60/300 s) and `ack_timeout`
+(default 3 s) are parameters so that tests can compress the schedule, e.g. to
+``(0.5, 2, 5)``: long enough for the retries to span a restart of the app.
 
 Event builders (`app_mention`, `channel_message`, `dm_message`, `bot_message`,
 `event_callback`) return full ``event_callback`` payloads, each with a fresh event_id.
@@ -51,8 +72,10 @@ methods and logs are thread-safe, and the coroutine helpers work from any event 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import hmac
 import itertools
@@ -60,14 +83,14 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from tests.fakes._serving import LocalApiServer
+from tests.fakes._serving import LocalApiServer, at_least
 
 DEFAULT_BOT_TOKEN = "xoxb-1000000001-2000000002-FakeSlackBotTokenForTests"
 DEFAULT_APP_TOKEN = "xapp-1-A0FAKEAPP01-3000000003-fakeslackapptokenfortests"
@@ -81,6 +104,23 @@ _CHANNEL_ID = re.compile(r"^[CGDZ][A-Z0-9]{2,}$")
 _USER_ID = re.compile(r"^[UWB][A-Z0-9]{2,}$")
 _TS = re.compile(r"^\d{10}\.\d{6}$")
 _JSON_PARAMS = ("blocks", "attachments", "metadata")
+
+#: When the Events API retries a failed delivery: nearly immediately, after one minute
+#: and after five minutes (X-Slack-Retry-Num 1, 2 and 3).
+SLACK_RETRY_DELAYS: tuple[float, ...] = (0.0, 60.0, 300.0)
+#: How long Slack waits for the 2xx that acknowledges an event.
+SLACK_ACK_TIMEOUT = 3.0
+#: How many HTTP redirects Slack follows before it gives up on an attempt.
+SLACK_MAX_REDIRECTS = 2
+
+RetryReason = Literal[
+    "http_timeout",
+    "http_error",
+    "connection_failed",
+    "too_many_redirects",
+    "ssl_error",
+    "unknown_error",
+]
 
 
 def sign_request(signing_secret: str, timestamp: str | int, body: bytes | str) -> str:
@@ -136,6 +176,57 @@ class HttpDelivery:
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryAttempt:
+    """One POST of an event to the app: `retry_num` 0 is the first delivery; `failure`
+    is None when the app acknowledged it (a 2xx in time), else the reason the next
+    attempt carries in ``X-Slack-Retry-Reason``. `status` is 0 when no HTTP answer came;
+    `no_retry` is set when the answer asked Slack not to retry."""
+
+    retry_num: int
+    sent_at: float
+    answered_at: float
+    status: int
+    failure: RetryReason | None
+    detail: str = ""
+    no_retry: bool = False
+
+    @property
+    def acked(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(frozen=True, slots=True)
+class EventDelivery:
+    """An event's delivery by the Events API so far: every attempt, and whether Slack
+    considers it acknowledged (`acked`), is still trying (`in_progress`) or gave up."""
+
+    number: int  # in the order deliveries were started, from 0
+    event_id: str
+    url: str
+    payload: Mapping[str, Any]
+    started_at: float
+    attempts: tuple[DeliveryAttempt, ...] = ()
+    finished: bool = False
+
+    @property
+    def acked(self) -> bool:
+        return any(a.acked for a in self.attempts)
+
+    @property
+    def acked_at(self) -> float | None:
+        return next((a.answered_at for a in self.attempts if a.acked), None)
+
+    @property
+    def gave_up(self) -> bool:
+        """Every attempt failed (or the app said no more): Slack drops the event."""
+        return self.finished and not self.acked
+
+    @property
+    def in_progress(self) -> bool:
+        return not self.finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +303,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
         self._envelopes: list[Payload] = []
         self._sent_at: dict[str, float] = {}
         self._acks: list[Ack] = []
+        self._deliveries: list[EventDelivery] = []
         self._methods: dict[str, tuple[TokenKind, Handler]] = {
             "auth.test": ("bot", self._auth_test),
             "chat.postMessage": ("bot", self._post_message),
@@ -615,11 +707,29 @@ class FakeSlack(LocalApiServer[ApiCall]):
         retry_num: int | None = None,
         retry_reason: str | None = None,
     ) -> HttpDelivery:
-        """POST `payload` to the app's Events API endpoint the way Slack does: JSON body,
-        ``X-Slack-Request-Timestamp`` (now, or `timestamp` to make it stale) and
+        """POST `payload` to the app's Events API endpoint once, the way Slack does: JSON
+        body, ``X-Slack-Request-Timestamp`` (now, or `timestamp` to make it stale) and
         ``X-Slack-Signature`` (made with a wrong secret when `bad_signature`), plus
         ``X-Slack-Retry-Num``/``X-Slack-Retry-Reason`` (default ``http_timeout``) when
-        `retry_num` is given."""
+        `retry_num` is given. See `deliver_event` for a delivery with Slack's retries."""
+        body, headers = self._signed_event(
+            payload, signing_secret, timestamp, bad_signature, retry_num, retry_reason
+        )
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, data=body, headers=headers) as response,
+        ):
+            return HttpDelivery(response.status, await response.text(), dict(response.headers))
+
+    def _signed_event(
+        self,
+        payload: Mapping[str, Any],
+        signing_secret: str | None = None,
+        timestamp: int | float | None = None,
+        bad_signature: bool = False,
+        retry_num: int | None = None,
+        retry_reason: str | None = None,
+    ) -> tuple[bytes, dict[str, str]]:
         body = json.dumps(payload).encode()
         stamp = str(int(timestamp if timestamp is not None else time.time()))
         secret = signing_secret or self.signing_secret
@@ -634,11 +744,150 @@ class FakeSlack(LocalApiServer[ApiCall]):
         if retry_num is not None:
             headers["X-Slack-Retry-Num"] = str(retry_num)
             headers["X-Slack-Retry-Reason"] = retry_reason or "http_timeout"
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(url, data=body, headers=headers) as response,
-        ):
-            return HttpDelivery(response.status, await response.text(), dict(response.headers))
+        return body, headers
+
+    async def deliver_event(
+        self,
+        url: str,
+        payload: Mapping[str, Any],
+        *,
+        retry_delays: Sequence[float] = SLACK_RETRY_DELAYS,
+        ack_timeout: float = SLACK_ACK_TIMEOUT,
+        signing_secret: str | None = None,
+    ) -> EventDelivery:
+        """Deliver an event callback to the app's endpoint the way the Events API does
+        (see the module docstring): POST it, signed; a 2xx within `ack_timeout` seconds
+        acknowledges it; after a failure wait ``retry_delays[n]`` and send retry n + 1
+        (same payload, ``X-Slack-Retry-Num``/``-Reason``), up to ``len(retry_delays)``
+        retries, unless the answer carried ``X-Slack-No-Retry: 1``. Every attempt is
+        recorded in `event_deliveries` as it happens; returns the finished delivery.
+        Runs in the caller's event loop (any loop)."""
+        with self._lock:
+            number = len(self._deliveries)
+            self._deliveries.append(
+                EventDelivery(number, str(payload.get("event_id", "")), url, payload, time.time())
+            )
+        self._notify()
+        retry_num = 0
+        reason: RetryReason | None = None
+        try:
+            while True:
+                attempt = await self._attempt_delivery(
+                    url, payload, retry_num, reason, ack_timeout, signing_secret
+                )
+                self._update_delivery(number, attempt)
+                if attempt.failure is None or attempt.no_retry or retry_num >= len(retry_delays):
+                    break
+                await asyncio.sleep(retry_delays[retry_num])
+                retry_num += 1
+                reason = attempt.failure
+        finally:
+            self._update_delivery(number, None)
+        return self.event_deliveries[number]
+
+    def deliver_event_soon(
+        self,
+        url: str,
+        payload: Mapping[str, Any],
+        *,
+        retry_delays: Sequence[float] = SLACK_RETRY_DELAYS,
+        ack_timeout: float = SLACK_ACK_TIMEOUT,
+    ) -> concurrent.futures.Future[EventDelivery]:
+        """Start `deliver_event` in the fake's own event loop, from any thread (for sync
+        tests against ``in_thread``); the future resolves when the delivery is done."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("FakeSlack is not running")
+        return asyncio.run_coroutine_threadsafe(
+            self.deliver_event(url, payload, retry_delays=retry_delays, ack_timeout=ack_timeout),
+            loop,
+        )
+
+    @property
+    def event_deliveries(self) -> list[EventDelivery]:
+        """Every `deliver_event` so far, in the order they started (a snapshot)."""
+        with self._lock:
+            return list(self._deliveries)
+
+    def acked_deliveries(self) -> list[EventDelivery]:
+        """The deliveries the app has acknowledged, in the order they started."""
+        return [d for d in self.event_deliveries if d.acked]
+
+    def wait_for_event_acks(self, count: int, timeout: float = 5.0) -> list[EventDelivery]:
+        """Block until at least `count` deliveries were acknowledged (thread mode)."""
+        return self._wait_blocking(
+            at_least(count, self.acked_deliveries),
+            timeout,
+            async_method="deliver_event",
+            describe_timeout=lambda: (
+                f"{len(self.acked_deliveries())} of {count} events acked after {timeout}s"
+            ),
+        )
+
+    async def _attempt_delivery(
+        self,
+        url: str,
+        payload: Mapping[str, Any],
+        retry_num: int,
+        reason: RetryReason | None,
+        ack_timeout: float,
+        signing_secret: str | None,
+    ) -> DeliveryAttempt:
+        body, headers = self._signed_event(
+            payload,
+            signing_secret,
+            retry_num=retry_num or None,
+            retry_reason=reason,
+        )
+        sent_at = time.time()
+        status = 0
+        failure: RetryReason | None
+        detail = ""
+        no_retry = False
+        # A fresh connection per attempt, as from Slack's many senders.
+        connector = aiohttp.TCPConnector(force_close=True)
+        try:
+            async with (
+                aiohttp.ClientSession(connector=connector) as session,
+                asyncio.timeout(ack_timeout),
+                session.post(
+                    url, data=body, headers=headers, max_redirects=SLACK_MAX_REDIRECTS
+                ) as response,
+            ):
+                status = response.status
+                detail = (await response.text())[:200]
+                no_retry = response.headers.get("X-Slack-No-Retry") == "1"
+            failure = None if 200 <= status < 300 else "http_error"
+        except TimeoutError:
+            failure, detail = "http_timeout", f"no answer within {ack_timeout:g} s"
+        except aiohttp.TooManyRedirects as exc:
+            failure, detail = "too_many_redirects", repr(exc)
+        except aiohttp.ClientSSLError as exc:
+            failure, detail = "ssl_error", repr(exc)
+        except aiohttp.ClientConnectorError as exc:
+            failure, detail = "connection_failed", repr(exc)
+        except aiohttp.ClientError as exc:
+            failure, detail = "unknown_error", repr(exc)
+        return DeliveryAttempt(
+            retry_num=retry_num,
+            sent_at=sent_at,
+            answered_at=time.time(),
+            status=status,
+            failure=failure,
+            detail=detail,
+            no_retry=no_retry and failure is not None,
+        )
+
+    def _update_delivery(self, number: int, attempt: DeliveryAttempt | None) -> None:
+        """Record `attempt` of delivery `number`, or (None) that the delivery ended."""
+        with self._lock:
+            delivery = self._deliveries[number]
+            if attempt is None:
+                delivery = dataclasses.replace(delivery, finished=True)
+            else:
+                delivery = dataclasses.replace(delivery, attempts=(*delivery.attempts, attempt))
+            self._deliveries[number] = delivery
+        self._notify()
 
     async def url_verification(
         self, url: str, signing_secret: str | None = None, *, challenge: str | None = None

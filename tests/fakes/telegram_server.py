@@ -41,11 +41,41 @@ Scripting, in the current event loop::
         await fake.wait_for_calls_async("sendMessage", 2)
         assert fake.sent_messages(42)[-1]["text"] == "echo: hello"
 
-getUpdates long-polls: it holds the request up to ``timeout`` seconds until an update
-is pushed, drops (confirms) every update whose id is below ``offset`` as the real server
-does, and answers pending updates in update_id order. For webhook mode, after the
-client's setWebhook, ``await fake.deliver_webhook(update)`` POSTs the update to the
-registered URL with the ``X-Telegram-Bot-Api-Secret-Token`` header.
+getUpdates keeps the Bot API's delivery contract, which the gateway's "never lost,
+never stored twice" promise rests on (https://core.telegram.org/bots/api#getupdates,
+"Getting updates"):
+
+- "Incoming updates are stored on the server until the bot receives them": an update
+  stays pending, and every getUpdates returns it again, until it is confirmed.
+- offset: "Identifier of the first update to be returned. [...] An update is considered
+  confirmed as soon as getUpdates is called with an offset higher than its update_id."
+  Confirmation happens when the *call* arrives, before its answer, and a confirmed
+  update is never returned again (not even to a call without offset: "By default,
+  updates starting with the earliest unconfirmed update are returned"). A negative
+  offset keeps the last ``-offset`` updates: "All previous updates will be forgotten."
+- limit: "Limits the number of updates to be retrieved. Values between 1-100 are
+  accepted. Defaults to 100." The fake clamps to that range.
+- timeout: long polling; the call is held until an update arrives or the time is up.
+- update_id: "Update identifiers start from a certain positive number and increase
+  sequentially", also across a restart of the bot (and, with `state_path`, of the fake).
+- "This method will not work if an outgoing webhook is set up" (409), and a second
+  getUpdates terminates the pending one (409 "terminated by other getUpdates request").
+
+Every getUpdates is kept in `polls` (when it arrived, its offset, the ids it confirmed,
+the ids it returned, when it was answered) for diagnostics; `wait_for_confirmed` blocks
+until a number of updates have been confirmed, and `on_confirm` (a callable) is called
+in the serving thread the instant a call confirms updates: the moment a kill test aims
+at, when updates become the bot's alone to keep.
+
+``FakeTelegram(state_path=...)`` keeps what a real server keeps across a restart of
+the server itself in a JSON file (replaced atomically on every change): pending
+updates, the confirmed offset, the next update_id, per-chat message ids, chats and
+messages, and the log of sent messages (`sent_messages`). A FakeTelegram started again
+on the same path carries on from there.
+
+For webhook mode, after the client's setWebhook, ``await fake.deliver_webhook(update)``
+POSTs the update to the registered URL with the ``X-Telegram-Bot-Api-Secret-Token``
+header.
 
 ``with FakeTelegram.in_thread() as fake:`` serves from a background thread instead; the
 scripting methods, the call log and the waits are thread-safe, and the coroutine helpers
@@ -57,23 +87,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import itertools
 import json
+import os
 import re
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import EllipsisType
 from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
 
-from tests.fakes._serving import LocalApiServer
+from tests.fakes._serving import LocalApiServer, at_least
 
 DEFAULT_TOKEN = "123456789:AAFakeTelegramBotTokenForTests-0123456"
 MAX_MESSAGE_LENGTH = 4096  # UTF-16 code units, after entity parsing
 WEBHOOK_SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
+MAX_UPDATES_PER_CALL = 100  # getUpdates' `limit`: 1-100, default 100
+STATE_VERSION = 1
 
 ChatType = Literal["private", "group", "supergroup", "channel"]
 Update = dict[str, Any]
@@ -446,6 +482,22 @@ class ApiCall:
 
 
 @dataclass(frozen=True, slots=True)
+class PollRecord:
+    """One getUpdates call: when it arrived, its parameters, the update ids its offset
+    confirmed on arrival, and, once answered, when and with which update ids
+    (`outcome` "pending", "ok" or the error description)."""
+
+    received_at: float
+    offset: int
+    limit: int
+    timeout: int
+    confirmed: tuple[int, ...]
+    answered_at: float | None = None
+    update_ids: tuple[int, ...] = ()
+    outcome: str = "pending"
+
+
+@dataclass(frozen=True, slots=True)
 class WebhookDelivery:
     """The answer of the bot's webhook to one `deliver_webhook` POST (status 0 when the
     connection failed; `body` then holds the error)."""
@@ -484,9 +536,10 @@ Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 class FakeTelegram(LocalApiServer[ApiCall]):
     """A scriptable Telegram Bot API server; see the module docstring for usage.
 
-    Every pushed update is delivered by getUpdates at most until a later call's
-    ``offset`` passes its update_id; message ids are per chat and shared by the users'
-    and the bot's messages, as in real chats.
+    Every pushed update is delivered by getUpdates until a later call's ``offset``
+    passes its update_id, and never after that; message ids are per chat and shared by
+    the users' and the bot's messages, as in real chats. With `state_path`, pending
+    updates, ids and the sent-message log survive a restart of the fake.
     """
 
     _thread_name = "fake-telegram"
@@ -500,8 +553,11 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         bot_id: int | None = None,
         first_update_id: int = 1,
         can_read_all_group_messages: bool = False,
+        state_path: str | Path | None = None,
     ) -> None:
-        """`bot_id` defaults to the numeric prefix of `token`, as on the real server."""
+        """`bot_id` defaults to the numeric prefix of `token`, as on the real server.
+        `state_path`: a JSON file to keep the server's state in; when it exists, the
+        fake starts from it (and `first_update_id` is ignored)."""
         super().__init__()
         self.token = token
         prefix = token.split(":", 1)[0]
@@ -511,6 +567,14 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         self.can_read_all_group_messages = can_read_all_group_messages
         self._updates: list[Update] = []
         self._next_update_id = first_update_id
+        self._confirmed_below = 0  # every update_id below this was confirmed
+        self._sent: list[Message] = []
+        self._polls: list[PollRecord] = []
+        self._confirmed_ids: list[int] = []
+        self.state_path = Path(state_path) if state_path is not None else None
+        #: Called with the confirmed ids, in the serving thread, the moment a getUpdates
+        #: call confirms updates (before it is answered): a kill test's trigger.
+        self.on_confirm: Callable[[tuple[int, ...]], None] | None = None
         self._allowed_updates: list[str] = []
         self._chats: dict[int, dict[str, Any]] = {}
         self._next_message_id: dict[int, int] = {}
@@ -539,6 +603,8 @@ class FakeTelegram(LocalApiServer[ApiCall]):
                 "deleteMyCommands": self._delete_my_commands,
             }.items()
         }
+        if self.state_path is not None and self.state_path.exists():
+            self._load_state(self.state_path)
 
     # -- running ----------------------------------------------------------------------
 
@@ -573,32 +639,82 @@ class FakeTelegram(LocalApiServer[ApiCall]):
 
     def push_update(self, update: Update) -> Update:
         """Queue an update for getUpdates (an update without ``update_id`` gets a fresh
-        one). Returns the queued update."""
+        one). Returns the queued update. An update_id that was confirmed already is a
+        ValueError: the real server never hands such an update out again."""
         with self._lock:
             if "update_id" not in update:
                 update = {"update_id": self._new_update_id(), **update}
-            self._next_update_id = max(self._next_update_id, int(update["update_id"]) + 1)
+            update_id = int(update["update_id"])
+            if update_id < self._confirmed_below:
+                raise ValueError(
+                    f"update {update_id} is below the confirmed offset {self._confirmed_below}"
+                )
+            self._next_update_id = max(self._next_update_id, update_id + 1)
             self._remember_messages(update)
-            self._updates.append(copy.deepcopy(update))
-            self._updates.sort(key=lambda u: int(u["update_id"]))
+            self._queue_update(update)
+            self._save_state()
         self._notify()
         return update
 
     def redeliver(self, update: Update) -> Update:
-        """Queue the same update (same update_id) again, as the server does with an
-        update that was never confirmed. A poller whose ``offset`` is already past the
-        id drops it, exactly like the real server would."""
+        """Hand out the same update (same update_id) again, as the server does with an
+        update that was never confirmed. An update that was confirmed is never returned
+        again, and a pending one is not queued twice: both are left as they are."""
         with self._lock:
-            self._updates.append(copy.deepcopy(update))
-            self._updates.sort(key=lambda u: int(u["update_id"]))
+            if int(update["update_id"]) >= self._confirmed_below:
+                self._queue_update(update)
+                self._save_state()
         self._notify()
         return update
+
+    def _queue_update(self, update: Update) -> None:
+        """Add `update` to the pending ones unless its id is pending already (with the
+        lock held)."""
+        update_id = int(update["update_id"])
+        if any(int(u["update_id"]) == update_id for u in self._updates):
+            return
+        self._updates.append(copy.deepcopy(update))
+        self._updates.sort(key=lambda u: int(u["update_id"]))
 
     @property
     def pending_updates(self) -> list[Update]:
         """Updates queued and not yet confirmed, in update_id order (a snapshot)."""
         with self._lock:
             return copy.deepcopy(self._updates)
+
+    @property
+    def confirmed_offset(self) -> int:
+        """Every update_id below this has been confirmed (0: none yet)."""
+        with self._lock:
+            return self._confirmed_below
+
+    @property
+    def polls(self) -> list[PollRecord]:
+        """Every getUpdates call so far, in the order they arrived (a snapshot; a call
+        still held by long polling has outcome "pending")."""
+        with self._lock:
+            return list(self._polls)
+
+    @property
+    def confirmed_ids(self) -> list[int]:
+        """The update ids confirmed (or forgotten by a negative offset) so far, in the
+        order it happened."""
+        with self._lock:
+            return list(self._confirmed_ids)
+
+    def wait_for_confirmed(self, count: int, timeout: float = 5.0) -> list[int]:
+        """Block until at least `count` updates have been confirmed in total (thread
+        mode); returns `confirmed_ids`. Confirmation happens when a getUpdates call with
+        a higher offset *arrives*, so this returns right after the client learned of
+        the updates and told the server it has them."""
+        return self._wait_blocking(
+            at_least(count, lambda: self.confirmed_ids),
+            timeout,
+            async_method="(none: use confirmed_ids)",
+            describe_timeout=lambda: (
+                f"{len(self.confirmed_ids)} of {count} updates confirmed after {timeout}s"
+            ),
+        )
 
     def user_message(
         self,
@@ -675,7 +791,9 @@ class FakeTelegram(LocalApiServer[ApiCall]):
                 if key in message and not message[key]:
                     del message[key]
             self._messages[(chat_id, message["message_id"])] = message
-            return {"update_id": self._new_update_id(), "message": copy.deepcopy(message)}
+            update = {"update_id": self._new_update_id(), "message": copy.deepcopy(message)}
+            self._save_state()
+            return update
 
     def edited_message(self, update: Update, text: str) -> Update:
         """Build an ``edited_message`` update: the user edited the message of `update`
@@ -694,7 +812,9 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         edited["edit_date"] = max(int(time.time()), int(edited["date"]) + 1)
         with self._lock:
             self._messages[(edited["chat"]["id"], edited["message_id"])] = edited
-            return {"update_id": self._new_update_id(), "edited_message": copy.deepcopy(edited)}
+            update = {"update_id": self._new_update_id(), "edited_message": copy.deepcopy(edited)}
+            self._save_state()
+            return update
 
     def add_file(self, data: bytes, *, file_path: str | None = None) -> dict[str, Any]:
         """Register file content that getFile describes and ``/file/bot<token>/...``
@@ -744,26 +864,29 @@ class FakeTelegram(LocalApiServer[ApiCall]):
             self._faults.extend([fault] * count)
 
     def reset(self) -> None:
-        """Forget queued updates, faults and the call log (chats and messages stay)."""
+        """Forget queued updates, faults, the call and poll logs and the sent-message
+        log (chats, messages and ids stay)."""
         with self._lock:
             self._updates.clear()
             self._faults.clear()
             self._calls.clear()
+            self._sent.clear()
+            self._polls.clear()
+            self._confirmed_ids.clear()
+            self._save_state()
 
     # -- the call log -----------------------------------------------------------------
 
     def sent_messages(self, chat_id: int | None = None) -> list[Message]:
         """The Message results of successful sendMessage and editMessageText calls, in
-        order (an edit appears again, with its ``edit_date``)."""
-        sent = []
-        for call in self.calls:
-            if call.method in ("sendMessage", "editMessageText") and call.ok:
-                message = call.result
-                if isinstance(message, dict) and (
-                    chat_id is None or message["chat"]["id"] == chat_id
-                ):
-                    sent.append(message)
-        return sent
+        order (an edit appears again, with its ``edit_date``); with `state_path`, also
+        those sent before a restart of the fake."""
+        with self._lock:
+            return [
+                copy.deepcopy(m)
+                for m in self._sent
+                if chat_id is None or m["chat"]["id"] == chat_id
+            ]
 
     @property
     def webhook(self) -> dict[str, Any]:
@@ -884,6 +1007,10 @@ class FakeTelegram(LocalApiServer[ApiCall]):
             response=body,
             content_type=request.content_type if request.body_exists else "",
         )
+        if canonical in ("sendMessage", "editMessageText") and call.ok:
+            with self._lock:
+                self._sent.append(copy.deepcopy(call.result))
+                self._save_state()
         self._log_call(call)
         return _response(status, body)
 
@@ -908,7 +1035,7 @@ class FakeTelegram(LocalApiServer[ApiCall]):
 
     async def _get_updates(self, params: dict[str, Any]) -> list[Update]:
         offset = _int_param(params, "offset", 0)
-        limit = min(max(_int_param(params, "limit", 100), 1), 100)
+        limit = min(max(_int_param(params, "limit", MAX_UPDATES_PER_CALL), 1), 100)
         timeout = max(_int_param(params, "timeout", 0), 0)
         allowed = params.get("allowed_updates")
         with self._lock:
@@ -916,15 +1043,56 @@ class FakeTelegram(LocalApiServer[ApiCall]):
                 raise _ApiError(409, _WEBHOOK_CONFLICT)
             if isinstance(allowed, list):
                 self._allowed_updates = [str(kind) for kind in allowed]
-            if offset > 0:
-                self._updates = [u for u in self._updates if int(u["update_id"]) >= offset]
-            elif offset < 0:
-                self._updates = self._updates[offset:]
+            confirmed = self._confirm(offset)
             self._poll_generation += 1
             generation = self._poll_generation
-        self._notify()  # an older pending poll is now terminated
+            record = PollRecord(time.time(), offset, limit, timeout, confirmed)
+            index = len(self._polls)
+            self._polls.append(record)
+            if confirmed:
+                self._save_state()
+            on_confirm = self.on_confirm
+        if confirmed and on_confirm is not None:
+            on_confirm(confirmed)
+        self._notify()  # an older pending poll is now terminated; confirmations
+        outcome = "cancelled"
+        batch: list[Update] = []
+        try:
+            batch = await self._long_poll(generation, limit, timeout)
+            outcome = "ok"
+            return batch
+        except _ApiError as exc:
+            outcome = exc.description
+            raise
+        finally:
+            with self._lock:
+                if index < len(self._polls) and self._polls[index] is record:
+                    self._polls[index] = dataclasses.replace(
+                        record,
+                        answered_at=time.time(),
+                        update_ids=tuple(int(u["update_id"]) for u in batch),
+                        outcome=outcome,
+                    )
+
+    def _confirm(self, offset: int) -> tuple[int, ...]:
+        """Drop what `offset` confirms (or, negative, forgets) and return those ids; call
+        with the lock held."""
+        if offset > 0:
+            below = offset
+        elif offset < 0 and len(self._updates) > -offset:
+            below = int(self._updates[offset]["update_id"])
+        else:
+            return ()
+        dropped = tuple(int(u["update_id"]) for u in self._updates if int(u["update_id"]) < below)
+        self._updates = [u for u in self._updates if int(u["update_id"]) >= below]
+        self._confirmed_below = max(self._confirmed_below, below)
+        self._confirmed_ids.extend(dropped)
+        return dropped
+
+    async def _long_poll(self, generation: int, limit: int, seconds: int) -> list[Update]:
+        """Pending updates as soon as there are any, or [] after `seconds`."""
         assert self._closing is not None and self._loop is not None
-        deadline = self._loop.time() + timeout
+        deadline = self._loop.time() + seconds
         while True:
             changed = self._changed
             with self._lock:
@@ -1044,6 +1212,7 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         with self._lock:
             if params.get("drop_pending_updates"):
                 self._updates.clear()
+                self._save_state()
             self._webhook = {
                 "url": url,
                 "secret_token": secret,
@@ -1061,6 +1230,7 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         with self._lock:
             if params.get("drop_pending_updates"):
                 self._updates.clear()
+                self._save_state()
             was_set = bool(self._webhook.get("url"))
             self._webhook = {}
             self._webhook_error = None
@@ -1110,6 +1280,58 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         with self._lock:
             self._commands.pop(_scope_key(params), None)
         return True
+
+    # -- state across restarts (call with the lock held) ------------------------------
+
+    def _save_state(self) -> None:
+        """Write what the real server would still know after a restart of itself to
+        `state_path`: a temporary file, then an atomic rename (readers never see half a
+        file). Nothing when there is no `state_path`."""
+        if self.state_path is None:
+            return
+        state = {
+            "version": STATE_VERSION,
+            "bot_id": self.bot_id,
+            "next_update_id": self._next_update_id,
+            "confirmed_below": self._confirmed_below,
+            "allowed_updates": self._allowed_updates,
+            "updates": self._updates,
+            "next_message_id": {str(chat): n for chat, n in self._next_message_id.items()},
+            "chats": list(self._chats.values()),
+            "messages": [
+                [chat, message_id, message]
+                for (chat, message_id), message in self._messages.items()
+            ],
+            "sent": self._sent,
+        }
+        directory = self.state_path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=f".{self.state_path.name}.", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as file:
+                json.dump(state, file, ensure_ascii=False)
+            os.replace(temporary, self.state_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+    def _load_state(self, path: Path) -> None:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"{path}: not a FakeTelegram state file (version {STATE_VERSION})")
+        if state.get("bot_id") != self.bot_id:
+            raise ValueError(f"{path} belongs to bot {state.get('bot_id')}, not {self.bot_id}")
+        self._next_update_id = int(state["next_update_id"])
+        self._confirmed_below = int(state["confirmed_below"])
+        self._allowed_updates = [str(kind) for kind in state["allowed_updates"]]
+        self._updates = list(state["updates"])
+        self._next_message_id = {int(chat): int(n) for chat, n in state["next_message_id"].items()}
+        self._chats = {int(chat["id"]): chat for chat in state["chats"]}
+        self._messages = {
+            (int(chat), int(message_id)): message for chat, message_id, message in state["messages"]
+        }
+        self._sent = list(state["sent"])
 
     # -- chats and messages (call with the lock held) ---------------------------------
 
