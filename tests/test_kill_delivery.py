@@ -16,8 +16,11 @@ workspace, and the replies the fake platform received. Per message:
 - lost: handed over (Telegram: pushed; Slack: acknowledged), yet no user entry and no
   reply;
 - stored twice: two or more user entries;
-- answered twice: replies beyond the first; the promise allows one per kill (a reply
-  that went out just before the kill, not yet marked sent);
+- answered twice: replies beyond the first. The promise allows one extra reply per
+  message per kill: a reply on its way at the kill, not yet marked sent, is sent again
+  (Telegram cannot be asked whether it arrived). Each conversation has at most one
+  turn's reply on its way at a time, so a kill repeats at most one reply per user, and
+  at most `CAP` (the gateway's `dispatch.max_concurrent_turns`, default 8) in all;
 - unanswered: stored, but never answered;
 - turns twice: two or more assistant entries (a replay must not run the turn again);
 - order: per user, the order of first replies is the order the gateway got them in.
@@ -66,6 +69,7 @@ SCALE = float(os.environ.get("KILL_SCALE") or 1.0)
 SLACK_RETRIES = (0.5, 2.0, 5.0)
 #: The longest a delivery can take: four attempts of 3 s, and the waits between them.
 SLACK_DELIVERY_MAX = 4 * 3.0 + sum(SLACK_RETRIES)
+CAP = 8  # dispatch.max_concurrent_turns, the gateway's default: turns (and replies) in flight
 QUIET = 3.0  # nothing sent for this long, and nothing pending: the gateway is done
 
 
@@ -192,6 +196,14 @@ class Tally:
         return sum(max(0, n - 1) for n in self.replies.values())
 
     @property
+    def most_repeats_of_one_user(self) -> int:
+        """The largest number of repeated replies any one user got."""
+        per_user: Counter[int] = Counter()
+        for m in self.sent:
+            per_user[m.user] += max(0, self.replies[m.text] - 1)
+        return max(per_user.values(), default=0)
+
+    @property
     def unanswered(self) -> list[str]:
         return [
             m.text
@@ -220,6 +232,7 @@ class Tally:
             "lost": len(self.lost),
             "stored_twice": len(self.stored_twice),
             "answered_twice": self.answered_twice,
+            "most_repeats_one_user": self.most_repeats_of_one_user,
             "kills": self.kills,
             "unanswered": len(self.unanswered),
             "turns_twice": len(self.turns_twice),
@@ -241,8 +254,16 @@ class Tally:
             problems.append(f"{len(self.lost)} lost, e.g. {self.lost[:5]}")
         if self.stored_twice:
             problems.append(f"{len(self.stored_twice)} stored twice, e.g. {self.stored_twice[:5]}")
-        if self.answered_twice > self.kills:
-            problems.append(f"{self.answered_twice} repeated replies for {self.kills} kills")
+        if self.most_repeats_of_one_user > self.kills:
+            problems.append(
+                f"a user got {self.most_repeats_of_one_user} repeated replies in {self.kills} "
+                "kills (at most one per kill: one reply per conversation is on its way)"
+            )
+        if self.answered_twice > self.kills * CAP:
+            problems.append(
+                f"{self.answered_twice} repeated replies for {self.kills} kills "
+                f"(at most {CAP} per kill: the replies on their way)"
+            )
         if self.unanswered:
             problems.append(f"{len(self.unanswered)} never answered, e.g. {self.unanswered[:5]}")
         if self.turns_twice:
