@@ -607,7 +607,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
     async def post_event(
         self,
         url: str,
-        payload: Mapping[str, Any],
+        payload: Mapping[str, Any] | bytes,
         signing_secret: str | None = None,
         *,
         timestamp: int | float | None = None,
@@ -619,8 +619,9 @@ class FakeSlack(LocalApiServer[ApiCall]):
         ``X-Slack-Request-Timestamp`` (now, or `timestamp` to make it stale) and
         ``X-Slack-Signature`` (made with a wrong secret when `bad_signature`), plus
         ``X-Slack-Retry-Num``/``X-Slack-Retry-Reason`` (default ``http_timeout``) when
-        `retry_num` is given."""
-        body = json.dumps(payload).encode()
+        `retry_num` is given. A `payload` given as bytes is sent as it is (signed like
+        any other body), to play a malformed request."""
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         stamp = str(int(timestamp if timestamp is not None else time.time()))
         secret = signing_secret or self.signing_secret
         if bad_signature:
