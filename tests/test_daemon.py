@@ -108,6 +108,28 @@ async def test_api_chat_probes_and_metrics(
         assert "gateway_cache_misses_total" in text
 
 
+async def test_api_refuses_a_session_name_too_long_to_store_before_any_turn(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(make_settings, fake_openai)
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with running(daemon) as url, aiohttp.ClientSession() as http:
+        body = {"session": "n" * 200, "text": "hello"}
+        async with http.post(f"{url}/api/chat", json=body, headers=headers) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+        assert "too long" in error and "limit is 194" in error
+        assert fake_openai.chat_requests == []
+
+        longest = {"session": "n" * 194, "text": "hello"}
+        async with http.post(f"{url}/api/chat", json=longest, headers=headers) as resp:
+            assert resp.status == 200
+            data = await resp.json()
+        assert (data["reply"], data["error"]) == ("echo: hello", False)
+    assert (settings.sessions_dir / (encode_key("api:" + "n" * 194) + ".jsonl")).exists()
+
+
 async def test_readyz_flips_while_draining_and_the_turn_finishes(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
