@@ -535,6 +535,10 @@ class Daemon:
                 problem = "stopped by itself"
             except Exception as exc:
                 up.set(0)
+                # The task group wraps the channel's own error: report that one, whose
+                # message says what to fix.
+                while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+                    exc = exc.exceptions[0]
                 problem = f"{type(exc).__name__}: {exc}"
                 logger.opt(exception=exc).error("channel {} failed", channel.name)
             component.healthy(False, problem)
