@@ -31,6 +31,11 @@ class CacheRecord:
         return len(self.response.encode("utf-8")) + len(self.query.encode("utf-8"))
 
 
+class CacheUnavailable(Exception):
+    """The backend cannot serve now (e.g. Redis is down, or skipped after a failure);
+    the message says what failed and what to do. The backend has logged it already."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackendCounts:
     """What a backend knows about its contents and the lookups it has counted."""
@@ -51,6 +56,8 @@ class CacheBackend(Protocol):
       expired entries and evicts the least recently used ones down to `max_entries`.
     - Counting lookups (`record_lookup`) is separate from `get`, so a layer above can
       decide what counts as a hit.
+    - A call may raise `CacheUnavailable` when the backend is known not to work (a
+      shared backend that is down); it has logged that already, once.
     """
 
     name: str
