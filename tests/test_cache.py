@@ -7,7 +7,6 @@ not go green by silently testing only half the backends.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import sqlite3
 import time
 import uuid
@@ -43,8 +42,8 @@ from gateway.llm.types import LLMMessage, ToolSpec
 from gateway.messages import InboundMessage
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.redis_proxy import StallingProxy
+from tests.local_redis import REDIS_URL, drop_namespace, require_redis
 
-REDIS_URL = os.environ.get("GATEWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MODEL = "gpt-test"
 SYSTEM = "You are a helpful assistant."
 
@@ -65,27 +64,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-def _redis_unreachable_reason() -> str | None:
-    try:
-        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5, socket_timeout=0.5)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except redis.RedisError as exc:
-        return f"Redis not reachable at {REDIS_URL} ({type(exc).__name__}: {exc})"
-    return None
-
-
-def require_redis() -> None:
-    reason = _redis_unreachable_reason()
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; CI=true requires Redis (start redis-server)")
-    pytest.skip(reason)
 
 
 @dataclass
@@ -120,11 +98,7 @@ async def _open_store(kind: str, tmp_path: Path) -> AsyncIterator[Store]:
     for backend in s.opened:
         await backend.aclose()
     if kind == "redis":
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=s.namespace + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        drop_namespace(s.namespace)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -538,14 +512,6 @@ async def warnings_logged() -> AsyncIterator[list[str]]:
         yield lines
     finally:
         logger.remove(handler)
-
-
-def drop_namespace(namespace: str) -> None:
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=namespace + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 async def test_a_hanging_redis_is_skipped_after_one_short_wait_then_probed_again(

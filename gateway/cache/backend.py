@@ -32,8 +32,13 @@ class CacheRecord:
 
 
 class CacheUnavailable(Exception):
-    """The backend cannot serve now (e.g. Redis is down, or skipped after a failure);
-    the message says what failed and what to do. The backend has logged it already."""
+    """The backend cannot serve now (e.g. Redis is down, or skipped after a failure):
+    `problem` says what failed, `fix` (when known) what to do; the message is both."""
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(f"{problem}; {fix}" if fix else problem)
+        self.problem = problem
+        self.fix = fix
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +63,13 @@ class CacheBackend(Protocol):
       decide what counts as a hit.
     - A call may raise `CacheUnavailable` when the backend is known not to work (a
       shared backend that is down); it has logged that already, once.
+    - `check` answers quickly (a short timeout) and changes nothing: `gateway doctor`
+      and the readiness probe use it.
     """
 
     name: str
+    #: Where the entries live (a path, host:port), without credentials: for messages.
+    where: str
 
     async def get(self, key: str, *, now: float) -> CacheRecord | None: ...
 
@@ -84,6 +93,10 @@ class CacheBackend(Protocol):
 
     async def shared_queries(self, partition: str, *, now: float) -> list[tuple[str, str]]:
         """`(key, normalized query)` of the live shared entries of one partition."""
+        ...
+
+    async def check(self) -> None:
+        """Raise `CacheUnavailable` (saying what to do) unless the backend can be used."""
         ...
 
     async def aclose(self) -> None: ...

@@ -46,6 +46,12 @@ COOLOFF = 30.0
 #: Connecting is bounded by this too: a Redis that does not take the connection fails
 #: fast for every caller, administrative ones included.
 CONNECT_TIMEOUT = 1.0
+#: Seconds an administrative call (`counts`, `clear`, ...) may wait for an answer.
+ADMIN_TIMEOUT = 5.0
+#: Seconds `check` waits for Redis to answer PING.
+CHECK_TIMEOUT = 1.0
+#: What to do about a Redis that does not answer, in every message that says so.
+FIX = "start Redis, or point cache.url (GATEWAY_CACHE__URL) at a running one"
 
 _T = TypeVar("_T")
 #: What a call to an unreachable, hanging or broken Redis raises (anyio's deadline
@@ -186,7 +192,13 @@ def _decode(key: str, raw: Any) -> CacheRecord:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = str(exc).rstrip(". ")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _timed_out(exc: BaseException) -> bool:
+    # anyio's deadline raises the built-in TimeoutError, without a message.
+    return type(exc) is TimeoutError
 
 
 class CircuitBreaker:
@@ -275,7 +287,9 @@ class RedisCacheBackend:
         if client is None:
             if url is None:
                 raise ValueError("give RedisCacheBackend a url or a client")
-            client = aioredis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT)
+            client = aioredis.from_url(
+                url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=ADMIN_TIMEOUT
+            )
             self._owns_client = True
         elif url is not None:
             raise ValueError("give RedisCacheBackend a url or a client, not both")
@@ -294,9 +308,24 @@ class RedisCacheBackend:
         self._clear = self._client.register_script(_CLEAR)
         self._counts = self._client.register_script(_COUNTS)
 
-    async def ping(self) -> bool:
-        """True when Redis answers (for readiness probes and tests)."""
-        return bool(await self._client.ping())
+    async def check(self) -> None:
+        """Raise `CacheUnavailable` unless Redis answers PING within `CHECK_TIMEOUT`
+        seconds. Independent of the breaker: it says how Redis is now."""
+        try:
+            with anyio.fail_after(CHECK_TIMEOUT):
+                await self._client.ping()
+        except _FAILURES as exc:
+            problem = f"no answer to PING within {CHECK_TIMEOUT:g}s" if _timed_out(exc) else None
+            raise CacheUnavailable(
+                f"redis cache at {self.where}: {problem or _describe(exc)}", FIX
+            ) from None
+
+    async def _admin(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """`call()`, with a failure of Redis turned into `CacheUnavailable`."""
+        try:
+            return await call()
+        except _FAILURES as exc:
+            raise CacheUnavailable(f"redis cache at {self.where}: {_describe(exc)}", FIX) from None
 
     async def _in_turn(self, call: Callable[[], Awaitable[_T]]) -> _T:
         """`call()` within `call_timeout`; `CacheUnavailable` when the breaker is open
@@ -339,24 +368,27 @@ class RedisCacheBackend:
         return int(await self._in_turn(lambda: self._put(args=args)))
 
     async def delete(self, key: str) -> bool:
-        return bool(int(await self._delete_key(args=[self.namespace, key])))
+        return bool(int(await self._admin(lambda: self._delete_key(args=[self.namespace, key]))))
 
     async def delete_model(self, model: str) -> int:
-        return int(await self._delete_set(args=[self.namespace, "model:" + model]))
+        return await self._delete_members("model:" + model)
 
     async def delete_scope(self, scope: str) -> int:
-        return int(await self._delete_set(args=[self.namespace, "scope:" + scope]))
+        return await self._delete_members("scope:" + scope)
+
+    async def _delete_members(self, index: str) -> int:
+        return int(await self._admin(lambda: self._delete_set(args=[self.namespace, index])))
 
     async def clear(self) -> int:
-        return int(await self._clear(args=[self.namespace]))
+        return int(await self._admin(lambda: self._clear(args=[self.namespace])))
 
     async def record_lookup(self, *, hit: bool) -> None:
         field = "hits" if hit else "misses"
         await self._in_turn(lambda: self._client.hincrby(self.namespace + "stats", field, 1))
 
     async def counts(self, *, now: float) -> BackendCounts:
-        entries, hits, misses, size = await self._counts(
-            args=[self.namespace, repr(now), self._purge_batch]
+        entries, hits, misses, size = await self._admin(
+            lambda: self._counts(args=[self.namespace, repr(now), self._purge_batch])
         )
         return BackendCounts(
             entries=int(entries), bytes=int(size), hits=int(hits), misses=int(misses)

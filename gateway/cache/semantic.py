@@ -293,6 +293,10 @@ class SemanticCache:
             backend=self.backend.name,
         )
 
+    async def check(self) -> None:
+        """Raise `CacheUnavailable` (saying what to do) unless the backend can be used."""
+        await self.backend.check()
+
     async def aclose(self) -> None:
         await self.backend.aclose()
 
