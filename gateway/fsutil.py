@@ -114,6 +114,17 @@ def create_exclusive(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def probe_writable(folder: Path) -> None:
+    """Create, write and remove a small file in `folder`; raises the OSError a new file
+    there meets now (read-only file system, permissions, no space, folder gone)."""
+    fd, name = tempfile.mkstemp(prefix=".probe-", suffix=".tmp", dir=folder)
+    try:
+        os.write(fd, b"probe\n")
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
 def read_text(path: Path) -> str:
     """The file's UTF-8 text ('' if it does not exist); undecodable bytes are replaced."""
     try:
