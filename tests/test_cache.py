@@ -572,3 +572,26 @@ async def test_a_turn_waits_a_fraction_of_a_second_on_a_hanging_redis(
         await gw.aclose()
         drop_namespace(namespace)
     assert turns[0] < 1.0 and max(turns[1:]) < 0.5, turns
+
+
+async def test_a_probe_cancelled_midway_lets_the_next_call_probe(
+    stalling_redis: StallingProxy,
+) -> None:
+    namespace = f"gateway:cache:test:{uuid.uuid4().hex}:"
+    breaker_clock = FakeClock()
+    backend = RedisCacheBackend(stalling_redis.url, namespace=namespace, clock=breaker_clock)
+    cache = SemanticCache(backend, clock=FakeClock())
+    question = ctx("What is the boiling point of water?")
+    try:
+        assert await cache.store(question, "100 °C at sea level") is not None
+        stalling_redis.stalled = True
+        assert await cache.lookup(question) is None  # fails: the breaker opens
+        breaker_clock.advance(COOLOFF)
+        with anyio.move_on_after(0.05):  # the turn is cancelled while its probe waits
+            await cache.lookup(question)
+        stalling_redis.stalled = False
+        hit = await cache.lookup(question)  # probes again instead of skipping for good
+        assert hit is not None and hit.response == "100 °C at sea level"
+    finally:
+        await cache.aclose()
+        drop_namespace(namespace)

@@ -336,7 +336,8 @@ class RedisCacheBackend:
             with anyio.fail_after(self.call_timeout):
                 result = await call()
         except _FAILURES as exc:
-            problem = _describe(exc)
+            timed_out = _timed_out(exc)
+            problem = f"no answer within {self.call_timeout:g}s" if timed_out else _describe(exc)
             self.breaker.failed(problem)
             raise CacheUnavailable(f"{self.breaker.what} failed ({problem})") from None
         except BaseException:
