@@ -84,7 +84,7 @@ async def _redis_backend(url: str, namespace: str) -> RedisCacheBackend | None:
     backend = RedisCacheBackend(url, namespace=namespace)
     try:
         with anyio.fail_after(2):
-            await backend.ping()
+            await backend.check()
     except Exception as exc:
         logger.debug("redis unreachable: {}", exc)
         await backend.aclose()

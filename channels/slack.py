@@ -313,6 +313,20 @@ async def _auth_test(client: AsyncWebClient) -> SlackIdentity:
     )
 
 
+async def _bolt_request(request: web.Request) -> AsyncBoltRequest | None:
+    """The request as bolt reads it, or None (logged, no traceback) when its body is
+    not one: bolt parses the body while building its request, and its field lookups
+    fail on JSON that is not an object."""
+    try:
+        return await to_bolt_request(request)
+    except (ValueError, AttributeError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+        logger.warning(
+            "slack: refused an events request whose body is not a JSON object ({})",
+            type(exc).__name__,
+        )
+        return None
+
+
 def _web_client(settings: SlackSettings, token: str) -> AsyncWebClient:
     # No retry handlers: `SlackChannel` decides itself what may be retried.
     base_url = settings.base_url or DEFAULT_API_URL
@@ -424,12 +438,19 @@ class SlackChannel:
     async def handle_http(self, request: web.Request) -> web.StreamResponse:
         """One Events API request: bolt checks the signature and its timestamp (401
         when wrong or older than 5 minutes), answers url_verification, and acks an
-        event once it is submitted."""
+        event once it is journaled (see the module docstring). A body bolt cannot read
+        (not UTF-8, not JSON, not an object) is a 400, before the signature is looked
+        at: nothing was done."""
         if self._submit is None or self._paused:
             return json_error(
                 503, "the Slack channel is not taking events; retry shortly", {"Retry-After": "5"}
             )
-        response = await self.app.async_dispatch(await to_bolt_request(request))
+        bolt_request = await _bolt_request(request)
+        if bolt_request is None:
+            return json_error(
+                400, "the body is not a JSON object (Slack sends each event as one); ignored"
+            )
+        response = await self.app.async_dispatch(bolt_request)
         return await to_aiohttp_response(response)
 
     async def run(

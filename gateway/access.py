@@ -7,7 +7,9 @@ records the pairing requests it issues.
 
 Promises:
 - Under `dm_policy = "pairing"` nothing a stranger writes reaches the LLM until an
-  operator approved their code; the code is re-sent, not re-minted, while pending.
+  operator approved their code; the code is re-sent, not re-minted, while pending,
+  and one code is sent to a sender at most once per `pairing_resend_interval`
+  (`AccessGate`): messages in between are ignored without a reply.
 - Pending requests are bounded per channel: expired ones go first, then new ones are
   refused with a message saying so.
 - The pairing file is replaced atomically (temp + fsync + rename, mode 0600) under a
@@ -62,6 +64,9 @@ PAIRING_FULL_TEXT = (
 
 UNAVAILABLE_TEXT = "I can't check who may talk to me right now. Please try again later."
 
+#: Seconds before a pending pairing code is sent again to a sender who keeps writing.
+PAIRING_RESEND_INTERVAL = 300.0
+
 _T = TypeVar("_T")
 
 
@@ -80,7 +85,8 @@ class ChannelAccessPolicy:
     or "*" for anyone. DMs: `open` answers everyone, `allowlist` only `allow_from`,
     `pairing` also senders an operator approved by code. Groups: `open`, `allowlist`
     (`allow_from` and approved senders) or `disabled`; with `require_mention` the bot
-    answers in a group only when mentioned or replied to.
+    answers in a group only when mentioned or replied to. A pending code is sent again
+    to its sender at most once per `pairing_resend_interval` seconds.
     """
 
     dm_policy: DmPolicy = "pairing"
@@ -89,6 +95,7 @@ class ChannelAccessPolicy:
     require_mention: bool = True
     pairing_ttl: float = 3600.0
     max_pending: int = 100
+    pairing_resend_interval: float = PAIRING_RESEND_INTERVAL
 
     def __post_init__(self) -> None:
         if self.dm_policy not in ("open", "allowlist", "pairing"):
@@ -103,6 +110,8 @@ class ChannelAccessPolicy:
             object.__setattr__(self, "allow_from", frozenset(self.allow_from))
         if self.pairing_ttl <= 0 or self.max_pending < 1:
             raise ValueError("pairing_ttl and max_pending must be positive")
+        if self.pairing_resend_interval < 0:
+            raise ValueError("pairing_resend_interval must not be negative")
 
     def lists(self, msg: InboundMessage) -> bool:
         """Is the sender or the chat in `allow_from`?"""
@@ -559,6 +568,11 @@ class AccessGate:
     through as they are. Other channels without a policy are closed (every message
     ignored, with a warning), so a channel added without thinking about access never
     answers strangers.
+
+    A stranger who keeps writing gets their pending code again at most once per the
+    policy's `pairing_resend_interval`; messages in between become `Ignore` (the
+    dispatcher counts them as ignored). Which code went to whom when is kept in memory:
+    a restart may send a code once more, never more often.
     """
 
     def __init__(
@@ -573,6 +587,8 @@ class AccessGate:
         self.store = store
         self.trusted = trusted
         self._clock = clock
+        # (channel, sender id) -> (the code last sent to them, when)
+        self._codes_sent: dict[tuple[str, str], tuple[str, float]] = {}
 
     async def check(self, msg: InboundMessage) -> Decision:
         if msg.channel in self.trusted:
@@ -586,10 +602,28 @@ class AccessGate:
             decision = decide(msg, policy, EMPTY_STATE, self._clock())
         else:
             decision = await anyio.to_thread.run_sync(self._check_with_pairing, msg, policy)
+            if isinstance(decision, Challenge):
+                decision = self._throttled(msg, decision, policy.pairing_resend_interval)
         if not isinstance(decision, Allow):
             with logger.contextualize(session=msg.session_key):
                 logger.info("access: {} ({})", type(decision).__name__.lower(), _reason(decision))
         return decision
+
+    def _throttled(self, msg: InboundMessage, challenge: Challenge, interval: float) -> Decision:
+        """`challenge`, or `Ignore` when its code went to this sender less than
+        `interval` seconds ago. Runs on the loop: check and record are one step."""
+        now = self._clock()
+        sender = (msg.channel, msg.sender_id)
+        sent = self._codes_sent.get(sender)
+        if sent is not None and sent[0] == challenge.code and now - sent[1] < interval:
+            return Ignore(f"pairing code sent {now - sent[1]:.0f}s ago; not re-sent yet")
+        # Forget senders whose code could not be held back any more (bounds the dict).
+        longest = max(p.pairing_resend_interval for p in self.policies.values())
+        for key, (_, when) in list(self._codes_sent.items()):
+            if now - when >= longest:
+                del self._codes_sent[key]
+        self._codes_sent[sender] = (challenge.code, now)
+        return challenge
 
     def _check_with_pairing(self, msg: InboundMessage, policy: ChannelAccessPolicy) -> Decision:
         now = self._clock()

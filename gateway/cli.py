@@ -398,6 +398,7 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.cache import CacheUnavailable
     from gateway.daemon import build_cache
 
     cache = build_cache(settings)
@@ -428,6 +429,8 @@ def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
                 )
                 print(f"removed {removed} entries")
             return EXIT_OK
+        except CacheUnavailable as exc:
+            raise CommandError(f"cache {args.action} failed: {exc}") from None
         finally:
             await cache.aclose()
 

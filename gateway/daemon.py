@@ -261,6 +261,8 @@ class Daemon:
 
     BACKOFF_MAX = 60.0
     CHANNEL_WAIT = 30.0
+    #: Seconds between two checks that sessions can be written and the cache answers.
+    STORAGE_CHECK_INTERVAL = 5.0
 
     def __init__(self, gateway: Gateway, *, interactive: bool | None = None) -> None:
         from gateway.access import AccessGate, PairingStore
@@ -459,6 +461,7 @@ class Daemon:
                 port = await tg.start(self.http.run)
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
+                await tg.start(self._check_storage)
                 # Before any channel starts: each replayed message stays ahead of the
                 # newer messages of its session; replies wait for their channel.
                 await self.dispatcher.replay()
@@ -482,6 +485,45 @@ class Daemon:
                 await self.gateway.aclose()
         logger.info("gateway stopped")
         return 0
+
+    async def _check_storage(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Report on /readyz, every `STORAGE_CHECK_INTERVAL` seconds, whether a new file
+        can be written in the sessions folder (in a worker thread) and whether the cache
+        answers (`SemanticCache.check`): a gateway that cannot keep what people say, or
+        whose shared cache is down, is not ready. The first round runs before start-up
+        is reported done."""
+        from gateway.cache import CacheUnavailable
+        from gateway.fsutil import probe_writable
+
+        folder = self.gateway.settings.sessions_dir
+        sessions = self.health.component("sessions")
+        cache = self.gateway.cache
+        cache_health = self.health.component("cache")
+
+        async def check() -> None:
+            try:
+                await anyio.to_thread.run_sync(probe_writable, folder)
+                sessions.healthy(True)
+            except OSError as exc:
+                sessions.healthy(
+                    False,
+                    f"cannot write in {folder} ({exc.strerror or exc})",
+                    fix="make it writable for the gateway's user; check free space",
+                )
+            try:
+                if cache is not None:
+                    await cache.check()
+                cache_health.healthy(True, "" if cache is not None else "off")
+            except CacheUnavailable as exc:
+                cache_health.healthy(False, exc.problem, fix=exc.fix)
+
+        await check()
+        task_status.started()
+        while True:
+            await anyio.sleep(self.STORAGE_CHECK_INTERVAL)
+            await check()
 
     async def _drain(self) -> None:
         grace = self.gateway.settings.dispatch.drain_grace_seconds
@@ -536,6 +578,10 @@ class Daemon:
                 problem = "stopped by itself"
             except Exception as exc:
                 up.set(0)
+                # The task group wraps the channel's own error: report that one, whose
+                # message says what to fix.
+                while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+                    exc = exc.exceptions[0]
                 problem = f"{type(exc).__name__}: {exc}"
                 logger.opt(exception=exc).error("channel {} failed", channel.name)
             component.healthy(False, problem)

@@ -155,6 +155,28 @@ def check_http(settings: Settings) -> list[Finding]:
     return [Finding("ok", f"HTTP server on {settings.http.host}:{settings.http.port}")]
 
 
+async def check_cache(settings: Settings) -> list[Finding]:
+    """The response cache's backend: a SQLite file that can be opened, or a Redis that
+    answers PING within a second. Creates nothing."""
+    from gateway.cache import CacheUnavailable
+    from gateway.daemon import build_cache
+
+    try:
+        cache = build_cache(settings)
+    except ConfigError as exc:
+        return [Finding("fail", str(exc), "fix cache.url (GATEWAY_CACHE__URL)")]
+    if cache is None:
+        return [Finding("ok", "response cache is off")]
+    try:
+        await cache.check()
+    except CacheUnavailable as exc:
+        return [Finding("fail", exc.problem, exc.fix)]
+    finally:
+        await cache.aclose()
+    backend = cache.backend
+    return [Finding("ok", f"response cache ({backend.name}) at {backend.where} is usable")]
+
+
 ChannelCheck = Callable[[Settings], Awaitable[list[Finding]]]
 
 
@@ -259,5 +281,6 @@ async def run_checks(settings: Settings) -> list[Finding]:
     findings += check_workspace(settings.workspace_path)
     findings += await check_llm(settings)
     findings += check_http(settings)
+    findings += await check_cache(settings)
     findings += await check_channels(settings)
     return findings

@@ -9,6 +9,7 @@ Invariants:
 - `create_exclusive` never overwrites an existing file.
 - `open_sqlite` moves a file that is not a database aside (never deletes it) and opens
   a fresh one; busy, permission or disk errors are raised for the operator instead.
+  The database's `-wal` and `-shm` files are 0600 too, whatever the process's umask.
 """
 
 from __future__ import annotations
@@ -113,6 +114,17 @@ def create_exclusive(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def probe_writable(folder: Path) -> None:
+    """Create, write and remove a small file in `folder`; raises the OSError a new file
+    there meets now (read-only file system, permissions, no space, folder gone)."""
+    fd, name = tempfile.mkstemp(prefix=".probe-", suffix=".tmp", dir=folder)
+    try:
+        os.write(fd, b"probe\n")
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
 def read_text(path: Path) -> str:
     """The file's UTF-8 text ('' if it does not exist); undecodable bytes are replaced."""
     try:
@@ -135,8 +147,16 @@ def open_sqlite(
     and replaced by a fresh one; busy, permission or missing-folder errors are raised.
     """
     ensure_private_dir(path.parent)
+    companions = [Path(f"{path}{suffix}") for suffix in ("-wal", "-shm")]
 
     def connect() -> sqlite3.Connection:
+        # SQLite creates the -wal and -shm files with the database file's mode: make
+        # that 0600 before it opens it (a process-wide umask would race other threads).
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)
+        finally:
+            os.close(fd)
         conn = sqlite3.connect(
             path, timeout=busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
         )
@@ -145,7 +165,9 @@ def open_sqlite(
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             init(conn)
-            os.chmod(path, FILE_MODE)
+            for companion in companions:  # left by an older version or another tool
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(companion, FILE_MODE)
         except BaseException:
             conn.close()
             raise
@@ -159,8 +181,8 @@ def open_sqlite(
         aside = path.with_name(f"{path.name}.broken-{int(time.time())}")
         logger.warning("{} file {} is unreadable ({}); moved to {}", what, path, exc, aside)
         path.rename(aside)
-        for suffix in ("-wal", "-shm"):
-            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        for companion in companions:
+            companion.unlink(missing_ok=True)
         return connect()
 
 

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from gateway.access import (
@@ -21,6 +22,7 @@ from gateway.access import (
     META_REPLY_TO_BOT,
     META_SENDER_NAME,
     PAIRING_FULL_TEXT,
+    PAIRING_RESEND_INTERVAL,
     AccessGate,
     Allow,
     Challenge,
@@ -36,7 +38,8 @@ from gateway.access import (
     decide,
     new_pairing_code,
 )
-from gateway.messages import InboundMessage
+from gateway.dispatch import Dispatcher, SubmitStatus
+from gateway.messages import InboundMessage, OutboundMessage
 
 NOW = 1_700_000_000.0
 
@@ -152,6 +155,7 @@ async def test_pairing_end_to_end_with_the_cli_in_another_store(tmp_path: Path) 
 
     first = await gate.check(dm("42", "hello, can I use this?", **{META_SENDER_NAME: "Ada"}))
     assert isinstance(first, Challenge) and first.code in first.reply
+    clock.now += PAIRING_RESEND_INTERVAL  # a code is re-sent at most this often
     again = await gate.check(dm("42", "hello??"))
     assert isinstance(again, Challenge) and again.code == first.code and not again.is_new
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -172,6 +176,57 @@ async def test_pairing_end_to_end_with_the_cli_in_another_store(tmp_path: Path) 
 
 
 @pytest.mark.anyio
+async def test_a_pending_code_is_resent_at_most_once_per_interval_through_the_dispatcher(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    gate = AccessGate(
+        {"telegram": PAIRING}, PairingStore(tmp_path / "pairing.json", clock=clock), clock=clock
+    )
+    sent: list[OutboundMessage] = []
+
+    async def deliver(out: OutboundMessage) -> None:
+        sent.append(out)
+
+    async def agent(msg: InboundMessage) -> OutboundMessage:
+        raise AssertionError(f"a stranger's message reached the agent: {msg.text}")
+
+    dispatcher = Dispatcher(agent, deliver, access=gate)
+
+    async def write(sender: str, text: str) -> SubmitStatus:
+        ticket = await dispatcher.submit(dm(sender, text))
+        await ticket.reply()
+        return ticket.status
+
+    async def notices(count: int) -> list[str]:
+        with anyio.fail_after(5):
+            while len(sent) < count:  # noqa: ASYNC110 (notices go out in the background)
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)  # and no more than that
+        return [out.text for out in sent]
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        assert await write("42", "hello?") is SubmitStatus.DENIED
+        [first] = await notices(1)
+        code = first.split("pairing code is ", 1)[1].split()[0]
+        for n in range(5):  # keeps writing: silently ignored, and counted
+            clock.now += PAIRING_RESEND_INTERVAL / 10
+            assert await write("42", f"hello {n}??") is SubmitStatus.IGNORED
+        assert await write("43", "me too") is SubmitStatus.DENIED  # others get their own
+        assert len(await notices(2)) == 2
+        assert dispatcher.stats().ignored == 5
+
+        clock.now += PAIRING_RESEND_INTERVAL / 2  # the interval is over
+        assert await write("42", "anyone?") is SubmitStatus.DENIED
+        texts = await notices(3)
+        assert len(texts) == 3 and f"pairing code is {code}" in texts[2]  # same code
+        assert await write("42", "and now?") is SubmitStatus.IGNORED
+        await dispatcher.drain(1)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
 async def test_codes_expire_and_a_new_one_is_issued(tmp_path: Path) -> None:
     clock = Clock()
     store = PairingStore(tmp_path / "pairing.json", clock=clock)
@@ -188,7 +243,9 @@ async def test_codes_expire_and_a_new_one_is_issued(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_pending_requests_are_bounded_per_channel(tmp_path: Path) -> None:
     clock = Clock()
-    policy = ChannelAccessPolicy(dm_policy="pairing", max_pending=3, pairing_ttl=100)
+    policy = ChannelAccessPolicy(
+        dm_policy="pairing", max_pending=3, pairing_ttl=100, pairing_resend_interval=0
+    )
     gate = AccessGate(
         {"telegram": policy, "slack": policy},
         PairingStore(tmp_path / "pairing.json", clock=clock),

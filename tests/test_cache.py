@@ -7,17 +7,20 @@ not go green by silently testing only half the backends.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import sqlite3
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import anyio
 import pytest
 import redis
+from loguru import logger
 
 from gateway.cache import (
     SHARED_SCOPE,
@@ -32,9 +35,15 @@ from gateway.cache import (
     partition_id,
     session_scope,
 )
+from gateway.cache.redis_backend import COOLOFF
+from gateway.config import Settings
+from gateway.daemon import Gateway
 from gateway.llm.types import LLMMessage, ToolSpec
+from gateway.messages import InboundMessage
+from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.redis_proxy import StallingProxy
+from tests.local_redis import REDIS_URL, drop_namespace, require_redis
 
-REDIS_URL = os.environ.get("GATEWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MODEL = "gpt-test"
 SYSTEM = "You are a helpful assistant."
 
@@ -55,27 +64,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-def _redis_unreachable_reason() -> str | None:
-    try:
-        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5, socket_timeout=0.5)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except redis.RedisError as exc:
-        return f"Redis not reachable at {REDIS_URL} ({type(exc).__name__}: {exc})"
-    return None
-
-
-def require_redis() -> None:
-    reason = _redis_unreachable_reason()
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; CI=true requires Redis (start redis-server)")
-    pytest.skip(reason)
 
 
 @dataclass
@@ -110,11 +98,7 @@ async def _open_store(kind: str, tmp_path: Path) -> AsyncIterator[Store]:
     for backend in s.opened:
         await backend.aclose()
     if kind == "redis":
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=s.namespace + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        drop_namespace(s.namespace)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -506,3 +490,108 @@ def test_backend_from_url(tmp_path: Path) -> None:
     assert isinstance(sqlite_backend, SqliteCacheBackend)
     assert sqlite_backend.path == tmp_path / "y.db"
     assert isinstance(backend_from_url("redis://localhost:6379/0"), RedisCacheBackend)
+
+
+# --------------------------------------------------------------------------- a bad Redis
+
+
+@pytest.fixture
+async def stalling_redis() -> AsyncIterator[StallingProxy]:
+    """A proxy to the test Redis that can be made to hang (see tests/fakes/redis_proxy)."""
+    require_redis()
+    upstream = urlparse(REDIS_URL)
+    async with StallingProxy(upstream.port or 6379, upstream.hostname or "127.0.0.1") as proxy:
+        yield proxy
+
+
+@asynccontextmanager
+async def warnings_logged() -> AsyncIterator[list[str]]:
+    lines: list[str] = []
+    handler = logger.add(lambda m: lines.append(m.record["message"]), level="WARNING")
+    try:
+        yield lines
+    finally:
+        logger.remove(handler)
+
+
+async def test_a_hanging_redis_is_skipped_after_one_short_wait_then_probed_again(
+    stalling_redis: StallingProxy,
+) -> None:
+    namespace = f"gateway:cache:test:{uuid.uuid4().hex}:"
+    breaker_clock = FakeClock()
+    backend = RedisCacheBackend(stalling_redis.url, namespace=namespace, clock=breaker_clock)
+    cache = SemanticCache(backend, clock=FakeClock())
+    question = ctx("What is the speed of light?")
+    try:
+        async with warnings_logged() as warnings:
+            assert await cache.store(question, "299,792 km/s") is not None
+            stalling_redis.stalled = True
+            started = time.monotonic()
+            for n in range(5):  # five turns: lookup, then store
+                assert await cache.lookup(question) is None
+                assert await cache.store(ctx(f"Question {n}?"), "answer") is None
+            waited = time.monotonic() - started
+            connections = stalling_redis.connections
+            assert await cache.lookup(question) is None
+            assert stalling_redis.connections == connections  # skipped: not even connected
+            assert backend.breaker.is_open and backend.breaker.skipped >= 10
+
+            stalling_redis.stalled = False  # Redis is back; the cooling-off ends
+            breaker_clock.advance(COOLOFF)
+            hit = await cache.lookup(question)
+        assert waited < 0.6  # one call timeout (0.25 s); every later call skipped at once
+        assert hit is not None and hit.response == "299,792 km/s"
+        assert not backend.breaker.is_open
+        [warning] = warnings  # logged once, with what it means
+        assert f"redis cache at 127.0.0.1:{stalling_redis.port} failed" in warning
+        assert "skipping it for 30s" in warning and "misses" in warning
+    finally:
+        await cache.aclose()
+        drop_namespace(namespace)
+
+
+async def test_a_turn_waits_a_fraction_of_a_second_on_a_hanging_redis(
+    stalling_redis: StallingProxy,
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+) -> None:
+    namespace = f"gateway:cache:test:{uuid.uuid4().hex}:"
+    settings = make_settings(fake_openai, cache__url=stalling_redis.url, cache__namespace=namespace)
+    stalling_redis.stalled = True
+    gw = Gateway.build(settings)
+    turns: list[float] = []
+    try:
+        for n in range(3):
+            started = time.monotonic()
+            reply = await gw.agent.handle(
+                InboundMessage(channel="telegram", chat_id="1", sender_id="1", text=f"Q{n}?")
+            )
+            turns.append(time.monotonic() - started)
+            assert reply.text == f"echo: Q{n}?"
+    finally:
+        await gw.aclose()
+        drop_namespace(namespace)
+    assert turns[0] < 1.0 and max(turns[1:]) < 0.5, turns
+
+
+async def test_a_probe_cancelled_midway_lets_the_next_call_probe(
+    stalling_redis: StallingProxy,
+) -> None:
+    namespace = f"gateway:cache:test:{uuid.uuid4().hex}:"
+    breaker_clock = FakeClock()
+    backend = RedisCacheBackend(stalling_redis.url, namespace=namespace, clock=breaker_clock)
+    cache = SemanticCache(backend, clock=FakeClock())
+    question = ctx("What is the boiling point of water?")
+    try:
+        assert await cache.store(question, "100 °C at sea level") is not None
+        stalling_redis.stalled = True
+        assert await cache.lookup(question) is None  # fails: the breaker opens
+        breaker_clock.advance(COOLOFF)
+        with anyio.move_on_after(0.05):  # the turn is cancelled while its probe waits
+            await cache.lookup(question)
+        stalling_redis.stalled = False
+        hit = await cache.lookup(question)  # probes again instead of skipping for good
+        assert hit is not None and hit.response == "100 °C at sea level"
+    finally:
+        await cache.aclose()
+        drop_namespace(namespace)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,23 @@ def test_cache_stats_count_lookups_of_other_processes(
         assert out.returncode == 0, out.stderr
     stats = json.loads(run_gateway(["cache", "stats", "--json"], env, tmp_path).stdout)
     assert (stats["hits"], stats["misses"]) == (2, 1)
+
+
+def test_cache_commands_with_redis_down_say_so_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+        "GATEWAY_CACHE__URL": f"redis://127.0.0.1:{port}/0",
+    }
+    for action in (["stats"], ["clear"]):
+        out = run_gateway(["cache", *action], env, tmp_path)
+        assert out.returncode == 1, out.stderr
+        assert "Traceback" not in out.stderr and out.stdout == ""
+        [line] = out.stderr.strip().splitlines()
+        assert line.startswith(
+            f"gateway: cache {action[0]} failed: redis cache at 127.0.0.1:{port}"
+        )
+        assert f":{port}: ConnectionError" in line
+        assert "start Redis, or point cache.url (GATEWAY_CACHE__URL) at a running one" in line

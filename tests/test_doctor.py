@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 from tests.fakes.openai_server import FakeOpenAI
+from tests.local_redis import REDIS_URL, require_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +41,9 @@ def test_healthy_install_passes(tmp_path: Path, fake_openai_thread: FakeOpenAI) 
     out = doctor(env, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "model gpt-4o-mini is available" in out.stdout
+    assert f"ok    response cache (sqlite) at {tmp_path / 'ws' / 'cache.sqlite'}" in out.stdout
     assert "all checks passed" in out.stdout
+    assert os.listdir(tmp_path / "ws") == []  # the doctor looks, it creates nothing
 
 
 def test_problems_are_named_with_a_fix(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
@@ -77,3 +82,42 @@ def test_rejected_key_is_reported(tmp_path: Path, fake_openai_thread: FakeOpenAI
     out = doctor(env, tmp_path)
     assert out.returncode == 1 and "rejected the API key" in out.stdout
     assert "sk-wrong-key-000" not in out.stdout
+
+
+def test_the_cache_backend_is_checked(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir(mode=0o700)
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_HTTP__TOKEN": "tok-123456",
+    }
+    (ws / "cache.sqlite").write_bytes(b"not a database, whatever its name says" * 100)
+    os.chmod(ws / "cache.sqlite", 0o600)
+    out = doctor(env, tmp_path)
+    assert out.returncode == 1
+    assert f"FAIL  cache file {ws / 'cache.sqlite'}: cannot be opened" in out.stdout
+    assert "fix: make it writable for the gateway's user, or set cache.url" in out.stdout
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    down = doctor(env | {"GATEWAY_CACHE__URL": f"redis://127.0.0.1:{port}/0"}, tmp_path)
+    assert down.returncode == 1 and "Traceback" not in down.stderr
+    assert f"FAIL  redis cache at 127.0.0.1:{port}: ConnectionError" in down.stdout
+    assert "fix: start Redis, or point cache.url (GATEWAY_CACHE__URL)" in down.stdout
+
+
+def test_a_running_redis_cache_passes(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
+    require_redis()
+    (tmp_path / "ws").mkdir(mode=0o700)
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_HTTP__TOKEN": "tok-123456",
+        "GATEWAY_CACHE__URL": REDIS_URL,
+    }
+    out = doctor(env, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    host = urlparse(REDIS_URL)
+    assert f"ok    response cache (redis) at {host.hostname}:{host.port or 6379}" in out.stdout

@@ -17,8 +17,15 @@ from gateway.http.auth import (
     secret_value,
     www_authenticate,
 )
-from gateway.http.chat_api import ApiError, api_session_key, parse_chat_request, reply_body
+from gateway.http.chat_api import (
+    MAX_NAME_CHARS,
+    ApiError,
+    api_session_key,
+    parse_chat_request,
+    reply_body,
+)
 from gateway.messages import OutboundMessage
+from gateway.sessions.keys import encode_key
 
 
 @pytest.mark.parametrize(
@@ -82,12 +89,25 @@ def test_www_authenticate_says_why() -> None:
         ("api:work", "api:work"),
         ("api:a:b", "api:a:b"),
         ("my notes", "api:my notes"),
-        ("x" * 200, "api:" + "x" * 200),
-        ("api:" + "é" * 200, "api:" + "é" * 200),
+        ("x" * MAX_NAME_CHARS, "api:" + "x" * MAX_NAME_CHARS),
+        ("api:" + "é" * 32, "api:" + "é" * 32),  # 2 UTF-8 bytes, 6 file-name bytes each
     ],
 )
 def test_api_session_keys(raw: str, key: str) -> None:
     assert api_session_key(raw) == key
+    encode_key(key)  # the session it names can be stored
+
+
+@pytest.mark.parametrize(
+    "raw", ["x" * (MAX_NAME_CHARS + 1), "x" * 200, "api:" + "x" * 200, "api:" + "é" * 33]
+)
+def test_a_session_name_too_long_to_store_is_refused_with_the_limit(raw: str) -> None:
+    assert MAX_NAME_CHARS == 194
+    with pytest.raises(ApiError) as raised:
+        api_session_key(raw)
+    assert raised.value.status == 400
+    assert raised.value.message.startswith("session: the name is too long to store")
+    assert f"the limit is {MAX_NAME_CHARS}" in raised.value.message
 
 
 @pytest.mark.parametrize(
@@ -96,8 +116,6 @@ def test_api_session_keys(raw: str, key: str) -> None:
         "",
         "api:",
         "   ",
-        "x" * 201,
-        "api:" + "x" * 201,
         "evil\nINFO forged log line",
         "tab\there",
         "nul\x00",

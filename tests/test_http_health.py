@@ -68,6 +68,16 @@ def test_the_same_name_reaches_the_same_component_and_details_are_bounded() -> N
     assert "\n" not in detail and len(detail) <= MAX_DETAIL_CHARS
 
 
+def test_what_to_do_survives_a_long_detail() -> None:
+    state = HealthState()
+    fix = "start Redis, or point cache.url at a running one"
+    state.component("cache").healthy(False, "redis cache at h:1: " + "x" * 500, fix=fix)
+    detail = state.readiness().components["cache"].detail
+    assert len(detail) == MAX_DETAIL_CHARS and detail.endswith("…; " + fix)
+    state.component("cache").healthy(False, "short problem", fix=fix)
+    assert state.readiness().components["cache"].detail == "short problem; " + fix
+
+
 def test_since_changes_only_when_health_flips() -> None:
     now = [100.0]
     health = HealthState(clock=lambda: now[0])

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import pytest
+from loguru import logger
 
 from channels.slack import RetryPolicy, SlackChannel
 from channels.slack_format import markdown_to_mrkdwn, split_mrkdwn
@@ -249,6 +250,42 @@ async def test_http_mode_checks_signatures_and_answers_once(
         await anyio.sleep(QUIET)
         assert len(fake_slack.calls_to("chat.postMessage")) == 1
         assert len(fake_openai.chat_requests) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"type": "event_callback", "event": {',  # cut short
+        b"\xff\xfe not even UTF-8",
+        b'["a JSON list, not an object"]',
+        b'"a JSON string"',
+    ],
+)
+async def test_http_mode_answers_a_signed_malformed_body_with_400_not_a_traceback(
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+    fake_slack: FakeSlack,
+    body: bytes,
+) -> None:
+    lines: list[str] = []
+    handler = logger.add(lambda message: lines.append(str(message)), level="DEBUG")
+    try:
+        async with slack_gateway(
+            make_settings, fake_openai, fake_slack, channels__slack__mode="http"
+        ) as gw:
+            refused = await fake_slack.post_event(gw.events_url, body)
+            # Still serving: a good event after the bad one is answered.
+            accepted = await fake_slack.post_event(
+                gw.events_url, fake_slack.app_mention(CHANNEL, ALICE, "still there?")
+            )
+            [answer] = await posts(fake_slack, 1)
+    finally:
+        logger.remove(handler)
+    assert refused.status == 400
+    assert "JSON object" in refused.json()["error"]
+    assert accepted.status == 200 and answer.params["text"] == "echo: still there?"
+    log = "".join(lines)
+    assert "Traceback" not in log and " 500 " not in log
 
 
 async def test_a_stranger_gets_a_pairing_code_until_approved(

@@ -3,7 +3,9 @@ otherwise, and WAL checkpoints kept out of commits."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from gateway import fsutil
 from gateway.cache.backend import CacheRecord
 from gateway.cache.sqlite_backend import SqliteCacheBackend
+from gateway.dedupe import FileDedupeStore
 from gateway.fsutil import SqliteFile
 from tests.loop_probe import hold_sqlite_write_lock, loop_ticks
 
@@ -172,3 +175,42 @@ async def test_the_journal_is_fsynced_when_durable_and_answers_are_not(tmp_path:
     assert answered and answered[0] > full[0]
     resets = [i for i, s in enumerate(statements) if s == "PRAGMA synchronous = NORMAL"]
     assert resets and resets[0] < answered[0]  # the answer's commit did not
+
+
+def _modes(path: Path) -> dict[str, str]:
+    return {
+        name: oct(stat.S_IMODE(Path(f"{path}{suffix}").stat().st_mode))
+        for name, suffix in (("db", ""), ("wal", "-wal"), ("shm", "-shm"))
+    }
+
+
+def _loose_files(*paths: Path) -> None:
+    for path in paths:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").touch()
+            os.chmod(f"{path}{suffix}", 0o644)
+
+
+@pytest.mark.parametrize("leftover", [False, True], ids=["new", "loose-leftover"])
+async def test_wal_and_shm_files_are_0600_while_open(tmp_path: Path, leftover: bool) -> None:
+    """The cache file and dedupe.sqlite, with the WAL and shared-memory files SQLite
+    makes next to them, are private however the process's umask is set."""
+    cache_path, dedupe_path = tmp_path / "cache.sqlite", tmp_path / "dedupe.sqlite"
+    if leftover:  # files an older gateway left readable by others
+        _loose_files(cache_path, dedupe_path)
+    old_umask = os.umask(0o022)
+    try:
+        cache = SqliteCacheBackend(cache_path)
+        dedupe = FileDedupeStore(dedupe_path)
+        now = 1_800_000_000.0
+        record = CacheRecord("k", "answer", "m", "shared", "p", "q", now, now + 60)
+        await cache.put(record, now=now, max_entries=10)
+        await dedupe.seen_or_add("telegram:1:m1")
+        await dedupe.mark_done("telegram:1:m1")
+        await dedupe.count()  # waits for the batched write
+        private = {"db": "0o600", "wal": "0o600", "shm": "0o600"}
+        assert (_modes(cache_path), _modes(dedupe_path)) == (private, private)
+        await cache.aclose()
+        await dedupe.aclose()
+    finally:
+        os.umask(old_umask)

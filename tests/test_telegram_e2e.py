@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
 
@@ -309,3 +310,38 @@ async def test_a_webhook_update_is_journaled_before_the_200(
         late = await fake_tg.deliver_webhook(fake_tg.user_message(CHAT, "too late"), target)
         assert late.status == 503
     assert [m["text"] for m in fake_tg.sent_messages(CHAT)] == ["slow answer"]
+
+
+async def test_a_refused_bot_token_shows_on_readyz_in_the_channels_own_words(
+    fake_openai: FakeOpenAI,
+    fake_tg: FakeTelegram,
+    make_settings: Callable[..., Settings],
+) -> None:
+    wrong_token = "123456:not-the-bots-token"  # well formed: the Bot API answers 401
+    settings = make_settings(
+        fake_openai,
+        http__port=0,
+        channels__telegram__enabled=True,
+        channels__telegram__token=wrong_token,
+        channels__telegram__base_url=fake_tg.api_url,
+        channels__telegram__base_file_url=fake_tg.file_url,
+    )
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(daemon.run)
+        try:
+            async with aiohttp.ClientSession() as http:
+                with anyio.fail_after(5):
+                    while True:
+                        async with http.get(f"http://127.0.0.1:{port}/readyz") as resp:
+                            status, body = resp.status, await resp.json()
+                        telegram = body["components"]["telegram"]
+                        if telegram["detail"] != "not reported yet":
+                            break
+                        await anyio.sleep(0.05)
+        finally:
+            daemon.stop()
+    assert status == 503 and telegram["healthy"] is False
+    assert telegram["detail"].startswith("TelegramSetupError: telegram: ")
+    assert "refused the bot token" in telegram["detail"]
+    assert "ExceptionGroup" not in telegram["detail"] and wrong_token not in str(body)

@@ -5,7 +5,7 @@ before the LLM and `SemanticCache.store(ctx, reply)` after it. See `policy` for 
 rules that keep answers inside the sessions they are valid for.
 """
 
-from gateway.cache.backend import BackendCounts, CacheBackend, CacheRecord
+from gateway.cache.backend import BackendCounts, CacheBackend, CacheRecord, CacheUnavailable
 from gateway.cache.guard import guard_conflict
 from gateway.cache.neardup import (
     EXTRA_NAME,
@@ -45,6 +45,7 @@ __all__ = [
     "CacheRecord",
     "CacheSettings",
     "CacheStats",
+    "CacheUnavailable",
     "CachedAnswer",
     "Decision",
     "NearDuplicateIndex",

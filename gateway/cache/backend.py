@@ -31,6 +31,16 @@ class CacheRecord:
         return len(self.response.encode("utf-8")) + len(self.query.encode("utf-8"))
 
 
+class CacheUnavailable(Exception):
+    """The backend cannot serve now (e.g. Redis is down, or skipped after a failure):
+    `problem` says what failed, `fix` (when known) what to do; the message is both."""
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(f"{problem}; {fix}" if fix else problem)
+        self.problem = problem
+        self.fix = fix
+
+
 @dataclass(frozen=True, slots=True)
 class BackendCounts:
     """What a backend knows about its contents and the lookups it has counted."""
@@ -51,9 +61,15 @@ class CacheBackend(Protocol):
       expired entries and evicts the least recently used ones down to `max_entries`.
     - Counting lookups (`record_lookup`) is separate from `get`, so a layer above can
       decide what counts as a hit.
+    - A call may raise `CacheUnavailable` when the backend is known not to work (a
+      shared backend that is down); it has logged that already, once.
+    - `check` answers quickly (a short timeout) and changes nothing: `gateway doctor`
+      and the readiness probe use it.
     """
 
     name: str
+    #: Where the entries live (a path, host:port), without credentials: for messages.
+    where: str
 
     async def get(self, key: str, *, now: float) -> CacheRecord | None: ...
 
@@ -77,6 +93,10 @@ class CacheBackend(Protocol):
 
     async def shared_queries(self, partition: str, *, now: float) -> list[tuple[str, str]]:
         """`(key, normalized query)` of the live shared entries of one partition."""
+        ...
+
+    async def check(self) -> None:
+        """Raise `CacheUnavailable` (saying what to do) unless the backend can be used."""
         ...
 
     async def aclose(self) -> None: ...

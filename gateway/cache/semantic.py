@@ -7,8 +7,9 @@ the scope that context may read; `store` files an answer as shared only when the
 calls the question standalone, and never stores an answer that involved tool calls.
 
 The cache is an optimisation: `lookup` and `store` log and swallow backend failures
-(a broken cache means misses, never a failed turn). Administrative calls (`invalidate`,
-`clear`, `stats`) raise.
+(a broken cache means misses, never a failed turn; a backend that says it is
+unavailable, `CacheUnavailable`, has logged that itself and is not logged again per
+turn). Administrative calls (`invalidate`, `clear`, `stats`) raise.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from loguru import logger
 if TYPE_CHECKING:
     from loguru import Logger
 
-from gateway.cache.backend import CacheBackend, CacheRecord
+from gateway.cache.backend import CacheBackend, CacheRecord, CacheUnavailable
 from gateway.cache.neardup import NearDuplicateIndex, WordLlamaEmbedder
 from gateway.cache.policy import (
     SHARED_SCOPE,
@@ -119,6 +120,9 @@ class SemanticCache:
         try:
             answer = await self._lookup(ctx, decision)
             await self.backend.record_lookup(hit=answer is not None)
+        except CacheUnavailable as exc:
+            self._log(ctx).debug("cache lookup skipped, a miss: {}", exc)
+            return None
         except Exception as exc:
             self._log(ctx).warning(
                 "cache lookup failed, treating as a miss: {}: {}", type(exc).__name__, exc
@@ -218,6 +222,9 @@ class SemanticCache:
             removed = await self.backend.put(record, now=now, max_entries=self.settings.max_entries)
             if shared and self._near is not None:
                 await self._near.add(partition, key, query)
+        except CacheUnavailable as exc:
+            log.debug("cache store skipped: {}", exc)
+            return None
         except Exception as exc:
             log.warning("cache store failed: {}: {}", type(exc).__name__, exc)
             return None
@@ -285,6 +292,10 @@ class SemanticCache:
             bytes=counts.bytes,
             backend=self.backend.name,
         )
+
+    async def check(self) -> None:
+        """Raise `CacheUnavailable` (saying what to do) unless the backend can be used."""
+        await self.backend.check()
 
     async def aclose(self) -> None:
         await self.backend.aclose()

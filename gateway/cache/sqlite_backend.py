@@ -14,14 +14,16 @@ to that resolution.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from pathlib import Path
 from typing import TypeVar
 
+import anyio.to_thread
 from loguru import logger
 
-from gateway.cache.backend import BackendCounts, CacheRecord
+from gateway.cache.backend import BackendCounts, CacheRecord, CacheUnavailable
 from gateway.cache.policy import SHARED_SCOPE
 from gateway.fsutil import SqliteFile, immediate
 
@@ -87,6 +89,7 @@ class SqliteCacheBackend:
         io_on_loop: bool = True,
     ) -> None:
         self.path = Path(path)
+        self.where = str(self.path)
         self._touch_resolution = touch_resolution
         self._purge_batch = purge_batch
         self._db = SqliteFile(
@@ -247,6 +250,37 @@ class SqliteCacheBackend:
             return [(str(k), str(q)) for k, q in rows]
 
         return await self._db.run(read)
+
+    async def check(self) -> None:
+        """Raise `CacheUnavailable` unless the file can serve: a database this user may
+        read and write, or not there yet in a folder where it can be made. Creates and
+        changes nothing (`gateway doctor` may run as another user than the gateway)."""
+        problem = await anyio.to_thread.run_sync(self._problem)
+        if problem is not None:
+            raise CacheUnavailable(
+                f"cache file {self.path}: {problem}",
+                "make it writable for the gateway's user, or set cache.url (GATEWAY_CACHE__URL)",
+            )
+
+    def _problem(self) -> str | None:
+        path = self.path
+        if not path.exists():
+            folder = next(p for p in path.parents if p.exists())
+            if not os.access(folder, os.W_OK | os.X_OK):
+                return f"cannot be created: {folder} is not writable"
+            return None
+        if not os.access(path, os.R_OK | os.W_OK):
+            return "not readable and writable by this user"
+        try:
+            # immutable: no lock, no -wal/-shm files made; reading the header suffices.
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+            try:
+                conn.execute("PRAGMA schema_version").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            return f"cannot be opened ({exc})"
+        return None
 
     async def aclose(self) -> None:
         await self._db.aclose(last_write=self._fold_counts)

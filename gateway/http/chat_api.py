@@ -6,9 +6,11 @@
 Invariants (tested in tests/test_http_chat_api.py):
 - Every session the API touches is in the `api:` namespace: a bare name `work` means
   `api:work`, and a key of another channel (`telegram:123`) is refused, never served.
-- A session name is 1..200 characters of printable text: no control, format (bidi
-  override), separator or surrogate characters, which would forge log lines or break
-  file names.
+- A session name is printable text: no control, format (bidi override), separator or
+  surrogate characters, which would forge log lines or break file names; and it is
+  short enough for its session's file name (`MAX_NAME_CHARS` letters, digits, `.`, `_`
+  or `-`; any other character takes 3 per UTF-8 byte). A name that could not be stored
+  is refused here, before a turn runs.
 - Whatever the body holds, parsing ends in a `ChatRequest` or an `ApiError` with a 400
   message saying what to fix; never in another exception.
 """
@@ -20,7 +22,9 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.messages import MAX_KEY_PART, InboundMessage, OutboundMessage
+from gateway.messages import InboundMessage, OutboundMessage
+from gateway.sessions.errors import SessionKeyError
+from gateway.sessions.keys import MAX_STEM_BYTES, encode_key
 
 API_CHANNEL = "api"
 API_SENDER = "api"
@@ -28,6 +32,8 @@ DEFAULT_SESSION = "default"
 # Unicode categories refused in a session name: control, format (e.g. U+202E), surrogate,
 # private use, unassigned, line and paragraph separators.
 _HOSTILE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+#: The longest name of plain characters whose session key (`api:<name>`) a file name holds.
+MAX_NAME_CHARS = MAX_STEM_BYTES - len(encode_key(f"{API_CHANNEL}:"))
 
 
 class ApiError(Exception):
@@ -54,11 +60,18 @@ def api_session_key(raw: str) -> str:
         name = raw
     if not name.strip():
         raise ApiError(400, "session: the name is empty")
-    if len(name) > MAX_KEY_PART:
-        raise ApiError(400, f"session: the name is longer than {MAX_KEY_PART} characters")
     if any(unicodedata.category(char) in _HOSTILE_CATEGORIES for char in name):
         raise ApiError(400, "session: the name holds control or invisible characters")
-    return f"{API_CHANNEL}:{name}"
+    key = f"{API_CHANNEL}:{name}"
+    try:
+        encode_key(key)
+    except SessionKeyError:
+        raise ApiError(
+            400,
+            f"session: the name is too long to store; the limit is {MAX_NAME_CHARS} "
+            "letters, digits, '.', '_' or '-' (other characters take up to 12 each)",
+        ) from None
+    return key
 
 
 def _has_surrogates(text: str) -> bool:

@@ -78,14 +78,20 @@ class ComponentHealth:
         self._state = state
         self.name = name
 
-    def healthy(self, ok: bool = True, detail: str = "") -> None:
-        """Report the component healthy (`ok=True`) or not, with a short reason."""
-        self._state._report(self.name, ok, detail)
+    def healthy(self, ok: bool = True, detail: str = "", *, fix: str = "") -> None:
+        """Report the component healthy (`ok=True`) or not, with a short reason and
+        what to do about it (`fix`, kept whole when the detail is shortened)."""
+        self._state._report(self.name, ok, _clean_detail(detail, fix))
 
 
-def _clean_detail(detail: str) -> str:
-    flat = " ".join(detail.split())
-    return flat if len(flat) <= MAX_DETAIL_CHARS else flat[: MAX_DETAIL_CHARS - 1] + "…"
+def _clean_detail(detail: str, fix: str = "") -> str:
+    flat, fix = " ".join(detail.split()), " ".join(fix.split())
+    room = MAX_DETAIL_CHARS - (len(fix) + 2 if fix else 0)
+    if room < 20:  # a fix that long is shortened like any detail
+        flat, fix, room = f"{flat}; {fix}", "", MAX_DETAIL_CHARS
+    if len(flat) > room:
+        flat = flat[: room - 1] + "…"
+    return f"{flat}; {fix}" if fix else flat
 
 
 class HealthState:
@@ -148,7 +154,6 @@ class HealthState:
         return ComponentHealth(self, name)
 
     def _report(self, name: str, ok: bool, detail: str) -> None:
-        detail = _clean_detail(detail)
         with self._lock:
             previous = self._components.get(name)
             changed = previous is None or previous.healthy != ok

@@ -699,7 +699,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
     async def post_event(
         self,
         url: str,
-        payload: Mapping[str, Any],
+        payload: Mapping[str, Any] | bytes,
         signing_secret: str | None = None,
         *,
         timestamp: int | float | None = None,
@@ -711,7 +711,9 @@ class FakeSlack(LocalApiServer[ApiCall]):
         body, ``X-Slack-Request-Timestamp`` (now, or `timestamp` to make it stale) and
         ``X-Slack-Signature`` (made with a wrong secret when `bad_signature`), plus
         ``X-Slack-Retry-Num``/``X-Slack-Retry-Reason`` (default ``http_timeout``) when
-        `retry_num` is given. See `deliver_event` for a delivery with Slack's retries."""
+        `retry_num` is given. A `payload` given as bytes is sent as it is (signed like
+        any other body), to play a malformed request. See `deliver_event` for a delivery
+        with Slack's retries."""
         body, headers = self._signed_event(
             payload, signing_secret, timestamp, bad_signature, retry_num, retry_reason
         )
@@ -723,14 +725,14 @@ class FakeSlack(LocalApiServer[ApiCall]):
 
     def _signed_event(
         self,
-        payload: Mapping[str, Any],
+        payload: Mapping[str, Any] | bytes,
         signing_secret: str | None = None,
         timestamp: int | float | None = None,
         bad_signature: bool = False,
         retry_num: int | None = None,
         retry_reason: str | None = None,
     ) -> tuple[bytes, dict[str, str]]:
-        body = json.dumps(payload).encode()
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         stamp = str(int(timestamp if timestamp is not None else time.time()))
         secret = signing_secret or self.signing_secret
         if bad_signature:
