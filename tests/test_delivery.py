@@ -19,7 +19,13 @@ import pytest
 
 from gateway.dedupe import FileDedupeStore, MemoryDedupeStore, dedupe_key
 from gateway.dispatch import Dispatcher, SubmitStatus
-from gateway.messages import META_IN_SESSION, META_REPLAYED, InboundMessage, OutboundMessage
+from gateway.messages import (
+    META_IN_SESSION,
+    META_REPLAYED,
+    InboundMessage,
+    OutboundMessage,
+    reply_for,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -27,16 +33,6 @@ pytestmark = pytest.mark.anyio
 def message(chat: str, text: str, message_id: str, at: float = 0.0) -> InboundMessage:
     return InboundMessage(
         channel="test", chat_id=chat, text=text, message_id=message_id, received_at=at or 1.0
-    )
-
-
-def reply_to(msg: InboundMessage, text: str) -> OutboundMessage:
-    return OutboundMessage(
-        channel=msg.channel,
-        chat_id=msg.chat_id,
-        text=text,
-        session_key=msg.session_key,
-        reply_to=msg.message_id,
     )
 
 
@@ -54,7 +50,7 @@ class Turns:
 
     async def __call__(self, msg: InboundMessage) -> OutboundMessage:
         self.handled.append(msg)
-        return reply_to(msg, f"re: {msg.text}")
+        return reply_for(msg, f"re: {msg.text}")
 
     @property
     def texts(self) -> list[str]:
@@ -92,7 +88,7 @@ async def test_submit_returns_once_the_message_is_journaled(tmp_path: Path) -> N
     async def slow(msg: InboundMessage) -> OutboundMessage:
         turn_started.set()
         await release.wait()
-        return reply_to(msg, "done")
+        return reply_for(msg, "done")
 
     sent: list[OutboundMessage] = []
 
@@ -196,7 +192,7 @@ async def test_a_reply_the_session_holds_needs_no_outbox_record(tmp_path: Path) 
     outbox_sizes: list[int] = []
 
     async def stored_answer(msg: InboundMessage) -> OutboundMessage:
-        out = reply_to(msg, f"re: {msg.text}")
+        out = reply_for(msg, f"re: {msg.text}")
         return OutboundMessage(**{**out.to_dict(), "metadata": {META_IN_SESSION: True}})
 
     async def deliver(out: OutboundMessage) -> None:
@@ -255,7 +251,7 @@ async def test_replay_resends_recorded_replies_and_runs_only_unfinished_turns(
     unfinished = message("1", "second", "1:2", at=2.0)
     other = message("2", "elsewhere", "2:1", at=3.0)
     await crashed_journal(
-        path, [done, unfinished, other], {"1:1": reply_to(done, "the first answer")}
+        path, [done, unfinished, other], {"1:1": reply_for(done, "the first answer")}
     )
 
     store = FileDedupeStore(path)
@@ -294,7 +290,7 @@ async def test_a_reply_recorded_for_a_merged_turn_is_sent_once(tmp_path: Path) -
     for msg in (a, b):
         assert not await store.seen_or_add(key_of(msg))
         await store.journal(key_of(msg), msg)
-    await store.record_reply([key_of(a), key_of(b)], reply_to(b, "one answer for both"))
+    await store.record_reply([key_of(a), key_of(b)], reply_for(b, "one answer for both"))
     await store.aclose()
 
     store = FileDedupeStore(path)
@@ -354,7 +350,7 @@ async def test_the_journal_schema_moves_from_version_2_keeping_the_inbox(tmp_pat
     store = FileDedupeStore(path)
     [entry] = await store.unanswered()
     assert entry.message == msg and entry.reply is None
-    await store.record_reply([key_of(msg)], reply_to(msg, "now recorded"))
+    await store.record_reply([key_of(msg)], reply_for(msg, "now recorded"))
     [entry] = await store.unanswered()
     assert entry.reply is not None and entry.reply.text == "now recorded"
     await store.aclose()
