@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_KEY_PART = 200
-
 #: Metadata of a merged (collect mode) message: the platform ids of the messages it holds.
 MERGED_IDS_KEY = "merged_message_ids"
 
