@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -26,6 +24,7 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
+from tests.test_dispatch import running
 
 pytestmark = pytest.mark.anyio
 
@@ -55,17 +54,6 @@ class Turns:
     @property
     def texts(self) -> list[str]:
         return [m.text for m in self.handled]
-
-
-@asynccontextmanager
-async def running(dispatcher: Dispatcher) -> AsyncIterator[Dispatcher]:
-    async with anyio.create_task_group() as tg:
-        await tg.start(dispatcher.run)
-        try:
-            yield dispatcher
-        finally:
-            with anyio.CancelScope(shield=True):
-                await dispatcher.drain(5)
 
 
 async def settle(dispatcher: Dispatcher) -> None:
