@@ -243,11 +243,11 @@ def bench_knowledge(n: int, rows: list[Row]) -> None:
         base = KnowledgeBase(Path(tmp) / "knowledge.json")
         start = time.perf_counter()
         for text, category in texts:
-            base.add(text, category, source="bench")
+            base.add(category, text, source="bench")
         per = (time.perf_counter() - start) / n
         rows.append(row("knowledge add (amortized flushes)", n, _ms(per), "ms"))
         start = time.perf_counter()
-        base.add("one more entry to make it dirty", "learned_fact")
+        base.add("learned_fact", "one more entry to make it dirty")
         base.flush()
         rows.append(row("knowledge flush", n, _ms(time.perf_counter() - start), "ms"))
         med, _ = _median_ms(base.search, queries)

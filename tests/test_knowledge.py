@@ -53,37 +53,37 @@ def stored(path: Path) -> list[dict[str, object]]:
 
 
 def test_add_dedupes_normalized_content_per_category(kb: KnowledgeBase) -> None:
-    first = kb.add("Prefers dark mode", "user_preference", tags=["ui"])
-    again = kb.add("  prefers DARK   mode. ", "user_preference", source="chat", tags=["theme"])
+    first = kb.add("user_preference", "Prefers dark mode", tags=["ui"])
+    again = kb.add("user_preference", "  prefers DARK   mode. ", source="chat", tags=["theme"])
     assert again.id == first.id
     assert again.access_count == 1
     assert again.last_accessed > first.last_accessed
     assert again.tags == ("ui", "theme")
     assert again.source == "chat"
     assert again.content == "Prefers dark mode"
-    other = kb.add("Prefers dark mode", "learned_fact")
+    other = kb.add("learned_fact", "Prefers dark mode")
     assert other.id != first.id
     assert len(kb) == 2
 
 
 def test_unknown_category_falls_back_with_a_warning(kb: KnowledgeBase, logs: list[str]) -> None:
-    entry = kb.add("Has a cat named Miso", "pets")
+    entry = kb.add("pets", "Has a cat named Miso")
     assert entry.category == "learned_fact"
     assert any(m.startswith("WARNING") and "'pets'" in m for m in logs)
 
 
 def test_empty_content_is_rejected(kb: KnowledgeBase) -> None:
     with pytest.raises(ValueError):
-        kb.add("   ", "learned_fact")
+        kb.add("learned_fact", "   ")
 
 
 # -- searching -------------------------------------------------------------------
 
 
 def test_multi_word_queries_find_entries_with_any_of_the_words(kb: KnowledgeBase) -> None:
-    kb.add("Using Postgres as the primary database", "project_decision")
-    kb.add("Nightly backups go to S3", "system_behavior", tags=["backup"])
-    kb.add("Prefers short answers", "user_preference")
+    kb.add("project_decision", "Using Postgres as the primary database")
+    kb.add("system_behavior", "Nightly backups go to S3", tags=["backup"])
+    kb.add("user_preference", "Prefers short answers")
     found = kb.search("which database holds primary data")
     assert [e.content for e in found] == ["Using Postgres as the primary database"]
     found = kb.search("postgres backups")
@@ -96,15 +96,15 @@ def test_multi_word_queries_find_entries_with_any_of_the_words(kb: KnowledgeBase
 
 
 def test_entries_matching_more_words_rank_first(kb: KnowledgeBase) -> None:
-    kb.add("Deploys run on Fridays", "system_behavior")
-    kb.add("Deploys to staging run on Fridays after the tests pass", "system_behavior")
-    kb.add("Staging tests are flaky", "error_pattern")
+    kb.add("system_behavior", "Deploys run on Fridays")
+    kb.add("system_behavior", "Deploys to staging run on Fridays after the tests pass")
+    kb.add("error_pattern", "Staging tests are flaky")
     found = kb.search("staging deploys tests")
     assert found[0].content == "Deploys to staging run on Fridays after the tests pass"
 
 
 def test_search_counts_as_an_access(kb: KnowledgeBase) -> None:
-    kb.add("Runs Arch Linux", "learned_fact")
+    kb.add("learned_fact", "Runs Arch Linux")
     assert kb.search("arch linux")[0].access_count == 1
     assert kb.search("linux")[0].access_count == 2
     entry = kb.by_category("learned_fact")[0]
@@ -113,17 +113,17 @@ def test_search_counts_as_an_access(kb: KnowledgeBase) -> None:
 
 
 def test_tag_change_is_searchable(kb: KnowledgeBase) -> None:
-    kb.add("Owns a bakery", "learned_fact")
+    kb.add("learned_fact", "Owns a bakery")
     assert kb.search("business") == []
-    kb.add("owns a bakery", "learned_fact", tags=["business"])
+    kb.add("learned_fact", "owns a bakery", tags=["business"])
     assert [e.content for e in kb.search("business")] == ["Owns a bakery"]
     assert len(kb.search("bakery")) == 1
 
 
 def test_empty_query_lists_most_accessed(kb: KnowledgeBase) -> None:
-    kb.add("A fact", "learned_fact")
-    kb.add("B fact", "learned_fact")
-    kb.add("B fact", "learned_fact")
+    kb.add("learned_fact", "A fact")
+    kb.add("learned_fact", "B fact")
+    kb.add("learned_fact", "B fact")
     assert [e.content for e in kb.search("", category="learned_fact")] == ["B fact", "A fact"]
     assert kb.search("", category="error_pattern") == []
 
@@ -132,13 +132,13 @@ def test_empty_query_lists_most_accessed(kb: KnowledgeBase) -> None:
 
 
 def test_export_follows_category_priority_and_budget(kb: KnowledgeBase) -> None:
-    kb.add("learned one", "learned_fact")
-    kb.add("behaviour one", "system_behavior")
-    kb.add("error one", "error_pattern")
-    kb.add("decision one", "project_decision")
-    kb.add("pref one", "user_preference")
-    kb.add("pref two", "user_preference")
-    kb.add("pref two", "user_preference")  # more accessed: first within its category
+    kb.add("learned_fact", "learned one")
+    kb.add("system_behavior", "behaviour one")
+    kb.add("error_pattern", "error one")
+    kb.add("project_decision", "decision one")
+    kb.add("user_preference", "pref one")
+    kb.add("user_preference", "pref two")
+    kb.add("user_preference", "pref two")  # more accessed: first within its category
     assert kb.export_for_context().splitlines() == [
         "[user_preference] pref two",
         "[user_preference] pref one",
@@ -150,7 +150,7 @@ def test_export_follows_category_priority_and_budget(kb: KnowledgeBase) -> None:
     for budget in range(0, 200, 7):
         text = kb.export_for_context(max_chars=budget)
         assert len(text) <= budget
-    kb.add("x" * 500, "user_preference")  # too long: skipped, the rest still fits
+    kb.add("user_preference", "x" * 500)  # too long: skipped, the rest still fits
     assert kb.export_for_context(max_chars=60) == (
         "[user_preference] pref two\n[user_preference] pref one"
     )
@@ -160,7 +160,7 @@ def test_export_follows_category_priority_and_budget(kb: KnowledgeBase) -> None:
 
 
 def test_writes_are_batched_until_flush(kb: KnowledgeBase, path: Path) -> None:
-    kb.add("Lives in Porto", "learned_fact", source="chat", tags=["home"])
+    kb.add("learned_fact", "Lives in Porto", source="chat", tags=["home"])
     assert not path.exists()
     assert kb.flush() is True
     assert kb.flush() is False
@@ -175,29 +175,29 @@ def test_writes_are_batched_until_flush(kb: KnowledgeBase, path: Path) -> None:
 
 def test_autoflush_after_flush_every_changes(path: Path) -> None:
     kb = KnowledgeBase(path, flush_every=3)
-    kb.add("one", "learned_fact")
-    kb.add("two", "learned_fact")
+    kb.add("learned_fact", "one")
+    kb.add("learned_fact", "two")
     assert not path.exists()
-    kb.add("three", "learned_fact")
+    kb.add("learned_fact", "three")
     assert len(stored(path)) == 3
     assert not kb.dirty
 
 
 def test_close_and_garbage_collection_and_exit_flush(path: Path, tmp_path: Path) -> None:
     with KnowledgeBase(path, flush_every=1000) as kb:
-        kb.add("saved on close", "learned_fact")
+        kb.add("learned_fact", "saved on close")
     assert [e["content"] for e in stored(path)] == ["saved on close"]
 
     other = tmp_path / "other.json"
     dropped = KnowledgeBase(other, flush_every=1000)
-    dropped.add("saved when collected", "learned_fact")
+    dropped.add("learned_fact", "saved when collected")
     del dropped
     gc.collect()
     assert [e["content"] for e in stored(other)] == ["saved when collected"]
 
     third = tmp_path / "third.json"
     alive = KnowledgeBase(third, flush_every=1000)
-    alive.add("saved at exit", "learned_fact")
+    alive.add("learned_fact", "saved at exit")
     _flush_open_bases()  # what atexit runs
     assert [e["content"] for e in stored(third)] == ["saved at exit"]
 
@@ -205,10 +205,10 @@ def test_close_and_garbage_collection_and_exit_flush(path: Path, tmp_path: Path)
 def test_failed_flush_leaves_the_old_file_intact(
     kb: KnowledgeBase, path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kb.add("first", "learned_fact")
+    kb.add("learned_fact", "first")
     kb.flush()
     before = path.read_bytes()
-    kb.add("second", "learned_fact")
+    kb.add("learned_fact", "second")
 
     def fail(*args: object) -> None:
         raise OSError("disk full")
@@ -238,7 +238,7 @@ def test_damaged_file_is_moved_aside_and_reported(
     assert kb.corrupt_path.read_bytes() == damage
     assert not path.exists()
     assert any(m.startswith("ERROR") for m in logs)
-    kb.add("fresh start", "learned_fact")
+    kb.add("learned_fact", "fresh start")
     kb.flush()
     assert kb.corrupt_path.read_bytes() == damage  # never overwritten
     assert [e["content"] for e in stored(path)] == ["fresh start"]
@@ -264,3 +264,31 @@ def test_two_damaged_loads_keep_both_copies(path: Path) -> None:
     second = KnowledgeBase(path).corrupt_path
     assert first is not None and second is not None and first != second
     assert first.read_text() == "{" and second.read_text() == "["
+
+
+def test_add_takes_the_seeds_parameters_in_the_seeds_order(tmp_path: Path) -> None:
+    """Seed 001: `add(category, content, *, source="", tags=None)`. Called as the seed
+    calls it, the category is the category and the content the content."""
+    kb = KnowledgeBase(tmp_path / "knowledge.json")
+    entry = kb.add("user_preference", "Prefers tea", source="chat", tags=["drinks"])
+    assert (entry.category, entry.content) == ("user_preference", "Prefers tea")
+    assert entry.source == "chat" and entry.tags == ("drinks",)
+    plain = kb.add("learned_fact", "Lives by the sea")
+    assert plain.source is None and plain.tags == ()
+    with pytest.raises(TypeError):
+        kb.add("learned_fact", "x", "positional source")  # type: ignore[misc]
+
+
+def test_a_base_in_a_missing_folder_creates_it_and_saves(tmp_path: Path) -> None:
+    """A base whose folder does not exist makes it (0700) at construction, so what it
+    accepts is saved; a folder that cannot be made is refused before any entry."""
+    path = tmp_path / "new" / "scope" / "knowledge.json"
+    kb = KnowledgeBase(path)
+    kb.add("learned_fact", "Saved for sure")
+    assert kb.flush()
+    assert (path.parent.stat().st_mode & 0o777) == 0o700
+    assert [e.content for e in KnowledgeBase(path)] == ["Saved for sure"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError, match="cannot create"):
+        KnowledgeBase(blocker / "knowledge.json")

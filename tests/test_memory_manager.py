@@ -321,7 +321,7 @@ def test_concurrent_appends_from_worker_threads(mm: MemoryManager) -> None:
         for i in range(40):
             mm.append_history(f"worker{worker} item{i}")
             mm.append_to_memory(f"- [learned_fact] worker{worker} fact{i}")
-            mm.knowledge.add(f"worker{worker} knows {i}", "learned_fact")
+            mm.knowledge.add("learned_fact", f"worker{worker} knows {i}")
             mm.search_history(f"worker{worker}")
 
     threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]

@@ -65,7 +65,7 @@ def test_reserved_key_and_unknown_mode(tmp_path: Path) -> None:
 def test_eviction_flushes_and_never_doubles_a_live_manager(tmp_path: Path) -> None:
     store = MemoryStore(tmp_path, max_open=2, knowledge_flush_every=1000)
     first = store.for_session("cli:a")
-    first.knowledge.add("unsaved until flushed", "learned_fact")
+    first.knowledge.add("learned_fact", "unsaved until flushed")
     store.for_session("cli:b")
     store.for_session("cli:c")  # evicts cli:a from the LRU: flushed
     knowledge = json.loads((first.dir / "knowledge.json").read_text())
@@ -82,7 +82,7 @@ def test_eviction_flushes_and_never_doubles_a_live_manager(tmp_path: Path) -> No
 def test_close_flushes_every_manager(tmp_path: Path) -> None:
     store = MemoryStore(tmp_path, knowledge_flush_every=1000)
     for key in ("cli:a", "cli:b"):
-        store.for_session(key).knowledge.add(f"fact of {key}", "learned_fact")
+        store.for_session(key).knowledge.add("learned_fact", f"fact of {key}")
     store.close()
     for key in ("cli:a", "cli:b"):
         path = tmp_path / "memory" / key.replace(":", "%3A") / "knowledge.json"

@@ -145,7 +145,7 @@ def memory_tools(store: MemoryStore) -> list[Tool]:
         category = _str_arg(args, "category") or "learned_fact"
 
         def work(manager: MemoryManager) -> str:
-            entry = manager.knowledge.add(content, category, source="remember")
+            entry = manager.knowledge.add(category, content, source="remember")
             manager.knowledge.flush()  # the model said so: durable now, not in a batch
             if entry.access_count > 0:
                 return f"Already remembered: [{entry.category}] {entry.content}"

@@ -30,7 +30,7 @@ from typing import Any
 
 from loguru import logger
 
-from gateway.fsutil import atomic_write_text
+from gateway.fsutil import atomic_write_text, ensure_private_dir
 from gateway.memory.format import CATEGORIES, normalize_category
 from gateway.memory.index import SearchIndex
 from gateway.memory.text import normalize_text, one_line, tokenize
@@ -130,6 +130,16 @@ class KnowledgeBase:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = path
+        try:
+            # Never accept entries that could not be saved: the folder exists (0700)
+            # before the first `add`, or the base is refused here.
+            ensure_private_dir(path.parent)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"knowledge base: cannot create {path.parent} ({exc.strerror}); "
+                "entries could not be saved there",
+            ) from None
         self.flush_every = max(1, flush_every)
         self.load_error: str | None = None
         self.corrupt_path: Path | None = None
@@ -216,34 +226,37 @@ class KnowledgeBase:
 
     def add(
         self,
-        content: str,
         category: str,
-        source: str | None = None,
-        tags: Iterable[str] = (),
+        content: str,
+        *,
+        source: str = "",
+        tags: Iterable[str] | None = None,
     ) -> KnowledgeEntry:
         """Add an entry, or reinforce the existing one with the same normalized content.
 
-        Reinforcing counts as an access and merges the new tags. Unknown categories
-        become `learned_fact` (with a warning).
+        The parameters are seed 001's, in its order (category first). Reinforcing
+        counts as an access and merges the new tags. Unknown categories become
+        `learned_fact` (with a warning).
         """
         text = one_line(content)
         if not text:
             raise ValueError("a knowledge entry needs some content")
         category = normalize_category(category)
-        new_tags = tuple(dict.fromkeys(t.strip() for t in tags if t.strip()))
+        new_tags = tuple(dict.fromkeys(t.strip() for t in tags or () if t.strip()))
+        origin = source or None  # an entry without a source stores none
         key = entry_id(category, text)
         now = self._clock()
         with self._lock:
             existing = self._state.entries.get(key)
             if existing is None:
-                entry = KnowledgeEntry(key, category, text, source, new_tags, now, now, 0)
+                entry = KnowledgeEntry(key, category, text, origin, new_tags, now, now, 0)
                 logger.debug("Knowledge entry {} added ({})", key, category)
             else:
                 merged = tuple(dict.fromkeys(existing.tags + new_tags))
                 entry = replace(
                     existing,
                     tags=merged,
-                    source=existing.source or source,
+                    source=existing.source or origin,
                     last_accessed=now,
                     access_count=existing.access_count + 1,
                 )

@@ -293,7 +293,7 @@ class MemoryManager:
         with self._lock:
             written = self.append_facts(cleaned, day)
             for category, text in cleaned:
-                self.knowledge.add(text, category, source=source)
+                self.knowledge.add(category, text, source=source)
             self.knowledge.flush()
             self.append_history(summary)
         self._log.info("Recorded consolidation: {} facts, summary {}", written, bool(summary))
