@@ -359,7 +359,7 @@ class Dispatcher:
         for entry in pending:
             metadata = {**entry.message.metadata, META_REPLAYED: True}
             message = replace(entry.message, metadata=metadata)
-            await self._enqueue(message, Unanswered(message, entry.reply, entry.reply_id))
+            await self._enqueue(message, replace(entry, message=message))
         return len(pending)
 
     async def _enqueue(self, msg: InboundMessage, recorded: Unanswered | None) -> Ticket:

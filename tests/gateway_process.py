@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -12,6 +13,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.fakes.openai_server import FakeOpenAI
+    from tests.fakes.telegram_server import FakeTelegram
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 20, what: str = "") -> None:
@@ -94,3 +102,32 @@ class GatewayProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def base_env(workspace: Path, llm: FakeOpenAI, *, llm_timeout: float = 30) -> dict[str, str]:
+    """The environment of a `gateway run` on `workspace` answering through `llm`: this
+    process's, less any GATEWAY_*/OPENAI_* of the developer's own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
+    return env | {
+        "PYTHONPATH": str(ROOT),
+        "GATEWAY_WORKSPACE": str(workspace),
+        "OPENAI_BASE_URL": llm.base_url,
+        "OPENAI_API_KEY": llm.api_key or "",
+        "GATEWAY_LLM__MAX_RETRIES": "0",
+        "GATEWAY_LLM__TIMEOUT": f"{llm_timeout:g}",
+    }
+
+
+def telegram_env(
+    workspace: Path, llm: FakeOpenAI, telegram: FakeTelegram, *, llm_timeout: float = 30
+) -> dict[str, str]:
+    """`base_env` plus long polling of `telegram`, open to everyone, on a free port."""
+    return base_env(workspace, llm, llm_timeout=llm_timeout) | {
+        "GATEWAY_HTTP__PORT": "0",
+        "GATEWAY_CHANNELS__TELEGRAM__ENABLED": "true",
+        "GATEWAY_CHANNELS__TELEGRAM__TOKEN": telegram.token,
+        "GATEWAY_CHANNELS__TELEGRAM__BASE_URL": telegram.api_url,
+        "GATEWAY_CHANNELS__TELEGRAM__BASE_FILE_URL": telegram.file_url,
+        "GATEWAY_CHANNELS__TELEGRAM__POLL_TIMEOUT": "1",
+        "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
+    }

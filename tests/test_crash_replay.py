@@ -5,16 +5,14 @@ what arrived while the gateway was down."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
 
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
-from tests.gateway_process import GatewayProcess, wait_until
+from tests.gateway_process import GatewayProcess, telegram_env, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
 CHAT = 4242
 
 
@@ -24,22 +22,7 @@ def test_messages_queued_at_a_crash_are_answered_after_restart(tmp_path: Path) -
         FakeTelegram.in_thread(token="777:CRASH-test") as telegram,
     ):
         llm.add_delay(60, "never delivered")  # the first turn is in flight at the crash
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
-        env |= {
-            "PYTHONPATH": str(ROOT),
-            "GATEWAY_WORKSPACE": str(tmp_path / "ws"),
-            "OPENAI_BASE_URL": llm.base_url,
-            "OPENAI_API_KEY": llm.api_key or "",
-            "GATEWAY_HTTP__PORT": "0",
-            "GATEWAY_LLM__MAX_RETRIES": "0",
-            "GATEWAY_LLM__TIMEOUT": "90",
-            "GATEWAY_CHANNELS__TELEGRAM__ENABLED": "true",
-            "GATEWAY_CHANNELS__TELEGRAM__TOKEN": telegram.token,
-            "GATEWAY_CHANNELS__TELEGRAM__BASE_URL": telegram.api_url,
-            "GATEWAY_CHANNELS__TELEGRAM__BASE_FILE_URL": telegram.file_url,
-            "GATEWAY_CHANNELS__TELEGRAM__POLL_TIMEOUT": "1",
-            "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
-        }
+        env = telegram_env(tmp_path / "ws", llm, telegram, llm_timeout=90)
         first = GatewayProcess(env, tmp_path)
         try:
             first.wait_ready()

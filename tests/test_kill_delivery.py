@@ -56,11 +56,10 @@ from tests.fakes._serving import free_port
 from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder
 from tests.fakes.slack_server import EventDelivery, FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
-from tests.gateway_process import GatewayProcess, wait_until
+from tests.gateway_process import GatewayProcess, base_env, telegram_env, wait_until
 
 pytestmark = pytest.mark.kill
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = re.compile(r"\bu\d{3} m\d{4}\b")
 SEED = int(os.environ.get("KILL_SEED") or random.SystemRandom().randrange(1_000_000))
 SCALE = float(os.environ.get("KILL_SCALE") or 1.0)
@@ -309,30 +308,6 @@ def report(capsys: pytest.CaptureFixture[str]) -> Callable[[Tally], None]:
 
 
 # -- running the gateway ---------------------------------------------------------------
-
-
-def base_env(workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
-    return env | {
-        "PYTHONPATH": str(ROOT),
-        "GATEWAY_WORKSPACE": str(workspace),
-        "OPENAI_BASE_URL": llm.base_url,
-        "OPENAI_API_KEY": llm.api_key or "",
-        "GATEWAY_LLM__MAX_RETRIES": "0",
-        "GATEWAY_LLM__TIMEOUT": "30",
-    }
-
-
-def telegram_env(workspace: Path, llm: FakeOpenAI, telegram: FakeTelegram) -> dict[str, str]:
-    return base_env(workspace, llm) | {
-        "GATEWAY_HTTP__PORT": "0",
-        "GATEWAY_CHANNELS__TELEGRAM__ENABLED": "true",
-        "GATEWAY_CHANNELS__TELEGRAM__TOKEN": telegram.token,
-        "GATEWAY_CHANNELS__TELEGRAM__BASE_URL": telegram.api_url,
-        "GATEWAY_CHANNELS__TELEGRAM__BASE_FILE_URL": telegram.file_url,
-        "GATEWAY_CHANNELS__TELEGRAM__POLL_TIMEOUT": "1",
-        "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
-    }
 
 
 def slack_env(workspace: Path, llm: FakeOpenAI, slack: FakeSlack, port: int) -> dict[str, str]:
