@@ -373,7 +373,33 @@ async def measure_parts() -> dict[str, float]:
             out[f"dispatcher round trip, 1 session, {label}"] = elapsed / repeat * 1e6
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    out.update(measure_metrics())
     return out
+
+
+def measure_metrics() -> dict[str, float]:
+    """What the metrics cost on the hot path (one turn served over HTTP records a turn
+    and a request) and per scrape."""
+    from gateway.metrics import Metrics
+
+    metrics = Metrics(version="bench")
+    reply = OutboundMessage("api", "x", "ok", "api:x")
+    repeat = 20_000
+    start = time.perf_counter()
+    for _ in range(repeat):
+        metrics.observe_turn(reply, 0.02)
+        metrics.http_requests.labels("POST", "/api/chat", "200").inc()
+        metrics.http_request_seconds.labels("/api/chat").observe(0.02)
+    recorded = (time.perf_counter() - start) / repeat * 1e6
+    repeat = 200
+    start = time.perf_counter()
+    for _ in range(repeat):
+        metrics.render()
+    scraped = (time.perf_counter() - start) / repeat * 1e6
+    return {
+        "metrics: one turn + one HTTP request recorded": recorded,
+        "metrics: one scrape rendered": scraped,
+    }
 
 
 async def run_http(sessions: int, clients: int, warmup: float, window: float) -> Outcome:

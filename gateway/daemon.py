@@ -379,11 +379,23 @@ class Daemon:
 
         async def refresh_counters() -> None:
             stats = self.dispatcher.stats()
-            metrics.dropped_messages.labels("all", "lane_full").set_total(stats.dropped_full)
-            metrics.dropped_messages.labels("all", "draining").set_total(stats.rejected_draining)
-            metrics.duplicates.labels("all").set_total(stats.duplicates)
+            metrics.mirror_drops(
+                "all",
+                {
+                    "lane_full": stats.dropped_full,
+                    "draining": stats.rejected_draining,
+                    "access_denied": stats.denied,
+                },
+            )
+            metrics.duplicates.set_total(stats.duplicates, "all")
             for kind, count in self.gateway.agent.llm_errors.items():
-                metrics.llm_errors.labels(kind).set_total(count)
+                metrics.llm_errors.set_total(count, kind)
+            consolidator = self.gateway.consolidator
+            if consolidator is not None:
+                done = consolidator.stats
+                metrics.consolidations.set_total(done.compactions, "ok")
+                metrics.consolidations.set_total(done.failures, "failed")
+                metrics.consolidations.set_total(done.skipped, "skipped")
 
         metrics.on_scrape("dispatcher", refresh_counters)
 
@@ -400,8 +412,8 @@ class Daemon:
 
         return await agent.handle(message, on_delta=on_delta)
 
-    def _turn_done(self, session_key: str, seconds: float) -> None:
-        self.metrics.observe_turn(session_key.split(":", 1)[0], "answered", seconds)
+    def _turn_done(self, reply: OutboundMessage, seconds: float) -> None:
+        self.metrics.observe_turn(reply, seconds)
 
     # ----------------------------------------------------------------- routing
 

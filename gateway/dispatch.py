@@ -54,7 +54,7 @@ __all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_mess
 
 Handler = Callable[[InboundMessage], Awaitable[OutboundMessage]]
 Deliver = Callable[[OutboundMessage], Awaitable[None]]
-TurnDoneCallback = Callable[[str, float], None]
+TurnDoneCallback = Callable[[OutboundMessage, float], None]
 Mode = Literal["followup", "collect"]
 
 
@@ -609,7 +609,7 @@ class Dispatcher:
         counters.turns_finished += 1
         if self._on_turn_done is not None:
             try:
-                self._on_turn_done(key, seconds)
+                self._on_turn_done(reply, seconds)
             except Exception:
                 logger.exception("on_turn_done callback failed")
         return reply

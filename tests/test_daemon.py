@@ -27,6 +27,7 @@ from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_process import GatewayProcess
+from tests.test_metrics import documented_label_values, parse_exposition, scraped_label_values
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,8 +107,40 @@ async def test_api_chat_probes_and_metrics(
             assert resp.status == 413
         async with http.get(f"{url}/metrics") as resp:
             text = await resp.text()
-        assert 'gateway_turns_total{channel="api",outcome="answered"} 1' in text
+        assert 'gateway_turns_total{channel="api",outcome="ok"} 1.0' in text
         assert "gateway_cache_misses_total" in text
+
+
+async def test_a_scrape_shows_exactly_the_documented_label_values(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """gateway/metrics.py's docstring lists each label's values; a running daemon's
+    scrape, after turns of every outcome, shows those and no others."""
+    settings = daemon_settings(make_settings, fake_openai)
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    question = "What is the boiling point of water at sea level in Celsius?"
+    async with running(daemon) as url, aiohttp.ClientSession() as http:
+
+        async def chat(session: str, text: str) -> None:
+            body = {"session": session, "text": text}
+            async with http.post(f"{url}/api/chat", json=body, headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+
+        await chat("one", question)  # ok
+        await chat("two", question)  # cached: the same standalone question
+        await chat("one", "/help")  # command
+        fake_openai.add_error(400)
+        await chat("three", "this one fails")  # error
+        async with http.get(f"{url}/metrics") as resp:
+            families = parse_exposition(await resp.text())
+    turns = families["gateway_turns_total"]
+    assert {
+        outcome: turns.value(channel="api", outcome=outcome)
+        for outcome in ("ok", "cached", "command", "error")
+    } == {"ok": 1, "cached": 1, "command": 1, "error": 1}
+    assert families["gateway_llm_errors_total"].value(kind="LLMError") == 1
+    assert scraped_label_values(families) == documented_label_values()
 
 
 async def test_api_refuses_a_session_name_too_long_to_store_before_any_turn(

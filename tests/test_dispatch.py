@@ -482,7 +482,7 @@ async def test_metrics_hooks_and_idle_lanes_go_away() -> None:
         handler,
         Outbox().deliver,
         idle_lane_ttl=0.02,
-        on_turn_done=lambda key, seconds: samples.append((key, seconds)),
+        on_turn_done=lambda reply, seconds: samples.append((reply.session_key, seconds)),
     )
     async with running(d):
         ticket = await d.submit(inbound("a", "hi"))

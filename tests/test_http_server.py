@@ -127,7 +127,8 @@ async def test_readyz_follows_phase_and_components() -> None:
 
 async def test_metrics_scrape_is_valid_exposition_and_counts_requests() -> None:
     server = make_server()
-    server.metrics.observe_turn("api", "ok", 0.2)
+    answer = OutboundMessage(channel="api", chat_id="x", text="hi", session_key="api:x")
+    server.metrics.observe_turn(answer, 0.2)
     async with serving(server) as (url, client):
         async with client.get(f"{url}/healthz"):
             pass

@@ -157,7 +157,10 @@ class AgentLoop:
             )
         command = parse_command(text)
         if command is not None:
-            return await self._run_command(inbound, command)
+            answer = await self._run_command(inbound, command)
+            # Marked so metrics count it as a command, not a model turn.
+            marked = {**answer.metadata, "command": command.name}
+            return dataclasses.replace(answer, metadata=marked)
 
         started = time.monotonic()
         try:

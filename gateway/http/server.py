@@ -46,7 +46,6 @@ from gateway.http.auth import (
 from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics
 
 ChatHandler = Callable[[InboundMessage], Awaitable[OutboundMessage | None]]
@@ -295,10 +294,8 @@ class HttpServer:
         return web.json_response(readiness.as_json(), status=200 if readiness.ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = await self.metrics.collect()
-        return web.Response(
-            body=text.encode("utf-8"), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE}
-        )
+        body, content_type = await self.metrics.collect(request.headers.get(hdrs.ACCEPT, ""))
+        return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type})
 
     async def _chat_api(self, request: web.Request) -> web.Response:
         if self._token is None:
