@@ -30,6 +30,7 @@ DEFAULT_OK_TOKEN = "HEARTBEAT_OK"
 
 Route = Callable[[OutboundMessage], Awaitable[None]]
 Clock = Callable[[], datetime]
+Sleep = Callable[[float], Awaitable[None]]
 
 
 def _utc_now() -> datetime:
@@ -119,11 +120,13 @@ class HeartbeatChannel:
         state_path: Path,
         route: Route,
         clock: Clock = _utc_now,
+        sleep: Sleep = anyio.sleep,
     ) -> None:
         self.jobs = dict(jobs)
         self.state = HeartbeatState(state_path)
         self._route = route
         self._clock = clock
+        self._sleep = sleep
         self.suppressed = 0
         self.delivered = 0
 
@@ -141,9 +144,12 @@ class HeartbeatChannel:
     async def _job_loop(self, job: HeartbeatJob, submit: Submit) -> None:
         with logger.contextualize(session=f"{CHANNEL}:{job.chat_id}"):
             while True:
-                now = self._clock()
-                due = job.schedule.next_run(self.state.last_run(job.name), now)
-                await anyio.sleep(max((due - now).total_seconds(), 0.0))
+                due = job.schedule.next_run(self.state.last_run(job.name), self._clock())
+                # A timer can fire early (timer slack, the wall clock stepped by NTP).
+                # Run only once the clock shows the due time: the run is then recorded
+                # at or after it, so the same slot can never come due a second time.
+                while (now := self._clock()) < due:
+                    await self._sleep((due - now).total_seconds())
                 await self.run_job(job, submit)
 
     async def run_job(self, job: HeartbeatJob, submit: Submit) -> None:

@@ -1,6 +1,9 @@
 """When scheduled jobs run: intervals, 5-field cron expressions, time zones and active
 hours, as pure functions of (schedule, last run, now).
 
+Cron parsing and cron times come from `cronsim`; croniter, tried side by side, runs a
+daily `30 2 * * *` twice on a fall-back day and refuses `5L` (last Friday).
+
 The promise kept here: after downtime a job that missed any number of runs is due once,
 now, and then continues on its normal schedule; it is never due once per missed run.
 """
@@ -11,6 +14,8 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
 
 _INTERVAL_PART = re.compile(r"(\d+)\s*([smhd])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -28,96 +33,29 @@ def parse_interval(text: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-@dataclass(frozen=True, slots=True)
-class CronSpec:
-    """A parsed `minute hour day-of-month month day-of-week` expression."""
-
-    minutes: frozenset[int]
-    hours: frozenset[int]
-    days: frozenset[int]
-    months: frozenset[int]
-    weekdays: frozenset[int]  # 0 = Sunday, as in cron
-    any_day: bool  # day-of-month was '*'
-    any_weekday: bool  # day-of-week was '*'
-
-    def day_matches(self, when: datetime) -> bool:
-        weekday = (when.weekday() + 1) % 7
-        dom = when.day in self.days
-        dow = weekday in self.weekdays
-        # cron's rule: when both are restricted, either one matching is enough.
-        if self.any_day or self.any_weekday:
-            return dom and dow
-        return dom or dow
-
-
-def _cron_field(text: str, low: int, high: int, name: str) -> tuple[frozenset[int], bool]:
-    values: set[int] = set()
-    for item in text.split(","):
-        step = 1
-        if "/" in item:
-            item, step_text = item.split("/", 1)
-            if not step_text.isdigit() or int(step_text) < 1:
-                raise ValueError(f"cron {name}: bad step in {text!r}")
-            step = int(step_text)
-        if item == "*":
-            start, end = low, high
-        elif "-" in item:
-            a, b = item.split("-", 1)
-            if not (a.isdigit() and b.isdigit()):
-                raise ValueError(f"cron {name}: bad range in {text!r}")
-            start, end = int(a), int(b)
-        elif item.isdigit():
-            start = end = int(item)
-            if step != 1:
-                end = high
-        else:
-            raise ValueError(f"cron {name}: {text!r} is not a number, range, list or '*'")
-        if name == "day-of-week" and end == 7:
-            end = 6 if start <= 6 else 7
-            values.add(0)
-        if not (low <= start <= high and low <= end <= high and start <= end):
-            raise ValueError(f"cron {name}: {text!r} is outside {low}-{high}")
-        values.update(range(start, end + 1, step))
-    return frozenset(values), text == "*"
-
-
-def parse_cron(expr: str) -> CronSpec:
-    """Parse a standard 5-field cron expression (numbers, '*', ranges, lists, steps)."""
+def parse_cron(expr: str) -> str:
+    """A 5-field cron expression, checked (and normalized to single spaces). Names
+    (`mon-fri`, `jan`), `L` (last day of the month, `5L` last Friday) and `#` (`1#2`,
+    the second Monday) work as in cron; ValueError with a hint otherwise."""
     fields = expr.split()
     if len(fields) != 5:
         raise ValueError(
             f"cron {expr!r}: needs 5 fields (minute hour day month weekday), e.g. '0 9 * * 1-5'"
         )
-    minutes, _ = _cron_field(fields[0], 0, 59, "minute")
-    hours, _ = _cron_field(fields[1], 0, 23, "hour")
-    days, any_day = _cron_field(fields[2], 1, 31, "day-of-month")
-    months, _ = _cron_field(fields[3], 1, 12, "month")
-    weekdays, any_weekday = _cron_field(fields[4], 0, 7, "day-of-week")
-    return CronSpec(minutes, hours, days, months, weekdays, any_day, any_weekday)
+    normalized = " ".join(fields)
+    try:
+        CronSim(normalized, datetime(2000, 1, 1, tzinfo=UTC))
+    except CronSimError as exc:
+        raise ValueError(f"cron {expr!r}: {str(exc).lower()}, e.g. '0 9 * * mon-fri'") from None
+    return normalized
 
 
-def cron_next(spec: CronSpec, after: datetime) -> datetime:
-    """The first minute strictly after `after` (an aware datetime, in the schedule's
-    zone) that matches `spec`."""
-    when = after.replace(second=0, microsecond=0) + timedelta(minutes=1)
-    limit = when + timedelta(days=366 * 5)
-    while when < limit:
-        if when.month not in spec.months:
-            month = when.month + 1
-            year = when.year + (month > 12)
-            when = when.replace(year=year, month=(month - 1) % 12 + 1, day=1, hour=0, minute=0)
-            continue
-        if not spec.day_matches(when):
-            when = (when + timedelta(days=1)).replace(hour=0, minute=0)
-            continue
-        if when.hour not in spec.hours:
-            when = (when + timedelta(hours=1)).replace(minute=0)
-            continue
-        if when.minute not in spec.minutes:
-            when += timedelta(minutes=1)
-            continue
-        return when
-    raise ValueError("cron expression never matches (e.g. February 30th)")
+def cron_next(expr: str, after: datetime) -> datetime:
+    """The first cron time strictly after `after` (an aware datetime in the schedule's
+    zone). DST as cron does it: a time the spring-forward gap skips runs right after
+    the gap; a fixed time in the hour fall-back repeats runs once, while `*` and step
+    fields run in both passes of that hour."""
+    return next(CronSim(expr, after))
 
 
 def parse_active_hours(text: str) -> tuple[time, time]:
@@ -147,7 +85,7 @@ class Schedule:
 
     tz: ZoneInfo
     every: timedelta | None = None
-    cron: CronSpec | None = None
+    cron: str | None = None
     active: tuple[time, time] | None = None
 
     @classmethod
@@ -183,10 +121,14 @@ class Schedule:
             return when
         assert self.active is not None
         start = self.active[0]
-        candidate = when.replace(hour=start.hour, minute=start.minute, second=0, microsecond=0)
+        candidate = when.replace(
+            hour=start.hour, minute=start.minute, second=0, microsecond=0, fold=0
+        )
         if candidate <= when:
             candidate += timedelta(days=1)
-        return candidate
+        # A start inside a spring-forward gap does not exist: the round trip through UTC
+        # moves it past the gap.
+        return candidate.astimezone(UTC).astimezone(self.tz)
 
     def _regular_after(self, moment: datetime) -> datetime:
         if self.every is not None:
