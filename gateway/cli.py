@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workspace", metavar="DIR", help="data folder (also GATEWAY_WORKSPACE)")
     parser.add_argument("--model", metavar="NAME", help="LLM model (also GATEWAY_MODEL)")
     parser.add_argument("--log-level", metavar="LEVEL", help="TRACE, DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress (INFO) in one-shot commands"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sub.add_parser("run", help="run the gateway daemon (terminal chat on a TTY)")
@@ -54,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with the agent in this terminal")
     chat.add_argument("-m", "--message", help="send one message, print the reply, exit")
     chat.add_argument("--session", metavar="KEY", help="session name or key (default cli:direct)")
+    # Also after the subcommand (`chat -m hi -v`); SUPPRESS keeps a -v given before it.
+    chat.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
 
     init = sub.add_parser("init", help="write a commented starter gateway.toml")
     init.add_argument("path", nargs="?", default="gateway.toml")
@@ -441,14 +446,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
     settings = _settings(args)
-    terminal_chat = settings.channels.cli.enabled and sys.stdin.isatty()
-    interactive = (args.command == "run" and terminal_chat) or (
-        args.command == "chat" and args.message is None
-    )
-    level = settings.log.level
-    if interactive and not args.log_level and level in ("TRACE", "DEBUG", "INFO"):
-        level = "WARNING"  # keep the terminal chat readable
-    setup_logging(level, settings.log.format, settings.secrets())
+    setup_logging(_log_level(args, settings), settings.log.format, settings.secrets())
     handlers: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
         "run": cmd_run,
         "chat": cmd_chat,
@@ -459,6 +457,22 @@ def _dispatch(args: argparse.Namespace) -> int:
         "memory": cmd_memory,
     }
     return handlers[args.command](args, settings)
+
+
+def _log_level(args: argparse.Namespace, settings: Settings) -> str:
+    """The daemon logs at `log.level`. Everything else a person runs in a terminal (the
+    terminal chat, a one-shot `chat -m`, `sessions`, `memory`...) shows only warnings
+    and errors, unless `-v` or `--log-level` asks for more: its output is the answer."""
+    level = settings.log.level
+    if args.log_level:
+        return level
+    terminal_chat = settings.channels.cli.enabled and sys.stdin.isatty()
+    daemon = args.command == "run" and not terminal_chat
+    if args.verbose:
+        return "INFO" if level in ("WARNING", "ERROR", "CRITICAL") else level
+    if not daemon and level in ("TRACE", "DEBUG", "INFO"):
+        return "WARNING"
+    return level
 
 
 def _user_error_code(exc: BaseException) -> int | None:

@@ -84,6 +84,28 @@ def test_one_shot_chat_twice_carries_the_first_turn(
     assert missing.returncode == 1 and "no session" in missing.stderr
 
 
+def test_one_shot_chat_is_quiet_unless_asked(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    quiet = run_gateway(["chat", "-m", "hello"], env, tmp_path)
+    assert quiet.returncode == 0 and quiet.stdout == "echo: hello\n"
+    assert quiet.stderr == ""
+    for verbose in (["-v", "chat", "-m", "hello"], ["chat", "-m", "hello", "--verbose"]):
+        chatty = run_gateway(verbose, env, tmp_path)
+        assert chatty.returncode == 0 and chatty.stdout == "echo: hello\n"
+        assert "INFO" in chatty.stderr and "turn done" in chatty.stderr
+    # Warnings still show without -v.
+    refused = run_gateway(
+        ["chat", "-m", "x" * 50], env | {"GATEWAY_AGENT__MAX_MESSAGE_CHARS": "10"}, tmp_path
+    )
+    assert refused.returncode == 1
+    assert "WARNING" in refused.stderr and "message refused" in refused.stderr
+
+
 def test_interactive_chat_reads_lines_until_eof(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
