@@ -6,7 +6,8 @@ Promises (tested in tests/test_slack_format.py, partly with hypothesis):
   never make a Slack control sequence (a user mention, `@channel`, a raw link); the
   only `<...>` it emits are links written in Markdown (`[t](u)`, `<u>`) to http(s) and
   mailto URLs. Its code blocks are always closed, also when the Markdown's is not (a
-  reply cut short, a streaming preview).
+  reply cut short, a streaming preview). Emphasis markers nest (`***a***` -> `*_a_*`);
+  a Markdown table becomes a code block with aligned columns (Slack has no tables).
 - `split_mrkdwn` returns parts of at most `limit` characters, in order, that together
   hold all of the text (only whitespace at the cuts and the fences of a split code
   block differ). It cuts at paragraph, then line, then word boundaries, never inside a
@@ -42,6 +43,11 @@ _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)
 _LINK = re.compile(r"(!?)\[([^\]\n]*)\]\(\s*<?([^()<>\s]+)>?(?:\s+\"[^\"\n]*\")?\s*\)")
 _AUTOLINK = re.compile(r"<((?:https?://|mailto:)[^<>\s|]+)>")
 _SAFE_URL = re.compile(r"^(?:https?://|mailto:)[^\s<>|]+$", re.IGNORECASE)
+# Bold and italic together, outermost first, so the mrkdwn markers nest: `***a***`,
+# `***a** b*` (bold inside italic) and `***a* b**` (italic inside bold).
+_STRONG_EM = re.compile(r"(\*\*\*|___)(?=\S)(.+?)(?<=\S)\1")
+_STRONG_IN_EM = re.compile(r"\*\*\*(?=\S)([^*]+?)(?<=\S)\*\*([^*]+?)(?<=\S)\*(?!\*)")
+_EM_IN_STRONG = re.compile(r"\*\*\*(?=\S)([^*]+?)(?<=\S)\*(?!\*)([^*]+?)(?<=\S)\*\*")
 _STRONG = re.compile(r"(\*\*|__)(?=\S)(.+?)(?<=\S)\1")
 _STRIKE = re.compile(r"~~(?=\S)(.+?)(?<=\S)~~")
 _EM = re.compile(r"(?<![*\w])\*(?=[^\s*])(.+?)(?<=[^\s*])\*(?![*\w])")
@@ -62,8 +68,9 @@ def unescape(text: str) -> str:
 
 def markdown_to_mrkdwn(markdown: str) -> str:
     """The LLM's Markdown as Slack mrkdwn: `**b**` -> `*b*`, `*i*` -> `_i_`, `~~s~~` ->
-    `~s~`, `[t](u)` -> `<u|t>`, headings -> bold lines, `-` bullets -> `•`, code blocks
-    kept (without their language tag, which Slack would show), `&<>` escaped."""
+    `~s~`, `***bi***` -> `*_bi_*`, `[t](u)` -> `<u|t>`, headings -> bold lines, `-`
+    bullets -> `•`, tables -> code blocks with aligned columns, code blocks kept
+    (without their language tag, which Slack would show), `&<>` escaped."""
     text = _PRIVATE.sub("", markdown.replace("\r\n", "\n").replace("\r", "\n"))
     out: list[str] = []
     for is_code, chunk in _fenced_segments(text):
@@ -105,10 +112,94 @@ def _code_block(code: str) -> str:
 
 
 def _prose(text: str) -> str:
-    # A backtick run that survived (or that a code span and a stray backtick make)
-    # would open a code block in Slack: break it up.
-    lines = (_prose_line(line).replace(FENCE, _BROKEN_FENCE) for line in text.split("\n"))
-    return "\n".join(lines)
+    out: list[str] = []
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        rows = _table_at(lines, i)
+        if rows:
+            out.append(_table_block(lines[i : i + rows]))
+            i += rows
+            continue
+        # A backtick run that survived (or that a code span and a stray backtick make)
+        # would open a code block in Slack: break it up.
+        out.append(_prose_line(lines[i]).replace(FENCE, _BROKEN_FENCE))
+        i += 1
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- tables
+
+_TABLE_DELIMITER = re.compile(r"^ {0,3}\|?[ \t]*:?-+:?[ \t]*(\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
+
+
+def _cells(row: str) -> list[str]:
+    """A table row's cells: split at `|` (not `\\|`), the outer pipes dropped."""
+    row = row.strip()
+    row = row.removeprefix("|")
+    if row.endswith("|") and not row.endswith("\\|"):
+        row = row[:-1]
+    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)]
+
+
+def _table_at(lines: list[str], start: int) -> int:
+    """How many lines from `start` form a GFM table (a header row with pipes, a
+    delimiter row with as many columns, then rows with pipes); 0 if none starts there."""
+    if start + 1 >= len(lines) or "|" not in lines[start]:
+        return 0
+    delimiter = lines[start + 1]
+    if "|" not in delimiter or not _TABLE_DELIMITER.match(delimiter):
+        return 0
+    if len(_cells(delimiter)) != len(_cells(lines[start])):
+        return 0
+    end = start + 2
+    while end < len(lines) and "|" in lines[end] and lines[end].strip():
+        end += 1
+    return end - start
+
+
+def _plain_cell(cell: str) -> str:
+    """A cell's inline Markdown as the text it shows: Slack renders no markup inside a
+    code block, so `**x**` would show its stars."""
+    cell = _LINK.sub(lambda m: f"{m.group(2)} ({m.group(3)})" if m.group(2) else m.group(3), cell)
+    cell = _CODE_SPAN.sub(lambda m: m.group(2), cell)
+    return re.sub(r"\*\*\*|___|\*\*|__|~~", "", cell)
+
+
+def _table_block(lines: list[str]) -> str:
+    """A Markdown table as a code block with aligned columns: Slack has no tables, and
+    a monospace grid is what keeps one readable."""
+    header, delimiter, body = _cells(lines[0]), _cells(lines[1]), lines[2:]
+    width = len(header)
+    rows = [[_plain_cell(c) for c in header]]
+    for line in body:
+        cells = [_plain_cell(c) for c in _cells(line)][:width]
+        rows.append(cells + [""] * (width - len(cells)))
+    align = [
+        "right"
+        if d.endswith(":") and not d.startswith(":")
+        else "center"
+        if d.startswith(":") and d.endswith(":")
+        else "left"
+        for d in delimiter
+    ]
+    widths = [max(len(row[col]) for row in rows) for col in range(width)]
+
+    def fmt(row: list[str]) -> str:
+        cells = []
+        for cell, size, how in zip(row, widths, align, strict=True):
+            cells.append(
+                cell.rjust(size)
+                if how == "right"
+                else cell.center(size)
+                if how == "center"
+                else cell.ljust(size)
+            )
+        return " | ".join(cells).rstrip()
+
+    grid = [fmt(rows[0]), "-+-".join("-" * size for size in widths)]
+    grid += [fmt(row) for row in rows[1:]]
+    return _code_block("\n".join(grid))
 
 
 def _prose_line(line: str) -> str:
@@ -158,6 +249,9 @@ def _inline(text: str) -> str:
 
 
 def _emphasis(text: str) -> str:
+    text = _STRONG_EM.sub(lambda m: f"{_BOLD}_{m.group(2)}_{_BOLD}", text)
+    text = _STRONG_IN_EM.sub(lambda m: f"_{_BOLD}{m.group(1)}{_BOLD}{m.group(2)}_", text)
+    text = _EM_IN_STRONG.sub(lambda m: f"{_BOLD}_{m.group(1)}_{m.group(2)}{_BOLD}", text)
     text = _STRONG.sub(lambda m: f"{_BOLD}{m.group(2)}{_BOLD}", text)
     text = _STRIKE.sub(r"~\1~", text)
     text = _EM.sub(r"_\1_", text)

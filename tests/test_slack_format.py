@@ -24,6 +24,12 @@ from channels.slack_format import (
         ("**bold** and __also__", "*bold* and *also*"),
         ("*italic* and _too_", "_italic_ and _too_"),
         ("~~gone~~", "~gone~"),
+        ("***both***", "*_both_*"),
+        ("___both___", "*_both_*"),
+        ("a ***b*** c **d** *e*", "a *_b_* c *d* _e_"),
+        ("***bold** then italic*", "_*bold* then italic_"),
+        ("***italic* then bold**", "*_italic_ then bold*"),
+        ("**_x_** and _**y**_", "*_x_* and _*y*_"),
         ("2 * 3 * 4 = 24", "2 * 3 * 4 = 24"),
         ("snake_case_name", "snake_case_name"),
         ("[docs](https://example.com/a?b=1&c=2)", "<https://example.com/a?b=1&amp;c=2|docs>"),
@@ -51,6 +57,37 @@ from channels.slack_format import (
 )
 def test_markdown_to_mrkdwn(markdown: str, mrkdwn: str) -> None:
     assert markdown_to_mrkdwn(markdown) == mrkdwn
+
+
+def test_a_table_becomes_a_code_block_with_aligned_columns() -> None:
+    markdown = (
+        "Results:\n\n"
+        "| Name | Score | Link |\n"
+        "|:-----|------:|------|\n"
+        "| **Ann** | 10 | [docs](https://x.io) |\n"
+        "| Bob | 7 |\n"
+        "| `a<b` | 100 | x \\| y |\n"
+        "\nAfter."
+    )
+    assert markdown_to_mrkdwn(markdown) == (
+        "Results:\n\n"
+        "```\n"
+        "Name | Score | Link\n"
+        "-----+-------+--------------------\n"
+        "Ann  |    10 | docs (https://x.io)\n"
+        "Bob  |     7 |\n"
+        "a&lt;b  |   100 | x | y\n"  # Slack shows `&lt;` as one character
+        "```\n\n"
+        "After."
+    )
+
+
+@pytest.mark.parametrize(
+    "markdown",
+    ["a | b", "a | b\nnot a delimiter", "| a | b |\n|---|\n| 1 | 2 |", "x\n---\ny"],
+)
+def test_text_with_pipes_that_is_not_a_table_stays_prose(markdown: str) -> None:
+    assert FENCE not in markdown_to_mrkdwn(markdown)
 
 
 def test_the_model_cannot_write_slack_control_sequences() -> None:
