@@ -35,13 +35,18 @@ def base_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def llm_env(tmp_path: Path, fake: FakeOpenAI) -> dict[str, str]:
+    """`base_env` pointing at the fake OpenAI server."""
+    return base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake.base_url,
+        "OPENAI_API_KEY": fake.api_key or "",
+    }
+
+
 def test_one_shot_chat_twice_carries_the_first_turn(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = llm_env(tmp_path, fake_openai_thread)
     first = run_gateway(["chat", "-m", "my favourite colour is teal"], env, tmp_path)
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == "echo: my favourite colour is teal"
@@ -87,10 +92,7 @@ def test_one_shot_chat_twice_carries_the_first_turn(
 def test_one_shot_chat_is_quiet_unless_asked(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = llm_env(tmp_path, fake_openai_thread)
     quiet = run_gateway(["chat", "-m", "hello"], env, tmp_path)
     assert quiet.returncode == 0 and quiet.stdout == "echo: hello\n"
     assert quiet.stderr == ""
@@ -109,10 +111,7 @@ def test_one_shot_chat_is_quiet_unless_asked(
 def test_interactive_chat_reads_lines_until_eof(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = llm_env(tmp_path, fake_openai_thread)
     out = run_gateway(["chat", "--session", "work"], env, tmp_path, stdin="hello\n/status\n")
     assert out.returncode == 0, out.stderr
     assert "bot> echo: hello" in out.stdout
@@ -152,10 +151,7 @@ def test_init_writes_a_valid_config_once(tmp_path: Path) -> None:
 
 
 def test_cache_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = llm_env(tmp_path, fake_openai_thread)
     for session in ("a", "b"):
         out = run_gateway(["chat", "--session", session, "-m", "what is DNS?"], env, tmp_path)
         assert out.returncode == 0, out.stderr
@@ -180,10 +176,7 @@ def test_cache_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI)
 def test_cache_stats_count_lookups_of_other_processes(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = llm_env(tmp_path, fake_openai_thread)
     for session in ("a", "b", "c"):
         out = run_gateway(["chat", "--session", session, "-m", "what is TCP?"], env, tmp_path)
         assert out.returncode == 0, out.stderr
