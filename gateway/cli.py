@@ -21,6 +21,7 @@ from gateway import __version__
 from gateway.config import EXIT_CONFIG, ConfigError, Settings, load_settings, write_starter_config
 from gateway.llm.types import LLMConfigError
 from gateway.logs import setup_logging
+from gateway.workspace import WorkspaceError, cannot_write, check_workspace, write_denied
 
 if TYPE_CHECKING:
     from gateway.sessions import Session, SessionManager
@@ -449,6 +450,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if interactive and not args.log_level and level in ("TRACE", "DEBUG", "INFO"):
         level = "WARNING"  # keep the terminal chat readable
     setup_logging(level, settings.log.format, settings.secrets())
+    if args.command != "doctor":  # the doctor reports it among its findings instead
+        check_workspace(settings)
     handlers: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
         "run": cmd_run,
         "chat": cmd_chat,
@@ -479,6 +482,14 @@ def _user_error_code(exc: BaseException) -> int | None:
     if isinstance(exc, CommandError):
         print(f"gateway: {exc}", file=sys.stderr)
         return exc.code
+    if isinstance(exc, WorkspaceError):
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if write_denied(exc) and isinstance(exc, OSError) and exc.filename:
+        # Any file the gateway may not write (one owned by another user, say): the
+        # operator's to fix, like an unwritable workspace.
+        print(f"gateway: {cannot_write(exc.filename, exc)}", file=sys.stderr)
+        return EXIT_CONFIG
     if isinstance(exc, HttpBindError):
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_FAILED

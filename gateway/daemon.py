@@ -18,7 +18,6 @@ from gateway.agent.memory_tools import memory_tools
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket
 from gateway.config import AccessSection, ConfigError, Settings
-from gateway.fsutil import ensure_private_dir
 from gateway.gcpolicy import GCPolicy
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
@@ -26,6 +25,7 @@ from gateway.memory import MemoryStore
 from gateway.memory.consolidation import Consolidator
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions import SessionManager
+from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy
@@ -54,15 +54,10 @@ SPARE_FILES = 64
 
 
 def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:
-    """The sessions of the workspace; a long-running gateway passes `spare_files` (see
+    """The sessions of the workspace, once its folders are made and writable
+    (WorkspaceError otherwise); a long-running gateway passes `spare_files` (see
     `gateway.sessions.spares`), one-shot commands do not."""
-    try:
-        ensure_private_dir(settings.workspace_path)
-    except OSError as exc:
-        raise ConfigError(
-            f"workspace: cannot create {settings.workspace_path} ({exc.strerror}); "
-            "choose another with --workspace or GATEWAY_WORKSPACE"
-        ) from None
+    prepare_workspace(settings)
     return SessionManager(
         settings.sessions_dir,
         max_cache_size=settings.sessions.max_cache_size,
@@ -110,7 +105,11 @@ def build_cache(settings: Settings) -> SemanticCache | None:
                 near_duplicate_threshold=section.near_duplicate_threshold,
             ),
         )
-    except (ValueError, ImportError, OSError) as exc:
+    except OSError as exc:
+        if write_denied(exc):
+            raise cannot_write(exc.filename or url, exc) from None
+        raise ConfigError(f"cache: {exc}") from None
+    except (ValueError, ImportError) as exc:
         raise ConfigError(f"cache: {exc}") from None
 
 

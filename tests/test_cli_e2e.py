@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.fakes.openai_server import FakeOpenAI
@@ -15,10 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_gateway(
-    args: list[str], env: dict[str, str], cwd: Path, stdin: str | None = None
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    stdin: str | None = None,
+    *,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
+    """`gateway ARGS` as a subprocess; `prefix` runs it through a wrapper (e.g. setpriv)."""
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
+        [*prefix, sys.executable, "-m", "gateway.cli", *args],
         env=env,
         cwd=cwd,
         input=stdin,
