@@ -9,16 +9,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from gateway import __version__
-from gateway.config import EXIT_CONFIG, ConfigError, Settings, load_settings, write_starter_config
+from gateway.config import (
+    EXIT_CONFIG,
+    ConfigError,
+    Settings,
+    find_config_path,
+    load_settings,
+    write_starter_config,
+)
 from gateway.llm.types import LLMConfigError
 from gateway.logs import setup_logging
 from gateway.workspace import WorkspaceError, cannot_write, check_workspace, write_denied
@@ -366,7 +375,8 @@ def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.doctor import run_checks
 
-    findings = anyio.run(run_checks, settings)
+    config_path = find_config_path(args.config, os.environ)
+    findings = anyio.run(partial(run_checks, settings, config_path=config_path))
     for finding in findings:
         print(finding.line())
     failed = sum(f.status == "fail" for f in findings)
