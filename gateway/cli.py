@@ -1,7 +1,8 @@
 """Command line: `gateway run | chat | init | sessions ...`.
 
 Errors a user can cause end in one line on stderr and a distinct exit code, never a
-traceback: 2 for bad usage or input, 78 for configuration, 1 for a failed operation.
+traceback: 2 for bad usage or input, 78 for configuration (an unwritable workspace
+included), 73 when `gateway init` cannot create its file, 1 for a failed operation.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_CANTCREAT = 73  # sysexits: an output file cannot be created (`gateway init`)
 
 
 class CommandError(Exception):
@@ -142,7 +144,19 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def cmd_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    write_starter_config(path)
+    try:
+        write_starter_config(path)
+    except FileExistsError:
+        raise CommandError(
+            f"{path} already exists; not overwriting it (move it away, or give another path)",
+            EXIT_CANTCREAT,
+        ) from None
+    except OSError as exc:
+        where = exc.filename or path
+        raise CommandError(
+            f"cannot write {where} ({exc.strerror or exc}); give a path you can write to",
+            EXIT_CANTCREAT,
+        ) from None
     print(f"wrote {path}; edit it, then set OPENAI_API_KEY (or OPENAI_BASE_URL) and run it")
     return EXIT_OK
 

@@ -51,11 +51,14 @@ class LLMSettings(_Section):
         None,
         description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:11434/v1 for Ollama "
         "(also OPENAI_BASE_URL). Unset means api.openai.com.",
+        examples=["http://127.0.0.1:11434/v1"],
     )
     api_key: SecretStr | None = Field(
         None, description="Secret: only from OPENAI_API_KEY or GATEWAY_LLM__API_KEY."
     )
-    api_key_file: Path | None = Field(None, description="File holding the API key.")
+    api_key_file: Path | None = Field(
+        None, description="File holding the API key.", examples=["/run/secrets/openai_api_key"]
+    )
     fallback_models: list[str] = Field(
         default_factory=list, description="Models tried in order when the main one fails."
     )
@@ -68,7 +71,9 @@ class LLMSettings(_Section):
         description="Sampling temperature; answers sampled above cache.max_temperature are "
         "never cached.",
     )
-    max_tokens: int | None = Field(None, gt=0, description="Upper bound on reply tokens.")
+    max_tokens: int | None = Field(
+        None, gt=0, description="Upper bound on reply tokens.", examples=[1024]
+    )
     context_window: int = Field(
         32_768, gt=256, description="The model's context window, in tokens."
     )
@@ -129,6 +134,7 @@ class CacheSettingsSection(_Section):
         None,
         description="Backend: unset for a SQLite file in the workspace, or redis://host:port/db "
         "to share the cache between replicas.",
+        examples=["redis://127.0.0.1:6379/0"],
     )
     namespace: str = Field("gateway:cache:", description="Redis key prefix.")
     ttl_seconds: float = Field(3600.0, gt=0, description="How long an answer stays valid.")
@@ -160,7 +166,9 @@ class MemorySettings(_Section):
         True, description="Summarize old turns into memory in the background."
     )
     consolidation_model: str | None = Field(
-        None, description="A cheaper model for consolidation; unset = llm.model."
+        None,
+        description="A cheaper model for consolidation; unset = llm.model.",
+        examples=["gpt-4o-mini"],
     )
     consolidation_timeout: float = Field(
         120.0, gt=0, description="Seconds one consolidation may take."
@@ -242,7 +250,8 @@ class HeartbeatJobSettings(_Section):
 class HeartbeatSettings(_Section):
     jobs: dict[str, HeartbeatJobSettings] = Field(
         default_factory=dict,
-        description="Scheduled jobs, one [heartbeat.jobs.NAME] table each.",
+        description="Scheduled jobs: a [heartbeat.jobs.NAME] table or a jobs.NAME = { ... } "
+        "line each.",
     )
 
 
@@ -299,7 +308,9 @@ class TelegramSettings(AccessSection):
     token: SecretStr | None = Field(
         None, description="Secret: the BotFather token, from GATEWAY_CHANNELS__TELEGRAM__TOKEN."
     )
-    token_file: Path | None = Field(None, description="File holding the bot token.")
+    token_file: Path | None = Field(
+        None, description="File holding the bot token.", examples=["/run/secrets/telegram_token"]
+    )
     mode: Literal["polling", "webhook"] = Field(
         "polling", description="polling (no public URL needed) or webhook."
     )
@@ -307,12 +318,18 @@ class TelegramSettings(AccessSection):
         None,
         description="Bot API server for self-hosted servers, e.g. http://127.0.0.1:8081/bot "
         "(the token is appended).",
+        examples=["http://127.0.0.1:8081/bot"],
     )
-    base_file_url: str | None = Field(None, description="File download URL prefix, likewise.")
+    base_file_url: str | None = Field(
+        None,
+        description="File download URL prefix, likewise.",
+        examples=["http://127.0.0.1:8081/file/bot"],
+    )
     webhook_url: str | None = Field(
         None,
         description="Public HTTPS URL that reaches this gateway's /telegram/webhook "
         "(webhook mode).",
+        examples=["https://bot.example.com/telegram/webhook"],
     )
     webhook_secret: SecretStr | None = Field(
         None,
@@ -343,10 +360,13 @@ class SlackSettings(AccessSection):
         "socket", description="socket (no public URL needed) or http (/slack/events)."
     )
     base_url: str | None = Field(
-        None, description="Web API URL, e.g. https://slack-gov.com/api/ for GovSlack."
+        None,
+        description="Web API URL, e.g. https://slack-gov.com/api/ for GovSlack.",
+        examples=["https://slack-gov.com/api/"],
     )
     reply_mode: Literal["thread", "channel"] = Field(
-        "thread", description="thread = always answer in a thread; channel = in the channel."
+        "thread",
+        description="Where to answer: thread = always in a thread, channel = in the channel.",
     )
 
 
@@ -593,7 +613,10 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
             body.extend(_EXAMPLES.get(f"{header}.{name}" if header else name, []))
             continue
         if value is None:
-            body.append(f"# {name} = ")
+            # Commented out, with an example that is valid when uncommented; a field
+            # without an example keeps only its description.
+            if field.examples:
+                body.append("# " + tomli_w.dumps({name: field.examples[0]}).rstrip("\n"))
         else:
             plain = str(value) if isinstance(value, Path) else value
             body.append(tomli_w.dumps({name: plain}).rstrip("\n"))
@@ -607,13 +630,11 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
     return lines
 
 
+# One line each, so that uncommenting a line gives a valid config.
 _EXAMPLES: dict[str, list[str]] = {
     "heartbeat.jobs": [
-        "# [heartbeat.jobs.morning]",
-        '# cron = "0 8 * * 1-5"',
-        '# timezone = "Europe/Berlin"',
-        '# prompt_file = "HEARTBEAT.md"',
-        '# deliver_to = "telegram:123456"',
+        '# jobs.morning = { cron = "0 8 * * 1-5", timezone = "Europe/Berlin", '
+        'prompt = "Anything on my calendar today?" }',
     ],
 }
 
@@ -632,9 +653,8 @@ def starter_toml() -> str:
 
 
 def write_starter_config(path: Path) -> None:
-    """Write the starter config; never overwrites an existing file."""
-    try:
-        with path.open("x", encoding="utf-8") as fh:
-            fh.write(starter_toml())
-    except FileExistsError:
-        raise ConfigError(f"{path} already exists; not overwriting it") from None
+    """Write the starter config, making missing parent folders; never overwrites an
+    existing file (FileExistsError). Other OSErrors are the caller's to report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("x", encoding="utf-8") as fh:
+        fh.write(starter_toml())

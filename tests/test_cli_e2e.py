@@ -133,7 +133,14 @@ def test_init_writes_a_valid_config_once(tmp_path: Path) -> None:
     made = run_gateway(["init"], env, tmp_path)
     assert made.returncode == 0 and (tmp_path / "gateway.toml").exists()
     again = run_gateway(["init"], env, tmp_path)
-    assert again.returncode == 78 and "already exists" in again.stderr
+    assert again.returncode == 73, again.stderr  # EX_CANTCREAT: not a config error
+    assert again.stderr.strip() == (
+        "gateway: gateway.toml already exists; not overwriting it "
+        "(move it away, or give another path)"
+    )
+    nested = run_gateway(["init", "sub/dir/g.toml"], env, tmp_path)
+    assert nested.returncode == 0, nested.stderr
+    assert (tmp_path / "sub" / "dir" / "g.toml").is_file()
 
 
 def test_cache_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -95,6 +96,30 @@ def test_init_never_overwrites(tmp_path: Path) -> None:
     write_starter_config(path)
     assert load_settings(path, environ={}) == Settings()
     path.write_text("# mine\n")
-    with pytest.raises(ConfigError, match="already exists"):
+    with pytest.raises(FileExistsError):
         write_starter_config(path)
     assert path.read_text() == "# mine\n"
+
+
+def test_init_makes_missing_parent_folders(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "dir" / "g.toml"
+    write_starter_config(path)
+    assert load_settings(path, environ={}) == Settings()
+
+
+COMMENTED_KEY = re.compile(r"^# ([a-z_]+(\.[a-z_]+)*) = ")
+
+
+def test_every_commented_key_of_the_template_is_valid_when_uncommented(tmp_path: Path) -> None:
+    lines = starter_toml().splitlines()
+    commented = [i for i, line in enumerate(lines) if COMMENTED_KEY.match(line)]
+    assert len(commented) >= 10  # base_url, api_key_file, max_tokens, cache url, ...
+    for i in commented:
+        edited = [*lines[:i], lines[i].removeprefix("# "), *lines[i + 1 :]]
+        path = tmp_path / f"line{i}.toml"
+        path.write_text("\n".join(edited) + "\n")
+        try:
+            settings = load_settings(path, environ={})
+        except ConfigError as exc:
+            raise AssertionError(f"uncommenting {lines[i]!r} gives: {exc}") from None
+        assert settings != Settings(), f"{lines[i]!r} changes nothing when uncommented"

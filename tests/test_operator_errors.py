@@ -104,3 +104,17 @@ def test_a_writable_workspace_still_works_under_the_same_wrapper(
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "echo: hi"
     assert stat.S_IMODE(os.stat(tmp_path / "ws").st_mode) == 0o700
+
+
+def test_init_where_it_cannot_write_is_one_line(tmp_path: Path) -> None:
+    prefix = unprivileged()
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        out = run_gateway(
+            ["init", "locked/sub/g.toml"], base_env(tmp_path), tmp_path, prefix=prefix
+        )
+    finally:
+        locked.chmod(0o700)
+    assert out.returncode == 73
+    assert_one_line(out.stderr, "cannot write locked/sub (Permission denied)")
