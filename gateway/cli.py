@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from loguru import logger
 
 from gateway import __version__
 from gateway.config import (
     EXIT_CONFIG,
     ConfigError,
     Settings,
+    env_warnings,
     find_config_path,
     load_settings,
     write_starter_config,
@@ -474,7 +476,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if interactive and not args.log_level and level in ("TRACE", "DEBUG", "INFO"):
         level = "WARNING"  # keep the terminal chat readable
     setup_logging(level, settings.log.format, settings.secrets())
-    if args.command != "doctor":  # the doctor reports it among its findings instead
+    if args.command != "doctor":  # the doctor reports these among its findings instead
+        for warning in env_warnings(os.environ):
+            logger.warning(warning)
         check_workspace(settings)
     handlers: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
         "run": cmd_run,

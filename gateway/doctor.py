@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import anyio
 
-from gateway.config import ConfigError, Settings
+from gateway.config import ConfigError, Settings, env_warnings
 from gateway.workspace import WorkspaceError, prepare_workspace
 
 Status = Literal["ok", "warn", "fail"]
@@ -324,6 +324,7 @@ async def run_checks(settings: Settings, *, config_path: Path | None = None) -> 
     """Everything `gateway run` will need, checked the way `run` uses it: the workspace
     is made, the HTTP port is listened on, the LLM and platforms are asked."""
     findings = [Finding("ok", "configuration is valid")]
+    findings += [Finding("warn", warning) for warning in env_warnings(os.environ)]
     findings += check_config_file(config_path)
     findings += check_workspace(settings, config_path=config_path)
     findings += await check_llm(settings)

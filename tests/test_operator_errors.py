@@ -118,3 +118,24 @@ def test_init_where_it_cannot_write_is_one_line(tmp_path: Path) -> None:
         locked.chmod(0o700)
     assert out.returncode == 73
     assert_one_line(out.stderr, "cannot write locked/sub (Permission denied)")
+
+
+def test_a_misspelt_variable_is_warned_about_with_the_closest_key(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = llm_env(tmp_path, fake_openai_thread) | {"GATEWAY_HTTP_PORT": "9000"}
+    out = run_gateway(["sessions", "list"], env, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "GATEWAY_HTTP_PORT is not a setting and is ignored; did you mean GATEWAY_HTTP__PORT?"
+        in (out.stderr)
+    )
+    checked = run_gateway(["doctor"], env, tmp_path)
+    assert "warn  GATEWAY_HTTP_PORT is not a setting" in checked.stdout
+
+
+def test_a_quoted_boolean_in_the_config_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "gateway.toml").write_text('[cache]\nenabled = "yes"\n')
+    out = run_gateway(["sessions", "list"], base_env(tmp_path), tmp_path)
+    assert out.returncode == EX_CONFIG
+    assert_one_line(out.stderr, "cache.enabled: expected true or false, got 'yes'")
