@@ -165,8 +165,10 @@ def test_a_whole_number_is_a_fine_float(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("raw", "value"),
-    [("true", True), ("1", True), ("Yes", True), ("ON", True)]
-    + [("false", False), ("0", False), ("no", False), ("off", False)],
+    [
+        *[(word, True) for word in ("true", "1", "Yes", "ON")],
+        *[(word, False) for word in ("false", "0", "no", "off")],
+    ],
 )
 def test_environment_booleans_read_the_usual_words(raw: str, value: bool) -> None:
     env = {"GATEWAY_CACHE__ENABLED": raw, "GATEWAY_LLM__STREAM": raw}
@@ -192,9 +194,9 @@ def test_environment_values_are_read_by_the_type_of_their_key() -> None:
     assert settings.agent.system_prompt == '["not", "a", "list"]'
     assert settings.llm.fallback_models == ["a", "b"]
     assert settings.heartbeat.jobs["disks"].prompt == "42"
-    with pytest.raises(ConfigError, match="cache.enabled: expected true or false, got 'maybe'"):
+    with pytest.raises(ConfigError, match=r"cache\.enabled: expected true or false, got 'maybe'"):
         load_settings(None, environ={"GATEWAY_CACHE__ENABLED": "maybe"})
-    with pytest.raises(ConfigError, match="http.port: expected a whole number"):
+    with pytest.raises(ConfigError, match=r"http\.port: expected a whole number"):
         load_settings(None, environ={"GATEWAY_HTTP__PORT": "eighty"})
 
 

@@ -523,3 +523,53 @@ async def test_a_running_heartbeat_is_not_started_again(
     first, second = fake_openai.chat_requests[:2]
     # Due every second, but the second run starts only after the first one finished.
     assert second.timestamp - first.timestamp >= 2.4
+
+
+def test_two_sigints_end_the_drain_once_without_a_traceback(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    fake_openai_thread.add_delay(10, "too late")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
+    env |= {
+        "PYTHONPATH": str(ROOT),
+        "GATEWAY_WORKSPACE": str(tmp_path / "ws"),
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_HTTP__TOKEN": TOKEN,
+        "GATEWAY_HTTP__PORT": "0",
+    }
+    gateway = GatewayProcess(env, tmp_path)
+    proc = gateway.proc
+    result: dict[str, Any] = {}
+    try:
+        port = gateway.wait_ready()
+
+        def ask() -> None:
+            import urllib.request
+
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/api/chat",
+                data=json.dumps({"session": "sig", "text": "long job"}).encode(),
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=20) as resp:
+                result.update(json.loads(resp.read()))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        fake_openai_thread.wait_for_requests(1, timeout=10)
+        proc.send_signal(signal.SIGINT)
+        gateway.wait_for_line("draining:")
+        proc.send_signal(signal.SIGINT)
+        # Well within the 30 s grace: the second SIGINT ended it.
+        assert proc.wait(10) == 0  # what one SIGINT (or SIGTERM) exits with
+        asker.join(10)
+    finally:
+        gateway.stop()
+    log = "".join(gateway.log)
+    assert "Traceback" not in log and "unhandled exception" not in log
+    assert log.count("draining:") == 1 and log.count("drained in") == 1
+    assert log.count("second SIGINT") == 1
+    assert result.get("error") is True and "send it again" in result["reply"]
+    session = tmp_path / "ws" / "sessions" / f"{encode_key('api:sig')}.jsonl"
+    assert "long job" in session.read_text()  # what the user said is kept
