@@ -338,6 +338,14 @@ def _print_tree(session: Session) -> None:
         walk(root, "", i == len(roots) - 1, True)
 
 
+_NOTHING_REMEMBERED = {
+    "show": "no remembered facts for {key} yet",
+    "search": "no matching facts",
+    "history": "no matching history",
+    "knowledge": "the knowledge base is empty",
+}
+
+
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.memory import MemoryStore
 
@@ -346,22 +354,28 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "compact":
         return _memory_compact(args, settings)
     store = MemoryStore(settings.workspace_path, mode=settings.memory.scope)
+    if not store.exists(args.key):
+        # Nothing remembered yet: say so without making the scope's folder.
+        print(_NOTHING_REMEMBERED[args.action].format(key=args.key))
+        return EXIT_OK
     try:
         manager = store.for_session(args.key)
         if args.action == "show":
             text = manager.read_memory()
-            print(text.rstrip() if text.strip() else f"no remembered facts for {args.key} yet")
+            print(
+                text.rstrip() if text.strip() else _NOTHING_REMEMBERED["show"].format(key=args.key)
+            )
         elif args.action == "search":
             hits = manager.search_memory(args.query, category=args.category)
-            print("\n".join(hits) if hits else "no matching facts")
+            print("\n".join(hits) if hits else _NOTHING_REMEMBERED["search"])
         elif args.action == "history":
             hits = manager.search_history(args.query)
-            print("\n".join(hits) if hits else "no matching history")
+            print("\n".join(hits) if hits else _NOTHING_REMEMBERED["history"])
         else:
             kb = manager.knowledge
             entries = kb.by_category(args.category) if args.category else list(kb)
             if not entries:
-                print("the knowledge base is empty")
+                print(_NOTHING_REMEMBERED["knowledge"])
             for entry in entries:
                 print(f"[{entry.category}] {entry.content}  (used {entry.access_count}x)")
     finally:
@@ -379,11 +393,17 @@ def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:
     async def main() -> int:
         try:
             assert gateway.consolidator is not None
-            outcome = await gateway.consolidator.consolidate_now(args.key, force=True)
+            # This process will not be there for a retry: no "retrying in 30s".
+            outcome = await gateway.consolidator.consolidate_now(args.key, force=True, retry=False)
         finally:
             await gateway.aclose()
+        if not outcome.ok:
+            raise CommandError(
+                f"compacting {args.key} failed, nothing was lost ({outcome.error}); "
+                "`gateway doctor` checks the LLM, then run it again"
+            )
         print(outcome.describe())
-        return EXIT_OK if outcome.ok else EXIT_FAILED
+        return EXIT_OK
 
     return anyio.run(main)
 
@@ -408,8 +428,14 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
         cli_pairing_list,
         cli_pairing_revoke,
     )
-    from gateway.daemon import build_session_manager, pairing_path
+    from gateway.daemon import access_policies, build_session_manager, pairing_path
 
+    channels = sorted(access_policies(settings))  # the platforms that pair senders
+    if args.channel is not None and args.channel not in channels:
+        raise CommandError(
+            f"unknown channel {args.channel!r}; pairing is for {' and '.join(channels)}",
+            EXIT_USAGE,
+        )
     build_session_manager(settings).close()  # creates the private workspace if needed
     store = PairingStore(pairing_path(settings))
     try:
@@ -475,6 +501,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     level = settings.log.level
     if interactive and not args.log_level and level in ("TRACE", "DEBUG", "INFO"):
         level = "WARNING"  # keep the terminal chat readable
+    if args.command == "memory" and not args.log_level and level not in ("TRACE", "DEBUG"):
+        level = "ERROR"  # a memory command says in one line how it went; logs would repeat it
     setup_logging(level, settings.log.format, settings.secrets())
     if args.command != "doctor":  # the doctor reports these among its findings instead
         for warning in env_warnings(os.environ):

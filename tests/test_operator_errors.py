@@ -139,3 +139,49 @@ def test_a_quoted_boolean_in_the_config_is_refused(tmp_path: Path) -> None:
     out = run_gateway(["sessions", "list"], base_env(tmp_path), tmp_path)
     assert out.returncode == EX_CONFIG
     assert_one_line(out.stderr, "cache.enabled: expected true or false, got 'yes'")
+
+
+def test_memory_commands_for_an_unknown_key_create_nothing(tmp_path: Path) -> None:
+    env = base_env(tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir(mode=0o700)
+    for args, said in [
+        (["show", "nope"], "no remembered facts for nope yet"),
+        (["search", "nope", "tea"], "no matching facts"),
+        (["history", "nope", "tea"], "no matching history"),
+        (["knowledge", "nope"], "the knowledge base is empty"),
+    ]:
+        out = run_gateway(["memory", *args], env, tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == said
+    assert os.listdir(ws) == []  # no memory/nope, not even memory/
+
+
+def test_memory_compact_that_fails_says_so_once_and_promises_no_retry(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = llm_env(tmp_path, fake_openai_thread) | {
+        "GATEWAY_AGENT__MEMORY_WINDOW": "2",
+        "GATEWAY_MEMORY__AUTO_CONSOLIDATE": "false",
+        "GATEWAY_LLM__MAX_RETRIES": "0",
+    }
+    for text in ("I like green tea", "The launch is on Friday", "Remind me later"):
+        assert run_gateway(["chat", "-m", text], env, tmp_path).returncode == 0
+    fake_openai_thread.fail_model("gpt-4o-mini", status=500)
+    out = run_gateway(["memory", "compact", "cli:direct"], env, tmp_path)
+    assert out.returncode == 1
+    assert out.stdout == ""
+    assert_one_line(out.stderr, "gateway: compacting cli:direct failed, nothing was lost")
+    assert "retry" not in out.stderr.lower()
+    shown = run_gateway(["sessions", "show", "cli:direct"], env, tmp_path)
+    assert "[user] I like green tea" in shown.stdout  # history kept
+
+
+def test_pairing_refuses_an_unknown_channel(tmp_path: Path) -> None:
+    env = base_env(tmp_path)
+    for args in (["approve", "foo", "CODE"], ["list", "foo"], ["revoke", "foo", "123"]):
+        out = run_gateway(["pairing", *args], env, tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert_one_line(out.stderr, "unknown channel 'foo'; pairing is for slack and telegram")
+    known = run_gateway(["pairing", "approve", "telegram", "CODE"], env, tmp_path)
+    assert known.returncode == 1 and "no pending request on telegram" in known.stderr
