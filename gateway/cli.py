@@ -1,7 +1,8 @@
 """Command line: `gateway run | chat | init | sessions ...`.
 
 Errors a user can cause end in one line on stderr and a distinct exit code, never a
-traceback: 2 for bad usage or input, 78 for configuration, 1 for a failed operation.
+traceback: 2 for bad usage or input, 78 for configuration (an unwritable workspace
+included), 73 when `gateway init` cannot create its file, 1 for a failed operation.
 """
 
 from __future__ import annotations
@@ -9,18 +10,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from loguru import logger
 
 from gateway import __version__
-from gateway.config import EXIT_CONFIG, ConfigError, Settings, load_settings, write_starter_config
+from gateway.config import (
+    EXIT_CONFIG,
+    ConfigError,
+    Settings,
+    env_warnings,
+    find_config_path,
+    load_settings,
+    write_starter_config,
+)
 from gateway.llm.types import LLMConfigError
 from gateway.logs import setup_logging
+from gateway.workspace import WorkspaceError, cannot_write, check_workspace, write_denied
 
 if TYPE_CHECKING:
     from gateway.sessions import Session, SessionManager
@@ -28,6 +41,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_CANTCREAT = 73  # sysexits: an output file cannot be created (`gateway init`)
 
 
 class CommandError(Exception):
@@ -137,7 +151,19 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def cmd_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    write_starter_config(path)
+    try:
+        write_starter_config(path)
+    except FileExistsError:
+        raise CommandError(
+            f"{path} already exists; not overwriting it (move it away, or give another path)",
+            EXIT_CANTCREAT,
+        ) from None
+    except OSError as exc:
+        where = exc.filename or path
+        raise CommandError(
+            f"cannot write {where} ({exc.strerror or exc}); give a path you can write to",
+            EXIT_CANTCREAT,
+        ) from None
     print(f"wrote {path}; edit it, then set OPENAI_API_KEY (or OPENAI_BASE_URL) and run it")
     return EXIT_OK
 
@@ -317,6 +343,14 @@ def _print_tree(session: Session) -> None:
         walk(root, "", i == len(roots) - 1, True)
 
 
+_NOTHING_REMEMBERED = {
+    "show": "no remembered facts for {key} yet",
+    "search": "no matching facts",
+    "history": "no matching history",
+    "knowledge": "the knowledge base is empty",
+}
+
+
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.memory import MemoryStore
 
@@ -325,22 +359,28 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "compact":
         return _memory_compact(args, settings)
     store = MemoryStore(settings.workspace_path, mode=settings.memory.scope)
+    if not store.exists(args.key):
+        # Nothing remembered yet: say so without making the scope's folder.
+        print(_NOTHING_REMEMBERED[args.action].format(key=args.key))
+        return EXIT_OK
     try:
         manager = store.for_session(args.key)
         if args.action == "show":
             text = manager.read_memory()
-            print(text.rstrip() if text.strip() else f"no remembered facts for {args.key} yet")
+            print(
+                text.rstrip() if text.strip() else _NOTHING_REMEMBERED["show"].format(key=args.key)
+            )
         elif args.action == "search":
             hits = manager.search_memory(args.query, category=args.category)
-            print("\n".join(hits) if hits else "no matching facts")
+            print("\n".join(hits) if hits else _NOTHING_REMEMBERED["search"])
         elif args.action == "history":
             hits = manager.search_history(args.query)
-            print("\n".join(hits) if hits else "no matching history")
+            print("\n".join(hits) if hits else _NOTHING_REMEMBERED["history"])
         else:
             kb = manager.knowledge
             entries = kb.by_category(args.category) if args.category else list(kb)
             if not entries:
-                print("the knowledge base is empty")
+                print(_NOTHING_REMEMBERED["knowledge"])
             for entry in entries:
                 print(f"[{entry.category}] {entry.content}  (used {entry.access_count}x)")
     finally:
@@ -358,11 +398,17 @@ def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:
     async def main() -> int:
         try:
             assert gateway.consolidator is not None
-            outcome = await gateway.consolidator.consolidate_now(args.key, force=True)
+            # This process will not be there for a retry: no "retrying in 30s".
+            outcome = await gateway.consolidator.consolidate_now(args.key, force=True, retry=False)
         finally:
             await gateway.aclose()
+        if not outcome.ok:
+            raise CommandError(
+                f"compacting {args.key} failed, nothing was lost ({outcome.error}); "
+                "`gateway doctor` checks the LLM, then run it again"
+            )
         print(outcome.describe())
-        return EXIT_OK if outcome.ok else EXIT_FAILED
+        return EXIT_OK
 
     return anyio.run(main)
 
@@ -370,7 +416,8 @@ def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.doctor import run_checks
 
-    findings = anyio.run(run_checks, settings)
+    config_path = find_config_path(args.config, os.environ)
+    findings = anyio.run(partial(run_checks, settings, config_path=config_path))
     for finding in findings:
         print(finding.line())
     failed = sum(f.status == "fail" for f in findings)
@@ -386,8 +433,14 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
         cli_pairing_list,
         cli_pairing_revoke,
     )
-    from gateway.daemon import build_session_manager, pairing_path
+    from gateway.daemon import access_policies, build_session_manager, pairing_path
 
+    channels = sorted(access_policies(settings))  # the platforms that pair senders
+    if args.channel is not None and args.channel not in channels:
+        raise CommandError(
+            f"unknown channel {args.channel!r}; pairing is for {' and '.join(channels)}",
+            EXIT_USAGE,
+        )
     build_session_manager(settings).close()  # creates the private workspace if needed
     store = PairingStore(pairing_path(settings))
     try:
@@ -447,6 +500,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_init(args)
     settings = _settings(args)
     setup_logging(_log_level(args, settings), settings.log.format, settings.secrets())
+    if args.command != "doctor":  # the doctor reports these among its findings instead
+        for warning in env_warnings(os.environ):
+            logger.warning(warning)
+        check_workspace(settings)
     handlers: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
         "run": cmd_run,
         "chat": cmd_chat,
@@ -470,6 +527,8 @@ def _log_level(args: argparse.Namespace, settings: Settings) -> str:
     daemon = args.command == "run" and not terminal_chat
     if args.verbose:
         return "INFO" if level in ("WARNING", "ERROR", "CRITICAL") else level
+    if args.command == "memory" and level not in ("TRACE", "DEBUG"):
+        return "ERROR"  # a memory command says in one line how it went; logs would repeat it
     if not daemon and level in ("TRACE", "DEBUG", "INFO"):
         return "WARNING"
     return level
@@ -493,6 +552,14 @@ def _user_error_code(exc: BaseException) -> int | None:
     if isinstance(exc, CommandError):
         print(f"gateway: {exc}", file=sys.stderr)
         return exc.code
+    if isinstance(exc, WorkspaceError):
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if write_denied(exc) and isinstance(exc, OSError) and exc.filename:
+        # Any file the gateway may not write (one owned by another user, say): the
+        # operator's to fix, like an unwritable workspace.
+        print(f"gateway: {cannot_write(exc.filename, exc)}", file=sys.stderr)
+        return EXIT_CONFIG
     if isinstance(exc, HttpBindError):
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_FAILED

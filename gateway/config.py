@@ -5,15 +5,25 @@ Precedence, lowest first: built-in defaults, gateway.toml, the conventional
 OPENAI_API_KEY / OPENAI_BASE_URL, GATEWAY_<SECTION>__<KEY> variables, command-line flags.
 Secrets (API keys, tokens) come only from the environment or from files named in the
 config; a secret written into gateway.toml is refused, and secrets are never printed.
+
+Types are strict: in gateway.toml a boolean is `true`/`false` and a number is unquoted
+(`enabled = "yes"` or `port = "9000"` is refused, not guessed at). Environment values
+are always strings, so they are read by the type of their key: a boolean key takes
+true/false, 1/0, yes/no or on/off (any case), a number key a TOML number, a string key
+the value as it is, a list key a TOML array. A GATEWAY_* variable that is no key but
+looks like one (`GATEWAY_HTTP_PORT`, one underscore) is reported by `env_warnings`.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import (
@@ -25,6 +35,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_NAME = "gateway.toml"
@@ -51,11 +62,14 @@ class LLMSettings(_Section):
         None,
         description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:11434/v1 for Ollama "
         "(also OPENAI_BASE_URL). Unset means api.openai.com.",
+        examples=["http://127.0.0.1:11434/v1"],
     )
     api_key: SecretStr | None = Field(
         None, description="Secret: only from OPENAI_API_KEY or GATEWAY_LLM__API_KEY."
     )
-    api_key_file: Path | None = Field(None, description="File holding the API key.")
+    api_key_file: Path | None = Field(
+        None, description="File holding the API key.", examples=["/run/secrets/openai_api_key"]
+    )
     fallback_models: list[str] = Field(
         default_factory=list, description="Models tried in order when the main one fails."
     )
@@ -68,7 +82,9 @@ class LLMSettings(_Section):
         description="Sampling temperature; answers sampled above cache.max_temperature are "
         "never cached.",
     )
-    max_tokens: int | None = Field(None, gt=0, description="Upper bound on reply tokens.")
+    max_tokens: int | None = Field(
+        None, gt=0, description="Upper bound on reply tokens.", examples=[1024]
+    )
     context_window: int = Field(
         32_768, gt=256, description="The model's context window, in tokens."
     )
@@ -129,6 +145,7 @@ class CacheSettingsSection(_Section):
         None,
         description="Backend: unset for a SQLite file in the workspace, or redis://host:port/db "
         "to share the cache between replicas.",
+        examples=["redis://127.0.0.1:6379/0"],
     )
     namespace: str = Field("gateway:cache:", description="Redis key prefix.")
     ttl_seconds: float = Field(3600.0, gt=0, description="How long an answer stays valid.")
@@ -160,7 +177,9 @@ class MemorySettings(_Section):
         True, description="Summarize old turns into memory in the background."
     )
     consolidation_model: str | None = Field(
-        None, description="A cheaper model for consolidation; unset = llm.model."
+        None,
+        description="A cheaper model for consolidation; unset = llm.model.",
+        examples=["gpt-4o-mini"],
     )
     consolidation_timeout: float = Field(
         120.0, gt=0, description="Seconds one consolidation may take."
@@ -242,7 +261,8 @@ class HeartbeatJobSettings(_Section):
 class HeartbeatSettings(_Section):
     jobs: dict[str, HeartbeatJobSettings] = Field(
         default_factory=dict,
-        description="Scheduled jobs, one [heartbeat.jobs.NAME] table each.",
+        description="Scheduled jobs: a [heartbeat.jobs.NAME] table or a jobs.NAME = { ... } "
+        "line each.",
     )
 
 
@@ -299,7 +319,9 @@ class TelegramSettings(AccessSection):
     token: SecretStr | None = Field(
         None, description="Secret: the BotFather token, from GATEWAY_CHANNELS__TELEGRAM__TOKEN."
     )
-    token_file: Path | None = Field(None, description="File holding the bot token.")
+    token_file: Path | None = Field(
+        None, description="File holding the bot token.", examples=["/run/secrets/telegram_token"]
+    )
     mode: Literal["polling", "webhook"] = Field(
         "polling", description="polling (no public URL needed) or webhook."
     )
@@ -307,12 +329,18 @@ class TelegramSettings(AccessSection):
         None,
         description="Bot API server for self-hosted servers, e.g. http://127.0.0.1:8081/bot "
         "(the token is appended).",
+        examples=["http://127.0.0.1:8081/bot"],
     )
-    base_file_url: str | None = Field(None, description="File download URL prefix, likewise.")
+    base_file_url: str | None = Field(
+        None,
+        description="File download URL prefix, likewise.",
+        examples=["http://127.0.0.1:8081/file/bot"],
+    )
     webhook_url: str | None = Field(
         None,
         description="Public HTTPS URL that reaches this gateway's /telegram/webhook "
         "(webhook mode).",
+        examples=["https://bot.example.com/telegram/webhook"],
     )
     webhook_secret: SecretStr | None = Field(
         None,
@@ -343,10 +371,13 @@ class SlackSettings(AccessSection):
         "socket", description="socket (no public URL needed) or http (/slack/events)."
     )
     base_url: str | None = Field(
-        None, description="Web API URL, e.g. https://slack-gov.com/api/ for GovSlack."
+        None,
+        description="Web API URL, e.g. https://slack-gov.com/api/ for GovSlack.",
+        examples=["https://slack-gov.com/api/"],
     )
     reply_mode: Literal["thread", "channel"] = Field(
-        "thread", description="thread = always answer in a thread; channel = in the channel."
+        "thread",
+        description="Where to answer: thread = always in a thread, channel = in the channel.",
     )
 
 
@@ -370,8 +401,10 @@ class ChannelsSettings(_Section):
 class Settings(_Section):
     """Everything the gateway reads from configuration, validated and frozen."""
 
-    workspace: Path = Field(
-        Path("~/.gateway"), description="Folder for sessions, memory and cache."
+    # The default is a string, validated into a Path like one read from gateway.toml
+    # (strict validation of defaults takes no Path object).
+    workspace: Path = Field(  # type: ignore[assignment]
+        "~/.gateway", description="Folder for sessions, memory and cache."
     )
     workspace_io: Literal["loop", "threads"] = Field(
         "loop",
@@ -459,10 +492,51 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _parse_env_value(raw: str) -> Any:
-    """An environment value as TOML if it reads as one (numbers, booleans, arrays),
-    else as a plain string: GATEWAY_HTTP__PORT=9000 is an int, GATEWAY_LLM__MODEL=gpt-4o
-    a string, GATEWAY_LLM__FALLBACK_MODELS='["a", "b"]' a list."""
+_ENV_TRUE = frozenset({"true", "1", "yes", "on"})
+_ENV_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+def _core_type(annotation: Any) -> Any:
+    """`X` of `X | None`; the annotation itself otherwise."""
+    if get_origin(annotation) in (Union, UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _field_at(path: list[str]) -> FieldInfo | None:
+    """The field a dotted config path names (through [heartbeat.jobs.NAME] tables too),
+    or None if it names none."""
+    model: Any = Settings
+    field: FieldInfo | None = None
+    parts = iter(path)
+    for part in parts:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        model = _core_type(field.annotation)
+        if get_origin(model) is dict:
+            if next(parts, None) is None:
+                return field
+            model = get_args(model)[1]
+    return field
+
+
+def _parse_env_value(path: list[str], raw: str) -> Any:
+    """An environment value (always a string) read by the type of its key: booleans
+    from true/false, 1/0, yes/no, on/off; strings as they are; numbers, lists and
+    tables as TOML. A value that fits no reading stays a string, for validation to
+    refuse with a message."""
+    field = _field_at(path)
+    kind = _core_type(field.annotation) if field is not None else None
+    if kind is bool:
+        word = raw.strip().lower()
+        return True if word in _ENV_TRUE else False if word in _ENV_FALSE else raw
+    if kind in (str, Path, SecretStr) or get_origin(kind) is Literal:
+        return raw
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -486,18 +560,90 @@ def _env_name(loc: tuple[Any, ...]) -> str:
     return ENV_PREFIX + "__".join(str(p).upper() for p in loc)
 
 
+_EXPECTED = {
+    "bool_type": "expected true or false",
+    "int_type": "expected a whole number",
+    "float_type": "expected a number",
+}
+
+
 def _describe(error: Mapping[str, Any]) -> str:
     loc = tuple(error.get("loc", ()))
     dotted = ".".join(str(p) for p in loc) or "(top level)"
     kind = error.get("type", "")
     if kind == "extra_forbidden":
-        return f"{dotted}: unknown key; check its spelling against `gateway init` output"
+        near = _closest(dotted, all_keys())
+        hint = f"did you mean {near}?" if near else "check its spelling against `gateway init`"
+        return f"{dotted}: unknown key; {hint}"
     if kind == "missing":
         return f"{dotted}: required; set it in gateway.toml or as {_env_name(loc)}"
+    if kind in _EXPECTED:
+        given = error.get("input")
+        unquote = " (write it without quotes)" if isinstance(given, str) else ""
+        return (
+            f"{dotted}: {_EXPECTED[kind]}, got {given!r}{unquote}; "
+            f"fix it in gateway.toml or {_env_name(loc)}"
+        )
     return (
         f"{dotted}: {error.get('msg', 'invalid value')} (got {error.get('input')!r}); "
         f"fix it in gateway.toml or {_env_name(loc)}"
     )
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the configuration; a heartbeat job's keys with the job's
+    name as `NAME` (heartbeat.jobs.NAME.every)."""
+    keys: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            kind = _core_type(field.annotation)
+            if get_origin(kind) is dict and issubclass(get_args(kind)[1], BaseModel):
+                walk(get_args(kind)[1], f"{prefix}{name}.NAME.")
+            elif isinstance(kind, type) and issubclass(kind, BaseModel):
+                walk(kind, f"{prefix}{name}.")
+            else:
+                keys.append(prefix + name)
+
+    walk(Settings, "")
+    return keys
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    """The candidate `name` most likely misspells: the same but for underscores (and
+    case), else a close spelling; None if nothing is close."""
+    squeezed = name.replace("_", "").lower()
+    for candidate in candidates:
+        if candidate.replace("_", "").lower() == squeezed:
+            return candidate
+    near = difflib.get_close_matches(name, candidates, n=1, cutoff=0.85)
+    return near[0] if near else None
+
+
+#: Variables that are ours without being GATEWAY_<SECTION>__<KEY>.
+_SHORTCUTS = {
+    "GATEWAY_WORKSPACE": ["workspace"],
+    "GATEWAY_WORKSPACE_IO": ["workspace_io"],
+    "GATEWAY_MODEL": ["llm", "model"],
+}
+
+
+def env_warnings(environ: Mapping[str, str]) -> list[str]:
+    """One line per GATEWAY_* variable that looks like a key but is none (a single
+    underscore where the scheme needs two, say), naming the closest key. Variables
+    nothing like ours (GATEWAY_INTERFACE of CGI, say) are left alone: the prefix is
+    not ours alone."""
+    ours = {"GATEWAY_CONFIG", *_SHORTCUTS, *(_env_name(tuple(k.split("."))) for k in all_keys())}
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in ours:
+            continue
+        if "__" in name and _field_at([p.lower() for p in name[len(ENV_PREFIX) :].split("__")]):
+            continue  # a key of a heartbeat job, e.g. GATEWAY_HEARTBEAT__JOBS__DISKS__EVERY
+        near = _closest(name, sorted(ours))
+        if near is not None:
+            warnings.append(f"{name} is not a setting and is ignored; did you mean {near}?")
+    return warnings
 
 
 def find_config_path(
@@ -547,27 +693,24 @@ def load_settings(
     if env.get("OPENAI_BASE_URL"):
         _set_path(data, ["llm", "base_url"], env["OPENAI_BASE_URL"])
 
-    shortcuts = {
-        "GATEWAY_WORKSPACE": ["workspace"],
-        "GATEWAY_WORKSPACE_IO": ["workspace_io"],
-        "GATEWAY_MODEL": ["llm", "model"],
-    }
     for name, value in sorted(env.items()):
-        if name in shortcuts:
-            _set_path(data, shortcuts[name], value)
+        if name in _SHORTCUTS:
+            _set_path(data, _SHORTCUTS[name], value)
         elif name.startswith(ENV_PREFIX) and "__" in name:
             parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
             if not all(parts):
                 raise ConfigError(f"{name}: malformed; use GATEWAY_<SECTION>__<KEY>")
-            value_parsed: Any = value if parts[-1] in SECRET_KEYS else _parse_env_value(value)
-            _set_path(data, parts, value_parsed)
+            secret = parts[-1] in SECRET_KEYS
+            _set_path(data, parts, value if secret else _parse_env_value(parts, value))
 
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_path(data, dotted.split("."), value)
 
     try:
-        return Settings.model_validate(data)
+        # Strict, in JSON mode: booleans and numbers must be written as such, while
+        # strings still become paths and secrets (JSON has no such types).
+        return Settings.model_validate_json(json.dumps(data, default=str), strict=True)
     except ValidationError as exc:
         lines = [_describe(err) for err in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
@@ -593,7 +736,10 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
             body.extend(_EXAMPLES.get(f"{header}.{name}" if header else name, []))
             continue
         if value is None:
-            body.append(f"# {name} = ")
+            # Commented out, with an example that is valid when uncommented; a field
+            # without an example keeps only its description.
+            if field.examples:
+                body.append("# " + tomli_w.dumps({name: field.examples[0]}).rstrip("\n"))
         else:
             plain = str(value) if isinstance(value, Path) else value
             body.append(tomli_w.dumps({name: plain}).rstrip("\n"))
@@ -607,13 +753,11 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
     return lines
 
 
+# One line each, so that uncommenting a line gives a valid config.
 _EXAMPLES: dict[str, list[str]] = {
     "heartbeat.jobs": [
-        "# [heartbeat.jobs.morning]",
-        '# cron = "0 8 * * 1-5"',
-        '# timezone = "Europe/Berlin"',
-        '# prompt_file = "HEARTBEAT.md"',
-        '# deliver_to = "telegram:123456"',
+        '# jobs.morning = { cron = "0 8 * * 1-5", timezone = "Europe/Berlin", '
+        'prompt = "Anything on my calendar today?" }',
     ],
 }
 
@@ -632,9 +776,8 @@ def starter_toml() -> str:
 
 
 def write_starter_config(path: Path) -> None:
-    """Write the starter config; never overwrites an existing file."""
-    try:
-        with path.open("x", encoding="utf-8") as fh:
-            fh.write(starter_toml())
-    except FileExistsError:
-        raise ConfigError(f"{path} already exists; not overwriting it") from None
+    """Write the starter config, making missing parent folders; never overwrites an
+    existing file (FileExistsError). Other OSErrors are the caller's to report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("x", encoding="utf-8") as fh:
+        fh.write(starter_toml())

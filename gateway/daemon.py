@@ -18,7 +18,6 @@ from gateway.agent.memory_tools import memory_tools
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket
 from gateway.config import AccessSection, ConfigError, Settings
-from gateway.fsutil import ensure_private_dir
 from gateway.gcpolicy import GCPolicy
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
@@ -26,6 +25,7 @@ from gateway.memory import MemoryStore
 from gateway.memory.consolidation import Consolidator
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions import SessionManager
+from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy
@@ -54,15 +54,10 @@ SPARE_FILES = 64
 
 
 def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:
-    """The sessions of the workspace; a long-running gateway passes `spare_files` (see
+    """The sessions of the workspace, once its folders are made and writable
+    (WorkspaceError otherwise); a long-running gateway passes `spare_files` (see
     `gateway.sessions.spares`), one-shot commands do not."""
-    try:
-        ensure_private_dir(settings.workspace_path)
-    except OSError as exc:
-        raise ConfigError(
-            f"workspace: cannot create {settings.workspace_path} ({exc.strerror}); "
-            "choose another with --workspace or GATEWAY_WORKSPACE"
-        ) from None
+    prepare_workspace(settings)
     return SessionManager(
         settings.sessions_dir,
         max_cache_size=settings.sessions.max_cache_size,
@@ -110,7 +105,11 @@ def build_cache(settings: Settings) -> SemanticCache | None:
                 near_duplicate_threshold=section.near_duplicate_threshold,
             ),
         )
-    except (ValueError, ImportError, OSError) as exc:
+    except OSError as exc:
+        if write_denied(exc):
+            raise cannot_write(exc.filename or url, exc) from None
+        raise ConfigError(f"cache: {exc}") from None
+    except (ValueError, ImportError) as exc:
         raise ConfigError(f"cache: {exc}") from None
 
 
@@ -465,11 +464,21 @@ class Daemon:
         self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
     ) -> int:
         """Serve until stopped; returns the exit code. Reports the HTTP port to
-        `task_status` once everything is up."""
+        `task_status` once everything is up. Signals are watched until the very end,
+        so a Ctrl-C during shutdown is handled like one before it, never raised."""
+        async with anyio.create_task_group() as signals:
+            await signals.start(self._watch_signals)
+            try:
+                await self._serve(task_status)
+            finally:
+                signals.cancel_scope.cancel()
+        logger.info("gateway stopped")
+        return 0
+
+    async def _serve(self, task_status: anyio.abc.TaskStatus[int]) -> None:
         self.health.set_starting()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_signals)
                 port = await tg.start(self.http.run)
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
@@ -495,8 +504,6 @@ class Daemon:
             with anyio.CancelScope(shield=True):
                 await self.dedupe.aclose()
                 await self.gateway.aclose()
-        logger.info("gateway stopped")
-        return 0
 
     async def _check_storage(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -538,8 +545,7 @@ class Daemon:
             await check()
 
     async def _drain(self) -> None:
-        grace = self.gateway.settings.dispatch.drain_grace_seconds
-        logger.info("draining: no new messages; up to {:g}s for turns in flight", grace)
+        """Stop intake and let turns in flight finish (the dispatcher logs the drain)."""
         self.health.set_draining()
         for channel in self.channels.values():
             # What platforms still hold stays with them for the next start, rather than
@@ -547,23 +553,32 @@ class Daemon:
             pause = getattr(channel, "pause_intake", None)
             if pause is not None:
                 pause()
-        report = await self.dispatcher.drain(grace)
-        if report.clean:
-            logger.info("drained in {:.1f}s ({} turns finished)", report.seconds, report.finished)
-        else:
-            logger.warning(
-                "drain grace ran out; senders in {} were asked to send again",
-                ", ".join(report.sessions_left),
-            )
+        await self.dispatcher.drain(self.gateway.settings.dispatch.drain_grace_seconds)
 
-    async def _watch_signals(self) -> None:
+    async def _watch_signals(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """SIGTERM or SIGINT: drain, then stop. A second one ends the drain's grace:
+        turns in flight stop, their senders are asked to send again (the journal replays
+        them on the next start), and the exit is the same as after one. Later ones
+        change nothing."""
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            count = 0
             async for signum in signals:
-                if self._stop.is_set():
-                    logger.warning("second {}: stopping now", signal.Signals(signum).name)
-                    raise SystemExit(1)
-                logger.info("{} received: stopping", signal.Signals(signum).name)
-                self.stop()
+                count += 1
+                name = signal.Signals(signum).name
+                if count == 1:
+                    logger.info("{} received: stopping", name)
+                    self.stop()
+                elif count == 2:
+                    logger.warning(
+                        "second {}: not waiting for turns in flight; their senders are "
+                        "asked to send again",
+                        name,
+                    )
+                    self.stop()
+                    self.dispatcher.end_grace()
 
     async def _supervise(self, channel: Channel) -> None:
         """Run a channel; restart it with exponential backoff when it fails or stops.

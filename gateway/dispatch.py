@@ -308,6 +308,8 @@ class Dispatcher:
         self._draining = False
         self._outstanding = 0  # accepted messages not answered yet
         self._idle: anyio.Event | None = None  # set when draining and nothing is left
+        self._grace: anyio.CancelScope | None = None  # the drain's grace period, running
+        self._grace_ended = False
         self._resent: set[str] = set()  # recorded replies the replay has sent again
 
     # ------------------------------------------------------------------ service
@@ -693,8 +695,9 @@ class Dispatcher:
             self._queued_total(),
             grace,
         )
-        with anyio.move_on_after(grace):
+        with anyio.move_on_after(0 if self._grace_ended else grace) as self._grace:
             await self._idle.wait()
+        self._grace = None
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
             await self._run_done.wait()
@@ -724,6 +727,14 @@ class Dispatcher:
         )
         logger.info("drained in {:.1f} s: {} turns finished", report.seconds, report.finished)
         return report
+
+    def end_grace(self) -> None:
+        """End the drain's grace period now (what a second Ctrl-C asks for): the turns
+        still in flight are stopped and their senders told to send again, as when the
+        grace runs out. Before a drain starts, that drain gets no grace at all."""
+        self._grace_ended = True
+        if self._grace is not None:
+            self._grace.cancel()
 
     def _unanswered(self) -> tuple[int, int, dict[str, list[_Item]]]:
         in_flight = queued = 0

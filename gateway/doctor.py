@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
-import tempfile
-from collections.abc import Awaitable, Callable
+import tomllib
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 
-from gateway.config import ConfigError, Settings
+from gateway.config import ConfigError, Settings, env_warnings
+from gateway.workspace import WorkspaceError, prepare_workspace
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -28,29 +30,19 @@ class Finding:
         return f"{mark}  {self.what}" + (f"\n      fix: {self.fix}" if self.fix else "")
 
 
-def check_workspace(workspace: Path, *, max_listed: int = 5) -> list[Finding]:
-    """Writable, and private: folders 0700 and files 0600 (conversations are personal)."""
-    if not workspace.exists():
-        return [
-            Finding(
-                "warn",
-                f"workspace {workspace} does not exist yet",
-                "it is created (0700) on first start",
-            )
-        ]
-    findings: list[Finding] = []
+def check_workspace(
+    settings: Settings, *, config_path: Path | None = None, max_listed: int = 5
+) -> list[Finding]:
+    """Made and writable as `gateway run` makes it (the same `prepare_workspace`), and
+    private: folders 0700, files 0600 (conversations are personal). The config file
+    may live in the workspace readable by others: it holds no secrets by design."""
+    workspace = settings.workspace_path
     try:
-        with tempfile.NamedTemporaryFile(dir=workspace, prefix=".doctor-"):
-            pass
-        findings.append(Finding("ok", f"workspace {workspace} is writable"))
-    except OSError as exc:
-        findings.append(
-            Finding(
-                "fail",
-                f"workspace {workspace} is not writable ({exc.strerror})",
-                "chown/chmod it for the gateway's user, or pick another with --workspace",
-            )
-        )
+        prepare_workspace(settings)
+    except WorkspaceError as exc:
+        return [Finding("fail", f"workspace: {exc}")]
+    findings = [Finding("ok", f"workspace {workspace} is writable")]
+    config = config_path.resolve() if config_path is not None else None
     loose: list[str] = []
     for root, dirs, files in os.walk(workspace):
         for name in dirs:
@@ -59,6 +51,8 @@ def check_workspace(workspace: Path, *, max_listed: int = 5) -> list[Finding]:
                 loose.append(f"{path} (folder)")
         for name in files:
             path = Path(root, name)
+            if path.resolve() == config:
+                continue
             if stat.S_IMODE(path.lstat().st_mode) & 0o077:
                 loose.append(str(path))
     if stat.S_IMODE(workspace.stat().st_mode) & 0o077:
@@ -77,10 +71,52 @@ def check_workspace(workspace: Path, *, max_listed: int = 5) -> list[Finding]:
     return findings
 
 
+# Shapes of credentials that have no business in a file others may read: OpenAI and
+# Slack tokens, a Telegram bot token, a password in a URL.
+_SECRET_SHAPES = re.compile(
+    r"\bsk-[A-Za-z0-9_-]{16,}|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bxapp-[A-Za-z0-9-]{10,}"
+    r"|\b\d{6,}:[A-Za-z0-9_-]{30,}|://[^/\s:@]+:[^/\s@]+@"
+)
+
+
+def check_config_file(config_path: Path | None) -> list[Finding]:
+    """A config readable by others is fine (it holds no secrets by design; secret keys
+    are refused when it is loaded); a value shaped like a credential in it is a warning."""
+    if config_path is None:
+        return []
+    try:
+        data = tomllib.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []  # loading it has already said what is wrong
+    suspects = [key for key, value in _strings(data) if _SECRET_SHAPES.search(value)]
+    if not suspects:
+        return []
+    others = bool(stat.S_IMODE(config_path.stat().st_mode) & 0o077)
+    return [
+        Finding(
+            "warn",
+            f"{config_path} holds what looks like a credential in {', '.join(suspects)}"
+            + (" and other users can read it" if others else ""),
+            "move it to the environment (or a *_file the gateway's user alone can read)",
+        )
+    ]
+
+
+def _strings(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _strings(value, dotted + ".")
+        elif isinstance(value, str):
+            yield dotted, value
+        elif isinstance(value, list):
+            yield from ((dotted, item) for item in value if isinstance(item, str))
+
+
 async def check_llm(settings: Settings) -> list[Finding]:
     from openai import APIConnectionError, APIStatusError, APITimeoutError, AsyncOpenAI
 
-    from gateway.llm.openai_provider import check_credentials
+    from gateway.llm.openai_provider import check_credentials, display_url
     from gateway.llm.types import LLMConfigError
 
     llm = settings.llm
@@ -89,9 +125,10 @@ async def check_llm(settings: Settings) -> list[Finding]:
         check_credentials(llm.base_url, key)
     except (ConfigError, LLMConfigError) as exc:
         return [Finding("fail", "LLM credentials", str(exc))]
-    where = llm.base_url or "https://api.openai.com/v1"
+    url = llm.base_url or "https://api.openai.com/v1"
+    where = display_url(url)  # a password in the URL stays out of the report
     client = AsyncOpenAI(
-        base_url=where, api_key=key or "not-needed", timeout=min(llm.timeout, 10.0), max_retries=0
+        base_url=url, api_key=key or "not-needed", timeout=min(llm.timeout, 10.0), max_retries=0
     )
     try:
         models = [m.id async for m in client.models.list()]
@@ -136,23 +173,30 @@ async def check_llm(settings: Settings) -> list[Finding]:
     return [Finding("ok", f"LLM endpoint {where} answers; model {llm.model} is available")]
 
 
-def check_http(settings: Settings) -> list[Finding]:
-    from gateway.http import HttpConfigError
+async def check_http(settings: Settings) -> list[Finding]:
+    """The bind policy, and the port itself: listened on and let go, as `run` will."""
+    from gateway.http import HttpBindError, HttpConfigError, check_listen
     from gateway.http.auth import check_bind_policy, secret_value
 
+    http = settings.http
     try:
-        check_bind_policy(settings.http.host, secret_value(settings.http.token))
+        check_bind_policy(http.host, secret_value(http.token))
     except HttpConfigError as exc:
         return [Finding("fail", "HTTP server binding", str(exc))]
-    if settings.http.token is None:
-        return [
+    try:
+        await check_listen(http.host, http.port)
+    except HttpBindError as exc:
+        return [Finding("fail", str(exc))]
+    findings = [Finding("ok", f"HTTP server can listen on {http.host}:{http.port}")]
+    if http.token is None:
+        findings.append(
             Finding(
                 "warn",
                 "HTTP chat API has no token, so /api/chat is off",
                 "set GATEWAY_HTTP__TOKEN to enable it",
             )
-        ]
-    return [Finding("ok", f"HTTP server on {settings.http.host}:{settings.http.port}")]
+        )
+    return findings
 
 
 async def check_cache(settings: Settings) -> list[Finding]:
@@ -276,11 +320,15 @@ async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:
     return Finding("ok", f"{name} credentials work: {who}")
 
 
-async def run_checks(settings: Settings) -> list[Finding]:
+async def run_checks(settings: Settings, *, config_path: Path | None = None) -> list[Finding]:
+    """Everything `gateway run` will need, checked the way `run` uses it: the workspace
+    is made, the HTTP port is listened on, the LLM and platforms are asked."""
     findings = [Finding("ok", "configuration is valid")]
-    findings += check_workspace(settings.workspace_path)
+    findings += [Finding("warn", warning) for warning in env_warnings(os.environ)]
+    findings += check_config_file(config_path)
+    findings += check_workspace(settings, config_path=config_path)
     findings += await check_llm(settings)
-    findings += check_http(settings)
+    findings += await check_http(settings)
     findings += await check_cache(settings)
     findings += await check_channels(settings)
     return findings

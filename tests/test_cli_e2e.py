@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.fakes.openai_server import FakeOpenAI
@@ -15,10 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_gateway(
-    args: list[str], env: dict[str, str], cwd: Path, stdin: str | None = None
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    stdin: str | None = None,
+    *,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
+    """`gateway ARGS` as a subprocess; `prefix` runs it through a wrapper (e.g. setpriv)."""
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
+        [*prefix, sys.executable, "-m", "gateway.cli", *args],
         env=env,
         cwd=cwd,
         input=stdin,
@@ -147,7 +154,14 @@ def test_init_writes_a_valid_config_once(tmp_path: Path) -> None:
     made = run_gateway(["init"], env, tmp_path)
     assert made.returncode == 0 and (tmp_path / "gateway.toml").exists()
     again = run_gateway(["init"], env, tmp_path)
-    assert again.returncode == 78 and "already exists" in again.stderr
+    assert again.returncode == 73, again.stderr  # EX_CANTCREAT: not a config error
+    assert again.stderr.strip() == (
+        "gateway: gateway.toml already exists; not overwriting it "
+        "(move it away, or give another path)"
+    )
+    nested = run_gateway(["init", "sub/dir/g.toml"], env, tmp_path)
+    assert nested.returncode == 0, nested.stderr
+    assert (tmp_path / "sub" / "dir" / "g.toml").is_file()
 
 
 def test_cache_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:

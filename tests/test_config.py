@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, Settings, load_settings, starter_toml, write_starter_config
+from gateway.config import (
+    ConfigError,
+    Settings,
+    env_warnings,
+    load_settings,
+    starter_toml,
+    write_starter_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +103,121 @@ def test_init_never_overwrites(tmp_path: Path) -> None:
     write_starter_config(path)
     assert load_settings(path, environ={}) == Settings()
     path.write_text("# mine\n")
-    with pytest.raises(ConfigError, match="already exists"):
+    with pytest.raises(FileExistsError):
         write_starter_config(path)
     assert path.read_text() == "# mine\n"
+
+
+def test_init_makes_missing_parent_folders(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "dir" / "g.toml"
+    write_starter_config(path)
+    assert load_settings(path, environ={}) == Settings()
+
+
+COMMENTED_KEY = re.compile(r"^# ([a-z_]+(\.[a-z_]+)*) = ")
+
+
+def test_every_commented_key_of_the_template_is_valid_when_uncommented(tmp_path: Path) -> None:
+    lines = starter_toml().splitlines()
+    commented = [i for i, line in enumerate(lines) if COMMENTED_KEY.match(line)]
+    assert len(commented) >= 10  # base_url, api_key_file, max_tokens, cache url, ...
+    for i in commented:
+        edited = [*lines[:i], lines[i].removeprefix("# "), *lines[i + 1 :]]
+        path = tmp_path / f"line{i}.toml"
+        path.write_text("\n".join(edited) + "\n")
+        try:
+            settings = load_settings(path, environ={})
+        except ConfigError as exc:
+            raise AssertionError(f"uncommenting {lines[i]!r} gives: {exc}") from None
+        assert settings != Settings(), f"{lines[i]!r} changes nothing when uncommented"
+
+
+# ------------------------------------------------------------------ strict types
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[cache]\nenabled = "yes"\n', "cache.enabled: expected true or false, got 'yes'"),
+        ("[cache]\nenabled = 1\n", "cache.enabled: expected true or false, got 1"),
+        ('[http]\nport = "9000"\n', "http.port: expected a whole number, got '9000'"),
+        ("[http]\nport = 9000.0\n", "http.port: expected a whole number, got 9000.0"),
+        ('[llm]\ntimeout = "5"\n', "llm.timeout: expected a number, got '5'"),
+        ("[llm]\nstream = 0\n", "llm.stream: expected true or false, got 0"),
+    ],
+)
+def test_file_booleans_and_numbers_are_strict(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, environ={})
+    assert str(caught.value).startswith(message)
+    assert "GATEWAY_" in str(caught.value)  # and where else it can be fixed
+    if "'" in message:
+        assert "without quotes" in str(caught.value)
+
+
+def test_a_whole_number_is_a_fine_float(tmp_path: Path) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text("[llm]\ntimeout = 5\n")
+    assert load_settings(path, environ={}).llm.timeout == 5.0
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        *[(word, True) for word in ("true", "1", "Yes", "ON")],
+        *[(word, False) for word in ("false", "0", "no", "off")],
+    ],
+)
+def test_environment_booleans_read_the_usual_words(raw: str, value: bool) -> None:
+    env = {"GATEWAY_CACHE__ENABLED": raw, "GATEWAY_LLM__STREAM": raw}
+    settings = load_settings(None, environ=env)
+    assert (settings.cache.enabled, settings.llm.stream) == (value, value)
+
+
+def test_environment_values_are_read_by_the_type_of_their_key() -> None:
+    settings = load_settings(
+        None,
+        environ={
+            "GATEWAY_HTTP__PORT": "9000",
+            "GATEWAY_LLM__TIMEOUT": "2.5",
+            "GATEWAY_LLM__MODEL": "123",  # a model may be named by digits
+            "GATEWAY_AGENT__SYSTEM_PROMPT": '["not", "a", "list"]',
+            "GATEWAY_LLM__FALLBACK_MODELS": '["a", "b"]',
+            "GATEWAY_HEARTBEAT__JOBS__DISKS__EVERY": "1h",
+            "GATEWAY_HEARTBEAT__JOBS__DISKS__PROMPT": "42",
+        },
+    )
+    assert (settings.http.port, settings.llm.timeout) == (9000, 2.5)
+    assert settings.llm.model == "123"
+    assert settings.agent.system_prompt == '["not", "a", "list"]'
+    assert settings.llm.fallback_models == ["a", "b"]
+    assert settings.heartbeat.jobs["disks"].prompt == "42"
+    with pytest.raises(ConfigError, match=r"cache\.enabled: expected true or false, got 'maybe'"):
+        load_settings(None, environ={"GATEWAY_CACHE__ENABLED": "maybe"})
+    with pytest.raises(ConfigError, match=r"http\.port: expected a whole number"):
+        load_settings(None, environ={"GATEWAY_HTTP__PORT": "eighty"})
+
+
+def test_a_variable_that_looks_like_ours_is_named_with_the_closest_key() -> None:
+    warnings = env_warnings({"GATEWAY_HTTP_PORT": "9000", "GATEWAY_LLM_MODLE": "x"})
+    assert warnings == [
+        "GATEWAY_HTTP_PORT is not a setting and is ignored; did you mean GATEWAY_HTTP__PORT?",
+        "GATEWAY_LLM_MODLE is not a setting and is ignored; did you mean GATEWAY_LLM__MODEL?",
+    ]
+    fine = {
+        "GATEWAY_HTTP__PORT": "1",
+        "GATEWAY_WORKSPACE": "/x",
+        "GATEWAY_MODEL": "m",
+        "GATEWAY_CONFIG": "/g.toml",
+        "GATEWAY_HEARTBEAT__JOBS__DISKS__EVERY": "1h",
+        "GATEWAY_INTERFACE": "CGI/1.1",  # another program's, nothing like ours
+        "HTTP_PORT": "1",
+    }
+    assert env_warnings(fine) == []
+
+
+def test_an_unknown_key_names_the_closest_one() -> None:
+    with pytest.raises(ConfigError, match=r"http.prot: unknown key; did you mean http.port\?"):
+        load_settings(None, environ={"GATEWAY_HTTP__PROT": "1"})

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ from gateway.daemon import Daemon, Gateway
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
-from tests.gateway_process import GatewayProcess
+from tests.gateway_process import GatewayProcess, base_env
 from tests.test_metrics import documented_label_values, parse_exposition, scraped_label_values
 
 pytestmark = pytest.mark.anyio
@@ -368,28 +369,23 @@ async def test_heartbeat_suppresses_all_is_well_and_delivers_the_rest(
     assert "disk" in state
 
 
-def test_sigterm_during_a_turn_finishes_and_persists_it(
-    tmp_path: Path, fake_openai_thread: FakeOpenAI
-) -> None:
-    fake_openai_thread.add_delay(1.5, "finished after SIGTERM")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
-    env |= {
-        "PYTHONPATH": str(ROOT),
-        "GATEWAY_WORKSPACE": str(tmp_path / "ws"),
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-        "GATEWAY_HTTP__TOKEN": TOKEN,
-        "GATEWAY_HTTP__PORT": "0",
-    }
-    gateway = GatewayProcess(env, tmp_path)
-    proc = gateway.proc
+@contextmanager
+def _gateway_mid_turn(
+    tmp_path: Path, fake: FakeOpenAI, *, delay: float, reply: str
+) -> Iterator[tuple[GatewayProcess, threading.Thread, dict[str, Any]]]:
+    """A `gateway run` whose model is answering `POST /api/chat` (session "sig", "long
+    job") after `delay` seconds; yields it with the asking thread and, once that
+    thread ends, the JSON answer."""
+    fake.add_delay(delay, reply)
+    gateway = GatewayProcess(
+        base_env(tmp_path / "ws", fake) | {"GATEWAY_HTTP__TOKEN": TOKEN, "GATEWAY_HTTP__PORT": "0"},
+        tmp_path,
+    )
+    result: dict[str, Any] = {}
     try:
         port = gateway.wait_ready()
-        result: dict[str, Any] = {}
 
         def ask() -> None:
-            import urllib.request
-
             req = urllib.request.Request(
                 f"http://127.0.0.1:{port}/api/chat",
                 data=json.dumps({"session": "sig", "text": "long job"}).encode(),
@@ -400,15 +396,24 @@ def test_sigterm_during_a_turn_finishes_and_persists_it(
 
         asker = threading.Thread(target=ask)
         asker.start()
-        fake_openai_thread.wait_for_requests(1, timeout=10)
-        proc.send_signal(signal.SIGTERM)
-        asker.join(20)
-        assert proc.wait(20) == 0
+        fake.wait_for_requests(1, timeout=10)
+        yield gateway, asker, result
     finally:
         gateway.stop()
-    assert result.get("reply") == "finished after SIGTERM"
+
+
+def test_sigterm_during_a_turn_finishes_and_persists_it(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    reply = "finished after SIGTERM"
+    with _gateway_mid_turn(tmp_path, fake_openai_thread, delay=1.5, reply=reply) as running:
+        gateway, asker, result = running
+        gateway.proc.send_signal(signal.SIGTERM)
+        asker.join(20)
+        assert gateway.proc.wait(20) == 0
+    assert result.get("reply") == reply
     session = tmp_path / "ws" / "sessions" / f"{encode_key('api:sig')}.jsonl"
-    assert "finished after SIGTERM" in session.read_text()
+    assert reply in session.read_text()
 
 
 async def test_pairing_end_to_end(
@@ -556,3 +561,23 @@ async def test_a_running_heartbeat_is_not_started_again(
     first, second = fake_openai.chat_requests[:2]
     # Due every second, but the second run starts only after the first one finished.
     assert second.timestamp - first.timestamp >= 2.4
+
+
+def test_two_sigints_end_the_drain_once_without_a_traceback(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    with _gateway_mid_turn(tmp_path, fake_openai_thread, delay=10, reply="too late") as running:
+        gateway, asker, result = running
+        gateway.proc.send_signal(signal.SIGINT)
+        gateway.wait_for_line("draining:")
+        gateway.proc.send_signal(signal.SIGINT)
+        # Well within the 30 s grace: the second SIGINT ended it.
+        assert gateway.proc.wait(10) == 0  # what one SIGINT (or SIGTERM) exits with
+        asker.join(10)
+    log = "".join(gateway.log)
+    assert "Traceback" not in log and "unhandled exception" not in log
+    assert log.count("draining:") == 1 and log.count("drained in") == 1
+    assert log.count("second SIGINT") == 1
+    assert result.get("error") is True and "send it again" in result["reply"]
+    session = tmp_path / "ws" / "sessions" / f"{encode_key('api:sig')}.jsonl"
+    assert "long job" in session.read_text()  # what the user said is kept

@@ -6,11 +6,17 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlparse
 
+import pytest
+
 from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import GatewayProcess
 from tests.local_redis import REDIS_URL, require_redis
+from tests.unwritable import unprivileged
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +34,11 @@ def doctor(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def base_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
-    return env | {"PYTHONPATH": str(ROOT), "GATEWAY_WORKSPACE": str(tmp_path / "ws")}
+    return env | {
+        "PYTHONPATH": str(ROOT),
+        "GATEWAY_WORKSPACE": str(tmp_path / "ws"),
+        "GATEWAY_HTTP__PORT": "0",  # the doctor listens on it: not on a port others use
+    }
 
 
 def test_healthy_install_passes(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
@@ -43,7 +53,9 @@ def test_healthy_install_passes(tmp_path: Path, fake_openai_thread: FakeOpenAI) 
     assert "model gpt-4o-mini is available" in out.stdout
     assert f"ok    response cache (sqlite) at {tmp_path / 'ws' / 'cache.sqlite'}" in out.stdout
     assert "all checks passed" in out.stdout
-    assert os.listdir(tmp_path / "ws") == []  # the doctor looks, it creates nothing
+    # The doctor makes the folders `run` makes (to know it can), and nothing else.
+    assert sorted(os.listdir(tmp_path / "ws")) == ["memory", "sessions"]
+    assert os.listdir(tmp_path / "ws" / "sessions") == []
 
 
 def test_problems_are_named_with_a_fix(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
@@ -121,3 +133,143 @@ def test_a_running_redis_cache_passes(tmp_path: Path, fake_openai_thread: FakeOp
     assert out.returncode == 0, out.stdout + out.stderr
     host = urlparse(REDIS_URL)
     assert f"ok    response cache (redis) at {host.hostname}:{host.port or 6379}" in out.stdout
+
+
+# ------------------------------------------------------------- doctor predicts run
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def gateway(
+    command: str, env: dict[str, str], cwd: Path, prefix: list[str]
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "gateway.cli", command],
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _port_taken(tmp_path: Path, env: dict[str, str], stack: ExitStack) -> str:
+    taken = stack.enter_context(socket.socket())
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    env["GATEWAY_HTTP__PORT"] = str(port)
+    return f"cannot listen on 127.0.0.1:{port}"
+
+
+def _locked(folder: Path, stack: ExitStack) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o500)
+    stack.callback(folder.chmod, 0o700)
+
+
+def _workspace_read_only(tmp_path: Path, env: dict[str, str], stack: ExitStack) -> str:
+    _locked(tmp_path / "ws", stack)
+    return f"cannot write in {tmp_path / 'ws'} (Permission denied)"
+
+
+def _workspace_not_creatable(tmp_path: Path, env: dict[str, str], stack: ExitStack) -> str:
+    _locked(tmp_path / "locked", stack)
+    env["GATEWAY_WORKSPACE"] = str(tmp_path / "locked" / "ws")
+    return f"cannot write in {tmp_path / 'locked'} (Permission denied)"
+
+
+def _sessions_read_only(tmp_path: Path, env: dict[str, str], stack: ExitStack) -> str:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    _locked(tmp_path / "ws" / "sessions", stack)
+    return f"cannot write in {tmp_path / 'ws' / 'sessions'} (Permission denied)"
+
+
+def _memory_read_only(tmp_path: Path, env: dict[str, str], stack: ExitStack) -> str:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    _locked(tmp_path / "ws" / "memory", stack)
+    return f"cannot write in {tmp_path / 'ws' / 'memory'} (Permission denied)"
+
+
+Setup = Callable[[Path, dict[str, str], ExitStack], str]
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        _port_taken,
+        _workspace_read_only,
+        _workspace_not_creatable,
+        _sessions_read_only,
+        _memory_read_only,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_doctor_fails_exactly_where_run_fails(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI, setup: Setup
+) -> None:
+    prefix = unprivileged()
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_HTTP__TOKEN": "tok-123456",
+    }
+    with ExitStack() as stack:
+        problem = setup(tmp_path, env, stack)
+        checked = gateway("doctor", env, tmp_path, prefix)
+        ran = gateway("run", env, tmp_path, prefix)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    failures = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
+    assert any(problem in line for line in failures), checked.stdout
+    assert ran.returncode != 0 and problem in ran.stderr, ran.stderr
+    assert "Traceback" not in checked.stderr + ran.stderr
+
+
+def test_when_the_doctor_passes_run_starts(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
+    port = free_port()
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_HTTP__TOKEN": "tok-123456",
+        "GATEWAY_HTTP__PORT": str(port),
+    }
+    checked = gateway("doctor", env, tmp_path, unprivileged())
+    assert checked.returncode == 0, checked.stdout
+    assert f"ok    HTTP server can listen on 127.0.0.1:{port}" in checked.stdout
+    running = GatewayProcess(env, tmp_path)
+    try:
+        assert running.wait_ready() == port
+        assert running.terminate() == 0
+    finally:
+        running.stop()
+
+
+def test_a_config_readable_by_others_in_the_workspace_is_fine(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    """Where deploy/README puts it: /data/gateway.toml, mode 0644."""
+    ws = tmp_path / "ws"
+    ws.mkdir(mode=0o700)
+    config = ws / "gateway.toml"
+    config.write_text('[llm]\nmodel = "gpt-4o-mini"\n')
+    config.chmod(0o644)
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_HTTP__TOKEN": "tok-123456",
+        "GATEWAY_CONFIG": str(config),
+    }
+    out = doctor(env, tmp_path)
+    assert out.returncode == 0, out.stdout
+    assert "readable by other users" not in out.stdout and "warn  " + str(config) not in out.stdout
+
+    config.write_text('[llm]\nbase_url = "https://bob:hunter2secret@llm.example/v1"\n')
+    leaky = doctor(env | {"OPENAI_BASE_URL": ""}, tmp_path)
+    assert f"warn  {config} holds what looks like a credential in llm.base_url" in leaky.stdout
+    assert "other users can read it" in leaky.stdout
+    assert "hunter2secret" not in leaky.stdout

@@ -11,6 +11,7 @@ from gateway.http.server import (
     ChatHandler,
     HttpBindError,
     HttpServer,
+    check_listen,
     json_error,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "Readiness",
     "api_session_key",
     "check_bind_policy",
+    "check_listen",
     "is_loopback",
     "json_error",
 ]

@@ -82,6 +82,29 @@ class HttpBindError(Exception):
     """The server could not listen (port taken, address not on this machine)."""
 
 
+async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        raise HttpBindError(
+            f"http: cannot listen on {host}:{port} ({exc.strerror or exc}); "
+            "is another gateway running? choose http.host / http.port "
+            "(GATEWAY_HTTP__HOST, GATEWAY_HTTP__PORT)"
+        ) from None
+
+
+async def check_listen(host: str, port: int) -> None:
+    """Listen on host:port the way `HttpServer.run` does, then let go: HttpBindError
+    exactly when `run` would meet one now (what `gateway doctor` checks)."""
+    runner = web.AppRunner(web.Application(), handle_signals=False)
+    await runner.setup()
+    try:
+        await _listen(runner, host, port)
+    finally:
+        await runner.cleanup()
+
+
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The one shape of every error the server answers: `{"error": message}`."""
     return web.json_response({"error": message}, status=status, headers=headers)
@@ -197,15 +220,7 @@ class HttpServer:
         )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.host, self.port)
-            try:
-                await site.start()
-            except OSError as exc:
-                raise HttpBindError(
-                    f"http: cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); "
-                    "is another gateway running? choose http.host / http.port "
-                    "(GATEWAY_HTTP__HOST, GATEWAY_HTTP__PORT)"
-                ) from None
+            await _listen(runner, self.host, self.port)
             self.bound_port = int(runner.addresses[0][1])
             logger.info(
                 "http: listening on {}:{} (chat API {})",

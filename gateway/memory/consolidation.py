@@ -594,11 +594,15 @@ class Consolidator:
             self._scope.cancel()
         self._wake_up()
 
-    async def consolidate_now(self, session_key: str, force: bool = False) -> ConsolidationOutcome:
+    async def consolidate_now(
+        self, session_key: str, force: bool = False, *, retry: bool = True
+    ) -> ConsolidationOutcome:
         """Consolidate `session_key` now (after any run of it in progress); `force`
         ignores the trigger. Never raises for model or storage problems: see the
-        outcome's `status` and `error`."""
-        return await self._consolidate(session_key, force)
+        outcome's `status` and `error`. `retry=False` is for a caller that reports a
+        failure itself and will not be there for a retry (`gateway memory compact`):
+        none is scheduled or promised."""
+        return await self._consolidate(session_key, force, retry=retry)
 
     # -- internals -----------------------------------------------------------------
 
@@ -637,7 +641,9 @@ class Consolidator:
             self._wake_up()
             self._notify()
 
-    async def _consolidate(self, key: str, force: bool) -> ConsolidationOutcome:
+    async def _consolidate(
+        self, key: str, force: bool, *, retry: bool = True
+    ) -> ConsolidationOutcome:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.max_concurrent)
         lock = self._locks.get(key)
@@ -647,21 +653,21 @@ class Consolidator:
         try:
             with logger.contextualize(session=key):
                 async with lock, self._limiter:
-                    return await self._consolidate_locked(key, force)
+                    return await self._consolidate_locked(key, force, retry)
         finally:
             self._lock_users[key] -= 1
             if not self._lock_users[key]:
                 del self._lock_users[key], self._locks[key]
 
-    async def _consolidate_locked(self, key: str, force: bool) -> ConsolidationOutcome:
+    async def _consolidate_locked(self, key: str, force: bool, retry: bool) -> ConsolidationOutcome:
         self._runs += 1
         self._in_progress += 1
         try:
-            return await self._attempt(key, force)
+            return await self._attempt(key, force, retry)
         finally:
             self._in_progress -= 1
 
-    async def _attempt(self, key: str, force: bool) -> ConsolidationOutcome:
+    async def _attempt(self, key: str, force: bool, retry: bool) -> ConsolidationOutcome:
         started = time.monotonic()
         try:
             with anyio.fail_after(self.timeout):
@@ -683,7 +689,7 @@ class Consolidator:
             with anyio.CancelScope(shield=True):
                 outcome = await anyio.to_thread.run_sync(self._commit, key, snapshot, result)
         except Exception as exc:
-            return self._record_failure(key, exc)
+            return self._record_failure(key, exc, retry)
         self._failures.pop(key, None)
         if outcome.status == "compacted":
             self._compactions += 1
@@ -747,7 +753,7 @@ class Consolidator:
             key, "compacted", facts, summarized, kept=len(after.messages), more=more
         )
 
-    def _record_failure(self, key: str, exc: Exception) -> ConsolidationOutcome:
+    def _record_failure(self, key: str, exc: Exception, retry: bool) -> ConsolidationOutcome:
         failures = self._failures[key] = self._failures.get(key, 0) + 1
         delay = retry_delay(failures, self.retry_base, self.retry_max)
         if isinstance(exc, TimeoutError):
@@ -759,6 +765,10 @@ class Consolidator:
             logger.opt(exception=exc).error("consolidation hit an unexpected error")
         self._failed += 1
         self._last_error = f"{key}: {detail}"
+        if not retry:
+            # The caller reports it (one line); a log line too would say it twice.
+            logger.debug("consolidation failed; history kept, not retried: {}", detail)
+            return ConsolidationOutcome(key, "failed", error=detail)
         if not self._closed:
             self._pending[key] = self.clock() + delay
             self._wake_up()
