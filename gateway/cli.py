@@ -21,6 +21,7 @@ from gateway import __version__
 from gateway.config import EXIT_CONFIG, ConfigError, Settings, load_settings, write_starter_config
 from gateway.llm.types import LLMConfigError
 from gateway.logs import setup_logging
+from gateway.messages import session_key_from_name
 
 if TYPE_CHECKING:
     from gateway.sessions import Session, SessionManager
@@ -138,10 +139,10 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
-    from channels.cli import CLIChannel, cli_session_key
+    from channels.cli import CLIChannel
     from gateway.daemon import Gateway
 
-    key = cli_session_key(args.session)
+    key = session_key_from_name(args.session)
     gateway = Gateway.build(settings)
 
     async def main() -> int:
