@@ -39,15 +39,49 @@ class CommandError(Exception):
         self.code = code
 
 
+# The global options: (flags, dest, metavar, help). They are accepted before the
+# subcommand and after it (`gateway --model x chat` = `gateway chat --model x`).
+_GLOBAL_OPTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("--config", "config", "PATH", "config file (default ./gateway.toml)"),
+    ("--workspace", "workspace", "DIR", "data folder (also GATEWAY_WORKSPACE)"),
+    ("--model", "model", "NAME", "LLM model (also GATEWAY_MODEL)"),
+    ("--log-level", "log_level", "LEVEL", "TRACE, DEBUG, INFO, WARNING, ERROR"),
+)
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The global options on `parser`. Below the top they default to SUPPRESS, so a
+    subcommand that is not given one leaves the value given before it in place; one
+    given in both places takes the later. An option string the subcommand already
+    uses for its own meaning (`cache invalidate --model`) keeps that meaning."""
+    taken = {s for action in parser._actions for s in action.option_strings}
+    for flag, dest, metavar, text in _GLOBAL_OPTIONS:
+        if flag in taken:
+            continue
+        parser.add_argument(
+            flag,
+            dest=dest,
+            metavar=metavar,
+            help=text,
+            default=None if top else argparse.SUPPRESS,
+        )
+
+
+def _with_global_options(parser: argparse.ArgumentParser) -> None:
+    """Add the global options to every subcommand below `parser`, at every depth."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                _add_global_options(child, top=False)
+                _with_global_options(child)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gateway", description="Chat gateway: talk to an LLM agent from chat apps."
     )
     parser.add_argument("--version", action="version", version=f"gateway {__version__}")
-    parser.add_argument("--config", metavar="PATH", help="config file (default ./gateway.toml)")
-    parser.add_argument("--workspace", metavar="DIR", help="data folder (also GATEWAY_WORKSPACE)")
-    parser.add_argument("--model", metavar="NAME", help="LLM model (also GATEWAY_MODEL)")
-    parser.add_argument("--log-level", metavar="LEVEL", help="TRACE, DEBUG, INFO, WARNING, ERROR")
+    _add_global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sub.add_parser("run", help="run the gateway daemon (terminal chat on a TTY)")
@@ -118,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--model", dest="by_model", help="every entry of a model")
     which.add_argument("--session", help="every entry scoped to a session key")
     which.add_argument("--shared", action="store_true", help="every shared entry")
+    _with_global_options(parser)
     return parser
 
 

@@ -97,6 +97,24 @@ def test_interactive_chat_reads_lines_until_eof(
     assert "Session: cli:work" in out.stdout
 
 
+def test_global_options_after_the_subcommand(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    out = run_gateway(
+        ["chat", "-m", "hi", "--model", "other-model", "--workspace", str(tmp_path / "w2")],
+        env,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert fake_openai_thread.last_request.model == "other-model"
+    listing = run_gateway(["sessions", "list", "--workspace", str(tmp_path / "w2")], env, tmp_path)
+    assert listing.stdout.startswith("cli:direct")
+
+
 def test_failures_are_one_clear_line(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
     env = base_env(tmp_path)
     no_key = run_gateway(["chat", "-m", "hi"], env, tmp_path)
