@@ -177,7 +177,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
     from channels.cli import CLIChannel
     from gateway.daemon import Gateway
 
-    key = session_key_from_name(args.session)
+    key = args.session or settings.channels.cli.session
     gateway = Gateway.build(settings)
 
     async def main() -> int:
@@ -473,9 +473,21 @@ def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
     return anyio.run(main)
 
 
+def _resolve_session_names(args: argparse.Namespace) -> None:
+    """Every session a command names, as a key: `work` is `cli:work` here as in `chat
+    --session work`, and a full key (`telegram:123`) stays as it is."""
+    if args.command in ("sessions", "memory") and getattr(args, "key", None) is not None:
+        args.key = session_key_from_name(args.key)
+    if getattr(args, "new_key", None) is not None:
+        args.new_key = session_key_from_name(args.new_key)
+    if args.command in ("chat", "cache") and args.session is not None:
+        args.session = session_key_from_name(args.session)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
+    _resolve_session_names(args)
     settings = _settings(args)
     terminal_chat = settings.channels.cli.enabled and sys.stdin.isatty()
     interactive = (args.command == "run" and terminal_chat) or (

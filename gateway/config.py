@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.messages import session_key_from_name
+
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_NAME = "gateway.toml"
 # Exit code for a configuration error (sysexits EX_CONFIG): systemd must not restart on it.
@@ -268,7 +270,15 @@ class HTTPSettings(_Section):
 
 class CLIChannelSettings(_Section):
     enabled: bool = Field(True, description="Chat in the terminal when stdin is a TTY.")
-    session: str = Field("cli:direct", description="Session key of the terminal chat.")
+    session: str = Field(
+        "cli:direct",
+        description="Session of the terminal chat: a name (work = cli:work) or a full key.",
+    )
+
+    @field_validator("session")
+    @classmethod
+    def _session_key(cls, value: str) -> str:
+        return session_key_from_name(value)
 
 
 class AccessSection(_Section):

@@ -115,6 +115,32 @@ def test_global_options_after_the_subcommand(
     assert listing.stdout.startswith("cli:direct")
 
 
+def test_a_short_session_name_means_the_same_session_everywhere(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    assert run_gateway(["chat", "--session", "branchy", "-m", "hi"], env, tmp_path).returncode == 0
+    shown = run_gateway(["sessions", "show", "branchy"], env, tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "[user] hi" in shown.stdout
+    assert run_gateway(["sessions", "tree", "branchy"], env, tmp_path).returncode == 0
+    forked = run_gateway(["sessions", "fork", "branchy", "--as", "twig"], env, tmp_path)
+    assert forked.stdout.strip() == "cli:twig"
+    assert "[user] hi" in run_gateway(["sessions", "show", "cli:twig"], env, tmp_path).stdout
+    memory = run_gateway(["memory", "show", "branchy"], env, tmp_path)
+    assert memory.returncode == 0 and "cli:branchy" in memory.stdout
+
+    # A full key of any channel still works, and the config takes names too.
+    run_gateway(["chat", "--session", "telegram:123", "-m", "yo"], env, tmp_path)
+    assert "[user] yo" in run_gateway(["sessions", "show", "telegram:123"], env, tmp_path).stdout
+    configured = env | {"GATEWAY_CHANNELS__CLI__SESSION": "twig"}
+    run_gateway(["chat", "-m", "again"], configured, tmp_path)
+    assert "[user] again" in run_gateway(["sessions", "show", "twig"], env, tmp_path).stdout
+
+
 def test_failures_are_one_clear_line(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
     env = base_env(tmp_path)
     no_key = run_gateway(["chat", "-m", "hi"], env, tmp_path)
