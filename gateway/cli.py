@@ -24,7 +24,7 @@ from gateway.logs import setup_logging
 from gateway.messages import session_key_from_name
 
 if TYPE_CHECKING:
-    from gateway.sessions import Session, SessionManager
+    from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -76,6 +76,16 @@ def _with_global_options(parser: argparse.ArgumentParser) -> None:
                 _with_global_options(child)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 1 up")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gateway", description="Chat gateway: talk to an LLM agent from chat apps."
@@ -97,11 +107,15 @@ def _parser() -> argparse.ArgumentParser:
     ssub = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     lst = ssub.add_parser("list", help="sessions, most recently active first")
     lst.add_argument("--json", action="store_true", help="machine-readable output")
+    lst.add_argument("--all", action="store_true", help="also the sessions /new archived")
+    archived_help = "an archived session of KEY: 1 = the one /new replaced last"
     for name, text in (
         ("show", "the conversation on the current branch"),
         ("tree", "every entry of the session as a tree"),
     ):
-        ssub.add_parser(name, help=text).add_argument("key")
+        viewer = ssub.add_parser(name, help=text)
+        viewer.add_argument("key")
+        viewer.add_argument("--archived", metavar="N", type=_positive, help=archived_help)
     fork = ssub.add_parser("fork", help="copy the current branch into a new session")
     fork.add_argument("key")
     fork.add_argument("--at", metavar="ENTRY_ID", help="fork at this entry instead of the leaf")
@@ -112,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     export = ssub.add_parser("export", help="print a session (JSONL entries or Markdown)")
     export.add_argument("key")
     export.add_argument("--format", choices=("jsonl", "markdown"), default="jsonl")
+    export.add_argument("--archived", metavar="N", type=_positive, help=archived_help)
 
     memory = sub.add_parser("memory", help="inspect a conversation's long-term memory")
     msub = memory.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -272,24 +287,12 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
         print(forked.key)
         return EXIT_OK
     if action == "list":
-        infos = manager.list_sessions()
-        if args.json:
-            print(
-                json.dumps(
-                    [
-                        {"key": i.key, "updated_at": i.updated_at, "size_bytes": i.size_bytes}
-                        for i in infos
-                    ]
-                )
-            )
-        elif not infos:
-            print("no sessions yet")
-        else:
-            width = max(len(i.key) for i in infos)
-            for info in infos:
-                print(f"{info.key:<{width}}  {_when(info.updated_at)}  {info.size_bytes:>9} B")
+        _list_sessions(manager, include_archived=args.all, as_json=args.json)
         return EXIT_OK
-    session = _existing(manager, args.key)
+    if args.archived is not None:
+        session = manager.open_archived(args.key, args.archived)
+    else:
+        session = _existing(manager, args.key)
     if action == "show":
         ctx = session.build_context()
         if ctx.summary:
@@ -313,6 +316,50 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
                 print(f"**{message.role}**: {message.content or ''}\n")
         return EXIT_OK
     raise CommandError(f"unknown action {action}", EXIT_USAGE)
+
+
+def _list_sessions(manager: SessionManager, *, include_archived: bool, as_json: bool) -> None:
+    """Current sessions, most recently active first; with `include_archived`, each
+    key's archived sessions follow it (most recent first)."""
+    current = manager.list_sessions()
+    archived: dict[str, list[ArchivedSessionInfo]] = {}
+    for info in manager.list_archived() if include_archived else []:
+        archived.setdefault(info.key, []).append(info)
+    # A key whose current session is gone still lists its archive, after the others.
+    keys = [i.key for i in current] + sorted(set(archived) - {i.key for i in current})
+    by_key = {i.key: i for i in current}
+    rows: list[dict[str, Any]] = []
+    for key in keys:
+        if key in by_key:
+            i = by_key[key]
+            rows.append(
+                {
+                    "key": key,
+                    "archived": None,
+                    "updated_at": i.updated_at,
+                    "size_bytes": i.size_bytes,
+                }
+            )
+        for a in archived.get(key, []):
+            rows.append(
+                {
+                    "key": key,
+                    "archived": a.number,
+                    "session_id": a.session_id,
+                    "updated_at": a.archived_at,
+                    "size_bytes": a.size_bytes,
+                }
+            )
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        print("no sessions yet")
+        return
+    width = max(len(r["key"]) for r in rows)
+    for r in rows:
+        where = "" if r["archived"] is None else f"  --archived {r['archived']}"
+        print(f"{r['key']:<{width}}  {_when(r['updated_at'])}  {r['size_bytes']:>9} B{where}")
 
 
 def _delete(args: argparse.Namespace, manager: SessionManager) -> int:

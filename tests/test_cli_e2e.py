@@ -141,6 +141,41 @@ def test_a_short_session_name_means_the_same_session_everywhere(
     assert "[user] again" in run_gateway(["sessions", "show", "twig"], env, tmp_path).stdout
 
 
+def test_sessions_archived_by_new_can_be_listed_and_shown(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    chat = run_gateway(["chat", "--session", "w"], env, tmp_path, stdin="old topic\n/new\nnew\n")
+    assert chat.returncode == 0, chat.stderr
+
+    plain = run_gateway(["sessions", "list"], env, tmp_path)
+    assert plain.stdout.count("cli:w") == 1
+    listing = run_gateway(["sessions", "list", "--all"], env, tmp_path)
+    current, archived = listing.stdout.splitlines()
+    assert current.startswith("cli:w ") and "--archived" not in current
+    assert archived.startswith("cli:w ") and archived.endswith("--archived 1")
+    rows = json.loads(run_gateway(["sessions", "list", "--all", "--json"], env, tmp_path).stdout)
+    assert [(r["key"], r["archived"]) for r in rows] == [("cli:w", None), ("cli:w", 1)]
+
+    shown = run_gateway(["sessions", "show", "w", "--archived", "1"], env, tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == ["[user] old topic", "[assistant] echo: old topic"]
+    tree = run_gateway(["sessions", "tree", "w", "--archived", "1"], env, tmp_path)
+    assert "old topic" in tree.stdout and "<- leaf" in tree.stdout
+    exported = run_gateway(["sessions", "export", "w", "--archived", "1"], env, tmp_path)
+    assert json.loads(exported.stdout.splitlines()[0])["id"] == rows[1]["session_id"]
+    assert "[user] new" in run_gateway(["sessions", "show", "w"], env, tmp_path).stdout
+
+    missing = run_gateway(["sessions", "show", "w", "--archived", "2"], env, tmp_path)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "has no archived session 2; it has 1" in missing.stderr
+    bad = run_gateway(["sessions", "show", "w", "--archived", "0"], env, tmp_path)
+    assert bad.returncode == 2 and "from 1 up" in bad.stderr
+
+
 def test_failures_are_one_clear_line(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
     env = base_env(tmp_path)
     no_key = run_gateway(["chat", "-m", "hi"], env, tmp_path)
