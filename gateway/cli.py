@@ -527,7 +527,7 @@ def _resolve_session_names(args: argparse.Namespace) -> None:
         args.key = session_key_from_name(args.key)
     if getattr(args, "new_key", None) is not None:
         args.new_key = session_key_from_name(args.new_key)
-    if args.command in ("chat", "cache") and args.session is not None:
+    if args.command in ("chat", "cache") and getattr(args, "session", None) is not None:
         args.session = session_key_from_name(args.session)
 
 
