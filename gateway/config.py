@@ -55,9 +55,15 @@ class LLMSettings(_Section):
         "(also OPENAI_BASE_URL). Unset means api.openai.com.",
     )
     api_key: SecretStr | None = Field(
-        None, description="Secret: only from OPENAI_API_KEY or GATEWAY_LLM__API_KEY."
+        None,
+        description="Secret: from OPENAI_API_KEY or GATEWAY_LLM__API_KEY, or from api_key_file.",
     )
-    api_key_file: Path | None = Field(None, description="File holding the API key.")
+    api_key_file: Path | None = Field(
+        None,
+        description="File holding the API key (read at start-up; a trailing newline is "
+        "dropped), also GATEWAY_LLM__API_KEY_FILE.",
+        examples=["/run/secrets/openai-api-key"],
+    )
     fallback_models: list[str] = Field(
         default_factory=list, description="Models tried in order when the main one fails."
     )
@@ -77,8 +83,8 @@ class LLMSettings(_Section):
     stream: bool = Field(False, description="Stream replies token by token where possible.")
 
     def resolved_api_key(self) -> str | None:
-        """The API key from the environment or from `api_key_file`, if any."""
-        return _secret_or_file(self.api_key, self.api_key_file, "llm.api_key_file")
+        """The API key (from the environment or `api_key_file`), if any."""
+        return reveal(self.api_key)
 
 
 class AgentSettings(_Section):
@@ -264,7 +270,13 @@ class HTTPSettings(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP server.")
     token: SecretStr | None = Field(
-        None, description="Secret: bearer token for the API, from GATEWAY_HTTP__TOKEN."
+        None,
+        description="Secret: bearer token for the API, from GATEWAY_HTTP__TOKEN or token_file.",
+    )
+    token_file: Path | None = Field(
+        None,
+        description="File holding the bearer token, also GATEWAY_HTTP__TOKEN_FILE.",
+        examples=["/run/secrets/gateway-http-token"],
     )
 
 
@@ -307,9 +319,15 @@ class AccessSection(_Section):
 class TelegramSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a Telegram bot.")
     token: SecretStr | None = Field(
-        None, description="Secret: the BotFather token, from GATEWAY_CHANNELS__TELEGRAM__TOKEN."
+        None,
+        description="Secret: the BotFather token, from GATEWAY_CHANNELS__TELEGRAM__TOKEN "
+        "or token_file.",
     )
-    token_file: Path | None = Field(None, description="File holding the bot token.")
+    token_file: Path | None = Field(
+        None,
+        description="File holding the bot token, also GATEWAY_CHANNELS__TELEGRAM__TOKEN_FILE.",
+        examples=["/run/secrets/telegram-token"],
+    )
     mode: Literal["polling", "webhook"] = Field(
         "polling", description="polling (no public URL needed) or webhook."
     )
@@ -327,27 +345,51 @@ class TelegramSettings(AccessSection):
     webhook_secret: SecretStr | None = Field(
         None,
         description="Secret: webhook secret token ([A-Za-z0-9_-]), from "
-        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET.",
+        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET or webhook_secret_file.",
+    )
+    webhook_secret_file: Path | None = Field(
+        None,
+        description="File holding the webhook secret token.",
+        examples=["/run/secrets/telegram-webhook-secret"],
     )
     poll_timeout: int = Field(30, ge=0, le=50, description="Long-poll seconds per request.")
 
     def resolved_token(self) -> str | None:
-        return _secret_or_file(self.token, self.token_file, "channels.telegram.token_file")
+        """The bot token (from the environment or `token_file`), if any."""
+        return reveal(self.token)
 
 
 class SlackSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a Slack app.")
     bot_token: SecretStr | None = Field(
-        None, description="Secret: xoxb- token, from GATEWAY_CHANNELS__SLACK__BOT_TOKEN."
+        None,
+        description="Secret: xoxb- token, from GATEWAY_CHANNELS__SLACK__BOT_TOKEN or "
+        "bot_token_file.",
+    )
+    bot_token_file: Path | None = Field(
+        None,
+        description="File holding the xoxb- token.",
+        examples=["/run/secrets/slack-bot-token"],
     )
     app_token: SecretStr | None = Field(
         None,
-        description="Secret: xapp- token for Socket Mode, from GATEWAY_CHANNELS__SLACK__APP_TOKEN.",
+        description="Secret: xapp- token for Socket Mode, from "
+        "GATEWAY_CHANNELS__SLACK__APP_TOKEN or app_token_file.",
+    )
+    app_token_file: Path | None = Field(
+        None,
+        description="File holding the xapp- token.",
+        examples=["/run/secrets/slack-app-token"],
     )
     signing_secret: SecretStr | None = Field(
         None,
         description="Secret: signing secret for HTTP mode, from "
-        "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET.",
+        "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET or signing_secret_file.",
+    )
+    signing_secret_file: Path | None = Field(
+        None,
+        description="File holding the signing secret.",
+        examples=["/run/secrets/slack-signing-secret"],
     )
     mode: Literal["socket", "http"] = Field(
         "socket", description="socket (no public URL needed) or http (/slack/events)."
@@ -360,15 +402,9 @@ class SlackSettings(AccessSection):
     )
 
 
-def _secret_or_file(secret: SecretStr | None, path: Path | None, key: str) -> str | None:
-    if secret is not None and secret.get_secret_value():
-        return secret.get_secret_value()
-    if path is not None:
-        try:
-            return path.expanduser().read_text(encoding="utf-8").strip() or None
-        except OSError as exc:
-            raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from None
-    return None
+def reveal(secret: SecretStr | None) -> str | None:
+    """A secret's value; None when it is unset or empty."""
+    return (secret.get_secret_value() or None) if secret is not None else None
 
 
 class ChannelsSettings(_Section):
@@ -432,27 +468,18 @@ class Settings(_Section):
         ]
 
     def secrets(self) -> list[str]:
-        """Every secret value configured (also those read from files), for log redaction."""
-        found = []
-        for read in (self.llm.resolved_api_key, self.channels.telegram.resolved_token):
-            try:
-                value = read()
-            except ConfigError:
-                value = None
-            if value:
-                found.append(value)
-        tg, slack = self.channels.telegram, self.channels.slack
-        for secret in (
-            self.llm.api_key,
-            self.http.token,
-            tg.token,
-            tg.webhook_secret,
-            slack.bot_token,
-            slack.app_token,
-            slack.signing_secret,
-        ):
-            if secret is not None and secret.get_secret_value():
-                found.append(secret.get_secret_value())
+        """Every secret value configured (those read from files too), for log redaction."""
+        found: list[str] = []
+
+        def collect(section: BaseModel) -> None:
+            for name in type(section).model_fields:
+                value = getattr(section, name)
+                if isinstance(value, BaseModel):
+                    collect(value)
+                elif isinstance(value, SecretStr) and value.get_secret_value():
+                    found.append(value.get_secret_value())
+
+        collect(self)
         return found
 
 
@@ -488,8 +515,52 @@ def _reject_secrets_in_file(data: Mapping[str, Any], path: Path, prefix: str = "
             env = ENV_PREFIX + dotted.upper().replace(".", "__")
             raise ConfigError(
                 f"{dotted}: secrets do not belong in {path.name}; remove it and set {env} "
-                f"in the environment (or use {key}_file where offered)"
+                f"in the environment, or name a file holding it in {key}_file"
             )
+
+
+def _secret_sources(dotted: str) -> str:
+    """Where a secret's value can come from besides its file, for error messages."""
+    env = ENV_PREFIX + dotted.upper().replace(".", "__")
+    return f"OPENAI_API_KEY or {env}" if dotted == "llm.api_key" else env
+
+
+def _read_secret_files(data: dict[str, Any], prefix: str = "") -> None:
+    """Put the content of every secret's `<name>_file` into `<name>`, in place.
+
+    Read once, at load: a missing or unreadable file stops start-up with one line, and
+    a rotated secret is picked up by a restart. A trailing newline (as `echo` and most
+    editors leave) is dropped. A secret given both as a value and as a file is refused:
+    which one would win is a guess the operator should not have to make.
+    """
+    for key, value in list(data.items()):
+        if isinstance(value, dict):
+            _read_secret_files(value, f"{prefix}{key}.")
+            continue
+        secret = key.removesuffix("_file")
+        if secret == key or secret not in SECRET_KEYS or value in (None, ""):
+            continue
+        name, dotted = f"{prefix}{key}", f"{prefix}{secret}"
+        if data.get(secret) not in (None, ""):
+            raise ConfigError(
+                f"{dotted} and {name} are both set; keep one: unset "
+                f"{_secret_sources(dotted)}, or remove {name}"
+            )
+        path = Path(str(value)).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8").rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError(
+                f"{name}: cannot read {path} ({exc.strerror}); fix the path or let the "
+                "gateway's user read the file"
+            ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"{name}: {path} is not UTF-8 text; write the secret as text"
+            ) from None
+        if not text.strip():
+            raise ConfigError(f"{name}: {path} is empty; write the secret into it")
+        data[secret] = text
 
 
 def _env_name(loc: tuple[Any, ...]) -> str:
@@ -569,13 +640,16 @@ def load_settings(
             parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
             if not all(parts):
                 raise ConfigError(f"{name}: malformed; use GATEWAY_<SECTION>__<KEY>")
-            value_parsed: Any = value if parts[-1] in SECRET_KEYS else _parse_env_value(value)
+            # Secrets and the names of their files are text, whatever they look like.
+            raw = parts[-1] in SECRET_KEYS or parts[-1].removesuffix("_file") in SECRET_KEYS
+            value_parsed: Any = value if raw else _parse_env_value(value)
             _set_path(data, parts, value_parsed)
 
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_path(data, dotted.split("."), value)
 
+    _read_secret_files(data)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
@@ -602,7 +676,10 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
         if isinstance(value, dict) and not value:
             body.extend(_EXAMPLES.get(f"{header}.{name}" if header else name, []))
             continue
-        if value is None:
+        if value is None and field.examples:
+            # Commented out, yet valid TOML once the "# " is removed.
+            body.append("# " + tomli_w.dumps({name: field.examples[0]}).rstrip("\n"))
+        elif value is None:
             body.append(f"# {name} = ")
         else:
             plain = str(value) if isinstance(value, Path) else value
@@ -634,8 +711,9 @@ def starter_toml() -> str:
         "# gateway.toml: configuration of the chat gateway.",
         "# Every key can be overridden from the environment as GATEWAY_<SECTION>__<KEY>,",
         "# e.g. GATEWAY_LLM__MODEL=gpt-4o or GATEWAY_HTTP__PORT=9000.",
-        "# Secrets never go here: set OPENAI_API_KEY (or GATEWAY_LLM__API_KEY) and",
-        "# GATEWAY_HTTP__TOKEN in the environment.",
+        "# Secrets never go here: set them in the environment (OPENAI_API_KEY or",
+        "# GATEWAY_LLM__API_KEY, GATEWAY_HTTP__TOKEN, ...) or name a file holding each one",
+        '# (api_key_file, token_file, ...: e.g. token_file = "/run/secrets/telegram-token").',
         "",
     ]
     return "\n".join(head + _commented_section(Settings, Settings(), "")).rstrip() + "\n"
