@@ -43,6 +43,21 @@ class ConfigError(Exception):
     """A configuration problem the operator must fix; the message is one line each."""
 
 
+def _secret(what: str, env: str) -> Any:
+    """A secret setting: never in gateway.toml, from `env` or the file of its `_file`."""
+    return Field(None, description=f"Secret: {what}, from {env}, or from the file below.")
+
+
+def _secret_file(env: str, example: str) -> Any:
+    """The `<secret>_file` setting next to a secret: a file holding it."""
+    return Field(
+        None,
+        description=f"File holding the secret above, read at start-up (a trailing newline "
+        f"is dropped); also {env}_FILE.",
+        examples=[f"/run/secrets/{example}"],
+    )
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -54,16 +69,8 @@ class LLMSettings(_Section):
         description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:11434/v1 for Ollama "
         "(also OPENAI_BASE_URL). Unset means api.openai.com.",
     )
-    api_key: SecretStr | None = Field(
-        None,
-        description="Secret: from OPENAI_API_KEY or GATEWAY_LLM__API_KEY, or from api_key_file.",
-    )
-    api_key_file: Path | None = Field(
-        None,
-        description="File holding the API key (read at start-up; a trailing newline is "
-        "dropped), also GATEWAY_LLM__API_KEY_FILE.",
-        examples=["/run/secrets/openai-api-key"],
-    )
+    api_key: SecretStr | None = _secret("the API key", "OPENAI_API_KEY or GATEWAY_LLM__API_KEY")
+    api_key_file: Path | None = _secret_file("GATEWAY_LLM__API_KEY", "openai-api-key")
     fallback_models: list[str] = Field(
         default_factory=list, description="Models tried in order when the main one fails."
     )
@@ -269,15 +276,8 @@ class LogSettings(_Section):
 class HTTPSettings(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP server.")
-    token: SecretStr | None = Field(
-        None,
-        description="Secret: bearer token for the API, from GATEWAY_HTTP__TOKEN or token_file.",
-    )
-    token_file: Path | None = Field(
-        None,
-        description="File holding the bearer token, also GATEWAY_HTTP__TOKEN_FILE.",
-        examples=["/run/secrets/gateway-http-token"],
-    )
+    token: SecretStr | None = _secret("bearer token of the chat API", "GATEWAY_HTTP__TOKEN")
+    token_file: Path | None = _secret_file("GATEWAY_HTTP__TOKEN", "gateway-http-token")
 
 
 class CLIChannelSettings(_Section):
@@ -318,16 +318,8 @@ class AccessSection(_Section):
 
 class TelegramSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a Telegram bot.")
-    token: SecretStr | None = Field(
-        None,
-        description="Secret: the BotFather token, from GATEWAY_CHANNELS__TELEGRAM__TOKEN "
-        "or token_file.",
-    )
-    token_file: Path | None = Field(
-        None,
-        description="File holding the bot token, also GATEWAY_CHANNELS__TELEGRAM__TOKEN_FILE.",
-        examples=["/run/secrets/telegram-token"],
-    )
+    token: SecretStr | None = _secret("the BotFather token", "GATEWAY_CHANNELS__TELEGRAM__TOKEN")
+    token_file: Path | None = _secret_file("GATEWAY_CHANNELS__TELEGRAM__TOKEN", "telegram-token")
     mode: Literal["polling", "webhook"] = Field(
         "polling", description="polling (no public URL needed) or webhook."
     )
@@ -342,15 +334,11 @@ class TelegramSettings(AccessSection):
         description="Public HTTPS URL that reaches this gateway's /telegram/webhook "
         "(webhook mode).",
     )
-    webhook_secret: SecretStr | None = Field(
-        None,
-        description="Secret: webhook secret token ([A-Za-z0-9_-]), from "
-        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET or webhook_secret_file.",
+    webhook_secret: SecretStr | None = _secret(
+        "webhook secret token ([A-Za-z0-9_-])", "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET"
     )
-    webhook_secret_file: Path | None = Field(
-        None,
-        description="File holding the webhook secret token.",
-        examples=["/run/secrets/telegram-webhook-secret"],
+    webhook_secret_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET", "telegram-webhook-secret"
     )
     poll_timeout: int = Field(30, ge=0, le=50, description="Long-poll seconds per request.")
 
@@ -361,35 +349,21 @@ class TelegramSettings(AccessSection):
 
 class SlackSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a Slack app.")
-    bot_token: SecretStr | None = Field(
-        None,
-        description="Secret: xoxb- token, from GATEWAY_CHANNELS__SLACK__BOT_TOKEN or "
-        "bot_token_file.",
+    bot_token: SecretStr | None = _secret("xoxb- token", "GATEWAY_CHANNELS__SLACK__BOT_TOKEN")
+    bot_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__SLACK__BOT_TOKEN", "slack-bot-token"
     )
-    bot_token_file: Path | None = Field(
-        None,
-        description="File holding the xoxb- token.",
-        examples=["/run/secrets/slack-bot-token"],
+    app_token: SecretStr | None = _secret(
+        "xapp- token for Socket Mode", "GATEWAY_CHANNELS__SLACK__APP_TOKEN"
     )
-    app_token: SecretStr | None = Field(
-        None,
-        description="Secret: xapp- token for Socket Mode, from "
-        "GATEWAY_CHANNELS__SLACK__APP_TOKEN or app_token_file.",
+    app_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__SLACK__APP_TOKEN", "slack-app-token"
     )
-    app_token_file: Path | None = Field(
-        None,
-        description="File holding the xapp- token.",
-        examples=["/run/secrets/slack-app-token"],
+    signing_secret: SecretStr | None = _secret(
+        "signing secret for HTTP mode", "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET"
     )
-    signing_secret: SecretStr | None = Field(
-        None,
-        description="Secret: signing secret for HTTP mode, from "
-        "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET or signing_secret_file.",
-    )
-    signing_secret_file: Path | None = Field(
-        None,
-        description="File holding the signing secret.",
-        examples=["/run/secrets/slack-signing-secret"],
+    signing_secret_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET", "slack-signing-secret"
     )
     mode: Literal["socket", "http"] = Field(
         "socket", description="socket (no public URL needed) or http (/slack/events)."

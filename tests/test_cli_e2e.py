@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import base_env as gateway_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,10 +101,7 @@ def test_interactive_chat_reads_lines_until_eof(
 def test_global_options_after_the_subcommand(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = gateway_env(tmp_path / "ws", fake_openai_thread)
     out = run_gateway(
         ["chat", "-m", "hi", "--model", "other-model", "--workspace", str(tmp_path / "w2")],
         env,
@@ -118,10 +116,7 @@ def test_global_options_after_the_subcommand(
 def test_a_short_session_name_means_the_same_session_everywhere(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = gateway_env(tmp_path / "ws", fake_openai_thread)
     assert run_gateway(["chat", "--session", "branchy", "-m", "hi"], env, tmp_path).returncode == 0
     shown = run_gateway(["sessions", "show", "branchy"], env, tmp_path)
     assert shown.returncode == 0, shown.stderr
@@ -144,10 +139,7 @@ def test_a_short_session_name_means_the_same_session_everywhere(
 def test_sessions_archived_by_new_can_be_listed_and_shown(
     tmp_path: Path, fake_openai_thread: FakeOpenAI
 ) -> None:
-    env = base_env(tmp_path) | {
-        "OPENAI_BASE_URL": fake_openai_thread.base_url,
-        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
-    }
+    env = gateway_env(tmp_path / "ws", fake_openai_thread)
     chat = run_gateway(["chat", "--session", "w"], env, tmp_path, stdin="old topic\n/new\nnew\n")
     assert chat.returncode == 0, chat.stderr
 
