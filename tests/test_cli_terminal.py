@@ -85,3 +85,20 @@ def test_an_unknown_command_is_answered_and_never_sent_to_the_model(
     at = chat.expect("unknown command /frobnicate")
     chat.expect("/new", after=at)
     assert fake_openai_thread.chat_requests == []
+
+
+def test_gateway_run_on_a_terminal_chats_and_ctrl_c_stops_it(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    run = Terminal(
+        [sys.executable, "-m", "gateway.cli", "run"], env | {"GATEWAY_HTTP__PORT": "0"}, tmp_path
+    )
+    try:
+        at = run.expect("you> ")
+        run.type(b"hello\r")
+        at = run.expect("bot> echo: hello", after=at)
+        run.expect("you> ", after=at)
+        run.type(CTRL_C)  # as without a chat: the daemon drains and stops
+        assert run.wait() == 0
+    finally:
+        run.close()
