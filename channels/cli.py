@@ -1,31 +1,35 @@
-"""The terminal channel: interactive chat and one-shot messages over stdin/stdout."""
+"""The terminal channel: interactive chat and one-shot messages over stdin/stdout.
+
+On a terminal, lines are read with prompt_toolkit (line editing, history) and keys
+behave as in a shell: Ctrl-C clears the line being typed, Ctrl-C while a reply is
+awaited stops waiting for it, Ctrl-D on an empty line leaves. Piped input is read
+line by line until its end.
+"""
 
 from __future__ import annotations
 
 import getpass
+import signal
 import sys
-from typing import TextIO
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 import anyio
 import anyio.abc
 
 from gateway.agent import AgentLoop
 from gateway.channel import Submit
-from gateway.messages import InboundMessage, OutboundMessage
-from gateway.sessions.keys import encode_key
+from gateway.messages import DEFAULT_TERMINAL_SESSION, InboundMessage, OutboundMessage
+
+if TYPE_CHECKING:
+    from prompt_toolkit import PromptSession
 
 EXIT_WORDS = frozenset({"/quit", "/exit"})
+PROMPT = "you> "
+#: Shown when Ctrl-C stopped the wait for a reply.
+INTERRUPTED = "interrupted: not waiting for that reply; your message is kept in the session"
 
-
-def cli_session_key(name: str | None) -> str:
-    """`--session work` means `cli:work`; a full key (with a colon) is used as given.
-
-    Raises SessionKeyError (a ValueError) for a key that cannot be stored."""
-    if not name:
-        return "cli:direct"
-    key = name if ":" in name else f"cli:{name}"
-    encode_key(key)
-    return key
+T = TypeVar("T")
 
 
 class CLIChannel:
@@ -34,6 +38,10 @@ class CLIChannel:
     Two ways to run: `run_interactive`/`send_once` call the agent directly (for
     `gateway chat`, with streaming); `run`/`send` go through the daemon's dispatcher
     like every other channel (for `gateway run`).
+
+    Promise: Ctrl-C never loses what the session holds. At the prompt it only clears
+    the line (nothing was sent); during a turn it stops the wait, and what the turn
+    stored so far (the user's message first of all) stays in the session.
     """
 
     name = "cli"
@@ -44,7 +52,7 @@ class CLIChannel:
         self,
         agent: AgentLoop | None = None,
         *,
-        session_key: str = "cli:direct",
+        session_key: str = DEFAULT_TERMINAL_SESSION,
         stdin: TextIO | None = None,
         stdout: TextIO | None = None,
     ) -> None:
@@ -52,6 +60,9 @@ class CLIChannel:
         self.session_key = session_key
         self.stdin = stdin or sys.stdin
         self.stdout = stdout or sys.stdout
+        #: A person at a terminal (not a pipe): prompt, line editing, Ctrl-C handling.
+        self.terminal = self.stdin is sys.stdin and sys.stdin.isatty()
+        self._prompt: PromptSession[str] | None = None
         try:
             self.user = getpass.getuser()
         except (KeyError, OSError):
@@ -83,13 +94,14 @@ class CLIChannel:
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Daemon mode: each line goes to the dispatcher; the reply arrives via `send`.
-        Returns at end of input or /quit."""
+        Returns at end of input, /quit or Ctrl-C at the prompt: for the daemon, whose
+        terminal chat ends the gateway, Ctrl-C keeps its usual meaning (stop)."""
         self._print(
             f"Chatting in session {self.session_key}. /help for commands, /quit or Ctrl-D to stop."
         )
         task_status.started()
         while True:
-            line = await self._next_line()
+            line = await self._next_line(ctrl_c_ends=True)
             if line is None:
                 return
             if line.strip():
@@ -100,32 +112,64 @@ class CLIChannel:
         prefix = "error> " if message.is_error else "bot> "
         self._print(prefix + message.text)
 
-    async def _next_line(self) -> str | None:
-        try:
-            line = await anyio.to_thread.run_sync(self._read_line, abandon_on_cancel=True)
-        except KeyboardInterrupt:
-            line = None
+    async def _next_line(self, *, ctrl_c_ends: bool = False) -> str | None:
+        """The next line typed, or None at the end (Ctrl-D, /quit, end of input)."""
+        if self.terminal:
+            line = await self._prompt_line(ctrl_c_ends=ctrl_c_ends)
+        else:
+            try:
+                line = await anyio.to_thread.run_sync(self._read_piped_line, abandon_on_cancel=True)
+            except KeyboardInterrupt:
+                line = None
         if line is None or line.strip() in EXIT_WORDS:
             self._print()
             return None
         return line
 
+    async def _prompt_line(self, *, ctrl_c_ends: bool) -> str | None:
+        if self._prompt is None:
+            from prompt_toolkit import PromptSession
+
+            self._prompt = PromptSession()
+        while True:
+            try:
+                # SIGINT stays ours: in raw mode Ctrl-C arrives as a key, not a signal.
+                return await self._prompt.prompt_async(PROMPT, handle_sigint=False)
+            except EOFError:
+                return None
+            except KeyboardInterrupt:
+                if ctrl_c_ends:
+                    return None
+                # As in a shell: the typed line is dropped and a fresh prompt follows.
+
     def _print(self, text: str = "", end: str = "\n") -> None:
         self.stdout.write(text + end)
         self.stdout.flush()
 
-    def _read_line(self) -> str | None:
-        if self.stdin is sys.stdin and sys.stdin.isatty():
-            try:
-                import readline  # noqa: F401  (line editing and history for input())
-            except ImportError:
-                pass
-            try:
-                return input("you> ")
-            except EOFError:
-                return None
+    def _read_piped_line(self) -> str | None:
         line = self.stdin.readline()
         return line.rstrip("\n") if line else None
+
+    async def _until_ctrl_c(self, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None if Ctrl-C (SIGINT) came first and cancelled it.
+
+        The handler is installed before `work` starts, so no Ctrl-C in between ends the
+        process; on leaving, SIGINT's previous handler is back (exit with 130)."""
+        if not self.terminal:
+            return await work
+        result: T | None = None
+        with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            async with anyio.create_task_group() as tg:
+
+                async def cancel_on_signal() -> None:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+                tg.start_soon(cancel_on_signal)
+                result = await work
+                tg.cancel_scope.cancel()
+        return result
 
     async def run_interactive(self) -> None:
         """Read lines until end of input or /quit; each line is one turn."""
@@ -149,9 +193,12 @@ class CLIChannel:
                 self.stdout.write(text)
                 self.stdout.flush()
 
-            reply = await agent.handle(self._inbound(line), on_delta=on_delta)
+            reply = await self._until_ctrl_c(agent.handle(self._inbound(line), on_delta=on_delta))
             if streamed:
                 self._print()
+            if reply is None:
+                self._print("error> " + INTERRUPTED)
+            elif streamed:
                 if reply.is_error:
                     self._print("error> " + reply.text)
             else:

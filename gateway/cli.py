@@ -33,10 +33,11 @@ from gateway.config import (
 )
 from gateway.llm.types import LLMConfigError
 from gateway.logs import setup_logging
+from gateway.messages import session_key_from_name
 from gateway.workspace import WorkspaceError, cannot_write, check_workspace, write_denied
 
 if TYPE_CHECKING:
-    from gateway.sessions import Session, SessionManager
+    from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -52,18 +53,67 @@ class CommandError(Exception):
         self.code = code
 
 
+# The global options: (flags, dest, metavar, help). They are accepted before the
+# subcommand and after it (`gateway --model x chat` = `gateway chat --model x`).
+_GLOBAL_OPTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("--config", "config", "PATH", "config file (default ./gateway.toml)"),
+    ("--workspace", "workspace", "DIR", "data folder (also GATEWAY_WORKSPACE)"),
+    ("--model", "model", "NAME", "LLM model (also GATEWAY_MODEL)"),
+    ("--log-level", "log_level", "LEVEL", "TRACE, DEBUG, INFO, WARNING, ERROR"),
+)
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The global options on `parser`. Below the top they default to SUPPRESS, so a
+    subcommand that is not given one leaves the value given before it in place; one
+    given in both places takes the later. An option string the subcommand already
+    uses for its own meaning (`cache invalidate --model`) keeps that meaning."""
+    taken = {s for action in parser._actions for s in action.option_strings}
+    for flag, dest, metavar, text in _GLOBAL_OPTIONS:
+        if flag in taken:
+            continue
+        parser.add_argument(
+            flag,
+            dest=dest,
+            metavar=metavar,
+            help=text,
+            default=None if top else argparse.SUPPRESS,
+        )
+    if "-v" not in taken:
+        parser.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="log progress (INFO) in one-shot commands",
+            default=False if top else argparse.SUPPRESS,
+        )
+
+
+def _with_global_options(parser: argparse.ArgumentParser) -> None:
+    """Add the global options to every subcommand below `parser`, at every depth."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                _add_global_options(child, top=False)
+                _with_global_options(child)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 1 up")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gateway", description="Chat gateway: talk to an LLM agent from chat apps."
     )
     parser.add_argument("--version", action="version", version=f"gateway {__version__}")
-    parser.add_argument("--config", metavar="PATH", help="config file (default ./gateway.toml)")
-    parser.add_argument("--workspace", metavar="DIR", help="data folder (also GATEWAY_WORKSPACE)")
-    parser.add_argument("--model", metavar="NAME", help="LLM model (also GATEWAY_MODEL)")
-    parser.add_argument("--log-level", metavar="LEVEL", help="TRACE, DEBUG, INFO, WARNING, ERROR")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="log progress (INFO) in one-shot commands"
-    )
+    _add_global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sub.add_parser("run", help="run the gateway daemon (terminal chat on a TTY)")
@@ -71,8 +121,6 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with the agent in this terminal")
     chat.add_argument("-m", "--message", help="send one message, print the reply, exit")
     chat.add_argument("--session", metavar="KEY", help="session name or key (default cli:direct)")
-    # Also after the subcommand (`chat -m hi -v`); SUPPRESS keeps a -v given before it.
-    chat.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
 
     init = sub.add_parser("init", help="write a commented starter gateway.toml")
     init.add_argument("path", nargs="?", default="gateway.toml")
@@ -81,11 +129,15 @@ def _parser() -> argparse.ArgumentParser:
     ssub = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     lst = ssub.add_parser("list", help="sessions, most recently active first")
     lst.add_argument("--json", action="store_true", help="machine-readable output")
+    lst.add_argument("--all", action="store_true", help="also the sessions /new archived")
+    archived_help = "an archived session of KEY: 1 = the one /new replaced last"
     for name, text in (
         ("show", "the conversation on the current branch"),
         ("tree", "every entry of the session as a tree"),
     ):
-        ssub.add_parser(name, help=text).add_argument("key")
+        viewer = ssub.add_parser(name, help=text)
+        viewer.add_argument("key")
+        viewer.add_argument("--archived", metavar="N", type=_positive, help=archived_help)
     fork = ssub.add_parser("fork", help="copy the current branch into a new session")
     fork.add_argument("key")
     fork.add_argument("--at", metavar="ENTRY_ID", help="fork at this entry instead of the leaf")
@@ -96,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     export = ssub.add_parser("export", help="print a session (JSONL entries or Markdown)")
     export.add_argument("key")
     export.add_argument("--format", choices=("jsonl", "markdown"), default="jsonl")
+    export.add_argument("--archived", metavar="N", type=_positive, help=archived_help)
 
     memory = sub.add_parser("memory", help="inspect a conversation's long-term memory")
     msub = memory.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -136,6 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--model", dest="by_model", help="every entry of a model")
     which.add_argument("--session", help="every entry scoped to a session key")
     which.add_argument("--shared", action="store_true", help="every shared entry")
+    _with_global_options(parser)
     return parser
 
 
@@ -169,10 +223,10 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
-    from channels.cli import CLIChannel, cli_session_key
+    from channels.cli import CLIChannel
     from gateway.daemon import Gateway
 
-    key = cli_session_key(args.session)
+    key = args.session or settings.channels.cli.session
     gateway = Gateway.build(settings)
 
     async def main() -> int:
@@ -267,24 +321,12 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
         print(forked.key)
         return EXIT_OK
     if action == "list":
-        infos = manager.list_sessions()
-        if args.json:
-            print(
-                json.dumps(
-                    [
-                        {"key": i.key, "updated_at": i.updated_at, "size_bytes": i.size_bytes}
-                        for i in infos
-                    ]
-                )
-            )
-        elif not infos:
-            print("no sessions yet")
-        else:
-            width = max(len(i.key) for i in infos)
-            for info in infos:
-                print(f"{info.key:<{width}}  {_when(info.updated_at)}  {info.size_bytes:>9} B")
+        _list_sessions(manager, include_archived=args.all, as_json=args.json)
         return EXIT_OK
-    session = _existing(manager, args.key)
+    if args.archived is not None:
+        session = manager.open_archived(args.key, args.archived)
+    else:
+        session = _existing(manager, args.key)
     if action == "show":
         ctx = session.build_context()
         if ctx.summary:
@@ -308,6 +350,50 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
                 print(f"**{message.role}**: {message.content or ''}\n")
         return EXIT_OK
     raise CommandError(f"unknown action {action}", EXIT_USAGE)
+
+
+def _list_sessions(manager: SessionManager, *, include_archived: bool, as_json: bool) -> None:
+    """Current sessions, most recently active first; with `include_archived`, each
+    key's archived sessions follow it (most recent first)."""
+    current = manager.list_sessions()
+    archived: dict[str, list[ArchivedSessionInfo]] = {}
+    for info in manager.list_archived() if include_archived else []:
+        archived.setdefault(info.key, []).append(info)
+    # A key whose current session is gone still lists its archive, after the others.
+    keys = [i.key for i in current] + sorted(set(archived) - {i.key for i in current})
+    by_key = {i.key: i for i in current}
+    rows: list[dict[str, Any]] = []
+    for key in keys:
+        if key in by_key:
+            i = by_key[key]
+            rows.append(
+                {
+                    "key": key,
+                    "archived": None,
+                    "updated_at": i.updated_at,
+                    "size_bytes": i.size_bytes,
+                }
+            )
+        for a in archived.get(key, []):
+            rows.append(
+                {
+                    "key": key,
+                    "archived": a.number,
+                    "session_id": a.session_id,
+                    "updated_at": a.archived_at,
+                    "size_bytes": a.size_bytes,
+                }
+            )
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        print("no sessions yet")
+        return
+    width = max(len(r["key"]) for r in rows)
+    for r in rows:
+        where = "" if r["archived"] is None else f"  --archived {r['archived']}"
+        print(f"{r['key']:<{width}}  {_when(r['updated_at'])}  {r['size_bytes']:>9} B{where}")
 
 
 def _delete(args: argparse.Namespace, manager: SessionManager) -> int:
@@ -495,9 +581,21 @@ def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
     return anyio.run(main)
 
 
+def _resolve_session_names(args: argparse.Namespace) -> None:
+    """Every session a command names, as a key: `work` is `cli:work` here as in `chat
+    --session work`, and a full key (`telegram:123`) stays as it is."""
+    if args.command in ("sessions", "memory") and getattr(args, "key", None) is not None:
+        args.key = session_key_from_name(args.key)
+    if getattr(args, "new_key", None) is not None:
+        args.new_key = session_key_from_name(args.new_key)
+    if args.command in ("chat", "cache") and getattr(args, "session", None) is not None:
+        args.session = session_key_from_name(args.session)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
+    _resolve_session_names(args)
     settings = _settings(args)
     setup_logging(_log_level(args, settings), settings.log.format, settings.secrets())
     if args.command != "doctor":  # the doctor reports these among its findings instead

@@ -37,6 +37,8 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from gateway.messages import session_key_from_name
+
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_NAME = "gateway.toml"
 # Exit code for a configuration error (sysexits EX_CONFIG): systemd must not restart on it.
@@ -52,6 +54,21 @@ class ConfigError(Exception):
     """A configuration problem the operator must fix; the message is one line each."""
 
 
+def _secret(what: str, env: str) -> Any:
+    """A secret setting: never in gateway.toml, from `env` or the file of its `_file`."""
+    return Field(None, description=f"Secret: {what}, from {env}, or from the file below.")
+
+
+def _secret_file(env: str, example: str) -> Any:
+    """The `<secret>_file` setting next to a secret: a file holding it."""
+    return Field(
+        None,
+        description=f"File holding the secret above, read at start-up (a trailing newline "
+        f"is dropped); also {env}_FILE.",
+        examples=[f"/run/secrets/{example}"],
+    )
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -64,12 +81,8 @@ class LLMSettings(_Section):
         "(also OPENAI_BASE_URL). Unset means api.openai.com.",
         examples=["http://127.0.0.1:11434/v1"],
     )
-    api_key: SecretStr | None = Field(
-        None, description="Secret: only from OPENAI_API_KEY or GATEWAY_LLM__API_KEY."
-    )
-    api_key_file: Path | None = Field(
-        None, description="File holding the API key.", examples=["/run/secrets/openai_api_key"]
-    )
+    api_key: SecretStr | None = _secret("the API key", "OPENAI_API_KEY or GATEWAY_LLM__API_KEY")
+    api_key_file: Path | None = _secret_file("GATEWAY_LLM__API_KEY", "openai-api-key")
     fallback_models: list[str] = Field(
         default_factory=list, description="Models tried in order when the main one fails."
     )
@@ -91,8 +104,8 @@ class LLMSettings(_Section):
     stream: bool = Field(False, description="Stream replies token by token where possible.")
 
     def resolved_api_key(self) -> str | None:
-        """The API key from the environment or from `api_key_file`, if any."""
-        return _secret_or_file(self.api_key, self.api_key_file, "llm.api_key_file")
+        """The API key (from the environment or `api_key_file`), if any."""
+        return reveal(self.api_key)
 
 
 class AgentSettings(_Section):
@@ -281,14 +294,21 @@ class LogSettings(_Section):
 class HTTPSettings(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP server.")
-    token: SecretStr | None = Field(
-        None, description="Secret: bearer token for the API, from GATEWAY_HTTP__TOKEN."
-    )
+    token: SecretStr | None = _secret("bearer token of the chat API", "GATEWAY_HTTP__TOKEN")
+    token_file: Path | None = _secret_file("GATEWAY_HTTP__TOKEN", "gateway-http-token")
 
 
 class CLIChannelSettings(_Section):
     enabled: bool = Field(True, description="Chat in the terminal when stdin is a TTY.")
-    session: str = Field("cli:direct", description="Session key of the terminal chat.")
+    session: str = Field(
+        "cli:direct",
+        description="Session of the terminal chat: a name (work = cli:work) or a full key.",
+    )
+
+    @field_validator("session")
+    @classmethod
+    def _session_key(cls, value: str) -> str:
+        return session_key_from_name(value)
 
 
 class AccessSection(_Section):
@@ -316,12 +336,8 @@ class AccessSection(_Section):
 
 class TelegramSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a Telegram bot.")
-    token: SecretStr | None = Field(
-        None, description="Secret: the BotFather token, from GATEWAY_CHANNELS__TELEGRAM__TOKEN."
-    )
-    token_file: Path | None = Field(
-        None, description="File holding the bot token.", examples=["/run/secrets/telegram_token"]
-    )
+    token: SecretStr | None = _secret("the BotFather token", "GATEWAY_CHANNELS__TELEGRAM__TOKEN")
+    token_file: Path | None = _secret_file("GATEWAY_CHANNELS__TELEGRAM__TOKEN", "telegram-token")
     mode: Literal["polling", "webhook"] = Field(
         "polling", description="polling (no public URL needed) or webhook."
     )
@@ -342,30 +358,36 @@ class TelegramSettings(AccessSection):
         "(webhook mode).",
         examples=["https://bot.example.com/telegram/webhook"],
     )
-    webhook_secret: SecretStr | None = Field(
-        None,
-        description="Secret: webhook secret token ([A-Za-z0-9_-]), from "
-        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET.",
+    webhook_secret: SecretStr | None = _secret(
+        "webhook secret token ([A-Za-z0-9_-])", "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET"
+    )
+    webhook_secret_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET", "telegram-webhook-secret"
     )
     poll_timeout: int = Field(30, ge=0, le=50, description="Long-poll seconds per request.")
 
     def resolved_token(self) -> str | None:
-        return _secret_or_file(self.token, self.token_file, "channels.telegram.token_file")
+        """The bot token (from the environment or `token_file`), if any."""
+        return reveal(self.token)
 
 
 class SlackSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a Slack app.")
-    bot_token: SecretStr | None = Field(
-        None, description="Secret: xoxb- token, from GATEWAY_CHANNELS__SLACK__BOT_TOKEN."
+    bot_token: SecretStr | None = _secret("xoxb- token", "GATEWAY_CHANNELS__SLACK__BOT_TOKEN")
+    bot_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__SLACK__BOT_TOKEN", "slack-bot-token"
     )
-    app_token: SecretStr | None = Field(
-        None,
-        description="Secret: xapp- token for Socket Mode, from GATEWAY_CHANNELS__SLACK__APP_TOKEN.",
+    app_token: SecretStr | None = _secret(
+        "xapp- token for Socket Mode", "GATEWAY_CHANNELS__SLACK__APP_TOKEN"
     )
-    signing_secret: SecretStr | None = Field(
-        None,
-        description="Secret: signing secret for HTTP mode, from "
-        "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET.",
+    app_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__SLACK__APP_TOKEN", "slack-app-token"
+    )
+    signing_secret: SecretStr | None = _secret(
+        "signing secret for HTTP mode", "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET"
+    )
+    signing_secret_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__SLACK__SIGNING_SECRET", "slack-signing-secret"
     )
     mode: Literal["socket", "http"] = Field(
         "socket", description="socket (no public URL needed) or http (/slack/events)."
@@ -381,15 +403,9 @@ class SlackSettings(AccessSection):
     )
 
 
-def _secret_or_file(secret: SecretStr | None, path: Path | None, key: str) -> str | None:
-    if secret is not None and secret.get_secret_value():
-        return secret.get_secret_value()
-    if path is not None:
-        try:
-            return path.expanduser().read_text(encoding="utf-8").strip() or None
-        except OSError as exc:
-            raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from None
-    return None
+def reveal(secret: SecretStr | None) -> str | None:
+    """A secret's value; None when it is unset or empty."""
+    return (secret.get_secret_value() or None) if secret is not None else None
 
 
 class ChannelsSettings(_Section):
@@ -455,27 +471,18 @@ class Settings(_Section):
         ]
 
     def secrets(self) -> list[str]:
-        """Every secret value configured (also those read from files), for log redaction."""
-        found = []
-        for read in (self.llm.resolved_api_key, self.channels.telegram.resolved_token):
-            try:
-                value = read()
-            except ConfigError:
-                value = None
-            if value:
-                found.append(value)
-        tg, slack = self.channels.telegram, self.channels.slack
-        for secret in (
-            self.llm.api_key,
-            self.http.token,
-            tg.token,
-            tg.webhook_secret,
-            slack.bot_token,
-            slack.app_token,
-            slack.signing_secret,
-        ):
-            if secret is not None and secret.get_secret_value():
-                found.append(secret.get_secret_value())
+        """Every secret value configured (those read from files too), for log redaction."""
+        found: list[str] = []
+
+        def collect(section: BaseModel) -> None:
+            for name in type(section).model_fields:
+                value = getattr(section, name)
+                if isinstance(value, BaseModel):
+                    collect(value)
+                elif isinstance(value, SecretStr) and value.get_secret_value():
+                    found.append(value.get_secret_value())
+
+        collect(self)
         return found
 
 
@@ -552,8 +559,52 @@ def _reject_secrets_in_file(data: Mapping[str, Any], path: Path, prefix: str = "
             env = ENV_PREFIX + dotted.upper().replace(".", "__")
             raise ConfigError(
                 f"{dotted}: secrets do not belong in {path.name}; remove it and set {env} "
-                f"in the environment (or use {key}_file where offered)"
+                f"in the environment, or name a file holding it in {key}_file"
             )
+
+
+def _secret_sources(dotted: str) -> str:
+    """Where a secret's value can come from besides its file, for error messages."""
+    env = ENV_PREFIX + dotted.upper().replace(".", "__")
+    return f"OPENAI_API_KEY or {env}" if dotted == "llm.api_key" else env
+
+
+def _read_secret_files(data: dict[str, Any], prefix: str = "") -> None:
+    """Put the content of every secret's `<name>_file` into `<name>`, in place.
+
+    Read once, at load: a missing or unreadable file stops start-up with one line, and
+    a rotated secret is picked up by a restart. A trailing newline (as `echo` and most
+    editors leave) is dropped. A secret given both as a value and as a file is refused:
+    which one would win is a guess the operator should not have to make.
+    """
+    for key, value in list(data.items()):
+        if isinstance(value, dict):
+            _read_secret_files(value, f"{prefix}{key}.")
+            continue
+        secret = key.removesuffix("_file")
+        if secret == key or secret not in SECRET_KEYS or value in (None, ""):
+            continue
+        name, dotted = f"{prefix}{key}", f"{prefix}{secret}"
+        if data.get(secret) not in (None, ""):
+            raise ConfigError(
+                f"{dotted} and {name} are both set; keep one: unset "
+                f"{_secret_sources(dotted)}, or remove {name}"
+            )
+        path = Path(str(value)).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8").rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError(
+                f"{name}: cannot read {path} ({exc.strerror}); fix the path or let the "
+                "gateway's user read the file"
+            ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"{name}: {path} is not UTF-8 text; write the secret as text"
+            ) from None
+        if not text.strip():
+            raise ConfigError(f"{name}: {path} is empty; write the secret into it")
+        data[secret] = text
 
 
 def _env_name(loc: tuple[Any, ...]) -> str:
@@ -700,13 +751,15 @@ def load_settings(
             parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
             if not all(parts):
                 raise ConfigError(f"{name}: malformed; use GATEWAY_<SECTION>__<KEY>")
-            secret = parts[-1] in SECRET_KEYS
-            _set_path(data, parts, value if secret else _parse_env_value(parts, value))
+            # Secrets and the names of their files are text, whatever they look like.
+            raw = parts[-1] in SECRET_KEYS or parts[-1].removesuffix("_file") in SECRET_KEYS
+            _set_path(data, parts, value if raw else _parse_env_value(parts, value))
 
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_path(data, dotted.split("."), value)
 
+    _read_secret_files(data)
     try:
         # Strict, in JSON mode: booleans and numbers must be written as such, while
         # strings still become paths and secrets (JSON has no such types).
@@ -768,8 +821,9 @@ def starter_toml() -> str:
         "# gateway.toml: configuration of the chat gateway.",
         "# Every key can be overridden from the environment as GATEWAY_<SECTION>__<KEY>,",
         "# e.g. GATEWAY_LLM__MODEL=gpt-4o or GATEWAY_HTTP__PORT=9000.",
-        "# Secrets never go here: set OPENAI_API_KEY (or GATEWAY_LLM__API_KEY) and",
-        "# GATEWAY_HTTP__TOKEN in the environment.",
+        "# Secrets never go here: set them in the environment (OPENAI_API_KEY or",
+        "# GATEWAY_LLM__API_KEY, GATEWAY_HTTP__TOKEN, ...) or name a file holding each one",
+        '# (api_key_file, token_file, ...: e.g. token_file = "/run/secrets/telegram-token").',
         "",
     ]
     return "\n".join(head + _commented_section(Settings, Settings(), "")).rstrip() + "\n"

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.sessions.keys import encode_key
+
 #: Metadata of a merged (collect mode) message: the platform ids of the messages it holds.
 MERGED_IDS_KEY = "merged_message_ids"
 
@@ -30,6 +32,26 @@ def build_session_key(channel: str, chat_id: str, *, thread: tuple[str, str] | N
     if thread is not None:
         kind, thread_id = thread
         key = f"{key}:{kind}:{thread_id}"
+    return key
+
+
+#: The terminal's channel, and its session when none is named.
+TERMINAL_CHANNEL = "cli"
+DEFAULT_TERMINAL_SESSION = f"{TERMINAL_CHANNEL}:direct"
+
+
+def session_key_from_name(name: str | None) -> str:
+    """The session key a person means by `name`, wherever they type one (`chat
+    --session`, `sessions show`, `memory show`, `channels.cli.session`, ...).
+
+    A name without a colon is a terminal session (`work` -> `cli:work`); a full key
+    (`telegram:123`, `cli:work`) is used as given; no name is `cli:direct`. Raises
+    SessionKeyError (a ValueError) for a key that cannot be stored.
+    """
+    if not name:
+        return DEFAULT_TERMINAL_SESSION
+    key = name if ":" in name else build_session_key(TERMINAL_CHANNEL, name)
+    encode_key(key)
     return key
 
 

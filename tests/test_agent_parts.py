@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from gateway.agent import Tool, ToolContext, ToolRegistry, build_registry, clean_user_text
-from gateway.agent.commands import parse_command
+from gateway.agent.commands import COMMANDS, Command, parse_command, unknown_command_text
 from gateway.llm import ToolCall, ToolSpec
 from gateway.logs import Redactor
 
@@ -18,6 +18,16 @@ def test_parse_command() -> None:
     assert parse_command("/etc/hosts is a file") is None
     assert parse_command("hello /new") is None
     assert parse_command("/") is None
+    assert parse_command("/ what is this?") is None
+
+
+def test_an_unknown_command_is_still_a_command() -> None:
+    unknown = parse_command("/frobnicate@my_bot the knobs")
+    assert unknown == Command(name="frobnicate", argument="the knobs")
+    assert not unknown.known and parse_command("/help").known  # type: ignore[union-attr]
+    text = unknown_command_text("frobnicate")
+    assert text.startswith("unknown command /frobnicate;")
+    assert all(f"/{name}" in text for name in COMMANDS)
 
 
 def test_clean_user_text_removes_controls_and_bad_unicode() -> None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import base_env as gateway_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,6 +124,76 @@ def test_interactive_chat_reads_lines_until_eof(
     assert out.returncode == 0, out.stderr
     assert "bot> echo: hello" in out.stdout
     assert "Session: cli:work" in out.stdout
+
+
+def test_global_options_after_the_subcommand(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = gateway_env(tmp_path / "ws", fake_openai_thread)
+    out = run_gateway(
+        ["chat", "-m", "hi", "--model", "other-model", "--workspace", str(tmp_path / "w2")],
+        env,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert fake_openai_thread.last_request.model == "other-model"
+    listing = run_gateway(["sessions", "list", "--workspace", str(tmp_path / "w2")], env, tmp_path)
+    assert listing.stdout.startswith("cli:direct")
+
+
+def test_a_short_session_name_means_the_same_session_everywhere(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = gateway_env(tmp_path / "ws", fake_openai_thread)
+    assert run_gateway(["chat", "--session", "branchy", "-m", "hi"], env, tmp_path).returncode == 0
+    shown = run_gateway(["sessions", "show", "branchy"], env, tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "[user] hi" in shown.stdout
+    assert run_gateway(["sessions", "tree", "branchy"], env, tmp_path).returncode == 0
+    forked = run_gateway(["sessions", "fork", "branchy", "--as", "twig"], env, tmp_path)
+    assert forked.stdout.strip() == "cli:twig"
+    assert "[user] hi" in run_gateway(["sessions", "show", "cli:twig"], env, tmp_path).stdout
+    memory = run_gateway(["memory", "show", "branchy"], env, tmp_path)
+    assert memory.returncode == 0 and "cli:branchy" in memory.stdout
+
+    # A full key of any channel still works, and the config takes names too.
+    run_gateway(["chat", "--session", "telegram:123", "-m", "yo"], env, tmp_path)
+    assert "[user] yo" in run_gateway(["sessions", "show", "telegram:123"], env, tmp_path).stdout
+    configured = env | {"GATEWAY_CHANNELS__CLI__SESSION": "twig"}
+    run_gateway(["chat", "-m", "again"], configured, tmp_path)
+    assert "[user] again" in run_gateway(["sessions", "show", "twig"], env, tmp_path).stdout
+
+
+def test_sessions_archived_by_new_can_be_listed_and_shown(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = gateway_env(tmp_path / "ws", fake_openai_thread)
+    chat = run_gateway(["chat", "--session", "w"], env, tmp_path, stdin="old topic\n/new\nnew\n")
+    assert chat.returncode == 0, chat.stderr
+
+    plain = run_gateway(["sessions", "list"], env, tmp_path)
+    assert plain.stdout.count("cli:w") == 1
+    listing = run_gateway(["sessions", "list", "--all"], env, tmp_path)
+    current, archived = listing.stdout.splitlines()
+    assert current.startswith("cli:w ") and "--archived" not in current
+    assert archived.startswith("cli:w ") and archived.endswith("--archived 1")
+    rows = json.loads(run_gateway(["sessions", "list", "--all", "--json"], env, tmp_path).stdout)
+    assert [(r["key"], r["archived"]) for r in rows] == [("cli:w", None), ("cli:w", 1)]
+
+    shown = run_gateway(["sessions", "show", "w", "--archived", "1"], env, tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == ["[user] old topic", "[assistant] echo: old topic"]
+    tree = run_gateway(["sessions", "tree", "w", "--archived", "1"], env, tmp_path)
+    assert "old topic" in tree.stdout and "<- leaf" in tree.stdout
+    exported = run_gateway(["sessions", "export", "w", "--archived", "1"], env, tmp_path)
+    assert json.loads(exported.stdout.splitlines()[0])["id"] == rows[1]["session_id"]
+    assert "[user] new" in run_gateway(["sessions", "show", "w"], env, tmp_path).stdout
+
+    missing = run_gateway(["sessions", "show", "w", "--archived", "2"], env, tmp_path)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "has no archived session 2; it has 1" in missing.stderr
+    bad = run_gateway(["sessions", "show", "w", "--archived", "0"], env, tmp_path)
+    assert bad.returncode == 2 and "from 1 up" in bad.stderr
 
 
 def test_failures_are_one_clear_line(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:

@@ -146,7 +146,7 @@ def test_memory_commands_for_an_unknown_key_create_nothing(tmp_path: Path) -> No
     ws = tmp_path / "ws"
     ws.mkdir(mode=0o700)
     for args, said in [
-        (["show", "nope"], "no remembered facts for nope yet"),
+        (["show", "nope"], "no remembered facts for cli:nope yet"),
         (["search", "nope", "tea"], "no matching facts"),
         (["history", "nope", "tea"], "no matching history"),
         (["knowledge", "nope"], "the knowledge base is empty"),

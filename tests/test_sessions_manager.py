@@ -194,6 +194,38 @@ def test_reset_keeps_the_old_file(manager: SessionManager, folder: Path) -> None
         assert header["previous_session"] == old_id
 
 
+def test_archived_sessions_are_listed_and_readable(folder: Path) -> None:
+    manager = SessionManager(folder, fsync="never")
+    assert manager.list_archived() == []
+    s = manager.get_or_create("telegram:1")
+    ids = []
+    for text in ("first", "second", "third"):
+        s.add_message(user(text))
+        ids.append(s.session_id)
+        manager.reset("telegram:1")
+    manager.get_or_create("cli:work").add_message(user("w"))
+    manager.reset("cli:work")
+    (folder / "archive" / "not%ZZ a key").mkdir()  # someone else's folder: skipped
+
+    mine = manager.list_archived("telegram:1")
+    assert [(a.number, a.session_id) for a in mine] == [(1, ids[2]), (2, ids[1]), (3, ids[0])]
+    assert mine[0].archived_at >= mine[1].archived_at > time.time() - 60
+    assert {(a.key, a.number) for a in manager.list_archived()} == {
+        ("telegram:1", 1),
+        ("telegram:1", 2),
+        ("telegram:1", 3),
+        ("cli:work", 1),
+    }
+    assert texts(manager.open_archived("telegram:1", 3)) == ["first"]
+    assert texts(manager.open_archived("telegram:1", 1)) == ["third"]
+    assert texts(manager.get_or_create("telegram:1")) == []  # the current one is untouched
+    with pytest.raises(SessionError, match="has no archived session 4; it has 3"):
+        manager.open_archived("telegram:1", 4)
+    with pytest.raises(SessionError, match="it has none"):
+        manager.open_archived("slack:C1", 1)
+    assert SessionManager.in_memory().list_archived() == []
+
+
 def test_reset_of_unsaved_session(manager: SessionManager) -> None:
     s = manager.get_or_create("k")
     first = s.session_id

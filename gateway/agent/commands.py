@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 COMMANDS: dict[str, str] = {
+    "start": "greet and list these commands (Telegram sends it first)",
     "new": "start a fresh conversation (the old one stays on disk)",
     "reset": "same as /new",
     "status": "session key, message count, model and context use",
@@ -15,28 +17,40 @@ COMMANDS: dict[str, str] = {
 PRIVILEGED = frozenset({"model"})
 
 
+# What a command looks like (Telegram's syntax: letters, digits, underscores, at most
+# 32, an optional @botname); "/etc/hosts is a file" or "/ what?" is a message.
+_COMMAND = re.compile(r"/([A-Za-z][A-Za-z0-9_]{0,31})(?:@\w+)?(?:\s+(.*))?", re.DOTALL)
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     name: str
     argument: str
 
+    @property
+    def known(self) -> bool:
+        return self.name in COMMANDS
+
 
 def parse_command(text: str) -> Command | None:
-    """`/name arg` for a known command name, else None (so "/etc/hosts?" is a message).
+    """`/name arg` for anything shaped like a command, else None (a message).
 
-    A Telegram-style `/name@botname` suffix is accepted and ignored.
+    An unknown name is still a Command (`known` is False): it is answered as unknown,
+    never sent to the model. A Telegram-style `/name@botname` suffix is ignored.
     """
-    stripped = text.strip()
-    if not stripped.startswith("/") or len(stripped) < 2:
+    match = _COMMAND.fullmatch(text.strip())
+    if match is None:
         return None
-    head, _, rest = stripped[1:].partition(" ")
-    name = head.split("@", 1)[0].lower()
-    if name not in COMMANDS:
-        return None
-    return Command(name=name, argument=rest.strip())
+    return Command(name=match.group(1).lower(), argument=(match.group(2) or "").strip())
 
 
 def help_text() -> str:
     lines = ["Commands:"]
     lines += [f"/{name} - {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
+
+
+def unknown_command_text(name: str) -> str:
+    """The answer to `/name` that is not a command: what there is instead."""
+    known = ", ".join(f"/{n}" for n in COMMANDS)
+    return f"unknown command /{name}; the commands are {known} (/help says what they do)"

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from loguru import logger
 
-from gateway.agent.commands import PRIVILEGED, Command, help_text, parse_command
+from gateway.agent.commands import (
+    PRIVILEGED,
+    Command,
+    help_text,
+    parse_command,
+    unknown_command_text,
+)
 from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs
 from gateway.agent.memory_tools import memory_texts
 from gateway.agent.tokens import estimate_messages_tokens
@@ -390,10 +396,14 @@ class AgentLoop:
 
     async def _run_command(self, inbound: InboundMessage, command: Command) -> OutboundMessage:
         key = inbound.session_key
+        if not command.known:
+            return reply_for(inbound, unknown_command_text(command.name), is_error=True)
         if command.name in PRIVILEGED and not self._is_owner(inbound):
             return reply_for(inbound, f"/{command.name} is for the bot's owners.", is_error=True)
         if command.name == "help":
             return reply_for(inbound, help_text())
+        if command.name == "start":
+            return reply_for(inbound, f"Hello! Write to me, or use a command.\n{help_text()}")
         if command.name in ("new", "reset"):
             await anyio.to_thread.run_sync(self.sessions.reset, key)
             logger.info("session reset by /{}", command.name)

@@ -35,11 +35,12 @@ from gateway.sessions.hooks import (
     TreeEvent,
 )
 from gateway.sessions.keys import decode_key, encode_key, session_path
-from gateway.sessions.manager import Session, SessionInfo, SessionManager
+from gateway.sessions.manager import ArchivedSessionInfo, Session, SessionInfo, SessionManager
 from gateway.sessions.store import FsyncPolicy, GroupCommitter, LoadReport
 from gateway.sessions.tree import SessionTree, TreeNode
 
 __all__ = [
+    "ArchivedSessionInfo",
     "BeforeCompactEvent",
     "BeforeForkEvent",
     "BranchEntry",

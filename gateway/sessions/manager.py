@@ -13,11 +13,13 @@ and hop to a worker thread otherwise.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,12 @@ from gateway.sessions.entries import (
     SessionInfoEntry,
     ThinkingLevelChangeEntry,
 )
-from gateway.sessions.errors import EntryNotFoundError, SessionError, SessionExistsError
+from gateway.sessions.errors import (
+    EntryNotFoundError,
+    SessionError,
+    SessionExistsError,
+    SessionKeyError,
+)
 from gateway.sessions.hooks import (
     BeforeCompactEvent,
     BeforeForkEvent,
@@ -50,9 +57,17 @@ from gateway.sessions.hooks import (
     HookRegistry,
     TreeEvent,
 )
-from gateway.sessions.keys import SUFFIX, encode_key, key_from_filename, session_path
+from gateway.sessions.keys import (
+    SUFFIX,
+    decode_key,
+    encode_key,
+    key_from_filename,
+    session_path,
+)
 from gateway.sessions.spares import SPARES_DIR, SparePool
 from gateway.sessions.store import (
+    ARCHIVE_DIR,
+    ARCHIVE_TAG,
     DIR_MODE,
     FILE_MODE,
     STORE_OPEN_FLAGS,
@@ -378,6 +393,56 @@ class SessionInfo:
     size_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class ArchivedSessionInfo:
+    """A session `/new` replaced, kept in the archive. `number` counts back from the
+    key's most recently archived session (1), as `sessions show KEY --archived N` does."""
+
+    key: str
+    number: int
+    session_id: str
+    archived_at: float
+    path: Path
+    size_bytes: int
+
+
+# ``<time>-<session id>.jsonl``, with ``-N`` after it when the name was taken.
+_ARCHIVED_NAME = re.compile(r"(\d{8}T\d{12}Z)-([0-9A-Za-z]+)" + re.escape(SUFFIX) + r"(?:-\d+)?")
+
+
+def _archived_in(folder: Path, key: str) -> list[ArchivedSessionInfo]:
+    """The archived sessions of `key` in its archive folder, most recent first."""
+    found: list[tuple[str, str, str, int]] = []
+    try:
+        with os.scandir(folder) as it:
+            items = list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for item in items:
+        match = _ARCHIVED_NAME.fullmatch(item.name)
+        if match is None:
+            continue
+        try:
+            if not item.is_file(follow_symlinks=False):
+                continue
+            size = item.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue  # removed meanwhile
+        found.append((match.group(1), item.name, match.group(2), size))
+    found.sort(reverse=True)
+    return [
+        ArchivedSessionInfo(
+            key=key,
+            number=n,
+            session_id=session_id,
+            archived_at=datetime.strptime(tag, ARCHIVE_TAG).replace(tzinfo=UTC).timestamp(),
+            path=folder / name,
+            size_bytes=size,
+        )
+        for n, (tag, name, session_id, size) in enumerate(found, start=1)
+    ]
+
+
 class SessionManager:
     """Owns the sessions of one folder: ``<sessions_dir>/<encoded key>.jsonl``.
 
@@ -616,6 +681,44 @@ class SessionManager:
                     infos.append(SessionInfo(key, Path(item.path), st.st_mtime, st.st_size))
         infos.sort(key=lambda info: info.updated_at, reverse=True)
         return infos
+
+    def list_archived(self, key: str | None = None) -> list[ArchivedSessionInfo]:
+        """The sessions `/new` replaced (of `key`, or of every key), each key's most
+        recent first, from directory listings alone."""
+        if self._dir is None:
+            return []
+        archive = self._dir / ARCHIVE_DIR
+        if key is not None:
+            return _archived_in(archive / encode_key(key), key)
+        infos: list[ArchivedSessionInfo] = []
+        try:
+            with os.scandir(archive) as it:
+                folders = sorted(it, key=lambda item: item.name)
+        except FileNotFoundError:
+            return []
+        for folder in folders:
+            try:
+                folder_key = decode_key(folder.name)
+            except SessionKeyError:
+                continue  # not ours
+            infos.extend(_archived_in(Path(folder.path), folder_key))
+        return infos
+
+    def open_archived(self, key: str, number: int) -> Session:
+        """Archived session `number` of `key` (1 = the most recently archived), to read.
+
+        It is not cached and nothing is appended to it: an archived session stays as
+        `/new` left it. Raises SessionError when there is no such archived session."""
+        archived = self.list_archived(key)
+        if not 1 <= number <= len(archived):
+            have = f"it has {len(archived)}" if archived else "it has none"
+            raise SessionError(
+                f"session {key!r} has no archived session {number}; {have} "
+                "(`gateway sessions list --all` shows them)"
+            )
+        store = FileSessionStore(archived[number - 1].path, key, fsync=self._fsync)
+        store.load()
+        return Session(store, self.hooks)
 
     def continue_recent(self) -> Session | None:
         """The most recently active session, or None if there is none."""

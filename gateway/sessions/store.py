@@ -70,6 +70,10 @@ EntryFactory = Callable[[SessionTree, str, float], E]
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+#: Folder (inside the sessions folder) of the sessions `/new` replaced:
+#: ``archive/<stem>/<ARCHIVE_TAG time>-<session id>.jsonl``.
+ARCHIVE_DIR = "archive"
+ARCHIVE_TAG = "%Y%m%dT%H%M%S%fZ"
 _OPEN_FLAGS = STORE_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 _datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
@@ -204,7 +208,7 @@ def _decode_lines(data: bytes) -> list[str]:
 
 
 def _timestamp_tag() -> str:
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    return datetime.now(UTC).strftime(ARCHIVE_TAG)
 
 
 def _free_name(path: Path) -> Path:
@@ -1009,7 +1013,7 @@ class FileSessionStore:
             old_id = self._header.id
             try:
                 stem = self._path.name[: -len(SUFFIX)]
-                archive = self._path.parent / "archive"
+                archive = self._path.parent / ARCHIVE_DIR
                 archive.mkdir(mode=DIR_MODE, exist_ok=True)
                 folder = archive / stem
                 folder.mkdir(mode=DIR_MODE, exist_ok=True)

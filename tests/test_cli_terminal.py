@@ -1,0 +1,104 @@
+"""`gateway chat` on a real pseudo-terminal: the keys a person presses, as in a shell."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import base_env
+from tests.terminal import CTRL_C, CTRL_D, Terminal
+from tests.test_cli_e2e import run_gateway
+
+
+@pytest.fixture
+def env(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> dict[str, str]:
+    return base_env(tmp_path / "ws", fake_openai_thread)
+
+
+@pytest.fixture
+def chat(tmp_path: Path, env: dict[str, str]) -> Iterator[Terminal]:
+    terminal = Terminal([sys.executable, "-m", "gateway.cli", "chat"], env, tmp_path)
+    try:
+        terminal.expect("you> ")
+        yield terminal
+    finally:
+        terminal.close()
+
+
+def sent_texts(fake: FakeOpenAI) -> list[str]:
+    return [str(m.get("content")) for r in fake.chat_requests for m in r.messages]
+
+
+def test_ctrl_c_at_the_prompt_drops_the_line_and_gives_a_new_prompt(
+    chat: Terminal, fake_openai_thread: FakeOpenAI
+) -> None:
+    chat.type(b"half a thought")
+    at = chat.expect("half a thought")
+    chat.type(CTRL_C)
+    at = chat.expect("you> ", after=at, timeout=5)  # at once, not after Enter
+    chat.type(b"second\r")
+    chat.expect("bot> echo: second", after=at)
+    assert chat.proc.poll() is None
+    assert "half a thought" not in "".join(sent_texts(fake_openai_thread))
+    assert not any("half a thought" in line for line in chat.screen.splitlines()[-2:])
+
+
+def test_ctrl_d_on_an_empty_line_leaves_with_0(chat: Terminal) -> None:
+    chat.type(CTRL_D)
+    assert chat.wait() == 0
+
+
+def test_ctrl_c_during_a_turn_stops_waiting_and_keeps_the_message(
+    tmp_path: Path, chat: Terminal, env: dict[str, str], fake_openai_thread: FakeOpenAI
+) -> None:
+    fake_openai_thread.add_delay(60, "too late")
+    chat.type(b"a slow question\r")
+    fake_openai_thread.wait_for_requests(1, timeout=20)
+    at = chat.mark()
+    chat.type(CTRL_C)
+    at = chat.expect("interrupted", after=at, timeout=5)
+    at = chat.expect("you> ", after=at, timeout=5)
+    assert chat.proc.poll() is None  # the chat goes on
+    chat.type(b"and now?\r")
+    at = chat.expect("bot> echo: and now?", after=at)
+    # What the interrupted turn stored goes to the model with the next question.
+    assert fake_openai_thread.last_request.messages[-2:] == [
+        {"role": "user", "content": "a slow question"},
+        {"role": "user", "content": "and now?"},
+    ]
+    chat.expect("you> ", after=at)
+    chat.type(CTRL_D)
+    assert chat.wait() == 0
+    shown = run_gateway(["sessions", "show", "cli:direct"], env, tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "[user] a slow question\n[user] and now?\n[assistant] echo: and now?" in shown.stdout
+
+
+def test_an_unknown_command_is_answered_and_never_sent_to_the_model(
+    chat: Terminal, fake_openai_thread: FakeOpenAI
+) -> None:
+    chat.type(b"/frobnicate now\r")
+    at = chat.expect("unknown command /frobnicate")
+    chat.expect("/new", after=at)
+    assert fake_openai_thread.chat_requests == []
+
+
+def test_gateway_run_on_a_terminal_chats_and_ctrl_c_stops_it(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    run = Terminal(
+        [sys.executable, "-m", "gateway.cli", "run"], env | {"GATEWAY_HTTP__PORT": "0"}, tmp_path
+    )
+    try:
+        at = run.expect("you> ")
+        run.type(b"hello\r")
+        at = run.expect("bot> echo: hello", after=at)
+        run.expect("you> ", after=at)
+        run.type(CTRL_C)  # as without a chat: the daemon drains and stops
+        assert run.wait() == 0
+    finally:
+        run.close()
