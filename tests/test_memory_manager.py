@@ -337,3 +337,101 @@ def test_concurrent_appends_from_worker_threads(mm: MemoryManager) -> None:
     reopened = MemoryManager(mm.dir.parent.parent, mm.scope)
     assert len(reopened.search_memory("worker5", max_results=100)) == 40
     assert len(reopened.knowledge) == 320
+
+
+# -- saved search indexes --------------------------------------------------------------
+
+
+def _history(manager: MemoryManager, lines: int, clock: Clock) -> None:
+    for i in range(lines):
+        clock.now += timedelta(seconds=1)
+        manager.append_history(f"entry {i} about topic{i} and some filler words here")
+
+
+def test_a_reopened_scope_reads_the_saved_index_and_catches_up(
+    tmp_path: Path, clock: Clock
+) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=20_000)
+    _history(first, 600, clock)  # rotates several times
+    first.append_to_memory("- [learned_fact] the saved fact")
+    first.load_indexes()
+    first.close()
+    index_file = first.dir / "HISTORY.md.index"
+    saved = index_file.stat().st_mtime_ns
+    assert len(first.history_archives()) > 2
+
+    # Another writer appends a line while no manager is open.
+    with (first.dir / "HISTORY.md").open("a") as handle:
+        handle.write("[2024-02-28 15:00:00] written by hand: zebra\n")
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    assert again.search_history("topic3 entry", 1) == [first.search_history("topic3 entry", 1)[0]]
+    assert again.search_history("zebra", 1)[0].endswith("written by hand: zebra")
+    assert again.search_memory("saved fact") == ["- [learned_fact] the saved fact"]
+    assert index_file.stat().st_mtime_ns == saved  # loaded, not rebuilt
+    again.close()
+    assert index_file.stat().st_mtime_ns != saved  # the caught-up line is saved now
+
+
+def test_a_rewritten_history_is_not_served_from_the_old_index(tmp_path: Path, clock: Clock) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock)
+    _history(first, 50, clock)
+    first.load_indexes()
+    first.close()
+    (first.dir / "HISTORY.md").write_text("[2024-02-28 15:00:00] only this line: walrus\n")
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    assert again.search_history("topic3") == []
+    assert again.search_history("walrus", 5) == ["[2024-02-28 15:00:00] only this line: walrus"]
+
+
+def test_a_damaged_index_is_kept_aside_and_rebuilt(
+    tmp_path: Path, clock: Clock, warnings: list[str]
+) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock)
+    _history(first, 50, clock)
+    first.load_indexes()
+    first.close()
+    index_file = first.dir / "HISTORY.md.index"
+    damaged = index_file.read_bytes()[:-7]
+    index_file.write_bytes(damaged)
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    assert again.search_history("topic7 entry", 1)[0].endswith(
+        "entry 7 about topic7 and some filler words here"
+    )
+    assert (first.dir / "HISTORY.md.index.damaged").read_bytes() == damaged
+    assert any("damaged" in m for m in warnings)
+    again.close()
+    assert index_file.read_bytes() != damaged
+
+
+def test_a_large_missing_index_builds_in_the_background_while_searches_scan(
+    tmp_path: Path, clock: Clock
+) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=10_000_000)
+    lines = [f"[2024-02-28 14:00:00] old line {i} with filler text" for i in range(12_000)]
+    first.history_path.write_text(
+        "\n".join(["[2024-01-01 00:00:00] the oldest aardvark", *lines]) + "\n"
+    )
+    again = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=10_000_000)
+    release = threading.Event()
+    original = again._history_index._build
+
+    def slow_build(*args: object) -> object:
+        release.wait(10)
+        return original(*args)  # type: ignore[arg-type]
+
+    again._history_index._build = slow_build  # type: ignore[method-assign]
+    # The first search does not wait for the build: it scans the newest lines.
+    assert again.search_history("aardvark") == []
+    assert again.search_history("line 11999", 1)[0].startswith(
+        "[2024-02-28 14:00:00] old line 11999"
+    )
+    again.append_history("a new kiwi line")
+    assert again.search_history("kiwi", 1)[0].endswith("a new kiwi line")
+    release.set()
+    again._history_index._build = original  # type: ignore[method-assign]
+    again.load_indexes()  # waits for the build
+    assert again.search_history("aardvark", 1, decay_rate=0) == [
+        "[2024-01-01 00:00:00] the oldest aardvark"
+    ]
+    assert again.search_history("kiwi", 1)[0].endswith("a new kiwi line")
+    assert (again.dir / "HISTORY.md.index").exists()
