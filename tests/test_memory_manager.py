@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import threading
@@ -14,7 +13,7 @@ import pytest
 from loguru import logger
 
 import gateway.memory.manager as manager_module
-from gateway.memory import MemoryManager
+from gateway.memory import KnowledgeBase, MemoryManager
 
 
 class Clock:
@@ -55,7 +54,19 @@ def test_scope_folder_and_private_permissions(mm: MemoryManager, tmp_path: Path)
     mm.record_consolidation([("learned_fact", "c")], "d")
     assert stat.S_IMODE(os.stat(mm.dir).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(mm.dir.parent).st_mode) == 0o700
-    for name in ("MEMORY.md", "HISTORY.md", "knowledge.json"):
+    mm.search_history("b")
+    mm.search_memory("a")
+    mm.close()  # the saved indexes too
+    names = sorted(p.name for p in mm.dir.iterdir())
+    assert names == [
+        "HISTORY.md",
+        "HISTORY.md.index",
+        "MEMORY.md",
+        "MEMORY.md.index",
+        "knowledge.json.index",
+        "knowledge.json.log",
+    ]
+    for name in names:
         assert stat.S_IMODE(os.stat(mm.dir / name).st_mode) == 0o600, name
 
 
@@ -296,8 +307,8 @@ def test_record_consolidation_writes_all_three_files(
         "- [learned_fact] Has two cats\n"
     )
     assert mm.read_history() == "[2024-02-28 14:23:45] Talked about answer length and pets\n"
-    stored = json.loads((mm.dir / "knowledge.json").read_text())["entries"]
-    assert {(e["category"], e["content"], e["source"]) for e in stored} == {
+    stored = KnowledgeBase(mm.dir / "knowledge.json")  # what the files hold
+    assert {(e.category, e.content, e.source) for e in stored} == {
         ("user_preference", "Prefers short answers", "consolidation"),
         ("learned_fact", "Has two cats", "consolidation"),
     }
