@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -190,7 +191,10 @@ def test_autoflush_after_flush_every_changes(path: Path) -> None:
     kb.add("learned_fact", "one")
     kb.add("learned_fact", "two")
     assert not path.exists()
-    kb.add("learned_fact", "three")
+    kb.add("learned_fact", "three")  # the writer thread flushes now
+    deadline = time.monotonic() + 10
+    while kb.dirty and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(stored(path)) == 3
     assert not kb.dirty
 
@@ -271,8 +275,9 @@ def test_log_replays_after_a_crash_and_ignores_a_torn_last_line(path: Path) -> N
 
 
 def test_damaged_log_is_kept_and_the_readable_records_are_used(path: Path) -> None:
-    kb = KnowledgeBase(path, flush_every=1)
+    kb = KnowledgeBase(path)
     kb.add("learned_fact", "before the damage")
+    kb.flush()
     log = path.with_name("knowledge.json.log")
     damaged = log.read_bytes() + b"garbage line\n"
     log.write_bytes(damaged)

@@ -9,9 +9,10 @@ Invariants:
 - One entry per (category, normalized content): adding the same thing again (case,
   spacing or trailing punctuation aside) reinforces the existing entry.
 - `add` is O(1): it neither indexes nor writes. Changed entries are appended to the log
-  in one write + fsync after `flush_every` changes, on `flush()`/`close()`, when the
-  object is collected and at interpreter exit: an added entry is never silently lost
-  short of a hard crash before the next flush. Once the log holds more records than
+  in one write + fsync on `flush()`/`close()`, when the object is collected and at
+  interpreter exit, and by a writer thread as soon as `flush_every` changes are pending
+  (group commit: the add does not wait for the disk): an added entry is never silently
+  lost short of a hard crash before the next flush. Once the log holds more records than
   the base has entries (and at least 1024), the snapshot is rewritten (temp + fsync +
   rename) and the log emptied: O(1) amortized per change. A crash between the two
   only replays entries the snapshot already holds.
@@ -29,8 +30,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
-import json
 import os
+import queue
 import threading
 import time
 import weakref
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import orjson
 from loguru import logger
 
 from gateway.fsutil import append_text, atomic_write_bytes, ensure_private_dir
@@ -186,6 +188,7 @@ class KnowledgeBase:
         self._log_crc = 0
         self._snapshot_crc = 0
         self._index_saved = False  # the saved index covers the current files
+        self._flush_requested = False  # the writer thread will flush this base
         self._load()
         _OPEN_BASES.add(self)
 
@@ -302,34 +305,50 @@ class KnowledgeBase:
                 )
             self._put(entry, reindex=existing is None or entry.tags != existing.tags)
             self._unsaved[key] = entry
-            if len(self._unsaved) >= self.flush_every:
-                self.flush()
+            if len(self._unsaved) >= self.flush_every and not self._flush_requested:
+                self._flush_requested = True
+                _FLUSHER.request(self)
             return entry
 
     def flush(self) -> bool:
-        """Append pending changes to the log (one write + fsync); True if any.
+        """Append pending changes to the log and fsync it; True if there were any.
 
         Past `max(1024, len(base))` log records the snapshot is rewritten instead.
+        The fsync runs outside the base's lock, so adds go on meanwhile.
         """
         with self._lock:
+            self._flush_requested = False
             if not self._unsaved:
                 return False
             if self._log_records + len(self._unsaved) >= max(_COMPACT_AT, len(self)):
                 self._write_snapshot()
                 return True
-            lines = "".join(
-                json.dumps(e.to_dict(), ensure_ascii=False) + "\n" for e in self._unsaved.values()
-            )
-            data = lines.encode()
-            size = append_text(self.log_path, lines, fsync=True)
+            data = b"".join(orjson.dumps(e.to_dict()) + b"\n" for e in self._unsaved.values())
+            lines = data.decode()
+            batch = self._unsaved
+            self._unsaved = {}
+            try:
+                size = append_text(self.log_path, lines)
+            except OSError:
+                self._unsaved = {**batch, **self._unsaved}
+                raise
             if size != self._log_bytes + len(data):  # someone else wrote to it
                 self._index_saved = False
             self._log_bytes = size
             self._log_crc = zlib.crc32(data, self._log_crc)
-            self._log_records += len(self._unsaved)
-            self._unsaved = {}
+            self._log_records += len(batch)
             self._index_saved = False
-            return True
+        try:
+            fd = os.open(self.log_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            with self._lock:  # not known to be on disk: written again by the next flush
+                self._unsaved = {**batch, **self._unsaved}
+            raise
+        return True
 
     def close(self) -> None:
         """Flush and save the search index; the base stays usable (twice is harmless)."""
@@ -386,7 +405,7 @@ class KnowledgeBase:
             "version": FORMAT_VERSION,
             "entries": [e.to_dict() for e in self._state.entries.values()],
         }
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        data = orjson.dumps(payload)
         atomic_write_bytes(self.path, data)
         with contextlib.suppress(FileNotFoundError):
             os.truncate(self.log_path, 0)
@@ -394,11 +413,14 @@ class KnowledgeBase:
         self._log_records = self._log_bytes = self._log_crc = 0
         self._unsaved = {}
         self._index_saved = False
-        self._save_index()
+        self._save_index(build=False)
 
-    def _save_index(self) -> None:
-        """Save the search index for the files as they are now (a cache: may fail)."""
-        if self._index_saved or self._unsaved:
+    def _save_index(self, *, build: bool = True) -> None:
+        """Save the search index for the files as they are now (a cache: may fail).
+
+        Without `build`, only an index with nothing left to (re)index is saved: a
+        snapshot taken by the writer thread never tokenizes the whole base."""
+        if self._index_saved or self._unsaved or (self._state.stale and not build):
             return
         index = self._index_current()
         count = index.doc_count
@@ -431,15 +453,20 @@ class KnowledgeBase:
         trusted = saved is not None and saved[1].get("snapshot_crc") == self._snapshot_crc
         if raw:
             self._load_snapshot(raw, trusted=trusted)
-        self._load_log()
+        self._load_log(vouched=saved[1] if trusted and saved is not None else None)
+        adopted = False
         if self._unsaved:  # validated or salvaged: a snapshot this base vouches for, now
             self._write_snapshot()
-        elif saved is not None and not self._adopt_index(*saved):
-            logger.info("Knowledge index of {} is stale; rebuilding it", self.path)
+        elif saved is not None:
+            adopted = self._adopt_index(*saved)
+            if not adopted:
+                logger.info("Knowledge index of {} is stale; rebuilding it", self.path)
+        if not adopted:
+            self._state.stale = set(self._state.entries)  # indexed by the first search
 
     def _load_snapshot(self, raw: bytes, *, trusted: bool) -> None:
         try:
-            data = json.loads(raw)
+            data = orjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             self._set_aside(f"not valid JSON ({exc})")
             return
@@ -449,10 +476,10 @@ class KnowledgeBase:
             return
         if trusted:  # byte for byte what this base wrote: its ids and shapes hold
             try:
+                entries = self._state.entries
                 for item in items:
                     entry = KnowledgeEntry.from_snapshot(item)
-                    self._state.entries[entry.id] = entry
-                self._state.stale.update(self._state.entries)
+                    entries[entry.id] = entry
                 return
             except (KeyError, TypeError):
                 self._state.entries.clear()
@@ -482,12 +509,19 @@ class KnowledgeBase:
             self._put(entry, reindex=True)
         return bad
 
-    def _load_log(self) -> None:
+    def _load_log(self, vouched: dict[str, Any] | None) -> None:
+        """Replay the log; the prefix a trusted saved index covers (`vouched`, by CRC)
+        was written by this base and is read without re-validation."""
         try:
             raw = self.log_path.read_bytes()
         except FileNotFoundError:
             return
-        lines = raw.split(b"\n")
+        start = 0
+        if vouched is not None:
+            covered = vouched.get("log_bytes")
+            if isinstance(covered, int) and zlib.crc32(raw[:covered]) == vouched.get("log_crc"):
+                start = self._load_vouched_log(raw[:covered])
+        lines = raw[start:].split(b"\n")
         torn = lines.pop() if lines else b""  # no newline yet: a crash mid-write
         if torn:
             logger.warning("Knowledge log {}: ignored a torn last line", self.log_path)
@@ -497,7 +531,7 @@ class KnowledgeBase:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = orjson.loads(line)
             except ValueError:
                 bad += 1
                 continue
@@ -509,13 +543,25 @@ class KnowledgeBase:
                 bad += 1
                 continue
             self._put(entry, reindex=True)  # a logged entry replaces the stored one
-        self._log_records = len(records)
+        self._log_records += len(records)
         self._log_bytes = len(raw) - len(torn)
         self._log_crc = zlib.crc32(raw[: self._log_bytes])
         if bad or torn:
             if bad:
                 self._set_aside(f"{bad} malformed log records could not be read", self.log_path)
             self._unsaved.update(self._state.entries)  # `_load` writes a new snapshot
+
+    def _load_vouched_log(self, data: bytes) -> int:
+        """Load log records this base wrote (one JSON parse); bytes used, 0 if unusable."""
+        lines = [line for line in data.split(b"\n") if line.strip()]
+        try:
+            records = orjson.loads(b"[" + b",".join(lines) + b"]")
+            entries = [KnowledgeEntry.from_snapshot(record) for record in records]
+        except (ValueError, KeyError, TypeError):
+            return 0
+        self._state.entries.update((entry.id, entry) for entry in entries)
+        self._log_records = len(entries)
+        return len(data)
 
     def _adopt_index(self, index: SearchIndex, meta: dict[str, Any]) -> bool:
         """Use a saved index if it covers a prefix of the log; index only the rest."""
@@ -565,7 +611,7 @@ class KnowledgeBase:
         keys: set[str] = set()
         for line in raw.splitlines():
             with contextlib.suppress(ValueError, TypeError, KeyError):
-                keys.add(KnowledgeEntry.from_dict(json.loads(line)).id)
+                keys.add(KnowledgeEntry.from_dict(orjson.loads(line)).id)
         return keys
 
     def _set_aside(self, problem: str, path: Path | None = None) -> None:
@@ -589,6 +635,39 @@ class KnowledgeBase:
 
 
 _OPEN_BASES: weakref.WeakSet[KnowledgeBase] = weakref.WeakSet()
+
+
+class _Flusher:
+    """One daemon thread that flushes bases past `flush_every` changes (group commit):
+    `add` never waits for the disk, and changes arriving during an fsync share the
+    next one."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[weakref.ref[KnowledgeBase]] = queue.SimpleQueue()
+        self._start = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def request(self, base: KnowledgeBase) -> None:
+        with self._start:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="knowledge-flush", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(weakref.ref(base))
+
+    def _run(self) -> None:
+        while True:
+            base = self._queue.get()()
+            if base is None:
+                continue
+            try:
+                base.flush()
+            except Exception as exc:  # the changes stay pending for the next flush
+                logger.error("Could not flush knowledge base {}: {}", base.path, exc)
+
+
+_FLUSHER = _Flusher()
 
 
 @atexit.register
