@@ -28,8 +28,9 @@ Invariants:
   temp file + fsync + rename; `load` checks magic, sizes, checksum and the array
   shapes, and raises `IndexFileError` for anything else: a damaged index is rebuilt by
   its owner from the files it indexes, never trusted.
-- Memory per indexed line: about 10 bytes per posting plus ~30 bytes and the stored
-  text per document (`memory_bytes`, measured in bench/memory.py).
+- Memory per indexed line: about 10 bytes per posting and 16 per (term, block) pair,
+  plus ~30 bytes and the stored text per document (`memory_bytes`, measured in
+  bench/memory.py).
 
 Why our own code: SQLite FTS5 (stdlib) ranks every document matching any query term
 with `bm25()` before `LIMIT` applies (no dynamic pruning), which on the common-word
@@ -158,8 +159,8 @@ def _empty_segment() -> _Segment:
         "b_off": np.zeros(1, np.int64),
         "b_blk": np.zeros(0, np.int32),
         "b_max": np.zeros(0, np.float32),
-        "b_start": np.zeros(0, np.int64),
-        "b_end": np.zeros(0, np.int64),
+        "b_start": np.zeros(0, np.int32),
+        "b_end": np.zeros(0, np.int32),
         "d_len": np.zeros(0, np.int32),
         "d_tag": np.zeros(0, np.int16),
         "d_ts": np.zeros(0, np.float64),
@@ -590,7 +591,7 @@ class SearchIndex:
                 hit = np.flatnonzero(mark[seg.b_blk[s:e]]) + s
                 if not len(hit):
                     continue
-                where = _ranges(seg.b_start[hit], seg.b_end[hit])
+                where = _ranges(seg.b_start[hit].astype(np.int64), seg.b_end[hit].astype(np.int64))
                 docs = seg.p_doc[where]
                 acc[docs] += idf * seg.p_imp[where].astype(np.float64)
                 parts.append(docs)
@@ -654,7 +655,7 @@ class SearchIndex:
         else:
             starts = np.zeros(0, np.int64)
             b_max = np.zeros(0, np.float32)
-        b_end = np.append(starts[1:], len(docs)).astype(np.int64)
+        b_end = np.append(starts[1:], len(docs)).astype(np.int32)
         b_off = np.searchsorted(tids[starts], np.arange(len(terms) + 1)).astype(np.int64)
         texts = [t.encode() for t in self._tail_text]
         lengths = np.fromiter((len(t) for t in texts), np.int64, count)
@@ -667,7 +668,7 @@ class SearchIndex:
             "b_off": b_off,
             "b_blk": (docs[starts] >> _BLOCK_SHIFT).astype(np.int32),
             "b_max": b_max.astype(np.float32),
-            "b_start": starts.astype(np.int64),
+            "b_start": starts.astype(np.int32),
             "b_end": b_end,
             "d_len": d_len,
             "d_tag": np.concatenate((seg.d_tag, np.array(self._tail_tag, np.int16))),

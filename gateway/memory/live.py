@@ -111,7 +111,7 @@ class FileIndex:
         lock: threading.RLock,
         *,
         sync_bytes: int = 256 * 1024,
-        fallback_bytes: int = 128 * 1024,
+        fallback_bytes: int = 64 * 1024,
     ) -> None:
         self.path = path
         self._sources = sources
