@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import accumulate
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -252,19 +253,22 @@ def _compact_child(folder: str) -> None:
     )
 
 
+def _run_child(flag: str, folder: str) -> dict[str, Any]:
+    """Run this file with `flag folder` in a fresh process; its last line, as JSON."""
+    out = subprocess.run(
+        [sys.executable, __file__, flag, folder], check=True, capture_output=True, text=True
+    ).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
 def bench_compact(sizes: list[int], rows: list[Row]) -> None:
     corpus = Corpus(SEED + 1)
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             manager = MemoryManager(Path(tmp), "bench:compact")
             manager.memory_path.write_text(memory_text(corpus, n, duplicates=0.15))
-            out = subprocess.run(
-                [sys.executable, __file__, "--compact-child", tmp],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            result = json.loads(out.strip().splitlines()[-1])
+            result = _run_child("--compact-child", tmp)
             seconds, peak = result["seconds"], result["peak_mb"]
             label = f"compact_memory time ({result['removed']} removed)"
             rows.append(row(label, n, _ms(seconds), "ms", 1000))
@@ -429,17 +433,7 @@ def bench_restart(n: int, rows: list[Row]) -> None:
         size = (manager.dir / "HISTORY.md.index").stat().st_size / max(len(index), 1)
         rows.append(row("history index file per line", n, round(size), "bytes"))
 
-        def child() -> dict[str, float]:
-            out = subprocess.run(
-                [sys.executable, __file__, "--restart-child", tmp],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
-            return result
-
-        result = child()
+        result = _run_child("--restart-child", tmp)
         rows.append(
             row(
                 "first search_history after restart (saved index)",
@@ -460,7 +454,7 @@ def bench_restart(n: int, rows: list[Row]) -> None:
         )
         for name in ("HISTORY.md.index", "MEMORY.md.index"):
             (manager.dir / name).unlink()
-        result = child()
+        result = _run_child("--restart-child", tmp)
         rows.append(
             row(
                 "first search_history, no saved index (bounded scan)",

@@ -457,3 +457,11 @@ def test_the_surface_as_seed_001_calls_it(tmp_path: Path) -> None:
     context = kb.export_for_context(max_chars=2000)
     assert context.splitlines()[0] == "[user_preference] Prefers TypeScript over JavaScript"
     assert len(kb.export_for_context(max_chars=60)) <= 60
+
+
+def test_the_log_writes_entries_as_to_dict_describes_them(tmp_path: Path) -> None:
+    kb = KnowledgeBase(tmp_path / "knowledge.json")
+    entry = kb.add("user_preference", "Prefers tea", source="chat", tags=["drinks"])
+    kb.flush()
+    (line,) = (tmp_path / "knowledge.json.log").read_text().splitlines()
+    assert json.loads(line) == entry.to_dict()

@@ -67,6 +67,7 @@ _MAGIC = b"gateway-search-index v1\n"
 # scored: float32 impacts summed in another order may differ in the last bits.
 _BOUND_SLACK = 1e-6
 _FIRST_BATCH = 4  # blocks scored before the first threshold check; doubles after
+_BLOCK_OFFSETS = np.arange(1 << _BLOCK_SHIFT, dtype=np.int64)
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -585,7 +586,6 @@ class SearchIndex:
             pos, batch = end, batch * 2
             mark[:] = False
             mark[selected] = True
-            parts: list[npt.NDArray[np.int32]] = []
             for idf, tid in terms:
                 s, e = int(seg.b_off[tid]), int(seg.b_off[tid + 1])
                 hit = np.flatnonzero(mark[seg.b_blk[s:e]]) + s
@@ -594,9 +594,12 @@ class SearchIndex:
                 where = _ranges(seg.b_start[hit].astype(np.int64), seg.b_end[hit].astype(np.int64))
                 docs = seg.p_doc[where]
                 acc[docs] += idf * seg.p_imp[where].astype(np.float64)
-                parts.append(docs)
                 self.scored_postings += len(where)
-            docs = np.unique(np.concatenate(parts))
+            # Candidates: documents of the selected blocks that scored (blocks are
+            # disjoint id ranges, so no sort or dedupe is needed).
+            span = (selected[:, None] << _BLOCK_SHIFT) + _BLOCK_OFFSETS
+            span = span[span < seg.n]
+            docs = span[acc[span] > 0]
             keep = self._seg_live[docs]
             if tag_id is not None:
                 keep &= seg.d_tag[docs] == tag_id
@@ -604,6 +607,10 @@ class SearchIndex:
             scores = acc[docs]
             if rate:
                 scores = scores * _weights(seg.d_ts[docs], rate, clock)
+            if len(scores) > k:  # only what can reach the top k (ties kept) is sorted
+                kth = np.partition(scores, len(scores) - k)[len(scores) - k]
+                sure = scores >= max(kth, theta)
+                docs, scores = docs[sure], scores[sure]
             all_s = np.concatenate((best_s, scores))
             all_d = np.concatenate((best_d, docs))
             # Best score first, newer (larger id) first on ties: as the tail's nlargest.

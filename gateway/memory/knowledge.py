@@ -323,7 +323,8 @@ class KnowledgeBase:
             if self._log_records + len(self._unsaved) >= max(_COMPACT_AT, len(self)):
                 self._write_snapshot()
                 return True
-            data = b"".join(orjson.dumps(e.to_dict()) + b"\n" for e in self._unsaved.values())
+            # orjson writes the dataclass itself: the same object `to_dict` gives, in C.
+            data = b"".join(orjson.dumps(e) + b"\n" for e in self._unsaved.values())
             lines = data.decode()
             batch = self._unsaved
             self._unsaved = {}
@@ -401,10 +402,7 @@ class KnowledgeBase:
 
     def _write_snapshot(self) -> None:
         """Rewrite knowledge.json with every entry, then empty the log."""
-        payload = {
-            "version": FORMAT_VERSION,
-            "entries": [e.to_dict() for e in self._state.entries.values()],
-        }
+        payload = {"version": FORMAT_VERSION, "entries": list(self._state.entries.values())}
         data = orjson.dumps(payload)
         atomic_write_bytes(self.path, data)
         with contextlib.suppress(FileNotFoundError):

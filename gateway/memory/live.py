@@ -234,6 +234,8 @@ class FileIndex:
         todo = sum(os.path.getsize(p) for p in files[len(cover.archives) :] if p.exists()) - start
         if wait or todo <= self.sync_bytes:
             self._install(*self._build(index, cover, start))
+            if todo > self.sync_bytes:
+                self.save()  # a large build is saved at once, not by a later append
             return
         generation = self._generation
         self._builder = threading.Thread(
