@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -446,3 +447,27 @@ def test_a_large_missing_index_builds_in_the_background_while_searches_scan(
     ]
     assert again.search_history("kiwi", 1)[0].endswith("a new kiwi line")
     assert (again.dir / "HISTORY.md.index").exists()
+
+
+def test_a_flipped_byte_in_a_saved_index_is_caught_by_its_checksum(
+    tmp_path: Path, clock: Clock, warnings: list[str]
+) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock)
+    _history(first, 50, clock)
+    first.load_indexes()
+    first.close()
+    index_file = first.dir / "HISTORY.md.index"
+    data = bytearray(index_file.read_bytes())
+    data[-3] ^= 0xFF  # inside the payload: the shapes still look right
+    index_file.write_bytes(bytes(data))
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    again.search_history("topic7")  # served at once; the checksum is checked meanwhile
+    damaged = first.dir / "HISTORY.md.index.damaged"
+    deadline = time.monotonic() + 10
+    while not damaged.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert damaged.read_bytes() == bytes(data)
+    assert any("checksum" in m for m in warnings)
+    assert again.search_history("topic7 entry", 1)[0].endswith(
+        "entry 7 about topic7 and some filler words here"
+    )

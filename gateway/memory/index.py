@@ -48,6 +48,8 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import mmap
+import os
 import time
 import zlib
 from collections.abc import Iterable
@@ -128,7 +130,7 @@ class _Segment:
         self.d_tag = arrays["d_tag"]
         self.d_ts = arrays["d_ts"]
         self.d_off = arrays["d_off"]
-        self.text_blob: bytes = arrays["text_blob"].tobytes()
+        self.text_blob: npt.NDArray[np.uint8] = arrays["text_blob"]  # no copy of a mapped file
         self.n = len(self.d_len)
         # Newest timestamp per block (no timestamp counts as +inf: weight 1).
         if self.n:
@@ -138,7 +140,8 @@ class _Segment:
             self.block_newest = np.zeros(0)
 
     def text(self, doc_id: int) -> str:
-        return self.text_blob[int(self.d_off[doc_id]) : int(self.d_off[doc_id + 1])].decode()
+        start, end = int(self.d_off[doc_id]), int(self.d_off[doc_id + 1])
+        return self.text_blob[start:end].tobytes().decode()
 
     @property
     def blocks(self) -> int:
@@ -148,7 +151,7 @@ class _Segment:
         arrays = (self.t_off, self.p_doc, self.p_imp, self.p_tf, self.b_off, self.b_blk)
         more = (self.b_max, self.b_start, self.b_end, self.d_len, self.d_tag, self.d_ts)
         total = sum(a.nbytes for a in (*arrays, *more, self.d_off, self.block_newest))
-        return total + len(self.text_blob) + sum(len(t) + 60 for t in self.terms)
+        return total + self.text_blob.nbytes + sum(len(t) + 60 for t in self.terms)
 
 
 def _empty_segment() -> _Segment:
@@ -210,6 +213,8 @@ class SearchIndex:
         self._live = 0
         self._total_length = 0
         self.scored_postings = 0  # postings scored by the last search (for the benchmark)
+        self._payload: memoryview | None = None  # the mapped file's payload, if loaded
+        self._payload_crc = 0
 
     def __len__(self) -> int:
         return self._live
@@ -384,7 +389,7 @@ class SearchIndex:
             "d_tag": seg.d_tag,
             "d_ts": seg.d_ts,
             "d_off": seg.d_off,
-            "text_blob": np.frombuffer(seg.text_blob, np.uint8),
+            "text_blob": seg.text_blob,
             "live": self._seg_live,
             "df": self._seg_df,
             "terms": np.frombuffer("\n".join(seg.terms).encode(), np.uint8),
@@ -416,23 +421,41 @@ class SearchIndex:
         atomic_write_bytes(path, blob)
 
     @classmethod
-    def load(cls, path: Path) -> tuple[SearchIndex, dict[str, Any]]:
-        """An index saved by `save`, and its meta; `IndexFileError` if it is not usable."""
+    def load(cls, path: Path, *, verify: bool = True) -> tuple[SearchIndex, dict[str, Any]]:
+        """An index saved by `save`, and its meta; `IndexFileError` if it is not usable.
+
+        The file is memory-mapped: nothing is copied, and pages are read as searches
+        touch them. Sizes and array shapes are always checked; with `verify=False` the
+        payload's checksum is left to `verify()` (e.g. in a background thread), so
+        a large index is usable at once.
+        """
         try:
             with open(path, "rb") as handle:
-                data = handle.read()
+                if os.fstat(handle.fileno()).st_size == 0:
+                    raise IndexFileError(f"{path.name}: damaged (empty)")
+                data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
             raise IndexFileError(f"{path.name}: no index saved yet") from None
         except OSError as exc:
             raise IndexFileError(f"{path.name}: cannot be read ({exc.strerror})") from None
         try:
-            return cls._parse(data)
+            index, meta = cls._parse(data)
+            if verify and not index.verify():
+                raise ValueError("checksum mismatch")
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise IndexFileError(f"{path.name}: damaged ({exc})") from None
+        return index, meta
+
+    def verify(self) -> bool:
+        """Does the loaded payload match the checksum it was saved with? (True if the
+        index was not loaded from a file.)"""
+        if self._payload is None:
+            return True
+        return zlib.crc32(self._payload) == self._payload_crc
 
     @classmethod
-    def _parse(cls, data: bytes) -> tuple[SearchIndex, dict[str, Any]]:
-        if not data.startswith(_MAGIC):
+    def _parse(cls, data: mmap.mmap) -> tuple[SearchIndex, dict[str, Any]]:
+        if data[: len(_MAGIC)] != _MAGIC:
             raise ValueError("not a search index of this version")
         start = len(_MAGIC)
         head_len = int.from_bytes(data[start : start + 8], "little")
@@ -441,8 +464,6 @@ class SearchIndex:
         payload = memoryview(data)[head_end:]
         if len(payload) != header["payload"]:
             raise ValueError("truncated")
-        if zlib.crc32(payload) != header["crc32"]:
-            raise ValueError("checksum mismatch")
         arrays: dict[str, Any] = {}
         for name, dtype, count, offset in header["arrays"]:
             arrays[name] = np.frombuffer(payload, np.dtype(dtype), count, offset)
@@ -455,7 +476,7 @@ class SearchIndex:
             int(seg.t_off[-1]) == postings == len(seg.p_imp) == len(seg.p_tf),
             int(seg.b_off[-1]) == blocks == len(seg.b_max) == len(seg.b_end),
             len(seg.d_tag) == len(seg.d_ts) == len(arrays["live"]) == n,
-            len(seg.d_off) == n + 1 and int(seg.d_off[-1]) == len(seg.text_blob),
+            len(seg.d_off) == n + 1 and int(seg.d_off[-1]) == seg.text_blob.size,
             postings == 0 or (int(seg.p_doc.min()) >= 0 and int(seg.p_doc.max()) < n),
             blocks == 0 or int(seg.b_end.max()) <= postings,
             int(seg.d_tag.max(initial=-1)) < len(header["tags"]),
@@ -470,6 +491,7 @@ class SearchIndex:
         index._tag_ids = {t: i for i, t in enumerate(index._tag_names)}
         index._live = int(index._seg_live.sum())
         index._total_length = int(seg.d_len[index._seg_live].sum())
+        index._payload, index._payload_crc = payload, int(header["crc32"])
         meta = header["meta"]
         if not isinstance(meta, dict):
             raise ValueError("meta is not an object")
@@ -681,7 +703,7 @@ class SearchIndex:
             "d_tag": np.concatenate((seg.d_tag, np.array(self._tail_tag, np.int16))),
             "d_ts": np.concatenate((seg.d_ts, np.array(self._tail_ts, np.float64))),
             "d_off": d_off,
-            "text_blob": np.frombuffer(seg.text_blob + b"".join(texts), np.uint8),
+            "text_blob": np.frombuffer(seg.text_blob.tobytes() + b"".join(texts), np.uint8),
         }
         self._seg = _Segment(arrays, terms, ref)
         self._seg_live = live

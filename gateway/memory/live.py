@@ -9,7 +9,9 @@ archive without changing the rest's bytes, so it keeps the watermark valid.
 
 Invariants:
 - At open the saved index is checked against the files (archives' size and mtime, the
-  rest's watermark) and brought up to date from the lines after the watermark.
+  rest's watermark) and brought up to date from the lines after the watermark. It is
+  memory-mapped; its checksum is verified by a background thread, which drops it (to
+  be rebuilt) if it does not match.
 - A missing, stale or damaged index is rebuilt. Work of more than `sync_bytes` runs in
   a background thread while searches use a bounded scan (an index of the stream's last
   `fallback_bytes`), so a search never waits for a large build.
@@ -26,6 +28,7 @@ takes it only to swap the finished index in and to save it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import zlib
@@ -222,8 +225,14 @@ class FileIndex:
         """Load the saved index and catch up, or (re)build it."""
         files = self._sources()
         try:
-            index, meta = SearchIndex.load(self.path)
+            index, meta = SearchIndex.load(self.path, verify=False)
             cover, start = self._check(meta, files)
+            threading.Thread(
+                target=self._verify,
+                args=(index, self._generation),
+                name=f"verify-{self.path.name}",
+                daemon=True,
+            ).start()
         except IndexFileError as exc:
             if self.path.exists():
                 self._log.warning("Rebuilding the search index: {}", exc)
@@ -296,6 +305,18 @@ class FileIndex:
             self._install(*self._build(index, cover, cover.rest_bytes))
             self._builder = None
             self.save()
+
+    def _verify(self, index: SearchIndex, generation: int) -> None:
+        """Check a loaded index's checksum off the search path; drop it if damaged."""
+        if index.verify():
+            return
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._log.warning("Search index {} is damaged (checksum); rebuilding it", self.path)
+            with contextlib.suppress(OSError):
+                os.replace(self.path, self.path.with_name(self.path.name + ".damaged"))
+            self.invalidate()
 
     def _install(self, index: SearchIndex, cover: _Coverage, added: int) -> None:
         self._index = index
