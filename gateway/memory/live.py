@@ -136,7 +136,11 @@ class FileIndex:
         return self._index is not None
 
     def current(self, *, wait: bool = False) -> SearchIndex:
-        """The index to search now: the full one, or while it builds the bounded scan."""
+        """The index to search now: the full one, or while it builds the bounded scan.
+
+        With `wait`, a running build is joined with `lock` released; the caller must
+        hold it exactly once (as `MemoryManager.load_indexes` does), or the build could
+        not take it to finish."""
         if self._index is None and self._builder is None:
             self._open(wait=wait)
         if self._index is None and wait and self._builder is not None:
