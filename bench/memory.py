@@ -433,46 +433,13 @@ def bench_restart(n: int, rows: list[Row]) -> None:
         size = (manager.dir / "HISTORY.md.index").stat().st_size / max(len(index), 1)
         rows.append(row("history index file per line", n, round(size), "bytes"))
 
-        result = _run_child("--restart-child", tmp)
-        rows.append(
-            row(
-                "first search_history after restart (saved index)",
-                n,
-                _ms(result["history"]),
-                "ms",
-                50,
-            )
-        )
-        rows.append(
-            row(
-                "first search_memory after restart (saved index)",
-                n,
-                _ms(result["memory"]),
-                "ms",
-                50,
-            )
-        )
-        for name in ("HISTORY.md.index", "MEMORY.md.index"):
-            (manager.dir / name).unlink()
-        result = _run_child("--restart-child", tmp)
-        rows.append(
-            row(
-                "first search_history, no saved index (bounded scan)",
-                n,
-                _ms(result["history"]),
-                "ms",
-                50,
-            )
-        )
-        rows.append(
-            row(
-                "first search_memory, no saved index (bounded scan)",
-                n,
-                _ms(result["memory"]),
-                "ms",
-                50,
-            )
-        )
+        for label in ("after restart (saved index)", "no saved index (bounded scan)"):
+            result = _run_child("--restart-child", tmp)
+            for kind in ("history", "memory"):
+                metric = f"first search_{kind}, {label}"
+                rows.append(row(metric, n, _ms(result[kind]), "ms", 50))
+            for name in ("HISTORY.md.index", "MEMORY.md.index"):
+                (manager.dir / name).unlink(missing_ok=True)
 
 
 def print_table(rows: list[Row]) -> None:

@@ -360,6 +360,15 @@ def _history(manager: MemoryManager, lines: int, clock: Clock) -> None:
         manager.append_history(f"entry {i} about topic{i} and some filler words here")
 
 
+def _saved_scope(tmp_path: Path, clock: Clock) -> MemoryManager:
+    """A closed scope of 50 history lines whose index is saved."""
+    first = MemoryManager(tmp_path, "s", clock=clock)
+    _history(first, 50, clock)
+    first.load_indexes()
+    first.close()
+    return first
+
+
 def test_a_reopened_scope_reads_the_saved_index_and_catches_up(
     tmp_path: Path, clock: Clock
 ) -> None:
@@ -398,10 +407,7 @@ def test_a_rewritten_history_is_not_served_from_the_old_index(tmp_path: Path, cl
 def test_a_damaged_index_is_kept_aside_and_rebuilt(
     tmp_path: Path, clock: Clock, warnings: list[str]
 ) -> None:
-    first = MemoryManager(tmp_path, "s", clock=clock)
-    _history(first, 50, clock)
-    first.load_indexes()
-    first.close()
+    first = _saved_scope(tmp_path, clock)
     index_file = first.dir / "HISTORY.md.index"
     damaged = index_file.read_bytes()[:-7]
     index_file.write_bytes(damaged)
@@ -452,10 +458,7 @@ def test_a_large_missing_index_builds_in_the_background_while_searches_scan(
 def test_a_flipped_byte_in_a_saved_index_is_caught_by_its_checksum(
     tmp_path: Path, clock: Clock, warnings: list[str]
 ) -> None:
-    first = MemoryManager(tmp_path, "s", clock=clock)
-    _history(first, 50, clock)
-    first.load_indexes()
-    first.close()
+    first = _saved_scope(tmp_path, clock)
     index_file = first.dir / "HISTORY.md.index"
     data = bytearray(index_file.read_bytes())
     data[-3] ^= 0xFF  # inside the payload: the shapes still look right
