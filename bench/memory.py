@@ -5,11 +5,18 @@ synthetic but shaped like real text: a seeded vocabulary of a few thousand words
 with a Zipf law, mixed with English stopwords; queries are 2-4 words drawn the same way
 (so common words do appear in queries). Compaction runs in a child process so its
 peak RSS is its own.
+
+Issue 11's rows: the common-word corpus (100k history lines of 8-10 words from a
+30-word vocabulary, each word in ~27% of lines, over the last 7 days; queries of 3
+common words plus one rare word held by one line), the first search after a restart
+(a child process opens the scope from its files and saved indexes), the knowledge
+base's add and reload, and `append_history` with and without the index loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import resource
@@ -23,6 +30,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import accumulate
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,10 +58,15 @@ class Row:
 
 
 def row(metric: str, size: int, value: float, unit: str, limit: float | None = None) -> Row:
-    """A result; with `limit`, the target is `value < limit`."""
+    """A result; with `limit`, the goal is `value <= limit`."""
     if limit is None:
         return Row(metric, size, value, unit, "-", None)
-    return Row(metric, size, value, unit, f"< {limit:g}", value < limit)
+    return Row(metric, size, value, unit, f"<= {limit:g}", value <= limit)
+
+
+def at_least(metric: str, size: int, value: float, unit: str, floor: float) -> Row:
+    """A result whose goal is `value >= floor`."""
+    return Row(metric, size, value, unit, f">= {floor:g}", value >= floor)
 
 
 class Corpus:
@@ -167,6 +180,19 @@ def search_rows(manager: MemoryManager, n: int, queries: list[str], rows: list[R
     med, p95 = _median_ms(manager.search_history, queries)
     rows.append(row("search_history median (decay 0.001)", n, med, "ms", 5))
     rows.append(row("search_history p95", n, p95, "ms"))
+    index = manager._history_index.current()  # the bench looks inside: pruning at work
+    scored = []
+    for query in queries:
+        manager.search_history(query)
+        scored.append(index.scored_postings)
+    rows.append(
+        row("search_history postings scored, median", n, statistics.median(scored), "postings")
+    )
+    every = []
+    for query in queries:
+        index.search(query, 1 << 30, decay_rate=0.001)  # k = everything: no pruning possible
+        every.append(index.scored_postings)
+    rows.append(row("  (exhaustive scoring would score)", n, statistics.median(every), "postings"))
     med, p95 = _median_ms(manager.search_memory, queries)
     rows.append(row("search_memory median", n, med, "ms", 5))
     rows.append(row("search_memory p95", n, p95, "ms"))
@@ -177,11 +203,26 @@ def search_rows(manager: MemoryManager, n: int, queries: list[str], rows: list[R
 def append_rows(manager: MemoryManager, corpus: Corpus, n: int, rows: list[Row]) -> None:
     appends = 2000
     entries = [corpus.sentence() for _ in range(appends)]
+    with tempfile.TemporaryDirectory() as tmp:  # the same appends, no index loaded
+        bare = MemoryManager(Path(tmp), "bench:bare", history_max_bytes=512_000)
+        start = time.perf_counter()
+        for entry in entries:
+            bare.append_history(entry)
+        without = (time.perf_counter() - start) / appends
     start = time.perf_counter()
     for entry in entries:
         manager.append_history(entry)
-    per = _ms((time.perf_counter() - start) / appends)
-    rows.append(row("append_history (indexed, rotation incl.)", n, per, "ms", 0.1))
+    per = (time.perf_counter() - start) / appends
+    rows.append(row("append_history, no index loaded", n, round(without * 1e6, 1), "us"))
+    limit = round(without * 1e6 * 1.25, 1)  # "close to the no-index cost": within 25%
+    rows.append(row("append_history, index loaded", n, round(per * 1e6, 1), "us", limit))
+    start = time.perf_counter()
+    manager.search_history("anything at all")
+    rows.append(
+        row(
+            f"next search indexing those {appends} lines", n, _ms(time.perf_counter() - start), "ms"
+        )
+    )
     start = time.perf_counter()
     for entry in entries:
         manager.append_to_memory(f"- [learned_fact] {entry}")
@@ -212,19 +253,22 @@ def _compact_child(folder: str) -> None:
     )
 
 
+def _run_child(flag: str, folder: str) -> dict[str, Any]:
+    """Run this file with `flag folder` in a fresh process; its last line, as JSON."""
+    out = subprocess.run(
+        [sys.executable, __file__, flag, folder], check=True, capture_output=True, text=True
+    ).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
 def bench_compact(sizes: list[int], rows: list[Row]) -> None:
     corpus = Corpus(SEED + 1)
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             manager = MemoryManager(Path(tmp), "bench:compact")
             manager.memory_path.write_text(memory_text(corpus, n, duplicates=0.15))
-            out = subprocess.run(
-                [sys.executable, __file__, "--compact-child", tmp],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            result = json.loads(out.strip().splitlines()[-1])
+            result = _run_child("--compact-child", tmp)
             seconds, peak = result["seconds"], result["peak_mb"]
             label = f"compact_memory time ({result['removed']} removed)"
             rows.append(row(label, n, _ms(seconds), "ms", 1000))
@@ -239,26 +283,163 @@ def bench_knowledge(n: int, rows: list[Row]) -> None:
     corpus = Corpus(SEED + 2)
     texts = [(corpus.sentence(4, 12), corpus.rng.choice(CATEGORIES)) for _ in range(n)]
     queries = [corpus.query() for _ in range(QUERIES)]
+    for size in sorted({1000, n}):
+        with tempfile.TemporaryDirectory() as tmp:
+            base = KnowledgeBase(Path(tmp) / "knowledge.json")
+            start = time.perf_counter()
+            for text, category in texts[:size]:
+                base.add(category, text, source="bench")
+            per = (time.perf_counter() - start) / size
+            rows.append(row("knowledge add (flushes incl.)", size, round(per * 1e6, 1), "us", 10))
+            base.close()
     with tempfile.TemporaryDirectory() as tmp:
         base = KnowledgeBase(Path(tmp) / "knowledge.json")
-        start = time.perf_counter()
         for text, category in texts:
             base.add(category, text, source="bench")
-        per = (time.perf_counter() - start) / n
-        rows.append(row("knowledge add (amortized flushes)", n, _ms(per), "ms"))
         start = time.perf_counter()
         base.add("learned_fact", "one more entry to make it dirty")
         base.flush()
-        rows.append(row("knowledge flush", n, _ms(time.perf_counter() - start), "ms"))
+        rows.append(row("knowledge flush (one change)", n, _ms(time.perf_counter() - start), "ms"))
         med, _ = _median_ms(base.search, queries)
         rows.append(row("knowledge search median", n, med, "ms", 5))
         start = time.perf_counter()
         base.export_for_context()
         rows.append(row("knowledge export_for_context", n, _ms(time.perf_counter() - start), "ms"))
+        base.close()
+        del base
+        loads = []
+        for _ in range(3):
+            gc.collect()
+            start = time.perf_counter()
+            reopened = KnowledgeBase(Path(tmp) / "knowledge.json")
+            reopened.search(queries[0])
+            loads.append(time.perf_counter() - start)
+            reopened.close()
+            del reopened
+        rows.append(
+            row("knowledge reload + first search (median of 3)", n, _ms(sorted(loads)[1]), "ms", 50)
+        )
+
+
+def common_word_lines(lines: int, rng: random.Random) -> tuple[list[str], list[str]]:
+    """History lines over the last 7 days whose words all come from 30 common words."""
+    vocabulary = ["".join(rng.choice(_SYLLABLES) for _ in range(3)) for _ in range(30)]
+    start = datetime.now(UTC) - timedelta(days=7)
+    step = timedelta(days=7) / lines
+    out = []
+    for i in range(lines):
+        stamp = (start + step * i).strftime("%Y-%m-%d %H:%M:%S")
+        out.append(f"[{stamp}] " + " ".join(rng.choices(vocabulary, k=rng.randint(8, 10))))
+    return vocabulary, out
+
+
+def bench_common_words(n: int, rows: list[Row]) -> None:
+    rng = random.Random(SEED + 3)
+    vocabulary, lines = common_word_lines(n, rng)
+    rare = {rng.randrange(n): f"zq{q}rare" for q in range(QUERIES)}
+    for at, word in rare.items():
+        lines[at] = f"{lines[at]} {word}"
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = MemoryManager(Path(tmp), "bench:common", history_max_bytes=1 << 40)
+        manager.history_path.write_text("\n".join(lines) + "\n")
+        manager.load_indexes()
+        queries = [
+            (" ".join([*rng.sample(vocabulary, 3), word]), lines[at]) for at, word in rare.items()
+        ]
+        share = sum(vocabulary[0] in line for line in lines) / n
+        rows.append(
+            row(
+                f"common-word corpus: lines holding a word ({vocabulary[0]})",
+                n,
+                round(share * 100, 1),
+                "%",
+            )
+        )
+        index = manager._history_index.current()  # the bench looks inside: postings scored
+        for decay in (0.0, 0.001):
+            med, p95 = _median_ms(
+                lambda q, d=decay: manager.search_history(q, 20, decay_rate=d),
+                [q for q, _ in queries],
+            )
+            label = "no decay" if decay == 0 else f"decay {decay}"
+            rows.append(row(f"common words: search_history median ({label})", n, med, "ms", 5))
+            rows.append(row(f"common words: search_history p95 ({label})", n, p95, "ms"))
+            first = 0
+            scored = []
+            for query, line in queries:
+                first += manager.search_history(query, 20, decay_rate=decay)[0] == line
+                scored.append(index.scored_postings)
+            rows.append(
+                at_least(f"common words: rare line first ({label})", n, first, f"of {QUERIES}", 19)
+            )
+            rows.append(
+                row(
+                    f"common words: postings scored, median ({label})",
+                    n,
+                    statistics.median(scored),
+                    "postings",
+                )
+            )
+        terms = 3
+        rows.append(
+            row(
+                "common words: postings of 3 common words (exhaustive)",
+                n,
+                round(share * n * terms),
+                "postings",
+            )
+        )
+
+
+def _restart_child(folder: str) -> None:
+    """Open the scope as a restarted gateway would; time the first searches."""
+    from loguru import logger
+
+    logger.remove()
+    start = time.perf_counter()
+    manager = MemoryManager(Path(folder), "bench:restart")
+    history = manager.search_history("kel lom dansal")
+    first_history = time.perf_counter() - start
+    start = time.perf_counter()
+    facts = manager.search_memory("kel lom dansal")
+    first_memory = time.perf_counter() - start
+    print(
+        json.dumps(
+            {"history": first_history, "memory": first_memory, "hits": len(history) + len(facts)}
+        )
+    )
+
+
+def bench_restart(n: int, rows: list[Row]) -> None:
+    corpus = Corpus(SEED + 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = MemoryManager(Path(tmp), "bench:restart")
+        write_history(manager.dir, corpus, n)
+        manager.memory_path.write_text(memory_text(corpus, n))
         start = time.perf_counter()
-        reopened = KnowledgeBase(Path(tmp) / "knowledge.json")
-        load = time.perf_counter() - start
-        rows.append(row("knowledge load", len(reopened), _ms(load), "ms"))
+        manager.load_indexes()
+        rows.append(
+            row(
+                "index build, history + facts (once, in the background)",
+                n,
+                _ms(time.perf_counter() - start),
+                "ms",
+            )
+        )
+        manager.close()
+        index = manager._history_index.current()
+        per_line = index.memory_bytes() / max(len(index), 1)
+        rows.append(row("history index memory per line", n, round(per_line), "bytes"))
+        size = (manager.dir / "HISTORY.md.index").stat().st_size / max(len(index), 1)
+        rows.append(row("history index file per line", n, round(size), "bytes"))
+
+        for label in ("after restart (saved index)", "no saved index (bounded scan)"):
+            result = _run_child("--restart-child", tmp)
+            for kind in ("history", "memory"):
+                metric = f"first search_{kind}, {label}"
+                rows.append(row(metric, n, _ms(result[kind]), "ms", 50))
+            for name in ("HISTORY.md.index", "MEMORY.md.index"):
+                (manager.dir / name).unlink(missing_ok=True)
 
 
 def print_table(rows: list[Row]) -> None:
@@ -287,10 +468,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1000,10000,100000", help="search corpus sizes")
     parser.add_argument("--compact-sizes", default="1000,10000")
     parser.add_argument("--knowledge-size", type=int, default=10_000)
+    parser.add_argument("--common-size", type=int, default=100_000)
+    parser.add_argument("--restart-size", type=int, default=100_000)
     parser.add_argument("--compact-child", help=argparse.SUPPRESS)
+    parser.add_argument("--restart-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compact_child:
         _compact_child(args.compact_child)
+        return 0
+    if args.restart_child:
+        _restart_child(args.restart_child)
         return 0
 
     from loguru import logger
@@ -300,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_search([int(s) for s in args.sizes.split(",")], rows)
     bench_compact([int(s) for s in args.compact_sizes.split(",")], rows)
     bench_knowledge(args.knowledge_size, rows)
+    bench_common_words(args.common_size, rows)
+    bench_restart(args.restart_size, rows)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
     else:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loguru import logger
 
+import gateway.memory.knowledge as knowledge_module
+from gateway.memory.index import SearchIndex
 from gateway.memory.knowledge import KnowledgeBase, _flush_open_bases
 
 
@@ -44,9 +48,18 @@ def logs() -> Iterator[list[str]]:
 
 
 def stored(path: Path) -> list[dict[str, object]]:
-    entries = json.loads(path.read_text())["entries"]
-    assert isinstance(entries, list)
-    return entries
+    """What is on disk: the snapshot's entries, replaced by the log's, in order."""
+    by_id: dict[object, dict[str, object]] = {}
+    if path.exists():
+        entries = json.loads(path.read_text())["entries"]
+        assert isinstance(entries, list)
+        by_id = {e["id"]: e for e in entries}
+    log = path.with_name(path.name + ".log")
+    if log.exists():
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            by_id[record["id"]] = record
+    return list(by_id.values())
 
 
 # -- adding ----------------------------------------------------------------------
@@ -57,7 +70,7 @@ def test_add_dedupes_normalized_content_per_category(kb: KnowledgeBase) -> None:
     again = kb.add("user_preference", "  prefers DARK   mode. ", source="chat", tags=["theme"])
     assert again.id == first.id
     assert again.access_count == 1
-    assert again.last_accessed > first.last_accessed
+    assert again.accessed_at > first.accessed_at
     assert again.tags == ("ui", "theme")
     assert again.source == "chat"
     assert again.content == "Prefers dark mode"
@@ -164,7 +177,7 @@ def test_writes_are_batched_until_flush(kb: KnowledgeBase, path: Path) -> None:
     assert not path.exists()
     assert kb.flush() is True
     assert kb.flush() is False
-    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(path.with_name("knowledge.json.log")).st_mode & 0o777 == 0o600
     (entry,) = stored(path)
     assert entry["content"] == "Lives in Porto"
     assert entry["tags"] == ["home"]
@@ -178,7 +191,10 @@ def test_autoflush_after_flush_every_changes(path: Path) -> None:
     kb.add("learned_fact", "one")
     kb.add("learned_fact", "two")
     assert not path.exists()
-    kb.add("learned_fact", "three")
+    kb.add("learned_fact", "three")  # the writer thread flushes now
+    deadline = time.monotonic() + 10
+    while kb.dirty and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(stored(path)) == 3
     assert not kb.dirty
 
@@ -202,23 +218,137 @@ def test_close_and_garbage_collection_and_exit_flush(path: Path, tmp_path: Path)
     assert [e["content"] for e in stored(third)] == ["saved at exit"]
 
 
-def test_failed_flush_leaves_the_old_file_intact(
+def test_failed_flush_keeps_changes_pending_and_files_intact(
     kb: KnowledgeBase, path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kb.add("learned_fact", "first")
     kb.flush()
-    before = path.read_bytes()
     kb.add("learned_fact", "second")
 
     def fail(*args: object) -> None:
         raise OSError("disk full")
 
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(OSError):
+        kb.flush()
+    assert kb.dirty
+    monkeypatch.undo()
+    assert kb.flush()
+    assert sorted(str(e["content"]) for e in stored(path)) == ["first", "second"]
+
+    # A failed snapshot rewrite leaves the old snapshot and the log as they were.
+    monkeypatch.setattr(knowledge_module, "_COMPACT_AT", 1)
+    kb.add("learned_fact", "third")
+    kb.flush()  # 3 records >= 3 entries: the snapshot is rewritten, the log emptied
+    assert path.with_name("knowledge.json.log").read_bytes() == b""
+    for content in ("first", "second"):
+        kb.add("learned_fact", content)  # reinforced: one log record each
+        kb.flush()
+    before = path.read_bytes()
+    log_before = path.with_name("knowledge.json.log").read_bytes()
+    kb.add("learned_fact", "third")  # the third record: time for a snapshot again
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
         kb.flush()
     assert path.read_bytes() == before
+    assert path.with_name("knowledge.json.log").read_bytes() == log_before
     assert kb.dirty
-    assert [p.name for p in path.parent.iterdir()] == ["knowledge.json"]  # no temp left
+    assert not [p for p in path.parent.iterdir() if ".tmp" in p.name]  # no temp left
+
+
+def test_log_replays_after_a_crash_and_ignores_a_torn_last_line(path: Path) -> None:
+    kb = KnowledgeBase(path, flush_every=2)
+    kb.add("learned_fact", "kept one")
+    kb.add("learned_fact", "kept two")  # flushed: in the log
+    kb.add("learned_fact", "kept one")  # reinforced, flushed below
+    kb.flush()
+    log = path.with_name("knowledge.json.log")
+    with log.open("a") as handle:
+        handle.write('{"id": "torn", "categ')  # a crash in the middle of a write
+    reopened = KnowledgeBase(path)
+    assert sorted((e.content, e.access_count) for e in reopened) == [
+        ("kept one", 1),
+        ("kept two", 0),
+    ]
+    assert reopened.load_error is None
+    assert [e.content for e in reopened.search("two")] == ["kept two"]
+
+
+def test_damaged_log_is_kept_and_the_readable_records_are_used(path: Path) -> None:
+    kb = KnowledgeBase(path)
+    kb.add("learned_fact", "before the damage")
+    kb.flush()
+    log = path.with_name("knowledge.json.log")
+    damaged = log.read_bytes() + b"garbage line\n"
+    log.write_bytes(damaged)
+    reopened = KnowledgeBase(path)
+    assert [e.content for e in reopened] == ["before the damage"]
+    assert reopened.load_error is not None and "malformed log" in reopened.load_error
+    assert reopened.corrupt_path is not None and reopened.corrupt_path.read_bytes() == damaged
+    assert [e.content for e in KnowledgeBase(path)] == ["before the damage"]
+
+
+def test_a_json_workspace_of_an_earlier_version_loads_and_keeps_working(path: Path) -> None:
+    """Migration: knowledge.json as earlier versions wrote it (indented, no log)."""
+    old = {
+        "version": 1,
+        "entries": [
+            {
+                "id": "whatever",
+                "category": "user_preference",
+                "content": "Prefers tea",
+                "source": None,
+                "tags": ["drinks"],
+                "created_at": 5.0,
+                "last_accessed": 6.0,
+                "access_count": 2,
+            }
+        ],
+    }
+    path.write_text(json.dumps(old, indent=1))
+    kb = KnowledgeBase(path)
+    (loaded,) = list(kb)
+    assert (loaded.created_at, loaded.accessed_at) == (5.0, 6.0)  # accessed_at was last_accessed
+    (entry,) = kb.search("tea")
+    assert (entry.content, entry.tags, entry.access_count) == ("Prefers tea", ("drinks",), 3)
+    assert kb.add("user_preference", "prefers TEA").id == entry.id  # ids recomputed
+    kb.close()
+    again = KnowledgeBase(path)
+    assert [(e.content, e.access_count) for e in again] == [("Prefers tea", 4)]
+
+
+def test_reload_uses_the_saved_index_and_indexes_only_later_entries(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kb = KnowledgeBase(path, flush_every=1000)
+    for i in range(300):
+        kb.add("learned_fact", f"fact number {i} about topic{i}")
+    kb.close()
+    kb.add("learned_fact", "added after the index was saved: walrus")
+    kb.flush()
+    indexed: list[int] = []
+    original = SearchIndex.add_many
+
+    def counting(self: SearchIndex, docs: Any) -> list[int]:
+        docs = list(docs)
+        indexed.append(len(docs))
+        return original(self, docs)
+
+    monkeypatch.setattr(SearchIndex, "add_many", counting)
+    again = KnowledgeBase(path)
+    assert [e.content for e in again.search("walrus")] == [
+        "added after the index was saved: walrus"
+    ]
+    assert again.search("topic7 number")[0].content == "fact number 7 about topic7"
+    assert indexed == [1]  # only the entry logged after the save
+    # A stale index (the files changed by hand) is not used: everything is reindexed.
+    again.close()
+    log = path.with_name("knowledge.json.log")
+    log.write_text(log.read_text().replace("topic7", "topic7 zebra"))
+    indexed.clear()
+    third = KnowledgeBase(path)
+    assert [e.content for e in third.search("zebra")] == ["fact number 7 about topic7 zebra"]
+    assert indexed == [301]
 
 
 @pytest.mark.parametrize(
@@ -292,3 +422,46 @@ def test_a_base_in_a_missing_folder_creates_it_and_saves(tmp_path: Path) -> None
     blocker.write_text("not a folder")
     with pytest.raises(OSError, match="cannot create"):
         KnowledgeBase(blocker / "knowledge.json")
+
+
+def test_the_surface_as_seed_001_calls_it(tmp_path: Path) -> None:
+    """Written exactly as seed 001 calls the knowledge base; what it shows must hold."""
+    kb = KnowledgeBase(tmp_path / "knowledge.json")
+
+    entry = kb.add("user_preference", "Prefers TypeScript over JavaScript", source="chat")
+    kb.add("project_decision", "Using PostgreSQL for primary database", tags=["db"])
+    kb.add("system_behavior", "API rate limit is 1000 requests/hour")
+    kb.add("error_pattern", "CORS errors fixed by adding origin header", source="", tags=None)
+    existing = kb.add("user_preference", "Prefers TypeScript over JavaScript", source="chat")
+    assert existing.id == entry.id
+    assert existing.access_count == entry.access_count + 1
+    assert existing.accessed_at >= entry.accessed_at
+    assert (entry.category, entry.content, entry.source) == (
+        "user_preference",
+        "Prefers TypeScript over JavaScript",
+        "chat",
+    )
+    unknown = kb.add("hobby", "Plays chess")
+    assert unknown.category == "learned_fact"
+
+    results = kb.search(query="PostgreSQL", category="", max_results=20)
+    assert [e.content for e in results] == ["Using PostgreSQL for primary database"]
+    assert [e.content for e in kb.search("typescript", category="user_preference")] == [
+        "Prefers TypeScript over JavaScript"
+    ]
+    assert len(kb.search()) == 5  # no query: every entry, most accessed first
+    assert kb.search()[0].content == "Prefers TypeScript over JavaScript"
+    assert [e.content for e in kb.by_category("error_pattern")] == [
+        "CORS errors fixed by adding origin header"
+    ]
+    context = kb.export_for_context(max_chars=2000)
+    assert context.splitlines()[0] == "[user_preference] Prefers TypeScript over JavaScript"
+    assert len(kb.export_for_context(max_chars=60)) <= 60
+
+
+def test_the_log_writes_entries_as_to_dict_describes_them(tmp_path: Path) -> None:
+    kb = KnowledgeBase(tmp_path / "knowledge.json")
+    entry = kb.add("user_preference", "Prefers tea", source="chat", tags=["drinks"])
+    kb.flush()
+    (line,) = (tmp_path / "knowledge.json.log").read_text().splitlines()
+    assert json.loads(line) == entry.to_dict()

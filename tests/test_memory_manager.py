@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -14,7 +14,7 @@ import pytest
 from loguru import logger
 
 import gateway.memory.manager as manager_module
-from gateway.memory import MemoryManager
+from gateway.memory import KnowledgeBase, MemoryManager
 
 
 class Clock:
@@ -55,7 +55,19 @@ def test_scope_folder_and_private_permissions(mm: MemoryManager, tmp_path: Path)
     mm.record_consolidation([("learned_fact", "c")], "d")
     assert stat.S_IMODE(os.stat(mm.dir).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(mm.dir.parent).st_mode) == 0o700
-    for name in ("MEMORY.md", "HISTORY.md", "knowledge.json"):
+    mm.search_history("b")
+    mm.search_memory("a")
+    mm.close()  # the saved indexes too
+    names = sorted(p.name for p in mm.dir.iterdir())
+    assert names == [
+        "HISTORY.md",
+        "HISTORY.md.index",
+        "MEMORY.md",
+        "MEMORY.md.index",
+        "knowledge.json.index",
+        "knowledge.json.log",
+    ]
+    for name in names:
         assert stat.S_IMODE(os.stat(mm.dir / name).st_mode) == 0o600, name
 
 
@@ -296,8 +308,8 @@ def test_record_consolidation_writes_all_three_files(
         "- [learned_fact] Has two cats\n"
     )
     assert mm.read_history() == "[2024-02-28 14:23:45] Talked about answer length and pets\n"
-    stored = json.loads((mm.dir / "knowledge.json").read_text())["entries"]
-    assert {(e["category"], e["content"], e["source"]) for e in stored} == {
+    stored = KnowledgeBase(mm.dir / "knowledge.json")  # what the files hold
+    assert {(e.category, e.content, e.source) for e in stored} == {
         ("user_preference", "Prefers short answers", "consolidation"),
         ("learned_fact", "Has two cats", "consolidation"),
     }
@@ -337,3 +349,128 @@ def test_concurrent_appends_from_worker_threads(mm: MemoryManager) -> None:
     reopened = MemoryManager(mm.dir.parent.parent, mm.scope)
     assert len(reopened.search_memory("worker5", max_results=100)) == 40
     assert len(reopened.knowledge) == 320
+
+
+# -- saved search indexes --------------------------------------------------------------
+
+
+def _history(manager: MemoryManager, lines: int, clock: Clock) -> None:
+    for i in range(lines):
+        clock.now += timedelta(seconds=1)
+        manager.append_history(f"entry {i} about topic{i} and some filler words here")
+
+
+def _saved_scope(tmp_path: Path, clock: Clock) -> MemoryManager:
+    """A closed scope of 50 history lines whose index is saved."""
+    first = MemoryManager(tmp_path, "s", clock=clock)
+    _history(first, 50, clock)
+    first.load_indexes()
+    first.close()
+    return first
+
+
+def test_a_reopened_scope_reads_the_saved_index_and_catches_up(
+    tmp_path: Path, clock: Clock
+) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=20_000)
+    _history(first, 600, clock)  # rotates several times
+    first.append_to_memory("- [learned_fact] the saved fact")
+    first.load_indexes()
+    first.close()
+    index_file = first.dir / "HISTORY.md.index"
+    saved = index_file.stat().st_mtime_ns
+    assert len(first.history_archives()) > 2
+
+    # Another writer appends a line while no manager is open.
+    with (first.dir / "HISTORY.md").open("a") as handle:
+        handle.write("[2024-02-28 15:00:00] written by hand: zebra\n")
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    assert again.search_history("topic3 entry", 1) == [first.search_history("topic3 entry", 1)[0]]
+    assert again.search_history("zebra", 1)[0].endswith("written by hand: zebra")
+    assert again.search_memory("saved fact") == ["- [learned_fact] the saved fact"]
+    assert index_file.stat().st_mtime_ns == saved  # loaded, not rebuilt
+    again.close()
+    assert index_file.stat().st_mtime_ns != saved  # the caught-up line is saved now
+
+
+def test_a_rewritten_history_is_not_served_from_the_old_index(tmp_path: Path, clock: Clock) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock)
+    _history(first, 50, clock)
+    first.load_indexes()
+    first.close()
+    (first.dir / "HISTORY.md").write_text("[2024-02-28 15:00:00] only this line: walrus\n")
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    assert again.search_history("topic3") == []
+    assert again.search_history("walrus", 5) == ["[2024-02-28 15:00:00] only this line: walrus"]
+
+
+def test_a_damaged_index_is_kept_aside_and_rebuilt(
+    tmp_path: Path, clock: Clock, warnings: list[str]
+) -> None:
+    first = _saved_scope(tmp_path, clock)
+    index_file = first.dir / "HISTORY.md.index"
+    damaged = index_file.read_bytes()[:-7]
+    index_file.write_bytes(damaged)
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    assert again.search_history("topic7 entry", 1)[0].endswith(
+        "entry 7 about topic7 and some filler words here"
+    )
+    assert (first.dir / "HISTORY.md.index.damaged").read_bytes() == damaged
+    assert any("damaged" in m for m in warnings)
+    again.close()
+    assert index_file.read_bytes() != damaged
+
+
+def test_a_large_missing_index_builds_in_the_background_while_searches_scan(
+    tmp_path: Path, clock: Clock
+) -> None:
+    first = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=10_000_000)
+    lines = [f"[2024-02-28 14:00:00] old line {i} with filler text" for i in range(12_000)]
+    first.history_path.write_text(
+        "\n".join(["[2024-01-01 00:00:00] the oldest aardvark", *lines]) + "\n"
+    )
+    again = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=10_000_000)
+    release = threading.Event()
+    original = again._history_index._build
+
+    def slow_build(*args: object) -> object:
+        release.wait(10)
+        return original(*args)  # type: ignore[arg-type]
+
+    again._history_index._build = slow_build  # type: ignore[method-assign]
+    # The first search does not wait for the build: it scans the newest lines.
+    assert again.search_history("aardvark") == []
+    assert again.search_history("line 11999", 1)[0].startswith(
+        "[2024-02-28 14:00:00] old line 11999"
+    )
+    again.append_history("a new kiwi line")
+    assert again.search_history("kiwi", 1)[0].endswith("a new kiwi line")
+    release.set()
+    again._history_index._build = original  # type: ignore[method-assign]
+    again.load_indexes()  # waits for the build
+    assert again.search_history("aardvark", 1, decay_rate=0) == [
+        "[2024-01-01 00:00:00] the oldest aardvark"
+    ]
+    assert again.search_history("kiwi", 1)[0].endswith("a new kiwi line")
+    assert (again.dir / "HISTORY.md.index").exists()
+
+
+def test_a_flipped_byte_in_a_saved_index_is_caught_by_its_checksum(
+    tmp_path: Path, clock: Clock, warnings: list[str]
+) -> None:
+    first = _saved_scope(tmp_path, clock)
+    index_file = first.dir / "HISTORY.md.index"
+    data = bytearray(index_file.read_bytes())
+    data[-3] ^= 0xFF  # inside the payload: the shapes still look right
+    index_file.write_bytes(bytes(data))
+    again = MemoryManager(tmp_path, "s", clock=clock)
+    again.search_history("topic7")  # served at once; the checksum is checked meanwhile
+    damaged = first.dir / "HISTORY.md.index.damaged"
+    deadline = time.monotonic() + 10
+    while not damaged.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert damaged.read_bytes() == bytes(data)
+    assert any("checksum" in m for m in warnings)
+    assert again.search_history("topic7 entry", 1)[0].endswith(
+        "entry 7 about topic7 and some filler words here"
+    )

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import gc
-import json
 from pathlib import Path
 
 import pytest
 
-from gateway.memory import WORKSPACE_SCOPE, MemoryManager, MemoryStore
+from gateway.memory import WORKSPACE_SCOPE, KnowledgeBase, MemoryManager, MemoryStore
 from gateway.memory.scopes import scope_dir, scope_dirname
 
 
@@ -68,8 +67,8 @@ def test_eviction_flushes_and_never_doubles_a_live_manager(tmp_path: Path) -> No
     first.knowledge.add("learned_fact", "unsaved until flushed")
     store.for_session("cli:b")
     store.for_session("cli:c")  # evicts cli:a from the LRU: flushed
-    knowledge = json.loads((first.dir / "knowledge.json").read_text())
-    assert [e["content"] for e in knowledge["entries"]] == ["unsaved until flushed"]
+    on_disk = KnowledgeBase(first.dir / "knowledge.json")  # reads the files afresh
+    assert [e.content for e in on_disk] == ["unsaved until flushed"]
     assert store.for_session("cli:a") is first  # still alive: the same object
     del first
     store.for_session("cli:d")
@@ -86,4 +85,4 @@ def test_close_flushes_every_manager(tmp_path: Path) -> None:
     store.close()
     for key in ("cli:a", "cli:b"):
         path = tmp_path / "memory" / key.replace(":", "%3A") / "knowledge.json"
-        assert json.loads(path.read_text())["entries"][0]["content"] == f"fact of {key}"
+        assert [e.content for e in KnowledgeBase(path)] == [f"fact of {key}"]

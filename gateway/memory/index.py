@@ -1,17 +1,44 @@
-"""An incremental in-memory BM25 index with exact top-k search (MaxScore pruning).
+"""A BM25 index over short documents: exact top-k by block-max pruning, saved to one file.
+
+Layout (an LSM of two levels, as Lucene's segments are):
+- a *segment*: immutable NumPy arrays in compressed-sparse-row form. Per term its
+  postings in document order (doc id, BM25 impact, term frequency), and per term per
+  block of 16 consecutive document ids the largest impact in that block ("block-max",
+  Ding & Suel 2011; Lucene keeps per-block maxima of 128 documents in its skip data).
+- a *tail*: the documents added since the segment was built, in plain dicts. When the
+  tail reaches `max(1024, segment size / 32)` documents it is merged into a new
+  segment (vectorized, O(segment) once per that many adds: O(1) amortized per add).
+
+Search (block-max pruning over document-id ranges, as in Mallia, Suel and Tonellotto,
+"Faster Learned Sparse Retrieval with Block-Max Pruning", SIGIR 2024): the tail is
+scored exhaustively (it is small); for the segment, every block gets an upper bound,
+`sum(idf * block-max)` times the best recency weight in the block, and blocks are
+scored best bound first, in batches that double, all query terms of a block at once.
+Once the next block's bound is below the current k-th score, no document left can
+enter the top k and the search stops: the postings of a common word in those blocks
+are never scored. A query touches only the posting lists of its own terms.
 
 Invariants:
-- Updated incrementally: `add` and `remove` touch only the posting lists of the
-  document's own terms. (Postings hold precomputed BM25 impacts against a reference
-  average length; when the live average drifts more than 20% from it, all impacts are
-  recomputed once, which is amortized O(1) per add.)
-- A query touches only the posting lists of its own terms, never every document.
-  Terms are scored rarest first; once no unseen document can beat the current k-th
-  score, the remaining (common) terms are only probed for the candidates found. With
-  a recency decay, posting lists are walked newest first and the walk stops where even
-  a perfect match could no longer outrank the k-th result at that age.
-- Results are exactly the BM25 top-k (times the recency weight in (0, 1] when asked);
-  pruning only skips documents that provably cannot reach the top k.
+- Results are exactly the BM25 top-k of the live documents (times the recency weight
+  in (0, 1] when asked), ties broken newest first; pruning only skips documents that
+  provably cannot reach the top k. Impacts are float32 against a reference average
+  length set at each merge (the tail uses the same reference).
+- `add` touches only the new document's terms; ids increase and are never reused.
+- `save` writes one file (magic, JSON header, CRC-32 of the payload, arrays) through
+  temp file + fsync + rename; `load` checks magic, sizes, checksum and the array
+  shapes, and raises `IndexFileError` for anything else: a damaged index is rebuilt by
+  its owner from the files it indexes, never trusted.
+- Memory per indexed line: about 10 bytes per posting and 16 per (term, block) pair,
+  plus ~30 bytes and the stored text per document (`memory_bytes`, measured in
+  bench/memory.py).
+
+Why our own code: SQLite FTS5 (stdlib) ranks every document matching any query term
+with `bm25()` before `LIMIT` applies (no dynamic pruning), which on the common-word
+corpus of bench/memory.py is the exhaustive cost this index avoids; tantivy (Rust,
+block-max WAND) cannot apply the recency decay inside its top-k collector from Python,
+so decayed results would not be exact, and it keeps a writer, lock and threads per
+index where a gateway holds one index per memory scope and file. The tokenizer
+(stemming, negations) is ours in both cases.
 
 Not thread-safe: the owner (MemoryManager, KnowledgeBase) holds a lock around it.
 """
@@ -19,18 +46,41 @@ Not thread-safe: the owner (MemoryManager, KnowledgeBase) holds a lock around it
 from __future__ import annotations
 
 import heapq
+import json
 import math
+import mmap
+import os
 import time
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
+from gateway.fsutil import atomic_write_bytes
 from gateway.memory.text import tokenize
 
-# BM25 length normalization uses a reference average document length; postings store
-# the precomputed term-frequency part ("impact"). When the live average drifts further
-# than this from the reference, every impact is recomputed (amortized O(1) per add:
-# moving the average that far takes a number of new documents proportional to N).
-_AVGDL_DRIFT = 0.2
+# 16 documents per block. Lucene's 128 proved too coarse here: on the common-word corpus
+# of bench/memory.py every 128-document block holds a near-maximal posting of each
+# common word, so no block could be skipped; with 16 about 30% of postings are scored,
+# in the same time (BMP, cited above, also uses small blocks).
+_BLOCK_SHIFT = 4
+_MAGIC = b"gateway-search-index v1\n"
+# A block whose bound is within this relative margin of the k-th score is still
+# scored: float32 impacts summed in another order may differ in the last bits.
+_BOUND_SLACK = 1e-6
+_FIRST_BATCH = 4  # blocks scored before the first threshold check; doubles after
+_BLOCK_OFFSETS = np.arange(1 << _BLOCK_SHIFT, dtype=np.int64)
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+class IndexFileError(Exception):
+    """A saved index could not be used (missing, damaged, or of another version)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +92,104 @@ class SearchHit:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
-class _Term:
-    upper_bound: float
-    idf: float
-    postings: dict[int, float]
+class _Segment:
+    """The immutable arrays of a merged segment (documents 0 .. n-1)."""
+
+    __slots__ = (
+        "b_blk",
+        "b_end",
+        "b_max",
+        "b_off",
+        "b_start",
+        "block_newest",
+        "d_len",
+        "d_off",
+        "d_tag",
+        "d_ts",
+        "n",
+        "p_doc",
+        "p_imp",
+        "p_tf",
+        "ref",
+        "t_off",
+        "term_ids",
+        "terms",
+        "text_blob",
+    )
+
+    def __init__(self, arrays: dict[str, Any], terms: list[str], ref: float) -> None:
+        self.terms = terms
+        self.term_ids = {t: i for i, t in enumerate(terms)}
+        self.ref = ref
+        self.t_off = arrays["t_off"]
+        self.p_doc = arrays["p_doc"]
+        self.p_imp = arrays["p_imp"]
+        self.p_tf = arrays["p_tf"]
+        self.b_off = arrays["b_off"]
+        self.b_blk = arrays["b_blk"]
+        self.b_max = arrays["b_max"]
+        self.b_start = arrays["b_start"]
+        self.b_end = arrays["b_end"]
+        self.d_len = arrays["d_len"]
+        self.d_tag = arrays["d_tag"]
+        self.d_ts = arrays["d_ts"]
+        self.d_off = arrays["d_off"]
+        self.text_blob: npt.NDArray[np.uint8] = arrays["text_blob"]  # no copy of a mapped file
+        self.n = len(self.d_len)
+        # Newest timestamp per block (no timestamp counts as +inf: weight 1).
+        if self.n:
+            filled = np.where(np.isnan(self.d_ts), np.inf, self.d_ts)
+            self.block_newest = np.maximum.reduceat(filled, np.arange(0, self.n, 1 << _BLOCK_SHIFT))
+        else:
+            self.block_newest = np.zeros(0)
+
+    def text(self, doc_id: int) -> str:
+        start, end = int(self.d_off[doc_id]), int(self.d_off[doc_id + 1])
+        return self.text_blob[start:end].tobytes().decode()
+
+    @property
+    def blocks(self) -> int:
+        return (self.n + (1 << _BLOCK_SHIFT) - 1) >> _BLOCK_SHIFT
+
+    def nbytes(self) -> int:
+        arrays = (self.t_off, self.p_doc, self.p_imp, self.p_tf, self.b_off, self.b_blk)
+        more = (self.b_max, self.b_start, self.b_end, self.d_len, self.d_tag, self.d_ts)
+        total = sum(a.nbytes for a in (*arrays, *more, self.d_off, self.block_newest))
+        return total + self.text_blob.nbytes + sum(len(t) + 60 for t in self.terms)
 
 
-def _kth_largest(scores: dict[int, float], k: int) -> float:
-    return heapq.nlargest(k, scores.values())[-1]
+def _empty_segment() -> _Segment:
+    arrays: dict[str, Any] = {
+        "t_off": np.zeros(1, np.int64),
+        "p_doc": np.zeros(0, np.int32),
+        "p_imp": np.zeros(0, np.float32),
+        "p_tf": np.zeros(0, np.uint16),
+        "b_off": np.zeros(1, np.int64),
+        "b_blk": np.zeros(0, np.int32),
+        "b_max": np.zeros(0, np.float32),
+        "b_start": np.zeros(0, np.int32),
+        "b_end": np.zeros(0, np.int32),
+        "d_len": np.zeros(0, np.int32),
+        "d_tag": np.zeros(0, np.int16),
+        "d_ts": np.zeros(0, np.float64),
+        "d_off": np.zeros(1, np.int64),
+        "text_blob": np.zeros(0, np.uint8),
+    }
+    return _Segment(arrays, [], 0.0)
+
+
+def _ranges(starts: IntArray, ends: IntArray) -> IntArray:
+    """The concatenation of `range(s, e)` for each pair, vectorized."""
+    lengths = ends - starts
+    total = int(lengths.sum())
+    firsts = np.cumsum(lengths) - lengths
+    return np.repeat(starts - firsts, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _weights(stamps: FloatArray, rate: float, clock: float) -> FloatArray:
+    """Recency weights `1 / (1 + age * rate)`; no timestamp (NaN) or the future: 1."""
+    age = np.nan_to_num(clock - stamps, nan=0.0, posinf=0.0, neginf=0.0)
+    return 1.0 / (1.0 + np.maximum(age, 0.0) * rate)
 
 
 class SearchIndex:
@@ -63,94 +202,129 @@ class SearchIndex:
     def __init__(self, *, k1: float = 1.2, b: float = 0.75) -> None:
         self.k1 = k1
         self.b = b
-        self._postings: dict[str, dict[int, float]] = {}
-        self._max_impact: dict[str, float] = {}
-        self._texts: list[str | None] = []
-        self._lengths: list[int] = []
-        self._tags: list[str | None] = []
-        self._times: list[float | None] = []
-        # Newest timestamp among ids <= d (no timestamp counts as +inf): a bound on
-        # the recency weight of every document up to d.
-        self._newest: list[float] = []
-        self._tag_docs: dict[str, list[int]] = {}
+        self._seg = _empty_segment()
+        self._seg_df = np.zeros(0, np.int64)  # live document frequency per segment term
+        self._seg_live = np.zeros(0, np.bool_)
+        self._tag_names: list[str] = []
+        self._tag_ids: dict[str, int] = {}
+        # The tail: documents seg.n .. seg.n + len(tail) - 1.
+        self._tail_post: dict[str, dict[int, int]] = {}
+        self._tail_text: list[str] = []
+        self._tail_tag: list[int] = []
+        self._tail_ts: list[float] = []
+        self._tail_len: list[int] = []
+        self._tail_live: list[bool] = []
         self._live = 0
         self._total_length = 0
-        self._ref_avgdl = 0.0
-        self._impacts: dict[tuple[int, int], float] = {}
+        self.scored_postings = 0  # postings scored by the last search (for the benchmark)
+        self._payload: memoryview | None = None  # the mapped file's payload, if loaded
+        self._payload_crc = 0
 
     def __len__(self) -> int:
         return self._live
 
     @property
+    def doc_count(self) -> int:
+        """Ids handed out so far (live and removed documents)."""
+        return self._seg.n + len(self._tail_text)
+
+    @property
     def term_count(self) -> int:
-        return len(self._postings)
+        return len(self._seg.terms) + sum(1 for t in self._tail_post if t not in self._seg.term_ids)
 
     @property
     def reference_length(self) -> float:
-        """The average document length the stored BM25 impacts were computed with."""
-        return self._ref_avgdl
+        """The average document length BM25 impacts are computed against."""
+        if self._seg.ref > 0:
+            return self._seg.ref
+        return max(self._total_length / self._live, 1.0) if self._live else 1.0
 
     def text(self, doc_id: int) -> str:
-        text = self._texts[doc_id]
-        if text is None:
+        if not self._is_live(doc_id):
             raise KeyError(f"document {doc_id} was removed")
-        return text
+        if doc_id < self._seg.n:
+            return self._seg.text(doc_id)
+        return self._tail_text[doc_id - self._seg.n]
+
+    def timestamp(self, doc_id: int) -> float | None:
+        """The document's timestamp, or None."""
+        if doc_id < self._seg.n:
+            value = float(self._seg.d_ts[doc_id])
+        else:
+            value = self._tail_ts[doc_id - self._seg.n]
+        return None if math.isnan(value) else value
+
+    def memory_bytes(self) -> int:
+        """An estimate of the memory the index holds (arrays, texts, tail dicts)."""
+        tail = sum(len(t) + 120 for t in self._tail_text)
+        tail += sum(100 + 80 * len(p) for p in self._tail_post.values())
+        return self._seg.nbytes() + self._seg_df.nbytes + self._seg_live.nbytes + tail
+
+    # -- writing -----------------------------------------------------------------
 
     def add(self, text: str, *, tag: str | None = None, timestamp: float | None = None) -> int:
         """Index one document and return its id (ids increase in insertion order)."""
-        return self._insert(text, tokenize(text), tag, timestamp)
+        doc_id = self._append(text, tokenize(text), tag, timestamp)
+        self._maybe_merge()
+        return doc_id
 
     def add_many(self, docs: Iterable[tuple[str, str | None, float | None]]) -> list[int]:
-        """Index `(text, tag, timestamp)` documents in one pass (used when a scope opens).
-
-        The reference length is set from the whole batch first, so a bulk load never
-        triggers a mid-way impact refresh.
-        """
-        batch = [(text, tokenize(text), tag, ts) for text, tag, ts in docs]
-        if not batch:
-            return []
-        total = self._total_length + sum(len(tokens) for _, tokens, _, _ in batch)
-        final_avgdl = max(total / (self._live + len(batch)), 1.0)
-        if self._needs_refresh(final_avgdl):
-            self._refresh(final_avgdl)
-        return [
-            self._insert(text, tokens, tag, ts, check_drift=False)
-            for text, tokens, tag, ts in batch
-        ]
+        """Index `(text, tag, timestamp)` documents (merged into the segment as needed)."""
+        ids: list[int] = []
+        for text, tag, ts in docs:
+            ids.append(self._append(text, tokenize(text), tag, ts))
+            if len(self._tail_text) >= 4 * self._merge_threshold():
+                self._merge()
+        self._maybe_merge()
+        return ids
 
     def remove(self, doc_id: int) -> None:
         """Drop a document; its id is never reused. Removing twice is a no-op."""
-        text = self._texts[doc_id]
-        if text is None:
+        if not self._is_live(doc_id):
             return
-        for term in set(tokenize(text)):
-            postings = self._postings.get(term)
-            if postings is None:
-                continue
-            postings.pop(doc_id, None)
-            if not postings:
-                del self._postings[term]
-                del self._max_impact[term]
-            # A stale max impact is still a valid upper bound: left as it is.
-        tag = self._tags[doc_id]
-        if tag is not None:
-            self._tag_docs[tag].remove(doc_id)
-        self._texts[doc_id] = None
+        seg = self._seg
+        terms = set(tokenize(self.text(doc_id)))
+        if doc_id < seg.n:
+            self._seg_live[doc_id] = False
+            length = int(seg.d_len[doc_id])
+            for term in terms:
+                tid = seg.term_ids.get(term)
+                if tid is not None:
+                    self._seg_df[tid] -= 1
+        else:
+            i = doc_id - seg.n
+            self._tail_live[i] = False
+            length = self._tail_len[i]
+            for term in terms:
+                postings = self._tail_post.get(term)
+                if postings is not None:
+                    postings.pop(doc_id, None)
+                    if not postings:
+                        del self._tail_post[term]
         self._live -= 1
-        self._total_length -= self._lengths[doc_id]
+        self._total_length -= length
+
+    def merge(self) -> None:
+        """Fold the tail into the segment now (`save` does; so may a bulk build)."""
+        self._merge()
+
+    # -- reading -----------------------------------------------------------------
 
     def latest(self, max_results: int, *, tag: str | None = None) -> list[SearchHit]:
         """The newest documents (optionally with `tag`), newest first; for empty queries."""
-        ids: Sequence[int] = (
-            self._tag_docs.get(tag, []) if tag is not None else range(len(self._texts))
-        )
+        tag_id = self._tag_ids.get(tag, -2) if tag is not None else None
         hits: list[SearchHit] = []
-        for doc_id in reversed(ids):
+        base = self._seg.n
+        for i in range(len(self._tail_text) - 1, -1, -1):
             if len(hits) >= max_results:
-                break
-            text = self._texts[doc_id]
-            if text is not None:
-                hits.append(SearchHit(doc_id, 0.0, text))
+                return hits
+            if self._tail_live[i] and (tag_id is None or self._tail_tag[i] == tag_id):
+                hits.append(SearchHit(base + i, 0.0, self._tail_text[i]))
+        mask = self._seg_live.copy()
+        if tag_id is not None:
+            mask &= self._seg.d_tag == tag_id
+        for doc in np.flatnonzero(mask)[::-1][: max(0, max_results - len(hits))]:
+            hits.append(SearchHit(int(doc), 0.0, self._seg.text(int(doc))))
         return hits
 
     def search(
@@ -169,202 +343,375 @@ class SearchIndex:
         a timestamp in the future counts as age 0). With `tag`, only documents carrying
         that tag are considered. Query terms are deduplicated.
         """
+        self.scored_postings = 0
         if max_results <= 0 or self._live == 0:
             return []
-        plan = self._plan(tokenize(query))
-        if not plan:
-            return []
-        remaining = [0.0] * (len(plan) + 1)
-        for i in range(len(plan) - 1, -1, -1):
-            remaining[i] = remaining[i + 1] + plan[i].upper_bound
+        tag_id: int | None = None
+        if tag is not None:
+            if tag not in self._tag_ids:
+                return []
+            tag_id = self._tag_ids[tag]
         rate = decay_rate / 3600.0 if decay_rate > 0 else 0.0
         clock = time.time() if now is None else now
+        n = self._live
+        seg_terms: list[tuple[float, int]] = []
+        tail_terms: list[tuple[float, dict[int, int]]] = []
+        for term in set(tokenize(query)):
+            tid = self._seg.term_ids.get(term, -1)
+            seg_df = int(self._seg_df[tid]) if tid >= 0 else 0
+            tail = self._tail_post.get(term)
+            df = seg_df + (len(tail) if tail else 0)
+            if df == 0:
+                continue
+            idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+            if seg_df:
+                seg_terms.append((idf, tid))
+            if tail:
+                tail_terms.append((idf, tail))
+        top = self._search_tail(tail_terms, max_results, tag_id, rate, clock)
+        if seg_terms:
+            top = self._search_segment(seg_terms, max_results, tag_id, rate, clock, top)
+        return [SearchHit(d, s, self.text(d)) for s, d in top]
 
-        acc: dict[int, float] = {}
-        cut = -1  # documents with an id <= cut provably cannot reach the top k
-        for i, term in enumerate(plan):
-            if len(acc) >= max_results:
-                theta = _kth_largest(acc, max_results)
-                if remaining[i] <= theta:
-                    # No unseen document can reach the top k any more: keep only the
-                    # candidates that still can and probe the remaining terms for them.
-                    acc = {d: s for d, s in acc.items() if d > cut and s + remaining[i] > theta}
-                    for rest in plan[i:]:
-                        self._probe(acc, rest, rate, clock)
-                    break
-            if rate:
-                cut = self._walk_newest_first(
-                    acc, term, tag, rate, clock, cut, remaining[0], max_results
-                )
-            else:
-                self._walk(acc, term, tag)
-        if cut >= 0:
-            acc = {d: s for d, s in acc.items() if d > cut}
+    # -- persistence ---------------------------------------------------------------
 
-        top = heapq.nlargest(max_results, ((s, d) for d, s in acc.items()))
-        texts = self._texts
-        return [SearchHit(d, s, texts[d] or "") for s, d in top]
+    def save(self, path: Path, meta: dict[str, Any]) -> None:
+        """Merge the tail and write the index with `meta` (the owner's watermark)."""
+        self.merge()
+        seg = self._seg
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "t_off": seg.t_off,
+            "p_doc": seg.p_doc,
+            "p_imp": seg.p_imp,
+            "p_tf": seg.p_tf,
+            "b_off": seg.b_off,
+            "b_blk": seg.b_blk,
+            "b_max": seg.b_max,
+            "b_start": seg.b_start,
+            "b_end": seg.b_end,
+            "d_len": seg.d_len,
+            "d_tag": seg.d_tag,
+            "d_ts": seg.d_ts,
+            "d_off": seg.d_off,
+            "text_blob": seg.text_blob,
+            "live": self._seg_live,
+            "df": self._seg_df,
+            "terms": np.frombuffer("\n".join(seg.terms).encode(), np.uint8),
+        }
+        specs: list[list[Any]] = []
+        chunks: list[bytes] = []
+        offset = 0
+        for name, array in arrays.items():
+            data = np.ascontiguousarray(array).tobytes()
+            specs.append([name, array.dtype.str, int(array.size), offset])
+            pad = -len(data) % 8
+            chunks.append(data + b"\0" * pad)
+            offset += len(data) + pad
+        payload = b"".join(chunks)
+        header = {
+            "k1": self.k1,
+            "b": self.b,
+            "ref": seg.ref,
+            "tags": self._tag_names,
+            "arrays": specs,
+            "payload": len(payload),
+            "crc32": zlib.crc32(payload),
+            "meta": meta,
+        }
+        head = json.dumps(header).encode()
+        pad = -(len(_MAGIC) + 8 + len(head)) % 8
+        head += b" " * pad
+        blob = _MAGIC + len(head).to_bytes(8, "little") + head + payload
+        atomic_write_bytes(path, blob)
+
+    @classmethod
+    def load(cls, path: Path, *, verify: bool = True) -> tuple[SearchIndex, dict[str, Any]]:
+        """An index saved by `save`, and its meta; `IndexFileError` if it is not usable.
+
+        The file is memory-mapped: nothing is copied, and pages are read as searches
+        touch them. Sizes and array shapes are always checked; with `verify=False` the
+        payload's checksum is left to `verify()` (e.g. in a background thread), so
+        a large index is usable at once.
+        """
+        try:
+            with open(path, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size == 0:
+                    raise IndexFileError(f"{path.name}: damaged (empty)")
+                data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise IndexFileError(f"{path.name}: no index saved yet") from None
+        except OSError as exc:
+            raise IndexFileError(f"{path.name}: cannot be read ({exc.strerror})") from None
+        try:
+            index, meta = cls._parse(data)
+            if verify and not index.verify():
+                raise ValueError("checksum mismatch")
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise IndexFileError(f"{path.name}: damaged ({exc})") from None
+        return index, meta
+
+    def verify(self) -> bool:
+        """Does the loaded payload match the checksum it was saved with? (True if the
+        index was not loaded from a file.)"""
+        if self._payload is None:
+            return True
+        return zlib.crc32(self._payload) == self._payload_crc
+
+    @classmethod
+    def _parse(cls, data: mmap.mmap) -> tuple[SearchIndex, dict[str, Any]]:
+        if data[: len(_MAGIC)] != _MAGIC:
+            raise ValueError("not a search index of this version")
+        start = len(_MAGIC)
+        head_len = int.from_bytes(data[start : start + 8], "little")
+        head_end = start + 8 + head_len
+        header = json.loads(data[start + 8 : head_end])
+        payload = memoryview(data)[head_end:]
+        if len(payload) != header["payload"]:
+            raise ValueError("truncated")
+        arrays: dict[str, Any] = {}
+        for name, dtype, count, offset in header["arrays"]:
+            arrays[name] = np.frombuffer(payload, np.dtype(dtype), count, offset)
+        terms_text = arrays["terms"].tobytes().decode()
+        terms = terms_text.split("\n") if terms_text else []
+        seg = _Segment(arrays, terms, float(header["ref"]))
+        n, postings, blocks = seg.n, len(seg.p_doc), len(seg.b_blk)
+        checks = (
+            len(seg.t_off) == len(terms) + 1 == len(seg.b_off) == len(arrays["df"]) + 1,
+            int(seg.t_off[-1]) == postings == len(seg.p_imp) == len(seg.p_tf),
+            int(seg.b_off[-1]) == blocks == len(seg.b_max) == len(seg.b_end),
+            len(seg.d_tag) == len(seg.d_ts) == len(arrays["live"]) == n,
+            len(seg.d_off) == n + 1 and int(seg.d_off[-1]) == seg.text_blob.size,
+            postings == 0 or (int(seg.p_doc.min()) >= 0 and int(seg.p_doc.max()) < n),
+            blocks == 0 or int(seg.b_end.max()) <= postings,
+            int(seg.d_tag.max(initial=-1)) < len(header["tags"]),
+        )
+        if not all(checks):
+            raise ValueError("inconsistent arrays")
+        index = cls(k1=float(header["k1"]), b=float(header["b"]))
+        index._seg = seg
+        index._seg_live = arrays["live"].copy()
+        index._seg_df = arrays["df"].astype(np.int64)
+        index._tag_names = [str(t) for t in header["tags"]]
+        index._tag_ids = {t: i for i, t in enumerate(index._tag_names)}
+        index._live = int(index._seg_live.sum())
+        index._total_length = int(seg.d_len[index._seg_live].sum())
+        index._payload, index._payload_crc = payload, int(header["crc32"])
+        meta = header["meta"]
+        if not isinstance(meta, dict):
+            raise ValueError("meta is not an object")
+        return index, meta
 
     # -- internals ---------------------------------------------------------------
 
-    def _plan(self, tokens: Iterable[str]) -> list[_Term]:
-        n = self._live
-        plan: list[_Term] = []
-        for token in set(tokens):
-            postings = self._postings.get(token)
-            if not postings:
-                continue
-            df = len(postings)
-            idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
-            plan.append(_Term(idf * self._max_impact[token], idf, postings))
-        plan.sort(key=lambda t: t.upper_bound, reverse=True)
-        return plan
+    def _is_live(self, doc_id: int) -> bool:
+        if doc_id < 0:
+            return False
+        if doc_id < self._seg.n:
+            return bool(self._seg_live[doc_id])
+        i = doc_id - self._seg.n
+        return i < len(self._tail_live) and self._tail_live[i]
 
-    def _walk(self, acc: dict[int, float], term: _Term, tag: str | None) -> None:
-        """Add `term`'s contribution for every document in its posting list."""
-        idf = term.idf
-        get = acc.get
+    def _tag_id(self, tag: str | None) -> int:
         if tag is None:
-            if not acc:
-                acc.update({d: idf * v for d, v in term.postings.items()})
-                return
-            for d, v in term.postings.items():
-                acc[d] = get(d, 0.0) + idf * v
-            return
-        tags = self._tags
-        for d, v in term.postings.items():
-            if tags[d] == tag:
-                acc[d] = get(d, 0.0) + idf * v
+            return -1
+        tag_id = self._tag_ids.get(tag)
+        if tag_id is None:
+            tag_id = self._tag_ids[tag] = len(self._tag_names)
+            self._tag_names.append(tag)
+        return tag_id
 
-    def _walk_newest_first(
-        self,
-        acc: dict[int, float],
-        term: _Term,
-        tag: str | None,
-        rate: float,
-        clock: float,
-        cut: int,
-        total_bound: float,
-        k: int,
-    ) -> int:
-        """Add `term`'s decayed contribution, newest documents first; return the new cut.
-
-        Posting lists are in increasing id order, and `_newest[d]` is the newest
-        timestamp among ids <= d, so every document older than the walk's position
-        scores at most `total_bound * weight(_newest[d - 1])`. Once that is no more
-        than the current k-th score, the walk stops and the older ids are cut for
-        every later term too. The check runs after as many steps as there are
-        candidates, so its cost stays proportional to the walk.
-        """
-        idf = term.idf
-        get = acc.get
-        tags = self._tags
-        times = self._times
-        newest = self._newest
-        budget = max(64, len(acc))
-        steps = 0
-        for d, v in reversed(term.postings.items()):
-            if d <= cut:
-                break
-            if tag is not None and tags[d] != tag:
-                continue
-            score = idf * v
-            ts = times[d]
-            if ts is not None and ts < clock:
-                score /= 1.0 + (clock - ts) * rate
-            acc[d] = get(d, 0.0) + score
-            steps += 1
-            if steps >= budget:
-                steps = 0
-                budget = max(64, len(acc))
-                bound_ts = newest[d - 1] if d > 0 else clock
-                if len(acc) >= k and bound_ts < clock:
-                    bound = total_bound / (1.0 + (clock - bound_ts) * rate)
-                    if bound <= _kth_largest(acc, k):
-                        return d - 1
-        return cut
-
-    def _probe(self, acc: dict[int, float], term: _Term, rate: float, clock: float) -> None:
-        """Add `term`'s contribution only for the documents already in `acc`."""
-        idf = term.idf
-        postings = term.postings
-        times = self._times
-        for d in list(acc):
-            v = postings.get(d)
-            if v is None:
-                continue
-            score = idf * v
-            if rate:
-                ts = times[d]
-                if ts is not None and ts < clock:
-                    score /= 1.0 + (clock - ts) * rate
-            acc[d] += score
-
-    def _needs_refresh(self, avgdl: float) -> bool:
-        if self._ref_avgdl <= 0.0:
-            return True
-        return abs(avgdl / self._ref_avgdl - 1.0) > _AVGDL_DRIFT
-
-    def _insert(
-        self,
-        text: str,
-        tokens: list[str],
-        tag: str | None,
-        timestamp: float | None,
-        *,
-        check_drift: bool = True,
-    ) -> int:
-        doc_id = len(self._texts)
-        self._texts.append(text)
-        self._lengths.append(len(tokens))
-        self._tags.append(tag)
-        self._times.append(timestamp)
-        previous = self._newest[-1] if self._newest else -math.inf
-        self._newest.append(max(previous, math.inf if timestamp is None else timestamp))
-        if tag is not None:
-            self._tag_docs.setdefault(tag, []).append(doc_id)
+    def _append(self, text: str, tokens: list[str], tag: str | None, ts: float | None) -> int:
+        doc_id = self._seg.n + len(self._tail_text)
+        self._tail_text.append(text)
+        self._tail_tag.append(self._tag_id(tag))
+        self._tail_ts.append(math.nan if ts is None else ts)
+        self._tail_len.append(len(tokens))
+        self._tail_live.append(True)
+        postings = self._tail_post
+        for token in tokens:
+            found = postings.get(token)
+            if found is None:
+                postings[token] = {doc_id: 1}
+            else:
+                found[doc_id] = found.get(doc_id, 0) + 1
         self._live += 1
         self._total_length += len(tokens)
-        avgdl = max(self._total_length / self._live, 1.0)
-        if check_drift and self._needs_refresh(avgdl):
-            self._refresh(avgdl)  # indexes the new document's terms too
-            return doc_id
-        self._index_terms(doc_id, tokens)
         return doc_id
 
-    def _index_terms(self, doc_id: int, tokens: list[str]) -> None:
-        # Ids only grow, so every posting list stays in increasing id order (the
-        # newest-first walk relies on it).
-        counts: dict[str, int] = {}
-        for token in tokens:
-            counts[token] = counts.get(token, 0) + 1
-        k1 = self.k1
-        length = len(tokens)
-        norm = k1 * (1.0 - self.b + self.b * length / self._ref_avgdl)
-        postings_of = self._postings
-        max_impact = self._max_impact
-        shared = self._impacts
-        for term, tf in counts.items():
-            # One float object per (tf, length) instead of one per posting: it is the
-            # same value, and postings are most of the index's memory.
-            impact = shared.get((tf, length))
-            if impact is None:
-                impact = shared[(tf, length)] = tf * (k1 + 1.0) / (tf + norm)
-            postings = postings_of.get(term)
-            if postings is None:
-                postings_of[term] = {doc_id: impact}
-                max_impact[term] = impact
-            else:
-                postings[doc_id] = impact
-                if impact > max_impact[term]:
-                    max_impact[term] = impact
+    def _merge_threshold(self) -> int:
+        return max(1024, self._seg.n // 32)
 
-    def _refresh(self, avgdl: float) -> None:
-        """Recompute every impact against a new reference length (rare, see module doc)."""
-        self._ref_avgdl = max(avgdl, 1.0)
-        self._impacts = {}
-        self._postings = {}
-        self._max_impact = {}
-        for doc_id, text in enumerate(self._texts):
-            if text is not None:
-                self._index_terms(doc_id, tokenize(text))
+    def _maybe_merge(self) -> None:
+        if len(self._tail_text) >= self._merge_threshold():
+            self._merge()
+
+    def _search_tail(
+        self,
+        terms: list[tuple[float, dict[int, int]]],
+        k: int,
+        tag_id: int | None,
+        rate: float,
+        clock: float,
+    ) -> list[tuple[float, int]]:
+        """Exhaustive BM25 over the tail; the top k as (score, doc) best first."""
+        if not terms:
+            return []
+        k1, b = self.k1, self.b
+        scale = b / self.reference_length
+        base = self._seg.n
+        lengths, tags, stamps = self._tail_len, self._tail_tag, self._tail_ts
+        acc: dict[int, float] = {}
+        for idf, postings in terms:
+            for doc, tf in postings.items():
+                i = doc - base
+                if tag_id is not None and tags[i] != tag_id:
+                    continue
+                norm = k1 * (1.0 - b + scale * lengths[i])
+                acc[doc] = acc.get(doc, 0.0) + idf * tf * (k1 + 1.0) / (tf + norm)
+            self.scored_postings += len(postings)
+        if rate:
+            for doc in acc:
+                age = clock - stamps[doc - base]
+                if age > 0:  # NaN (no timestamp) compares false: no decay
+                    acc[doc] /= 1.0 + age * rate
+        return heapq.nlargest(k, ((s, d) for d, s in acc.items()))
+
+    def _search_segment(
+        self,
+        terms: list[tuple[float, int]],
+        k: int,
+        tag_id: int | None,
+        rate: float,
+        clock: float,
+        top: list[tuple[float, int]],
+    ) -> list[tuple[float, int]]:
+        """Merge the segment's top k into `top` by block-max pruning (module doc)."""
+        seg = self._seg
+        bound = np.zeros(seg.blocks)
+        for idf, tid in terms:
+            s, e = seg.b_off[tid], seg.b_off[tid + 1]
+            bound[seg.b_blk[s:e]] += idf * seg.b_max[s:e].astype(np.float64)
+        if rate:
+            bound *= _weights(seg.block_newest, rate, clock)
+        candidates = np.flatnonzero(bound > 0)
+        order = candidates[np.argsort(-bound[candidates], kind="stable")]
+        falling = -bound[order] * (1.0 + _BOUND_SLACK)  # ascending: -bounds
+        best_s = np.array([s for s, _ in top], np.float64)
+        best_d = np.array([d for _, d in top], np.int64)
+        acc = np.zeros(seg.n)
+        mark = np.zeros(seg.blocks, np.bool_)
+        pos, batch = 0, _FIRST_BATCH
+        while pos < len(order):
+            theta = best_s[k - 1] if len(best_s) >= k else -math.inf
+            # Blocks are in decreasing bound order: stop at the first that cannot win.
+            stop = int(np.searchsorted(falling, -theta, side="right"))
+            end = min(pos + batch, stop)
+            if end <= pos:
+                break
+            selected = order[pos:end]
+            pos, batch = end, batch * 2
+            mark[:] = False
+            mark[selected] = True
+            for idf, tid in terms:
+                s, e = int(seg.b_off[tid]), int(seg.b_off[tid + 1])
+                hit = np.flatnonzero(mark[seg.b_blk[s:e]]) + s
+                if not len(hit):
+                    continue
+                where = _ranges(seg.b_start[hit].astype(np.int64), seg.b_end[hit].astype(np.int64))
+                docs = seg.p_doc[where]
+                acc[docs] += idf * seg.p_imp[where].astype(np.float64)
+                self.scored_postings += len(where)
+            # Candidates: documents of the selected blocks that scored (blocks are
+            # disjoint id ranges, so no sort or dedupe is needed).
+            span = (selected[:, None] << _BLOCK_SHIFT) + _BLOCK_OFFSETS
+            span = span[span < seg.n]
+            docs = span[acc[span] > 0]
+            keep = self._seg_live[docs]
+            if tag_id is not None:
+                keep &= seg.d_tag[docs] == tag_id
+            docs = docs[keep].astype(np.int64)
+            scores = acc[docs]
+            if rate:
+                scores = scores * _weights(seg.d_ts[docs], rate, clock)
+            if len(scores) > k:  # only what can reach the top k (ties kept) is sorted
+                kth = np.partition(scores, len(scores) - k)[len(scores) - k]
+                sure = scores >= max(kth, theta)
+                docs, scores = docs[sure], scores[sure]
+            all_s = np.concatenate((best_s, scores))
+            all_d = np.concatenate((best_d, docs))
+            # Best score first, newer (larger id) first on ties: as the tail's nlargest.
+            order_k = np.lexsort((-all_d, -all_s))[:k]
+            best_s, best_d = all_s[order_k], all_d[order_k]
+        return [(float(s), int(d)) for s, d in zip(best_s, best_d, strict=True)]
+
+    def _merge(self) -> None:
+        """Fold the tail into a new segment (vectorized; see the module docstring)."""
+        if not self._tail_text:
+            return
+        seg = self._seg
+        base, count = seg.n, len(self._tail_text)
+        n = base + count
+        terms = list(seg.terms)
+        term_ids = dict(seg.term_ids)
+        t_tids: list[int] = []
+        t_docs: list[int] = []
+        t_tfs: list[int] = []
+        for term, postings in self._tail_post.items():
+            tid = term_ids.get(term)
+            if tid is None:
+                tid = term_ids[term] = len(terms)
+                terms.append(term)
+            t_tids.extend([tid] * len(postings))
+            t_docs.extend(postings)
+            t_tfs.extend(postings.values())
+        live = np.concatenate((self._seg_live, np.array(self._tail_live, np.bool_)))
+        d_len = np.concatenate((seg.d_len, np.array(self._tail_len, np.int32)))
+        old_tids = np.repeat(np.arange(len(seg.terms), dtype=np.int64), np.diff(seg.t_off))
+        tids = np.concatenate((old_tids, np.array(t_tids, np.int64)))
+        docs = np.concatenate((seg.p_doc.astype(np.int64), np.array(t_docs, np.int64)))
+        tfs = np.concatenate((seg.p_tf, np.minimum(np.array(t_tfs, np.int64), 65535)))
+        keep = live[docs]  # postings of removed documents go now
+        tids, docs, tfs = tids[keep], docs[keep], tfs[keep].astype(np.uint16)
+        # Old postings are in (term, doc) order and every tail doc id is larger than
+        # every old one, so a stable sort by term alone gives (term, doc) order.
+        order = np.lexsort((docs, tids))
+        tids, docs, tfs = tids[order], docs[order], tfs[order]
+        ref = max(float(d_len[live].sum()) / max(int(live.sum()), 1), 1.0)
+        tf64 = tfs.astype(np.float64)
+        norm = self.k1 * (1.0 - self.b + self.b * d_len[docs] / ref)
+        imp = (tf64 * (self.k1 + 1.0) / (tf64 + norm)).astype(np.float32)
+        t_off = np.searchsorted(tids, np.arange(len(terms) + 1)).astype(np.int64)
+        blocks_of = tids * ((n >> _BLOCK_SHIFT) + 1) + (docs >> _BLOCK_SHIFT)
+        if len(docs):
+            starts = np.flatnonzero(np.diff(blocks_of, prepend=-1))
+            b_max = np.maximum.reduceat(imp, starts)
+        else:
+            starts = np.zeros(0, np.int64)
+            b_max = np.zeros(0, np.float32)
+        b_end = np.append(starts[1:], len(docs)).astype(np.int32)
+        b_off = np.searchsorted(tids[starts], np.arange(len(terms) + 1)).astype(np.int64)
+        texts = [t.encode() for t in self._tail_text]
+        lengths = np.fromiter((len(t) for t in texts), np.int64, count)
+        d_off = np.concatenate((seg.d_off, seg.d_off[-1] + np.cumsum(lengths)))
+        arrays: dict[str, Any] = {
+            "t_off": t_off,
+            "p_doc": docs.astype(np.int32),
+            "p_imp": imp,
+            "p_tf": tfs,
+            "b_off": b_off,
+            "b_blk": (docs[starts] >> _BLOCK_SHIFT).astype(np.int32),
+            "b_max": b_max.astype(np.float32),
+            "b_start": starts.astype(np.int32),
+            "b_end": b_end,
+            "d_len": d_len,
+            "d_tag": np.concatenate((seg.d_tag, np.array(self._tail_tag, np.int16))),
+            "d_ts": np.concatenate((seg.d_ts, np.array(self._tail_ts, np.float64))),
+            "d_off": d_off,
+            "text_blob": np.frombuffer(seg.text_blob.tobytes() + b"".join(texts), np.uint8),
+        }
+        self._seg = _Segment(arrays, terms, ref)
+        self._seg_live = live
+        self._seg_df = np.diff(np.searchsorted(tids, np.arange(len(terms) + 1))).astype(np.int64)
+        self._tail_post = {}
+        self._tail_text, self._tail_tag, self._tail_ts = [], [], []
+        self._tail_len, self._tail_live = [], []

@@ -1,17 +1,28 @@
-"""The knowledge base: typed, deduplicated entries in one `knowledge.json` per scope.
+"""The knowledge base: typed, deduplicated entries per scope, a snapshot plus a log.
+
+Files: `knowledge.json` (a snapshot, `{"version": 1, "entries": [...]}`, the format
+earlier versions wrote, so their workspaces load unchanged), `knowledge.json.log` (one
+JSON entry per line, each replacing the entry with its id, appended since the
+snapshot) and `knowledge.json.index` (the saved search index; a cache).
 
 Invariants:
 - One entry per (category, normalized content): adding the same thing again (case,
   spacing or trailing punctuation aside) reinforces the existing entry.
-- Writes are batched (a dirty flag; flushed after `flush_every` changed entries or an
-  eighth of the base, whichever is more, and on `flush()`/`close()`, when the object
-  is collected and at interpreter exit) and atomic (temp + fsync + rename): an added
-  entry is never silently lost short of a hard crash before the next flush.
-- A damaged `knowledge.json` is never overwritten: it is moved aside to
-  `knowledge.json.corrupt-<ts>`, the problem is logged and kept in `load_error`, and
-  any entries that could be read are kept.
-- Search is BM25 over content, tags and source from an incremental index: a query
-  with several words finds entries containing any of them, best matches first.
+- `add` is O(1): it neither indexes nor writes. Changed entries are appended to the log
+  in one write + fsync on `flush()`/`close()`, when the object is collected and at
+  interpreter exit, and by a writer thread as soon as `flush_every` changes are pending
+  (group commit: the add does not wait for the disk): an added entry is never silently
+  lost short of a hard crash before the next flush. Once the log holds more records than
+  the base has entries (and at least 1024), the snapshot is rewritten (temp + fsync +
+  rename) and the log emptied: O(1) amortized per change. A crash between the two
+  only replays entries the snapshot already holds.
+- A damaged `knowledge.json` or log is never overwritten: it is moved aside to
+  `<name>.corrupt-<ts>`, the problem is logged and kept in `load_error`, and any
+  entries that could be read are kept. A torn last log line (a crash mid-write) is
+  ignored. A damaged index is rebuilt.
+- Search is BM25 over content, tags and source. Changed entries are (re)indexed in one
+  batch by the next search. A reload reads the saved index when the snapshot and the
+  log still hold what it covers (CRC-32), indexing only the entries logged after it.
 """
 
 from __future__ import annotations
@@ -19,23 +30,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
-import json
+import os
+import queue
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import orjson
 from loguru import logger
 
-from gateway.fsutil import atomic_write_text, ensure_private_dir
+from gateway.fsutil import append_text, atomic_write_bytes, ensure_private_dir
 from gateway.memory.format import CATEGORIES, normalize_category
-from gateway.memory.index import SearchIndex
+from gateway.memory.index import IndexFileError, SearchIndex
 from gateway.memory.text import normalize_text, one_line, tokenize
 
 FORMAT_VERSION = 1
+_COMPACT_AT = 1024  # log records before the snapshot may be rewritten
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +63,7 @@ class KnowledgeEntry:
     source: str | None = None
     tags: tuple[str, ...] = ()
     created_at: float = 0.0
-    last_accessed: float = 0.0
+    accessed_at: float = 0.0  # seed 001's name (files of earlier versions: last_accessed)
     access_count: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,9 +74,23 @@ class KnowledgeEntry:
             "source": self.source,
             "tags": list(self.tags),
             "created_at": self.created_at,
-            "last_accessed": self.last_accessed,
+            "accessed_at": self.accessed_at,
             "access_count": self.access_count,
         }
+
+    @classmethod
+    def from_snapshot(cls, data: dict[str, Any]) -> KnowledgeEntry:
+        """An entry this base wrote itself (checked by CRC): no re-validation."""
+        return cls(
+            data["id"],
+            data["category"],
+            data["content"],
+            data["source"],
+            tuple(data["tags"]),
+            data["created_at"],
+            data["accessed_at"],
+            data["access_count"],
+        )
 
     @classmethod
     def from_dict(cls, data: Any) -> KnowledgeEntry:
@@ -81,8 +110,8 @@ class KnowledgeEntry:
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             raise ValueError("entry tags are not a list of strings")
         numbers = {}
-        for name in ("created_at", "last_accessed", "access_count"):
-            value = data.get(name, 0)
+        for name in ("created_at", "accessed_at", "access_count"):
+            value = data.get(name, data.get("last_accessed", 0) if name == "accessed_at" else 0)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"entry {name} is not a number")
             numbers[name] = value
@@ -95,7 +124,7 @@ class KnowledgeEntry:
             source=source,
             tags=tuple(tags),
             created_at=float(numbers["created_at"]),
-            last_accessed=float(numbers["last_accessed"]),
+            accessed_at=float(numbers["accessed_at"]),
             access_count=int(numbers["access_count"]),
         )
 
@@ -117,6 +146,11 @@ class _State:
     doc_of: dict[str, int] = field(default_factory=dict)
     entry_of: dict[int, str] = field(default_factory=dict)
     index: SearchIndex = field(default_factory=SearchIndex)
+    stale: set[str] = field(default_factory=set)  # entries to (re)index before a search
+
+
+def _searchable(entry: KnowledgeEntry) -> str:
+    return " ".join((entry.content, *entry.tags, entry.source or ""))
 
 
 class KnowledgeBase:
@@ -145,9 +179,16 @@ class KnowledgeBase:
         self.corrupt_path: Path | None = None
         self._clock = clock
         self._lock = threading.RLock()
+        self.log_path = path.with_name(path.name + ".log")
+        self.index_path = path.with_name(path.name + ".index")
         self._state = _State()
-        self._dirty = False
-        self._unsaved_changes = 0
+        self._unsaved: dict[str, KnowledgeEntry] = {}  # changed since the last flush
+        self._log_records = 0
+        self._log_bytes = 0
+        self._log_crc = 0
+        self._snapshot_crc = 0
+        self._index_saved = False  # the saved index covers the current files
+        self._flush_requested = False  # the writer thread will flush this base
         self._load()
         _OPEN_BASES.add(self)
 
@@ -163,7 +204,7 @@ class KnowledgeBase:
     @property
     def dirty(self) -> bool:
         """True while some change is not yet on disk."""
-        return self._dirty
+        return bool(self._unsaved)
 
     def get(self, entry_id: str) -> KnowledgeEntry | None:
         return self._state.entries.get(entry_id)
@@ -176,11 +217,12 @@ class KnowledgeBase:
         return found
 
     def search(
-        self, query: str, category: str | None = None, max_results: int = 10
+        self, query: str = "", *, category: str | None = "", max_results: int = 20
     ) -> list[KnowledgeEntry]:
         """Entries matching `query` by BM25 relevance, best first; counts as an access.
 
-        An empty query (no searchable words) lists the category's entries, most
+        Seed 001's signature: `category` "" or None means every category. An empty
+        query (no searchable words) lists the category's entries, most
         accessed first. Returned entries carry their updated access count.
         """
         with self._lock:
@@ -193,7 +235,8 @@ class KnowledgeBase:
                 )
                 found = pool[:max_results]
             else:
-                hits = state.index.search(query, max_results, tag=category)
+                index = self._index_current()
+                hits = index.search(query, max_results, tag=category or None)
                 found = [state.entries[state.entry_of[h.doc_id]] for h in hits]
             return [self._touch(entry) for entry in found]
 
@@ -257,30 +300,62 @@ class KnowledgeBase:
                     existing,
                     tags=merged,
                     source=existing.source or origin,
-                    last_accessed=now,
+                    accessed_at=now,
                     access_count=existing.access_count + 1,
                 )
             self._put(entry, reindex=existing is None or entry.tags != existing.tags)
-            self._changed()
+            self._unsaved[key] = entry
+            if len(self._unsaved) >= self.flush_every and not self._flush_requested:
+                self._flush_requested = True
+                _FLUSHER.request(self)
             return entry
 
     def flush(self) -> bool:
-        """Write pending changes atomically; True if something was written."""
+        """Append pending changes to the log and fsync it; True if there were any.
+
+        Past `max(1024, len(base))` log records the snapshot is rewritten instead.
+        The fsync runs outside the base's lock, so adds go on meanwhile.
+        """
         with self._lock:
-            if not self._dirty:
+            self._flush_requested = False
+            if not self._unsaved:
                 return False
-            payload = {
-                "version": FORMAT_VERSION,
-                "entries": [e.to_dict() for e in self._state.entries.values()],
-            }
-            atomic_write_text(self.path, json.dumps(payload, ensure_ascii=False, indent=1))
-            self._dirty = False
-            self._unsaved_changes = 0
-            return True
+            if self._log_records + len(self._unsaved) >= max(_COMPACT_AT, len(self)):
+                self._write_snapshot()
+                return True
+            # orjson writes the dataclass itself: the same object `to_dict` gives, in C.
+            data = b"".join(orjson.dumps(e) + b"\n" for e in self._unsaved.values())
+            lines = data.decode()
+            batch = self._unsaved
+            self._unsaved = {}
+            try:
+                size = append_text(self.log_path, lines)
+            except OSError:
+                self._unsaved = {**batch, **self._unsaved}
+                raise
+            if size != self._log_bytes + len(data):  # someone else wrote to it
+                self._index_saved = False
+            self._log_bytes = size
+            self._log_crc = zlib.crc32(data, self._log_crc)
+            self._log_records += len(batch)
+            self._index_saved = False
+        try:
+            fd = os.open(self.log_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            with self._lock:  # not known to be on disk: written again by the next flush
+                self._unsaved = {**batch, **self._unsaved}
+            raise
+        return True
 
     def close(self) -> None:
-        """Flush; the base stays usable (closing twice is harmless)."""
-        self.flush()
+        """Flush and save the search index; the base stays usable (twice is harmless)."""
+        with self._lock:
+            self.flush()
+            self._save_index()
 
     def __enter__(self) -> KnowledgeBase:
         return self
@@ -290,47 +365,106 @@ class KnowledgeBase:
 
     def __del__(self) -> None:
         # Safety net: an unflushed base that is garbage-collected still saves itself.
-        if getattr(self, "_dirty", False):
+        if getattr(self, "_unsaved", None):
             with contextlib.suppress(Exception):
                 self.flush()
 
     # -- internals ---------------------------------------------------------------
 
     def _put(self, entry: KnowledgeEntry, *, reindex: bool) -> None:
+        self._state.entries[entry.id] = entry
+        if reindex:
+            self._state.stale.add(entry.id)
+
+    def _index_current(self) -> SearchIndex:
+        """The index with every changed entry (re)indexed, in one batch."""
         state = self._state
-        state.entries[entry.id] = entry
-        if not reindex:
-            return
-        old_doc = state.doc_of.pop(entry.id, None)
-        if old_doc is not None:
-            state.index.remove(old_doc)
-            del state.entry_of[old_doc]
-        text = " ".join((entry.content, *entry.tags, entry.source or ""))
-        doc = state.index.add(text, tag=entry.category)
-        state.doc_of[entry.id] = doc
-        state.entry_of[doc] = entry.id
+        if state.stale:
+            for key in state.stale:
+                old_doc = state.doc_of.pop(key, None)
+                if old_doc is not None:
+                    state.index.remove(old_doc)
+                    del state.entry_of[old_doc]
+            stale = [state.entries[key] for key in state.stale]
+            docs = state.index.add_many((_searchable(e), e.category, None) for e in stale)
+            for entry, doc in zip(stale, docs, strict=True):
+                state.doc_of[entry.id] = doc
+                state.entry_of[doc] = entry.id
+            state.stale = set()
+            self._index_saved = False
+        return state.index
 
     def _touch(self, entry: KnowledgeEntry) -> KnowledgeEntry:
-        touched = replace(entry, access_count=entry.access_count + 1, last_accessed=self._clock())
+        touched = replace(entry, access_count=entry.access_count + 1, accessed_at=self._clock())
         self._state.entries[entry.id] = touched
-        self._dirty = True  # saved with the next flush; accesses alone never force one
+        self._unsaved[entry.id] = touched  # saved with the next flush; never forces one
         return touched
 
-    def _changed(self) -> None:
-        self._dirty = True
-        self._unsaved_changes += 1
-        # The batch grows with the base (an eighth of it) so a bulk load rewrites the
-        # file O(1) times per entry amortized, not once every `flush_every` entries.
-        if self._unsaved_changes >= max(self.flush_every, len(self._state.entries) // 8):
-            self.flush()
+    def _write_snapshot(self) -> None:
+        """Rewrite knowledge.json with every entry, then empty the log."""
+        payload = {"version": FORMAT_VERSION, "entries": list(self._state.entries.values())}
+        data = orjson.dumps(payload)
+        atomic_write_bytes(self.path, data)
+        with contextlib.suppress(FileNotFoundError):
+            os.truncate(self.log_path, 0)
+        self._snapshot_crc = zlib.crc32(data)
+        self._log_records = self._log_bytes = self._log_crc = 0
+        self._unsaved = {}
+        self._index_saved = False
+        self._save_index(build=False)
+
+    def _save_index(self, *, build: bool = True) -> None:
+        """Save the search index for the files as they are now (a cache: may fail).
+
+        Without `build`, only an index with nothing left to (re)index is saved: a
+        snapshot taken by the writer thread never tokenizes the whole base."""
+        if self._index_saved or self._unsaved or (self._state.stale and not build):
+            return
+        index = self._index_current()
+        count = index.doc_count
+        entry_of = self._state.entry_of
+        meta = {
+            "snapshot_crc": self._snapshot_crc,
+            "log_bytes": self._log_bytes,
+            "log_crc": self._log_crc,
+            "entry_ids": [entry_of.get(doc) for doc in range(count)],
+        }
+        try:
+            index.save(self.index_path, meta)
+        except OSError as exc:
+            logger.warning("Knowledge index {} not saved: {}", self.index_path, exc)
+            return
+        self._index_saved = True
 
     def _load(self) -> None:
+        saved: tuple[SearchIndex, dict[str, Any]] | None = None
+        try:
+            saved = SearchIndex.load(self.index_path)
+        except IndexFileError as exc:
+            if self.index_path.exists():
+                logger.warning("Knowledge index rebuilt: {}", exc)
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return
+            raw = b""
+        self._snapshot_crc = zlib.crc32(raw)
+        trusted = saved is not None and saved[1].get("snapshot_crc") == self._snapshot_crc
+        if raw:
+            self._load_snapshot(raw, trusted=trusted)
+        self._load_log(vouched=saved[1] if trusted and saved is not None else None)
+        adopted = False
+        if self._unsaved:  # validated or salvaged: a snapshot this base vouches for, now
+            self._write_snapshot()
+        elif saved is not None:
+            adopted = self._adopt_index(*saved)
+            if not adopted:
+                logger.info("Knowledge index of {} is stale; rebuilding it", self.path)
+        if not adopted:
+            self._state.stale = set(self._state.entries)  # indexed by the first search
+
+    def _load_snapshot(self, raw: bytes, *, trusted: bool) -> None:
         try:
-            data = json.loads(raw)
+            data = orjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             self._set_aside(f"not valid JSON ({exc})")
             return
@@ -338,6 +472,24 @@ class KnowledgeBase:
         if not isinstance(items, list):
             self._set_aside("expected an object with an 'entries' list")
             return
+        if trusted:  # byte for byte what this base wrote: its ids and shapes hold
+            try:
+                entries = self._state.entries
+                for item in items:
+                    entry = KnowledgeEntry.from_snapshot(item)
+                    entries[entry.id] = entry
+                return
+            except (KeyError, TypeError):
+                self._state.entries.clear()
+        bad = self._merge_items(items)
+        if bad:
+            self._set_aside(f"{bad} malformed entries could not be read")
+        # Validated and re-keyed (an earlier version's file, a hand edit, or no index to
+        # vouch for it): written back in this version's form, so the next open is fast.
+        self._unsaved.update(self._state.entries)
+
+    def _merge_items(self, items: Iterable[Any]) -> int:
+        """Add stored entries (validated); return how many were malformed."""
         bad = 0
         for item in items:
             try:
@@ -352,31 +504,168 @@ class KnowledgeBase:
                     access_count=existing.access_count + entry.access_count,
                     tags=tuple(dict.fromkeys(existing.tags + entry.tags)),
                 )
-            self._put(entry, reindex=existing is None or entry.tags != existing.tags)
-        if bad:
-            self._set_aside(f"{bad} malformed entries could not be read")
-            self._dirty = bool(self._state.entries)  # write back what was salvaged
+            self._put(entry, reindex=True)
+        return bad
 
-    def _set_aside(self, problem: str) -> None:
+    def _load_log(self, vouched: dict[str, Any] | None) -> None:
+        """Replay the log; the prefix a trusted saved index covers (`vouched`, by CRC)
+        was written by this base and is read without re-validation."""
+        try:
+            raw = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return
+        start = 0
+        if vouched is not None:
+            covered = vouched.get("log_bytes")
+            if isinstance(covered, int) and zlib.crc32(raw[:covered]) == vouched.get("log_crc"):
+                start = self._load_vouched_log(raw[:covered])
+        lines = raw[start:].split(b"\n")
+        torn = lines.pop() if lines else b""  # no newline yet: a crash mid-write
+        if torn:
+            logger.warning("Knowledge log {}: ignored a torn last line", self.log_path)
+        records: list[Any] = []
+        bad = 0
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                record = orjson.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            records.append(record)
+        for record in records:
+            try:
+                entry = KnowledgeEntry.from_dict(record)
+            except ValueError:
+                bad += 1
+                continue
+            self._put(entry, reindex=True)  # a logged entry replaces the stored one
+        self._log_records += len(records)
+        self._log_bytes = len(raw) - len(torn)
+        self._log_crc = zlib.crc32(raw[: self._log_bytes])
+        if bad or torn:
+            if bad:
+                self._set_aside(f"{bad} malformed log records could not be read", self.log_path)
+            self._unsaved.update(self._state.entries)  # `_load` writes a new snapshot
+
+    def _load_vouched_log(self, data: bytes) -> int:
+        """Load log records this base wrote (one JSON parse); bytes used, 0 if unusable."""
+        lines = [line for line in data.split(b"\n") if line.strip()]
+        try:
+            records = orjson.loads(b"[" + b",".join(lines) + b"]")
+            entries = [KnowledgeEntry.from_snapshot(record) for record in records]
+        except (ValueError, KeyError, TypeError):
+            return 0
+        self._state.entries.update((entry.id, entry) for entry in entries)
+        self._log_records = len(entries)
+        return len(data)
+
+    def _adopt_index(self, index: SearchIndex, meta: dict[str, Any]) -> bool:
+        """Use a saved index if it covers a prefix of the log; index only the rest."""
+        if (
+            meta.get("snapshot_crc") != self._snapshot_crc
+            or not isinstance(meta.get("log_bytes"), int)
+            or meta["log_bytes"] > self._log_bytes
+        ):
+            return False
+        covered = int(meta["log_bytes"])
+        try:
+            with open(self.log_path, "rb") as handle:
+                head = handle.read(covered)
+        except FileNotFoundError:
+            head = b""
+        ids = meta.get("entry_ids")
+        if zlib.crc32(head) != meta.get("log_crc") or not isinstance(ids, list):
+            return False
+        if len(ids) != index.doc_count:
+            return False
+        state = self._state
+        doc_of: dict[str, int] = {}
+        for doc, key in enumerate(ids):
+            if key is not None:
+                doc_of[key] = doc
+        # Only entries logged after the index was saved need indexing again; every
+        # other entry must be in the index, and the index must hold no other entry.
+        tail = self._log_tail_ids(covered)
+        if not doc_of.keys() <= state.entries.keys() or not (
+            state.entries.keys() - doc_of.keys() <= tail
+        ):
+            return False
+        state.index = index
+        state.doc_of = doc_of
+        state.entry_of = {doc: key for key, doc in doc_of.items()}
+        state.stale = {key for key in tail if key in state.entries}
+        self._index_saved = not state.stale and covered == self._log_bytes
+        return True
+
+    def _log_tail_ids(self, start: int) -> set[str]:
+        try:
+            with open(self.log_path, "rb") as handle:
+                handle.seek(start)
+                raw = handle.read(self._log_bytes - start)
+        except FileNotFoundError:
+            return set()
+        keys: set[str] = set()
+        for line in raw.splitlines():
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                keys.add(KnowledgeEntry.from_dict(orjson.loads(line)).id)
+        return keys
+
+    def _set_aside(self, problem: str, path: Path | None = None) -> None:
+        path = path or self.path
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        target = path.with_name(f"{path.name}.corrupt-{stamp}")
         counter = 1
         while target.exists():
-            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{counter}")
+            target = path.with_name(f"{path.name}.corrupt-{stamp}-{counter}")
             counter += 1
-        self.path.rename(target)
-        self.load_error = f"{self.path} is damaged: {problem}; moved to {target.name}"
+        path.rename(target)
+        self.load_error = f"{path} is damaged: {problem}; moved to {target.name}"
         self.corrupt_path = target
         logger.error(
             "Knowledge base {} is damaged ({}); kept it as {} and started from the "
             "entries that could be read. Fix or merge that file by hand if needed.",
-            self.path,
+            path,
             problem,
             target.name,
         )
 
 
 _OPEN_BASES: weakref.WeakSet[KnowledgeBase] = weakref.WeakSet()
+
+
+class _Flusher:
+    """One daemon thread that flushes bases past `flush_every` changes (group commit):
+    `add` never waits for the disk, and changes arriving during an fsync share the
+    next one."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[weakref.ref[KnowledgeBase]] = queue.SimpleQueue()
+        self._start = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def request(self, base: KnowledgeBase) -> None:
+        with self._start:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="knowledge-flush", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(weakref.ref(base))
+
+    def _run(self) -> None:
+        while True:
+            base = self._queue.get()()
+            if base is None:
+                continue
+            try:
+                base.flush()
+            except Exception as exc:  # the changes stay pending for the next flush
+                logger.error("Could not flush knowledge base {}: {}", base.path, exc)
+
+
+_FLUSHER = _Flusher()
 
 
 @atexit.register

@@ -9,10 +9,12 @@ Invariants:
   `HISTORY.archive.<ts>-<n>.md` (created exclusively, never overwriting) before
   HISTORY.md is replaced by the newer lines; a crash in between can only duplicate
   lines, not drop them. Archives stay searchable.
-- Searches never read the files: each index is built once from the files on first use
-  (or `load_indexes()`), then every append adds its documents to it. MEMORY.md is
-  meant to be edited by people: a search notices a hand edit (by the file's size and
-  mtime) and rebuilds that index once.
+- Searches never read the files: each index is saved next to the files it indexes
+  (`MEMORY.md.index`, `HISTORY.md.index`), checked against them and caught up when a
+  scope opens, built in the background when missing or stale (searches meanwhile use
+  a bounded scan of the newest lines), and every append queues its documents for it
+  (`gateway.memory.live`). MEMORY.md is meant to be edited by people: a search
+  notices a hand edit (by the file's size and mtime) and rebuilds that index.
 - All methods are thread-safe (one lock per manager). Keep one manager per scope per
   process (`MemoryStore` does). Hand edits of HISTORY.md or its archives while the
   history index is loaded are seen after the scope is reopened.
@@ -47,8 +49,8 @@ from gateway.memory.format import (
     normalize_category,
     parse_bullet,
 )
-from gateway.memory.index import SearchIndex
 from gateway.memory.knowledge import KnowledgeBase
+from gateway.memory.live import Doc, FileIndex
 from gateway.memory.scopes import WORKSPACE_SCOPE, scope_dir
 from gateway.memory.text import one_line, tokenize
 
@@ -56,6 +58,8 @@ MEMORY_FILE = "MEMORY.md"
 HISTORY_FILE = "HISTORY.md"
 KNOWLEDGE_FILE = "knowledge.json"
 MEMORY_BACKUP_FILE = "MEMORY.md.bak"
+MEMORY_INDEX_FILE = "MEMORY.md.index"
+HISTORY_INDEX_FILE = "HISTORY.md.index"
 ARCHIVE_GLOB = "HISTORY.archive.*.md"
 
 # How far back from the end of MEMORY.md to look for the last heading, per read.
@@ -92,11 +96,18 @@ class MemoryManager:
         self._clock = clock
         self._lock = threading.RLock()
         self._log = logger.bind(memory_scope=scope)
-        self._memory_index: SearchIndex | None = None
-        # (size, mtime_ns) of MEMORY.md as the memory index knows it: a different stat
-        # means someone edited the file by hand, and the index is rebuilt.
-        self._memory_seen: tuple[int, int] | None = None
-        self._history_index: SearchIndex | None = None
+        self._memory_index = FileIndex(
+            self.dir / MEMORY_INDEX_FILE, lambda: [self.memory_path], _memory_docs, self._lock
+        )
+        # (size, mtime_ns) of MEMORY.md after our last write: a different stat means
+        # someone edited the file by hand, and the index is rebuilt.
+        self._memory_seen: tuple[int, int] | None = self._memory_stat()
+        self._history_index = FileIndex(
+            self.dir / HISTORY_INDEX_FILE,
+            lambda: [*self.history_archives(), self.history_path],
+            _history_docs,
+            self._lock,
+        )
         # (size, mtime_ns) of MEMORY.md when `_last_day` was known, and that day.
         self._last_day_stat: tuple[int, int] | None = None
         self._last_day: date | None = None
@@ -113,12 +124,11 @@ class MemoryManager:
         return read_text(self.memory_path)
 
     def write_memory(self, content: str) -> None:
-        """Replace MEMORY.md atomically; the facts index is rebuilt from `content`."""
+        """Replace MEMORY.md atomically; the facts index is rebuilt from it when needed."""
         with self._lock:
             atomic_write_text(self.memory_path, content)
-            if self._memory_index is not None:  # else it is built on first search
-                self._memory_index = self._build_memory_index(content)
-                self._memory_seen = self._memory_stat()
+            self._memory_index.invalidate()
+            self._memory_seen = self._memory_stat()
             self._last_day_stat = None
 
     def append_to_memory(self, entry: str) -> None:
@@ -127,14 +137,11 @@ class MemoryManager:
         if not text.strip():
             return
         with self._lock:
-            index = self._memory_index
-            if index is not None and self._memory_stat() != self._memory_seen:
-                index = self._memory_index = None  # edited by hand: rebuilt when needed
+            self._notice_memory_edits()
             append_text(self.memory_path, text, fsync=self.fsync_appends)
-            if index is not None:
-                for line, category in memory_documents(text):
-                    index.add(line, tag=category)
-                self._memory_seen = self._memory_stat()
+            docs, _ = _memory_docs(text, None)
+            self._memory_index.appended(text.encode(), docs)
+            self._memory_seen = self._memory_stat()
             self._last_day_stat = None
 
     def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
@@ -170,7 +177,8 @@ class MemoryManager:
         words returns the newest lines instead.
         """
         with self._lock:
-            index = self._memory_index_loaded()
+            self._notice_memory_edits()
+            index = self._memory_index.current()
             tag = category.strip().lower() if category else None
             hits = index.search(query, max_results, tag=tag)
             if not hits and not _has_words(query):
@@ -234,9 +242,9 @@ class MemoryManager:
         line = format_history_line(entry, self._clock())
         with self._lock:
             size = append_text(self.history_path, line, fsync=self.fsync_appends)
-            if self._history_index is not None:
-                stripped = line.strip()
-                self._history_index.add(stripped, timestamp=history_timestamp(stripped))
+            stripped = line.strip()
+            doc: Doc = (stripped, None, history_timestamp(stripped))
+            self._history_index.appended(line.encode(), [doc])
             if size > self.history_max_bytes:
                 self._rotate_history()
         return line.rstrip("\n")
@@ -257,7 +265,7 @@ class MemoryManager:
         """
         moment = (now or self._clock()).timestamp()
         with self._lock:
-            index = self._history_index_loaded()
+            index = self._history_index.current()
             hits = index.search(query, max_results, decay_rate=decay_rate, now=moment)
             if not hits and not _has_words(query):
                 hits = index.latest(max_results)
@@ -301,16 +309,22 @@ class MemoryManager:
     # -- lifecycle ---------------------------------------------------------------
 
     def load_indexes(self) -> None:
-        """Build both search indexes now instead of on first search."""
+        """Open (or build, waiting for it) both search indexes now, not on first search."""
         with self._lock:
-            self._memory_index_loaded()
-            self._history_index_loaded()
+            self._notice_memory_edits()
+            self._memory_index.current(wait=True)
+            self._history_index.current(wait=True)
 
     def flush(self) -> None:
-        """Persist pending knowledge base changes (the .md files are always on disk)."""
+        """Persist pending knowledge changes and save the search indexes that changed
+        (the .md files are always on disk; the indexes can be rebuilt from them)."""
         self.knowledge.flush()
+        with self._lock:
+            self._memory_index.save()
+            self._history_index.save()
 
     def close(self) -> None:
+        self.flush()
         self.knowledge.close()
 
     def __enter__(self) -> MemoryManager:
@@ -321,39 +335,12 @@ class MemoryManager:
 
     # -- internals ---------------------------------------------------------------
 
-    def _memory_index_loaded(self) -> SearchIndex:
-        """The memory index, (re)built if MEMORY.md changed behind our back (one stat)."""
+    def _notice_memory_edits(self) -> None:
+        """Drop the facts index if MEMORY.md changed behind our back (one stat)."""
         seen = self._memory_stat()
-        if self._memory_index is None or seen != self._memory_seen:
-            self._memory_index = self._build_memory_index(self.read_memory())
+        if seen != self._memory_seen:
+            self._memory_index.invalidate()
             self._memory_seen = seen
-        return self._memory_index
-
-    @staticmethod
-    def _build_memory_index(content: str) -> SearchIndex:
-        index = SearchIndex()
-        index.add_many((line, category, None) for line, category in memory_documents(content))
-        return index
-
-    def _history_index_loaded(self) -> SearchIndex:
-        if self._history_index is None:
-            docs: list[tuple[str, str | None, float | None]] = []
-            last: float | None = None
-            for path in [*self.history_archives(), self.history_path]:
-                for raw in read_text(path).splitlines():
-                    line = raw.strip()
-                    if not line:
-                        continue
-                    # A line without a timestamp (edited by hand) dates from the line
-                    # before it: it keeps recency ranking and pruning meaningful.
-                    stamp = history_timestamp(line)
-                    last = stamp if stamp is not None else last
-                    docs.append((line, None, last))
-            index = SearchIndex()
-            index.add_many(docs)
-            self._history_index = index
-            self._log.debug("History index built: {} lines", len(index))
-        return self._history_index
 
     def _rotate_history(self) -> None:
         """Move the oldest lines to a new archive so that at most half the bound stays."""
@@ -432,3 +419,25 @@ class MemoryManager:
 
 def _has_words(query: str) -> bool:
     return bool(tokenize(query))
+
+
+def _memory_docs(text: str, carry: float | None) -> tuple[list[Doc], float | None]:
+    """MEMORY.md text as index documents: `(line, category, no timestamp)`."""
+    return [(line, category, None) for line, category in memory_documents(text)], None
+
+
+def _history_docs(text: str, carry: float | None) -> tuple[list[Doc], float | None]:
+    """HISTORY.md text as index documents, one per non-empty line.
+
+    A line without a timestamp (edited by hand) dates from the line before it: it keeps
+    recency ranking and pruning meaningful.
+    """
+    docs: list[Doc] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        stamp = history_timestamp(line)
+        carry = stamp if stamp is not None else carry
+        docs.append((line, None, carry))
+    return docs, carry
