@@ -266,8 +266,7 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
         return EXIT_OK
     if action == "export":
         if args.format == "jsonl":
-            if session.path is not None and Path(session.path).exists():
-                sys.stdout.write(Path(session.path).read_text(encoding="utf-8"))
+            sys.stdout.write(session.export_jsonl())
         else:
             ctx = session.build_context()
             print(f"# Session {session.key}\n")

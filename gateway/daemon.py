@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from gateway.sessions import SessionManager
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy
+    from gateway.storage.postgres import SharedStorage
 
 
 def build_provider(settings: Settings) -> LLMProvider:
@@ -53,9 +55,40 @@ def build_provider(settings: Settings) -> LLMProvider:
 SPARE_FILES = 64
 
 
+_shared_storage: dict[str, SharedStorage] = {}
+
+
+def shared_storage(settings: Settings) -> SharedStorage | None:
+    """The process's connections to `storage.url` (opened on first use, closed at exit),
+    or None in the file mode."""
+    url = settings.storage.url
+    if not url:
+        return None
+    storage = _shared_storage.get(url)
+    if storage is None:
+        from gateway.storage.postgres import SharedStorage
+
+        storage = SharedStorage(
+            url, pool_size=settings.storage.pool_size, migrate_mode=settings.storage.migrate
+        )
+        storage.open()
+        _shared_storage[url] = storage
+        atexit.register(storage.close)
+    return storage
+
+
 def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:
-    """The sessions of the workspace; a long-running gateway passes `spare_files` (see
-    `gateway.sessions.spares`), one-shot commands do not."""
+    """The sessions of the workspace (or of PostgreSQL, `storage.url`); a long-running
+    gateway passes `spare_files` (see `gateway.sessions.spares`), one-shot commands do not."""
+    shared = shared_storage(settings)
+    if shared is not None:
+        from gateway.sessions.pg_store import PostgresSessions
+
+        return SessionManager.shared(
+            PostgresSessions(shared.sync),
+            max_cache_size=settings.sessions.max_cache_size,
+            max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
+        )
     try:
         ensure_private_dir(settings.workspace_path)
     except OSError as exc:
@@ -495,22 +528,27 @@ class Daemon:
         whose shared cache is down, is not ready. The first round runs before start-up
         is reported done."""
         from gateway.cache import CacheUnavailable
-        from gateway.fsutil import probe_writable
+        from gateway.storage.postgres import StorageError, redact_url
 
-        folder = self.gateway.settings.sessions_dir
+        where = self.gateway.settings.storage.url
+        where = redact_url(where) if where else str(self.gateway.settings.sessions_dir)
         sessions = self.health.component("sessions")
         cache = self.gateway.cache
         cache_health = self.health.component("cache")
 
         async def check() -> None:
             try:
-                await anyio.to_thread.run_sync(probe_writable, folder)
+                await anyio.to_thread.run_sync(self.gateway.sessions.probe)
                 sessions.healthy(True)
             except OSError as exc:
                 sessions.healthy(
                     False,
-                    f"cannot write in {folder} ({exc.strerror or exc})",
+                    f"cannot write in {where} ({exc.strerror or exc})",
                     fix="make it writable for the gateway's user; check free space",
+                )
+            except StorageError as exc:
+                sessions.healthy(
+                    False, str(exc), fix="start PostgreSQL or fix storage.url; retrying"
                 )
             try:
                 if cache is not None:
