@@ -7,6 +7,7 @@ CREATE TABLE gw_inbound (
     seq         bigserial NOT NULL UNIQUE,
     state       text NOT NULL CHECK (state IN ('claimed', 'journaled', 'done')),
     session_key text,
+    received_at double precision,
     message     json,
     reply       json,
     reply_id    text,
@@ -14,7 +15,7 @@ CREATE TABLE gw_inbound (
     claimed_at  double precision NOT NULL,
     expires_at  double precision
 );
-CREATE INDEX gw_inbound_owed ON gw_inbound (seq) WHERE state = 'journaled';
+CREATE INDEX gw_inbound_owed ON gw_inbound (received_at, seq) WHERE state = 'journaled';
 CREATE INDEX gw_inbound_expiry ON gw_inbound (expires_at) WHERE state = 'done';
 
 -- Replicas alive: each gateway beats here every few seconds; a journaled message whose
