@@ -30,6 +30,7 @@ from gateway.sessions import SessionManager
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy
+    from gateway.dedupe import DedupeStore
     from gateway.storage.postgres import SharedStorage
 
 
@@ -309,14 +310,23 @@ class Daemon:
         self.health = HealthState()
         self.metrics = Metrics(version=__version__)
         self.gc_policy = GCPolicy()
-        self.dedupe = FileDedupeStore(
-            settings.workspace_path / "dedupe.sqlite",
-            ttl=settings.dispatch.dedupe_ttl_seconds,
-            io_on_loop=settings.io_on_loop,
-            # Power-cut safe like the sessions: what a platform was told we have is
-            # fsynced before it is told.
-            durable=settings.sessions.fsync != "never",
-        )
+        self.dedupe: DedupeStore
+        if settings.storage.url:
+            from gateway.dedupe_pg import PostgresDedupeStore
+
+            # Shared with the other replicas: one claim per platform message wins.
+            self.dedupe = PostgresDedupeStore(
+                settings.storage.url, ttl=settings.dispatch.dedupe_ttl_seconds
+            )
+        else:
+            self.dedupe = FileDedupeStore(
+                settings.workspace_path / "dedupe.sqlite",
+                ttl=settings.dispatch.dedupe_ttl_seconds,
+                io_on_loop=settings.io_on_loop,
+                # Power-cut safe like the sessions: what a platform was told we have is
+                # fsynced before it is told.
+                durable=settings.sessions.fsync != "never",
+            )
         self.pairing = PairingStore(pairing_path(settings))
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)
         self.dispatcher = Dispatcher(
@@ -495,6 +505,9 @@ class Daemon:
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
                 await tg.start(self._check_storage)
+                beats = getattr(self.dedupe, "run_beats", None)
+                if beats is not None:  # a replica tells the others it is alive
+                    tg.start_soon(beats)
                 # Before any channel starts: each replayed message stays ahead of the
                 # newer messages of its session; replies wait for their channel.
                 await self.dispatcher.replay()
