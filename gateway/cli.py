@@ -43,6 +43,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_CANTCREAT = 73  # sysexits: an output file cannot be created (`gateway init`)
+EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE: a service we need does not answer
 
 
 class CommandError(Exception):
@@ -189,6 +190,12 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--model", dest="by_model", help="every entry of a model")
     which.add_argument("--session", help="every entry scoped to a session key")
     which.add_argument("--shared", action="store_true", help="every shared entry")
+
+    db = sub.add_parser("db", help="the PostgreSQL schema of the shared mode (storage.url)")
+    dsub = db.add_subparsers(dest="action", metavar="ACTION", required=True)
+    dstatus = dsub.add_parser("status", help="applied and pending migrations (exit 3: pending)")
+    dstatus.add_argument("--json", action="store_true", help="machine-readable output")
+    dsub.add_parser("migrate", help="apply pending migrations (safe with several replicas)")
     _with_global_options(parser)
     return parser
 
@@ -339,8 +346,7 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
         return EXIT_OK
     if action == "export":
         if args.format == "jsonl":
-            if session.path is not None and Path(session.path).exists():
-                sys.stdout.write(Path(session.path).read_text(encoding="utf-8"))
+            sys.stdout.write(session.export_jsonl())
         else:
             ctx = session.build_context()
             print(f"# Session {session.key}\n")
@@ -592,6 +598,14 @@ def _resolve_session_names(args: argparse.Namespace) -> None:
         args.session = session_key_from_name(args.session)
 
 
+def cmd_db(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.storage.commands import db_migrate, db_status
+
+    if args.action == "status":
+        return db_status(settings, as_json=args.json)
+    return db_migrate(settings)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
@@ -610,6 +624,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "pairing": cmd_pairing,
         "doctor": cmd_doctor,
         "memory": cmd_memory,
+        "db": cmd_db,
     }
     return handlers[args.command](args, settings)
 
@@ -637,6 +652,7 @@ def _user_error_code(exc: BaseException) -> int | None:
     a bug (then it propagates with its traceback)."""
     from gateway.http import HttpBindError
     from gateway.sessions.errors import SessionError
+    from gateway.storage.postgres import StorageError, StorageUnavailable
 
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
@@ -665,6 +681,12 @@ def _user_error_code(exc: BaseException) -> int | None:
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if isinstance(exc, SessionError):  # no such entry, key taken, file unwritable
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if isinstance(exc, StorageUnavailable):
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, StorageError):
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if isinstance(exc, KeyboardInterrupt):

@@ -298,6 +298,34 @@ class HTTPSettings(_Section):
     token_file: Path | None = _secret_file("GATEWAY_HTTP__TOKEN", "gateway-http-token")
 
 
+class StorageSettings(_Section):
+    url: str | None = Field(
+        None,
+        description="PostgreSQL for several replicas sharing state, e.g. "
+        "postgresql://gateway@db:5432/gateway (a password only from GATEWAY_STORAGE__URL, "
+        "PGPASSWORD or ~/.pgpass). Unset: everything stays in workspace files.",
+        examples=["postgresql://gateway@127.0.0.1:5432/gateway"],
+    )
+    pool_size: int = Field(8, ge=1, le=200, description="Connections per pool per replica.")
+    migrate: Literal["auto", "never"] = Field(
+        "auto",
+        description="auto: apply pending schema migrations at start (under a lock); never: "
+        "refuse to start until `gateway db migrate` (or a migration Job) has run.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_only(cls, value: str | None) -> str | None:
+        if value:
+            from gateway.storage.postgres import StorageError, check_url
+
+            try:
+                check_url(value)
+            except StorageError as exc:
+                raise ValueError(str(exc)) from None
+        return value or None
+
+
 class CLIChannelSettings(_Section):
     enabled: bool = Field(True, description="Chat in the terminal when stdin is a TTY.")
     session: str = Field(
@@ -437,6 +465,7 @@ class Settings(_Section):
     heartbeat: HeartbeatSettings = Field(default_factory=HeartbeatSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)
 
     @property
@@ -483,6 +512,12 @@ class Settings(_Section):
                     found.append(value.get_secret_value())
 
         collect(self)
+        if self.storage.url:
+            from gateway.storage.postgres import url_password
+
+            password = url_password(self.storage.url)
+            if password:
+                found.append(password)
         return found
 
 
@@ -550,11 +585,22 @@ def _parse_env_value(path: list[str], raw: str) -> Any:
         return raw
 
 
+def _has_password(url: str) -> bool:
+    from gateway.storage.postgres import url_password
+
+    return bool(url_password(url))
+
+
 def _reject_secrets_in_file(data: Mapping[str, Any], path: Path, prefix: str = "") -> None:
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
             _reject_secrets_in_file(value, path, dotted + ".")
+        elif dotted == "storage.url" and isinstance(value, str) and _has_password(value):
+            raise ConfigError(
+                f"storage.url: a password does not belong in {path.name}; set "
+                "GATEWAY_STORAGE__URL in the environment, or PGPASSWORD / ~/.pgpass"
+            )
         elif key in SECRET_KEYS:
             env = ENV_PREFIX + dotted.upper().replace(".", "__")
             raise ConfigError(
@@ -628,15 +674,19 @@ def _describe(error: Mapping[str, Any]) -> str:
         return f"{dotted}: unknown key; {hint}"
     if kind == "missing":
         return f"{dotted}: required; set it in gateway.toml or as {_env_name(loc)}"
+    given = error.get("input")
+    if isinstance(given, str) and "://" in given:  # a URL may carry a password
+        from gateway.storage.postgres import redact_url
+
+        given = redact_url(given)
     if kind in _EXPECTED:
-        given = error.get("input")
         unquote = " (write it without quotes)" if isinstance(given, str) else ""
         return (
             f"{dotted}: {_EXPECTED[kind]}, got {given!r}{unquote}; "
             f"fix it in gateway.toml or {_env_name(loc)}"
         )
     return (
-        f"{dotted}: {error.get('msg', 'invalid value')} (got {error.get('input')!r}); "
+        f"{dotted}: {error.get('msg', 'invalid value')} (got {given!r}); "
         f"fix it in gateway.toml or {_env_name(loc)}"
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy
+    from gateway.dedupe import DedupeStore
+    from gateway.storage.postgres import SharedStorage
 
 
 def build_provider(settings: Settings) -> LLMProvider:
@@ -53,11 +56,42 @@ def build_provider(settings: Settings) -> LLMProvider:
 SPARE_FILES = 64
 
 
+_shared_storage: dict[str, SharedStorage] = {}
+
+
+def shared_storage(settings: Settings) -> SharedStorage | None:
+    """The process's connections to `storage.url` (opened on first use, closed at exit),
+    or None in the file mode."""
+    url = settings.storage.url
+    if not url:
+        return None
+    storage = _shared_storage.get(url)
+    if storage is None:
+        from gateway.storage.postgres import SharedStorage
+
+        storage = SharedStorage(
+            url, pool_size=settings.storage.pool_size, migrate_mode=settings.storage.migrate
+        )
+        storage.open()
+        _shared_storage[url] = storage
+        atexit.register(storage.close)
+    return storage
+
+
 def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:
-    """The sessions of the workspace, once its folders are made and writable
-    (WorkspaceError otherwise); a long-running gateway passes `spare_files` (see
-    `gateway.sessions.spares`), one-shot commands do not."""
-    prepare_workspace(settings)
+    """The sessions of the workspace (or of PostgreSQL, `storage.url`), once the
+    workspace's folders are made and writable (WorkspaceError otherwise); a long-running
+    gateway passes `spare_files` (see `gateway.sessions.spares`), one-shot commands do not."""
+    prepare_workspace(settings)  # memory, pairing and the cache still live there
+    shared = shared_storage(settings)
+    if shared is not None:
+        from gateway.sessions.pg_store import PostgresSessions
+
+        return SessionManager.shared(
+            PostgresSessions(shared.sync),
+            max_cache_size=settings.sessions.max_cache_size,
+            max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
+        )
     return SessionManager(
         settings.sessions_dir,
         max_cache_size=settings.sessions.max_cache_size,
@@ -275,14 +309,23 @@ class Daemon:
         self.health = HealthState()
         self.metrics = Metrics(version=__version__)
         self.gc_policy = GCPolicy()
-        self.dedupe = FileDedupeStore(
-            settings.workspace_path / "dedupe.sqlite",
-            ttl=settings.dispatch.dedupe_ttl_seconds,
-            io_on_loop=settings.io_on_loop,
-            # Power-cut safe like the sessions: what a platform was told we have is
-            # fsynced before it is told.
-            durable=settings.sessions.fsync != "never",
-        )
+        self.dedupe: DedupeStore
+        if settings.storage.url:
+            from gateway.dedupe_pg import PostgresDedupeStore
+
+            # Shared with the other replicas: one claim per platform message wins.
+            self.dedupe = PostgresDedupeStore(
+                settings.storage.url, ttl=settings.dispatch.dedupe_ttl_seconds
+            )
+        else:
+            self.dedupe = FileDedupeStore(
+                settings.workspace_path / "dedupe.sqlite",
+                ttl=settings.dispatch.dedupe_ttl_seconds,
+                io_on_loop=settings.io_on_loop,
+                # Power-cut safe like the sessions: what a platform was told we have is
+                # fsynced before it is told.
+                durable=settings.sessions.fsync != "never",
+            )
         self.pairing = PairingStore(pairing_path(settings))
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)
         self.dispatcher = Dispatcher(
@@ -483,6 +526,9 @@ class Daemon:
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
                 await tg.start(self._check_storage)
+                beats = getattr(self.dedupe, "run_beats", None)
+                if beats is not None:  # a replica tells the others it is alive
+                    tg.start_soon(beats)
                 # Before any channel starts: each replayed message stays ahead of the
                 # newer messages of its session; replies wait for their channel.
                 await self.dispatcher.replay()
@@ -514,22 +560,27 @@ class Daemon:
         whose shared cache is down, is not ready. The first round runs before start-up
         is reported done."""
         from gateway.cache import CacheUnavailable
-        from gateway.fsutil import probe_writable
+        from gateway.storage.postgres import StorageError, redact_url
 
-        folder = self.gateway.settings.sessions_dir
+        where = self.gateway.settings.storage.url
+        where = redact_url(where) if where else str(self.gateway.settings.sessions_dir)
         sessions = self.health.component("sessions")
         cache = self.gateway.cache
         cache_health = self.health.component("cache")
 
         async def check() -> None:
             try:
-                await anyio.to_thread.run_sync(probe_writable, folder)
+                await anyio.to_thread.run_sync(self.gateway.sessions.probe)
                 sessions.healthy(True)
             except OSError as exc:
                 sessions.healthy(
                     False,
-                    f"cannot write in {folder} ({exc.strerror or exc})",
+                    f"cannot write in {where} ({exc.strerror or exc})",
                     fix="make it writable for the gateway's user; check free space",
+                )
+            except StorageError as exc:
+                sessions.healthy(
+                    False, str(exc), fix="start PostgreSQL or fix storage.url; retrying"
                 )
             try:
                 if cache is not None:

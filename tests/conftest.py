@@ -11,6 +11,9 @@ import pytest
 from gateway.config import Settings, load_settings
 from tests.fakes.openai_server import FakeOpenAI
 
+# PostgreSQL fixtures (a schema per test) for every test module.
+pytest_plugins = ["tests.local_pg"]
+
 
 @pytest.fixture
 def anyio_backend() -> str:

@@ -42,11 +42,17 @@ def test_key_is_none_without_an_id_and_keeps_parts_apart() -> None:
 MakeStore = Callable[..., DedupeStore]
 
 
-@pytest.fixture(params=["memory", "file"])
+@pytest.fixture(params=["memory", "file", "postgres"])
 def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> MakeStore:
+    url = request.getfixturevalue("migrated_pg_url") if request.param == "postgres" else ""
+
     def make(clock: Clock, ttl: float = 3600) -> DedupeStore:
         if request.param == "memory":
             return MemoryDedupeStore(clock=clock, ttl=ttl)
+        if request.param == "postgres":
+            from gateway.dedupe_pg import PostgresDedupeStore
+
+            return PostgresDedupeStore(url, clock=clock, ttl=ttl)
         return FileDedupeStore(tmp_path / "dedupe.sqlite3", clock=clock, ttl=ttl)
 
     return make

@@ -21,12 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 from loguru import logger
 
+from gateway.fsutil import probe_writable
 from gateway.llm import LLMMessage
 from gateway.sessions.context import SessionContext, choose_cut
 from gateway.sessions.entries import (
@@ -83,6 +84,9 @@ from gateway.sessions.store import (
     new_header,
 )
 from gateway.sessions.tree import SessionTree, TreeNode
+
+if TYPE_CHECKING:
+    from gateway.sessions.pg_store import PostgresSessions
 
 
 def _require(tree: SessionTree, entry_id: str) -> None:
@@ -189,6 +193,10 @@ class Session:
     def get_tree(self) -> list[TreeNode]:
         with self._store.lock:
             return self._store.tree.get_tree()
+
+    def export_jsonl(self) -> str:
+        """The session as stored, in the JSONL format (the same from every store)."""
+        return self._store.export_jsonl()
 
     def refresh(self) -> None:
         """Pick up entries other processes appended (one ``stat`` if there are none)."""
@@ -467,6 +475,7 @@ class SessionManager:
     ) -> None:
         self._dir: Path | None = Path(sessions_dir)
         self._dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        self._shared: PostgresSessions | None = None
         self._setup(max_cache_size, fsync, hooks, committer, max_cache_bytes, io_on_loop)
         # Empty files kept ready for new sessions (`gateway.sessions.spares`): for a
         # long-running owner that calls `close`; 0 (the default) keeps none.
@@ -485,9 +494,36 @@ class SessionManager:
         """A manager with no disk at all and the same API (tests, throwaway sessions)."""
         manager = cls.__new__(cls)
         manager._dir = None
+        manager._shared = None
         manager._setup(0, "never", hooks, None, max_bytes=0, io_on_loop=True)
         manager._spares = None
         return manager
+
+    @classmethod
+    def shared(
+        cls,
+        sessions: PostgresSessions,
+        max_cache_size: int = 2000,
+        *,
+        max_cache_bytes: int = 256 * 1024 * 1024,
+        hooks: HookRegistry | None = None,
+    ) -> SessionManager:
+        """A manager whose sessions live in PostgreSQL, shared with other replicas.
+
+        Every call that touches a session's rows blocks on the network, so nothing runs
+        on the event loop (`open_nowait` always declines; `aget_or_create` hops)."""
+        manager = cls.__new__(cls)
+        manager._dir = None
+        manager._shared = sessions
+        manager._setup(
+            max_cache_size, "never", hooks, None, max_bytes=max_cache_bytes, io_on_loop=False
+        )
+        manager._spares = None
+        return manager
+
+    @property
+    def _in_memory(self) -> bool:
+        return self._dir is None and self._shared is None
 
     def _setup(
         self,
@@ -533,7 +569,9 @@ class SessionManager:
         self, key: str, header: SessionHeader | None = None, stem: str | None = None
     ) -> Session:
         store: SessionStore
-        if self._dir is None:
+        if self._shared is not None:
+            store = self._shared.store(key, header)
+        elif self._dir is None:
             store = MemorySessionStore(key, header=header)
         else:
             store = FileSessionStore(
@@ -550,7 +588,7 @@ class SessionManager:
 
     def _remember(self, session: Session) -> None:
         key = session.key
-        if self._dir is None:
+        if self._in_memory:
             self._memory[key] = session
             return
         if key not in self._lru:
@@ -569,7 +607,7 @@ class SessionManager:
             self._bytes -= self._lru_bytes.pop(old, 0)
 
     def _lookup(self, key: str) -> Session | None:
-        if self._dir is None:
+        if self._in_memory:
             return self._memory.get(key)
         session = self._lru.get(key) or self._live.get(key)
         if session is not None:
@@ -582,8 +620,7 @@ class SessionManager:
             session = self._lookup(key)
             if session is None:
                 session = self._new_session(key, stem=stem)
-                if isinstance(session._store, FileSessionStore):
-                    session._store.load()
+                session._store.load()
                 # Remembered even for get(): its load report (e.g. a file moved aside)
                 # stays visible to the next get_or_create.
                 self._remember(session)
@@ -658,10 +695,23 @@ class SessionManager:
 
     # -- listing ----------------------------------------------------------------------
 
+    def probe(self) -> None:
+        """Raise what a new session would meet now: the `OSError` of a file that cannot
+        be written in the folder, or `StorageError` when PostgreSQL does not answer."""
+        if self._shared is not None:
+            self._shared.ping()
+        elif self._dir is not None:
+            probe_writable(self._dir)
+
     def list_sessions(self) -> list[SessionInfo]:
         """Sessions with a file, most recently active first, from the directory listing
         and ``stat`` alone (files are not opened)."""
-        if self._dir is None:
+        if self._shared is not None:
+            infos = [
+                SessionInfo(row.key, None, row.updated_at, row.size_bytes)
+                for row in self._shared.list_sessions()
+            ]
+        elif self._dir is None:
             with self._lock:
                 sessions = [s for s in self._memory.values() if s._store.persisted]
             infos = [SessionInfo(s.key, None, s.updated_at, 0) for s in sessions]
@@ -777,8 +827,10 @@ class SessionManager:
                 entry_id=branch[-1].id if branch else None,
             )
         with self._lock:
-            if self._lookup(target_key) is not None or (
-                self._dir is not None and session_path(self._dir, target_key).exists()
+            if (
+                self._lookup(target_key) is not None
+                or (self._dir is not None and session_path(self._dir, target_key).exists())
+                or (self._shared is not None and self._shared.exists(target_key))
             ):
                 raise SessionExistsError(
                     f"session {target_key!r} already exists; pick another key or reset it first"

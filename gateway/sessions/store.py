@@ -168,12 +168,17 @@ class SessionStore(Protocol):
     def persisted(self) -> bool: ...
     @property
     def size(self) -> int: ...
+    def load(self) -> None: ...
     def append(self, factory: EntryFactory[E]) -> E: ...
     async def aappend(self, factory: EntryFactory[E]) -> E: ...
     def create_with(self, entries: Sequence[Entry]) -> None: ...
     def refresh(self) -> None: ...
     def flush(self) -> None: ...
     def archive(self) -> Path | None: ...
+    def export_jsonl(self) -> str:
+        """The stored session in the JSONL format, header first ('' if not stored)."""
+        ...
+
     def delete(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -1033,6 +1038,15 @@ class FileSessionStore:
             self._log.info("archived session {} to {}", old_id, target)
             return target
 
+    def export_jsonl(self) -> str:
+        with self.lock:
+            try:
+                return self._path.read_text(encoding="utf-8")
+            except FileNotFoundError:
+                return ""
+            except OSError as exc:
+                raise SessionError(f"cannot read {self._path}: {exc.strerror}") from None
+
     def delete(self) -> bool:
         """Remove the current file (under its lock); the store starts fresh."""
         with self.lock:
@@ -1112,6 +1126,9 @@ class MemorySessionStore:
             for entry in entries:
                 self._tree.add(entry)
 
+    def load(self) -> None:
+        pass
+
     def refresh(self) -> None:
         pass
 
@@ -1120,6 +1137,12 @@ class MemorySessionStore:
 
     def close(self) -> None:
         pass
+
+    def export_jsonl(self) -> str:
+        with self.lock:
+            if not len(self._tree):
+                return ""
+            return "".join([encode_line(self._header), *map(encode_line, self._tree.entries())])
 
     def archive(self) -> None:
         with self.lock:

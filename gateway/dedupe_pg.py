@@ -1,0 +1,268 @@
+"""The inbound journal in PostgreSQL: one dedupe and one journal for every replica.
+
+The same `DedupeStore` protocol and promises as `gateway.dedupe` (read its docstring), kept
+across processes and machines by one table, ``gw_inbound``, whose primary key is the
+platform message's dedupe key:
+- `seen_or_add` is an ``INSERT ... ON CONFLICT``: of any number of replicas claiming one
+  key at once, exactly one gets False. A claim held by a replica that stopped beating
+  (``gw_replicas``), or an answered key past its ``ttl``, is taken over in that statement.
+  A claim another live replica holds but has not journaled yet (a few milliseconds) is
+  waited for: a redelivery must not be called a duplicate of a message that might still
+  fail to be journaled, because the platform would then be told we have it.
+- `journal`, `record_reply` and `mark_done` return after PostgreSQL committed them.
+- `unanswered` returns the journaled messages owned by this replica or by replicas that
+  stopped beating, and makes them this replica's, so a dead replica's work is replayed
+  exactly once by whichever replica asks first (row locks decide).
+
+Each replica beats (`beat`, every `BEAT_INTERVAL` seconds while the daemon runs) so the
+others know it is alive; `aclose` after a drain withdraws its row and its unjournaled
+claims, so its leftovers are taken over at once instead of after `replica_ttl`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from loguru import logger
+
+from gateway.dedupe import DEFAULT_TTL, Unanswered
+from gateway.messages import InboundMessage, OutboundMessage
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+    from psycopg_pool import AsyncConnectionPool
+
+BEAT_INTERVAL = 5.0
+#: A replica silent for this long is taken for dead: its claims and journal go to others.
+REPLICA_TTL = 15.0
+
+
+class ClaimBusy(Exception):
+    """Another live replica claimed the message and has not journaled it yet."""
+
+
+def new_replica_id() -> str:
+    """An id unique to this process: host, pid and a random part (pids are reused)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+_CLAIM = """
+INSERT INTO gw_inbound AS row (dedupe_key, state, claimed_by, claimed_at)
+VALUES (%(key)s, 'claimed', %(me)s, %(now)s)
+ON CONFLICT (dedupe_key) DO UPDATE
+    SET state = 'claimed', claimed_by = EXCLUDED.claimed_by, claimed_at = EXCLUDED.claimed_at,
+        session_key = NULL, received_at = NULL, message = NULL, reply = NULL,
+        reply_id = NULL, expires_at = NULL
+    WHERE (row.state = 'done' AND row.expires_at <= %(now)s)
+       OR (row.state = 'claimed' AND row.claimed_at <= %(expired)s)
+       OR (row.state = 'claimed' AND row.claimed_by <> %(me)s AND NOT EXISTS (
+            SELECT 1 FROM gw_replicas r
+            WHERE r.replica_id = row.claimed_by AND r.seen_at > %(live_since)s))
+RETURNING dedupe_key
+"""
+
+_TAKE_OVER = """
+UPDATE gw_inbound AS row SET claimed_by = %(me)s
+WHERE row.state = 'journaled' AND (row.claimed_by = %(me)s OR NOT EXISTS (
+    SELECT 1 FROM gw_replicas r
+    WHERE r.replica_id = row.claimed_by AND r.seen_at > %(live_since)s))
+RETURNING received_at, seq, message::text, reply_id, reply::text
+"""
+
+
+class PostgresDedupeStore:
+    """Dedupe, journal and outbox in PostgreSQL, shared by replicas (see the module)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 4,
+        replica_id: str | None = None,
+        ttl: float = DEFAULT_TTL,
+        replica_ttl: float = REPLICA_TTL,
+        claim_wait: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        from gateway.storage.postgres import async_pool
+
+        self._pool: AsyncConnectionPool = async_pool(url, max_size=pool_size)
+        self._opened = False
+        self._opening: anyio.Lock | None = None
+        self._beating: anyio.Lock | None = None
+        self.replica_id = replica_id or new_replica_id()
+        self.ttl = ttl
+        self.replica_ttl = replica_ttl
+        self.claim_wait = claim_wait
+        self._clock = clock
+        self._beaten = False
+
+    def _params(self, **extra: Any) -> dict[str, Any]:
+        now = self._clock()
+        return {
+            "me": self.replica_id,
+            "now": now,
+            "live_since": now - self.replica_ttl,
+            "expired": now - self.ttl,
+            **extra,
+        }
+
+    async def _conn(self) -> AbstractAsyncContextManager[AsyncConnection[Any]]:
+        if not self._opened:
+            if self._opening is None:
+                self._opening = anyio.Lock()
+            async with self._opening:  # the first caller opens, the others wait
+                if not self._opened:
+                    await self._pool.open(wait=True, timeout=10.0)
+                    self._opened = True
+        conn: AbstractAsyncContextManager[AsyncConnection[Any]] = self._pool.connection()
+        return conn
+
+    async def beat(self) -> None:
+        """Tell the other replicas this one is alive (and drop long-gone replicas' rows
+        and expired answered keys)."""
+        now = self._clock()
+        async with await self._conn() as conn:
+            await conn.execute(
+                "INSERT INTO gw_replicas (replica_id, started_at, seen_at) VALUES (%s, %s, %s) "
+                "ON CONFLICT (replica_id) DO UPDATE SET seen_at = EXCLUDED.seen_at",
+                (self.replica_id, now, now),
+            )
+            await conn.execute(
+                "DELETE FROM gw_replicas WHERE seen_at < %s AND replica_id NOT IN "
+                "(SELECT claimed_by FROM gw_inbound WHERE state <> 'done')",
+                (now - 86400,),
+            )
+            await conn.execute(
+                "DELETE FROM gw_inbound WHERE state = 'done' AND expires_at <= %s", (now,)
+            )
+        self._beaten = True
+
+    async def run_beats(self, interval: float = BEAT_INTERVAL) -> None:
+        """Beat forever (a daemon task); a failed beat is logged and retried."""
+        while True:
+            try:
+                await self.beat()
+            except Exception as exc:
+                logger.warning("storage: replica heartbeat failed ({}); retrying", exc)
+            await anyio.sleep(interval)
+
+    # -- the DedupeStore protocol ---------------------------------------------------
+
+    async def _first_beat(self) -> None:
+        """Our claims and takeovers must count as a live replica's: beat before them."""
+        if self._beaten:
+            return
+        if self._beating is None:
+            self._beating = anyio.Lock()
+        async with self._beating:
+            if not self._beaten:
+                await self.beat()
+
+    async def seen_or_add(self, key: str) -> bool:
+        await self._first_beat()
+        deadline = time.monotonic() + self.claim_wait  # real time, whatever `clock` says
+        while True:
+            async with await self._conn() as conn:
+                cur = await conn.execute(_CLAIM, self._params(key=key))
+                if await cur.fetchone() is not None:
+                    return False
+                cur = await conn.execute(
+                    "SELECT state, claimed_by FROM gw_inbound WHERE dedupe_key = %s", (key,)
+                )
+                row = await cur.fetchone()
+            if row is None:
+                continue  # released meanwhile: claim it
+            state, owner = row
+            if state != "claimed" or owner == self.replica_id:
+                return True  # journaled, answered, or in flight here
+            if time.monotonic() >= deadline:
+                raise ClaimBusy(f"message {key!r} is claimed by replica {owner} (not journaled)")
+            await anyio.sleep(0.05)
+
+    async def release(self, key: str) -> None:
+        async with await self._conn() as conn:
+            await conn.execute(
+                "DELETE FROM gw_inbound WHERE dedupe_key = %s AND state = 'claimed' "
+                "AND claimed_by = %s",
+                (key, self.replica_id),
+            )
+
+    async def journal(self, key: str, msg: InboundMessage) -> None:
+        raw = json.dumps(msg.to_dict(), default=str)
+        async with await self._conn() as conn:
+            cur = await conn.execute(
+                "UPDATE gw_inbound SET state = 'journaled', session_key = %s, received_at = %s, "
+                "message = %s::json WHERE dedupe_key = %s AND claimed_by = %s "
+                "AND state = 'claimed'",
+                (msg.session_key, msg.received_at, raw, key, self.replica_id),
+            )
+            if cur.rowcount != 1:
+                raise ClaimBusy(f"message {key!r}: this replica's claim was taken over")
+
+    async def record_reply(self, keys: Sequence[str], reply: OutboundMessage) -> None:
+        if not keys:
+            return
+        raw = json.dumps(reply.to_dict(), default=str)
+        async with await self._conn() as conn:
+            await conn.execute(
+                "UPDATE gw_inbound SET reply = %s::json, reply_id = %s "
+                "WHERE dedupe_key = ANY(%s) AND state = 'journaled'",
+                (raw, uuid.uuid4().hex, list(keys)),
+            )
+
+    async def mark_done(self, key: str) -> None:
+        async with await self._conn() as conn:
+            await conn.execute(
+                "UPDATE gw_inbound SET state = 'done', expires_at = %s, session_key = NULL, "
+                "received_at = NULL, message = NULL, reply = NULL, reply_id = NULL "
+                "WHERE dedupe_key = %s",
+                (self._clock() + self.ttl, key),
+            )
+
+    async def unanswered(self) -> list[Unanswered]:
+        await self._first_beat()
+        async with await self._conn() as conn:
+            cur = await conn.execute(_TAKE_OVER, self._params())
+            rows = await cur.fetchall()
+        rows.sort(key=lambda r: (r[0] if r[0] is not None else 0.0, r[1]))
+        found = []
+        for _, _, raw, reply_id, raw_reply in rows:
+            try:
+                message = InboundMessage.from_dict(json.loads(raw))
+            except (ValueError, TypeError, KeyError) as exc:
+                logger.error("dedupe: an unreadable journaled message is skipped: {}", exc)
+                continue
+            reply = None
+            if raw_reply is not None:
+                try:
+                    reply = OutboundMessage.from_dict(json.loads(raw_reply))
+                except (ValueError, TypeError, KeyError) as exc:
+                    logger.error("dedupe: an unreadable recorded reply is skipped: {}", exc)
+            found.append(Unanswered(message, reply, reply_id if reply is not None else None))
+        return found
+
+    async def aclose(self) -> None:
+        """Withdraw this replica: its unjournaled claims go (the platforms still hold
+        those messages) and its row, so its journal is taken over without waiting."""
+        try:
+            async with await self._conn() as conn:
+                await conn.execute(
+                    "DELETE FROM gw_inbound WHERE state = 'claimed' AND claimed_by = %s",
+                    (self.replica_id,),
+                )
+                await conn.execute(
+                    "DELETE FROM gw_replicas WHERE replica_id = %s", (self.replica_id,)
+                )
+        except Exception as exc:
+            logger.warning("storage: could not withdraw replica {}: {}", self.replica_id, exc)
+        finally:
+            await self._pool.close()

@@ -1,0 +1,382 @@
+"""Sessions in PostgreSQL: the same append-only trees as the JSONL files, shared by replicas.
+
+One row per session in ``gw_sessions`` (its header, its last sequence number) and one row
+per entry in ``gw_session_entries``, whose ``body`` is the entry's JSON line verbatim (a
+``json`` column keeps the text as written), so an export gives the same JSONL as a file.
+
+Promises kept here, as the file store keeps them:
+- Append-only: an entry row is only ever inserted, at ``last_seq + 1``; nothing updates or
+  deletes one except an operator's explicit delete of a whole session.
+- Replicas share a session safely: `PostgresSessionStore.append` locks the session's row
+  (``SELECT ... FOR UPDATE``), first reads what other writers appended since this store
+  last looked, and only then chooses the new entry's ``parent_id`` and commits; a session
+  reset elsewhere (another current row for the key) is loaded afresh, as a file replaced
+  underneath is reopened.
+- An acknowledged append is durable: `append` returns after PostgreSQL committed it.
+- A damaged row is skipped, counted in the load report and kept.
+
+The calls block on the network: the manager runs them in worker threads (``aappend``
+hops to one), as it does with a file store whose fast path cannot be taken.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio.to_thread
+from loguru import logger
+
+from gateway.sessions.entries import Entry, SessionHeader, entry_from_dict
+from gateway.sessions.errors import SessionError, SessionExistsError
+from gateway.sessions.store import (
+    EntryFactory,
+    LoadReport,
+    build_entry,
+    encode_line,
+    new_header,
+)
+from gateway.sessions.tree import SessionTree
+
+if TYPE_CHECKING:
+    import psycopg
+    from psycopg_pool import ConnectionPool
+
+E = TypeVar("E", bound=Entry)
+
+_CURRENT = (
+    "SELECT session_id, header::text, last_seq, bytes FROM gw_sessions "
+    "WHERE key = %s AND archived_at IS NULL"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    """A session row as a listing sees it (no entries read)."""
+
+    key: str
+    session_id: str
+    created_at: float
+    updated_at: float
+    size_bytes: int
+    entries: int
+    archived_at: float | None = None
+
+
+def _line(entry: Entry) -> str:
+    return encode_line(entry)[:-1]  # the JSONL line without its newline
+
+
+class PostgresSessionStore:
+    """The session of one key in PostgreSQL; all methods hold ``lock`` (reentrant)."""
+
+    def __init__(
+        self, pool: ConnectionPool, key: str, *, header: SessionHeader | None = None
+    ) -> None:
+        self.lock = threading.RLock()
+        self.key = key
+        self._pool = pool
+        self._bad: list[int] = []
+        self._start_fresh(header=header)
+
+    def _start_fresh(
+        self, *, header: SessionHeader | None = None, previous_session: str | None = None
+    ) -> None:
+        self._header_value = header
+        self._previous_session = previous_session
+        self._tree = SessionTree(self.key, f"postgresql:{self.key}")
+        self._session_id: str | None = None  # the row the tree reflects, once stored
+        self._seq = 0
+        self._bytes = 0
+        self._bad = []
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def path(self) -> None:
+        return None
+
+    @property
+    def header(self) -> SessionHeader:
+        if self._header_value is None:
+            self._header_value = new_header(self.key, previous_session=self._previous_session)
+        return self._header_value
+
+    @property
+    def tree(self) -> SessionTree:
+        return self._tree
+
+    @property
+    def on_disk(self) -> bool:
+        return self._session_id is not None
+
+    @property
+    def persisted(self) -> bool:
+        return self._session_id is not None
+
+    @property
+    def size(self) -> int:
+        return self._bytes
+
+    @property
+    def report(self) -> LoadReport:
+        return LoadReport(
+            entries=len(self._tree),
+            bad_lines=len(self._bad),
+            bad_line_numbers=tuple(self._bad),
+            started_fresh=self._session_id is None,
+        )
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _sync(self, conn: psycopg.Connection[Any], row: tuple[Any, ...] | None) -> None:
+        """Bring the tree up to the current row of the key (``row`` from `_CURRENT`)."""
+        if row is None:
+            if self._session_id is not None:  # deleted or reset elsewhere
+                self._start_fresh()
+            return
+        session_id, header_text, last_seq, size = row
+        if session_id != self._session_id:
+            header = entry_from_dict(json.loads(header_text))
+            if not isinstance(header, SessionHeader):
+                raise SessionError(f"session {self.key!r}: the stored header is not a header")
+            self._start_fresh(header=header)
+            self._session_id = session_id
+        if last_seq > self._seq:
+            rows = conn.execute(
+                "SELECT seq, body::text FROM gw_session_entries "
+                "WHERE session_id = %s AND seq > %s ORDER BY seq",
+                (session_id, self._seq),
+            ).fetchall()
+            first = self._seq + 1
+            lines = [str(body) for _, body in rows]
+            # Line numbers as in the JSONL export: the header is line 1, entry n line n+1.
+            bad = self._tree.ingest_lines(lines, first + 1)
+            if bad:
+                self._bad.extend(n - 1 for n in bad)
+                logger.bind(session_key=self.key).warning(
+                    "session {}: {} stored entries are damaged and skipped (kept in the "
+                    "database): seq {}",
+                    self.key,
+                    len(bad),
+                    ", ".join(str(n - 1) for n in bad[:20]),
+                )
+            self._seq = int(last_seq)
+            self._bytes = int(size)
+
+    def load(self) -> None:
+        """Read the key's current session (if any) into the tree."""
+        with self.lock, self._pool.connection() as conn:
+            self._sync(conn, conn.execute(_CURRENT, (self.key,)).fetchone())
+
+    def refresh(self) -> None:
+        """Pick up other replicas' appends; one indexed query when nothing changed."""
+        self.load()
+
+    # -- writing ----------------------------------------------------------------------
+
+    def _lock_current(self, conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
+        """Lock the key's current row, creating it with our header when there is none."""
+        for _ in range(8):
+            row = conn.execute(_CURRENT + " FOR UPDATE", (self.key,)).fetchone()
+            if row is not None:
+                return tuple(row)
+            if self._session_id is not None:
+                self._start_fresh()  # deleted or reset elsewhere: a new session
+            header = self.header
+            now = time.time()
+            created = conn.execute(
+                "INSERT INTO gw_sessions (session_id, key, header, created_at, updated_at) "
+                "VALUES (%s, %s, %s::json, %s, %s) "
+                "ON CONFLICT (key) WHERE archived_at IS NULL DO NOTHING RETURNING session_id",
+                (header.id, self.key, _line(header), header.timestamp, now),
+            ).fetchone()
+            if created is not None:
+                return (header.id, _line(header), 0, 0)
+            # Another replica created the key's session first: lock and adopt that one.
+        raise SessionError(f"session {self.key!r} keeps changing; try again")
+
+    def append(self, factory: EntryFactory[E]) -> E:
+        """Append one entry built by ``factory``; return it once PostgreSQL committed it."""
+        with self.lock:
+            known = self._session_id
+            try:
+                entry, seq, size = self._append_locked(factory)
+            except BaseException:
+                if known is None and self._session_id is not None:
+                    # The row this store created was rolled back with the entry.
+                    self._session_id = None
+                raise
+            # Committed: only now does the tree show it (a failed commit leaves no trace).
+            self._tree.add(entry)
+            self._seq = seq
+            self._bytes += size
+            return entry
+
+    def _append_locked(self, factory: EntryFactory[E]) -> tuple[E, int, int]:
+        with self._pool.connection() as conn, conn.transaction():
+            self._sync(conn, self._lock_current(conn))
+            entry = build_entry(self._tree, factory)
+            line = _line(entry)
+            seq = self._seq + 1
+            conn.execute(
+                "INSERT INTO gw_session_entries "
+                "(session_id, seq, entry_id, parent_id, type, body) "
+                "VALUES (%s, %s, %s, %s, %s, %s::json)",
+                (self._session_id, seq, entry.id, entry.parent_id, entry.type, line),
+            )
+            size = len(line.encode()) + 1
+            conn.execute(
+                "UPDATE gw_sessions SET last_seq = %s, bytes = bytes + %s, updated_at = %s "
+                "WHERE session_id = %s",
+                (seq, size, entry.timestamp, self._session_id),
+            )
+        return entry, seq, size
+
+    async def aappend(self, factory: EntryFactory[E]) -> E:
+        return await anyio.to_thread.run_sync(self.append, factory)
+
+    def create_with(self, entries: Sequence[Entry]) -> None:
+        """Store a new session holding ``entries`` (a fork's copied branch, an import)."""
+        with self.lock:
+            if self._session_id is not None:
+                raise SessionExistsError(f"a session already exists for key {self.key!r}")
+            if not entries:
+                return  # like any session: it is stored with its first entry
+            header = self.header
+            lines = [_line(e) for e in entries]
+            size = sum(len(line.encode()) + 1 for line in lines)
+            with self._pool.connection() as conn, conn.transaction():
+                created = conn.execute(
+                    "INSERT INTO gw_sessions "
+                    "(session_id, key, header, created_at, updated_at, last_seq, bytes) "
+                    "VALUES (%s, %s, %s::json, %s, %s, %s, %s) "
+                    "ON CONFLICT (key) WHERE archived_at IS NULL DO NOTHING "
+                    "RETURNING session_id",
+                    (
+                        header.id,
+                        self.key,
+                        _line(header),
+                        header.timestamp,
+                        max(header.timestamp, entries[-1].timestamp),
+                        len(entries),
+                        size,
+                    ),
+                ).fetchone()
+                if created is None:
+                    raise SessionExistsError(f"a session already exists for key {self.key!r}")
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO gw_session_entries "
+                        "(session_id, seq, entry_id, parent_id, type, body) "
+                        "VALUES (%s, %s, %s, %s, %s, %s::json)",
+                        [
+                            (header.id, n, e.id, e.parent_id, e.type, line)
+                            for n, (e, line) in enumerate(zip(entries, lines, strict=True), 1)
+                        ],
+                    )
+            for entry in entries:
+                self._tree.add(entry)
+            self._session_id = header.id
+            self._seq = len(entries)
+            self._bytes = size
+
+    def flush(self) -> None:
+        """Every append was committed already."""
+
+    def close(self) -> None:
+        """Nothing held open: connections go back to the pool after each call."""
+
+    def archive(self) -> None:
+        """Keep the current session's rows as archived and start a new session whose
+        header names the old one as ``previous_session`` (``/new``)."""
+        with self.lock, self._pool.connection() as conn, conn.transaction():
+            row = conn.execute(
+                "UPDATE gw_sessions SET archived_at = %s "
+                "WHERE key = %s AND archived_at IS NULL RETURNING session_id",
+                (time.time(), self.key),
+            ).fetchone()
+            if row is None:  # nothing stored: just a new session id
+                self._start_fresh(previous_session=self.header.previous_session)
+                return
+            self._start_fresh(previous_session=str(row[0]))
+            logger.bind(session_key=self.key).info("archived session {}", row[0])
+
+    def export_jsonl(self) -> str:
+        with self.lock:
+            if self._session_id is None:
+                return ""
+            return "".join(export_lines(self._pool, self._session_id))
+
+    def delete(self) -> bool:
+        """Remove the key's current session and its entries; the store starts fresh."""
+        with self.lock, self._pool.connection() as conn, conn.transaction():
+            cur = conn.execute(
+                "DELETE FROM gw_sessions WHERE key = %s AND archived_at IS NULL", (self.key,)
+            )
+            removed = bool(cur.rowcount > 0)
+        self._start_fresh()
+        return removed
+
+
+class PostgresSessions:
+    """All sessions in one PostgreSQL database: opens stores, lists, exports."""
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self.pool = pool
+
+    def store(self, key: str, header: SessionHeader | None = None) -> PostgresSessionStore:
+        return PostgresSessionStore(self.pool, key, header=header)
+
+    def ping(self) -> None:
+        """One round trip; `StorageUnavailable` when PostgreSQL does not answer."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        from gateway.storage.postgres import StorageUnavailable
+
+        try:
+            with self.pool.connection(timeout=5.0) as conn:
+                conn.execute("SELECT 1")
+        except (psycopg.Error, PoolTimeout) as exc:
+            raise StorageUnavailable(f"PostgreSQL does not answer ({exc})") from None
+
+    def exists(self, key: str) -> bool:
+        with self.pool.connection() as conn:
+            return conn.execute(_CURRENT, (key,)).fetchone() is not None
+
+    def list_sessions(self, *, archived: bool = False) -> list[StoredSession]:
+        """Current sessions (with ``archived``, also the archived ones), most recently
+        active first."""
+        where = "" if archived else "WHERE archived_at IS NULL "
+        with self.pool.connection() as conn:
+            rows = conn.execute(
+                "SELECT key, session_id, created_at, updated_at, bytes, last_seq, archived_at "
+                f"FROM gw_sessions {where}ORDER BY updated_at DESC"
+            ).fetchall()
+        return [
+            StoredSession(str(k), str(s), float(c), float(u), int(b), int(n), a)
+            for k, s, c, u, b, n, a in rows
+        ]
+
+    def export_lines(self, session_id: str) -> list[str]:
+        return export_lines(self.pool, session_id)
+
+
+def export_lines(pool: ConnectionPool, session_id: str) -> list[str]:
+    """A stored session's JSONL lines (header first), exactly as a session file holds them."""
+    with pool.connection() as conn:
+        header = conn.execute(
+            "SELECT header::text FROM gw_sessions WHERE session_id = %s", (session_id,)
+        ).fetchone()
+        if header is None:
+            raise SessionError(f"there is no stored session {session_id!r}")
+        rows = conn.execute(
+            "SELECT body::text FROM gw_session_entries WHERE session_id = %s ORDER BY seq",
+            (session_id,),
+        ).fetchall()
+    return [str(header[0]) + "\n", *(str(body) + "\n" for (body,) in rows)]

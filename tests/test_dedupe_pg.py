@@ -1,0 +1,164 @@
+"""The shared inbound journal across replicas (real PostgreSQL): one claim wins, a dead
+replica's claims and journal are taken over exactly once, a live one's are waited for."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import pytest
+
+from gateway.dedupe import dedupe_key
+from gateway.dedupe_pg import ClaimBusy, PostgresDedupeStore
+from gateway.messages import InboundMessage
+
+pytestmark = pytest.mark.anyio
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Replica = Callable[..., PostgresDedupeStore]
+
+
+@pytest.fixture
+async def replica(migrated_pg_url: str) -> AsyncIterator[Replica]:
+    made: list[PostgresDedupeStore] = []
+
+    def make(clock: Clock | None = None, **kw: float) -> PostgresDedupeStore:
+        store = PostgresDedupeStore(migrated_pg_url, clock=clock or Clock(), **kw)  # type: ignore[arg-type]
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store._pool.close()  # a "crashed" replica never withdrew: just drop its pool
+
+
+def message(n: int, at: float) -> InboundMessage:
+    return InboundMessage(
+        channel="telegram",
+        chat_id="42",
+        sender_id="42",
+        text=f"m{n}",
+        message_id=str(n),
+        received_at=at,
+    )
+
+
+def key_of(msg: InboundMessage) -> str:
+    key = dedupe_key(msg)
+    assert key is not None
+    return key
+
+
+async def test_of_three_replicas_claiming_at_once_exactly_one_wins(replica: Replica) -> None:
+    stores = [replica(claim_wait=5.0) for _ in range(3)]
+    wins: dict[str, int] = {}
+
+    async def claim(store: PostgresDedupeStore, n: int) -> None:
+        msg = message(n, 1.0)
+        if not await store.seen_or_add(key_of(msg)):
+            wins[msg.text] = wins.get(msg.text, 0) + 1
+            await store.journal(key_of(msg), msg)  # the losers wait for this, then see it
+
+    async with anyio.create_task_group() as tg:
+        for n in range(30):
+            for store in stores:
+                tg.start_soon(claim, store, n)
+    assert wins == {f"m{n}": 1 for n in range(30)}
+
+
+async def test_a_dead_replicas_unjournaled_claim_is_taken_over(replica: Replica) -> None:
+    dead_clock = Clock()
+    dead = replica(dead_clock)
+    assert await dead.seen_or_add("k") is False  # then it dies before journaling
+    alive = replica(Clock(dead_clock.now + 20))  # 20 s later: the dead one stopped beating
+    assert await alive.seen_or_add("k") is False
+    assert await alive.seen_or_add("k") is True
+
+
+async def test_a_live_replicas_claim_is_waited_for_not_called_a_duplicate(
+    replica: Replica,
+) -> None:
+    clock = Clock()
+    first, second = replica(clock), replica(clock, claim_wait=0.3)
+    msg = message(1, clock.now)
+    assert await first.seen_or_add(key_of(msg)) is False
+    # Not journaled yet: a redelivery must not be confirmed as a duplicate.
+    with pytest.raises(ClaimBusy):
+        await second.seen_or_add(key_of(msg))
+
+    async def journal_soon() -> None:
+        await anyio.sleep(0.1)
+        await first.journal(key_of(msg), msg)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(journal_soon)
+        second.claim_wait = 5.0
+        assert await second.seen_or_add(key_of(msg)) is True  # journaled: now a duplicate
+
+
+async def test_a_dead_replicas_journal_is_replayed_once_oldest_first(replica: Replica) -> None:
+    dead_clock = Clock()
+    dead = replica(dead_clock)
+    msgs = [message(n, dead_clock.now + at) for n, at in ((1, 3.0), (2, 1.0), (3, 2.0))]
+    for msg in msgs:
+        assert await dead.seen_or_add(key_of(msg)) is False
+        await dead.journal(key_of(msg), msg)
+    later = Clock(dead_clock.now + 30)
+    survivors = [replica(later), replica(later)]
+    got: list[list[str]] = [[], []]
+
+    async def replay(n: int) -> None:
+        got[n] = [u.message.text for u in await survivors[n].unanswered()]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(replay, 0)
+        tg.start_soon(replay, 1)
+    assert sorted(got, key=len) == [[], ["m2", "m3", "m1"]]
+    # The one that took them owns them now: asking again gives them again, to it only.
+    owner = survivors[0] if got[0] else survivors[1]
+    other = survivors[1] if got[0] else survivors[0]
+    assert [u.message.text for u in await owner.unanswered()] == ["m2", "m3", "m1"]
+    assert await other.unanswered() == []
+
+
+async def test_a_live_replicas_journal_is_left_alone(replica: Replica) -> None:
+    clock = Clock()
+    busy, other = replica(clock), replica(clock)
+    msg = message(1, clock.now)
+    await busy.seen_or_add(key_of(msg))
+    await busy.journal(key_of(msg), msg)
+    assert await other.unanswered() == []
+
+
+async def test_a_drained_replica_hands_over_at_once(replica: Replica) -> None:
+    clock = Clock()
+    leaving, staying = replica(clock), replica(clock)
+    owed, unconfirmed = message(1, clock.now), message(2, clock.now)
+    await leaving.seen_or_add(key_of(owed))
+    await leaving.journal(key_of(owed), owed)
+    await leaving.seen_or_add(key_of(unconfirmed))  # claimed, never journaled
+    await leaving.aclose()
+    assert [u.message for u in await staying.unanswered()] == [owed]
+    # The platform still holds the unjournaled one: its redelivery is new, not a duplicate.
+    assert await staying.seen_or_add(key_of(unconfirmed)) is False
+
+
+async def test_an_answered_message_is_a_duplicate_everywhere_until_ttl(replica: Replica) -> None:
+    clock = Clock()
+    one, two = replica(clock, ttl=100), replica(clock, ttl=100)
+    msg = message(1, clock.now)
+    await one.seen_or_add(key_of(msg))
+    await one.journal(key_of(msg), msg)
+    await one.mark_done(key_of(msg))
+    assert await two.seen_or_add(key_of(msg)) is True
+    assert await two.unanswered() == []
+    clock.now += 101
+    assert await two.seen_or_add(key_of(msg)) is False
