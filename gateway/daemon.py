@@ -5,7 +5,8 @@ from __future__ import annotations
 import atexit
 import signal
 import sys
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,18 +20,20 @@ from gateway.agent.memory_tools import memory_tools
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket
 from gateway.config import AccessSection, ConfigError, Settings
+from gateway.dedupe import dedupe_key
 from gateway.gcpolicy import GCPolicy
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
 from gateway.memory import MemoryStore
 from gateway.memory.consolidation import Consolidator
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
 from gateway.sessions import SessionManager
 from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy
     from gateway.dedupe import DedupeStore
+    from gateway.replicas import SessionRouter
     from gateway.storage.postgres import SharedStorage
 
 
@@ -340,6 +343,14 @@ class Daemon:
             on_turn_done=self._turn_done,
             deliver_timeout=settings.dispatch.deliver_timeout_seconds,
         )
+        self.router: SessionRouter | None = None
+        if settings.storage.url:
+            from gateway.dedupe_pg import PostgresDedupeStore
+            from gateway.replicas import SessionRouter
+
+            assert isinstance(self.dedupe, PostgresDedupeStore)
+            self.router = SessionRouter(self.dedupe, self.dispatcher)
+            self.dispatcher.router = self.router
         self.http = HttpServer(
             settings.http, health=self.health, metrics=self.metrics, chat=self._api_chat
         )
@@ -466,7 +477,23 @@ class Daemon:
         return await self.dispatcher.submit(message)
 
     async def _api_chat(self, message: InboundMessage) -> OutboundMessage | None:
+        if self.router is not None:
+            # Shared mode: journaled like a platform message, so whichever replica holds
+            # the session runs it; the reply comes back here.
+            message = replace(
+                message,
+                message_id=message.message_id or uuid.uuid4().hex,
+                metadata={**message.metadata, META_REPLY_WANTED: True},
+            )
         ticket = await self.dispatcher.submit(message)
+        if self.router is not None and ticket.status == "duplicate":
+            # A client's retry (same "id") of a message taken in already, perhaps by a
+            # replica that died since: the reply of its one turn, when it comes.
+            key = dedupe_key(message)
+            if key is not None:
+                with anyio.move_on_after(self.gateway.settings.llm.timeout * 3):
+                    return await self.router.wait_reply(key)
+            return None
         return await ticket.reply()
 
     async def deliver(self, message: OutboundMessage) -> None:
@@ -529,9 +556,14 @@ class Daemon:
                 beats = getattr(self.dedupe, "run_beats", None)
                 if beats is not None:  # a replica tells the others it is alive
                     tg.start_soon(beats)
-                # Before any channel starts: each replayed message stays ahead of the
-                # newer messages of its session; replies wait for their channel.
-                await self.dispatcher.replay()
+                if self.router is not None:
+                    # Shared mode: sessions left by this or a dead replica are taken up
+                    # by the sweep, through their leases, before any channel starts.
+                    await tg.start(self.router.run)
+                else:
+                    # Before any channel starts: each replayed message stays ahead of
+                    # the newer messages of its session; replies wait for their channel.
+                    await self.dispatcher.replay()
                 for channel in self.channels.values():
                     tg.start_soon(self._supervise, channel)
                 await tg.start(self.gc_policy.run)  # start-up done: freeze what it made
@@ -605,6 +637,10 @@ class Daemon:
             if pause is not None:
                 pause()
         await self.dispatcher.drain(self.gateway.settings.dispatch.drain_grace_seconds)
+        if self.router is not None:
+            # After the drain: what was fed here has finished (or was told to be sent
+            # again); the other replicas take the rest of these sessions at once.
+            await self.router.stop()
 
     async def _watch_signals(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

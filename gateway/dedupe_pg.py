@@ -94,6 +94,7 @@ class PostgresDedupeStore:
     ) -> None:
         from gateway.storage.postgres import async_pool
 
+        self.url = url
         self._pool: AsyncConnectionPool = async_pool(url, max_size=pool_size)
         self._opened = False
         self._opening: anyio.Lock | None = None

@@ -33,11 +33,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 import anyio.abc
 from loguru import logger
+
+if TYPE_CHECKING:
+    from gateway.replicas import SessionRouter
 
 from gateway.access import Allow, Challenge, Decision, Deny, Ignore
 from gateway.dedupe import DedupeStore, Unanswered, dedupe_key
@@ -45,6 +48,7 @@ from gateway.messages import (
     MERGED_IDS_KEY,
     META_IN_SESSION,
     META_REPLAYED,
+    META_REPLY_WANTED,
     InboundMessage,
     OutboundMessage,
     reply_for,
@@ -96,12 +100,13 @@ class Ticket:
     every message of a merged turn gets the one reply of that turn.
     """
 
-    __slots__ = ("_event", "_reply", "message", "status")
+    __slots__ = ("_done", "_event", "_reply", "message", "status")
 
     def __init__(self, message: InboundMessage) -> None:
         self.message = message
         self.status = SubmitStatus.ACCEPTED
         self._event = anyio.Event()
+        self._done = anyio.Event()
         self._reply: OutboundMessage | None = None
 
     def __repr__(self) -> str:
@@ -121,6 +126,15 @@ class Ticket:
     async def reply(self) -> OutboundMessage | None:
         await self._event.wait()
         return self._reply
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more happens for this message here: its reply went out and it was
+        marked answered, or it was dropped, refused or handed to another replica."""
+        return self._done.is_set()
+
+    async def wait_finished(self) -> None:
+        await self._done.wait()
 
     def _resolve(self, reply: OutboundMessage | None) -> None:
         if not self._event.is_set():
@@ -311,6 +325,10 @@ class Dispatcher:
         self._grace: anyio.CancelScope | None = None  # the drain's grace period, running
         self._grace_ended = False
         self._resent: set[str] = set()  # recorded replies the replay has sent again
+        #: In the shared mode (`gateway.replicas`): journaled messages are handed to the
+        #: router, which feeds each session's messages, in journal order, to the one
+        #: replica holding that session's lease.
+        self.router: SessionRouter | None = None
 
     # ------------------------------------------------------------------ service
 
@@ -359,10 +377,15 @@ class Dispatcher:
                 resend,
             )
         for entry in pending:
-            metadata = {**entry.message.metadata, META_REPLAYED: True}
-            message = replace(entry.message, metadata=metadata)
-            await self._enqueue(message, replace(entry, message=message))
+            await self.feed(entry)
         return len(pending)
+
+    async def feed(self, entry: Unanswered) -> Ticket:
+        """Queue a journaled message (a crash's leftover, or in the shared mode one the
+        router hands over): marked `META_REPLAYED`, never refused by the queue bounds."""
+        metadata = {**entry.message.metadata, META_REPLAYED: True}
+        message = replace(entry.message, metadata=metadata)
+        return await self._enqueue(message, replace(entry, message=message))
 
     async def _enqueue(self, msg: InboundMessage, recorded: Unanswered | None) -> Ticket:
         ticket = Ticket(msg)
@@ -425,7 +448,14 @@ class Dispatcher:
         allowed = self._access is None
         try:
             key, store = item.dedupe_key, self._dedupe
-            if key is not None and store is not None and await self._is_duplicate(key, store):
+            # A journaled message fed by the router is claimed already (by its journal row).
+            fed = self.router is not None and item.recorded is not None
+            if (
+                key is not None
+                and store is not None
+                and not fed
+                and await self._is_duplicate(key, store)
+            ):
                 self._skip(item, None)
                 return
             if self._access is not None:
@@ -443,12 +473,33 @@ class Dispatcher:
             if not await self._journal(key, store, item.message):
                 self._skip(item, None, status=SubmitStatus.RETRY_LATER)
                 return
+            if self.router is not None:
+                self._forward(item, key, self.router)
         finally:
             if not allowed and not item.skip:
                 # `submit` was cancelled before the access check answered: nothing
                 # unchecked may reach the handler.
                 self._skip(item, Ignore("submit cancelled during the access check"))
             item.ready.set()  # also when cancelled: the lane must not wait forever
+
+    def _forward(self, item: _Item, key: str, router: SessionRouter) -> None:
+        """Shared mode: the journal is the queue. The lane drops the item; the router
+        feeds it, in journal order, to whichever replica holds the session's lease."""
+        item.skip = True
+        self._settled(1)
+        ticket = item.ticket
+        ticket._done.set()
+        if item.message.metadata.get(META_REPLY_WANTED) and self._tg is not None:
+            self._tg.start_soon(self._await_remote_reply, ticket, key, router)
+        else:
+            ticket._resolve(None)
+        router.kick(item.message.session_key)
+
+    async def _await_remote_reply(self, ticket: Ticket, key: str, router: SessionRouter) -> None:
+        try:
+            ticket._resolve(await router.wait_reply(key))
+        finally:
+            ticket._resolve(None)
 
     async def _check_access(self, msg: InboundMessage) -> Decision:
         assert self._access is not None
@@ -497,6 +548,7 @@ class Dispatcher:
         item.skip = True
         self._settled(1)
         ticket = item.ticket
+        ticket._done.set()
         if status is SubmitStatus.RETRY_LATER:
             ticket.status = status
             self._counters.not_taken += 1
@@ -520,6 +572,7 @@ class Dispatcher:
 
     async def _refuse(self, ticket: Ticket, status: SubmitStatus, text: str) -> None:
         ticket.status = status
+        ticket._done.set()
         notice = reply_for(ticket.message, text, is_error=True)
         ticket._resolve(notice)
         if self._tg is None:  # stopped: nothing runs in the background any more
@@ -648,6 +701,15 @@ class Dispatcher:
         if store is not None:
             for key in keys:
                 await self._mark_done(store, key)
+        if self.router is not None:
+            for item in batch:
+                if item.dedupe_key is not None and item.message.metadata.get(META_REPLY_WANTED):
+                    try:
+                        await self.router.publish(item.dedupe_key, reply)
+                    except Exception as exc:
+                        logger.error("a reply could not be handed to the waiting replica: {}", exc)
+        for item in batch:
+            item.ticket._done.set()
         self._settled(len(batch))
 
     async def _mark_done(self, store: DedupeStore, key: str) -> None:
@@ -716,6 +778,7 @@ class Dispatcher:
                         notice = reply_for(items[-1].message, RESTART_TEXT, is_error=True)
                         for item in items:
                             item.ticket._resolve(notice)
+                            item.ticket._done.set()
                         tg.start_soon(self._deliver_safely, notice)
         self._lanes.clear()
         report = DrainReport(

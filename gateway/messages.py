@@ -18,6 +18,10 @@ META_IN_SESSION = "in_session"
 #: Metadata of a message the dispatcher replays after a crash: its turn may have begun
 #: (the user's entry may be in the session already).
 META_REPLAYED = "replayed"
+#: Metadata of a message whose sender waits for the reply on its HTTP request
+#: (`/api/chat`): in the shared mode its reply is handed to the replica holding that
+#: request, wherever the turn ran (`gateway.replicas`).
+META_REPLY_WANTED = "reply_wanted"
 
 
 def build_session_key(channel: str, chat_id: str, *, thread: tuple[str, str] | None = None) -> str:

@@ -79,16 +79,27 @@ def _has_surrogates(text: str) -> bool:
     return any("\ud800" <= char <= "\udfff" for char in text)
 
 
+#: The longest client message id accepted (`"id"` in a request).
+MAX_ID_LENGTH = 200
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     session_key: str
     text: str
+    #: The client's id for this message (``"id"``): a retry with the same id is the same
+    #: message, answered once (the retry gets the first one's reply where it can).
+    message_id: str | None = None
 
     def inbound(self) -> InboundMessage:
         """The message the core receives: channel `api`, chat id = the session name."""
         _, _, name = self.session_key.partition(":")
         return InboundMessage(
-            channel=API_CHANNEL, chat_id=name, text=self.text, sender_id=API_SENDER
+            channel=API_CHANNEL,
+            chat_id=name,
+            text=self.text,
+            sender_id=API_SENDER,
+            message_id=self.message_id,
         )
 
 
@@ -112,7 +123,14 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         raise ApiError(400, "text: is empty")
     if _has_surrogates(text):
         raise ApiError(400, "text: holds an unpaired surrogate; send valid Unicode")
-    return ChatRequest(session_key=api_session_key(session), text=text)
+    message_id = data.get("id")
+    if message_id is not None and (
+        not isinstance(message_id, str)
+        or not 0 < len(message_id) <= MAX_ID_LENGTH
+        or _has_surrogates(message_id)
+    ):
+        raise ApiError(400, f"id: must be a string of 1 to {MAX_ID_LENGTH} characters")
+    return ChatRequest(session_key=api_session_key(session), text=text, message_id=message_id)
 
 
 def reply_body(session_key: str, reply: OutboundMessage | None) -> dict[str, Any]:

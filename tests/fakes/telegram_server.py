@@ -656,6 +656,12 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         self._notify()
         return update
 
+    def with_update_id(self, update: Update) -> Update:
+        """`update` with a fresh ``update_id``, not queued: for a test that delivers
+        webhooks itself (spread over several gateways, as a load balancer would)."""
+        with self._lock:
+            return {"update_id": self._new_update_id(), **update}
+
     def redeliver(self, update: Update) -> Update:
         """Hand out the same update (same update_id) again, as the server does with an
         update that was never confirmed. An update that was confirmed is never returned

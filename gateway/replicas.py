@@ -1,0 +1,311 @@
+"""Replicas: which gateway runs a session's turns when several share one PostgreSQL.
+
+Any replica may take a message in (a webhook, a Slack retry, `/api/chat`): it claims and
+journals it in ``gw_inbound`` (`gateway.dedupe_pg`) before the platform is told, exactly
+as one gateway does. The journal is then the queue. One replica at a time holds a
+session's lease (``gw_session_leases``) and works through that session's journaled
+messages in journal order (``seq``, the order they were taken in, whichever replica took
+them), handing each to its own `Dispatcher` as a replayed message (`Dispatcher.feed`).
+
+Promises kept here:
+- One replica at a time runs a session's turns, in journal order: a pump holds the lease
+  while it feeds, renews it every third of `lease_ttl` while turns run, and gives it up
+  only in a statement that finds none of the session's messages left in the journal.
+  A replica that journals a message for a session leased elsewhere therefore leaves it
+  to the holder, who sees it before it can let go.
+- A dead replica's sessions are resumed within `lease_ttl` + `sweep_interval` seconds:
+  every replica sweeps for sessions with journaled messages and no live lease. What the
+  dead one had in flight is replayed like a crash's leftovers: a recorded reply is sent
+  again, a turn whose message is in the session is not stored twice.
+- A draining replica stops feeding and withdraws its leases, so the others go on.
+- `/api/chat` answers synchronously wherever the turn runs: the replica that ran it
+  stores the reply on the message's journal row and NOTIFYs ``gw_replies``; the waiting
+  replica LISTENs (and polls once a second, should a notification be lost).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+from loguru import logger
+
+from gateway.dedupe import Unanswered
+from gateway.messages import InboundMessage, OutboundMessage
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+
+    from gateway.dedupe_pg import PostgresDedupeStore
+    from gateway.dispatch import Dispatcher, Ticket
+
+NOTIFY_CHANNEL = "gw_replies"
+
+_ACQUIRE = """
+INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
+VALUES (%(key)s, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s)
+ON CONFLICT (session_key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
+WHERE l.owner = EXCLUDED.owner OR l.expires_at < extract(epoch FROM clock_timestamp())
+RETURNING owner
+"""
+
+_RELEASE_IF_EMPTY = """
+DELETE FROM gw_session_leases l
+WHERE l.session_key = %(key)s AND l.owner = %(me)s AND NOT EXISTS (
+    SELECT 1 FROM gw_inbound i WHERE i.session_key = %(key)s AND i.state = 'journaled')
+"""
+
+_OWED = """
+SELECT dedupe_key, message::text, reply_id, reply::text FROM gw_inbound
+WHERE session_key = %s AND state = 'journaled' ORDER BY seq LIMIT %s
+"""
+
+_UNLEASED = """
+SELECT DISTINCT i.session_key FROM gw_inbound i
+WHERE i.state = 'journaled' AND i.session_key IS NOT NULL AND NOT EXISTS (
+    SELECT 1 FROM gw_session_leases l
+    WHERE l.session_key = i.session_key
+      AND l.expires_at > extract(epoch FROM clock_timestamp()))
+LIMIT 1000
+"""
+
+
+class SessionRouter:
+    """This replica's share of the sessions (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: PostgresDedupeStore,
+        dispatcher: Dispatcher,
+        *,
+        lease_ttl: float = 10.0,
+        sweep_interval: float = 2.0,
+        batch: int = 100,
+    ) -> None:
+        self.store = store
+        self.dispatcher = dispatcher
+        self.lease_ttl = lease_ttl
+        self.sweep_interval = sweep_interval
+        self.batch = batch
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._pumps: set[str] = set()
+        self._waiters: dict[str, tuple[anyio.Event, list[OutboundMessage | None]]] = {}
+        self._stopping = False
+        self.fed = 0  # messages handed to the dispatcher (for tests and metrics)
+        self.takeovers = 0  # sessions resumed by the sweep
+
+    @property
+    def replica_id(self) -> str:
+        return self.store.replica_id
+
+    @asynccontextmanager
+    async def _conn(self) -> AsyncIterator[AsyncConnection[Any]]:
+        async with await self.store._conn() as conn:
+            yield conn
+
+    # ------------------------------------------------------------------ service
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Sweep for unleased sessions and listen for replies until cancelled; the first
+        sweep runs before start-up is reported done."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._listen)
+            await self.sweep()
+            task_status.started()
+            try:
+                while True:
+                    await anyio.sleep(self.sweep_interval)
+                    try:
+                        await self.sweep()
+                    except Exception as exc:
+                        logger.warning("replicas: sweep failed ({}); retrying", exc)
+            finally:
+                self._tg = None
+
+    async def sweep(self) -> int:
+        """Start a pump for every session with journaled messages and no live lease."""
+        if self._stopping:
+            return 0
+        async with self._conn() as conn:
+            cur = await conn.execute(_UNLEASED)
+            keys = [str(k) for (k,) in await cur.fetchall()]
+        started = 0
+        for key in keys:
+            if key not in self._pumps:
+                started += 1
+                self.kick(key)
+        if started:
+            self.takeovers += started
+            logger.info("replicas: {} sessions without a live lease taken up", started)
+        return started
+
+    def kick(self, session_key: str) -> None:
+        """Make sure the session's journaled messages get run: here, when this replica
+        gets (or holds) the lease; else by the holder, who sees them before letting go."""
+        if self._tg is None or self._stopping or session_key in self._pumps:
+            return
+        self._pumps.add(session_key)
+        self._tg.start_soon(self._pump, session_key, name=f"pump {session_key}")
+
+    async def stop(self) -> None:
+        """Stop feeding (the drain lets what was fed finish) and withdraw every lease
+        this replica holds, so the others take its sessions at once."""
+        self._stopping = True
+        try:
+            async with self._conn() as conn:
+                await conn.execute(
+                    "DELETE FROM gw_session_leases WHERE owner = %s", (self.replica_id,)
+                )
+        except Exception as exc:
+            logger.warning("replicas: could not withdraw leases ({})", exc)
+
+    # ------------------------------------------------------------------ leases
+
+    async def _acquire(self, key: str) -> bool:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                _ACQUIRE, {"key": key, "me": self.replica_id, "ttl": self.lease_ttl}
+            )
+            return await cur.fetchone() is not None
+
+    async def _release_if_empty(self, key: str) -> bool:
+        async with self._conn() as conn:
+            cur = await conn.execute(_RELEASE_IF_EMPTY, {"key": key, "me": self.replica_id})
+            return bool(cur.rowcount == 1)
+
+    async def _renew_until_cancelled(self, key: str) -> None:
+        while True:
+            await anyio.sleep(self.lease_ttl / 3)
+            try:
+                if not await self._acquire(key):
+                    logger.error("replicas: lost the lease of {} to another replica mid-turn", key)
+            except Exception as exc:
+                logger.warning("replicas: lease renewal of {} failed ({})", key, exc)
+
+    async def _owed(self, key: str) -> list[tuple[str, Unanswered]]:
+        async with self._conn() as conn:
+            cur = await conn.execute(_OWED, (key, self.batch))
+            rows = await cur.fetchall()
+        owed = []
+        for dedupe, raw, reply_id, raw_reply in rows:
+            try:
+                message = InboundMessage.from_dict(json.loads(raw))
+                reply = OutboundMessage.from_dict(json.loads(raw_reply)) if raw_reply else None
+            except (ValueError, TypeError, KeyError) as exc:
+                logger.error("replicas: an unreadable journaled message is skipped: {}", exc)
+                continue
+            owed.append(
+                (str(dedupe), Unanswered(message, reply, reply_id if reply is not None else None))
+            )
+        return owed
+
+    async def _pump(self, key: str) -> None:
+        try:
+            if not await self._acquire(key):
+                return  # leased elsewhere: the holder sees our message before letting go
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._renew_until_cancelled, key)
+                await self._feed_until_empty(key)
+                tg.cancel_scope.cancel()
+        except Exception as exc:
+            # The lease runs out; the sweep (here or elsewhere) takes the session up.
+            logger.error("replicas: pump of {} failed ({}); the sweep will retry", key, exc)
+        finally:
+            self._pumps.discard(key)
+
+    async def _feed_until_empty(self, key: str) -> None:
+        fed: dict[str, Ticket] = {}
+        while True:
+            if self._stopping or self.dispatcher.draining:
+                return  # `stop` withdraws the lease; what was fed finishes in the drain
+            owed = await self._owed(key)
+            new = [(dedupe, entry) for dedupe, entry in owed if dedupe not in fed]
+            if new:
+                for dedupe, entry in new:
+                    fed[dedupe] = await self.dispatcher.feed(entry)
+                    self.fed += 1
+                continue
+            waiting = [t for t in fed.values() if not t.finished]
+            if waiting:
+                await waiting[0].wait_finished()
+                continue
+            fed = {d: t for d, t in fed.items() if any(d == o for o, _ in owed)}
+            if await self._release_if_empty(key):
+                return
+            if not fed:
+                continue  # something new came in meanwhile: fetch it
+            # Finished here, yet still journaled (its mark failed): give the store a
+            # moment rather than spin; the lease is ours until it clears.
+            await anyio.sleep(0.2)
+
+    # ------------------------------------------------------------------ API replies
+
+    async def publish(self, dedupe_key: str, reply: OutboundMessage) -> None:
+        """A turn for a waiting `/api/chat` request ended here: hand its reply over."""
+        waiter = self._waiters.get(dedupe_key)
+        if waiter is not None:  # the request waits on this replica
+            waiter[1].append(reply)
+            waiter[0].set()
+            return
+        raw = json.dumps(reply.to_dict(), default=str)
+        async with self._conn() as conn:
+            await conn.execute(
+                "UPDATE gw_inbound SET reply = %s::json WHERE dedupe_key = %s", (raw, dedupe_key)
+            )
+            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, dedupe_key))
+
+    async def wait_reply(self, dedupe_key: str) -> OutboundMessage | None:
+        """The reply to a message this replica forwarded, wherever its turn runs."""
+        event = anyio.Event()
+        box: list[OutboundMessage | None] = []
+        self._waiters[dedupe_key] = (event, box)
+        try:
+            while not box:
+                with anyio.move_on_after(1.0):
+                    await event.wait()
+                if not box:
+                    reply = await self._take_published(dedupe_key)
+                    if reply is not None:
+                        box.append(reply)
+            return box[0]
+        finally:
+            self._waiters.pop(dedupe_key, None)
+
+    async def _take_published(self, dedupe_key: str) -> OutboundMessage | None:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "UPDATE gw_inbound SET reply = NULL WHERE dedupe_key = %s AND state = 'done' "
+                "AND reply IS NOT NULL RETURNING reply::text",
+                (dedupe_key,),
+            )
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        return OutboundMessage.from_dict(json.loads(row[0]))
+
+    async def _listen(self) -> None:
+        """LISTEN for published replies; reconnects after a failure."""
+        import psycopg
+
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self.store.url, autocommit=True)
+                async with conn:
+                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    async for note in conn.notifies():
+                        waiter = self._waiters.get(note.payload)
+                        if waiter is not None and not waiter[1]:
+                            reply = await self._take_published(note.payload)
+                            if reply is not None:
+                                waiter[1].append(reply)
+                                waiter[0].set()
+            except Exception as exc:
+                logger.warning("replicas: reply listener failed ({}); reconnecting", exc)
+                await anyio.sleep(1.0)
