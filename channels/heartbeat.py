@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -77,6 +78,15 @@ def split_target(target: str) -> tuple[str, str]:
     return channel, chat
 
 
+class RunState(Protocol):
+    """Last run time of each job: a file here, a table shared by replicas elsewhere."""
+
+    def last_run(self, job: str) -> datetime | None: ...
+    async def alast_run(self, job: str) -> datetime | None: ...
+    async def claim(self, job: str, expected: datetime | None, when: datetime) -> bool: ...
+    def record(self, job: str, when: datetime) -> None: ...
+
+
 class HeartbeatState:
     """Last run time of each job, persisted so downtime is noticed across restarts."""
 
@@ -98,6 +108,17 @@ class HeartbeatState:
 
     def last_run(self, job: str) -> datetime | None:
         return self._last.get(job)
+
+    async def alast_run(self, job: str) -> datetime | None:
+        return self.last_run(job)
+
+    async def claim(self, job: str, expected: datetime | None, when: datetime) -> bool:
+        """Record a run of `job` starting `when` if its last run is still `expected`;
+        False when another run was recorded meanwhile (it is not this one's turn)."""
+        if self._last.get(job) != expected:
+            return False
+        await anyio.to_thread.run_sync(self.record, job, when)
+        return True
 
     def record(self, job: str, when: datetime) -> None:
         self._last[job] = when
@@ -121,9 +142,10 @@ class HeartbeatChannel:
         route: Route,
         clock: Clock = _utc_now,
         sleep: Sleep = anyio.sleep,
+        state: RunState | None = None,
     ) -> None:
         self.jobs = dict(jobs)
-        self.state = HeartbeatState(state_path)
+        self.state: RunState = state or HeartbeatState(state_path)
         self._route = route
         self._clock = clock
         self._sleep = sleep
@@ -144,17 +166,27 @@ class HeartbeatChannel:
     async def _job_loop(self, job: HeartbeatJob, submit: Submit) -> None:
         with logger.contextualize(session=f"{CHANNEL}:{job.chat_id}"):
             while True:
-                due = job.schedule.next_run(self.state.last_run(job.name), self._clock())
+                last = await self.state.alast_run(job.name)
+                due = job.schedule.next_run(last, self._clock())
                 # A timer can fire early (timer slack, the wall clock stepped by NTP).
                 # Run only once the clock shows the due time: the run is then recorded
                 # at or after it, so the same slot can never come due a second time.
                 while (now := self._clock()) < due:
                     await self._sleep((due - now).total_seconds())
-                await self.run_job(job, submit)
+                started = self._clock()
+                # Compare-and-set on the last run: of several replicas due at once,
+                # exactly one records this run and runs it; the others read it and
+                # wait for the next one.
+                if await self.state.claim(job.name, last, started):
+                    await self.run_job(job, submit, started=started)
 
-    async def run_job(self, job: HeartbeatJob, submit: Submit) -> None:
-        """One run, awaited to the end: the loop cannot start the job again meanwhile."""
-        started = self._clock()
+    async def run_job(
+        self, job: HeartbeatJob, submit: Submit, *, started: datetime | None = None
+    ) -> None:
+        """One run, awaited to the end: the loop cannot start the job again meanwhile.
+        With `started`, the run was claimed (recorded) already."""
+        claimed = started is not None
+        started = started or self._clock()
         prompt = job.read_prompt()
         if prompt is None:
             logger.warning("heartbeat {}: no prompt; skipped", job.name)
@@ -162,11 +194,18 @@ class HeartbeatChannel:
             logger.info("heartbeat {} runs", job.name)
             ticket = await submit(
                 InboundMessage(
-                    channel=CHANNEL, chat_id=job.chat_id, text=prompt, sender_id="heartbeat"
+                    channel=CHANNEL,
+                    chat_id=job.chat_id,
+                    text=prompt,
+                    sender_id="heartbeat",
+                    # One id per run: journaled like a platform message, so a run a
+                    # crash interrupts is replayed, never started twice.
+                    message_id=f"{job.name}@{started.isoformat()}",
                 )
             )
             await ticket.reply()
-        await anyio.to_thread.run_sync(self.state.record, job.name, started)
+        if not claimed:
+            await anyio.to_thread.run_sync(self.state.record, job.name, started)
 
     async def send(self, message: OutboundMessage) -> None:
         """A job's reply: delivered to its target unless it is only the all-is-well token."""

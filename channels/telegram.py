@@ -433,6 +433,9 @@ class TelegramChannel:
                 "channels.telegram.token: set GATEWAY_CHANNELS__TELEGRAM__TOKEN (the token "
                 "@BotFather gave you) or channels.telegram.token_file"
             )
+        #: Shared mode (`gateway.replicas.run_as_leader`): runs the poll loop once this
+        #: replica is the one that polls; None polls at once.
+        self.poll_leader: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None
         if settings.mode == "webhook" and not settings.webhook_url:
             raise ConfigError(
                 "channels.telegram.webhook_url: webhook mode needs the public HTTPS URL of "
@@ -547,7 +550,12 @@ class TelegramChannel:
             self.live.set()
             task_status.started()
             if self.settings.mode == "polling":
-                await self._poll(bot)
+                if self.poll_leader is None:
+                    await self._poll(bot)
+                else:
+                    # Several replicas: one polls (Telegram allows one getUpdates
+                    # consumer per bot), the others stand by to take over.
+                    await self.poll_leader(lambda: self._poll(bot))
             await anyio.sleep_forever()
         finally:
             self._client = None  # the webhook answers 503 from now on: Telegram retries later

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import signal
 import sys
 import uuid
@@ -382,6 +383,11 @@ class Daemon:
                 telegram_settings, token=telegram_settings.resolved_token() or ""
             )
             telegram.mount(self.http)
+            if self.router is not None and telegram_settings.mode == "polling":
+                from gateway.replicas import run_as_leader
+
+                url = self.router.store.url
+                telegram.poll_leader = functools.partial(run_as_leader, url, "telegram poller")
             self.add_channel(telegram)
         if settings.channels.slack.enabled:
             from channels.slack import SlackChannel
@@ -419,8 +425,13 @@ class Daemon:
             )
             for name, job in self.gateway.settings.heartbeat.jobs.items()
         }
+        state = None
+        if self.router is not None:
+            from gateway.replicas import SharedRunState
+
+            state = SharedRunState(self.router.store)  # one run per due time, all replicas
         return HeartbeatChannel(
-            jobs, state_path=workspace / "heartbeat-state.json", route=self.deliver
+            jobs, state_path=workspace / "heartbeat-state.json", route=self.deliver, state=state
         )
 
     def _watch_metrics(self) -> None:

@@ -26,8 +26,9 @@ Promises kept here:
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -280,9 +281,13 @@ class SessionRouter:
 
     async def _take_published(self, dedupe_key: str) -> OutboundMessage | None:
         async with self._conn() as conn:
+            # Taken once: the row keeps no reply after (RETURNING gives the new row, so
+            # the old reply comes from a locked read in the same statement).
             cur = await conn.execute(
-                "UPDATE gw_inbound SET reply = NULL WHERE dedupe_key = %s AND state = 'done' "
-                "AND reply IS NOT NULL RETURNING reply::text",
+                "UPDATE gw_inbound g SET reply = NULL FROM (SELECT dedupe_key, reply "
+                "FROM gw_inbound WHERE dedupe_key = %s AND state = 'done' "
+                "AND reply IS NOT NULL FOR UPDATE) old "
+                "WHERE g.dedupe_key = old.dedupe_key RETURNING old.reply::text",
                 (dedupe_key,),
             )
             row = await cur.fetchone()
@@ -309,3 +314,104 @@ class SessionRouter:
             except Exception as exc:
                 logger.warning("replicas: reply listener failed ({}); reconnecting", exc)
                 await anyio.sleep(1.0)
+
+
+class SharedRunState:
+    """Heartbeat jobs' last runs in PostgreSQL (``gw_heartbeat_runs``), so that of all the
+    replicas due at once exactly one runs each job (`claim` is a compare-and-set)."""
+
+    def __init__(self, store: PostgresDedupeStore) -> None:
+        self.store = store
+
+    def last_run(self, job: str) -> datetime | None:
+        raise NotImplementedError("SharedRunState is read with alast_run")
+
+    async def alast_run(self, job: str) -> datetime | None:
+        async with await self.store._conn() as conn:
+            cur = await conn.execute(
+                "SELECT last_run FROM gw_heartbeat_runs WHERE job = %s", (job,)
+            )
+            row = await cur.fetchone()
+        return None if row is None else row[0]  # type: ignore[no-any-return]
+
+    async def claim(self, job: str, expected: datetime | None, when: datetime) -> bool:
+        async with await self.store._conn() as conn:
+            if expected is None:
+                cur = await conn.execute(
+                    "INSERT INTO gw_heartbeat_runs (job, last_run) VALUES (%s, %s) "
+                    "ON CONFLICT (job) DO NOTHING RETURNING job",
+                    (job, when),
+                )
+            else:
+                cur = await conn.execute(
+                    "UPDATE gw_heartbeat_runs SET last_run = %s WHERE job = %s "
+                    "AND last_run = %s RETURNING job",
+                    (when, job, expected),
+                )
+            return await cur.fetchone() is not None
+
+    def record(self, job: str, when: datetime) -> None:
+        raise NotImplementedError("a shared run is recorded by claim")
+
+
+#: First key of the advisory locks naming a replica's role ("gwld" in ASCII); the second
+#: is the role name's hash.
+LEADER_LOCK = 0x67776C64
+
+
+async def run_as_leader(
+    url: str,
+    role: str,
+    work: Callable[[], Awaitable[None]],
+    *,
+    retry: float = 1.0,
+    check: float = 2.0,
+) -> None:
+    """Run `work` once this replica holds the advisory lock of `role` (waiting for it
+    meanwhile), and only while it holds it.
+
+    The lock lives on a connection of its own: when the holder dies, PostgreSQL sees the
+    connection close and frees the lock at once, and a standby takes it within `retry`
+    seconds. Losing the connection while holding it stops `work` (by raising), since
+    another replica may be about to take over.
+    """
+    import psycopg
+
+    logged = False
+    while True:
+        conn: psycopg.AsyncConnection[Any] | None = None
+        try:
+            conn = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=5)
+            cur = await conn.execute(
+                "SELECT pg_try_advisory_lock(%s::int4, hashtext(%s))", (LEADER_LOCK, role)
+            )
+            row = await cur.fetchone()
+            if row is not None and row[0]:
+                break
+            if not logged:
+                logger.info("replicas: another replica is the {}; standing by", role)
+                logged = True
+        except psycopg.Error as exc:
+            logger.warning("replicas: cannot ask for the {} role ({}); retrying", role, exc)
+        if conn is not None:
+            await conn.close()
+        await anyio.sleep(retry)
+    logger.info("replicas: this replica is now the {}", role)
+    held = conn
+
+    async def watch() -> None:
+        while True:
+            await anyio.sleep(check)
+            try:
+                await held.execute("SELECT 1")
+            except psycopg.Error as exc:
+                raise RuntimeError(f"lost the {role} role: {exc}") from None
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            await work()
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await held.close()  # frees the lock for the standbys

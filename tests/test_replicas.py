@@ -16,6 +16,7 @@ client retries a failed request with the same ``id``. `REPLICA_SCALE` shrinks th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,7 +34,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
 from tests.gateway_process import GatewayProcess, base_env, wait_until
 from tests.local_redis import REDIS_URL, drop_namespace, require_redis
-from tests.test_kill_delivery import CAP, echoed, slow_echo
+from tests.test_kill_delivery import echoed, slow_echo
 
 pytestmark = pytest.mark.kill
 
@@ -210,11 +211,13 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
                 answered, _ = echoed(m.get("text", "") for m in telegram.sent_messages())
                 return telegram_texts <= set(answered)
 
-            wait_until(all_answered, 120, "every Telegram message answered")
+            with contextlib.suppress(AssertionError):  # counted and reported below
+                wait_until(all_answered, 120, "every Telegram message answered")
             time.sleep(1.0)  # replies of repeated turns, if any, are out by now
             replicas.stop()
         finally:
             replicas.force_stop()
+            (tmp_path / "replicas.log").write_text("".join(replicas.logs))
         seconds = time.monotonic() - started
 
         with psycopg.connect(migrated_pg_url) as conn:
@@ -241,6 +244,9 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
         replies.update(g.removeprefix("echo: ") for g in got if g)
     unanswered = [t for t in all_texts if replies[t] == 0]
     repeated = sum(count - 1 for count in replies.values() if count > 1)
+    sessions_repeated = Counter(
+        t.split()[0] for t, count in replies.items() for _ in range(count - 1)
+    )
     by_session: dict[str, list[str]] = defaultdict(list)
     for key, role, text in rows:
         if role == "user":
@@ -255,6 +261,7 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
         f"lost={len(lost)} stored_twice={len(stored_twice)} turns_twice={len(turns_twice)} "
         f"unanswered={len(unanswered)} repeated_replies={repeated} "
         f"out_of_order={len(out_of_order)} other_replies={len(other)} owed={owed} "
+        f"most_repeats_per_session={max(sessions_repeated.values(), default=0)} "
         f"seconds={seconds:.1f}"
     )
     assert not lost, lost[:10]
@@ -262,5 +269,8 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
     assert not turns_twice, turns_twice[:10]
     assert not unanswered, unanswered[:10]
     assert not out_of_order, json.dumps(dict(list(out_of_order.items())[:3]))
-    assert repeated <= CAP, f"{repeated} repeated replies for one kill (cap {CAP})"
+    # The promise (docs/scaling.md): a reply goes out twice only for a turn the killed
+    # replica had in flight (run, reply maybe sent, not yet marked answered): at most one
+    # per session per kill.
+    assert max(sessions_repeated.values(), default=0) <= 1, sessions_repeated.most_common(3)
     assert owed == (0,)

@@ -8,3 +8,10 @@ CREATE TABLE gw_session_leases (
 );
 -- The sweep: sessions with journaled messages, found by session.
 CREATE INDEX gw_inbound_owed_by_session ON gw_inbound (session_key, seq) WHERE state = 'journaled';
+
+-- Heartbeat jobs run once per due time across replicas: the replica that moves a job's
+-- last run from the value it read to its start time (compare-and-set) runs it.
+CREATE TABLE gw_heartbeat_runs (
+    job      text PRIMARY KEY,
+    last_run timestamptz NOT NULL
+);
