@@ -263,8 +263,10 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.daemon import Gateway, run_daemon
+    from gateway.daemon import Gateway, run_daemon, wait_for_shared_storage
 
+    if settings.storage.url and not anyio.run(wait_for_shared_storage, settings):
+        return EXIT_OK  # stopped by a signal while waiting
     gateway = Gateway.build(settings)
     return anyio.run(run_daemon, gateway)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import signal
 import sys
@@ -80,6 +81,77 @@ def shared_storage(settings: Settings) -> SharedStorage | None:
         _shared_storage[url] = storage
         atexit.register(storage.close)
     return storage
+
+
+async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30.0) -> bool:
+    """Before a shared-mode gateway starts: connect to PostgreSQL (and migrate), retrying
+    with backoff while it does not answer, with one log line saying what it waits for.
+    Meanwhile the HTTP port answers /healthz 200 and /readyz 503, so an orchestrator
+    sees a live process that is not ready. False when a signal stopped the wait."""
+    from aiohttp import web
+
+    from gateway.storage.postgres import StorageUnavailable, redact_url
+
+    url = settings.storage.url
+    assert url
+    if url in _shared_storage:
+        return True
+    reason = ["starting"]
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        body = {"status": "starting", "waiting_for": "postgresql", "reason": reason[0]}
+        return web.json_response(body, status=503)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.http.host, settings.http.port)
+    with contextlib.suppress(OSError):  # the port is taken: `run` says so clearly later
+        await site.start()
+    stopped = anyio.Event()
+
+    async def on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                stopped.set()
+                return
+
+    backoff = 1.0
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_signal)
+            while True:
+                try:
+                    await anyio.to_thread.run_sync(shared_storage, settings)
+                    break
+                except StorageUnavailable as exc:
+                    if reason[0] == "starting":
+                        logger.error(
+                            "storage: waiting for PostgreSQL at {} ({}); retrying with backoff "
+                            "up to every {:g}s, /readyz answers 503 meanwhile",
+                            redact_url(url),
+                            exc,
+                            max_backoff,
+                        )
+                    reason[0] = str(exc)
+                with anyio.move_on_after(backoff):
+                    await stopped.wait()
+                if stopped.is_set():
+                    break
+                backoff = min(backoff * 2, max_backoff)
+            tg.cancel_scope.cancel()
+    finally:
+        await runner.cleanup()
+    if stopped.is_set():
+        return False
+    if reason[0] != "starting":
+        logger.info("storage: PostgreSQL at {} answers; starting", redact_url(url))
+    return True
 
 
 def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:

@@ -229,7 +229,9 @@ def async_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> AsyncConnec
         min_size=min_size,
         max_size=max_size,
         open=False,
-        timeout=10.0,
+        # The journal's wait: past it the platform is told to send again (a 5xx), which
+        # beats holding its request until its own timeout.
+        timeout=3.0,
         name="gateway-async",
         check=AsyncConnectionPool.check_connection,
     )
