@@ -391,7 +391,9 @@ class Daemon:
 
             # Shared with the other replicas: one claim per platform message wins.
             self.dedupe = PostgresDedupeStore(
-                settings.storage.url, ttl=settings.dispatch.dedupe_ttl_seconds
+                settings.storage.url,
+                ttl=settings.dispatch.dedupe_ttl_seconds,
+                pool_size=settings.storage.pool_size,
             )
         else:
             self.dedupe = FileDedupeStore(

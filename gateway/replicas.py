@@ -272,7 +272,11 @@ class SessionRouter:
                 with anyio.move_on_after(1.0):
                     await event.wait()
                 if not box:
-                    reply = await self._take_published(dedupe_key)
+                    try:
+                        reply = await self._take_published(dedupe_key)
+                    except Exception as exc:  # a busy or lost database: ask again later
+                        logger.debug("replicas: reply poll failed ({})", exc)
+                        continue
                     if reply is not None:
                         box.append(reply)
             return box[0]

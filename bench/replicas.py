@@ -1,0 +1,252 @@
+"""Replicas over PostgreSQL: turns/s with 1, 2 and 3 `gateway run` processes, and what the
+shared mode adds to a turn's latency against the file mode. Prints a table (``--json``).
+
+    .venv/bin/python bench/replicas.py [--json] [--quick]
+
+1. Throughput: N replicas share one PostgreSQL (a fresh schema) and Redis; the fake model
+   answers after 200 ms; each replica runs at most 8 turns at once (the default cap), so
+   the ideal is 40 turns/s per replica. Closed loop: 48 clients per replica, each with its
+   own session, post `/api/chat` to the replicas in turn (as a load balancer would).
+   Goal: at least 90% of the ideal at each step.
+2. Latency: one replica, the model answering at once, an open loop of 200 turns/s over 400
+   sessions for a fixed time; p50 / p99 of the `/api/chat` round trip in the file mode and
+   in the shared mode. Goal: the shared mode's p99 at most 5 ms above the file mode's.
+
+Everything runs on this machine's loopback: the replicas, the fakes, PostgreSQL and the
+load generator share its cores, so read the numbers as a lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
+
+from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder  # noqa: E402
+from tests.gateway_process import GatewayProcess, base_env  # noqa: E402
+
+PG_URL = os.environ.get("GATEWAY_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("GATEWAY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+TOKEN = "bench-replicas-token-0123456789"
+CAP = 8
+LLM_DELAY = 0.2
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    value: float
+    unit: str
+    goal: str
+    met: bool | None
+
+
+def fresh_schema() -> tuple[str, str]:
+    import psycopg
+
+    schema = "gwbench_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    sep = "&" if "?" in PG_URL else "?"
+    return schema, f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+
+
+def drop_schema(schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def env_for(workdir: Path, llm: FakeOpenAI, storage_url: str | None) -> dict[str, str]:
+    env = base_env(workdir / "ws", llm, llm_timeout=30) | {
+        "GATEWAY_HTTP__PORT": "0",
+        "GATEWAY_HTTP__TOKEN": TOKEN,
+        "GATEWAY_MEMORY__ENABLED": "false",
+        "GATEWAY_CACHE__ENABLED": "false",
+        "GATEWAY_DISPATCH__MAX_CONCURRENT_TURNS": str(CAP),
+        "GATEWAY_LOG__LEVEL": "WARNING",
+    }
+    if storage_url:
+        env["GATEWAY_STORAGE__URL"] = storage_url
+    return env
+
+
+def start(env: dict[str, str], workdir: Path, n: int) -> tuple[list[GatewayProcess], list[str]]:
+    procs, urls = [], []
+    for i in range(n):
+        proc = GatewayProcess(
+            env | {"GATEWAY_WORKSPACE": str(workdir / f"ws{i}"), "GATEWAY_LOG__LEVEL": "INFO"},
+            workdir,
+        )
+        port = proc.wait_ready()
+        proc.wait_readyz(port)
+        procs.append(proc)
+        urls.append(f"http://127.0.0.1:{port}/api/chat")
+    return procs, urls
+
+
+def stop(procs: list[GatewayProcess]) -> None:
+    for proc in procs:
+        proc.terminate(60)
+
+
+async def post(http: aiohttp.ClientSession, url: str, session: str, text: str) -> float:
+    started = time.perf_counter()
+    body = {"session": session, "text": text, "id": uuid.uuid4().hex}
+    async with http.post(url, json=body, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+        data = await resp.json()
+        if resp.status != 200 or not str(data.get("reply", "")).startswith("echo: "):
+            raise RuntimeError(f"bad answer {resp.status} from {url}: {data} ({session})")
+    return time.perf_counter() - started
+
+
+async def closed_loop(urls: list[str], clients: int, seconds: float) -> float:
+    """Turns/s with `clients` clients each sending its next message once answered."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+    limits = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=limits) as http:
+
+        async def client(c: int) -> None:
+            nonlocal done
+            n = 0
+            while time.perf_counter() < deadline:
+                await post(http, urls[(c + n) % len(urls)], f"c{c}", f"turn {n}")
+                n += 1
+                done += 1
+
+        began = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        return done / (time.perf_counter() - began)
+
+
+async def open_loop(url: str, rate: float, seconds: float, sessions: int) -> list[float]:
+    """Round-trip times of turns started at a fixed `rate`, whatever the answers' pace
+    (a failed turn raises: a latency is only worth reporting for correct answers)."""
+    latencies: list[float] = []
+    limits = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=limits) as http:
+        tasks = []
+        began = time.perf_counter()
+        for n in range(int(rate * seconds)):
+            due = began + n / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+            async def one(k: int = n) -> None:
+                latencies.append(await post(http, url, f"s{k % sessions}", f"turn {k}"))
+
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def throughput(replicas: int, seconds: float) -> float:
+    def slow(body: dict[str, Any]) -> Reply:
+        answer = echo_responder(body)
+        return Reply(text=answer if isinstance(answer, str) else answer.text, delay=LLM_DELAY)
+
+    schema, url = fresh_schema()
+    try:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            FakeOpenAI.in_thread(responder=slow) as llm,
+        ):
+            procs, urls = start(env_for(Path(tmp), llm, url), Path(tmp), replicas)
+            try:
+                asyncio.run(closed_loop(urls, 6 * CAP * replicas, 2.0))  # warm up
+                return asyncio.run(closed_loop(urls, 6 * CAP * replicas, seconds))
+            finally:
+                stop(procs)
+    finally:
+        drop_schema(schema)
+
+
+def latency(shared: bool, seconds: float) -> list[float]:
+    schema, url = fresh_schema() if shared else ("", "")
+    try:
+        with tempfile.TemporaryDirectory() as tmp, FakeOpenAI.in_thread() as llm:
+            procs, urls = start(env_for(Path(tmp), llm, url or None), Path(tmp), 1)
+            try:
+                asyncio.run(open_loop(urls[0], 100, 2.0, 400))  # warm up
+                return asyncio.run(open_loop(urls[0], 200, seconds, 400))
+            finally:
+                stop(procs)
+    finally:
+        if schema:
+            drop_schema(schema)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
+    args = parser.parse_args()
+    seconds = 6.0 if args.quick else 15.0
+    rows: list[Row] = []
+    base = None
+    for n in (1, 2, 3):
+        rate = throughput(n, seconds)
+        ideal = n * CAP / LLM_DELAY
+        base = base or rate
+        rows.append(
+            Row(
+                f"turns/s, {n} replica{'s' if n > 1 else ''} (ideal {ideal:.0f})",
+                round(rate, 1),
+                "turns/s",
+                f">= {0.9 * ideal:.0f} (90% of ideal)",
+                rate >= 0.9 * ideal,
+            )
+        )
+    files = latency(False, seconds)
+    shared = latency(True, seconds)
+    for name, values in (("file mode", files), ("shared mode", shared)):
+        rows.append(Row(f"p50 at 200 turns/s, {name}", round(pct(values, 0.5), 2), "ms", "-", None))
+        rows.append(
+            Row(f"p99 at 200 turns/s, {name}", round(pct(values, 0.99), 2), "ms", "-", None)
+        )
+    added = pct(shared, 0.99) - pct(files, 0.99)
+    rows.append(Row("p99 added by the shared mode", round(added, 2), "ms", "<= 5", added <= 5))
+    rows.append(
+        Row(
+            "mean round trip, shared mode",
+            round(statistics.fmean(shared) * 1000, 2),
+            "ms",
+            "-",
+            None,
+        )
+    )
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        width = max(len(r.what) for r in rows)
+        print(f"{'what':<{width}}  {'value':>9}  unit     goal                    met")
+        for r in rows:
+            met = "-" if r.met is None else ("yes" if r.met else "NO")
+            print(f"{r.what:<{width}}  {r.value:>9}  {r.unit:<7}  {r.goal:<22}  {met}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
