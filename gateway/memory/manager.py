@@ -66,7 +66,7 @@ ARCHIVE_GLOB = "HISTORY.archive.*.md"
 _TAIL_CHUNK = 64 * 1024
 
 
-def _utc_now() -> datetime:
+def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
@@ -81,7 +81,7 @@ class MemoryManager:
         history_max_bytes: int = 512_000,
         fsync_appends: bool = False,
         knowledge_flush_every: int = 32,
-        clock: Callable[[], datetime] = _utc_now,
+        clock: Callable[[], datetime] = utc_now,
     ) -> None:
         if history_max_bytes < 2:
             raise ValueError("history_max_bytes must be at least 2")
