@@ -3,7 +3,7 @@ never consolidate the same span twice (`PostgresConsolidationGuard`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -20,27 +20,11 @@ from tests.test_consolidation import compactions, consolidation_reply, fill
 KEY = "telegram:1"
 
 
-@pytest.fixture
-async def provider(fake_openai: FakeOpenAI) -> AsyncIterator[OpenAIProvider]:
-    real = OpenAIProvider(
-        base_url=fake_openai.base_url,
-        api_key=fake_openai.api_key,
-        model="gpt-4o-mini",
-        max_retries=0,
-        timeout=5,
-    )
-    yield real
-    await real.aclose()
-
-
 class Replica:
     """What one gateway holds: its own pool, session cache, memory and consolidator."""
 
-    def __init__(self, url: str, provider: OpenAIProvider, name: str, guarded: bool) -> None:
-        from gateway.storage.postgres import sync_pool
-
-        self.pool = sync_pool(url, max_size=4)
-        self.pool.open()
+    def __init__(self, pool: Any, provider: OpenAIProvider, name: str, guarded: bool) -> None:
+        self.pool = pool
         self.sessions = SessionManager.shared(PostgresSessions(self.pool))
         self.memory = PostgresMemoryStore(self.pool)
         guard = PostgresConsolidationGuard(self.pool, name) if guarded else None
@@ -57,17 +41,14 @@ class Replica:
 
     def close(self) -> None:
         self.sessions.close()
-        self.pool.close()
 
 
 @pytest.fixture
-def replicas(
-    migrated_pg_url: str, provider: OpenAIProvider, request: pytest.FixtureRequest
-) -> Iterator[Any]:
+def replicas(pg_pools: Any, provider: OpenAIProvider) -> Iterator[Any]:
     made: list[Replica] = []
 
     def make(name: str, *, guarded: bool = True) -> Replica:
-        replica = Replica(migrated_pg_url, provider, name, guarded)
+        replica = Replica(pg_pools(), provider, name, guarded)
         made.append(replica)
         return replica
 

@@ -37,7 +37,6 @@ def make_backend(
     """A factory of backends over one store (files: one workspace; postgres: one schema):
     two backends made by it see the same memory, as two replicas (or processes) do."""
     made: list[MemoryBackend] = []
-    pools = []
     if request.param == "files":
 
         def make(mode: ScopeMode = "per_session") -> MemoryBackend:
@@ -47,23 +46,17 @@ def make_backend(
 
     else:
         from gateway.memory.pg_store import PostgresMemoryStore
-        from gateway.storage.postgres import sync_pool
 
-        url = request.getfixturevalue("migrated_pg_url")
+        pools = request.getfixturevalue("pg_pools")
 
         def make(mode: ScopeMode = "per_session") -> MemoryBackend:
-            pool = sync_pool(url, max_size=2)
-            pool.open()
-            pools.append(pool)
-            backend = PostgresMemoryStore(pool, mode=mode, clock=clock)
+            backend = PostgresMemoryStore(pools(), mode=mode, clock=clock)
             made.append(backend)
             return backend
 
     yield make
     for backend in made:
         backend.close()
-    for pool in pools:
-        pool.close()
 
 
 @pytest.fixture

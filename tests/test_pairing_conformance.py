@@ -49,7 +49,6 @@ def clock() -> Clock:
 @pytest.fixture(params=["file", "postgres"])
 def make_store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterator[MakeStore]:
     """Store instances over one storage (one pairing file; one PostgreSQL schema)."""
-    pools = []
     if request.param == "file":
 
         def make() -> PairingBackend:
@@ -57,19 +56,13 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> 
 
     else:
         from gateway.access_pg import PostgresPairingStore
-        from gateway.storage.postgres import sync_pool
 
-        url = request.getfixturevalue("migrated_pg_url")
+        pools = request.getfixturevalue("pg_pools")
 
         def make() -> PairingBackend:
-            pool = sync_pool(url, max_size=4)
-            pool.open()
-            pools.append(pool)
-            return PostgresPairingStore(pool, where="postgresql", clock=clock)
+            return PostgresPairingStore(pools(), where="postgresql", clock=clock)
 
     yield make
-    for pool in pools:
-        pool.close()
 
 
 def dm(sender: str, channel: str = "telegram") -> InboundMessage:

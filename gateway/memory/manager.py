@@ -39,6 +39,7 @@ from gateway.fsutil import (
 )
 from gateway.memory.dedupe import redundant_facts
 from gateway.memory.format import (
+    clean_facts,
     consolidated_heading,
     format_fact,
     format_history_line,
@@ -293,11 +294,7 @@ class MemoryManager:
         There is no transaction across the three files: a crash in between can leave
         the facts without the summary, never half a file.
         """
-        cleaned = [
-            (normalize_category(category), one_line(text))
-            for category, text in facts
-            if one_line(text)
-        ]
+        cleaned = clean_facts(facts)
         with self._lock:
             written = self.append_facts(cleaned, day)
             for category, text in cleaned:

@@ -36,6 +36,7 @@ from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any
 
 from gateway.memory.format import (
+    clean_facts,
     consolidated_heading,
     format_fact,
     format_history_line,
@@ -106,6 +107,41 @@ def _entry(row: Sequence[Any]) -> KnowledgeEntry:
 _ENTRY_COLUMNS = "id, category, content, source, tags, created_at, accessed_at, access_count"
 
 
+def _top(
+    conn: psycopg.Connection[Any],
+    table: str,
+    column: str,
+    scope: str,
+    query: str,
+    limit: int,
+    *,
+    category: str | None = None,
+    weight: tuple[str, Sequence[Any]] = ("1.0", ()),
+    ties: str = "id DESC",
+    latest: str = "id DESC",
+) -> list[str]:
+    """`column` of the best `limit` rows of `table` in `scope` for `query`: ranked by
+    `_RANK` times the SQL `weight` (with its parameters), then `ties`; a query without
+    words lists by `latest`. `category` filters on the row's category."""
+    where = "AND category = %s" if category else ""
+    filters: list[Any] = [category] if category else []
+    tsquery = search_query(query)
+    if tsquery is None:
+        rows = conn.execute(
+            f"SELECT {column} FROM {table} WHERE scope = %s {where} ORDER BY {latest} LIMIT %s",
+            (scope, *filters, limit),
+        ).fetchall()
+    else:
+        factor, factor_params = weight
+        rows = conn.execute(
+            f"SELECT {column} FROM {table}, to_tsquery('simple', %s) q "
+            f"WHERE scope = %s AND tsv @@ q {where} "
+            f"ORDER BY {_RANK} * {factor} DESC, {ties} LIMIT %s",
+            (tsquery, scope, *filters, *factor_params, limit),
+        ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
 class _Scoped:
     """A scope's name as stored, the pool and the clock."""
 
@@ -159,24 +195,18 @@ class PostgresKnowledge(_Scoped):
     ) -> list[KnowledgeEntry]:
         if max_results <= 0:
             return []
-        tsquery = search_query(query)
-        where = "AND category = %s" if category else ""
-        params: list[Any] = [category] if category else []
         with self._pool.connection() as conn, conn.transaction():
-            if tsquery is None:
-                rows = conn.execute(
-                    f"SELECT id FROM gw_memory_knowledge WHERE scope = %s {where} "
-                    "ORDER BY access_count DESC, created_at DESC LIMIT %s",
-                    (self._key, *params, max_results),
-                ).fetchall()
-            else:
-                rows = conn.execute(
-                    "SELECT id FROM gw_memory_knowledge, to_tsquery('simple', %s) q "
-                    f"WHERE scope = %s AND tsv @@ q {where} "
-                    f"ORDER BY {_RANK} DESC, created_at DESC, id LIMIT %s",
-                    (tsquery, self._key, *params, max_results),
-                ).fetchall()
-            ids = [str(r[0]) for r in rows]
+            ids = _top(
+                conn,
+                "gw_memory_knowledge",
+                "id",
+                self._key,
+                query,
+                max_results,
+                category=category or None,
+                ties="created_at DESC, id",
+                latest="access_count DESC, created_at DESC",
+            )
             if not ids:
                 return []
             # A search counts as an access, as in the file mode.
@@ -353,24 +383,10 @@ class PostgresMemoryScope(_Scoped):
         if max_results <= 0:
             return []
         tag = category.strip().lower() if category else None
-        where = "AND category = %s" if tag else ""
-        params: list[Any] = [tag] if tag else []
-        tsquery = search_query(query)
         with self._pool.connection() as conn:
-            if tsquery is None:
-                rows = conn.execute(
-                    f"SELECT line FROM gw_memory_facts WHERE scope = %s {where} "
-                    "ORDER BY id DESC LIMIT %s",
-                    (self._key, *params, max_results),
-                ).fetchall()
-            else:
-                rows = conn.execute(
-                    "SELECT line FROM gw_memory_facts, to_tsquery('simple', %s) q "
-                    f"WHERE scope = %s AND tsv @@ q {where} "
-                    f"ORDER BY {_RANK} DESC, id DESC LIMIT %s",
-                    (tsquery, self._key, *params, max_results),
-                ).fetchall()
-        return [str(r[0]) for r in rows]
+            return _top(
+                conn, "gw_memory_facts", "line", self._key, query, max_results, category=tag
+            )
 
     # -- history ---------------------------------------------------------------------
 
@@ -401,23 +417,18 @@ class PostgresMemoryScope(_Scoped):
     ) -> list[str]:
         if max_results <= 0:
             return []
-        tsquery = search_query(query)
         moment = (now or self._clock()).timestamp()
+        decay = "1.0 / (1.0 + greatest(0.0, %s - at) / 3600.0 * %s)"
         with self._pool.connection() as conn:
-            if tsquery is None:
-                rows = conn.execute(
-                    "SELECT line FROM gw_memory_history WHERE scope = %s ORDER BY id DESC LIMIT %s",
-                    (self._key, max_results),
-                ).fetchall()
-            else:
-                rows = conn.execute(
-                    "SELECT line FROM gw_memory_history, to_tsquery('simple', %s) q "
-                    "WHERE scope = %s AND tsv @@ q "
-                    f"ORDER BY {_RANK} / (1.0 + greatest(0.0, %s - at) / 3600.0 * %s) DESC, "
-                    "id DESC LIMIT %s",
-                    (tsquery, self._key, moment, max(0.0, decay_rate), max_results),
-                ).fetchall()
-        return [str(r[0]) for r in rows]
+            return _top(
+                conn,
+                "gw_memory_history",
+                "line",
+                self._key,
+                query,
+                max_results,
+                weight=(decay, (moment, max(0.0, decay_rate))),
+            )
 
     # -- consolidation ---------------------------------------------------------------
 
@@ -430,11 +441,7 @@ class PostgresMemoryScope(_Scoped):
         source: str = "consolidation",
     ) -> None:
         """Facts, knowledge entries and the summary line in one transaction."""
-        cleaned = [
-            (normalize_category(category), one_line(text))
-            for category, text in facts
-            if one_line(text)
-        ]
+        cleaned = clean_facts(facts)
         with self._pool.connection() as conn, conn.transaction():
             self._append_facts(conn, cleaned, day)
             for category, text in cleaned:
