@@ -114,17 +114,25 @@ def _median_ms(fn: Callable[[str], object], queries: list[str]) -> tuple[float, 
     return _ms(statistics.median(times)), _ms(times[int(len(times) * 0.95) - 1])
 
 
-def write_history(folder: Path, corpus: Corpus, lines: int, archive_bytes: int = 512_000) -> None:
-    """`lines` timestamped lines over the last year, split into archives + HISTORY.md."""
+def history_lines(corpus: Corpus, lines: int) -> list[str]:
+    """`lines` timestamped history lines over the last year, oldest first."""
     start = datetime.now(UTC) - timedelta(days=365)
     step = timedelta(days=365) / max(lines, 1)
-    chunk: list[str] = []
-    size = 0
-    archive = 0
+    out = []
     for i in range(lines):
         stamp = (start + step * i).strftime("%Y-%m-%d %H:%M:%S")
         speaker = "User" if i % 2 == 0 else "Agent"
-        line = f"[{stamp}] {speaker}: {corpus.sentence()}\n"
+        out.append(f"[{stamp}] {speaker}: {corpus.sentence()}")
+    return out
+
+
+def write_history(folder: Path, corpus: Corpus, lines: int, archive_bytes: int = 512_000) -> None:
+    """`history_lines`, split into archives + HISTORY.md."""
+    chunk: list[str] = []
+    size = 0
+    archive = 0
+    for text in history_lines(corpus, lines):
+        line = text + "\n"
         chunk.append(line)
         size += len(line)
         if size > archive_bytes:
@@ -470,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--knowledge-size", type=int, default=10_000)
     parser.add_argument("--common-size", type=int, default=100_000)
     parser.add_argument("--restart-size", type=int, default=100_000)
+    parser.add_argument(
+        "--backend",
+        choices=("files", "postgres"),
+        default="files",
+        help="postgres: the search rows against PostgreSQL (bench/memory_pg.py)",
+    )
+    parser.add_argument("--pg-url", help="PostgreSQL for --backend postgres (a scratch schema)")
     parser.add_argument("--compact-child", help=argparse.SUPPRESS)
     parser.add_argument("--restart-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -484,12 +499,21 @@ def main(argv: list[str] | None = None) -> int:
 
     logger.remove()  # keep the table readable
     rows: list[Row] = []
+    if args.backend == "postgres":
+        from bench.memory_pg import bench_postgres
+
+        bench_postgres([int(s) for s in args.sizes.split(",")], args.common_size, args.pg_url, rows)
+        return _report(rows, args.json)
     bench_search([int(s) for s in args.sizes.split(",")], rows)
     bench_compact([int(s) for s in args.compact_sizes.split(",")], rows)
     bench_knowledge(args.knowledge_size, rows)
     bench_common_words(args.common_size, rows)
     bench_restart(args.restart_size, rows)
-    if args.json:
+    return _report(rows, args.json)
+
+
+def _report(rows: list[Row], as_json: bool) -> int:
+    if as_json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
     else:
         print_table(rows)

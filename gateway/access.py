@@ -32,13 +32,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import anyio.to_thread
 from loguru import logger
 
 from gateway.fsutil import atomic_write_text, ensure_private_dir
 from gateway.messages import InboundMessage
+from gateway.storage.postgres import StorageError
 
 #: True when the message comes from a group chat / channel rather than a DM.
 META_IS_GROUP = "is_group"
@@ -380,6 +381,46 @@ class PairingListing:
     pending: tuple[PendingRequest, ...]
 
 
+def pairing_listing(state: PairingState, channel: str | None, now: float) -> PairingListing:
+    """Approved senders and live pending requests (of `channel`, or all), oldest first."""
+    approved = sorted(
+        (a for a in state.approved.values() if channel is None or a.channel == channel),
+        key=lambda a: (a.channel, a.approved_at),
+    )
+    pending = sorted(state.live_pending(channel, now), key=lambda r: r.created_at)
+    return PairingListing(tuple(approved), tuple(pending))
+
+
+class PairingBackend(Protocol):
+    """Where approvals and pending codes live: the workspace's pairing file
+    (`PairingStore`) or PostgreSQL, shared by replicas (`gateway.access_pg`). Both
+    keep the same rules: one live request per sender (an earlier one wins a race), at
+    most `max_pending` live ones per channel, expired ones never count and are dropped
+    on writes, a code approves only its live request. Blocking: worker threads."""
+
+    #: A problem the operator should hear about (a damaged file set aside), or None.
+    load_error: str | None
+
+    @property
+    def where(self) -> str:
+        """Where the state lives, for log lines (a path, a redacted URL)."""
+        ...
+
+    def state(self) -> PairingState: ...
+
+    def add_pending(
+        self, request: PendingRequest, *, max_pending: int
+    ) -> PendingRequest | None: ...
+
+    def approve(self, channel: str, code: str) -> str | None: ...
+
+    def revoke(self, channel: str, sender_id: str) -> bool: ...
+
+    def is_approved(self, channel: str, sender_id: str) -> bool: ...
+
+    def list(self, channel: str | None = None) -> PairingListing: ...
+
+
 class PairingStore:
     """Approved senders and pending codes in one JSON file, shared between processes.
 
@@ -398,6 +439,10 @@ class PairingStore:
         self._cached: tuple[tuple[int, int, int], PairingState] | None = None
         #: Set when a damaged file was moved aside: say it where the operator looks.
         self.load_error: str | None = None
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
 
     # -- reading -------------------------------------------------------------------
 
@@ -542,13 +587,7 @@ class PairingStore:
 
     def list(self, channel: str | None = None) -> PairingListing:
         """Approved senders and live pending requests, oldest first."""
-        state, now = self.state(), self._clock()
-        approved = sorted(
-            (a for a in state.approved.values() if channel is None or a.channel == channel),
-            key=lambda a: (a.channel, a.approved_at),
-        )
-        pending = sorted(state.live_pending(channel, now), key=lambda r: r.created_at)
-        return PairingListing(tuple(approved), tuple(pending))
+        return pairing_listing(self.state(), channel, self._clock())
 
 
 class _Damaged(Exception):
@@ -578,7 +617,7 @@ class AccessGate:
     def __init__(
         self,
         policies: Mapping[str, ChannelAccessPolicy],
-        store: PairingStore,
+        store: PairingBackend,
         *,
         trusted: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.time,
@@ -634,8 +673,11 @@ class AccessGate:
             recorded = self.store.add_pending(decision.request, max_pending=policy.max_pending)
         except OSError as exc:
             # Fail closed: without the pairing file nobody unlisted gets through.
-            logger.error("pairing file {} unusable: {}", self.store.path, exc)
+            logger.error("pairing file {} unusable: {}", self.store.where, exc)
             return Deny(UNAVAILABLE_TEXT, reason=f"pairing file unusable ({exc.strerror})")
+        except StorageError as exc:  # PostgreSQL down: closed too
+            logger.error("pairing state in {} unusable: {}", self.store.where, exc)
+            return Deny(UNAVAILABLE_TEXT, reason=f"pairing state unusable ({exc})")
         if recorded is None:
             return Deny(PAIRING_FULL_TEXT, reason="pairing requests full")
         if recorded is not decision.request:  # another message of theirs got there first
@@ -668,7 +710,7 @@ def _who(sender_id: str, label: str) -> str:
     return f"{sender_id} ({label})" if label else sender_id
 
 
-def cli_pairing_approve(store: PairingStore, channel: str, code: str) -> str:
+def cli_pairing_approve(store: PairingBackend, channel: str, code: str) -> str:
     """`gateway pairing approve CHANNEL CODE`; raises PairingError when nothing matches."""
     pending = {r.code: r for r in store.list(channel).pending}
     sender = store.approve(channel, code)
@@ -682,7 +724,7 @@ def cli_pairing_approve(store: PairingStore, channel: str, code: str) -> str:
     return f"Approved {_who(sender, label)} on {channel}. They can write to the assistant now."
 
 
-def cli_pairing_list(store: PairingStore, channel: str | None = None) -> str:
+def cli_pairing_list(store: PairingBackend, channel: str | None = None) -> str:
     """`gateway pairing list [CHANNEL]`."""
     listing = store.list(channel)
     lines: list[str] = []
@@ -709,7 +751,7 @@ def cli_pairing_list(store: PairingStore, channel: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def cli_pairing_revoke(store: PairingStore, channel: str, sender_id: str) -> str:
+def cli_pairing_revoke(store: PairingBackend, channel: str, sender_id: str) -> str:
     """`gateway pairing revoke CHANNEL SENDER`; raises PairingError when not approved."""
     if not store.revoke(channel, sender_id):
         raise PairingError(

@@ -446,13 +446,13 @@ _NOTHING_REMEMBERED = {
 
 
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.memory import MemoryStore
+    from gateway.daemon import build_memory_backend
 
     if not settings.memory.enabled:
         raise CommandError("memory is disabled ([memory] enabled = false)")
     if args.action == "compact":
         return _memory_compact(args, settings)
-    store = MemoryStore(settings.workspace_path, mode=settings.memory.scope)
+    store = build_memory_backend(settings)
     if not store.exists(args.key):
         # Nothing remembered yet: say so without making the scope's folder.
         print(_NOTHING_REMEMBERED[args.action].format(key=args.key))
@@ -522,12 +522,11 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.access import (
         PairingError,
-        PairingStore,
         cli_pairing_approve,
         cli_pairing_list,
         cli_pairing_revoke,
     )
-    from gateway.daemon import access_policies, build_session_manager, pairing_path
+    from gateway.daemon import access_policies, build_pairing_store, build_session_manager
 
     channels = sorted(access_policies(settings))  # the platforms that pair senders
     if args.channel is not None and args.channel not in channels:
@@ -536,7 +535,7 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
             EXIT_USAGE,
         )
     build_session_manager(settings).close()  # creates the private workspace if needed
-    store = PairingStore(pairing_path(settings))
+    store = build_pairing_store(settings)
     try:
         if args.action == "approve":
             print(cli_pairing_approve(store, args.channel, args.code))

@@ -27,13 +27,14 @@ from gateway.gcpolicy import GCPolicy
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
 from gateway.memory import MemoryStore
-from gateway.memory.consolidation import Consolidator
+from gateway.memory.consolidation import ConsolidationGuard, Consolidator
+from gateway.memory.protocol import MemoryBackend
 from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
 from gateway.sessions import SessionManager
 from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
 if TYPE_CHECKING:
-    from gateway.access import ChannelAccessPolicy
+    from gateway.access import ChannelAccessPolicy, PairingBackend
     from gateway.dedupe import DedupeStore
     from gateway.replicas import SessionRouter
     from gateway.storage.postgres import SharedStorage
@@ -223,18 +224,37 @@ def build_cache(settings: Settings) -> SemanticCache | None:
         raise ConfigError(f"cache: {exc}") from None
 
 
+def build_memory_backend(settings: Settings) -> MemoryBackend:
+    """Long-term memory in workspace files, or in PostgreSQL with `storage.url` (then
+    shared by every replica)."""
+    shared = shared_storage(settings)
+    if shared is not None:
+        from gateway.memory.pg_store import PostgresMemoryStore
+
+        return PostgresMemoryStore(shared.sync, mode=settings.memory.scope)
+    return MemoryStore(
+        settings.workspace_path,
+        mode=settings.memory.scope,
+        history_max_bytes=settings.memory.history_max_bytes,
+    )
+
+
 def build_memory(
     settings: Settings, sessions: SessionManager, provider: LLMProvider
-) -> tuple[MemoryStore | None, Consolidator | None]:
+) -> tuple[MemoryBackend | None, Consolidator | None]:
     """The memory store and, with auto_consolidate, its background consolidator."""
     section = settings.memory
     if not section.enabled:
         return None, None
-    memory = MemoryStore(
-        settings.workspace_path,
-        mode=section.scope,
-        history_max_bytes=section.history_max_bytes,
-    )
+    memory = build_memory_backend(settings)
+    guard: ConsolidationGuard | None = None
+    shared = shared_storage(settings)
+    if shared is not None:
+        from gateway.dedupe_pg import new_replica_id
+        from gateway.memory.pg_store import PostgresConsolidationGuard
+
+        # Replicas share sessions: one consolidates a session at a time, never a span twice.
+        guard = PostgresConsolidationGuard(shared.sync, new_replica_id())
     consolidator = Consolidator(
         sessions,
         memory,
@@ -247,6 +267,7 @@ def build_memory(
         timeout=section.consolidation_timeout,
         retry_base=section.retry_base_seconds,
         retry_max=section.retry_max_seconds,
+        guard=guard,
     )
     return memory, consolidator
 
@@ -272,7 +293,7 @@ class Gateway:
         return self.agent.cache
 
     @property
-    def memory(self) -> MemoryStore | None:
+    def memory(self) -> MemoryBackend | None:
         return self.agent.memory
 
     @property
@@ -338,6 +359,20 @@ def pairing_path(settings: Settings) -> Path:
     return settings.workspace_path / "pairing.json"
 
 
+def build_pairing_store(settings: Settings) -> PairingBackend:
+    """Approvals and pending codes: the workspace's pairing file, or PostgreSQL with
+    `storage.url` (an approval given on one replica then counts on all)."""
+    shared = shared_storage(settings)
+    if shared is not None:
+        from gateway.access_pg import PostgresPairingStore
+        from gateway.storage.postgres import redact_url
+
+        return PostgresPairingStore(shared.sync, where=redact_url(shared.url))
+    from gateway.access import PairingStore
+
+    return PairingStore(pairing_path(settings))
+
+
 def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     """One access policy per chat platform, from its `[channels.NAME]` section."""
     from gateway.access import ChannelAccessPolicy
@@ -374,7 +409,7 @@ class Daemon:
     STORAGE_CHECK_INTERVAL = 5.0
 
     def __init__(self, gateway: Gateway, *, interactive: bool | None = None) -> None:
-        from gateway.access import AccessGate, PairingStore
+        from gateway.access import AccessGate
         from gateway.dedupe import FileDedupeStore
         from gateway.dispatch import Dispatcher
         from gateway.http import HealthState, HttpServer
@@ -404,7 +439,7 @@ class Daemon:
                 # fsynced before it is told.
                 durable=settings.sessions.fsync != "never",
             )
-        self.pairing = PairingStore(pairing_path(settings))
+        self.pairing = build_pairing_store(settings)
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)
         self.dispatcher = Dispatcher(
             self._handle,

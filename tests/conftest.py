@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.config import Settings, load_settings
+from gateway.llm.openai_provider import OpenAIProvider
 from tests.fakes.openai_server import FakeOpenAI
 
 # PostgreSQL fixtures (a schema per test) for every test module.
@@ -24,6 +25,20 @@ def anyio_backend() -> str:
 async def fake_openai() -> AsyncIterator[FakeOpenAI]:
     async with FakeOpenAI(models=("gpt-4o-mini", "other-model", "backup")) as fake:
         yield fake
+
+
+@pytest.fixture
+async def provider(fake_openai: FakeOpenAI) -> AsyncIterator[OpenAIProvider]:
+    """The real OpenAI provider talking to `fake_openai` (no retries, 5 s timeout)."""
+    real = OpenAIProvider(
+        base_url=fake_openai.base_url,
+        api_key=fake_openai.api_key,
+        model="gpt-4o-mini",
+        max_retries=0,
+        timeout=5,
+    )
+    yield real
+    await real.aclose()
 
 
 @pytest.fixture

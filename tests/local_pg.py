@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -66,3 +67,22 @@ def migrated_pg_url(pg_url: str) -> str:
     with connect(pg_url) as conn:
         migrate(conn)
     return pg_url
+
+
+@pytest.fixture
+def pg_pools(migrated_pg_url: str) -> Iterator[Callable[[], Any]]:
+    """Opens connection pools on `migrated_pg_url`, one per simulated process or replica
+    (a `psycopg_pool.ConnectionPool` each); all closed after the test."""
+    from gateway.storage.postgres import sync_pool
+
+    pools: list[Any] = []
+
+    def open_pool() -> Any:
+        pool = sync_pool(migrated_pg_url, max_size=4)
+        pool.open(wait=True)
+        pools.append(pool)
+        return pool
+
+    yield open_pool
+    for pool in pools:
+        pool.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from gateway.access import (
     Ignore,
     PairingError,
     PairingStore,
-    PendingRequest,
     cli_pairing_approve,
     cli_pairing_list,
     cli_pairing_revoke,
@@ -299,29 +297,6 @@ async def test_a_channel_without_a_policy_is_closed_unless_trusted(tmp_path: Pat
 
 
 # --------------------------------------------------------------------------- the file
-
-
-def test_daemon_and_cli_writing_at_once_lose_nothing(tmp_path: Path) -> None:
-    path = tmp_path / "pairing.json"
-    stores = [PairingStore(path), PairingStore(path)]
-
-    def request(store: PairingStore, prefix: str) -> None:
-        for n in range(25):
-            sender = f"{prefix}{n}"
-            store.add_pending(
-                PendingRequest("telegram", sender, new_pairing_code(), NOW, 4e9),
-                max_pending=1000,
-            )
-
-    threads = [
-        threading.Thread(target=request, args=(store, prefix))
-        for store, prefix in zip(stores, "ab", strict=True)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(PairingStore(path).list().pending) == 50
 
 
 def test_a_damaged_file_is_moved_aside_and_reported_not_overwritten(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +64,6 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-@pytest.fixture
-async def provider(fake_openai: FakeOpenAI) -> AsyncIterator[OpenAIProvider]:
-    real = OpenAIProvider(
-        base_url=fake_openai.base_url,
-        api_key=fake_openai.api_key,
-        model="gpt-4o-mini",
-        max_retries=0,
-        timeout=5,
-    )
-    yield real
-    await real.aclose()
 
 
 @pytest.fixture

@@ -4,10 +4,14 @@ PostgreSQL instead of workspace files, as an operator runs them (subprocesses)."
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+import psycopg
 
 from tests.fakes.openai_server import FakeOpenAI
 from tests.test_cli_e2e import base_env, run_gateway
+from tests.test_memory_e2e import consolidating_responder
 
 
 def test_db_status_then_migrate_then_current(pg_url: str, tmp_path: Path) -> None:
@@ -68,3 +72,67 @@ def test_chat_turns_live_in_postgresql_not_in_files(
     said = [e["message"]["content"] for e in lines[1:] if e["type"] == "message"]
     assert said[:2] == ["my favourite colour is teal", "echo: my favourite colour is teal"]
     assert len(said) == 4
+
+
+def test_memory_lives_in_postgresql_and_the_cli_searches_it(
+    pg_url: str, tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    fake_openai_thread.responder = consolidating_responder
+    env = base_env(tmp_path) | {
+        "GATEWAY_STORAGE__URL": pg_url,
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_AGENT__MEMORY_WINDOW": "1",  # the second turn triggers a consolidation
+    }
+    for text in ("I like green tea", "The launch is on Friday"):
+        turn = run_gateway(["chat", "-m", text], env, tmp_path)
+        assert turn.returncode == 0, turn.stderr
+    assert any(r.body.get("tool_choice") for r in fake_openai_thread.chat_requests)
+
+    found = run_gateway(["memory", "search", "cli:direct", "green tea"], env, tmp_path)
+    assert found.returncode == 0, found.stderr
+    assert "- [user_preference] prefers green tea" in found.stdout
+    shown = run_gateway(["memory", "show", "cli:direct"], env, tmp_path)
+    assert shown.stdout.startswith("### Consolidated ")
+    history = run_gateway(["memory", "history", "cli:direct", "launch"], env, tmp_path)
+    assert "Tea and the Friday launch came up again" in history.stdout
+    knowledge = run_gateway(["memory", "knowledge", "cli:direct"], env, tmp_path)
+    assert "[project_decision] the launch is on Friday" in knowledge.stdout
+    other = run_gateway(["memory", "search", "cli:other", "tea"], env, tmp_path)
+    assert other.returncode == 0 and "no matching facts" in other.stdout
+
+    workspace = tmp_path / "ws"
+    assert not (workspace / "memory").exists() or not any((workspace / "memory").rglob("*"))
+    with psycopg.connect(pg_url) as conn:
+        row = conn.execute("SELECT count(*) FROM gw_memory_facts").fetchone()
+        assert row is not None and row[0] >= 2
+        done = conn.execute("SELECT session_key FROM gw_consolidations").fetchall()
+        assert done == [("cli:direct",)]
+
+
+def test_pairing_approved_from_the_cli_is_in_postgresql(pg_url: str, tmp_path: Path) -> None:
+    from gateway.access import PendingRequest
+    from gateway.access_pg import PostgresPairingStore
+    from gateway.storage.postgres import sync_pool
+
+    env = base_env(tmp_path) | {"GATEWAY_STORAGE__URL": pg_url}
+    assert run_gateway(["db", "migrate"], env, tmp_path).returncode == 0
+    pool = sync_pool(pg_url, max_size=1)
+    pool.open()
+    try:
+        replica = PostgresPairingStore(pool, where="test")
+        now = time.time()
+        replica.add_pending(
+            PendingRequest("telegram", "42", "ABCD2345", now, now + 600, label="Ada"),
+            max_pending=10,
+        )
+        listing = run_gateway(["pairing", "list"], env, tmp_path)
+        assert "42 (Ada)  code ABCD2345" in listing.stdout, listing.stderr
+        approved = run_gateway(["pairing", "approve", "telegram", "abcd-2345"], env, tmp_path)
+        assert approved.returncode == 0 and "Approved 42 (Ada)" in approved.stdout
+        assert replica.is_approved("telegram", "42")
+        again = run_gateway(["pairing", "approve", "telegram", "ABCD2345"], env, tmp_path)
+        assert again.returncode == 1 and "no pending request" in again.stderr
+    finally:
+        pool.close()
+    assert not (tmp_path / "ws" / "pairing.json").exists()

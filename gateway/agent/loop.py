@@ -40,8 +40,8 @@ from gateway.sessions.errors import SessionError, SessionKeyError
 
 if TYPE_CHECKING:
     # Type-only: importing these at run time would make an import cycle.
-    from gateway.memory import MemoryStore
     from gateway.memory.consolidation import Consolidator
+    from gateway.memory.protocol import MemoryBackend
     from gateway.sessions import Session, SessionContext, SessionManager
 
 DeltaCallback = Callable[[str], Awaitable[None]]
@@ -110,7 +110,7 @@ class AgentLoop:
         config: AgentConfig,
         tools: ToolRegistry | None = None,
         cache: SemanticCache | None = None,
-        memory: MemoryStore | None = None,
+        memory: MemoryBackend | None = None,
         consolidator: Consolidator | None = None,
     ) -> None:
         self.sessions = sessions

@@ -16,8 +16,7 @@ import anyio
 from gateway.agent.tools import Tool, ToolContext
 from gateway.llm.types import ToolSpec
 from gateway.memory.format import CATEGORIES, parse_fact
-from gateway.memory.manager import MemoryManager
-from gateway.memory.store import MemoryStore
+from gateway.memory.protocol import MemoryBackend, MemoryScope
 from gateway.memory.text import normalize_text, one_line
 
 DEFAULT_RESULTS = 5
@@ -56,7 +55,7 @@ def _compact(lines: list[str], empty: str) -> str:
 
 
 def relevant_memory(
-    manager: MemoryManager, query: str, *, category: str | None = None, limit: int = 8
+    manager: MemoryScope, query: str, *, category: str | None = None, limit: int = 8
 ) -> list[str]:
     """`[category] text` lines of MEMORY.md facts and knowledge entries for `query`,
     best first, each once. Blocking: call it from a worker thread.
@@ -85,7 +84,7 @@ def relevant_memory(
 
 
 def memory_texts(
-    store: MemoryStore, session_key: str, query: str, *, limit: int = 8, export_chars: int = 2000
+    store: MemoryBackend, session_key: str, query: str, *, limit: int = 8, export_chars: int = 2000
 ) -> list[str]:
     """What `fit_context` takes as `memory_texts` for a turn: the memory relevant to
     `query`, then the knowledge base's export (`fit_context` drops repeated lines and
@@ -98,10 +97,10 @@ def memory_texts(
     return ["\n".join(relevant), manager.knowledge.export_for_context(export_chars)]
 
 
-def memory_tools(store: MemoryStore) -> list[Tool]:
+def memory_tools(store: MemoryBackend) -> list[Tool]:
     """`memory_search`, `history_search` and `remember`, bound to `store`."""
 
-    async def in_scope(context: ToolContext, work: Callable[[MemoryManager], str]) -> str:
+    async def in_scope(context: ToolContext, work: Callable[[MemoryScope], str]) -> str:
         def run() -> str:
             try:
                 manager = store.for_session(context.session_key)
@@ -118,7 +117,7 @@ def memory_tools(store: MemoryStore) -> list[Tool]:
             return f"error: unknown category {category!r}; use one of {_CATEGORY_LIST}"
         limit = _int_arg(args, "max_results", DEFAULT_RESULTS)
 
-        def work(manager: MemoryManager) -> str:
+        def work(manager: MemoryScope) -> str:
             found = relevant_memory(manager, query, category=category, limit=limit)
             return _compact(found, "No stored memory matches.")
 
@@ -130,7 +129,7 @@ def memory_tools(store: MemoryStore) -> list[Tool]:
             return "error: give a query (a few words to look for)"
         limit = _int_arg(args, "max_results", DEFAULT_RESULTS)
 
-        def work(manager: MemoryManager) -> str:
+        def work(manager: MemoryScope) -> str:
             found = manager.search_history(query, max_results=limit)
             return _compact(found, "No earlier conversation summary matches.")
 
@@ -144,7 +143,7 @@ def memory_tools(store: MemoryStore) -> list[Tool]:
             return f"error: keep it under {MAX_REMEMBER_CHARS} characters (one fact at a time)"
         category = _str_arg(args, "category") or "learned_fact"
 
-        def work(manager: MemoryManager) -> str:
+        def work(manager: MemoryScope) -> str:
             entry = manager.knowledge.add(category, content, source="remember")
             manager.knowledge.flush()  # the model said so: durable now, not in a batch
             if entry.access_count > 0:

@@ -12,7 +12,10 @@ Promises (each tested):
   hides messages that arrived while it ran: its cut comes from the snapshot taken at
   the start, and later messages sit after ``first_kept_entry_id`` on the branch;
 - at most one consolidation runs per session at a time; a failure is logged with the
-  session key, retried with exponential backoff, and never raised into the caller.
+  session key, retried with exponential backoff, and never raised into the caller;
+- with replicas sharing sessions and memory (`ConsolidationGuard`), at most one runs
+  per session across all of them, and a span already consolidated by one is never
+  summarized again by another: its facts are stored once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
@@ -33,7 +36,7 @@ from gateway.agent.context import estimate_branch_tokens, trim_middle
 from gateway.agent.tokens import estimate_messages_tokens, estimate_text_tokens
 from gateway.llm.types import LLMError, LLMMessage, LLMProvider, ToolSpec
 from gateway.memory.format import CATEGORIES, normalize_category
-from gateway.memory.store import MemoryStore
+from gateway.memory.protocol import MemoryBackend
 from gateway.memory.text import one_line
 from gateway.sessions import EntryNotFoundError, Session, SessionContext, SessionManager
 from gateway.sessions.context import choose_cut
@@ -348,6 +351,7 @@ OutcomeStatus = Literal[
     "nothing_to_summarize",
     "no_session",
     "stale",
+    "busy",
     "reset",
     "cancelled",
     "failed",
@@ -360,7 +364,8 @@ class ConsolidationOutcome:
     written; `reset`: the session was reset meanwhile, facts were stored but the old
     session got no compaction; `cancelled`: a ``session_before_compact`` hook vetoed
     the compaction (facts were stored); `failed`: nothing changed, a retry is due in
-    `retry_in`. `more`: the backlog needs another run (already queued)."""
+    `retry_in`; `busy`: another replica consolidates (or did consolidate) this span,
+    nothing was written here. `more`: the backlog needs another run (already queued)."""
 
     session_key: str
     status: OutcomeStatus
@@ -393,6 +398,8 @@ _DESCRIPTIONS: dict[str, str] = {
     "nothing_to_summarize": "Nothing to compact: the conversation is short.",
     "no_session": "There is no conversation to compact.",
     "stale": "The conversation moved to another branch meanwhile; nothing was compacted.",
+    "busy": "Another gateway replica compacted or is compacting this conversation; "
+    "nothing was done here.",
     "reset": "The conversation was reset meanwhile; its facts were saved to memory.",
     "cancelled": "An extension cancelled the compaction; facts were saved to memory.",
 }
@@ -418,6 +425,35 @@ class _Snapshot:
     session: Session
     session_id: str
     plan: CompactionPlan
+    lease: ConsolidationLease | None = None
+
+
+class ConsolidationLease(Protocol):
+    """A session's consolidation held by this process (`ConsolidationGuard.acquire`)."""
+
+    def consolidated(self) -> tuple[str, str] | None:
+        """`(session_id, first_kept_entry_id)` of the session's last recorded
+        consolidation, or None."""
+        ...
+
+    def record(
+        self, session_id: str, first_kept_entry_id: str, *, summarized: int, facts: int
+    ) -> None:
+        """Store how far the session is consolidated now."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class ConsolidationGuard(Protocol):
+    """Consolidation state shared by replicas: who runs a session's consolidation now,
+    and how far it went (`gateway.memory.pg_store.PostgresConsolidationGuard`). Blocking:
+    called in worker threads. Without one (the file mode: one process owns the
+    workspace) the consolidator's per-session lock is enough."""
+
+    def acquire(self, session_key: str) -> ConsolidationLease | None:
+        """The session's lease, or None while another replica holds it."""
+        ...
 
 
 class Consolidator:
@@ -432,7 +468,7 @@ class Consolidator:
     def __init__(
         self,
         sessions: SessionManager,
-        memory: MemoryStore,
+        memory: MemoryBackend,
         provider: LLMProvider,
         *,
         model: str,
@@ -445,6 +481,7 @@ class Consolidator:
         retry_max: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         max_concurrent: int = 2,
+        guard: ConsolidationGuard | None = None,
     ) -> None:
         if memory_window < 1:
             raise ValueError("memory_window must be at least 1")
@@ -464,6 +501,7 @@ class Consolidator:
         self.retry_max = retry_max
         self.clock = clock
         self.max_concurrent = max(1, max_concurrent)
+        self.guard = guard
         self._pending: dict[str, float] = {}  # key -> when it is due (clock time)
         self._failures: dict[str, int] = {}  # key -> consecutive failures
         self._running: set[str] = set()  # keys with a service job in progress
@@ -668,10 +706,29 @@ class Consolidator:
             self._in_progress -= 1
 
     async def _attempt(self, key: str, force: bool, retry: bool) -> ConsolidationOutcome:
+        if self.guard is None:
+            return await self._attempt_held(key, force, retry, None)
+        try:
+            lease = await anyio.to_thread.run_sync(self.guard.acquire, key)
+        except Exception as exc:
+            return self._record_failure(key, exc, retry)
+        if lease is None:
+            # Another replica runs it; it schedules any further run itself.
+            self._skipped += 1
+            return ConsolidationOutcome(key, "busy")
+        try:
+            return await self._attempt_held(key, force, retry, lease)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(lease.release)
+
+    async def _attempt_held(
+        self, key: str, force: bool, retry: bool, lease: ConsolidationLease | None
+    ) -> ConsolidationOutcome:
         started = time.monotonic()
         try:
             with anyio.fail_after(self.timeout):
-                snapshot = await anyio.to_thread.run_sync(self._snapshot, key, force)
+                snapshot = await anyio.to_thread.run_sync(self._snapshot, key, force, lease)
                 if isinstance(snapshot, ConsolidationOutcome):
                     self._skipped += 1
                     self._failures.pop(key, None)
@@ -705,7 +762,10 @@ class Consolidator:
             self.schedule(key)  # a long backlog goes in several runs
         return outcome
 
-    def _snapshot(self, key: str, force: bool) -> _Snapshot | ConsolidationOutcome:
+    def _snapshot(
+        self, key: str, force: bool, lease: ConsolidationLease | None = None
+    ) -> _Snapshot | ConsolidationOutcome:
+        # Under the lease, `get` reads what other replicas appended (their compactions).
         session = self.sessions.get(key)
         if session is None:
             return ConsolidationOutcome(key, "no_session")
@@ -715,7 +775,7 @@ class Consolidator:
         plan = self.plan(ctx)
         if plan is None:
             return ConsolidationOutcome(key, "nothing_to_summarize")
-        return _Snapshot(session, session.session_id, plan)
+        return _Snapshot(session, session.session_id, plan, lease)
 
     def _commit(
         self, key: str, snapshot: _Snapshot, result: ConsolidationResult
@@ -723,10 +783,15 @@ class Consolidator:
         session, plan = snapshot.session, snapshot.plan
         facts, summarized = len(result.facts), len(plan.to_summarize)
         reset = session.session_id != snapshot.session_id
-        if not reset and plan.first_kept_entry_id not in {e.id for e in session.get_branch()}:
+        branch = [e.id for e in session.get_branch()]
+        if not reset and plan.first_kept_entry_id not in branch:
             # The user moved to another branch meanwhile; a compaction at the new leaf
             # would hide that branch's messages. Try again on the next trigger.
             return ConsolidationOutcome(key, "stale")
+        if snapshot.lease is not None and _already_consolidated(
+            snapshot.lease.consolidated(), snapshot.session_id, plan.first_kept_entry_id, branch
+        ):
+            return ConsolidationOutcome(key, "busy")
         # Facts first: a crash before the compaction can only repeat them next time.
         self.memory.for_session(key).record_consolidation(result.facts, result.history_line)
         if reset:  # /new meanwhile: the old conversation's facts still count
@@ -747,6 +812,10 @@ class Consolidator:
             return ConsolidationOutcome(key, "reset", facts, summarized)
         if entry is None:
             return ConsolidationOutcome(key, "cancelled", facts, summarized)
+        if snapshot.lease is not None:
+            snapshot.lease.record(
+                snapshot.session_id, plan.first_kept_entry_id, summarized=summarized, facts=facts
+            )
         after = session.build_context()
         more = self.should_consolidate(after) and self.plan(after) is not None
         return ConsolidationOutcome(
@@ -779,3 +848,13 @@ class Consolidator:
             detail,
         )
         return ConsolidationOutcome(key, "failed", error=detail, retry_in=delay)
+
+
+def _already_consolidated(
+    done: tuple[str, str] | None, session_id: str, first_kept: str, branch: list[str]
+) -> bool:
+    """True when the recorded consolidation `done` of this session already covers the
+    span up to `first_kept` (its first kept entry is that one or a later one)."""
+    if done is None or done[0] != session_id or done[1] not in branch:
+        return False
+    return branch.index(done[1]) >= branch.index(first_kept) if first_kept in branch else False

@@ -8,6 +8,7 @@ headings; people may edit it and add free text. HISTORY.md holds one entry per l
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from datetime import time as time_of_day
@@ -50,6 +51,13 @@ def normalize_category(category: str) -> str:
         return cleaned
     logger.warning("Unknown memory category {!r}; using {!r}", category, DEFAULT_CATEGORY)
     return DEFAULT_CATEGORY
+
+
+def clean_facts(facts: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`(category, text)` facts with known categories and one-line texts; empty ones dropped."""
+    return [
+        (normalize_category(category), one_line(text)) for category, text in facts if one_line(text)
+    ]
 
 
 def format_fact(category: str, text: str) -> str:

@@ -149,8 +149,34 @@ class _State:
     stale: set[str] = field(default_factory=set)  # entries to (re)index before a search
 
 
-def _searchable(entry: KnowledgeEntry) -> str:
+def searchable_text(entry: KnowledgeEntry) -> str:
+    """What a knowledge search matches: the content, the tags and the source."""
     return " ".join((entry.content, *entry.tags, entry.source or ""))
+
+
+def context_export(entries: Iterable[KnowledgeEntry], max_chars: int) -> str:
+    """`[category] content` lines for the LLM, at most `max_chars` characters.
+
+    Categories in priority order (user preferences, project decisions, error
+    patterns, system behaviour, learned facts), most accessed first within one;
+    an entry too long for the remaining budget is skipped, not cut.
+    """
+    buckets: dict[str, list[KnowledgeEntry]] = {c: [] for c in CATEGORIES}
+    for entry in entries:
+        buckets.setdefault(entry.category, []).append(entry)
+    lines: list[str] = []
+    used = 0
+    for category in CATEGORIES:
+        bucket = buckets[category]
+        bucket.sort(key=_popularity, reverse=True)
+        for entry in bucket:
+            line = f"[{entry.category}] {entry.content}"
+            cost = len(line) + (1 if lines else 0)
+            if used + cost > max_chars:
+                continue
+            lines.append(line)
+            used += cost
+    return "\n".join(lines)
 
 
 class KnowledgeBase:
@@ -241,29 +267,10 @@ class KnowledgeBase:
             return [self._touch(entry) for entry in found]
 
     def export_for_context(self, max_chars: int = 2000) -> str:
-        """`[category] content` lines for the LLM, at most `max_chars` characters.
-
-        Categories in priority order (user preferences, project decisions, error
-        patterns, system behaviour, learned facts), most accessed first within one;
-        an entry too long for the remaining budget is skipped, not cut.
-        """
-        lines: list[str] = []
-        used = 0
+        """`context_export` of every entry."""
         with self._lock:
-            buckets: dict[str, list[KnowledgeEntry]] = {c: [] for c in CATEGORIES}
-            for entry in self._state.entries.values():
-                buckets[entry.category].append(entry)
-        for category in CATEGORIES:
-            bucket = buckets[category]
-            bucket.sort(key=_popularity, reverse=True)
-            for entry in bucket:
-                line = f"[{entry.category}] {entry.content}"
-                cost = len(line) + (1 if lines else 0)
-                if used + cost > max_chars:
-                    continue
-                lines.append(line)
-                used += cost
-        return "\n".join(lines)
+            entries = list(self._state.entries.values())
+        return context_export(entries, max_chars)
 
     # -- writing -----------------------------------------------------------------
 
@@ -386,7 +393,7 @@ class KnowledgeBase:
                     state.index.remove(old_doc)
                     del state.entry_of[old_doc]
             stale = [state.entries[key] for key in state.stale]
-            docs = state.index.add_many((_searchable(e), e.category, None) for e in stale)
+            docs = state.index.add_many((searchable_text(e), e.category, None) for e in stale)
             for entry, doc in zip(stale, docs, strict=True):
                 state.doc_of[entry.id] = doc
                 state.entry_of[doc] = entry.id

@@ -39,6 +39,7 @@ from gateway.fsutil import (
 )
 from gateway.memory.dedupe import redundant_facts
 from gateway.memory.format import (
+    clean_facts,
     consolidated_heading,
     format_fact,
     format_history_line,
@@ -66,7 +67,7 @@ ARCHIVE_GLOB = "HISTORY.archive.*.md"
 _TAIL_CHUNK = 64 * 1024
 
 
-def _utc_now() -> datetime:
+def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
@@ -81,7 +82,7 @@ class MemoryManager:
         history_max_bytes: int = 512_000,
         fsync_appends: bool = False,
         knowledge_flush_every: int = 32,
-        clock: Callable[[], datetime] = _utc_now,
+        clock: Callable[[], datetime] = utc_now,
     ) -> None:
         if history_max_bytes < 2:
             raise ValueError("history_max_bytes must be at least 2")
@@ -293,11 +294,7 @@ class MemoryManager:
         There is no transaction across the three files: a crash in between can leave
         the facts without the summary, never half a file.
         """
-        cleaned = [
-            (normalize_category(category), one_line(text))
-            for category, text in facts
-            if one_line(text)
-        ]
+        cleaned = clean_facts(facts)
         with self._lock:
             written = self.append_facts(cleaned, day)
             for category, text in cleaned:

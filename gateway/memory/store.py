@@ -12,9 +12,11 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
-from gateway.memory.manager import MemoryManager
+from gateway.memory.manager import MemoryManager, utc_now
 from gateway.memory.scopes import (
     MEMORY_DIRNAME,
     ScopeMode,
@@ -35,6 +37,7 @@ class MemoryStore:
         history_max_bytes: int = 512_000,
         fsync_appends: bool = False,
         knowledge_flush_every: int = 32,
+        clock: Callable[[], datetime] = utc_now,
     ) -> None:
         scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
         self.workspace_path = Path(workspace_path)
@@ -46,6 +49,7 @@ class MemoryStore:
             "fsync_appends": fsync_appends,
             "knowledge_flush_every": knowledge_flush_every,
         }
+        self._clock = clock
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, MemoryManager] = OrderedDict()
         self._alive: weakref.WeakValueDictionary[str, MemoryManager] = weakref.WeakValueDictionary()
@@ -79,6 +83,7 @@ class MemoryStore:
                     history_max_bytes=int(self._options["history_max_bytes"]),
                     fsync_appends=bool(self._options["fsync_appends"]),
                     knowledge_flush_every=int(self._options["knowledge_flush_every"]),
+                    clock=self._clock,
                 )
                 self._alive[scope] = manager
             self._recent[scope] = manager

@@ -1,0 +1,593 @@
+"""Long-term memory in PostgreSQL: the same scopes, facts, history and knowledge as the
+workspace files, as rows shared by every gateway replica (`gateway.memory.protocol`).
+
+Rows per scope (migration 0003): ``gw_memory_facts`` (a MEMORY.md line each, with the day
+of its ``### Consolidated`` heading), ``gw_memory_history`` (a HISTORY.md line each, with
+its timestamp) and ``gw_memory_knowledge`` (a knowledge entry each, keyed by its content
+hash). A scope is stored under its file-mode folder name (`scope_dirname`: reversible,
+collision-free, any bytes), so both modes agree on which names are the same scope.
+
+Search is PostgreSQL full-text search: each row has a ``tsvector`` of its text as
+`gateway.memory.text.tokenize` sees it (stemming, stopwords, negations kept), parsed with
+the ``'simple'`` configuration, and a GIN index. A query is the OR of its tokens; rows
+are ranked by ``ts_rank`` (normalized by document length) times the recency weight
+``1 / (1 + age_hours * decay_rate)`` computed in SQL, best first, newer first on ties.
+Feeding our tokenizer rather than a language configuration keeps the two modes matching
+the same documents for the same query, in every language. Unlike the file mode's BM25,
+``ts_rank`` has no inverse document frequency: a rare query word weighs no more than a
+common one (the conformance suite asserts only what both rankings promise).
+
+Text PostgreSQL cannot hold: a NUL character (``\\x00``) becomes U+FFFD, and so does a
+lone surrogate; everything else is stored as given. A huge entry is stored whole; its
+first `MAX_INDEXED_CHARS` characters of tokens are searchable (a tsvector is at most
+1 MB).
+
+Promises: every statement names its scope (one scope never sees another's rows); an
+append returns once PostgreSQL committed it; `record_consolidation` stores a
+consolidation's facts, knowledge and summary in one transaction (all or nothing, which
+the files cannot promise). Calls block on the network: run them in worker threads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import UTC, date, datetime
+from typing import TYPE_CHECKING, Any
+
+from gateway.memory.format import (
+    clean_facts,
+    consolidated_heading,
+    format_fact,
+    format_history_line,
+    history_timestamp,
+    normalize_category,
+)
+from gateway.memory.knowledge import (
+    KnowledgeEntry,
+    context_export,
+    entry_id,
+    searchable_text,
+)
+from gateway.memory.manager import utc_now
+from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
+from gateway.memory.text import one_line, tokenize
+
+if TYPE_CHECKING:
+    import psycopg
+    from psycopg_pool import ConnectionPool
+
+#: Characters of a document's token text that go into its tsvector.
+MAX_INDEXED_CHARS = 200_000
+
+_RANK = "ts_rank(tsv, q, 1)"  # 1: divided by 1 + log(document length), as BM25 does
+
+
+def pg_text(text: str) -> str:
+    """`text` as PostgreSQL can store it: NUL and lone surrogates become U+FFFD."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
+    return text
+
+
+def search_terms(text: str) -> str:
+    """The document text as the full-text index sees it: our tokens, space-separated."""
+    terms = " ".join(tokenize(text))
+    if len(terms) > MAX_INDEXED_CHARS:
+        terms = terms[: terms.rfind(" ", 0, MAX_INDEXED_CHARS)]
+    return terms
+
+
+def search_query(query: str) -> str | None:
+    """A `to_tsquery` text matching any token of `query`; None when it has none."""
+    tokens = dict.fromkeys(tokenize(query))
+    if not tokens:
+        return None
+    return " | ".join("'" + t.replace("\\", "\\\\").replace("'", "''") + "'" for t in tokens)
+
+
+def _entry(row: Sequence[Any]) -> KnowledgeEntry:
+    ident, category, content, source, tags, created, accessed, count = row
+    return KnowledgeEntry(
+        str(ident),
+        str(category),
+        str(content),
+        source,
+        tuple(tags),
+        float(created),
+        float(accessed),
+        int(count),
+    )
+
+
+_ENTRY_COLUMNS = "id, category, content, source, tags, created_at, accessed_at, access_count"
+
+
+def _top(
+    conn: psycopg.Connection[Any],
+    table: str,
+    column: str,
+    scope: str,
+    query: str,
+    limit: int,
+    *,
+    category: str | None = None,
+    weight: tuple[str, Sequence[Any]] = ("1.0", ()),
+    ties: str = "id DESC",
+    latest: str = "id DESC",
+) -> list[str]:
+    """`column` of the best `limit` rows of `table` in `scope` for `query`: ranked by
+    `_RANK` times the SQL `weight` (with its parameters), then `ties`; a query without
+    words lists by `latest`. `category` filters on the row's category."""
+    where = "AND category = %s" if category else ""
+    filters: list[Any] = [category] if category else []
+    tsquery = search_query(query)
+    if tsquery is None:
+        rows = conn.execute(
+            f"SELECT {column} FROM {table} WHERE scope = %s {where} ORDER BY {latest} LIMIT %s",
+            (scope, *filters, limit),
+        ).fetchall()
+    else:
+        factor, factor_params = weight
+        rows = conn.execute(
+            f"SELECT {column} FROM {table}, to_tsquery('simple', %s) q "
+            f"WHERE scope = %s AND tsv @@ q {where} "
+            f"ORDER BY {_RANK} * {factor} DESC, {ties} LIMIT %s",
+            (tsquery, scope, *filters, *factor_params, limit),
+        ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+class _Scoped:
+    """A scope's name as stored, the pool and the clock."""
+
+    def __init__(
+        self, pool: ConnectionPool, scope: str, clock: Callable[[], datetime] = utc_now
+    ) -> None:
+        self._pool = pool
+        self._key = scope_dirname(scope)  # raises ValueError for unusable names
+        self._clock = clock
+
+    def _ensure_scope(self, conn: psycopg.Connection[Any]) -> None:
+        conn.execute(
+            "INSERT INTO gw_memory_scopes (scope, created_at) VALUES (%s, %s) "
+            "ON CONFLICT (scope) DO NOTHING",
+            (self._key, time.time()),
+        )
+
+
+class PostgresKnowledge(_Scoped):
+    """The knowledge entries of one scope (`gateway.memory.protocol.Knowledge`)."""
+
+    def __len__(self) -> int:
+        with self._pool.connection() as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM gw_memory_knowledge WHERE scope = %s", (self._key,)
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def __iter__(self) -> Iterator[KnowledgeEntry]:
+        return iter(self._select("", (), "ORDER BY created_at, id"))
+
+    def _select(self, where: str, params: Sequence[Any], tail: str = "") -> list[KnowledgeEntry]:
+        with self._pool.connection() as conn:
+            rows = conn.execute(
+                f"SELECT {_ENTRY_COLUMNS} FROM gw_memory_knowledge WHERE scope = %s {where} {tail}",
+                (self._key, *params),
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def get(self, entry_id: str) -> KnowledgeEntry | None:
+        found = self._select("AND id = %s", (entry_id,))
+        return found[0] if found else None
+
+    def by_category(self, category: str) -> list[KnowledgeEntry]:
+        return self._select(
+            "AND category = %s", (category,), "ORDER BY access_count DESC, created_at DESC"
+        )
+
+    def search(
+        self, query: str = "", *, category: str | None = "", max_results: int = 20
+    ) -> list[KnowledgeEntry]:
+        if max_results <= 0:
+            return []
+        with self._pool.connection() as conn, conn.transaction():
+            ids = _top(
+                conn,
+                "gw_memory_knowledge",
+                "id",
+                self._key,
+                query,
+                max_results,
+                category=category or None,
+                ties="created_at DESC, id",
+                latest="access_count DESC, created_at DESC",
+            )
+            if not ids:
+                return []
+            # A search counts as an access, as in the file mode.
+            touched = conn.execute(
+                "UPDATE gw_memory_knowledge SET access_count = access_count + 1, "
+                f"accessed_at = %s WHERE scope = %s AND id = ANY(%s) RETURNING {_ENTRY_COLUMNS}",
+                (self._clock().timestamp(), self._key, ids),
+            ).fetchall()
+        by_id = {e.id: e for e in map(_entry, touched)}
+        return [by_id[i] for i in ids if i in by_id]
+
+    def export_for_context(self, max_chars: int = 2000) -> str:
+        # Only entries that fit the budget at all can be exported.
+        return context_export(
+            self._select("AND length(content) + length(category) + 3 <= %s", (max_chars,)),
+            max_chars,
+        )
+
+    def add(
+        self,
+        category: str,
+        content: str,
+        *,
+        source: str = "",
+        tags: Iterable[str] | None = None,
+    ) -> KnowledgeEntry:
+        """Add or reinforce an entry; committed when this returns."""
+        with self._pool.connection() as conn, conn.transaction():
+            return self.add_in(conn, category, content, source=source, tags=tags)
+
+    def add_in(
+        self,
+        conn: psycopg.Connection[Any],
+        category: str,
+        content: str,
+        *,
+        source: str = "",
+        tags: Iterable[str] | None = None,
+    ) -> KnowledgeEntry:
+        """`add` inside the caller's transaction."""
+        text = pg_text(one_line(content))
+        if not text:
+            raise ValueError("a knowledge entry needs some content")
+        category = normalize_category(category)
+        new_tags = tuple(dict.fromkeys(pg_text(t.strip()) for t in tags or () if t.strip()))
+        origin = pg_text(source) or None
+        key = entry_id(category, text)
+        now = self._clock().timestamp()
+        self._ensure_scope(conn)
+        fresh = KnowledgeEntry(key, category, text, origin, new_tags, now, now, 0)
+        inserted = conn.execute(
+            f"INSERT INTO gw_memory_knowledge ({_ENTRY_COLUMNS}, scope, tsv) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, to_tsvector('simple', %s)) "
+            f"ON CONFLICT (scope, id) DO NOTHING RETURNING {_ENTRY_COLUMNS}",
+            (*_values(fresh), self._key, search_terms(searchable_text(fresh))),
+        ).fetchone()
+        if inserted is not None:
+            return _entry(inserted)
+        row = conn.execute(
+            f"SELECT {_ENTRY_COLUMNS} FROM gw_memory_knowledge "
+            "WHERE scope = %s AND id = %s FOR UPDATE",
+            (self._key, key),
+        ).fetchone()
+        assert row is not None  # rows are never deleted but with their scope
+        existing = _entry(row)
+        merged = KnowledgeEntry(
+            key,
+            existing.category,
+            existing.content,
+            existing.source or origin,
+            tuple(dict.fromkeys(existing.tags + new_tags)),
+            existing.created_at,
+            now,
+            existing.access_count + 1,
+        )
+        conn.execute(
+            "UPDATE gw_memory_knowledge SET source = %s, tags = %s, accessed_at = %s, "
+            "access_count = %s, tsv = to_tsvector('simple', %s) WHERE scope = %s AND id = %s",
+            (
+                merged.source,
+                list(merged.tags),
+                now,
+                merged.access_count,
+                search_terms(searchable_text(merged)),
+                self._key,
+                key,
+            ),
+        )
+        return merged
+
+    def flush(self) -> bool:
+        """Every change was committed already."""
+        return False
+
+
+def _values(entry: KnowledgeEntry) -> tuple[Any, ...]:
+    return (
+        entry.id,
+        entry.category,
+        entry.content,
+        entry.source,
+        list(entry.tags),
+        entry.created_at,
+        entry.accessed_at,
+        entry.access_count,
+    )
+
+
+class PostgresMemoryScope(_Scoped):
+    """The memory of one scope in PostgreSQL (`gateway.memory.protocol.MemoryScope`)."""
+
+    def __init__(
+        self, pool: ConnectionPool, scope: str, clock: Callable[[], datetime] = utc_now
+    ) -> None:
+        super().__init__(pool, scope, clock)
+        self._scope = scope
+        self._knowledge = PostgresKnowledge(pool, scope, clock)
+
+    @property
+    def scope(self) -> str:
+        return self._scope
+
+    @property
+    def knowledge(self) -> PostgresKnowledge:
+        return self._knowledge
+
+    # -- facts -----------------------------------------------------------------------
+
+    def read_memory(self) -> str:
+        """The facts rendered as MEMORY.md: a heading wherever the day changes."""
+        with self._pool.connection() as conn:
+            rows = conn.execute(
+                "SELECT day, line FROM gw_memory_facts WHERE scope = %s ORDER BY id",
+                (self._key,),
+            ).fetchall()
+        out: list[str] = []
+        current: date | None = None
+        for day, line in rows:
+            if day is not None and day != current:
+                out.append(("\n" if out else "") + consolidated_heading(day))
+                current = day
+            out.append(str(line))
+        return "".join(line + "\n" for line in out)
+
+    def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
+        with self._pool.connection() as conn, conn.transaction():
+            return self._append_facts(conn, facts, day)
+
+    def _append_facts(
+        self, conn: psycopg.Connection[Any], facts: Iterable[tuple[str, str]], day: date | None
+    ) -> int:
+        rows: list[tuple[str, str]] = []
+        for category, text in facts:
+            if not one_line(text):
+                continue
+            tag = normalize_category(category)
+            rows.append((tag, pg_text(format_fact(tag, text))))
+        if not rows:
+            return 0
+        day = day or self._clock().astimezone(UTC).date()
+        now = time.time()
+        self._ensure_scope(conn)
+        with conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO gw_memory_facts (scope, day, category, line, created_at, tsv) "
+                "VALUES (%s, %s, %s, %s, %s, to_tsvector('simple', %s))",
+                [(self._key, day, tag, line, now, search_terms(line)) for tag, line in rows],
+            )
+        return len(rows)
+
+    def search_memory(
+        self, query: str, max_results: int = 10, category: str | None = None
+    ) -> list[str]:
+        if max_results <= 0:
+            return []
+        tag = category.strip().lower() if category else None
+        with self._pool.connection() as conn:
+            return _top(
+                conn, "gw_memory_facts", "line", self._key, query, max_results, category=tag
+            )
+
+    # -- history ---------------------------------------------------------------------
+
+    def append_history(self, entry: str) -> str:
+        with self._pool.connection() as conn, conn.transaction():
+            return self._append_history(conn, entry)
+
+    def _append_history(self, conn: psycopg.Connection[Any], entry: str) -> str:
+        if not one_line(entry):
+            return ""
+        line = pg_text(format_history_line(entry, self._clock()).rstrip("\n"))
+        stamp = history_timestamp(line)
+        self._ensure_scope(conn)
+        conn.execute(
+            "INSERT INTO gw_memory_history (scope, at, line, tsv) "
+            "VALUES (%s, %s, %s, to_tsvector('simple', %s))",
+            (self._key, stamp if stamp is not None else time.time(), line, search_terms(line)),
+        )
+        return line
+
+    def search_history(
+        self,
+        query: str,
+        max_results: int = 20,
+        decay_rate: float = 0.001,
+        *,
+        now: datetime | None = None,
+    ) -> list[str]:
+        if max_results <= 0:
+            return []
+        moment = (now or self._clock()).timestamp()
+        decay = "1.0 / (1.0 + greatest(0.0, %s - at) / 3600.0 * %s)"
+        with self._pool.connection() as conn:
+            return _top(
+                conn,
+                "gw_memory_history",
+                "line",
+                self._key,
+                query,
+                max_results,
+                weight=(decay, (moment, max(0.0, decay_rate))),
+            )
+
+    # -- consolidation ---------------------------------------------------------------
+
+    def record_consolidation(
+        self,
+        facts: Iterable[tuple[str, str]],
+        summary: str,
+        *,
+        day: date | None = None,
+        source: str = "consolidation",
+    ) -> None:
+        """Facts, knowledge entries and the summary line in one transaction."""
+        cleaned = clean_facts(facts)
+        with self._pool.connection() as conn, conn.transaction():
+            self._append_facts(conn, cleaned, day)
+            for category, text in cleaned:
+                self._knowledge.add_in(conn, category, text, source=source)
+            self._append_history(conn, summary)
+
+    def flush(self) -> None:
+        """Every change was committed already."""
+
+    def close(self) -> None:
+        """Nothing held open: connections go back to the pool after each call."""
+
+
+class PostgresMemoryStore:
+    """Every scope's memory in one PostgreSQL database (`MemoryBackend`)."""
+
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        *,
+        mode: ScopeMode = "per_session",
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
+        self._pool = pool
+        self._mode: ScopeMode = mode
+        self._clock = clock
+
+    @property
+    def mode(self) -> ScopeMode:
+        return self._mode
+
+    def scope_for(self, session_key: str) -> str:
+        return scope_for_session(session_key, self._mode)
+
+    def exists(self, session_key: str) -> bool:
+        key = scope_dirname(self.scope_for(session_key))
+        with self._pool.connection() as conn:
+            return (
+                conn.execute("SELECT 1 FROM gw_memory_scopes WHERE scope = %s", (key,)).fetchone()
+                is not None
+            )
+
+    def for_session(self, session_key: str) -> PostgresMemoryScope:
+        return self.for_scope(self.scope_for(session_key))
+
+    def for_scope(self, scope: str) -> PostgresMemoryScope:
+        # Stateless: every call reads PostgreSQL, so no cache to keep coherent.
+        return PostgresMemoryScope(self._pool, scope, self._clock)
+
+    def flush(self) -> None:
+        """Every change was committed already."""
+
+    def close(self) -> None:
+        """The pool belongs to `SharedStorage`, which closes it."""
+
+
+class _PostgresLease:
+    """A session's consolidation lease: a session-level advisory lock held on one pooled
+    connection until `release` (a replica that dies releases it with its connection)."""
+
+    def __init__(
+        self, pool: ConnectionPool, conn: psycopg.Connection[Any], key: str, replica: str
+    ) -> None:
+        self._pool = pool
+        self._conn: psycopg.Connection[Any] | None = conn
+        self._key = key
+        self._replica = replica
+
+    def consolidated(self) -> tuple[str, str] | None:
+        with self._pool.connection() as conn:
+            row = conn.execute(
+                "SELECT session_id, first_kept_entry_id FROM gw_consolidations "
+                "WHERE session_key = %s",
+                (self._key,),
+            ).fetchone()
+        return (str(row[0]), str(row[1])) if row else None
+
+    def record(
+        self, session_id: str, first_kept_entry_id: str, *, summarized: int, facts: int
+    ) -> None:
+        with self._pool.connection() as conn:
+            conn.execute(
+                "INSERT INTO gw_consolidations (session_key, session_id, first_kept_entry_id, "
+                "summarized, facts, consolidated_at, replica) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (session_key) DO UPDATE SET "
+                "session_id = EXCLUDED.session_id, "
+                "first_kept_entry_id = EXCLUDED.first_kept_entry_id, "
+                "summarized = EXCLUDED.summarized, facts = EXCLUDED.facts, "
+                "consolidated_at = EXCLUDED.consolidated_at, replica = EXCLUDED.replica",
+                (
+                    self._key,
+                    session_id,
+                    first_kept_entry_id,
+                    summarized,
+                    facts,
+                    time.time(),
+                    self._replica,
+                ),
+            )
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.execute(_UNLOCK, (self._key,))
+        except Exception:  # a broken connection released the lock with itself
+            conn.close()
+        _give_back(self._pool, conn)
+
+
+def _give_back(pool: ConnectionPool, conn: psycopg.Connection[Any]) -> None:
+    """Return a connection taken with `getconn`, as the pool's other users expect it."""
+    if not conn.closed:
+        try:
+            conn.autocommit = False
+        except Exception:
+            conn.close()
+    pool.putconn(conn)
+
+
+#: The advisory lock of a session's consolidation: (this schema, the session key).
+_LOCK_KEYS = "hashtext(current_schema() || ':consolidation'), hashtext(%s)"
+_TRY_LOCK = f"SELECT pg_try_advisory_lock({_LOCK_KEYS})"
+_UNLOCK = f"SELECT pg_advisory_unlock({_LOCK_KEYS})"
+
+
+class PostgresConsolidationGuard:
+    """Consolidation state shared by replicas (`gateway.memory.consolidation.
+    ConsolidationGuard`): one replica at a time consolidates a session, and the last
+    consolidated span of each session is a row in ``gw_consolidations``."""
+
+    def __init__(self, pool: ConnectionPool, replica: str) -> None:
+        self._pool = pool
+        self.replica = replica
+
+    def acquire(self, session_key: str) -> _PostgresLease | None:
+        conn = self._pool.getconn()
+        try:
+            conn.autocommit = True  # the lock is the session's, not a transaction's
+            row = conn.execute(_TRY_LOCK, (session_key,)).fetchone()
+        except BaseException:
+            _give_back(self._pool, conn)
+            raise
+        if not row or not row[0]:
+            _give_back(self._pool, conn)
+            return None
+        return _PostgresLease(self._pool, conn, session_key, self.replica)

@@ -1,0 +1,144 @@
+"""The memory store protocols: what the agent, consolidation, the memory tools and the CLI
+need of long-term memory, whichever backend keeps it.
+
+Two implementations: workspace files (`MemoryStore` / `MemoryManager` / `KnowledgeBase`,
+the embedded default) and PostgreSQL (`gateway.memory.pg_store`, for replicas). Both
+keep the same promises, checked by one conformance suite
+(tests/test_memory_store_conformance.py):
+
+- a scope's memory is only ever read or written through that scope: one scope never
+  sees another's facts, history or knowledge;
+- facts are `- [category] text` bullets under `### Consolidated YYYY-MM-DD` headings,
+  history lines are `[YYYY-MM-DD HH:MM:SS] text` (UTC), both append-only;
+- knowledge entries are deduplicated by (category, normalized content);
+- searches rank by keyword relevance (the same tokenizer, `gateway.memory.text`, for
+  documents and queries), optionally filtered by category and weighted by recency
+  `1 / (1 + age_hours * decay_rate)`, best `max_results` first, newer first on ties;
+  a query without searchable words returns the newest entries.
+
+Every method blocks (files or network): call them from a worker thread on the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from datetime import date, datetime
+from typing import Protocol
+
+from gateway.memory.knowledge import KnowledgeEntry
+from gateway.memory.scopes import ScopeMode
+
+
+class Knowledge(Protocol):
+    """Typed knowledge entries of one scope."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[KnowledgeEntry]: ...
+
+    def get(self, entry_id: str) -> KnowledgeEntry | None: ...
+
+    def by_category(self, category: str) -> list[KnowledgeEntry]:
+        """Entries of `category`, most accessed first, then newest first."""
+        ...
+
+    def search(
+        self, query: str = "", *, category: str | None = "", max_results: int = 20
+    ) -> list[KnowledgeEntry]:
+        """Entries by relevance to `query` (counts as an access); an empty query lists
+        the most accessed."""
+        ...
+
+    def export_for_context(self, max_chars: int = 2000) -> str:
+        """`[category] content` lines by category priority, at most `max_chars`."""
+        ...
+
+    def add(
+        self,
+        category: str,
+        content: str,
+        *,
+        source: str = "",
+        tags: Iterable[str] | None = None,
+    ) -> KnowledgeEntry:
+        """Add an entry, or reinforce the one with the same normalized content."""
+        ...
+
+    def flush(self) -> bool:
+        """Make every change durable now; True if there was something to write."""
+        ...
+
+
+class MemoryScope(Protocol):
+    """The memory of one scope: facts (MEMORY.md), history lines, knowledge."""
+
+    @property
+    def scope(self) -> str: ...
+
+    @property
+    def knowledge(self) -> Knowledge: ...
+
+    def read_memory(self) -> str:
+        """The facts as MEMORY.md text ('' when there are none)."""
+        ...
+
+    def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
+        """`(category, text)` bullets under the day's heading; how many were written."""
+        ...
+
+    def search_memory(
+        self, query: str, max_results: int = 10, category: str | None = None
+    ) -> list[str]:
+        """Fact lines (`- [category] text`, free text as written) best first."""
+        ...
+
+    def append_history(self, entry: str) -> str:
+        """Append one timestamped history line; the line ('' for an empty entry)."""
+        ...
+
+    def search_history(
+        self,
+        query: str,
+        max_results: int = 20,
+        decay_rate: float = 0.001,
+        *,
+        now: datetime | None = None,
+    ) -> list[str]:
+        """History lines by relevance x recency, best first."""
+        ...
+
+    def record_consolidation(
+        self,
+        facts: Iterable[tuple[str, str]],
+        summary: str,
+        *,
+        day: date | None = None,
+        source: str = "consolidation",
+    ) -> None:
+        """One consolidation's facts (to the facts and the knowledge) and summary."""
+        ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryBackend(Protocol):
+    """Where every scope's memory lives; hands out one `MemoryScope` per scope."""
+
+    @property
+    def mode(self) -> ScopeMode: ...
+
+    def scope_for(self, session_key: str) -> str: ...
+
+    def exists(self, session_key: str) -> bool:
+        """Has the key's scope any memory yet? Creates nothing."""
+        ...
+
+    def for_session(self, session_key: str) -> MemoryScope: ...
+
+    def for_scope(self, scope: str) -> MemoryScope: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
