@@ -42,6 +42,15 @@ def populate(manager: SessionManager) -> None:
     manager.get_or_create(HOSTILE_KEY).add_message(user(HOSTILE_TEXT))
 
 
+def file_workspace(tmp_path: Path) -> Path:
+    """A file-mode workspace holding every shape of `populate`."""
+    source = tmp_path / "source"
+    manager = SessionManager(source / "sessions", fsync="never")
+    populate(manager)
+    manager.close()
+    return source
+
+
 def session_files(workspace: Path) -> dict[str, bytes]:
     """Every session file under the workspace (archive included), by relative path."""
     root = workspace / "sessions"
@@ -89,10 +98,7 @@ def storage(args: list[str], url: str, tmp_path: Path) -> Any:
 def test_files_to_postgresql_to_files_gives_identical_session_files(
     migrated_pg_url: str, tmp_path: Path
 ) -> None:
-    source = tmp_path / "source"
-    manager = SessionManager(source / "sessions", fsync="never")
-    populate(manager)
-    manager.close()
+    source = file_workspace(tmp_path)
     # A line as another tool may have written it: stored and given back as it is.
     hand = source / "sessions" / (encode_key("cli:hand") + ".jsonl")
     hand.write_text(
@@ -148,10 +154,7 @@ def test_postgresql_to_files_to_postgresql_gives_identical_rows(
 def test_a_second_import_skips_and_reports_what_is_there(
     migrated_pg_url: str, tmp_path: Path
 ) -> None:
-    source = tmp_path / "source"
-    manager = SessionManager(source / "sessions", fsync="never")
-    populate(manager)
-    manager.close()
+    source = file_workspace(tmp_path)
     assert storage(["import", str(source)], migrated_pg_url, tmp_path).returncode == 0
     rows = dump_rows(migrated_pg_url)
 
@@ -282,10 +285,7 @@ def test_operator_mistakes_are_one_line(migrated_pg_url: str, tmp_path: Path) ->
 
 
 def test_progress_names_each_session_with_its_shape(migrated_pg_url: str, tmp_path: Path) -> None:
-    source = tmp_path / "source"
-    manager = SessionManager(source / "sessions", fsync="never")
-    populate(manager)
-    manager.close()
+    source = file_workspace(tmp_path)
     result = storage(["import", str(source)], migrated_pg_url, tmp_path)
     lines = result.stderr.splitlines()
     assert lines[0] == f"sessions: 6 found in {source / 'sessions'}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 from gateway.config import Settings
 from gateway.storage.postgres import StorageError, connect, migrate, redact_url, schema_status
@@ -70,11 +71,11 @@ def db_migrate(settings: Settings) -> int:
 def storage_transfer(settings: Settings, direction: str, folder: Path) -> int:
     """`gateway storage import|export DIR`: progress on stderr, the summary on stdout;
     exit 0 when everything is in place, 1 when something was damaged or conflicting."""
-    from gateway.storage.transfer import export_workspace, import_workspace
+    from gateway.storage.transfer import transfer_workspace
 
     url = _url(settings)
-    run = import_workspace if direction == "import" else export_workspace
+    mode: Literal["import", "export"] = "import" if direction == "import" else "export"
     with connect(url) as conn:
-        transfer = run(conn, url, folder.expanduser())
+        transfer = transfer_workspace(conn, url, mode, folder.expanduser())
     print(transfer.summary())
     return 0 if transfer.clean else 1

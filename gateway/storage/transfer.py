@@ -21,6 +21,7 @@ that re-encodes entries from parsed objects, and an import must keep the file's 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -155,7 +156,11 @@ def _read_locked(path: Path) -> bytes:
 
 
 def read_session_file(path: Path, key: str, archived_at: float | None = None) -> SessionFile:
-    """Parse and check a whole session file; `DamagedFile` says what is wrong with it."""
+    """Parse and check a whole session file; `DamagedFile` says what is wrong with it.
+
+    Every line is decoded in full here, unlike `SessionTree.ingest_lines`, which indexes
+    message lines by a quick match and decodes them when first used: an import must find
+    a damaged entry before it is stored, not when a replica first reads it."""
     data = _read_locked(path)
     if not data:
         raise DamagedFile("the file is empty (no header); a session file starts with one")
@@ -380,63 +385,43 @@ def _check_workspace_folder(workspace: Path) -> None:
         )
 
 
-def _run(
+def transfer_workspace(
     conn: psycopg.Connection[Any],
     url: str,
-    steps: Sequence[tuple[str, Step]],
+    direction: Literal["import", "export"],
     workspace: Path,
-    transfer: Transfer,
-) -> None:
+    *,
+    kinds: Sequence[str] | None = None,
+    out: TextIO | None = None,
+) -> Transfer:
+    """Import ``workspace`` into the database behind ``conn``, or export the database into
+    it (from one consistent snapshot: a read-only repeatable-read transaction), running
+    the step of every kind of state (or of ``kinds``) in order. The schema must be current."""
     import psycopg
 
+    if direction == "import":
+        _check_workspace_folder(workspace)
+    elif workspace.exists() and not workspace.is_dir():
+        raise ValueError(f"{workspace} is not a folder; give a folder to export into")
+    _require_current_schema(conn, url)
+    table = IMPORTS if direction == "import" else EXPORTS
+    steps = [step for kind, step in table.items() if kinds is None or kind in kinds]
+    transfer = Transfer(f"{direction}ed", out)
+    if direction == "export":
+        ensure_private_dir(workspace)
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+    # An export reads one snapshot; an import commits item by item (each its own
+    # transaction), so what it reported is kept if the connection drops half-way.
+    whole = conn.transaction() if direction == "export" else contextlib.nullcontext()
     try:
-        for _kind, step in steps:
-            step(conn, workspace, transfer)
+        with whole:
+            for step in steps:
+                step(conn, workspace, transfer)
     except psycopg.OperationalError as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StorageUnavailable(
             f"PostgreSQL at {redact_url(url)} went away ({reason}); every item reported "
             f"{transfer.verb} is complete, run the command again to finish"
         ) from None
-
-
-def import_workspace(
-    conn: psycopg.Connection[Any],
-    url: str,
-    workspace: Path,
-    *,
-    kinds: Sequence[str] | None = None,
-    out: TextIO | None = None,
-) -> Transfer:
-    """Import ``workspace`` into the database behind ``conn`` (its schema current)."""
-    _check_workspace_folder(workspace)
-    _require_current_schema(conn, url)
-    transfer = Transfer("imported", out)
-    steps = [(k, fn) for k, fn in IMPORTS.items() if kinds is None or k in kinds]
-    _run(conn, url, steps, workspace, transfer)
-    return transfer
-
-
-def export_workspace(
-    conn: psycopg.Connection[Any],
-    url: str,
-    workspace: Path,
-    *,
-    kinds: Sequence[str] | None = None,
-    out: TextIO | None = None,
-) -> Transfer:
-    """Write the database behind ``conn`` out as a file workspace in ``workspace``, from
-    one consistent snapshot (a read-only repeatable-read transaction)."""
-    import psycopg
-
-    if workspace.exists() and not workspace.is_dir():
-        raise ValueError(f"{workspace} is not a folder; give a folder to export into")
-    _require_current_schema(conn, url)
-    ensure_private_dir(workspace)
-    transfer = Transfer("exported", out)
-    steps = [(k, fn) for k, fn in EXPORTS.items() if kinds is None or k in kinds]
-    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-    conn.read_only = True
-    with conn.transaction():
-        _run(conn, url, steps, workspace, transfer)
     return transfer
