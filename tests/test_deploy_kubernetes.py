@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gateway.config import Settings, load_settings
-
-yaml = pytest.importorskip("yaml")
 
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 SECRET_NAME = re.compile(r"(TOKEN|API_KEY|SECRET|PASSWORD)$")
