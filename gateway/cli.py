@@ -196,6 +196,13 @@ def _parser() -> argparse.ArgumentParser:
     dstatus = dsub.add_parser("status", help="applied and pending migrations (exit 3: pending)")
     dstatus.add_argument("--json", action="store_true", help="machine-readable output")
     dsub.add_parser("migrate", help="apply pending migrations (safe with several replicas)")
+
+    storage = sub.add_parser("storage", help="move a file workspace into PostgreSQL and back")
+    stsub = storage.add_subparsers(dest="action", metavar="ACTION", required=True)
+    simport = stsub.add_parser("import", help="copy a workspace's sessions into storage.url")
+    simport.add_argument("dir", type=Path, help="the workspace folder (the one holding sessions/)")
+    sexport = stsub.add_parser("export", help="write storage.url out as a file workspace")
+    sexport.add_argument("dir", type=Path, help="the folder to write the workspace into")
     _with_global_options(parser)
     return parser
 
@@ -607,6 +614,12 @@ def cmd_db(args: argparse.Namespace, settings: Settings) -> int:
     return db_migrate(settings)
 
 
+def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.storage.commands import storage_transfer
+
+    return storage_transfer(settings, args.action, args.dir)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
@@ -626,6 +639,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "doctor": cmd_doctor,
         "memory": cmd_memory,
         "db": cmd_db,
+        "storage": cmd_storage,
     }
     return handlers[args.command](args, settings)
 

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
 import tempfile
@@ -102,15 +103,30 @@ def append_text(path: Path, text: str, *, fsync: bool = False) -> int:
 
 
 def create_exclusive(path: Path, data: bytes) -> None:
-    """Write a new file that must not exist yet (FileExistsError otherwise), fsynced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    """Write a new file that must not exist yet (FileExistsError otherwise), fsynced.
+
+    The data goes to a temp file first, which is then hard-linked to `path`: a crash
+    never leaves a half-written file under the name, and a file that appeared meanwhile
+    is never replaced (a link, unlike a rename, refuses an existing name)."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        written = 0
-        while written < len(data):
-            written += os.write(fd, data[written:])
-        os.fsync(fd)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_name, FILE_MODE)
+        try:
+            os.link(tmp_name, path)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                raise
+            # A file system without hard links: exclusive creation is still refused.
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+            os.rename(tmp_name, path)
     finally:
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
     fsync_dir(path.parent)
 
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -183,7 +186,146 @@ def test_compose_parses_and_wires_the_gateway() -> None:
     assert gateway["environment"]["GATEWAY_WORKSPACE"] == "/data"
     assert all(port.startswith("127.0.0.1:") for port in gateway["ports"])
     assert gateway["env_file"] == ["gateway.env"]
-    assert set(compose["services"]) == {"gateway"}  # redis/postgres stay commented for now
+    # `docker compose up` without a profile still starts the single node alone.
+    assert [name for name, svc in compose["services"].items() if "profiles" not in svc] == [
+        "gateway"
+    ]
+
+
+# --------------------------------------------------------------------------- compose replicas
+
+REPLICAS = ("gateway-1", "gateway-2", "gateway-3")
+
+
+def compose_file() -> dict[str, Any]:
+    import yaml  # the dev extra has it
+
+    data = yaml.safe_load((DEPLOY / "compose.yaml").read_text(encoding="utf-8"))
+    assert isinstance(data, dict)
+    return data
+
+
+def depends_closure(services: dict[str, Any], name: str) -> set[str]:
+    """Every service `docker compose up NAME` starts."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        todo.extend(services[current].get("depends_on", {}))
+    return seen
+
+
+def test_the_replicas_profile_has_its_services_and_the_proxy_pulls_them_all_in() -> None:
+    services = compose_file()["services"]
+    profiled = {name for name, svc in services.items() if "replicas" in svc.get("profiles", [])}
+    assert profiled == {"postgres", "redis", "migrate", "proxy", *REPLICAS}
+    # `up proxy` (what the README says) starts every replica service, not the single node.
+    assert depends_closure(services, "proxy") == profiled
+    for name in profiled:
+        for dependency in services[name].get("depends_on", {}):
+            assert dependency in profiled, f"{name} depends on {dependency} outside the profile"
+    assert services["postgres"]["image"].startswith("postgres:")
+    assert services["redis"]["image"].startswith("redis:")
+    assert services["proxy"]["image"].startswith("nginx:")
+    assert all(port.startswith("127.0.0.1:") for port in services["proxy"]["ports"])
+
+
+def test_replicas_share_storage_and_cache_and_start_after_the_one_migration(
+    tmp_path: Path,
+) -> None:
+    from gateway.config import DispatchSettings
+
+    services = compose_file()["services"]
+    migrate = services["migrate"]
+    assert migrate["command"] == ["db", "migrate"] and migrate["restart"] == "no"
+    assert migrate["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    urls = set()
+    volumes = set()
+    for name in REPLICAS:
+        replica = services[name]
+        assert replica["command"] == ["run"]
+        assert replica["depends_on"] == {
+            "migrate": {"condition": "service_completed_successfully"},
+            "postgres": {"condition": "service_healthy"},
+            "redis": {"condition": "service_healthy"},
+        }
+        env = dict(replica["environment"]) | {"GATEWAY_WORKSPACE": str(tmp_path)}
+        env["GATEWAY_HTTP__TOKEN"] = "t" * 32  # from gateway.env in a real deployment
+        settings = load_settings(None, environ=env)
+        assert settings.storage.url and settings.storage.url.startswith("postgresql://")
+        assert settings.storage.migrate == "never"  # only the migrate service migrates
+        assert settings.cache.url and settings.cache.url.startswith("redis://redis:")
+        urls.add((settings.storage.url, settings.cache.url))
+        probe = " ".join(replica["healthcheck"]["test"])
+        assert f"127.0.0.1:{settings.http.port}/readyz" in probe
+        grace = float(replica["stop_grace_period"].removesuffix("s"))
+        assert grace > DispatchSettings().drain_grace_seconds
+        assert replica["read_only"] is True and replica["cap_drop"] == ["ALL"]
+        assert "postgres-password" in replica["secrets"]
+        (volume,) = replica["volumes"]
+        volumes.add(volume.split(":")[0])
+    assert len(urls) == 1, "every replica must point at the same PostgreSQL and Redis"
+    assert len(volumes) == 3, "each replica keeps its own workspace volume"
+    for name in ("postgres", "redis", "proxy"):
+        assert services[name]["healthcheck"]["test"], name
+
+
+def test_the_proxy_spreads_the_three_entry_points_over_every_replica() -> None:
+    services = compose_file()["services"]
+    conf = (DEPLOY / "nginx.conf").read_text(encoding="utf-8")
+    mounted = [v for v in services["proxy"]["volumes"] if v.startswith("./nginx.conf:")]
+    assert mounted and mounted[0].endswith(":ro")
+    upstream = conf.split("upstream gateways {", 1)[1].split("}", 1)[0]
+    servers = [
+        line.split()[1] for line in upstream.splitlines() if line.strip().startswith("server ")
+    ]
+    assert servers == [f"{name}:8080" for name in REPLICAS]
+    for path in ("/api/chat", "/telegram/webhook", "/slack/events"):
+        block = conf.split(f"location = {path} {{", 1)[1].split("}", 1)[0]
+        assert "proxy_pass http://gateways;" in block, path
+    # Only the webhooks, which the journal dedupes, are retried after reaching a replica.
+    chat = conf.split("location = /api/chat {", 1)[1].split("}", 1)[0]
+    assert "non_idempotent" not in chat
+    assert "return 404;" in conf.split("location / {", 1)[1].split("}", 1)[0]
+
+
+def test_no_secret_is_written_into_the_compose_file() -> None:
+    compose = compose_file()
+    services = compose["services"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"].startswith("/run/secrets/")
+    assert "POSTGRES_PASSWORD" not in services["postgres"]["environment"]
+    for name in REPLICAS:
+        url = services[name]["environment"]["GATEWAY_STORAGE__URL"]
+        assert "@" in url and ":" not in url.split("://", 1)[1].split("@", 1)[0]
+    assert compose["secrets"]["postgres-password"]["file"] == "./postgres-password"
+
+
+@pytest.mark.skipif(
+    subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0
+    if shutil.which("docker")
+    else True,
+    reason="docker compose is not installed",
+)
+def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
+    for name, text in (("gateway.env", "GATEWAY_HTTP__TOKEN=x\n"), ("postgres-password", "pw\n")):
+        if not (DEPLOY / name).exists():
+            (DEPLOY / name).write_text(text)
+            tmp_path.joinpath(name).touch()  # remember to remove it
+    try:
+        for profile in ([], ["--profile", "replicas"]):
+            result = subprocess.run(
+                ["docker", "compose", "-f", str(DEPLOY / "compose.yaml"), *profile, "config", "-q"],
+                capture_output=True,
+                text=True,
+            )
+            assert result.returncode == 0, result.stderr
+    finally:
+        for name in ("gateway.env", "postgres-password"):
+            if tmp_path.joinpath(name).exists():
+                (DEPLOY / name).unlink()
 
 
 def test_env_template_is_valid_configuration(tmp_path: Path) -> None:

@@ -451,6 +451,46 @@ def _archived_in(folder: Path, key: str) -> list[ArchivedSessionInfo]:
     ]
 
 
+def list_session_files(sessions_dir: Path) -> list[SessionInfo]:
+    """The current session files in ``sessions_dir`` (unsorted), from the directory
+    listing and ``stat`` alone; other files (sidecars, temp files) are not sessions."""
+    infos: list[SessionInfo] = []
+    with os.scandir(sessions_dir) as it:
+        for item in it:
+            key = key_from_filename(item.name)
+            if key is None:
+                continue
+            try:
+                if not item.is_file(follow_symlinks=False):
+                    continue
+                st = item.stat(follow_symlinks=False)
+            except OSError:
+                continue  # removed meanwhile
+            infos.append(SessionInfo(key, Path(item.path), st.st_mtime, st.st_size))
+    return infos
+
+
+def list_archived_files(sessions_dir: Path, key: str | None = None) -> list[ArchivedSessionInfo]:
+    """The archived session files under ``sessions_dir`` (of `key`, or of every key),
+    each key's most recent first."""
+    archive = sessions_dir / ARCHIVE_DIR
+    if key is not None:
+        return _archived_in(archive / encode_key(key), key)
+    infos: list[ArchivedSessionInfo] = []
+    try:
+        with os.scandir(archive) as it:
+            folders = sorted(it, key=lambda item: item.name)
+    except FileNotFoundError:
+        return []
+    for folder in folders:
+        try:
+            folder_key = decode_key(folder.name)
+        except SessionKeyError:
+            continue  # not ours
+        infos.extend(_archived_in(Path(folder.path), folder_key))
+    return infos
+
+
 class SessionManager:
     """Owns the sessions of one folder: ``<sessions_dir>/<encoded key>.jsonl``.
 
@@ -716,19 +756,7 @@ class SessionManager:
                 sessions = [s for s in self._memory.values() if s._store.persisted]
             infos = [SessionInfo(s.key, None, s.updated_at, 0) for s in sessions]
         else:
-            infos = []
-            with os.scandir(self._dir) as it:
-                for item in it:
-                    key = key_from_filename(item.name)
-                    if key is None:
-                        continue
-                    try:
-                        if not item.is_file(follow_symlinks=False):
-                            continue
-                        st = item.stat(follow_symlinks=False)
-                    except OSError:
-                        continue  # removed meanwhile
-                    infos.append(SessionInfo(key, Path(item.path), st.st_mtime, st.st_size))
+            infos = list_session_files(self._dir)
         infos.sort(key=lambda info: info.updated_at, reverse=True)
         return infos
 
@@ -737,22 +765,7 @@ class SessionManager:
         recent first, from directory listings alone."""
         if self._dir is None:
             return []
-        archive = self._dir / ARCHIVE_DIR
-        if key is not None:
-            return _archived_in(archive / encode_key(key), key)
-        infos: list[ArchivedSessionInfo] = []
-        try:
-            with os.scandir(archive) as it:
-                folders = sorted(it, key=lambda item: item.name)
-        except FileNotFoundError:
-            return []
-        for folder in folders:
-            try:
-                folder_key = decode_key(folder.name)
-            except SessionKeyError:
-                continue  # not ours
-            infos.extend(_archived_in(Path(folder.path), folder_key))
-        return infos
+        return list_archived_files(self._dir, key)
 
     def open_archived(self, key: str, number: int) -> Session:
         """Archived session `number` of `key` (1 = the most recently archived), to read.

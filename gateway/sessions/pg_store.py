@@ -295,10 +295,12 @@ class PostgresSessionStore:
         """Keep the current session's rows as archived and start a new session whose
         header names the old one as ``previous_session`` (``/new``)."""
         with self.lock, self._pool.connection() as conn, conn.transaction():
+            # To the microsecond, as an archived file's name holds it: the session
+            # survives `gateway storage export` and `import` with the same row.
             row = conn.execute(
                 "UPDATE gw_sessions SET archived_at = %s "
                 "WHERE key = %s AND archived_at IS NULL RETURNING session_id",
-                (time.time(), self.key),
+                (round(time.time(), 6), self.key),
             ).fetchone()
             if row is None:  # nothing stored: just a new session id
                 self._start_fresh(previous_session=self.header.previous_session)
@@ -370,13 +372,18 @@ class PostgresSessions:
 def export_lines(pool: ConnectionPool, session_id: str) -> list[str]:
     """A stored session's JSONL lines (header first), exactly as a session file holds them."""
     with pool.connection() as conn:
-        header = conn.execute(
-            "SELECT header::text FROM gw_sessions WHERE session_id = %s", (session_id,)
-        ).fetchone()
-        if header is None:
-            raise SessionError(f"there is no stored session {session_id!r}")
-        rows = conn.execute(
-            "SELECT body::text FROM gw_session_entries WHERE session_id = %s ORDER BY seq",
-            (session_id,),
-        ).fetchall()
+        return session_lines(conn, session_id)
+
+
+def session_lines(conn: psycopg.Connection[Any], session_id: str) -> list[str]:
+    """`export_lines` on one connection (inside the caller's transaction, its snapshot)."""
+    header = conn.execute(
+        "SELECT header::text FROM gw_sessions WHERE session_id = %s", (session_id,)
+    ).fetchone()
+    if header is None:
+        raise SessionError(f"there is no stored session {session_id!r}")
+    rows = conn.execute(
+        "SELECT body::text FROM gw_session_entries WHERE session_id = %s ORDER BY seq",
+        (session_id,),
+    ).fetchall()
     return [str(header[0]) + "\n", *(str(body) + "\n" for (body,) in rows)]

@@ -216,6 +216,12 @@ def _timestamp_tag() -> str:
     return datetime.now(UTC).strftime(ARCHIVE_TAG)
 
 
+def archive_name(session_id: str, archived_at: float) -> str:
+    """The file name of an archived session: ``<time>-<session id>.jsonl`` (the time in
+    UTC to the microsecond, so names sort by when `/new` replaced the session)."""
+    return f"{datetime.fromtimestamp(archived_at, UTC).strftime(ARCHIVE_TAG)}-{session_id}{SUFFIX}"
+
+
 def _free_name(path: Path) -> Path:
     """``path`` itself, or with ``-1``, ``-2``… added: a name that does not exist yet."""
     candidate, n = path, 0
@@ -1022,7 +1028,7 @@ class FileSessionStore:
                 archive.mkdir(mode=DIR_MODE, exist_ok=True)
                 folder = archive / stem
                 folder.mkdir(mode=DIR_MODE, exist_ok=True)
-                target = _free_name(folder / f"{_timestamp_tag()}-{old_id}{SUFFIX}")
+                target = _free_name(folder / archive_name(old_id, time.time()))
                 os.rename(self._path, target)
                 if self._policy != "never":
                     fsync_dir(folder)

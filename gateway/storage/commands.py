@@ -1,10 +1,12 @@
-"""`gateway db status|migrate`: the shared mode's schema, as an operator (or a Kubernetes
-migration Job) sees and applies it."""
+"""`gateway db status|migrate` and `gateway storage import|export`: the shared mode's
+schema and contents, as an operator (or a Kubernetes migration Job) handles them."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
 
 from gateway.config import Settings
 from gateway.storage.postgres import StorageError, connect, migrate, redact_url, schema_status
@@ -64,3 +66,16 @@ def db_migrate(settings: Settings) -> int:
         print(f"applied {mig.version:04d}_{mig.name}")
     print(f"schema is current (version {current})" + ("" if applied else "; nothing to do"))
     return 0
+
+
+def storage_transfer(settings: Settings, direction: str, folder: Path) -> int:
+    """`gateway storage import|export DIR`: progress on stderr, the summary on stdout;
+    exit 0 when everything is in place, 1 when something was damaged or conflicting."""
+    from gateway.storage.transfer import transfer_workspace
+
+    url = _url(settings)
+    mode: Literal["import", "export"] = "import" if direction == "import" else "export"
+    with connect(url) as conn:
+        transfer = transfer_workspace(conn, url, mode, folder.expanduser())
+    print(transfer.summary())
+    return 0 if transfer.clean else 1

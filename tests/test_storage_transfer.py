@@ -1,0 +1,317 @@
+"""`gateway storage import|export`: a file workspace into PostgreSQL and back, as an
+operator runs it (subprocesses), checked byte for byte and row for row."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.sessions import SessionManager
+from gateway.sessions.keys import encode_key
+from tests.llm_messages import assistant, user
+from tests.test_cli_e2e import base_env, run_gateway
+
+HOSTILE_KEY = "slack:C1:thread:1700000000.000100'; --"
+HOSTILE_TEXT = "nul\x00 'quote\" \\ back; DROP TABLE gw_sessions; \u202e bidi \U0001f600"
+
+
+def populate(manager: SessionManager) -> None:
+    """Every shape a session takes: turns, `/new` (twice), a branch, a label, a fork,
+    custom entries, hostile text and keys, non-ASCII."""
+    first = manager.get_or_create("telegram:1")
+    for i in range(3):
+        first.add_message(user(f"question {i}"))
+        first.add_message(assistant(f"answer {i}"))
+    manager.reset("telegram:1")
+    first.add_message(user("after the first /new"))
+    manager.reset("telegram:1")
+    first.add_message(user("Grüße aus Köln, 日本語"))
+    thread = manager.get_or_create("slack:C9:thread:1.5")
+    root = thread.add_message(user("root"))
+    thread.add_message(assistant("one way"))
+    thread.label(root.id, "start")
+    thread.branch(root.id)
+    thread.add_message(assistant("another way"))
+    thread.append_custom_info("note", {"nested": [1, 2.5, None, "x"]})
+    manager.fork("slack:C9:thread:1.5", new_key="cli:forked")
+    manager.get_or_create(HOSTILE_KEY).add_message(user(HOSTILE_TEXT))
+
+
+def file_workspace(tmp_path: Path) -> Path:
+    """A file-mode workspace holding every shape of `populate`."""
+    source = tmp_path / "source"
+    manager = SessionManager(source / "sessions", fsync="never")
+    populate(manager)
+    manager.close()
+    return source
+
+
+def session_files(workspace: Path) -> dict[str, bytes]:
+    """Every session file under the workspace (archive included), by relative path."""
+    root = workspace / "sessions"
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for path in sorted(root.rglob("*.jsonl"))
+        if path.is_file()
+    }
+
+
+def dump_rows(url: str) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Every column of every session row and entry row, in a stable order."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        sessions = conn.execute(
+            "SELECT session_id, key, header::text, created_at, updated_at, last_seq, bytes, "
+            "archived_at FROM gw_sessions ORDER BY session_id"
+        ).fetchall()
+        entries = conn.execute(
+            "SELECT session_id, seq, entry_id, parent_id, type, body::text "
+            "FROM gw_session_entries ORDER BY session_id, seq"
+        ).fetchall()
+    return sessions, entries
+
+
+@pytest.fixture
+def shared_manager(migrated_pg_url: str) -> Iterator[SessionManager]:
+    from gateway.sessions.pg_store import PostgresSessions
+    from gateway.storage.postgres import sync_pool
+
+    pool = sync_pool(migrated_pg_url, max_size=2)
+    pool.open(wait=True)
+    manager = SessionManager.shared(PostgresSessions(pool))
+    yield manager
+    manager.close()
+    pool.close()
+
+
+def storage(args: list[str], url: str, tmp_path: Path) -> Any:
+    env = base_env(tmp_path) | {"GATEWAY_STORAGE__URL": url}
+    return run_gateway(["storage", *args], env, tmp_path)
+
+
+def test_files_to_postgresql_to_files_gives_identical_session_files(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    source = file_workspace(tmp_path)
+    # A line as another tool may have written it: stored and given back as it is.
+    hand = source / "sessions" / (encode_key("cli:hand") + ".jsonl")
+    hand.write_text(
+        '{"type":"session_header","id":"h1","parent_id":null,"timestamp":1.0,'
+        '"key":"cli:hand","version":1}\n'
+        '{ "type": "message", "id": "e1", "parent_id": null, "timestamp": 2.5, '
+        '"message": {"role": "user", "content": "spaced  out"} }\n'
+    )
+    before = session_files(source)
+    assert sum("archive/" in name for name in before) == 2
+
+    imported = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == (
+        "sessions: 7 imported, 0 already there, 0 damaged (skipped), "
+        "0 conflicting (left as they are)"
+    )
+    assert "sessions [7/7] imported" in imported.stderr
+
+    exported = storage(["export", str(tmp_path / "back")], migrated_pg_url, tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert session_files(tmp_path / "back") == before
+    assert session_files(source) == before  # the import only read
+
+    # The file mode reads the exported workspace as it read the original.
+    back = SessionManager(tmp_path / "back" / "sessions")
+    again = back.get("telegram:1")
+    assert again is not None and [m.content for m in again.messages] == ["Grüße aus Köln, 日本語"]
+    assert [a.number for a in back.list_archived("telegram:1")] == [1, 2]
+    assert back.open_archived("telegram:1", 2).message_count == 6
+    hostile = back.get(HOSTILE_KEY)
+    assert hostile is not None and [m.content for m in hostile.messages] == [HOSTILE_TEXT]
+
+
+def test_postgresql_to_files_to_postgresql_gives_identical_rows(
+    migrated_pg_url: str, shared_manager: SessionManager, tmp_path: Path
+) -> None:
+    import psycopg
+
+    populate(shared_manager)
+    rows = dump_rows(migrated_pg_url)
+    assert len(rows[0]) == 6 and sum(r[7] is not None for r in rows[0]) == 2
+
+    exported = storage(["export", str(tmp_path / "files")], migrated_pg_url, tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    with psycopg.connect(migrated_pg_url) as conn:
+        conn.execute("DELETE FROM gw_sessions")
+    imported = storage(["import", str(tmp_path / "files")], migrated_pg_url, tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert dump_rows(migrated_pg_url) == rows
+
+
+def test_a_second_import_skips_and_reports_what_is_there(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    source = file_workspace(tmp_path)
+    assert storage(["import", str(source)], migrated_pg_url, tmp_path).returncode == 0
+    rows = dump_rows(migrated_pg_url)
+
+    again = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("sessions: 0 imported, 6 already there, 0 damaged")
+    assert again.stderr.count("skipped") == 6 and "already imported" in again.stderr
+    assert dump_rows(migrated_pg_url) == rows
+
+    # A replica appended since the import: still the same session, nothing duplicated.
+    from gateway.sessions.pg_store import PostgresSessions
+    from gateway.storage.postgres import sync_pool
+
+    with sync_pool(migrated_pg_url, max_size=1) as pool:
+        shared = SessionManager.shared(PostgresSessions(pool))
+        shared.get_or_create("cli:forked").add_message(user("later, in the shared mode"))
+        shared.close()
+    third = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert third.returncode == 0, third.stderr
+    assert "the database has 1 newer entries" in third.stderr
+
+
+def test_damaged_files_are_reported_and_skipped_never_half_imported(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    manager = SessionManager(source / "sessions", fsync="never")
+    for key in ("telegram:good", "telegram:middle", "telegram:torn"):
+        session = manager.get_or_create(key)
+        for i in range(3):
+            session.add_message(user(f"{key} {i}"))
+    manager.close()
+    folder = source / "sessions"
+    middle = folder / (encode_key("telegram:middle") + ".jsonl")
+    lines = middle.read_text().splitlines(keepends=True)
+    middle.write_text("".join([*lines[:2], "{not json\n", *lines[2:]]))
+    torn = folder / (encode_key("telegram:torn") + ".jsonl")
+    with torn.open("a") as fh:
+        fh.write('{"type":"message","id":"cut')
+    bad_header = folder / (encode_key("telegram:header") + ".jsonl")
+    bad_header.write_text('{"type":"message"}\n')
+    damaged = {p: p.read_bytes() for p in (middle, torn, bad_header)}
+
+    result = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert result.returncode == 1
+    assert result.stdout.startswith("sessions: 1 imported, 0 already there, 3 damaged")
+    errors = [line for line in result.stderr.splitlines() if "DAMAGED" in line]
+    assert len(errors) == 3
+    assert any("telegram:middle" in e and "1 unreadable line(s): 3" in e for e in errors)
+    assert any("telegram:torn" in e and "last line is cut off" in e for e in errors)
+    assert any("telegram:header" in e and "not a session header" in e for e in errors)
+    assert "Traceback" not in result.stderr
+    sessions, entries = dump_rows(migrated_pg_url)
+    assert [row[1] for row in sessions] == ["telegram:good"]
+    assert len(entries) == 3
+    assert {p: p.read_bytes() for p in damaged} == damaged  # kept as they were
+
+
+def test_a_key_a_replica_already_started_is_a_conflict_left_alone(
+    migrated_pg_url: str, shared_manager: SessionManager, tmp_path: Path
+) -> None:
+    shared_manager.get_or_create("telegram:1").add_message(user("from a replica"))
+    rows = dump_rows(migrated_pg_url)
+    source = tmp_path / "source"
+    files = SessionManager(source / "sessions", fsync="never")
+    files.get_or_create("telegram:1").add_message(user("from the files"))
+    files.close()
+
+    result = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert result.returncode == 1
+    assert "CONFLICT telegram:1" in result.stderr
+    assert "already has another current session" in result.stderr
+    assert dump_rows(migrated_pg_url) == rows
+
+
+def test_export_never_overwrites_a_different_file(
+    migrated_pg_url: str, shared_manager: SessionManager, tmp_path: Path
+) -> None:
+    shared_manager.get_or_create("telegram:1").add_message(user("hello"))
+    target = tmp_path / "out"
+    assert storage(["export", str(target)], migrated_pg_url, tmp_path).returncode == 0
+    again = storage(["export", str(target)], migrated_pg_url, tmp_path)
+    assert again.returncode == 0 and "already exported" in again.stderr
+
+    path = target / "sessions" / (encode_key("telegram:1") + ".jsonl")
+    path.write_bytes(b"someone else's file\n")
+    clash = storage(["export", str(target)], migrated_pg_url, tmp_path)
+    assert clash.returncode == 1 and "it was not overwritten" in clash.stderr
+    assert path.read_bytes() == b"someone else's file\n"
+    assert os.listdir(path.parent) == [path.name]  # no temp file left behind
+
+
+def test_exported_files_keep_the_last_activity_order(
+    migrated_pg_url: str, shared_manager: SessionManager, tmp_path: Path
+) -> None:
+    for key in ("telegram:old", "telegram:new"):
+        shared_manager.get_or_create(key).add_message(user(key))
+    assert storage(["export", str(tmp_path / "out")], migrated_pg_url, tmp_path).returncode == 0
+    listed = SessionManager(tmp_path / "out" / "sessions").list_sessions()
+    assert [info.key for info in listed] == [i.key for i in shared_manager.list_sessions()]
+    assert [info.key for info in listed] == ["telegram:new", "telegram:old"]
+
+
+def test_a_database_without_the_current_schema_is_refused(pg_url: str, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    manager = SessionManager(source / "sessions", fsync="never")
+    manager.get_or_create("telegram:1").add_message(user("hello"))
+    manager.close()
+    for direction in ("import", "export"):
+        result = storage([direction, str(source)], pg_url, tmp_path)
+        assert result.returncode == 1
+        assert "run `gateway db migrate` first" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_operator_mistakes_are_one_line(migrated_pg_url: str, tmp_path: Path) -> None:
+    missing = storage(["import", str(tmp_path / "nowhere")], migrated_pg_url, tmp_path)
+    assert missing.returncode == 2 and "no such folder" in missing.stderr
+    manager = SessionManager(tmp_path / "ws2" / "sessions", fsync="never")
+    manager.get_or_create("telegram:1").add_message(user("hello"))
+    manager.close()
+    inner = storage(["import", str(tmp_path / "ws2" / "sessions")], migrated_pg_url, tmp_path)
+    assert inner.returncode == 2 and "give the workspace that holds it" in inner.stderr
+    no_url = run_gateway(["storage", "import", str(tmp_path)], base_env(tmp_path), tmp_path)
+    assert no_url.returncode == 1 and "storage.url is not set" in no_url.stderr
+    for result in (missing, inner, no_url):
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_progress_names_each_session_with_its_shape(migrated_pg_url: str, tmp_path: Path) -> None:
+    source = file_workspace(tmp_path)
+    result = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"sessions: 6 found in {source / 'sessions'}"
+    archived = [line for line in lines if "(archive/" in line]
+    assert len(archived) == 2 and all("archived, " in line for line in archived)
+    assert json.loads(json.dumps(result.stdout))  # one summary line on stdout
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_a_crash_while_writing_an_exported_file_leaves_nothing_under_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway import fsutil
+
+    def power_cut(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fsutil.os, "fsync", power_cut)
+    target = tmp_path / "session.jsonl"
+    with pytest.raises(OSError):
+        fsutil.create_exclusive(target, b'{"type":"session_header"}\n')
+    # A half-written file under the name would be taken for a conflict by the next run.
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    fsutil.create_exclusive(target, b"x\n")
+    with pytest.raises(FileExistsError):
+        fsutil.create_exclusive(target, b"y\n")
+    assert target.read_bytes() == b"x\n" and os.listdir(tmp_path) == [target.name]
+    assert target.stat().st_mode & 0o777 == 0o600
