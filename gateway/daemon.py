@@ -718,28 +718,35 @@ class Daemon:
         where = redact_url(where) if where else str(self.gateway.settings.sessions_dir)
         sessions = self.health.component("sessions")
         cache = self.gateway.cache
-        cache_health = self.health.component("cache")
+        # A cache outage is shown, not fatal: answers bypass it (a whole fleet leaving
+        # the load balancer because Redis is down would be worse than slower answers).
+        cache_health = self.health.component("cache", required=False)
 
         async def check() -> None:
             try:
                 await anyio.to_thread.run_sync(self.gateway.sessions.probe)
                 sessions.healthy(True)
+                self.metrics.component_healthy.labels("sessions").set(1)
             except OSError as exc:
                 sessions.healthy(
                     False,
                     f"cannot write in {where} ({exc.strerror or exc})",
                     fix="make it writable for the gateway's user; check free space",
                 )
+                self.metrics.component_healthy.labels("sessions").set(0)
             except StorageError as exc:
                 sessions.healthy(
                     False, str(exc), fix="start PostgreSQL or fix storage.url; retrying"
                 )
+                self.metrics.component_healthy.labels("sessions").set(0)
             try:
                 if cache is not None:
                     await cache.check()
                 cache_health.healthy(True, "" if cache is not None else "off")
+                self.metrics.component_healthy.labels("cache").set(1)
             except CacheUnavailable as exc:
                 cache_health.healthy(False, exc.problem, fix=exc.fix)
+                self.metrics.component_healthy.labels("cache").set(0)
 
         await check()
         task_status.started()

@@ -204,6 +204,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.component_healthy = Gauge(
+            "gateway_component_healthy",
+            "1 while a component /readyz checks is healthy (sessions, cache, channels), else 0.",
+            ("component",),
+            registry=registry,
+        )
         self.build_info = Gauge(
             "gateway_build_info",
             "Always 1; the gateway's version as a label.",

@@ -26,8 +26,22 @@ def test_ready_needs_the_ready_phase_and_every_component_healthy() -> None:
         "status": "unhealthy",
         "ready": False,
         "reasons": ["telegram: getUpdates: timed out"],
+        "degraded": [],
         "components": {"telegram": {"healthy": False, "detail": "getUpdates: timed out"}},
     }
+
+
+def test_an_optional_component_down_is_degraded_not_unready() -> None:
+    health = HealthState()
+    health.set_ready()
+    cache = health.component("cache", required=False)
+    cache.healthy(False, "redis refused")
+    readiness = health.readiness()
+    assert readiness.ready and readiness.reasons == ()
+    assert readiness.degraded == ("cache: redis refused",)
+    assert readiness.as_json()["status"] == "ready"
+    health.component("sessions").healthy(False, "disk full")
+    assert not health.readiness().ready
 
 
 def test_reasons_combine_phase_and_components_in_a_stable_order() -> None:

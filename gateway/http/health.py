@@ -51,6 +51,9 @@ class Readiness:
     phase: Phase
     reasons: tuple[str, ...]
     components: Mapping[str, ComponentStatus]
+    #: Optional components that are down: shown, yet traffic still comes here (a cache
+    #: outage slows answers, it does not stop them).
+    degraded: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         """The /readyz body; `status` is ready, starting, draining or unhealthy."""
@@ -62,6 +65,7 @@ class Readiness:
             "status": status,
             "ready": self.ready,
             "reasons": list(self.reasons),
+            "degraded": list(self.degraded),
             "components": {
                 name: {"healthy": entry.healthy, "detail": entry.detail}
                 for name, entry in sorted(self.components.items())
@@ -102,6 +106,7 @@ class HealthState:
         self._lock = threading.Lock()
         self._phase = Phase.STARTING
         self._components: dict[str, ComponentStatus] = {}
+        self._optional: set[str] = set()
 
     # ---- phase
 
@@ -143,12 +148,16 @@ class HealthState:
 
     # ---- components
 
-    def component(self, name: str) -> ComponentHealth:
+    def component(self, name: str, *, required: bool = True) -> ComponentHealth:
         """Register `name` (unhealthy until it reports) and return its handle; asking
-        again for a registered name returns a handle to the same entry."""
+        again for a registered name returns a handle to the same entry. A component
+        that is not `required` never makes the gateway unready: it is reported as
+        degraded instead."""
         if not name or not name.isprintable():
             raise ValueError(f"component name {name!r} must be non-empty printable text")
         with self._lock:
+            if not required:
+                self._optional.add(name)
             if name not in self._components:
                 self._components[name] = ComponentStatus(False, NOT_REPORTED, self._clock())
         return ComponentHealth(self, name)
@@ -169,15 +178,19 @@ class HealthState:
         with self._lock:
             phase = self._phase
             components = dict(self._components)
+            optional = set(self._optional)
         reasons: list[str] = []
+        degraded: list[str] = []
         if phase is not Phase.READY:
             reasons.append(phase.value)
         for name, status in sorted(components.items()):
             if not status.healthy:
-                reasons.append(f"{name}: {status.detail or 'unhealthy'}")
+                line = f"{name}: {status.detail or 'unhealthy'}"
+                (degraded if name in optional else reasons).append(line)
         return Readiness(
             ready=not reasons,
             phase=phase,
             reasons=tuple(reasons),
             components=MappingProxyType(components),
+            degraded=tuple(degraded),
         )
