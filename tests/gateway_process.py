@@ -131,3 +131,18 @@ def telegram_env(
         "GATEWAY_CHANNELS__TELEGRAM__POLL_TIMEOUT": "1",
         "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
     }
+
+
+def telegram_webhook_env(telegram: FakeTelegram, secret: str) -> dict[str, str]:
+    """The settings of a Telegram channel in webhook mode on `telegram`, open to everyone
+    (the webhook URL is only what the gateway registers; tests POST to its port)."""
+    return {
+        "GATEWAY_CHANNELS__TELEGRAM__ENABLED": "true",
+        "GATEWAY_CHANNELS__TELEGRAM__TOKEN": telegram.token,
+        "GATEWAY_CHANNELS__TELEGRAM__BASE_URL": telegram.api_url,
+        "GATEWAY_CHANNELS__TELEGRAM__BASE_FILE_URL": telegram.file_url,
+        "GATEWAY_CHANNELS__TELEGRAM__MODE": "webhook",
+        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_URL": "https://bot.example.org/telegram/webhook",
+        "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET": secret,
+        "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
+    }

@@ -32,7 +32,7 @@ import pytest
 
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
-from tests.gateway_process import GatewayProcess, base_env, wait_until
+from tests.gateway_process import GatewayProcess, base_env, telegram_webhook_env, wait_until
 from tests.local_redis import REDIS_URL, drop_namespace, require_redis
 from tests.test_kill_delivery import echoed, slow_echo
 
@@ -165,22 +165,18 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
         FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm,
         FakeTelegram.in_thread(token=TOKEN) as telegram,
     ):
-        env = base_env(tmp_path / "unused", llm) | {
-            "GATEWAY_STORAGE__URL": migrated_pg_url,
-            "GATEWAY_CACHE__URL": REDIS_URL,
-            "GATEWAY_CACHE__NAMESPACE": redis_namespace,
-            "GATEWAY_HTTP__PORT": "0",
-            "GATEWAY_HTTP__TOKEN": HTTP_TOKEN,
-            "GATEWAY_MEMORY__ENABLED": "false",
-            "GATEWAY_CHANNELS__TELEGRAM__ENABLED": "true",
-            "GATEWAY_CHANNELS__TELEGRAM__TOKEN": telegram.token,
-            "GATEWAY_CHANNELS__TELEGRAM__BASE_URL": telegram.api_url,
-            "GATEWAY_CHANNELS__TELEGRAM__BASE_FILE_URL": telegram.file_url,
-            "GATEWAY_CHANNELS__TELEGRAM__MODE": "webhook",
-            "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_URL": "https://bot.example.org/telegram/webhook",
-            "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET": SECRET,
-            "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
-        }
+        env = (
+            base_env(tmp_path / "unused", llm)
+            | {
+                "GATEWAY_STORAGE__URL": migrated_pg_url,
+                "GATEWAY_CACHE__URL": REDIS_URL,
+                "GATEWAY_CACHE__NAMESPACE": redis_namespace,
+                "GATEWAY_HTTP__PORT": "0",
+                "GATEWAY_HTTP__TOKEN": HTTP_TOKEN,
+                "GATEWAY_MEMORY__ENABLED": "false",
+            }
+            | telegram_webhook_env(telegram, SECRET)
+        )
         replicas = Replicas(env, tmp_path)
         started = time.monotonic()
         try:

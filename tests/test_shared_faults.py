@@ -17,7 +17,7 @@ import pytest
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.tcp_proxy import free_port, tcp_proxy
 from tests.fakes.telegram_server import FakeTelegram
-from tests.gateway_process import GatewayProcess, base_env, wait_until
+from tests.gateway_process import GatewayProcess, base_env, telegram_webhook_env, wait_until
 
 SECRET = "faults-secret"
 
@@ -39,18 +39,14 @@ def test_postgres_down_at_start_and_mid_run(migrated_pg_url: str, tmp_path: Path
     ):
         url = migrated_pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
         port = free_port()
-        env = base_env(tmp_path / "ws", llm) | {
-            "GATEWAY_STORAGE__URL": url,
-            "GATEWAY_HTTP__PORT": str(port),
-            "GATEWAY_CHANNELS__TELEGRAM__ENABLED": "true",
-            "GATEWAY_CHANNELS__TELEGRAM__TOKEN": telegram.token,
-            "GATEWAY_CHANNELS__TELEGRAM__BASE_URL": telegram.api_url,
-            "GATEWAY_CHANNELS__TELEGRAM__BASE_FILE_URL": telegram.file_url,
-            "GATEWAY_CHANNELS__TELEGRAM__MODE": "webhook",
-            "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_URL": "https://bot.example.org/telegram/webhook",
-            "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET": SECRET,
-            "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
-        }
+        env = (
+            base_env(tmp_path / "ws", llm)
+            | {
+                "GATEWAY_STORAGE__URL": url,
+                "GATEWAY_HTTP__PORT": str(port),
+            }
+            | telegram_webhook_env(telegram, SECRET)
+        )
         gateway = GatewayProcess(env, tmp_path)
         try:
             # Down at start: one clear line, a live process that is not ready.
