@@ -28,6 +28,8 @@ from gateway.schedule import Schedule
 CHANNEL = "system"
 CHAT_PREFIX = "heartbeat:"
 DEFAULT_OK_TOKEN = "HEARTBEAT_OK"
+#: The last run of each job, in the workspace folder (the file mode).
+STATE_FILE = "heartbeat-state.json"
 
 Route = Callable[[OutboundMessage], Awaitable[None]]
 Clock = Callable[[], datetime]
@@ -87,6 +89,24 @@ class RunState(Protocol):
     def record(self, job: str, when: datetime) -> None: ...
 
 
+def parse_run_times(text: str) -> dict[str, datetime]:
+    """The `{job: ISO time}` object of heartbeat-state.json; ValueError when it is not one."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError("expected a JSON object of job names and times")
+    runs: dict[str, datetime] = {}
+    for job, when in raw.items():
+        if not isinstance(when, str):
+            raise ValueError(f"job {job!r}: the last run is not a time")
+        runs[job] = datetime.fromisoformat(when)
+    return runs
+
+
+def dump_run_times(runs: Mapping[str, datetime]) -> str:
+    """heartbeat-state.json's text for `runs` (jobs sorted)."""
+    return json.dumps({job: when.isoformat() for job, when in sorted(runs.items())})
+
+
 class HeartbeatState:
     """Last run time of each job, persisted so downtime is noticed across restarts."""
 
@@ -94,8 +114,7 @@ class HeartbeatState:
         self.path = path
         self._last: dict[str, datetime] = {}
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            self._last = {k: datetime.fromisoformat(v) for k, v in raw.items()}
+            self._last = parse_run_times(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             pass
         except (OSError, ValueError, AttributeError, TypeError) as exc:
@@ -122,9 +141,8 @@ class HeartbeatState:
 
     def record(self, job: str, when: datetime) -> None:
         self._last[job] = when
-        data = json.dumps({k: v.isoformat() for k, v in sorted(self._last.items())})
         try:
-            atomic_write_text(self.path, data)
+            atomic_write_text(self.path, dump_run_times(self._last))
         except OSError as exc:
             logger.error("heartbeat state not saved: {}", exc)
 

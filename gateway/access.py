@@ -57,6 +57,8 @@ GroupPolicy = Literal["open", "allowlist", "disabled"]
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"
 CODE_LENGTH = 8
 FILE_VERSION = 1
+#: The pairing file, in the workspace folder.
+PAIRING_FILE = "pairing.json"
 WILDCARD = "*"
 
 PAIRING_FULL_TEXT = (
@@ -299,7 +301,7 @@ def _as_time(value: Any, name: str) -> float:
     return float(value)
 
 
-def _parse(data: Any) -> tuple[PairingState, int]:
+def parse_pairing(data: Any) -> tuple[PairingState, int]:
     """The state in a decoded pairing file and how many entries were unreadable.
     Raises ValueError when the file's shape is wrong as a whole."""
     if not isinstance(data, dict):
@@ -343,7 +345,7 @@ def _parse(data: Any) -> tuple[PairingState, int]:
     return PairingState(approved=approved, pending=tuple(pending)), bad
 
 
-def _dump(state: PairingState) -> str:
+def dump_pairing(state: PairingState) -> str:
     approved = sorted(state.approved.values(), key=lambda a: (a.channel, a.approved_at))
     return json.dumps(
         {
@@ -473,7 +475,7 @@ class PairingStore:
             return EMPTY_STATE
         raw = self.path.read_bytes()
         try:
-            state, bad = _parse(json.loads(raw))
+            state, bad = parse_pairing(json.loads(raw))
         except (ValueError, UnicodeDecodeError) as exc:
             raise _Damaged(str(exc), EMPTY_STATE) from None
         if bad:
@@ -519,7 +521,7 @@ class PairingStore:
                 os.close(fd)  # releases the flock
 
     def _write(self, state: PairingState) -> None:
-        atomic_write_text(self.path, _dump(state))
+        atomic_write_text(self.path, dump_pairing(state))
         identity = self._identity()
         self._cached = (identity, state) if identity is not None else None
 

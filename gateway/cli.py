@@ -199,7 +199,10 @@ def _parser() -> argparse.ArgumentParser:
 
     storage = sub.add_parser("storage", help="move a file workspace into PostgreSQL and back")
     stsub = storage.add_subparsers(dest="action", metavar="ACTION", required=True)
-    simport = stsub.add_parser("import", help="copy a workspace's sessions into storage.url")
+    simport = stsub.add_parser(
+        "import",
+        help="copy a workspace (sessions, memory, pairing, heartbeat runs) into storage.url",
+    )
     simport.add_argument("dir", type=Path, help="the workspace folder (the one holding sessions/)")
     sexport = stsub.add_parser("export", help="write storage.url out as a file workspace")
     sexport.add_argument("dir", type=Path, help="the folder to write the workspace into")

@@ -356,7 +356,9 @@ TRUSTED_CHANNELS = frozenset({"cli", "system", "api"})
 
 
 def pairing_path(settings: Settings) -> Path:
-    return settings.workspace_path / "pairing.json"
+    from gateway.access import PAIRING_FILE
+
+    return settings.workspace_path / PAIRING_FILE
 
 
 def build_pairing_store(settings: Settings) -> PairingBackend:
@@ -514,7 +516,7 @@ class Daemon:
         self.health.component(channel.name)
 
     def _heartbeat_channel(self) -> Channel:
-        from channels.heartbeat import HeartbeatChannel, HeartbeatJob
+        from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
         from gateway.schedule import Schedule
 
         workspace = self.gateway.settings.workspace_path
@@ -540,7 +542,7 @@ class Daemon:
 
             state = SharedRunState(self.router.store)  # one run per due time, all replicas
         return HeartbeatChannel(
-            jobs, state_path=workspace / "heartbeat-state.json", route=self.deliver, state=state
+            jobs, state_path=workspace / STATE_FILE, route=self.deliver, state=state
         )
 
     def _watch_metrics(self) -> None:

@@ -6,11 +6,18 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from channels.heartbeat import HeartbeatState
+from gateway.access import PairingStore, PendingRequest
+from gateway.memory import MemoryStore
+from gateway.memory.format import memory_documents
+from gateway.memory.manager import MemoryManager
 from gateway.sessions import SessionManager
 from gateway.sessions.keys import encode_key
 from tests.llm_messages import assistant, user
@@ -112,7 +119,7 @@ def test_files_to_postgresql_to_files_gives_identical_session_files(
 
     imported = storage(["import", str(source)], migrated_pg_url, tmp_path)
     assert imported.returncode == 0, imported.stderr
-    assert imported.stdout.strip() == (
+    assert imported.stdout.strip().split("; ")[0] == (
         "sessions: 7 imported, 0 already there, 0 damaged (skipped), "
         "0 conflicting (left as they are)"
     )
@@ -315,3 +322,274 @@ def test_a_crash_while_writing_an_exported_file_leaves_nothing_under_its_name(
         fsutil.create_exclusive(target, b"y\n")
     assert target.read_bytes() == b"x\n" and os.listdir(tmp_path) == [target.name]
     assert target.stat().st_mode & 0o777 == 0o600
+
+
+# ----------------------------------------------------------------------------- memory,
+# pairing and heartbeat runs
+
+DAY_ONE = datetime(2024, 3, 1, 9, 30, tzinfo=UTC)
+DAY_TWO = datetime(2024, 3, 2, 18, 5, 7, tzinfo=UTC)
+
+
+def state_workspace(tmp_path: Path) -> Path:
+    """A file-mode workspace with every shape of memory (facts over two days under a
+    hand-written title and note, history rotated into archives plus a hand-written line,
+    knowledge with tags, sources and reinforcement, hostile text, the workspace scope),
+    pairing (approvals, a live and an expired code) and heartbeat runs."""
+    source = tmp_path / "source"
+    clock = [DAY_ONE]
+    store = MemoryStore(source, history_max_bytes=300, clock=lambda: clock[0])
+    alice = store.for_session("telegram:1")
+    alice.write_memory("# What I know about Alice\n\nShe writes in the evening.\n")
+    alice.append_facts([("user_preference", "Likes tea"), ("project_decision", "Use PG")])
+    for i in range(12):
+        alice.append_history(f"talked about topic {i}")
+    alice.knowledge.add("user_preference", "Likes tea", source="chat", tags=["drinks"])
+    alice.knowledge.add("user_preference", "likes tea.", tags=["morning"])  # reinforced
+    alice.knowledge.add("error_pattern", HOSTILE_TEXT.replace("\x00", ""), source="")
+    clock[0] = DAY_TWO
+    alice.append_facts([("learned_fact", "Has a cat named Köln")])
+    alice.append_to_memory("## Notes\nfree text after a note heading")
+    alice.append_facts([("learned_fact", "Moved to Berlin")])
+    with alice.history_path.open("a") as fh:
+        fh.write("a line without a timestamp\n")
+    store.for_scope("_workspace").record_consolidation([("system_behavior", "Be brief")], "s")
+    store.for_session(HOSTILE_KEY).append_history(HOSTILE_TEXT)
+    store.close()
+    assert len(alice.history_archives()) >= 2
+
+    pairing = PairingStore(source / "pairing.json", clock=lambda: NOW)
+    for sender, code in (("u1", "ABCDEFGH"), ("u2", "BCDEFGHJ")):
+        pairing.add_pending(
+            PendingRequest("telegram", sender, code, NOW - 10, NOW + 3600, "c" + sender, sender),
+            max_pending=5,
+        )
+    assert pairing.approve("telegram", "ABCDEFGH") == "u1"
+    state = pairing.state()
+    expired = PendingRequest("slack", "U9", "CDEFGHJK", NOW - 7200, NOW - 3600, "D9", "old")
+    pairing._write(replace(state, pending=(*state.pending, expired)))
+
+    runs = HeartbeatState(source / "heartbeat-state.json")
+    runs.record("daily", DAY_ONE)
+    runs.record("hourly", DAY_TWO.replace(microsecond=123456))
+    return source
+
+
+NOW = 1_900_000_000.0  # pending codes above expire after the tests run
+
+
+def memory_view(workspace: Path, scope: str) -> tuple[Any, ...]:
+    """What the file mode reads of a scope: fact lines, history lines, knowledge."""
+    manager = MemoryManager(workspace, scope)
+    facts = [line for line, _ in memory_documents(manager.read_memory())]
+    history = manager.search_history("", max_results=1000, decay_rate=0)
+    knowledge = sorted(manager.knowledge, key=lambda e: e.id)
+    categories = {fact: manager.search_memory(fact, 50, "learned_fact") for fact in ("cat",)}
+    manager.close()
+    return facts, sorted(history), knowledge, categories
+
+
+def dump_state_rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of the memory, pairing and heartbeat tables but serial ids and the time
+    a fact line was appended (no file keeps it), in a stable order."""
+    import psycopg
+
+    queries = {
+        "scopes": "SELECT scope, created_at FROM gw_memory_scopes ORDER BY scope",
+        "facts": "SELECT scope, day, category, line, tsv::text FROM gw_memory_facts "
+        "ORDER BY scope, id",
+        "history": "SELECT scope, at, line, tsv::text FROM gw_memory_history ORDER BY scope, id",
+        "knowledge": "SELECT scope, id, category, content, source, tags, created_at, "
+        "accessed_at, access_count, tsv::text FROM gw_memory_knowledge ORDER BY scope, id",
+        "approved": "SELECT * FROM gw_pairing_approved ORDER BY channel, sender_id",
+        "pending": "SELECT * FROM gw_pairing_pending ORDER BY channel, sender_id",
+        "heartbeat": "SELECT * FROM gw_heartbeat_runs ORDER BY job",
+    }
+    with psycopg.connect(url) as conn:
+        return {name: conn.execute(sql).fetchall() for name, sql in queries.items()}
+
+
+def test_memory_pairing_and_heartbeat_go_files_to_postgresql_to_files(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    source = state_workspace(tmp_path)
+    imported = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == "; ".join(
+        f"{kind}: {n} imported, 0 already there, 0 damaged (skipped), "
+        "0 conflicting (left as they are)"
+        for kind, n in (("sessions", 0), ("memory", 3), ("pairing", 3), ("heartbeat", 2))
+    )
+    assert "memory [1/3] imported" in imported.stderr
+    assert "pairing [2/3] imported pending telegram:u2" in imported.stderr
+
+    # The shared mode reads what the files held.
+    from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.storage.postgres import sync_pool
+
+    with sync_pool(migrated_pg_url, max_size=1) as pool:
+        shared = PostgresMemoryStore(pool).for_session("telegram:1")
+        assert shared.read_memory() == MemoryManager(source, "telegram:1").read_memory().replace(
+            "\n\n## Notes", "\n## Notes"
+        ).replace("Alice\n\nShe", "Alice\nShe")
+        assert shared.search_memory("cat", category="learned_fact") == [
+            "- [learned_fact] Has a cat named Köln"
+        ]
+        assert shared.search_memory("alice") == []  # a title is no fact
+        assert "a line without a timestamp" in shared.search_history("timestamp")[0]
+
+    back = tmp_path / "back"
+    exported = storage(["export", str(back)], migrated_pg_url, tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    for scope in ("telegram:1", "_workspace"):
+        assert memory_view(back, scope) == memory_view(source, scope), scope
+    # PostgreSQL text holds no NUL: it becomes U+FFFD, as in every shared-mode write.
+    hostile = memory_view(source, HOSTILE_KEY)[1]
+    assert memory_view(back, HOSTILE_KEY)[1] == [h.replace("\x00", "\ufffd") for h in hostile]
+    pairs = [PairingStore(w / "pairing.json").state() for w in (source, back)]
+    assert pairs[0].approved == pairs[1].approved
+    assert sorted(pairs[0].pending, key=repr) == sorted(pairs[1].pending, key=repr)
+    assert (back / "heartbeat-state.json").read_bytes() == (
+        source / "heartbeat-state.json"
+    ).read_bytes()
+    assert HeartbeatState(back / "heartbeat-state.json").last_run("daily") == DAY_ONE
+
+
+def test_memory_pairing_and_heartbeat_go_postgresql_to_files_to_postgresql(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    import psycopg
+
+    from gateway.access_pg import PostgresPairingStore
+    from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.storage.postgres import sync_pool
+
+    clock = [DAY_ONE]
+    with sync_pool(migrated_pg_url, max_size=1) as pool:
+        memory = PostgresMemoryStore(pool, clock=lambda: clock[0])
+        scope = memory.for_session("slack:C1")
+        scope.record_consolidation([("user_preference", "Short answers")], "first talk")
+        clock[0] = DAY_TWO
+        scope.record_consolidation([("learned_fact", "Uses Köln time")], "second talk")
+        scope.knowledge.add("learned_fact", "uses köln time", tags=["tz"], source="x")
+        scope.knowledge.search("time")  # counts as an access
+        memory.for_session(HOSTILE_KEY).append_facts([("learned_fact", HOSTILE_TEXT)])
+        pairing = PostgresPairingStore(pool, where="test", clock=lambda: NOW)
+        pairing.add_pending(
+            PendingRequest("telegram", "7", "ABCDEFGH", NOW, NOW + 60, "7", "Bo"), max_pending=3
+        )
+        pairing.add_pending(
+            PendingRequest("telegram", "8", "BCDEFGHJ", NOW, NOW + 60, "8", ""), max_pending=3
+        )
+        pairing.approve("telegram", "ABCDEFGH")
+    with psycopg.connect(migrated_pg_url) as conn:
+        conn.execute(
+            "INSERT INTO gw_heartbeat_runs VALUES ('daily', %s), ('x', %s)",
+            (DAY_ONE, DAY_TWO.replace(microsecond=5)),
+        )
+    rows = dump_state_rows(migrated_pg_url)
+    assert [len(rows[t]) for t in ("scopes", "approved", "pending", "heartbeat")] == [2, 1, 1, 2]
+
+    files = tmp_path / "files"
+    exported = storage(["export", str(files)], migrated_pg_url, tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    with psycopg.connect(migrated_pg_url) as conn:
+        for table in ("gw_memory_scopes", "gw_pairing_approved", "gw_pairing_pending"):
+            conn.execute(f"DELETE FROM {table}")
+        conn.execute("DELETE FROM gw_heartbeat_runs")
+    imported = storage(["import", str(files)], migrated_pg_url, tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert dump_state_rows(migrated_pg_url) == rows
+
+    again = storage(["export", str(files)], migrated_pg_url, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("0 exported") == 4 and "already exported" in again.stderr
+
+
+def test_a_second_state_import_skips_and_a_replicas_writes_are_left_alone(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    import psycopg
+
+    source = state_workspace(tmp_path)
+    assert storage(["import", str(source)], migrated_pg_url, tmp_path).returncode == 0
+    rows = dump_state_rows(migrated_pg_url)
+    again = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "memory: 0 imported, 3 already there" in again.stdout
+    assert "pairing: 0 imported, 3 already there" in again.stdout
+    assert "heartbeat: 0 imported, 2 already there" in again.stdout
+    assert dump_state_rows(migrated_pg_url) == rows
+
+    from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.storage.postgres import sync_pool
+
+    with sync_pool(migrated_pg_url, max_size=1) as pool:
+        PostgresMemoryStore(pool).for_session("telegram:1").append_history("later, shared")
+    with psycopg.connect(migrated_pg_url) as conn:
+        conn.execute("UPDATE gw_heartbeat_runs SET last_run = last_run + interval '1 hour'")
+        conn.execute("UPDATE gw_pairing_approved SET label = 'renamed'")
+    rows = dump_state_rows(migrated_pg_url)
+    third = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert "the database has 1 history lines more" in third.stderr
+    assert "the database has a later run" in third.stderr
+    assert third.returncode == 1 and "CONFLICT approved telegram:u1" in third.stderr
+    assert dump_state_rows(migrated_pg_url) == rows
+
+    # A scope a replica wrote to before the import: a conflict, nothing merged.
+    with psycopg.connect(migrated_pg_url) as conn:
+        conn.execute("DELETE FROM gw_memory_scopes WHERE scope = '_workspace'")
+    with sync_pool(migrated_pg_url, max_size=1) as pool:
+        PostgresMemoryStore(pool).for_scope("_workspace").append_history("replica first")
+    rows = dump_state_rows(migrated_pg_url)
+    fourth = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert "CONFLICT _workspace" in fourth.stderr and "nothing changed" in fourth.stderr
+    assert dump_state_rows(migrated_pg_url) == rows
+
+
+def test_damaged_state_files_are_reported_and_skipped_whole(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    source = state_workspace(tmp_path)
+    scope = source / "memory" / encode_key("telegram:1")
+    log = scope / "knowledge.json.log"
+    log.write_bytes(log.read_bytes() + b"{not json\n")
+    hostile = source / "memory" / encode_key(HOSTILE_KEY) / "HISTORY.md"
+    hostile.write_bytes(hostile.read_bytes() + b"\xff\xfe not text\n")
+    (source / "pairing.json").write_text('{"version": 1, "approved": [{"channel": 1}]}')
+    (source / "heartbeat-state.json").write_text('{"daily": "2024-03-01T09:30:00"}')
+    before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
+
+    result = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert result.returncode == 1
+    damaged = [line for line in result.stderr.splitlines() if "DAMAGED" in line]
+    assert len(damaged) == 4, result.stderr
+    assert any("telegram:1" in d and "knowledge.json.log: line 3:" in d for d in damaged)
+    assert any("HISTORY.md line 2 is not UTF-8" in d for d in damaged)
+    assert any("pairing.json" in d and "1 unreadable entries" in d for d in damaged)
+    assert any("heartbeat-state.json" in d and "no time zone" in d for d in damaged)
+    assert "Traceback" not in result.stderr
+    rows = dump_state_rows(migrated_pg_url)
+    assert [r[0] for r in rows["scopes"]] == ["_workspace"]
+    assert {r[0] for r in rows["facts"]} == {"_workspace"}  # nothing of the damaged scopes
+    assert not rows["approved"] and not rows["pending"] and not rows["heartbeat"]
+    assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
+
+
+def test_export_never_overwrites_state_that_differs(migrated_pg_url: str, tmp_path: Path) -> None:
+    source = state_workspace(tmp_path)
+    assert storage(["import", str(source)], migrated_pg_url, tmp_path).returncode == 0
+    target = tmp_path / "out"
+    folder = target / "memory" / encode_key("telegram:1")
+    folder.mkdir(parents=True)
+    (folder / "MEMORY.md").write_text("- [learned_fact] someone else's\n")
+    (target / "pairing.json").write_text('{"version": 1, "approved": [], "pending": []}')
+    mine = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+
+    result = storage(["export", str(target)], migrated_pg_url, tmp_path)
+    assert result.returncode == 1
+    assert "CONFLICT telegram:1" in result.stderr and "it was not overwritten" in result.stderr
+    assert result.stderr.count("pairing.json is there without it") == 3
+    assert {p: p.read_bytes() for p in mine} == mine
+    assert not list((target / "memory").glob(".export-*"))  # nothing left half-built
+    assert memory_view(target, "_workspace") == memory_view(source, "_workspace")

@@ -92,6 +92,20 @@ def consolidated_heading(day: date) -> str:
     return f"{_HEADING_PREFIX}{day.isoformat()}"
 
 
+def render_memory(rows: Iterable[tuple[date | None, str]]) -> str:
+    """MEMORY.md text of `(day, line)` rows in order: a `### Consolidated` heading (after
+    a blank line) wherever the day changes to a new day; a row without a day (free text,
+    another heading) is written as it is and ends the day before it."""
+    out: list[str] = []
+    current: date | None = None
+    for day, line in rows:
+        if day is not None and day != current:
+            out.append(("\n" if out else "") + consolidated_heading(day))
+        current = day
+        out.append(line)
+    return "".join(line + "\n" for line in out)
+
+
 def heading_day(line: str) -> date | None:
     """The day of a `### Consolidated YYYY-MM-DD` heading, or None."""
     match = _HEADING_RE.match(line.strip())

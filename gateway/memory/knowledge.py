@@ -140,6 +140,67 @@ def _popularity(entry: KnowledgeEntry) -> tuple[int, float]:
     return (entry.access_count, entry.created_at)
 
 
+def snapshot_bytes(entries: Iterable[KnowledgeEntry]) -> bytes:
+    """knowledge.json's bytes for `entries` (orjson writes the dataclasses themselves)."""
+    return orjson.dumps({"version": FORMAT_VERSION, "entries": list(entries)})
+
+
+def merged_duplicate(existing: KnowledgeEntry, entry: KnowledgeEntry) -> KnowledgeEntry:
+    """Two stored entries with one id (a hand edit made them duplicates): one entry
+    with both access counts and both tags."""
+    return replace(
+        existing,
+        access_count=existing.access_count + entry.access_count,
+        tags=tuple(dict.fromkeys(existing.tags + entry.tags)),
+    )
+
+
+class KnowledgeFileError(ValueError):
+    """A knowledge.json or its log that cannot be read as it is; the message says why."""
+
+
+def read_knowledge_files(path: Path) -> dict[str, KnowledgeEntry]:
+    """The entries `KnowledgeBase(path)` would load, read without changing any file (a
+    base sets damaged files aside and rewrites old formats on open). Strict where the
+    base salvages: a malformed entry or a torn last log line raises `KnowledgeFileError`."""
+    entries: dict[str, KnowledgeEntry] = {}
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raw = b""
+    if raw:
+        try:
+            data = orjson.loads(raw)
+        except ValueError as exc:
+            raise KnowledgeFileError(f"{path.name} is not valid JSON ({exc})") from None
+        items = data.get("entries") if isinstance(data, dict) else data
+        if not isinstance(items, list):
+            raise KnowledgeFileError(f"{path.name}: expected an object with an 'entries' list")
+        for number, item in enumerate(items, start=1):
+            try:
+                entry = KnowledgeEntry.from_dict(item)
+            except ValueError as exc:
+                raise KnowledgeFileError(f"{path.name}: entry {number}: {exc}") from None
+            existing = entries.get(entry.id)
+            entries[entry.id] = entry if existing is None else merged_duplicate(existing, entry)
+    log = path.with_name(path.name + ".log")
+    try:
+        lines = log.read_bytes().split(b"\n")
+    except FileNotFoundError:
+        lines = [b""]
+    if lines.pop():
+        raise KnowledgeFileError(f"{log.name}: the last line is cut off (a crash mid-write?)")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = KnowledgeEntry.from_dict(orjson.loads(line))
+        except ValueError as exc:
+            raise KnowledgeFileError(f"{log.name}: line {number}: {exc}") from None
+        entries[entry.id] = entry  # a logged entry replaces the stored one
+    return entries
+
+
 @dataclass(slots=True)
 class _State:
     entries: dict[str, KnowledgeEntry] = field(default_factory=dict)
@@ -409,8 +470,7 @@ class KnowledgeBase:
 
     def _write_snapshot(self) -> None:
         """Rewrite knowledge.json with every entry, then empty the log."""
-        payload = {"version": FORMAT_VERSION, "entries": list(self._state.entries.values())}
-        data = orjson.dumps(payload)
+        data = snapshot_bytes(self._state.entries.values())
         atomic_write_bytes(self.path, data)
         with contextlib.suppress(FileNotFoundError):
             os.truncate(self.log_path, 0)
@@ -506,11 +566,7 @@ class KnowledgeBase:
                 continue
             existing = self._state.entries.get(entry.id)
             if existing is not None:  # edited by hand into a duplicate: merge the counts
-                entry = replace(
-                    existing,
-                    access_count=existing.access_count + entry.access_count,
-                    tags=tuple(dict.fromkeys(existing.tags + entry.tags)),
-                )
+                entry = merged_duplicate(existing, entry)
             self._put(entry, reindex=True)
         return bad
 

@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.memory.format import (
     clean_facts,
-    consolidated_heading,
     format_fact,
     format_history_line,
     history_timestamp,
     normalize_category,
+    render_memory,
 )
 from gateway.memory.knowledge import (
     KnowledgeEntry,
@@ -90,7 +90,7 @@ def search_query(query: str) -> str | None:
     return " | ".join("'" + t.replace("\\", "\\\\").replace("'", "''") + "'" for t in tokens)
 
 
-def _entry(row: Sequence[Any]) -> KnowledgeEntry:
+def knowledge_entry(row: Sequence[Any]) -> KnowledgeEntry:
     ident, category, content, source, tags, created, accessed, count = row
     return KnowledgeEntry(
         str(ident),
@@ -104,7 +104,7 @@ def _entry(row: Sequence[Any]) -> KnowledgeEntry:
     )
 
 
-_ENTRY_COLUMNS = "id, category, content, source, tags, created_at, accessed_at, access_count"
+ENTRY_COLUMNS = "id, category, content, source, tags, created_at, accessed_at, access_count"
 
 
 def _top(
@@ -176,10 +176,10 @@ class PostgresKnowledge(_Scoped):
     def _select(self, where: str, params: Sequence[Any], tail: str = "") -> list[KnowledgeEntry]:
         with self._pool.connection() as conn:
             rows = conn.execute(
-                f"SELECT {_ENTRY_COLUMNS} FROM gw_memory_knowledge WHERE scope = %s {where} {tail}",
+                f"SELECT {ENTRY_COLUMNS} FROM gw_memory_knowledge WHERE scope = %s {where} {tail}",
                 (self._key, *params),
             ).fetchall()
-        return [_entry(r) for r in rows]
+        return [knowledge_entry(r) for r in rows]
 
     def get(self, entry_id: str) -> KnowledgeEntry | None:
         found = self._select("AND id = %s", (entry_id,))
@@ -212,10 +212,10 @@ class PostgresKnowledge(_Scoped):
             # A search counts as an access, as in the file mode.
             touched = conn.execute(
                 "UPDATE gw_memory_knowledge SET access_count = access_count + 1, "
-                f"accessed_at = %s WHERE scope = %s AND id = ANY(%s) RETURNING {_ENTRY_COLUMNS}",
+                f"accessed_at = %s WHERE scope = %s AND id = ANY(%s) RETURNING {ENTRY_COLUMNS}",
                 (self._clock().timestamp(), self._key, ids),
             ).fetchall()
-        by_id = {e.id: e for e in map(_entry, touched)}
+        by_id = {e.id: e for e in map(knowledge_entry, touched)}
         return [by_id[i] for i in ids if i in by_id]
 
     def export_for_context(self, max_chars: int = 2000) -> str:
@@ -258,20 +258,20 @@ class PostgresKnowledge(_Scoped):
         self._ensure_scope(conn)
         fresh = KnowledgeEntry(key, category, text, origin, new_tags, now, now, 0)
         inserted = conn.execute(
-            f"INSERT INTO gw_memory_knowledge ({_ENTRY_COLUMNS}, scope, tsv) "
+            f"INSERT INTO gw_memory_knowledge ({ENTRY_COLUMNS}, scope, tsv) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, to_tsvector('simple', %s)) "
-            f"ON CONFLICT (scope, id) DO NOTHING RETURNING {_ENTRY_COLUMNS}",
-            (*_values(fresh), self._key, search_terms(searchable_text(fresh))),
+            f"ON CONFLICT (scope, id) DO NOTHING RETURNING {ENTRY_COLUMNS}",
+            (*entry_values(fresh), self._key, search_terms(searchable_text(fresh))),
         ).fetchone()
         if inserted is not None:
-            return _entry(inserted)
+            return knowledge_entry(inserted)
         row = conn.execute(
-            f"SELECT {_ENTRY_COLUMNS} FROM gw_memory_knowledge "
+            f"SELECT {ENTRY_COLUMNS} FROM gw_memory_knowledge "
             "WHERE scope = %s AND id = %s FOR UPDATE",
             (self._key, key),
         ).fetchone()
         assert row is not None  # rows are never deleted but with their scope
-        existing = _entry(row)
+        existing = knowledge_entry(row)
         merged = KnowledgeEntry(
             key,
             existing.category,
@@ -302,7 +302,7 @@ class PostgresKnowledge(_Scoped):
         return False
 
 
-def _values(entry: KnowledgeEntry) -> tuple[Any, ...]:
+def entry_values(entry: KnowledgeEntry) -> tuple[Any, ...]:
     return (
         entry.id,
         entry.category,
@@ -342,14 +342,7 @@ class PostgresMemoryScope(_Scoped):
                 "SELECT day, line FROM gw_memory_facts WHERE scope = %s ORDER BY id",
                 (self._key,),
             ).fetchall()
-        out: list[str] = []
-        current: date | None = None
-        for day, line in rows:
-            if day is not None and day != current:
-                out.append(("\n" if out else "") + consolidated_heading(day))
-                current = day
-            out.append(str(line))
-        return "".join(line + "\n" for line in out)
+        return render_memory((day, str(line)) for day, line in rows)
 
     def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
         with self._pool.connection() as conn, conn.transaction():

@@ -1,40 +1,90 @@
 """`gateway storage import|export`: a file workspace into PostgreSQL and back, losslessly.
 
 Each kind of state has one import function and one export function, registered in
-`IMPORTS` and `EXPORTS` (sessions today; memory and pairing add theirs next to it). A
-function gets the open connection, the workspace folder and a `Transfer` to report to,
-and keeps these promises for every item it moves:
+`IMPORTS` and `EXPORTS`: sessions, memory (one item per scope: facts, history and
+knowledge), pairing (one item per approval or pending code) and heartbeat runs (one item
+per job). A function gets the open connection, the workspace folder and a `Transfer` to
+report to, and keeps these promises for every item it moves:
 - Lossless: a session's header and entry lines are stored verbatim (the ``json`` columns
   keep the text) and written back byte for byte, archived (`/new`) sessions included.
   Two things that carry nothing the file mode reads are normalized: blank lines are
-  dropped and a complete last line without its newline gets one.
+  dropped and a complete last line without its newline gets one. Memory keeps every
+  fact line (category, `### Consolidated` day), history line (timestamp) and knowledge
+  entry (every field); what no file keeps (serial ids, when a fact line was appended)
+  cannot round-trip, and PostgreSQL text holds no NUL (it becomes U+FFFD).
 - One transaction per item: a damaged or refused item leaves nothing behind.
 - Safe to re-run: an item already at the destination, identical, is skipped and
   reported; one that differs is reported as a conflict and left as it is on both sides
-  (nothing is ever overwritten or merged).
+  (nothing is ever overwritten or merged; an existing pairing or heartbeat file is
+  compared item by item and never rewritten).
 - Damage is reported, not imported: a session file with an unreadable line, a cut-off
-  last line or a bad header is skipped whole and stays where it is.
+  last line or a bad header, a memory folder with a file that is not UTF-8 or a
+  malformed knowledge record, an unreadable pairing or heartbeat file, is skipped whole
+  and stays where it is. Files are only read: the file-mode stores are not opened, as
+  they would set damaged files aside or rewrite old formats.
 
-Rows are written with their own statements instead of `PostgresSessionStore.create_with`:
-that re-encodes entries from parsed objects, and an import must keep the file's bytes.
+Consolidation state is not moved: the file mode keeps it as the sessions' compaction
+entries (which move with the sessions); ``gw_consolidations`` only guards replicas.
+
+Rows are written with their own statements instead of the stores' methods: those
+re-encode (sessions), re-stamp (memory) or expire (pairing) what they are given, and an
+import must keep what the files hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO, TypeVar
 
-from gateway.fsutil import create_exclusive, ensure_private_dir
+from channels.heartbeat import STATE_FILE as HEARTBEAT_STATE_FILE
+from channels.heartbeat import dump_run_times, parse_run_times
+from gateway.access import (
+    PAIRING_FILE,
+    ApprovedSender,
+    PairingState,
+    PendingRequest,
+    dump_pairing,
+    parse_pairing,
+)
+from gateway.fsutil import create_exclusive, ensure_private_dir, fsync_dir
+from gateway.memory.format import (
+    heading_day,
+    history_timestamp,
+    is_heading,
+    parse_fact,
+    render_memory,
+)
+from gateway.memory.knowledge import (
+    KnowledgeEntry,
+    KnowledgeFileError,
+    read_knowledge_files,
+    searchable_text,
+    snapshot_bytes,
+)
+from gateway.memory.manager import ARCHIVE_GLOB, HISTORY_FILE, KNOWLEDGE_FILE, MEMORY_FILE
+from gateway.memory.pg_store import (
+    ENTRY_COLUMNS,
+    entry_values,
+    knowledge_entry,
+    pg_text,
+    search_terms,
+)
+from gateway.memory.scopes import MEMORY_DIRNAME, scope_dirname
 from gateway.sessions.entries import SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionKeyError, UnsupportedVersionError
-from gateway.sessions.keys import SUFFIX, encode_key, session_path
+from gateway.sessions.keys import SUFFIX, decode_key, encode_key, session_path
 from gateway.sessions.manager import list_archived_files, list_session_files
 from gateway.sessions.pg_store import session_lines
 from gateway.sessions.store import ARCHIVE_DIR, archive_name
@@ -43,6 +93,7 @@ from gateway.storage.postgres import StorageError, StorageUnavailable, redact_ur
 if TYPE_CHECKING:
     import psycopg
 
+_S = TypeVar("_S")
 Outcome = Literal["moved", "present", "damaged", "conflict"]
 _OUTCOMES: tuple[Outcome, ...] = ("moved", "present", "damaged", "conflict")
 
@@ -88,6 +139,17 @@ class Transfer:
         done, total = position
         line = f"{kind} [{done}/{total}] {word[outcome]} {item}: {detail}"
         print(line, file=self.out, flush=True)
+
+    def exported_before(
+        self, kind: str, item: str, same: bool, what: str, position: tuple[int, int]
+    ) -> None:
+        """An export found ``what`` (a file, a folder) under the item's name already:
+        the item is there when it is the ``same``, a conflict (left alone) when not."""
+        if same:
+            self.note(kind, "present", item, "already exported", position)
+        else:
+            detail = f"a different {what} is there; it was not overwritten"
+            self.note(kind, "conflict", item, detail, position)
 
     def start(self, kind: str, found: int, where: Path) -> None:
         self.tallies.setdefault(kind, Tally(kind))
@@ -333,16 +395,7 @@ def export_sessions(conn: psycopg.Connection[Any], workspace: Path, transfer: Tr
         try:
             create_exclusive(path, data)
         except FileExistsError:
-            if path.read_bytes() == data:
-                transfer.note("sessions", "present", item, "already exported", position)
-            else:
-                transfer.note(
-                    "sessions",
-                    "conflict",
-                    item,
-                    "a different file is there; it was not overwritten",
-                    position,
-                )
+            transfer.exported_before("sessions", item, path.read_bytes() == data, "file", position)
             continue
         # The file mode orders sessions by their file's mtime: keep the last activity.
         os.utime(path, (updated_at, updated_at))
@@ -353,9 +406,551 @@ def export_sessions(conn: psycopg.Connection[Any], workspace: Path, transfer: Tr
         )
 
 
+# ----------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFolder:
+    """One scope's memory as the rows PostgreSQL keeps, from its folder or its rows."""
+
+    #: the folder name, which is also the scope's name in the tables (`scope_dirname`)
+    key: str
+    #: MEMORY.md lines but `### Consolidated` headings: (heading day, fact category, line)
+    facts: tuple[tuple[date | None, str | None, str], ...]
+    #: HISTORY.md lines, archives first (oldest first): (timestamp, line)
+    history: tuple[tuple[float, str], ...]
+    #: knowledge entries by id
+    knowledge: tuple[KnowledgeEntry, ...]
+    created_at: float
+
+    @property
+    def content(self) -> tuple[object, ...]:
+        """What the file mode reads back (not the times only the tables keep)."""
+        return (self.facts, [line for _, line in self.history], self.knowledge)
+
+    @property
+    def describe(self) -> str:
+        return (
+            f"{len(self.facts)} memory lines, {len(self.history)} history lines, "
+            f"{len(self.knowledge)} knowledge entries"
+        )
+
+
+def _strict_text(path: Path) -> str:
+    """A memory file's text ('' when missing); `DamagedFile` when it is not UTF-8 (the
+    file mode would read it with replacement characters, an import must not)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return ""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = data[: exc.start].count(b"\n") + 1
+        raise DamagedFile(f"{path.name} line {where} is not UTF-8 text") from None
+
+
+def _epoch(ns: int) -> float:
+    """Nanoseconds as the float the export wrote (`_nanoseconds` inverts it exactly)."""
+    return float(Fraction(ns, 1_000_000_000))
+
+
+def _nanoseconds(at: float) -> int:
+    return round(Fraction(at) * 1_000_000_000)
+
+
+def _day_start(day: date) -> float:
+    return datetime.combine(day, datetime.min.time(), UTC).timestamp()
+
+
+def read_memory_folder(folder: Path) -> MemoryFolder:
+    """Parse and check one scope folder without changing it; `DamagedFile` says what is
+    wrong. The folder's modification time stands for the scope's creation (no file
+    records it; an export sets it)."""
+    key = folder.name
+    if scope_dirname(decode_key(key)) != key:
+        raise DamagedFile("the folder name is not a memory scope's (hand-made?)")
+    created_at = _epoch(folder.stat().st_mtime_ns)
+    facts: list[tuple[date | None, str | None, str]] = []
+    day: date | None = None
+    for raw in _strict_text(folder / MEMORY_FILE).split("\n"):
+        line = pg_text(raw.strip())
+        if not line:
+            continue
+        if is_heading(line):
+            # A `### Consolidated` heading is rebuilt from its facts' day; any other
+            # heading is kept as a line and ends the day (facts after it belong to it).
+            day = heading_day(line)
+            if day is None:
+                facts.append((None, None, line))
+            continue
+        fact = parse_fact(line)
+        facts.append((day, fact.category.lower() if fact else None, line))
+    history: list[tuple[float, str]] = []
+    at = created_at
+    for path in [*sorted(folder.glob(ARCHIVE_GLOB)), folder / HISTORY_FILE]:
+        for raw in _strict_text(path).split("\n"):
+            line = pg_text(raw.strip())
+            if not line:
+                continue
+            stamp = history_timestamp(line)
+            at = stamp if stamp is not None else at  # a hand-written line: the one before
+            history.append((at, line))
+    try:
+        entries = read_knowledge_files(folder / KNOWLEDGE_FILE)
+    except KnowledgeFileError as exc:
+        raise DamagedFile(str(exc)) from None
+    knowledge = tuple(
+        KnowledgeEntry(
+            e.id,
+            e.category,
+            pg_text(e.content),
+            None if e.source is None else pg_text(e.source),
+            tuple(pg_text(t) for t in e.tags),
+            e.created_at,
+            e.accessed_at,
+            e.access_count,
+        )
+        for _, e in sorted(entries.items())
+    )
+    return MemoryFolder(key, tuple(facts), tuple(history), knowledge, created_at)
+
+
+def stored_memory(conn: psycopg.Connection[Any], key: str, created_at: float) -> MemoryFolder:
+    """One scope's rows, in the shape `read_memory_folder` gives."""
+    facts = conn.execute(
+        "SELECT day, category, line FROM gw_memory_facts WHERE scope = %s ORDER BY id", (key,)
+    ).fetchall()
+    history = conn.execute(
+        "SELECT at, line FROM gw_memory_history WHERE scope = %s ORDER BY id", (key,)
+    ).fetchall()
+    knowledge = conn.execute(
+        f"SELECT {ENTRY_COLUMNS} FROM gw_memory_knowledge WHERE scope = %s ORDER BY id", (key,)
+    ).fetchall()
+    return MemoryFolder(
+        key,
+        tuple((d, c, str(line)) for d, c, line in facts),
+        tuple((float(at), str(line)) for at, line in history),
+        tuple(map(knowledge_entry, knowledge)),
+        created_at,
+    )
+
+
+def _newer(stored: MemoryFolder, mine: MemoryFolder) -> str | None:
+    """What the rows hold beyond the folder ('' when nothing), or None when the rows do
+    not start with the folder's content (a replica wrote to the scope first)."""
+    ids = {e.id: (e.category, e.content) for e in stored.knowledge}
+    if (
+        stored.facts[: len(mine.facts)] != mine.facts
+        or [line for _, line in stored.history[: len(mine.history)]]
+        != [line for _, line in mine.history]
+        or any(ids.get(e.id) != (e.category, e.content) for e in mine.knowledge)
+    ):
+        return None
+    more = {
+        "memory lines": len(stored.facts) - len(mine.facts),
+        "history lines": len(stored.history) - len(mine.history),
+        "knowledge entries": len(stored.knowledge) - len(mine.knowledge),
+    }
+    return ", ".join(f"{n} {what}" for what, n in more.items() if n)
+
+
+def _store_memory(conn: psycopg.Connection[Any], folder: MemoryFolder) -> tuple[Outcome, str]:
+    """Insert one scope's rows in one transaction, unless the scope is there already."""
+    key = folder.key
+    with conn.transaction():
+        created = conn.execute(
+            "INSERT INTO gw_memory_scopes (scope, created_at) VALUES (%s, %s) "
+            "ON CONFLICT (scope) DO NOTHING RETURNING scope",
+            (key, folder.created_at),
+        ).fetchone()
+        if created is None:
+            row = conn.execute(
+                "SELECT created_at FROM gw_memory_scopes WHERE scope = %s FOR UPDATE", (key,)
+            ).fetchone()
+            assert row is not None  # scopes are deleted only by hand
+            newer = _newer(stored_memory(conn, key, float(row[0])), folder)
+            if newer is None:
+                return "conflict", (
+                    "the database already has other memory for this scope (a gateway in "
+                    "the shared mode wrote to it); nothing changed on either side"
+                )
+            more = f"; the database has {newer} more" if newer else ""
+            return "present", f"already imported{more}"
+        with conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO gw_memory_facts (scope, day, category, line, created_at, tsv) "
+                "VALUES (%s, %s, %s, %s, %s, to_tsvector('simple', %s))",
+                [
+                    (
+                        key,
+                        day,
+                        category,
+                        line,
+                        _day_start(day) if day else folder.created_at,
+                        "" if is_heading(line) else search_terms(line),
+                    )
+                    for day, category, line in folder.facts
+                ],
+            )
+            cur.executemany(
+                "INSERT INTO gw_memory_history (scope, at, line, tsv) "
+                "VALUES (%s, %s, %s, to_tsvector('simple', %s))",
+                [(key, at, line, search_terms(line)) for at, line in folder.history],
+            )
+            cur.executemany(
+                f"INSERT INTO gw_memory_knowledge ({ENTRY_COLUMNS}, scope, tsv) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, to_tsvector('simple', %s))",
+                [
+                    (*entry_values(e), key, search_terms(searchable_text(e)))
+                    for e in folder.knowledge
+                ],
+            )
+    return "moved", folder.describe
+
+
+def import_memory(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Every memory scope folder of ``workspace`` (facts, history with its archives,
+    knowledge) into PostgreSQL, one scope per transaction."""
+    import psycopg
+
+    root = workspace / MEMORY_DIRNAME
+    folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    transfer.start("memory", len(folders), root)
+    for n, path in enumerate(folders, start=1):
+        item = f"{decode_key(path.name)} ({path.name}/)"
+        outcome: Outcome
+        try:
+            outcome, detail = _store_memory(conn, read_memory_folder(path))
+        except DamagedFile as exc:
+            outcome, detail = "damaged", f"{exc}; the folder stays as it is"
+        except FileNotFoundError:
+            outcome, detail = "damaged", "the folder disappeared while importing"
+        except psycopg.DataError as exc:
+            reason = str(exc).strip().splitlines()[0]
+            outcome, detail = "damaged", f"PostgreSQL refused it ({reason}); nothing stored"
+        transfer.note("memory", outcome, item, detail, (n, len(folders)))
+
+
+def _write_memory_folder(root: Path, folder: MemoryFolder) -> None:
+    """The scope's files in a new folder, built aside and renamed into place (a crash
+    leaves no half-written scope under its name)."""
+    ensure_private_dir(root)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=root))
+    try:
+        if folder.facts:
+            memory = render_memory((day, line) for day, _, line in folder.facts)
+            create_exclusive(staging / MEMORY_FILE, memory.encode())
+        if folder.history:
+            history = "".join(line + "\n" for _, line in folder.history)
+            create_exclusive(staging / HISTORY_FILE, history.encode())
+        if folder.knowledge:
+            entries = sorted(folder.knowledge, key=lambda e: (e.created_at, e.id))
+            create_exclusive(staging / KNOWLEDGE_FILE, snapshot_bytes(entries))
+        target = root / folder.key
+        os.rename(staging, target)  # refuses a folder that is not empty
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(root)
+    ns = _nanoseconds(folder.created_at)
+    os.utime(target, ns=(ns, ns))
+
+
+def export_memory(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Every stored scope as the file mode's memory folder: MEMORY.md (facts under
+    their headings), HISTORY.md (every history line) and knowledge.json."""
+    root = workspace / MEMORY_DIRNAME
+    scopes = conn.execute(
+        "SELECT scope, created_at FROM gw_memory_scopes ORDER BY scope"
+    ).fetchall()
+    transfer.start("memory", len(scopes), root)
+    for n, (key, created_at) in enumerate(scopes, start=1):
+        position = (n, len(scopes))
+        if key in ("", ".", "..") or "/" in key or "\x00" in key:
+            transfer.note(
+                "memory", "damaged", repr(key), "not a folder name; not exported", position
+            )
+            continue
+        item = f"{decode_key(key)} ({key}/)"
+        stored = stored_memory(conn, key, float(created_at))
+        path = root / key
+        if path.exists():
+            try:
+                same = read_memory_folder(path).content == stored.content
+            except DamagedFile:
+                same = False
+            transfer.exported_before("memory", item, same, "folder", position)
+            continue
+        try:
+            _write_memory_folder(root, stored)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            transfer.note(
+                "memory", "conflict", item, "a folder appeared meanwhile; not overwritten", position
+            )
+            continue
+        transfer.note("memory", "moved", item, stored.describe, position)
+
+
+# ----------------------------------------------------------------------------- pairing
+
+
+def _read_state_file(path: Path, parse: Callable[[str], _S]) -> _S | None:
+    """A whole-workspace state file parsed by ``parse`` (None when there is none);
+    `DamagedFile` when it cannot be read as it is."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return parse(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise DamagedFile(f"{path.name} cannot be read ({exc})") from None
+
+
+def _parse_pairing(text: str) -> PairingState:
+    state, bad = parse_pairing(json.loads(text))
+    if bad:
+        raise ValueError(f"{bad} unreadable entries")
+    return state
+
+
+def _pairing_rows(state: PairingState) -> dict[tuple[str, str, str], tuple[Any, ...]]:
+    """Every approval and pending request by (table, channel, sender)."""
+    rows: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+    for a in state.approved.values():
+        rows[("approved", a.channel, a.sender_id)] = (a.approved_at, a.label)
+    for r in state.pending:
+        rows.setdefault(
+            ("pending", r.channel, r.sender_id),
+            (r.code, r.chat_id, r.label, r.created_at, r.expires_at),
+        )
+    return rows
+
+
+def _describe_pairing(which: tuple[str, str, str], row: tuple[Any, ...]) -> tuple[str, str]:
+    table, channel, sender = which
+    if table == "approved":
+        return f"approved {channel}:{sender}", f"approved at {_when(row[0])}"
+    return f"pending {channel}:{sender}", f"code expires {_when(row[4])}"
+
+
+def _when(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+_APPROVED = (
+    "SELECT approved_at, label FROM gw_pairing_approved WHERE channel = %s AND sender_id = %s"
+)
+_PENDING = (
+    "SELECT code, chat_id, label, created_at, expires_at FROM gw_pairing_pending "
+    "WHERE channel = %s AND sender_id = %s"
+)
+
+
+def import_pairing(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """The pairing file's approvals and pending codes (expired ones too: the next write
+    on their channel drops them, as in the file) into PostgreSQL, one row per item."""
+    path = workspace / PAIRING_FILE
+    try:
+        state = _read_state_file(path, _parse_pairing)
+    except DamagedFile as exc:
+        transfer.start("pairing", 1, path)
+        transfer.note("pairing", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        return
+    rows = _pairing_rows(state) if state is not None else {}
+    transfer.start("pairing", len(rows), path)
+    for n, (which, row) in enumerate(rows.items(), start=1):
+        table, channel, sender = which
+        item, detail = _describe_pairing(which, row)
+        with conn.transaction():
+            stored = conn.execute(
+                (_APPROVED if table == "approved" else _PENDING) + " FOR UPDATE",
+                (channel, sender),
+            ).fetchone()
+            outcome: Outcome
+            if stored is not None:
+                same = tuple(stored) == row
+                outcome = "present" if same else "conflict"
+                detail = (
+                    "already imported"
+                    if same
+                    else "the database has another one; nothing changed on either side"
+                )
+            elif table == "approved":
+                conn.execute(
+                    "INSERT INTO gw_pairing_approved (channel, sender_id, approved_at, label) "
+                    "VALUES (%s, %s, %s, %s)",
+                    (channel, sender, *row),
+                )
+                outcome = "moved"
+            else:
+                conn.execute(
+                    "INSERT INTO gw_pairing_pending (channel, sender_id, code, chat_id, label, "
+                    "created_at, expires_at) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                    (channel, sender, *row),
+                )
+                outcome = "moved"
+        transfer.note("pairing", outcome, item, detail, (n, len(rows)))
+
+
+def _write_state_file(
+    kind: str,
+    path: Path,
+    rows: dict[Any, Any],
+    existing: dict[Any, Any] | None,
+    data: str,
+    describe: Callable[[Any, Any], tuple[str, str]],
+    transfer: Transfer,
+) -> None:
+    """Export a whole-workspace state file: written when there is none; otherwise each
+    item is reported against the file that is there, which is never changed (a
+    different or missing item is a conflict: files are not merged)."""
+    if existing is None:
+        try:
+            create_exclusive(path, data.encode())
+        except FileExistsError:
+            existing = {}
+        else:
+            for n, (which, row) in enumerate(rows.items(), start=1):
+                item, detail = describe(which, row)
+                transfer.note(kind, "moved", item, detail, (n, len(rows)))
+            return
+    for n, (which, row) in enumerate(rows.items(), start=1):
+        item, detail = describe(which, row)
+        if existing.get(which) == row:
+            transfer.note(kind, "present", item, "already exported", (n, len(rows)))
+        else:
+            transfer.note(
+                kind,
+                "conflict",
+                item,
+                f"{path.name} is there without it; the file was not changed",
+                (n, len(rows)),
+            )
+
+
+def export_pairing(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Approvals and pending codes as the workspace's pairing file."""
+    path = workspace / PAIRING_FILE
+    approved = conn.execute(
+        "SELECT channel, sender_id, approved_at, label FROM gw_pairing_approved "
+        "ORDER BY channel, approved_at, sender_id"
+    ).fetchall()
+    pending = conn.execute(
+        "SELECT channel, sender_id, code, created_at, expires_at, chat_id, label "
+        "FROM gw_pairing_pending ORDER BY created_at, channel, sender_id"
+    ).fetchall()
+    state = PairingState(
+        approved={
+            (str(c), str(s)): ApprovedSender(str(c), str(s), float(at), str(label))
+            for c, s, at, label in approved
+        },
+        pending=tuple(
+            PendingRequest(str(c), str(s), str(code), float(made), float(ends), str(chat), str(lb))
+            for c, s, code, made, ends, chat, lb in pending
+        ),
+    )
+    rows = _pairing_rows(state)
+    transfer.start("pairing", len(rows), path)
+    if not rows:
+        return
+    try:
+        there = _read_state_file(path, _parse_pairing)
+        existing = _pairing_rows(there) if there is not None else None
+    except DamagedFile:
+        existing = {}  # every item conflicts; the damaged file stays as it is
+    _write_state_file(
+        "pairing", path, rows, existing, dump_pairing(state), _describe_pairing, transfer
+    )
+
+
+# ----------------------------------------------------------------------------- heartbeat
+
+
+def _parse_runs(text: str) -> dict[str, datetime]:
+    runs = parse_run_times(text)
+    for job, when in runs.items():
+        if when.tzinfo is None:
+            raise ValueError(f"job {job!r}: the last run {when.isoformat()} has no time zone")
+    return runs
+
+
+def _describe_run(job: str, when: datetime) -> tuple[str, str]:
+    return job, f"last run {when.astimezone(UTC).isoformat()}"
+
+
+def import_heartbeat(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Each heartbeat job's last run into ``gw_heartbeat_runs``, so that the fleet makes
+    up a missed run once instead of running every job at its first start."""
+    path = workspace / HEARTBEAT_STATE_FILE
+    try:
+        runs = _read_state_file(path, _parse_runs) or {}
+    except DamagedFile as exc:
+        transfer.start("heartbeat", 1, path)
+        transfer.note("heartbeat", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        return
+    transfer.start("heartbeat", len(runs), path)
+    for n, (job, when) in enumerate(sorted(runs.items()), start=1):
+        item, detail = _describe_run(job, when)
+        outcome: Outcome = "moved"
+        with conn.transaction():
+            stored = conn.execute(
+                "INSERT INTO gw_heartbeat_runs (job, last_run) VALUES (%s, %s) "
+                "ON CONFLICT (job) DO NOTHING RETURNING job",
+                (job, when),
+            ).fetchone()
+            if stored is None:
+                row = conn.execute(
+                    "SELECT last_run FROM gw_heartbeat_runs WHERE job = %s", (job,)
+                ).fetchone()
+                assert row is not None
+                if row[0] == when:
+                    outcome, detail = "present", "already imported"
+                elif row[0] > when:
+                    outcome = "present"
+                    detail = f"the database has a later run ({row[0].astimezone(UTC).isoformat()})"
+                else:
+                    outcome = "conflict"
+                    detail = (
+                        f"the database has an earlier run ({row[0].astimezone(UTC).isoformat()}); "
+                        "nothing changed on either side"
+                    )
+        transfer.note("heartbeat", outcome, item, detail, (n, len(runs)))
+
+
+def export_heartbeat(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Each job's last run as the workspace's heartbeat-state.json (times in UTC)."""
+    path = workspace / HEARTBEAT_STATE_FILE
+    rows = conn.execute("SELECT job, last_run FROM gw_heartbeat_runs ORDER BY job").fetchall()
+    runs = {str(job): when.astimezone(UTC) for job, when in rows}
+    transfer.start("heartbeat", len(runs), path)
+    if not runs:
+        return
+    try:
+        existing = _read_state_file(path, _parse_runs)
+    except DamagedFile:
+        existing = {}
+    _write_state_file(
+        "heartbeat", path, runs, existing, dump_run_times(runs), _describe_run, transfer
+    )
+
+
 #: One function per kind of state, run in this order.
-IMPORTS: dict[str, Step] = {"sessions": import_sessions}
-EXPORTS: dict[str, Step] = {"sessions": export_sessions}
+IMPORTS: dict[str, Step] = {
+    "sessions": import_sessions,
+    "memory": import_memory,
+    "pairing": import_pairing,
+    "heartbeat": import_heartbeat,
+}
+EXPORTS: dict[str, Step] = {
+    "sessions": export_sessions,
+    "memory": export_memory,
+    "pairing": export_pairing,
+    "heartbeat": export_heartbeat,
+}
 
 
 # ----------------------------------------------------------------------------- commands
