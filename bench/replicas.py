@@ -12,7 +12,8 @@ shared mode adds to a turn's latency against the file mode. Prints a table (``--
    sessions for a fixed time; p50 / p99 of the `/api/chat` round trip in the file mode and
    in the shared mode. Goal: the shared mode's p99 at most 5 ms above the file mode's.
 3. Cost per turn in the shared mode: one replica behind a counting wire proxy
-   (`bench.pgwire`), 16 clients, the model answering at once: PostgreSQL round trips and
+   (`tests.fakes.pg_wire_counter`), 16 clients, the model answering at once: PostgreSQL
+   round trips and
    statements per turn, and CPU milliseconds per turn of the gateway, of PostgreSQL (every
    `postgres` process on the machine: other users' work shows up here) and of this
    benchmark process (load generator and fake model), from /proc.
@@ -41,8 +42,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
 
-from bench.pgwire import PgWireCounter  # noqa: E402
 from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder  # noqa: E402
+from tests.fakes.pg_wire_counter import PgWireCounter  # noqa: E402
 from tests.gateway_process import GatewayProcess, base_env  # noqa: E402
 
 PG_URL = os.environ.get("GATEWAY_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")

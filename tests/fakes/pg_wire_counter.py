@@ -1,4 +1,4 @@
-"""A counting PostgreSQL wire proxy: round trips and statements the gateways send.
+"""A counting PostgreSQL wire proxy: the round trips and statements its clients send.
 
 The benchmarks put it between the gateways and PostgreSQL (`PgWireCounter.in_thread`)
 and divide its counts by the turns run. It parses the client's side of the v3 protocol
