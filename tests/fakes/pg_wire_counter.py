@@ -121,8 +121,12 @@ class PgWireCounter:
         def run() -> None:
             task = loop.create_task(main())
             loop.run_forever()
-            task.cancel()
-            loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+            del task  # cancelled below with every relay still running
+            pending = asyncio.all_tasks(loop)
+            for each in pending:
+                each.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.close()
 
         threading.Thread(target=run, daemon=True).start()
         started.wait(10)
