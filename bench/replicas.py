@@ -11,6 +11,12 @@ shared mode adds to a turn's latency against the file mode. Prints a table (``--
 2. Latency: one replica, the model answering at once, an open loop of 200 turns/s over 400
    sessions for a fixed time; p50 / p99 of the `/api/chat` round trip in the file mode and
    in the shared mode. Goal: the shared mode's p99 at most 5 ms above the file mode's.
+3. Cost per turn in the shared mode: one replica behind a counting wire proxy
+   (`tests.fakes.pg_wire_counter`), 16 clients, the model answering at once: PostgreSQL
+   round trips and
+   statements per turn, and CPU milliseconds per turn of the gateway, of PostgreSQL (every
+   `postgres` process on the machine: other users' work shows up here) and of this
+   benchmark process (load generator and fake model), from /proc.
 
 Everything runs on this machine's loopback: the replicas, the fakes, PostgreSQL and the
 load generator share its cores, so read the numbers as a lower bound.
@@ -37,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
 
 from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder  # noqa: E402
+from tests.fakes.pg_wire_counter import PgWireCounter  # noqa: E402
 from tests.gateway_process import GatewayProcess, base_env  # noqa: E402
 
 PG_URL = os.environ.get("GATEWAY_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -117,6 +124,12 @@ async def post(http: aiohttp.ClientSession, url: str, session: str, text: str) -
 
 async def closed_loop(urls: list[str], clients: int, seconds: float) -> float:
     """Turns/s with `clients` clients each sending its next message once answered."""
+    return (await closed_loop_count(urls, clients, seconds))[1]
+
+
+async def closed_loop_count(urls: list[str], clients: int, seconds: float) -> tuple[int, float]:
+    """Turns done and turns/s with `clients` clients each sending its next message once
+    answered."""
     done = 0
     deadline = time.perf_counter() + seconds
     limits = aiohttp.TCPConnector(limit=0)
@@ -132,7 +145,7 @@ async def closed_loop(urls: list[str], clients: int, seconds: float) -> float:
 
         began = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
-        return done / (time.perf_counter() - began)
+        return done, done / (time.perf_counter() - began)
 
 
 async def open_loop(url: str, rate: float, seconds: float, sessions: int) -> list[float]:
@@ -157,9 +170,107 @@ async def open_loop(url: str, rate: float, seconds: float, sessions: int) -> lis
     return latencies
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def postgres_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "postgres":
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@dataclass
+class CpuMeter:
+    """CPU seconds used by the gateways, PostgreSQL and this process between two reads."""
+
+    gateways: list[int]
+    start: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def read(self) -> tuple[float, float, float]:
+        gw = sum(cpu_seconds(pid) for pid in self.gateways)
+        pg = sum(cpu_seconds(pid) for pid in postgres_pids())
+        t = os.times()
+        return gw, pg, t.user + t.system
+
+    def __enter__(self) -> CpuMeter:
+        self.start = self.read()
+        return self
+
+    def used(self) -> tuple[float, float, float]:
+        now = self.read()
+        return now[0] - self.start[0], now[1] - self.start[1], now[2] - self.start[2]
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+@dataclass(frozen=True)
+class TurnCost:
+    round_trips: float
+    statements: float
+    connections: int
+    cpu_gateway_ms: float
+    cpu_postgres_ms: float
+    cpu_bench_ms: float
+
+
+def turn_cost(seconds: float) -> TurnCost:
+    """Round trips and CPU per turn of one shared-mode replica (see the docstring)."""
+    schema, url = fresh_schema()
+    host_url = PG_URL.split("://", 1)[1].split("/", 1)
+    authority = host_url[0].rsplit("@", 1)[-1]
+    host, _, port = authority.partition(":")
+    try:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            FakeOpenAI.in_thread() as llm,
+            PgWireCounter.in_thread(host, int(port or 5432)) as wire,
+        ):
+            proxied = url.replace(authority, f"127.0.0.1:{wire.listen_port}", 1)
+            procs, urls = start(env_for(Path(tmp), llm, proxied), Path(tmp), 1)
+            try:
+                asyncio.run(closed_loop(urls, 16, 2.0))  # warm up: pools filled
+                rt0, st0, conn0 = wire.snapshot()
+                wire.texts.clear()
+                with CpuMeter([p.proc.pid for p in procs]) as cpu:
+                    turns, _ = asyncio.run(closed_loop_count(urls, 16, seconds))
+                    gw, pg, me = cpu.used()
+                rt, st, conns = wire.snapshot()
+                if os.environ.get("GATEWAY_BENCH_STATEMENTS"):
+                    for text, n in wire.texts.most_common(40):
+                        print(f"{n / turns:8.2f}  {text}", file=sys.stderr)
+            finally:
+                stop(procs)
+    finally:
+        drop_schema(schema)
+    return TurnCost(
+        round_trips=(rt - rt0) / turns,
+        statements=(st - st0) / turns,
+        connections=conns - conn0,
+        cpu_gateway_ms=gw / turns * 1000,
+        cpu_postgres_ms=pg / turns * 1000,
+        cpu_bench_ms=me / turns * 1000,
+    )
 
 
 def throughput(replicas: int, seconds: float) -> float:
@@ -202,14 +313,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
+    parser.add_argument(
+        "--only", choices=("cost", "throughput", "latency"), help="run one part only"
+    )
     args = parser.parse_args()
     seconds = 6.0 if args.quick else 15.0
     rows: list[Row] = []
-    base = None
-    for n in (1, 2, 3):
+    if args.only in (None, "cost"):
+        cost = turn_cost(seconds)
+        for what, value, unit in (
+            ("PostgreSQL round trips per turn", cost.round_trips, "RT"),
+            ("PostgreSQL statements per turn", cost.statements, "stmts"),
+            ("connections opened while measuring", cost.connections, "conns"),
+            ("CPU per turn, gateway", cost.cpu_gateway_ms, "ms"),
+            ("CPU per turn, postgres (machine-wide)", cost.cpu_postgres_ms, "ms"),
+            ("CPU per turn, bench (load + fake model)", cost.cpu_bench_ms, "ms"),
+        ):
+            rows.append(Row(what, round(value, 2), unit, "-", None))
+    for n in (1, 2, 3) if args.only in (None, "throughput") else ():
         rate = throughput(n, seconds)
         ideal = n * CAP / LLM_DELAY
-        base = base or rate
         rows.append(
             Row(
                 f"turns/s, {n} replica{'s' if n > 1 else ''} (ideal {ideal:.0f})",
@@ -219,24 +342,27 @@ def main() -> int:
                 rate >= 0.9 * ideal,
             )
         )
-    files = latency(False, seconds)
-    shared = latency(True, seconds)
-    for name, values in (("file mode", files), ("shared mode", shared)):
-        rows.append(Row(f"p50 at 200 turns/s, {name}", round(pct(values, 0.5), 2), "ms", "-", None))
+    if args.only in (None, "latency"):
+        files = latency(False, seconds)
+        shared = latency(True, seconds)
+        for name, values in (("file mode", files), ("shared mode", shared)):
+            rows.append(
+                Row(f"p50 at 200 turns/s, {name}", round(pct(values, 0.5), 2), "ms", "-", None)
+            )
+            rows.append(
+                Row(f"p99 at 200 turns/s, {name}", round(pct(values, 0.99), 2), "ms", "-", None)
+            )
+        added = pct(shared, 0.99) - pct(files, 0.99)
+        rows.append(Row("p99 added by the shared mode", round(added, 2), "ms", "<= 5", added <= 5))
         rows.append(
-            Row(f"p99 at 200 turns/s, {name}", round(pct(values, 0.99), 2), "ms", "-", None)
+            Row(
+                "mean round trip, shared mode",
+                round(statistics.fmean(shared) * 1000, 2),
+                "ms",
+                "-",
+                None,
+            )
         )
-    added = pct(shared, 0.99) - pct(files, 0.99)
-    rows.append(Row("p99 added by the shared mode", round(added, 2), "ms", "<= 5", added <= 5))
-    rows.append(
-        Row(
-            "mean round trip, shared mode",
-            round(statistics.fmean(shared) * 1000, 2),
-            "ms",
-            "-",
-            None,
-        )
-    )
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     else:

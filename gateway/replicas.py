@@ -9,10 +9,13 @@ them), handing each to its own `Dispatcher` as a replayed message (`Dispatcher.f
 
 Promises kept here:
 - One replica at a time runs a session's turns, in journal order: a pump holds the lease
-  while it feeds, renews it every third of `lease_ttl` while turns run, and gives it up
-  only in a statement that finds none of the session's messages left in the journal.
-  A replica that journals a message for a session leased elsewhere therefore leaves it
-  to the holder, who sees it before it can let go.
+  while it feeds, and gives it up only in a statement that finds none of the session's
+  messages left in the journal. A replica that journals a message for a session leased
+  elsewhere therefore leaves it to the holder, who sees it before it can let go (and is
+  told at once: the failed acquire NOTIFYs ``gw_kicks`` in the same statement).
+- A lease outlives its last message by `linger` seconds, so a conversation's next turn
+  costs no lease round trips; one statement every third of `lease_ttl` renews every
+  lease this replica holds, however many.
 - A dead replica's sessions are resumed within `lease_ttl` + `sweep_interval` seconds:
   every replica sweeps for sessions with journaled messages and no live lease. What the
   dead one had in flight is replayed like a crash's leftovers: a recorded reply is sent
@@ -45,13 +48,26 @@ if TYPE_CHECKING:
     from gateway.dispatch import Dispatcher, Ticket
 
 NOTIFY_CHANNEL = "gw_replies"
+KICK_CHANNEL = "gw_kicks"
 
+# Taken (one row), or held elsewhere: then the holder is told in the same round trip.
 _ACQUIRE = """
-INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
-VALUES (%(key)s, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s)
-ON CONFLICT (session_key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
-WHERE l.owner = EXCLUDED.owner OR l.expires_at < extract(epoch FROM clock_timestamp())
-RETURNING owner
+WITH taken AS (
+    INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
+    VALUES (%(key)s, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s)
+    ON CONFLICT (session_key) DO UPDATE
+        SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
+    WHERE l.owner = EXCLUDED.owner OR l.expires_at < extract(epoch FROM clock_timestamp())
+    RETURNING owner)
+SELECT true FROM taken
+UNION ALL
+SELECT false FROM (SELECT pg_notify('gw_kicks', %(key)s)) n WHERE NOT EXISTS (SELECT FROM taken)
+"""
+
+_RENEW = """
+UPDATE gw_session_leases SET expires_at = extract(epoch FROM clock_timestamp()) + %(ttl)s
+WHERE owner = %(me)s AND session_key = ANY(%(keys)s)
+RETURNING session_key
 """
 
 _RELEASE_IF_EMPTY = """
@@ -86,14 +102,18 @@ class SessionRouter:
         lease_ttl: float = 10.0,
         sweep_interval: float = 2.0,
         batch: int = 100,
+        linger: float = 3.0,
     ) -> None:
         self.store = store
         self.dispatcher = dispatcher
         self.lease_ttl = lease_ttl
         self.sweep_interval = sweep_interval
         self.batch = batch
+        self.linger = linger
         self._tg: anyio.abc.TaskGroup | None = None
-        self._pumps: set[str] = set()
+        # Running pumps, each with the event that wakes it (a kick: something journaled).
+        self._pumps: dict[str, anyio.Event] = {}
+        self._leases: set[str] = set()  # sessions whose lease this replica holds
         self._waiters: dict[str, tuple[anyio.Event, list[OutboundMessage | None]]] = {}
         self._stopping = False
         self.fed = 0  # messages handed to the dispatcher (for tests and metrics)
@@ -118,6 +138,7 @@ class SessionRouter:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._listen)
+            tg.start_soon(self._renew_forever)
             await self.sweep()
             task_status.started()
             try:
@@ -150,9 +171,13 @@ class SessionRouter:
     def kick(self, session_key: str) -> None:
         """Make sure the session's journaled messages get run: here, when this replica
         gets (or holds) the lease; else by the holder, who sees them before letting go."""
-        if self._tg is None or self._stopping or session_key in self._pumps:
+        if self._tg is None or self._stopping:
             return
-        self._pumps.add(session_key)
+        wake = self._pumps.get(session_key)
+        if wake is not None:
+            wake.set()
+            return
+        self._pumps[session_key] = anyio.Event()
         self._tg.start_soon(self._pump, session_key, name=f"pump {session_key}")
 
     async def stop(self) -> None:
@@ -174,21 +199,35 @@ class SessionRouter:
             cur = await conn.execute(
                 _ACQUIRE, {"key": key, "me": self.replica_id, "ttl": self.lease_ttl}
             )
-            return await cur.fetchone() is not None
+            row = await cur.fetchone()
+            return bool(row is not None and row[0])
 
     async def _release_if_empty(self, key: str) -> bool:
         async with self._conn() as conn:
             cur = await conn.execute(_RELEASE_IF_EMPTY, {"key": key, "me": self.replica_id})
             return bool(cur.rowcount == 1)
 
-    async def _renew_until_cancelled(self, key: str) -> None:
+    async def renew(self) -> None:
+        """Renew every lease this replica holds, in one statement."""
+        keys = sorted(self._leases)
+        if not keys:
+            return
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                _RENEW, {"keys": keys, "me": self.replica_id, "ttl": self.lease_ttl}
+            )
+            kept = {str(k) for (k,) in await cur.fetchall()}
+        for key in keys:
+            if key not in kept and key in self._leases:
+                logger.error("replicas: lost the lease of {} to another replica mid-turn", key)
+
+    async def _renew_forever(self) -> None:
         while True:
             await anyio.sleep(self.lease_ttl / 3)
             try:
-                if not await self._acquire(key):
-                    logger.error("replicas: lost the lease of {} to another replica mid-turn", key)
+                await self.renew()
             except Exception as exc:
-                logger.warning("replicas: lease renewal of {} failed ({})", key, exc)
+                logger.warning("replicas: lease renewal failed ({})", exc)
 
     async def _owed(self, key: str) -> list[tuple[str, Unanswered]]:
         async with self._conn() as conn:
@@ -211,40 +250,60 @@ class SessionRouter:
         try:
             if not await self._acquire(key):
                 return  # leased elsewhere: the holder sees our message before letting go
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._renew_until_cancelled, key)
-                await self._feed_until_empty(key)
-                tg.cancel_scope.cancel()
+            self._leases.add(key)
+            await self._feed_until_empty(key)
         except Exception as exc:
             # The lease runs out; the sweep (here or elsewhere) takes the session up.
             logger.error("replicas: pump of {} failed ({}); the sweep will retry", key, exc)
         finally:
-            self._pumps.discard(key)
+            self._leases.discard(key)
+            wake = self._pumps.pop(key, None)
+            if wake is not None and wake.is_set():
+                self.kick(key)  # kicked while letting go: that message is not left behind
+
+    def _rearm(self, key: str) -> anyio.Event:
+        """A fresh wake event for the pump of `key` (a kick sets it)."""
+        wake = self._pumps[key] = anyio.Event()
+        return wake
 
     async def _feed_until_empty(self, key: str) -> None:
         fed: dict[str, Ticket] = {}
+        check = True  # ask the journal (else wait for a kick, a finished turn or the linger)
         while True:
             if self._stopping or self.dispatcher.draining:
                 return  # `stop` withdraws the lease; what was fed finishes in the drain
-            owed = await self._owed(key)
-            new = [(dedupe, entry) for dedupe, entry in owed if dedupe not in fed]
-            if new:
-                for dedupe, entry in new:
-                    fed[dedupe] = await self.dispatcher.feed(entry)
-                    self.fed += 1
-                continue
+            wake = self._rearm(key)  # before the query: a kick during it is not missed
+            if check:
+                owed = await self._owed(key)
+                for dedupe, entry in owed:
+                    if dedupe not in fed:
+                        fed[dedupe] = await self.dispatcher.feed(entry)
+                        self.fed += 1
+                journaled = {d for d, _ in owed}
+                fed = {d: t for d, t in fed.items() if d in journaled or not t.finished}
+                stuck = bool(fed) and all(t.finished for t in fed.values())
             waiting = [t for t in fed.values() if not t.finished]
             if waiting:
-                await waiting[0].wait_finished()
+                # The last fed finishes last (one lane per session); a kick comes first
+                # when another message is journaled meanwhile.
+                await _first_of(waiting[-1].wait_finished, wake.wait, self.lease_ttl / 3)
+                check = wake.is_set()
                 continue
-            fed = {d: t for d, t in fed.items() if any(d == o for o, _ in owed)}
+            if check and stuck:
+                # Finished here, yet still journaled (its mark failed): give the store a
+                # moment rather than spin; the lease is ours until it clears.
+                await anyio.sleep(0.2)
+                continue
+            # Nothing owed that we know of: linger with the lease, then let go unless
+            # something was journaled meanwhile (the release's own check).
+            with anyio.move_on_after(self.linger):
+                await wake.wait()
+            if wake.is_set():
+                check = True
+                continue
             if await self._release_if_empty(key):
                 return
-            if not fed:
-                continue  # something new came in meanwhile: fetch it
-            # Finished here, yet still journaled (its mark failed): give the store a
-            # moment rather than spin; the lease is ours until it clears.
-            await anyio.sleep(0.2)
+            check = True
 
     # ------------------------------------------------------------------ API replies
 
@@ -308,7 +367,13 @@ class SessionRouter:
                 conn = await psycopg.AsyncConnection.connect(self.store.url, autocommit=True)
                 async with conn:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    await conn.execute(f"LISTEN {KICK_CHANNEL}")
                     async for note in conn.notifies():
+                        if note.channel == KICK_CHANNEL:
+                            wake = self._pumps.get(note.payload)
+                            if wake is not None:
+                                wake.set()
+                            continue
                         waiter = self._waiters.get(note.payload)
                         if waiter is not None and not waiter[1]:
                             reply = await self._take_published(note.payload)
@@ -318,6 +383,21 @@ class SessionRouter:
             except Exception as exc:
                 logger.warning("replicas: reply listener failed ({}); reconnecting", exc)
                 await anyio.sleep(1.0)
+
+
+async def _first_of(
+    a: Callable[[], Awaitable[object]], b: Callable[[], Awaitable[object]], within: float
+) -> None:
+    """Return when `a` or `b` returns, or after `within` seconds."""
+    with anyio.move_on_after(within):
+        async with anyio.create_task_group() as tg:
+            for wait in (a, b):
+
+                async def one(wait: Callable[[], Awaitable[object]] = wait) -> None:
+                    await wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(one)
 
 
 class SharedRunState:

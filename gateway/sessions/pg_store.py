@@ -7,11 +7,15 @@ per entry in ``gw_session_entries``, whose ``body`` is the entry's JSON line ver
 Promises kept here, as the file store keeps them:
 - Append-only: an entry row is only ever inserted, at ``last_seq + 1``; nothing updates or
   deletes one except an operator's explicit delete of a whole session.
-- Replicas share a session safely: `PostgresSessionStore.append` locks the session's row
-  (``SELECT ... FOR UPDATE``), first reads what other writers appended since this store
-  last looked, and only then chooses the new entry's ``parent_id`` and commits; a session
-  reset elsewhere (another current row for the key) is loaded afresh, as a file replaced
-  underneath is reopened.
+- Replicas share a session safely: an entry's ``parent_id`` is chosen from the session
+  as it stands under the session row's lock. `PostgresSessionStore.append` first builds
+  the entry from the tree it holds and sends it with the ``(session_id, last_seq)`` that
+  tree reflects to ``gw_append_entry`` (migration 0006), which locks the row and stores
+  the entry only if nothing was appended since: one round trip when this replica is the
+  session's only writer, as the lease makes it. Otherwise it locks the row
+  (``SELECT ... FOR UPDATE``), reads what other writers appended, builds the entry again
+  and commits; a session reset elsewhere (another current row for the key) is loaded
+  afresh, as a file replaced underneath is reopened.
 - An acknowledged append is durable: `append` returns after PostgreSQL committed it.
 - A damaged row is skipped, counted in the load report and kept.
 
@@ -148,9 +152,11 @@ class PostgresSessionStore:
             self._session_id = session_id
         if last_seq > self._seq:
             rows = conn.execute(
+                # Up to the row's last_seq: outside a transaction, entries appended
+                # since that row was read are picked up by the next sync, not twice.
                 "SELECT seq, body::text FROM gw_session_entries "
-                "WHERE session_id = %s AND seq > %s ORDER BY seq",
-                (session_id, self._seq),
+                "WHERE session_id = %s AND seq > %s AND seq <= %s ORDER BY seq",
+                (session_id, self._seq, last_seq),
             ).fetchall()
             first = self._seq + 1
             lines = [str(body) for _, body in rows]
@@ -218,6 +224,10 @@ class PostgresSessionStore:
             return entry
 
     def _append_locked(self, factory: EntryFactory[E]) -> tuple[E, int, int]:
+        if self._session_id is not None:
+            done = self._append_if_current(factory)
+            if done is not None:
+                return done
         with self._pool.connection() as conn, conn.transaction():
             self._sync(conn, self._lock_current(conn))
             entry = build_entry(self._tree, factory)
@@ -236,6 +246,31 @@ class PostgresSessionStore:
                 (seq, size, entry.timestamp, self._session_id),
             )
         return entry, seq, size
+
+    def _append_if_current(self, factory: EntryFactory[E]) -> tuple[E, int, int] | None:
+        """The one-round-trip append; None (nothing written) when the stored session moved
+        on from the tree this store holds."""
+        entry = build_entry(self._tree, factory)
+        line = _line(entry)
+        size = len(line.encode()) + 1
+        with self._pool.connection() as conn:
+            row = conn.execute(
+                "SELECT gw_append_entry(%s, %s, %s, %s, %s, %s, %s::json, %s, %s)",
+                (
+                    self.key,
+                    self._session_id,
+                    self._seq,
+                    entry.id,
+                    entry.parent_id,
+                    entry.type,
+                    line,
+                    size,
+                    entry.timestamp,
+                ),
+            ).fetchone()
+        if row is None or row[0] is None:
+            return None
+        return entry, int(row[0]), size
 
     async def aappend(self, factory: EntryFactory[E]) -> E:
         return await anyio.to_thread.run_sync(self.append, factory)

@@ -9,12 +9,21 @@ than this build knows is refused: running old code against it could lose data.
 
 psycopg 3 (with psycopg_pool) is the driver: it is the maintained successor of psycopg2,
 speaks both sync and async with one API, and its pool checks connections and reconnects.
+
+Pooled connections are in autocommit mode: a single statement is its own transaction (one
+round trip, where an implicit ``BEGIN`` and ``COMMIT`` made three), and code that needs
+several statements to commit together says so with ``conn.transaction()``. A connection
+is checked before it is handed out only when it sat idle for `CHECK_AFTER_IDLE` seconds
+(as HikariCP's ``aliveBypassWindowMs``): a busy pool pays no check round trip per
+checkout, and an idle connection, which a server restart may have broken, is still
+checked and replaced.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import weakref
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -201,6 +210,34 @@ def connect(url: str, *, connect_timeout: float = 5.0) -> psycopg.Connection[Any
         raise StorageUnavailable(_describe(exc, url)) from None
 
 
+#: Seconds a pooled connection may sit idle and still be handed out unchecked.
+CHECK_AFTER_IDLE = 1.0
+
+_returned_at: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+def _needs_check(conn: Any) -> bool:
+    return time.monotonic() - _returned_at.get(conn, float("-inf")) >= CHECK_AFTER_IDLE
+
+
+def _check_idle(conn: psycopg.Connection[Any]) -> None:
+    if _needs_check(conn):
+        conn.execute("")
+
+
+async def _acheck_idle(conn: psycopg.AsyncConnection[Any]) -> None:
+    if _needs_check(conn):
+        await conn.execute("")
+
+
+def _note_returned(conn: psycopg.Connection[Any]) -> None:
+    _returned_at[conn] = time.monotonic()
+
+
+async def _anote_returned(conn: psycopg.AsyncConnection[Any]) -> None:
+    _returned_at[conn] = time.monotonic()
+
+
 def sync_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPool:
     """A pool for code that runs in worker threads (the session stores)."""
     require_driver()
@@ -214,7 +251,9 @@ def sync_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPo
         open=False,
         timeout=10.0,
         name="gateway-sync",
-        check=ConnectionPool.check_connection,
+        kwargs={"autocommit": True},
+        check=_check_idle,
+        reset=_note_returned,
     )
 
 
@@ -233,7 +272,9 @@ def async_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> AsyncConnec
         # beats holding its request until its own timeout.
         timeout=3.0,
         name="gateway-async",
-        check=AsyncConnectionPool.check_connection,
+        kwargs={"autocommit": True},
+        check=_acheck_idle,
+        reset=_anote_returned,
     )
 
 
