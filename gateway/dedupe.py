@@ -77,6 +77,26 @@ class Unanswered:
     #: One id per recorded reply: messages merged into one turn share it.
     reply_id: str | None = None
 
+    @classmethod
+    def from_stored(
+        cls, raw: str, reply_id: str | None, raw_reply: str | None
+    ) -> Unanswered | None:
+        """A journal row as stored (the message's and the reply's JSON); None, logged,
+        when the message cannot be read. An unreadable reply is dropped: the turn then
+        runs again, since a second answer beats none."""
+        try:
+            message = InboundMessage.from_dict(json.loads(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            logger.error("dedupe: an unreadable journaled message is skipped: {}", exc)
+            return None
+        reply = None
+        if raw_reply is not None:
+            try:
+                reply = OutboundMessage.from_dict(json.loads(raw_reply))
+            except (ValueError, TypeError, KeyError) as exc:
+                logger.error("dedupe: an unreadable recorded reply is skipped: {}", exc)
+        return cls(message, reply, reply_id if reply is not None else None)
+
 
 @runtime_checkable
 class DedupeStore(Protocol):
@@ -314,23 +334,9 @@ class FileDedupeStore:
             ).fetchall()
             return [(str(m), r_id, r) for m, r_id, r in rows]
 
-        found = []
-        for raw, reply_id, raw_reply in await self._db.run(read):
-            try:
-                message = InboundMessage.from_dict(json.loads(raw))
-            except (ValueError, TypeError, KeyError) as exc:
-                logger.error("dedupe: an unreadable journaled message is skipped: {}", exc)
-                continue
-            reply = None
-            if raw_reply is not None:
-                try:
-                    reply = OutboundMessage.from_dict(json.loads(raw_reply))
-                except (ValueError, TypeError, KeyError) as exc:
-                    # The turn runs again instead: a second answer beats none.
-                    logger.error("dedupe: an unreadable recorded reply is skipped: {}", exc)
-                    reply_id = None
-            found.append(Unanswered(message, reply, reply_id if reply is not None else None))
-        return found
+        rows = await self._db.run(read)
+        found = [Unanswered.from_stored(*row) for row in rows]
+        return [entry for entry in found if entry is not None]
 
     async def _committed_batch(self) -> None:
         """Wait until the batch holding what was just queued is on disk."""

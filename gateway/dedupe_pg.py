@@ -235,21 +235,8 @@ class PostgresDedupeStore:
             cur = await conn.execute(_TAKE_OVER, self._params())
             rows = await cur.fetchall()
         rows.sort(key=lambda r: (r[0] if r[0] is not None else 0.0, r[1]))
-        found = []
-        for _, _, raw, reply_id, raw_reply in rows:
-            try:
-                message = InboundMessage.from_dict(json.loads(raw))
-            except (ValueError, TypeError, KeyError) as exc:
-                logger.error("dedupe: an unreadable journaled message is skipped: {}", exc)
-                continue
-            reply = None
-            if raw_reply is not None:
-                try:
-                    reply = OutboundMessage.from_dict(json.loads(raw_reply))
-                except (ValueError, TypeError, KeyError) as exc:
-                    logger.error("dedupe: an unreadable recorded reply is skipped: {}", exc)
-            found.append(Unanswered(message, reply, reply_id if reply is not None else None))
-        return found
+        found = [Unanswered.from_stored(raw, r_id, reply) for _, _, raw, r_id, reply in rows]
+        return [entry for entry in found if entry is not None]
 
     async def aclose(self) -> None:
         """Withdraw this replica: its unjournaled claims go (the platforms still hold

@@ -29,6 +29,7 @@ Promises kept here:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -39,7 +40,7 @@ import anyio.abc
 from loguru import logger
 
 from gateway.dedupe import Unanswered
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import OutboundMessage
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -233,17 +234,22 @@ class SessionRouter:
         async with self._conn() as conn:
             cur = await conn.execute(_OWED, (key, self.batch))
             rows = await cur.fetchall()
-        owed = []
+        owed, unreadable = [], []
         for dedupe, raw, reply_id, raw_reply in rows:
-            try:
-                message = InboundMessage.from_dict(json.loads(raw))
-                reply = OutboundMessage.from_dict(json.loads(raw_reply)) if raw_reply else None
-            except (ValueError, TypeError, KeyError) as exc:
-                logger.error("replicas: an unreadable journaled message is skipped: {}", exc)
-                continue
-            owed.append(
-                (str(dedupe), Unanswered(message, reply, reply_id if reply is not None else None))
-            )
+            entry = Unanswered.from_stored(raw, reply_id, raw_reply)
+            if entry is None:
+                unreadable.append(str(dedupe))
+            else:
+                owed.append((str(dedupe), entry))
+        if unreadable:
+            # Out of the queue, or the session would wait for it forever; the row and
+            # its text stay for `dedupe_ttl` for whoever wants to look.
+            async with self._conn() as conn:
+                await conn.execute(
+                    "UPDATE gw_inbound SET state = 'done', expires_at = %s "
+                    "WHERE dedupe_key = ANY(%s) AND state = 'journaled'",
+                    (time.time() + self.store.ttl, unreadable),
+                )
         return owed
 
     async def _pump(self, key: str) -> None:

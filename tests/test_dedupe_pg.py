@@ -4,6 +4,7 @@ replica's claims and journal are taken over exactly once, a live one's are waite
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -162,3 +163,34 @@ async def test_an_answered_message_is_a_duplicate_everywhere_until_ttl(replica: 
     assert await two.unanswered() == []
     clock.now += 101
     assert await two.seen_or_add(key_of(msg)) is False
+
+
+async def test_an_unreadable_journal_row_leaves_the_queue_and_is_kept(replica: Replica) -> None:
+    """A session must not wait forever behind a row nobody can read: it leaves the
+    queue (marked answered, its text kept until the ttl) and the rest runs."""
+    from gateway.dispatch import Dispatcher
+    from gateway.replicas import SessionRouter
+
+    async def never(message: InboundMessage) -> Any:
+        raise AssertionError("nothing runs here")
+
+    store = replica()
+    good, bad = message(1, 1.0), message(2, 2.0)
+    for msg in (good, bad):
+        await store.seen_or_add(key_of(msg))
+        await store.journal(key_of(msg), msg)
+    async with await store._conn() as conn:
+        await conn.execute(
+            'UPDATE gw_inbound SET message = \'{"not": "a message"}\'::json WHERE dedupe_key = %s',
+            (key_of(bad),),
+        )
+    router = SessionRouter(store, Dispatcher(never, never))
+    owed = await router._owed(good.session_key)
+    assert [entry.message for _, entry in owed] == [good]
+    async with await store._conn() as conn:
+        cur = await conn.execute(
+            "SELECT state, message::text FROM gw_inbound WHERE dedupe_key = %s", (key_of(bad),)
+        )
+        state, kept = await cur.fetchone()  # type: ignore[misc]
+    assert state == "done" and "a message" in kept
+    assert [entry.message for _, entry in await router._owed(good.session_key)] == [good]
