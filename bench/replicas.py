@@ -16,9 +16,9 @@ shared mode adds to a turn's latency against the file mode. Prints a table (``--
    mode serves, so that row compares two backlogs; the 50 turns/s row is the latency.
 3. Cost per turn in the shared mode: one replica behind a counting wire proxy
    (`tests.fakes.pg_wire_counter`), 16 clients, the model answering at once: PostgreSQL
-   round trips and statements per turn, and CPU milliseconds per turn of the gateway, of PostgreSQL (every
-   `postgres` process on the machine: other users' work shows up here) and of this
-   benchmark process (load generator and fake model), from /proc.
+   round trips and statements per turn, and CPU milliseconds per turn of the gateway, of
+   PostgreSQL (every `postgres` process on the machine: other users' work shows up here)
+   and of this benchmark process (load generator and fake model), from /proc.
 
 Everything runs on this machine's loopback: the replicas, the fakes, PostgreSQL and the
 load generator share its cores, so read the numbers as a lower bound.
