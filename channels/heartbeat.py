@@ -83,10 +83,8 @@ def split_target(target: str) -> tuple[str, str]:
 class RunState(Protocol):
     """Last run time of each job: a file here, a table shared by replicas elsewhere."""
 
-    def last_run(self, job: str) -> datetime | None: ...
     async def alast_run(self, job: str) -> datetime | None: ...
     async def claim(self, job: str, expected: datetime | None, when: datetime) -> bool: ...
-    def record(self, job: str, when: datetime) -> None: ...
 
 
 def parse_run_times(text: str) -> dict[str, datetime]:
@@ -223,7 +221,7 @@ class HeartbeatChannel:
             )
             await ticket.reply()
         if not claimed:
-            await anyio.to_thread.run_sync(self.state.record, job.name, started)
+            await self.state.claim(job.name, await self.state.alast_run(job.name), started)
 
     async def send(self, message: OutboundMessage) -> None:
         """A job's reply: delivered to its target unless it is only the all-is-well token."""

@@ -413,9 +413,6 @@ class SharedRunState:
     def __init__(self, store: PostgresDedupeStore) -> None:
         self.store = store
 
-    def last_run(self, job: str) -> datetime | None:
-        raise NotImplementedError("SharedRunState is read with alast_run")
-
     async def alast_run(self, job: str) -> datetime | None:
         async with await self.store._conn() as conn:
             cur = await conn.execute(
@@ -439,9 +436,6 @@ class SharedRunState:
                     (when, job, expected),
                 )
             return await cur.fetchone() is not None
-
-    def record(self, job: str, when: datetime) -> None:
-        raise NotImplementedError("a shared run is recorded by claim")
 
 
 #: First key of the advisory locks naming a replica's role ("gwld" in ASCII); the second
