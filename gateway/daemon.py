@@ -608,7 +608,9 @@ class Daemon:
                 metadata={**message.metadata, META_REPLY_WANTED: True},
             )
         ticket = await self.dispatcher.submit(message)
-        if self.router is not None and ticket.status == "duplicate":
+        from gateway.dispatch import SubmitStatus
+
+        if self.router is not None and ticket.status is SubmitStatus.DUPLICATE:
             # A client's retry (same "id") of a message taken in already, perhaps by a
             # replica that died since: the reply of its one turn, when it comes.
             key = dedupe_key(message)

@@ -26,8 +26,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -116,7 +116,10 @@ class PostgresDedupeStore:
             **extra,
         }
 
-    async def _conn(self) -> AbstractAsyncContextManager[AsyncConnection[Any]]:
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConnection[Any]]:
+        """A connection of this store's pool (opened on first use), for the code that
+        shares its tables: the replicas' leases and the heartbeat runs."""
         if not self._opened:
             if self._opening is None:
                 self._opening = anyio.Lock()
@@ -124,14 +127,14 @@ class PostgresDedupeStore:
                 if not self._opened:
                     await self._pool.open(wait=True, timeout=10.0)
                     self._opened = True
-        conn: AbstractAsyncContextManager[AsyncConnection[Any]] = self._pool.connection()
-        return conn
+        async with self._pool.connection() as conn:
+            yield conn
 
     async def beat(self) -> None:
         """Tell the other replicas this one is alive (and drop long-gone replicas' rows
         and expired answered keys)."""
         now = self._clock()
-        async with await self._conn() as conn:
+        async with self.connection() as conn:
             await conn.execute(
                 "INSERT INTO gw_replicas (replica_id, started_at, seen_at) VALUES (%s, %s, %s) "
                 "ON CONFLICT (replica_id) DO UPDATE SET seen_at = EXCLUDED.seen_at",
@@ -172,7 +175,7 @@ class PostgresDedupeStore:
         await self._first_beat()
         deadline = time.monotonic() + self.claim_wait  # real time, whatever `clock` says
         while True:
-            async with await self._conn() as conn:
+            async with self.connection() as conn:
                 cur = await conn.execute(_CLAIM, self._params(key=key))
                 if await cur.fetchone() is not None:
                     return False
@@ -190,7 +193,7 @@ class PostgresDedupeStore:
             await anyio.sleep(0.05)
 
     async def release(self, key: str) -> None:
-        async with await self._conn() as conn:
+        async with self.connection() as conn:
             await conn.execute(
                 "DELETE FROM gw_inbound WHERE dedupe_key = %s AND state = 'claimed' "
                 "AND claimed_by = %s",
@@ -199,7 +202,7 @@ class PostgresDedupeStore:
 
     async def journal(self, key: str, msg: InboundMessage) -> None:
         raw = json.dumps(msg.to_dict(), default=str)
-        async with await self._conn() as conn:
+        async with self.connection() as conn:
             cur = await conn.execute(
                 "UPDATE gw_inbound SET state = 'journaled', session_key = %s, received_at = %s, "
                 "message = %s::json WHERE dedupe_key = %s AND claimed_by = %s "
@@ -213,7 +216,7 @@ class PostgresDedupeStore:
         if not keys:
             return
         raw = json.dumps(reply.to_dict(), default=str)
-        async with await self._conn() as conn:
+        async with self.connection() as conn:
             await conn.execute(
                 "UPDATE gw_inbound SET reply = %s::json, reply_id = %s "
                 "WHERE dedupe_key = ANY(%s) AND state = 'journaled'",
@@ -221,7 +224,7 @@ class PostgresDedupeStore:
             )
 
     async def mark_done(self, key: str) -> None:
-        async with await self._conn() as conn:
+        async with self.connection() as conn:
             await conn.execute(
                 "UPDATE gw_inbound SET state = 'done', expires_at = %s, session_key = NULL, "
                 "received_at = NULL, message = NULL, reply = NULL, reply_id = NULL "
@@ -231,7 +234,7 @@ class PostgresDedupeStore:
 
     async def unanswered(self) -> list[Unanswered]:
         await self._first_beat()
-        async with await self._conn() as conn:
+        async with self.connection() as conn:
             cur = await conn.execute(_TAKE_OVER, self._params())
             rows = await cur.fetchall()
         rows.sort(key=lambda r: (r[0] if r[0] is not None else 0.0, r[1]))
@@ -242,7 +245,7 @@ class PostgresDedupeStore:
         """Withdraw this replica: its unjournaled claims go (the platforms still hold
         those messages) and its row, so its journal is taken over without waiting."""
         try:
-            async with await self._conn() as conn:
+            async with self.connection() as conn:
                 await conn.execute(
                     "DELETE FROM gw_inbound WHERE state = 'claimed' AND claimed_by = %s",
                     (self.replica_id,),

@@ -23,15 +23,14 @@ Promises kept here:
 - A draining replica stops feeding and withdraws its leases, so the others go on.
 - `/api/chat` answers synchronously wherever the turn runs: the replica that ran it
   stores the reply on the message's journal row and NOTIFYs ``gw_replies``; the waiting
-  replica LISTENs (and polls once a second, should a notification be lost).
+  replica LISTENs (and asks every `REPLY_POLL` seconds, should a notification be lost).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -43,13 +42,14 @@ from gateway.dedupe import Unanswered
 from gateway.messages import OutboundMessage
 
 if TYPE_CHECKING:
-    from psycopg import AsyncConnection
-
     from gateway.dedupe_pg import PostgresDedupeStore
     from gateway.dispatch import Dispatcher, Ticket
 
 NOTIFY_CHANNEL = "gw_replies"
 KICK_CHANNEL = "gw_kicks"
+#: How often a waiting `/api/chat` request asks the database for its reply, in case the
+#: NOTIFY was lost (a reconnect): rarely, since each ask is a round trip per request.
+REPLY_POLL = 5.0
 
 # Taken (one row), or held elsewhere: then the holder is told in the same round trip.
 _ACQUIRE = """
@@ -62,7 +62,7 @@ WITH taken AS (
     RETURNING owner)
 SELECT true FROM taken
 UNION ALL
-SELECT false FROM (SELECT pg_notify('gw_kicks', %(key)s)) n WHERE NOT EXISTS (SELECT FROM taken)
+SELECT false FROM (SELECT pg_notify(%(kicks)s, %(key)s)) n WHERE NOT EXISTS (SELECT FROM taken)
 """
 
 _RENEW = """
@@ -124,11 +124,6 @@ class SessionRouter:
     def replica_id(self) -> str:
         return self.store.replica_id
 
-    @asynccontextmanager
-    async def _conn(self) -> AsyncIterator[AsyncConnection[Any]]:
-        async with await self.store._conn() as conn:
-            yield conn
-
     # ------------------------------------------------------------------ service
 
     async def run(
@@ -156,7 +151,7 @@ class SessionRouter:
         """Start a pump for every session with journaled messages and no live lease."""
         if self._stopping:
             return 0
-        async with self._conn() as conn:
+        async with self.store.connection() as conn:
             cur = await conn.execute(_UNLEASED)
             keys = [str(k) for (k,) in await cur.fetchall()]
         started = 0
@@ -186,7 +181,7 @@ class SessionRouter:
         this replica holds, so the others take its sessions at once."""
         self._stopping = True
         try:
-            async with self._conn() as conn:
+            async with self.store.connection() as conn:
                 await conn.execute(
                     "DELETE FROM gw_session_leases WHERE owner = %s", (self.replica_id,)
                 )
@@ -196,15 +191,16 @@ class SessionRouter:
     # ------------------------------------------------------------------ leases
 
     async def _acquire(self, key: str) -> bool:
-        async with self._conn() as conn:
+        async with self.store.connection() as conn:
             cur = await conn.execute(
-                _ACQUIRE, {"key": key, "me": self.replica_id, "ttl": self.lease_ttl}
+                _ACQUIRE,
+                {"key": key, "me": self.replica_id, "ttl": self.lease_ttl, "kicks": KICK_CHANNEL},
             )
             row = await cur.fetchone()
             return bool(row is not None and row[0])
 
     async def _release_if_empty(self, key: str) -> bool:
-        async with self._conn() as conn:
+        async with self.store.connection() as conn:
             cur = await conn.execute(_RELEASE_IF_EMPTY, {"key": key, "me": self.replica_id})
             return bool(cur.rowcount == 1)
 
@@ -213,7 +209,7 @@ class SessionRouter:
         keys = sorted(self._leases)
         if not keys:
             return
-        async with self._conn() as conn:
+        async with self.store.connection() as conn:
             cur = await conn.execute(
                 _RENEW, {"keys": keys, "me": self.replica_id, "ttl": self.lease_ttl}
             )
@@ -231,7 +227,7 @@ class SessionRouter:
                 logger.warning("replicas: lease renewal failed ({})", exc)
 
     async def _owed(self, key: str) -> list[tuple[str, Unanswered]]:
-        async with self._conn() as conn:
+        async with self.store.connection() as conn:
             cur = await conn.execute(_OWED, (key, self.batch))
             rows = await cur.fetchall()
         owed, unreadable = [], []
@@ -244,7 +240,7 @@ class SessionRouter:
         if unreadable:
             # Out of the queue, or the session would wait for it forever; the row and
             # its text stay for `dedupe_ttl` for whoever wants to look.
-            async with self._conn() as conn:
+            async with self.store.connection() as conn:
                 await conn.execute(
                     "UPDATE gw_inbound SET state = 'done', expires_at = %s "
                     "WHERE dedupe_key = ANY(%s) AND state = 'journaled'",
@@ -321,7 +317,7 @@ class SessionRouter:
             waiter[0].set()
             return
         raw = json.dumps(reply.to_dict(), default=str)
-        async with self._conn() as conn:
+        async with self.store.connection() as conn:
             await conn.execute(
                 "UPDATE gw_inbound SET reply = %s::json WHERE dedupe_key = %s", (raw, dedupe_key)
             )
@@ -334,7 +330,7 @@ class SessionRouter:
         self._waiters[dedupe_key] = (event, box)
         try:
             while not box:
-                with anyio.move_on_after(1.0):
+                with anyio.move_on_after(REPLY_POLL):
                     await event.wait()
                 if not box:
                     try:
@@ -349,7 +345,7 @@ class SessionRouter:
             self._waiters.pop(dedupe_key, None)
 
     async def _take_published(self, dedupe_key: str) -> OutboundMessage | None:
-        async with self._conn() as conn:
+        async with self.store.connection() as conn:
             # Taken once: the row keeps no reply after (RETURNING gives the new row, so
             # the old reply comes from a locked read in the same statement).
             cur = await conn.execute(
@@ -414,7 +410,7 @@ class SharedRunState:
         self.store = store
 
     async def alast_run(self, job: str) -> datetime | None:
-        async with await self.store._conn() as conn:
+        async with self.store.connection() as conn:
             cur = await conn.execute(
                 "SELECT last_run FROM gw_heartbeat_runs WHERE job = %s", (job,)
             )
@@ -422,7 +418,7 @@ class SharedRunState:
         return None if row is None else row[0]  # type: ignore[no-any-return]
 
     async def claim(self, job: str, expected: datetime | None, when: datetime) -> bool:
-        async with await self.store._conn() as conn:
+        async with self.store.connection() as conn:
             if expected is None:
                 cur = await conn.execute(
                     "INSERT INTO gw_heartbeat_runs (job, last_run) VALUES (%s, %s) "

@@ -12,16 +12,9 @@ import pytest
 from gateway.dedupe import dedupe_key
 from gateway.dedupe_pg import ClaimBusy, PostgresDedupeStore
 from gateway.messages import InboundMessage
+from tests.test_dedupe import Clock
 
 pytestmark = pytest.mark.anyio
-
-
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 Replica = Callable[..., PostgresDedupeStore]
@@ -179,7 +172,7 @@ async def test_an_unreadable_journal_row_leaves_the_queue_and_is_kept(replica: R
     for msg in (good, bad):
         await store.seen_or_add(key_of(msg))
         await store.journal(key_of(msg), msg)
-    async with await store._conn() as conn:
+    async with store.connection() as conn:
         await conn.execute(
             'UPDATE gw_inbound SET message = \'{"not": "a message"}\'::json WHERE dedupe_key = %s',
             (key_of(bad),),
@@ -187,7 +180,7 @@ async def test_an_unreadable_journal_row_leaves_the_queue_and_is_kept(replica: R
     router = SessionRouter(store, Dispatcher(never, never))
     owed = await router._owed(good.session_key)
     assert [entry.message for _, entry in owed] == [good]
-    async with await store._conn() as conn:
+    async with store.connection() as conn:
         cur = await conn.execute(
             "SELECT state, message::text FROM gw_inbound WHERE dedupe_key = %s", (key_of(bad),)
         )
