@@ -67,6 +67,12 @@ def dedupe_key(msg: InboundMessage) -> str | None:
     return f"{len(channel)}:{channel}:{len(chat)}:{chat}:{msg.message_id}"
 
 
+class ClaimBusy(Exception):
+    """`seen_or_add` cannot say yet: another process claimed the message and has not
+    journaled it (a replica, for a few milliseconds). The message is not taken now; the
+    platform, not told we have it, sends it again."""
+
+
 @dataclass(frozen=True, slots=True)
 class Unanswered:
     """A journaled message a crash left unanswered, and the reply recorded for it
@@ -103,7 +109,8 @@ class DedupeStore(Protocol):
     """Remembers which platform messages were already taken in (see the module)."""
 
     async def seen_or_add(self, key: str) -> bool:
-        """True if `key` was seen (a duplicate); else remember it and return False."""
+        """True if `key` was seen (a duplicate); else remember it and return False.
+        Raises `ClaimBusy` when another process holds a claim it has not journaled."""
         ...
 
     async def release(self, key: str) -> None:

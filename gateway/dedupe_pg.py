@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from loguru import logger
 
-from gateway.dedupe import DEFAULT_TTL, Unanswered
+from gateway.dedupe import DEFAULT_TTL, ClaimBusy, Unanswered
 from gateway.messages import InboundMessage, OutboundMessage
 
 if TYPE_CHECKING:
@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 BEAT_INTERVAL = 5.0
 #: A replica silent for this long is taken for dead: its claims and journal go to others.
 REPLICA_TTL = 15.0
-
-
-class ClaimBusy(Exception):
-    """Another live replica claimed the message and has not journaled it yet."""
 
 
 def new_replica_id() -> str:

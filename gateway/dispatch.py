@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from gateway.replicas import SessionRouter
 
 from gateway.access import Allow, Challenge, Decision, Deny, Ignore
-from gateway.dedupe import DedupeStore, Unanswered, dedupe_key
+from gateway.dedupe import ClaimBusy, DedupeStore, Unanswered, dedupe_key
 from gateway.messages import (
     MERGED_IDS_KEY,
     META_IN_SESSION,
@@ -450,14 +450,17 @@ class Dispatcher:
             key, store = item.dedupe_key, self._dedupe
             # A journaled message fed by the router is claimed already (by its journal row).
             fed = self.router is not None and item.recorded is not None
-            if (
-                key is not None
-                and store is not None
-                and not fed
-                and await self._is_duplicate(key, store)
-            ):
-                self._skip(item, None)
-                return
+            if key is not None and store is not None and not fed:
+                try:
+                    duplicate = await self._is_duplicate(key, store)
+                except ClaimBusy as exc:
+                    with logger.contextualize(session=item.message.session_key):
+                        logger.info("message not taken now: {}", exc)
+                    self._skip(item, None, status=SubmitStatus.RETRY_LATER)
+                    return
+                if duplicate:
+                    self._skip(item, None)
+                    return
             if self._access is not None:
                 decision = await self._check_access(item.message)
                 if not isinstance(decision, Allow):
@@ -515,6 +518,8 @@ class Dispatcher:
     async def _is_duplicate(self, key: str, store: DedupeStore) -> bool:
         try:
             return await store.seen_or_add(key)
+        except ClaimBusy:
+            raise
         except Exception as exc:
             # Fail open: answering a redelivery twice beats never answering.
             self._counters.dedupe_errors += 1

@@ -187,3 +187,27 @@ async def test_an_unreadable_journal_row_leaves_the_queue_and_is_kept(replica: R
         state, kept = await cur.fetchone()  # type: ignore[misc]
     assert state == "done" and "a message" in kept
     assert [entry.message for _, entry in await router._owed(good.session_key)] == [good]
+
+
+async def test_a_delivery_of_a_message_another_replica_is_journaling_is_not_taken(
+    replica: Replica,
+) -> None:
+    """The dispatcher answers `ClaimBusy` with "not taken" (the platform sends it again),
+    as no error: nothing failed, the other replica is a few milliseconds from its journal."""
+    from gateway.dispatch import Dispatcher, SubmitStatus
+
+    async def never(message: Any) -> Any:
+        raise AssertionError("nothing runs here")
+
+    clock = Clock()
+    first, second = replica(clock), replica(clock, claim_wait=0.2)
+    msg = message(1, clock.now)
+    assert await first.seen_or_add(key_of(msg)) is False  # claimed, not yet journaled
+    dispatcher = Dispatcher(never, never, dedupe=second)
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        ticket = await dispatcher.submit(msg)
+        assert ticket.status is SubmitStatus.RETRY_LATER and not ticket.taken
+        stats = dispatcher.stats()
+        assert stats.not_taken == 1 and stats.dedupe_errors == 0
+        tg.cancel_scope.cancel()
