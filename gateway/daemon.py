@@ -159,7 +159,7 @@ def build_session_manager(settings: Settings, *, spare_files: int = 0) -> Sessio
     """The sessions of the workspace (or of PostgreSQL, `storage.url`), once the
     workspace's folders are made and writable (WorkspaceError otherwise); a long-running
     gateway passes `spare_files` (see `gateway.sessions.spares`), one-shot commands do not."""
-    prepare_workspace(settings)  # memory, pairing and the cache still live there
+    prepare_workspace(settings)  # also in the shared mode: per-process files (the SQLite cache)
     shared = shared_storage(settings)
     if shared is not None:
         from gateway.sessions.pg_store import PostgresSessions
