@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,85 @@ def session_key_from_name(name: str | None) -> str:
     return key
 
 
+#: Metadata of a message in a group or channel: the text of the message it replies to
+#: (a Telegram reply, a Slack thread's parent), and who wrote that one.
+META_QUOTED_TEXT = "quoted_text"
+META_QUOTED_SENDER = "quoted_sender"
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """A file a person sent with a message, as the platform refers to it: never its
+    bytes (the journal keeps the reference; the agent fetches the file at turn time).
+
+    `kind` is "image", "voice" (a voice note or audio clip to transcribe) or
+    "document"; anything else is "other". `file_id` is the platform's id for it;
+    `url` is where it can be downloaded when the platform says so up front (Slack's
+    url_private_download).
+    """
+
+    kind: str
+    file_id: str
+    name: str = ""
+    mime_type: str = ""
+    size: int | None = None
+    url: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "file_id": self.file_id,
+            "name": self.name,
+            "mime_type": self.mime_type,
+            "size": self.size,
+            "url": self.url,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Attachment:
+        size = data.get("size")
+        return cls(
+            kind=str(data.get("kind") or "other"),
+            file_id=str(data.get("file_id") or ""),
+            name=str(data.get("name") or ""),
+            mime_type=str(data.get("mime_type") or ""),
+            size=int(size) if isinstance(size, int | float) else None,
+            url=data.get("url") or None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OutboundFile:
+    """A file or image that goes out with a reply (a tool's result, a long code block).
+    The bytes travel with the reply, so an outbox record can send it again."""
+
+    name: str
+    data: bytes
+    mime_type: str = "application/octet-stream"
+    caption: str = ""
+
+    @property
+    def is_image(self) -> bool:
+        return self.mime_type.startswith("image/")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "data": base64.b64encode(self.data).decode("ascii"),
+            "mime_type": self.mime_type,
+            "caption": self.caption,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OutboundFile:
+        return cls(
+            name=str(data["name"]),
+            data=base64.b64decode(str(data.get("data") or "")),
+            mime_type=str(data.get("mime_type") or "application/octet-stream"),
+            caption=str(data.get("caption") or ""),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class InboundMessage:
     """A message from a person (or a scheduled job) on its way to the agent.
@@ -77,10 +157,11 @@ class InboundMessage:
     session_key_override: str | None = None
     received_at: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)
+    attachments: tuple[Attachment, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The message as JSON-ready data (for the inbound journal)."""
-        return {
+        data: dict[str, Any] = {
             "channel": self.channel,
             "chat_id": self.chat_id,
             "text": self.text,
@@ -92,6 +173,9 @@ class InboundMessage:
             "received_at": self.received_at,
             "metadata": self.metadata,
         }
+        if self.attachments:
+            data["attachments"] = [a.to_dict() for a in self.attachments]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> InboundMessage:
@@ -106,6 +190,11 @@ class InboundMessage:
             session_key_override=data.get("session_key_override"),
             received_at=float(data.get("received_at") or time.time()),
             metadata=dict(data.get("metadata") or {}),
+            attachments=tuple(
+                Attachment.from_dict(a)
+                for a in data.get("attachments") or ()
+                if isinstance(a, dict)
+            ),
         )
 
     @property
@@ -132,10 +221,11 @@ class OutboundMessage:
     thread_id: str | None = None
     is_error: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+    files: tuple[OutboundFile, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The reply as JSON-ready data (for the outbox)."""
-        return {
+        data: dict[str, Any] = {
             "channel": self.channel,
             "chat_id": self.chat_id,
             "text": self.text,
@@ -145,6 +235,9 @@ class OutboundMessage:
             "is_error": self.is_error,
             "metadata": self.metadata,
         }
+        if self.files:
+            data["files"] = [f.to_dict() for f in self.files]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OutboundMessage:
@@ -157,6 +250,9 @@ class OutboundMessage:
             thread_id=data.get("thread_id"),
             is_error=bool(data.get("is_error")),
             metadata=dict(data.get("metadata") or {}),
+            files=tuple(
+                OutboundFile.from_dict(f) for f in data.get("files") or () if isinstance(f, dict)
+            ),
         )
 
 
@@ -166,6 +262,7 @@ def reply_for(
     *,
     is_error: bool = False,
     metadata: dict[str, Any] | None = None,
+    files: tuple[OutboundFile, ...] = (),
 ) -> OutboundMessage:
     """A reply addressed back to where `inbound` came from: same chat, thread, session."""
     return OutboundMessage(
@@ -177,4 +274,5 @@ def reply_for(
         thread_id=inbound.thread_id,
         is_error=is_error,
         metadata=metadata or {},
+        files=files,
     )
