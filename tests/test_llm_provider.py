@@ -485,3 +485,37 @@ async def test_local_server_gets_a_placeholder_key(keyless_fake: FakeOpenAI) -> 
         await provider.aclose()
     assert response.message.content == "echo: hello"
     assert keyless_fake.last_request.bearer_token == PLACEHOLDER_API_KEY
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_request_bodies_are_what_the_clients_own_transform_would_send(
+    fake: FakeOpenAI, make_provider: MakeProvider, stream: bool
+) -> None:
+    """The provider posts its body through the client's low-level `post` (create()'s
+    transform was half the CPU of a turn). That is only right while the transform would
+    not change the body: this fails on an `openai` release where it starts to."""
+    from openai._utils._transform import async_maybe_transform
+    from openai.types.chat import completion_create_params as params
+
+    provider = make_provider(default_temperature=0.3, default_max_tokens=99)
+    fake.add_tool_call("get_weather", {"city": "Zürich"}, call_id="call_1")
+    first = await provider.chat(HELLO, tools=[WEATHER], tool_choice="auto")
+    history = [
+        *HELLO,
+        first.message,
+        LLMMessage(role="tool", content="sunny", tool_call_id="call_1"),
+        LLMMessage(role="user", content="and tomorrow?", name="Ada Lovelace"),
+    ]
+    fake.add_reply("Rain.")
+    if stream:
+        await collect(provider.stream(history, tools=[WEATHER]))
+        shape: Any = params.CompletionCreateParamsStreaming
+    else:
+        await provider.chat(history, tools=[WEATHER], tool_choice="required")
+        shape = params.CompletionCreateParamsNonStreaming
+    sent = fake.last_request.body
+
+    assert sent["messages"][2]["tool_calls"][0]["id"] == "call_1"
+    assert sent["temperature"] == 0.3 and sent["max_tokens"] == 99
+    assert await async_maybe_transform(sent, shape) == sent

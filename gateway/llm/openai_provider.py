@@ -8,7 +8,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import openai
@@ -16,9 +16,6 @@ from loguru import logger
 from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionMessageParam,
-    ChatCompletionToolChoiceOptionParam,
-    ChatCompletionToolUnionParam,
 )
 from openai.types.completion_usage import CompletionUsage
 
@@ -434,13 +431,12 @@ class OpenAIProvider:
         failures: list[ModelFailure] = []
         for candidate in self.candidate_models(model):
             try:
-                completion = await self._client.chat.completions.create(
-                    model=candidate,
-                    messages=wire_messages,
-                    tools=self._wire_tools(tools),
-                    tool_choice=self._wire_tool_choice(tool_choice, tools),
-                    temperature=self._temperature(temperature),
-                    max_tokens=self._max_tokens(max_tokens),
+                completion = await self._client.post(
+                    "/chat/completions",
+                    body=self._request_body(
+                        candidate, wire_messages, tools, temperature, max_tokens, tool_choice
+                    ),
+                    cast_to=ChatCompletion,
                 )
             except openai.APIError as exc:
                 failure = classify_failure(exc, candidate, self._display_url)
@@ -473,14 +469,17 @@ class OpenAIProvider:
             assembly = StreamAssembly()
             yielded = False
             try:
-                chunks = await self._client.chat.completions.create(
-                    model=candidate,
-                    messages=wire_messages,
-                    tools=self._wire_tools(tools),
-                    temperature=self._temperature(temperature),
-                    max_tokens=self._max_tokens(max_tokens),
+                body = self._request_body(
+                    candidate, wire_messages, tools, temperature, max_tokens, None
+                )
+                body["stream"] = True
+                body["stream_options"] = {"include_usage": True}
+                chunks = await self._client.post(
+                    "/chat/completions",
+                    body=body,
+                    cast_to=ChatCompletion,
                     stream=True,
-                    stream_options={"include_usage": True},
+                    stream_cls=openai.AsyncStream[ChatCompletionChunk],
                 )
                 async with chunks:
                     async for chunk in chunks:
@@ -508,31 +507,38 @@ class OpenAIProvider:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _wire_messages(self, messages: Sequence[LLMMessage]) -> list[ChatCompletionMessageParam]:
-        return [cast(ChatCompletionMessageParam, to_openai_message(m)) for m in messages]
+    def _wire_messages(self, messages: Sequence[LLMMessage]) -> list[dict[str, Any]]:
+        return [to_openai_message(m) for m in messages]
 
-    @staticmethod
-    def _wire_tools(tools: Sequence[ToolSpec]) -> list[ChatCompletionToolUnionParam] | openai.Omit:
-        if not tools:
-            return openai.omit
-        return [cast(ChatCompletionToolUnionParam, to_openai_tool(t)) for t in tools]
+    def _request_body(
+        self,
+        model: str,
+        wire_messages: list[dict[str, Any]],
+        tools: Sequence[ToolSpec],
+        temperature: float | None,
+        max_tokens: int | None,
+        tool_choice: str | dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The JSON body of one chat completions request.
 
-    @staticmethod
-    def _wire_tool_choice(
-        tool_choice: str | dict[str, Any] | None, tools: Sequence[ToolSpec]
-    ) -> ChatCompletionToolChoiceOptionParam | openai.Omit:
-        # The API rejects tool_choice without tools.
-        if tool_choice is None or not tools:
-            return openai.omit
-        return cast(ChatCompletionToolChoiceOptionParam, tool_choice)
-
-    def _temperature(self, temperature: float | None) -> float | openai.Omit:
-        value = temperature if temperature is not None else self.default_temperature
-        return openai.omit if value is None else value
-
-    def _max_tokens(self, max_tokens: int | None) -> int | openai.Omit:
-        value = max_tokens if max_tokens is not None else self.default_max_tokens
-        return openai.omit if value is None else value
+        It goes to the client's documented low-level `post`, not through
+        `chat.completions.create`: the body is already in wire form, and create()'s
+        recursive TypedDict transform of every message cost half the gateway's CPU per
+        turn (bench/replicas.py, "CPU per turn"), for a body it returned unchanged. The
+        client still does auth, retries, timeouts, errors and response parsing."""
+        body: dict[str, Any] = {"model": model, "messages": wire_messages}
+        if tools:
+            body["tools"] = [to_openai_tool(t) for t in tools]
+            # The API rejects tool_choice without tools.
+            if tool_choice is not None:
+                body["tool_choice"] = tool_choice
+        temperature = temperature if temperature is not None else self.default_temperature
+        if temperature is not None:
+            body["temperature"] = temperature
+        max_tokens = max_tokens if max_tokens is not None else self.default_max_tokens
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        return body
 
     def _redact(self, text: str) -> str:
         if self._secret != PLACEHOLDER_API_KEY:
