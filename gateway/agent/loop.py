@@ -434,5 +434,6 @@ class AgentLoop:
             ]
             if ctx.summary:
                 lines.append("Summary: yes (older turns are summarized)")
+            lines += [f"Tools {group.describe()}" for group in self.tools.groups()]
             return reply_for(inbound, "\n".join(lines))
         raise AssertionError(f"unhandled command {command.name}")  # parse_command bounds this

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -32,30 +32,137 @@ class Tool:
     timeout: float = 30.0
 
 
+#: The group of tools registered without one (the built-in and memory tools).
+BUILTIN_GROUP = "builtin"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolGroupStatus:
+    """A group of tools as `/status` shows it: on or off, why, and its tools."""
+
+    name: str
+    on: bool
+    reason: str
+    tools: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line, e.g. `files: on (files__read, files__list)` or `web_fetch: off (...)`."""
+        listed = f" ({', '.join(self.tools)})" if self.tools and self.on else ""
+        why = f" ({self.reason})" if self.reason and not self.on else ""
+        return f"{self.name}: {'on' if self.on else 'off'}{listed}{why}"
+
+
+@dataclass(slots=True)
+class _Group:
+    on: bool = True
+    reason: str = ""
+    prefix: str = ""
+
+
 class ToolRegistry:
-    """Named tools. `execute` never raises: every call gets a result text, so the
-    transcript never holds a tool call without its tool result."""
+    """Named tools in named groups. `execute` never raises: every call gets a result
+    text, so the transcript never holds a tool call without its tool result.
+
+    A group's tools come and go together (an MCP server's, say) and the group can be
+    off, with a reason: its tools are then not offered to the model, and a call to one
+    (the model may still name it) is answered with that reason at once, never run.
+    """
 
     MAX_RESULT_CHARS = 16_000
 
     def __init__(self) -> None:
         self._tools: dict[str, Tool] = {}
+        self._group_of: dict[str, str] = {}
+        self._groups: dict[str, _Group] = {BUILTIN_GROUP: _Group()}
 
-    def register(self, tool: Tool) -> None:
+    def register(self, tool: Tool, *, group: str = BUILTIN_GROUP) -> None:
         if tool.spec.name in self._tools:
             raise ValueError(f"tool {tool.spec.name!r} is already registered")
+        self._groups.setdefault(group, _Group())
         self._tools[tool.spec.name] = tool
+        self._group_of[tool.spec.name] = group
+
+    def add_group(self, name: str, *, on: bool = True, reason: str = "", prefix: str = "") -> None:
+        """Declare a group, perhaps before it has tools. A call to an unknown tool whose
+        name starts with `prefix` (non-empty) is answered with this group's reason."""
+        if name in self._groups:
+            raise ValueError(f"tool group {name!r} is already registered")
+        self._groups[name] = _Group(on=on, reason=reason, prefix=prefix)
+
+    def replace_group_tools(self, name: str, tools: Iterable[Tool]) -> None:
+        """The group's tools become `tools` (an MCP server's listing after a reconnect).
+        A name another group holds is refused (ValueError) and nothing changes."""
+        new = list(tools)
+        for tool in new:
+            owner = self._group_of.get(tool.spec.name)
+            if owner is not None and owner != name:
+                raise ValueError(f"tool {tool.spec.name!r} is already registered by {owner!r}")
+        for old in [n for n, g in self._group_of.items() if g == name]:
+            del self._tools[old]
+            del self._group_of[old]
+        self._groups.setdefault(name, _Group())
+        for tool in new:
+            self._tools[tool.spec.name] = tool
+            self._group_of[tool.spec.name] = name
+
+    def set_group_state(self, name: str, on: bool, reason: str = "") -> None:
+        """Turn a group on or off; `reason` says why it is off (it reaches the model)."""
+        group = self._groups.setdefault(name, _Group())
+        group.on = on
+        group.reason = reason
+
+    def groups(self) -> list[ToolGroupStatus]:
+        """Every group, the built-in one first, then by name."""
+        order = sorted(self._groups, key=lambda n: (n != BUILTIN_GROUP, n))
+        return [
+            ToolGroupStatus(
+                name=name,
+                on=self._groups[name].on,
+                reason=self._groups[name].reason,
+                tools=tuple(sorted(t for t, g in self._group_of.items() if g == name)),
+            )
+            for name in order
+        ]
+
+    def _is_on(self, tool_name: str) -> bool:
+        return self._groups[self._group_of[tool_name]].on
 
     def names(self) -> list[str]:
-        return sorted(self._tools)
+        """The tools offered now (those of groups that are on)."""
+        return sorted(name for name in self._tools if self._is_on(name))
 
     def specs(self) -> list[ToolSpec]:
-        return [self._tools[name].spec for name in sorted(self._tools)]
+        return [self._tools[name].spec for name in self.names()]
 
     def __len__(self) -> int:
-        return len(self._tools)
+        return len(self.names())
+
+    def _unavailable(self, tool_name: str) -> str | None:
+        """The answer to a call of a tool that is off (or unknown but in an off group's
+        namespace), or None when it may run."""
+        group_name = self._group_of.get(tool_name)
+        if group_name is None:
+            group_name = next(
+                (
+                    name
+                    for name, g in self._groups.items()
+                    if g.prefix and not g.on and tool_name.startswith(g.prefix)
+                ),
+                None,
+            )
+            if group_name is None:
+                return None
+        group = self._groups[group_name]
+        if group.on:
+            return None
+        why = f": {group.reason}" if group.reason else ""
+        return f"error: tool {tool_name} is unavailable now{why}"
 
     async def execute(self, call: ToolCall, context: ToolContext) -> str:
+        off = self._unavailable(call.function_name)
+        if off is not None:
+            logger.info("tool {} refused: its group is off", call.function_name)
+            return off
         tool = self._tools.get(call.function_name)
         if tool is None:
             return (
