@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import anyio
@@ -30,6 +30,19 @@ GROUP = -1001234567890
 SECRET = "webhook-secret_42"
 
 
+class BotApiServer(Protocol):
+    """A Bot API server the gateway can poll: the fake, or the bridge to the emulator
+    (tests/test_telegram_emulator.py)."""
+
+    token: str
+
+    @property
+    def api_url(self) -> str: ...
+
+    @property
+    def file_url(self) -> str: ...
+
+
 @dataclass
 class Running:
     daemon: Daemon
@@ -48,7 +61,7 @@ async def fake_tg() -> AsyncIterator[FakeTelegram]:
 async def gateway(
     make_settings: Callable[..., Settings],
     fake_openai: FakeOpenAI,
-    fake_tg: FakeTelegram,
+    fake_tg: BotApiServer,
     **overrides: Any,
 ) -> AsyncIterator[Running]:
     """A daemon serving the fake bot. Uses the daemon's own Telegram channel when the
@@ -74,7 +87,7 @@ async def gateway(
     assert isinstance(channel, TelegramChannel)
     async with anyio.create_task_group() as tg:
         port = await tg.start(daemon.run)
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             await channel.live.wait()
         try:
             yield Running(daemon, channel, f"http://127.0.0.1:{port}", settings)

@@ -1,0 +1,215 @@
+"""The real Telegram channel (python-telegram-bot inside the real daemon) against
+telegram-test-api, a Bot API emulator we did not write (tests/emulators/): a direct
+message, a group mention, a long reply split under the limit, and no second answer to
+a repeated update. Where the emulator departs from the Bot API, and how the harness
+copes, is listed in docs/telegram-emulator.md.
+
+Marked `telegram_emulator`; skipped without node or the installed emulator, except under
+CI=true, where that fails."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from html import unescape
+from html.parser import HTMLParser
+from typing import Any
+
+import anyio
+import pytest
+
+from gateway.config import Settings
+from tests.emulators.telegram_emulator import (
+    BOT_USERNAME,
+    EmulatorBridge,
+    TelegramEmulator,
+    require_emulator,
+)
+from tests.fakes.openai_server import FakeOpenAI
+from tests.test_telegram_e2e import gateway, session_file
+
+pytestmark = [pytest.mark.anyio, pytest.mark.telegram_emulator]
+
+CHAT = 4242
+GROUP = -1001234567890
+GROUP_MEMBER = 1001
+# "Text of the message to be sent, 1-4096 characters after entities parsing"
+# (https://core.telegram.org/bots/api#sendmessage), counted in UTF-16 code units.
+BOT_API_TEXT_LIMIT = 4096
+
+
+@pytest.fixture
+def emulator() -> Iterator[TelegramEmulator]:
+    with TelegramEmulator(require_emulator()) as running:
+        yield running
+
+
+@pytest.fixture
+async def bridge(emulator: TelegramEmulator) -> AsyncIterator[EmulatorBridge]:
+    async with EmulatorBridge(emulator) as server:
+        yield server
+
+
+def mention(text: str) -> list[dict[str, Any]]:
+    """The mention entity Telegram's server adds to a text that starts with the bot's
+    @username (the emulator adds none)."""
+    assert text.startswith(f"@{BOT_USERNAME}")
+    return [{"type": "mention", "offset": 0, "length": len(BOT_USERNAME) + 1}]
+
+
+class _VisibleText(HTMLParser):
+    """The text a Telegram user sees of an HTML message (the standard library's parser,
+    not ours: the emulator does not parse entities)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append(data)
+
+
+def visible_text(message: dict[str, Any]) -> str:
+    if message.get("parse_mode") != "HTML":
+        return str(message["text"])
+    parser = _VisibleText()
+    parser.feed(message["text"])
+    parser.close()
+    return unescape("".join(parser.parts))
+
+
+def utf16_units(text: str) -> int:
+    return len(text.encode("utf-16-le")) // 2
+
+
+async def test_a_direct_message_gets_one_answer_and_is_confirmed_by_offset(
+    emulator: TelegramEmulator,
+    bridge: EmulatorBridge,
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+) -> None:
+    async with gateway(make_settings, fake_openai, bridge) as gw:
+        await emulator.send_user_message(CHAT, "hi there")
+        [first] = await emulator.wait_bot_messages(CHAT, 1)
+        with anyio.fail_after(30):
+            await bridge.wait_confirmed(2)  # the emulator's first update_id is 1
+        await emulator.send_user_message(CHAT, "and again")
+        sent = await emulator.wait_bot_messages(CHAT, 2)
+    assert first["text"] == "echo: hi there" and first["parse_mode"] == "HTML"
+    assert [m["text"] for m in sent] == ["echo: hi there", "echo: and again"]
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["hi there", "and again"]
+    assert "hi there" in session_file(gw.settings, f"telegram:{CHAT}")
+    # Each update was handed out once: confirmed by the next call's offset, never again.
+    served = [u["update_id"] for u in bridge.served()]
+    assert len(served) == 2 and len(set(served)) == 2
+
+
+async def test_in_a_group_only_a_mention_of_the_bot_is_answered_quoting_it(
+    emulator: TelegramEmulator,
+    bridge: EmulatorBridge,
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+) -> None:
+    asked = f"@{BOT_USERNAME} are you there?"
+    async with gateway(make_settings, fake_openai, bridge) as gw:
+        await emulator.send_user_message(
+            GROUP, "chatting among us", chat_type="supergroup", user_id=GROUP_MEMBER
+        )
+        await emulator.send_user_message(
+            GROUP, asked, chat_type="supergroup", user_id=GROUP_MEMBER, entities=mention(asked)
+        )
+        [reply] = await emulator.wait_bot_messages(GROUP, 1)
+        then = f"@{BOT_USERNAME}, and now?"
+        await emulator.send_user_message(
+            GROUP, then, chat_type="supergroup", user_id=GROUP_MEMBER, entities=mention(then)
+        )
+        sent = await emulator.wait_bot_messages(GROUP, 2)
+    assert [m["text"] for m in sent] == ["echo: are you there?", "echo: and now?"]
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["are you there?", "and now?"]
+    [asked_record] = [r for r in await emulator.history() if r["message"].get("text") == asked]
+    quoted = json.loads(reply["reply_parameters"])
+    assert quoted["message_id"] == asked_record["messageId"]
+    assert "are you there?" in session_file(gw.settings, f"telegram:{GROUP}")
+
+
+async def test_a_long_reply_arrives_split_under_the_limit_in_order(
+    emulator: TelegramEmulator,
+    bridge: EmulatorBridge,
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+) -> None:
+    prose = "\n\n".join(f"Part {i}: " + "some *careful* words " * 20 for i in range(9))
+    code = "```python\n" + "\n".join(f"print('line {i}')  # <{i}>" for i in range(230)) + "\n```"
+    reply = f"{prose}\n\n{code}\n\nThat is **all**."
+    assert 9_000 < len(reply) < 12_000
+    fake_openai.add_reply(reply)
+    async with gateway(make_settings, fake_openai, bridge):
+        await emulator.send_user_message(CHAT, "write a lot")
+        await emulator.send_user_message(CHAT, "thanks")  # answered after every piece
+        sent = await emulator.wait_bot_messages(CHAT, ending="echo: thanks")
+    pieces = [visible_text(m) for m in sent[:-1]]
+    assert len(pieces) >= 3
+    assert all(0 < utf16_units(p) <= BOT_API_TEXT_LIMIT for p in pieces)
+    joined = "\n".join(pieces)
+    order = [joined.index(f"Part {i}: ") for i in range(9)]
+    order += [joined.index(f"print('line {i}')  # <{i}>") for i in range(230)]
+    assert order == sorted(order)
+    assert pieces[-1].endswith("That is all.") and "**" not in joined
+
+
+async def test_a_repeated_update_gets_no_second_answer(
+    emulator: TelegramEmulator,
+    bridge: EmulatorBridge,
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+) -> None:
+    async with gateway(make_settings, fake_openai, bridge):
+        await emulator.send_user_message(CHAT, "only once")
+        await emulator.wait_bot_messages(CHAT, 1)
+        with anyio.fail_after(30):
+            await bridge.wait_confirmed(2)
+        [update] = bridge.served(1)
+        bridge.replay(update)  # the same update_id and message again
+        await emulator.send_user_message(CHAT, "next")  # handled after the replay
+        sent = await emulator.wait_bot_messages(CHAT, 2)
+    assert len(bridge.served(1)) == 2
+    assert [m["text"] for m in sent] == ["echo: only once", "echo: next"]
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["only once", "next"]
+
+
+async def test_a_repeated_update_after_a_restart_gets_no_second_answer(
+    emulator: TelegramEmulator,
+    bridge: EmulatorBridge,
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+) -> None:
+    async with gateway(make_settings, fake_openai, bridge):
+        await emulator.send_user_message(CHAT, "only once")
+        await emulator.wait_bot_messages(CHAT, 1)
+    [update] = bridge.served(1)
+    # The new process is handed the update again, as Telegram does when the old one died
+    # before its next getUpdates confirmed it; only the journal can tell it was answered.
+    bridge.replay(update)
+    async with gateway(make_settings, fake_openai, bridge) as gw:
+        await emulator.send_user_message(CHAT, "next")
+        sent = await emulator.wait_bot_messages(CHAT, 2)
+    assert len(bridge.served(1)) == 2
+    assert [m["text"] for m in sent] == ["echo: only once", "echo: next"]
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["only once", "next"]
+    assert session_file(gw.settings, f"telegram:{CHAT}").count('"only once"') == 1
+
+
+@pytest.mark.parametrize("ci", ["true", None])
+def test_a_missing_emulator_fails_under_ci_and_skips_elsewhere(
+    ci: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    monkeypatch.setattr(
+        "tests.emulators.telegram_emulator.EMULATOR_PACKAGE", tmp_path / "not-installed"
+    )
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci == "true" else pytest.skip.Exception
+    with pytest.raises(expected, match=r"scripts/install-emulators\.sh"):
+        require_emulator()
