@@ -476,3 +476,36 @@ def test_in_thread_mode_serves_sync_and_other_loops() -> None:
 
         assert asyncio.run(mention_round_trip()) is not None
         assert [m["text"] for m in fake.posted_messages()] == ["from sync", "from another loop"]
+
+
+async def test_with_two_connections_each_envelope_goes_to_one_and_a_retry_to_either(
+    fake: FakeSlack,
+) -> None:
+    """Slack sends each event to one of an app's open connections (one per replica), and
+    its retry may go to another one: the fake lets a test pick which."""
+    seen: list[tuple[str, str]] = []
+    apps = {"first": bolt_app(fake), "second": bolt_app(fake)}
+
+    def record(name: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
+        async def on_mention(body: dict[str, Any]) -> None:  # bolt passes by parameter name
+            seen.append((name, body["event_id"]))
+
+        return on_mention
+
+    for name, app in apps.items():
+        app.event("app_mention")(record(name))
+
+    async with socket_mode(apps["first"], fake), socket_mode(apps["second"], fake):
+        async with asyncio.timeout(5):
+            await fake.wait_for_socket(2)
+        first, second = fake.socket_numbers
+        mention = fake.app_mention(CHANNEL, ALICE, "anyone?")
+        envelope = await fake.socket_event(mention, connection=first)
+        retry = await fake.redeliver(envelope, connection=second)
+        async with asyncio.timeout(5):
+            acks = [await fake.wait_for_ack(e["envelope_id"]) for e in (envelope, retry)]
+        with pytest.raises(RuntimeError, match="no connection 99"):
+            await fake.socket_event(mention, connection=99, connect_timeout=0.2)
+
+    assert [a.connection for a in acks] == [first, second]
+    assert sorted(seen) == [("first", mention["event_id"]), ("second", mention["event_id"])]

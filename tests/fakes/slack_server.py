@@ -525,12 +525,16 @@ class FakeSlack(LocalApiServer[ApiCall]):
         accepts_response_payload: bool = False,
         envelope_type: str = "events_api",
         connect_timeout: float = 5.0,
+        connection: int | None = None,
     ) -> Payload:
-        """Send `payload` over the newest Socket Mode connection in an envelope and return
-        the envelope. An ``events_api`` payload may be a full event callback (from the
-        builders) or a bare inner event, which gets wrapped with a fresh event_id; other
-        envelope types (``slash_commands``, ``interactive``) send the payload as is.
-        Waits up to `connect_timeout` seconds for a client to be connected."""
+        """Send `payload` over the newest Socket Mode connection (or the open one numbered
+        `connection`, see `socket_numbers`) in an envelope and return the envelope. With
+        several connections open, Slack sends each envelope to one of them, and a retry
+        may go to another: a test picks the connection to play that. An ``events_api``
+        payload may be a full event callback (from the builders) or a bare inner event,
+        which gets wrapped with a fresh event_id; other envelope types (``slash_commands``,
+        ``interactive``) send the payload as is. Waits up to `connect_timeout` seconds for
+        a client to be connected."""
         body = copy.deepcopy(dict(payload))
         if envelope_type == "events_api" and body.get("type") != "event_callback":
             body = self.event_callback(body)
@@ -544,7 +548,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
             # Slack sends these on first deliveries too: 0 and "".
             envelope["retry_attempt"] = retry_num
             envelope["retry_reason"] = retry_reason or ""
-        await self._on_server_loop(self._send_envelope(envelope, connect_timeout))
+        await self._on_server_loop(self._send_envelope(envelope, connect_timeout, connection))
         return envelope
 
     async def redeliver(
@@ -553,6 +557,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
         *,
         retry_num: int = 1,
         retry_reason: str = "timeout",
+        connection: int | None = None,
     ) -> Payload:
         """Resend an event the way Slack retries an unacknowledged one: the same payload
         and event_id in a new envelope with ``retry_attempt``/``retry_reason`` set."""
@@ -562,7 +567,11 @@ class FakeSlack(LocalApiServer[ApiCall]):
         else:
             payload, envelope_type = envelope_or_payload, "events_api"
         return await self.socket_event(
-            payload, retry_num=retry_num, retry_reason=retry_reason, envelope_type=envelope_type
+            payload,
+            retry_num=retry_num,
+            retry_reason=retry_reason,
+            envelope_type=envelope_type,
+            connection=connection,
         )
 
     async def socket_disconnect(
@@ -605,18 +614,27 @@ class FakeSlack(LocalApiServer[ApiCall]):
         with self._lock:
             return len(self._sockets)
 
-    async def _send_envelope(self, envelope: Payload, connect_timeout: float) -> None:
+    @property
+    def socket_numbers(self) -> list[int]:
+        """The numbers of the open Socket Mode connections, oldest first (acks carry them)."""
+        with self._lock:
+            return [socket.number for socket in self._sockets]
+
+    async def _send_envelope(
+        self, envelope: Payload, connect_timeout: float, connection: int | None = None
+    ) -> None:
         def newest() -> _Socket | None:
             with self._lock:
+                if connection is not None:
+                    return next((s for s in self._sockets if s.number == connection), None)
                 return self._sockets[-1] if self._sockets else None
 
         try:
             async with asyncio.timeout(connect_timeout):
                 socket = await self._until(newest)
         except TimeoutError:
-            raise RuntimeError(
-                f"no Socket Mode client connected within {connect_timeout}s"
-            ) from None
+            which = "no Socket Mode client" if connection is None else f"no connection {connection}"
+            raise RuntimeError(f"{which} connected within {connect_timeout}s") from None
         with self._lock:
             self._envelopes.append(copy.deepcopy(envelope))
             self._sent_at[envelope["envelope_id"]] = time.monotonic()
