@@ -25,27 +25,40 @@ LINGER = 4.0
 
 
 class Replica:
-    def __init__(self, name: str, url: str, ran: list[tuple[str, str, float]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        ran: list[tuple[str, str, float]],
+        gate: anyio.Event | None = None,
+        **router_options: float,
+    ) -> None:
         self.name = name
         self.store = PostgresDedupeStore(url)
 
         async def handle(msg: InboundMessage) -> OutboundMessage:
             ran.append((self.name, msg.text, time.monotonic()))
+            if gate is not None and msg.text.startswith("slow"):
+                await gate.wait()
             return reply_for(msg, f"echo: {msg.text}")
 
         async def deliver(reply: OutboundMessage) -> None:
             pass
 
         self.dispatcher = Dispatcher(handle, deliver, dedupe=self.store)
-        self.router = SessionRouter(
-            self.store, self.dispatcher, sweep_interval=SWEEP, linger=LINGER
-        )
+        options: dict[str, float] = {"sweep_interval": SWEEP, "linger": LINGER}
+        self.router = SessionRouter(self.store, self.dispatcher, **(options | router_options))
         self.dispatcher.router = self.router
 
 
 @asynccontextmanager
-async def replicas(url: str, ran: list[tuple[str, str, float]]) -> AsyncIterator[list[Replica]]:
-    made = [Replica("a", url, ran), Replica("b", url, ran)]
+async def replicas(
+    url: str,
+    ran: list[tuple[str, str, float]],
+    gate: anyio.Event | None = None,
+    **router_options: float,
+) -> AsyncIterator[list[Replica]]:
+    made = [Replica(name, url, ran, gate, **router_options) for name in ("a", "b")]
     async with anyio.create_task_group() as tg:
         for r in made:
             await tg.start(r.dispatcher.run)
@@ -58,9 +71,13 @@ async def replicas(url: str, ran: list[tuple[str, str, float]]) -> AsyncIterator
         await r.store.aclose()
 
 
-def message(n: int) -> InboundMessage:
+def message(n: int, chat: str = "77", text: str | None = None) -> InboundMessage:
     return InboundMessage(
-        channel="telegram", chat_id="77", sender_id="77", text=f"m{n}", message_id=f"77:{n}"
+        channel="telegram",
+        chat_id=chat,
+        sender_id=chat,
+        text=text or f"m{n}",
+        message_id=f"{chat}:{n}",
     )
 
 
@@ -96,3 +113,41 @@ async def test_the_lease_holder_runs_what_another_replica_took_in_at_once(
         await b.dispatcher.submit(message(5))
         await wait_for(lambda: len(ran) == 5, 5)
         assert ran[-1][:2] == ("b", "m5")
+
+
+async def test_turns_longer_than_the_lease_keep_their_leases_renewed(
+    migrated_pg_url: str,
+) -> None:
+    """Three turns on replica a outlast the lease four times over, while b sweeps five
+    times a second for sessions without a live lease: a's one renewal statement keeps all
+    three, so b never runs them (which would run a turn twice, at once) nor their next
+    messages, which b took in and a runs after each turn, in order."""
+    import psycopg
+
+    ttl = 1.2
+    ran: list[tuple[str, str, float]] = []
+    gate = anyio.Event()
+    chats = ("81", "82", "83")
+    async with replicas(migrated_pg_url, ran, gate, lease_ttl=ttl, sweep_interval=0.2) as (a, b):
+        for chat in chats:
+            await a.dispatcher.submit(message(1, chat, f"slow {chat}"))
+        await wait_for(lambda: len(ran) == 3, 5)
+        for chat in chats:
+            await b.dispatcher.submit(message(2, chat, f"next {chat}"))
+        await anyio.sleep(4 * ttl)
+        assert sorted(text for _, text, _ in ran) == [f"slow {c}" for c in chats]
+        with psycopg.connect(migrated_pg_url) as conn:
+            leases = conn.execute(
+                "SELECT session_key, owner, expires_at > extract(epoch FROM clock_timestamp())"
+                " FROM gw_session_leases ORDER BY 1"
+            ).fetchall()
+        assert leases == [(f"telegram:{c}", a.router.replica_id, True) for c in chats]
+        assert b.router.takeovers == 0
+
+        gate.set()
+        await wait_for(lambda: len(ran) == 6, 5)
+    for chat in chats:
+        assert [(who, text) for who, text, _ in ran if text.endswith(chat)] == [
+            ("a", f"slow {chat}"),
+            ("a", f"next {chat}"),
+        ]
