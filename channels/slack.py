@@ -28,8 +28,12 @@ Promises (tested in tests/test_slack*.py):
   (`X-Slack-Retry-Num`, a Socket Mode `retry_attempt`) keeps, and the dispatcher
   drops ids it has seen, across restarts too.
 - The bot never answers itself or another bot: messages with a `bot_id`, from the
-  bot's user, or with a subtype other than file_share/thread_broadcast (edits,
-  deletions, joins) are ignored.
+  bot's user, or with a subtype other than file_share/thread_broadcast/message_changed
+  (deletions, joins) are ignored.
+- A `message_changed` in a DM whose text changed is submitted as an edit: the message
+  id is the event's, `META_EDIT_OF` names the changed message (`channel:ts`), and the
+  agent re-runs the latest turn from it. Unfurls (same text) and edits elsewhere are
+  ignored (an edit of a channel mention arrives without a new app_mention).
 - A reply is posted in order, in parts of at most `part_chars` characters (see
   `channels.slack_format`), each part at most once: a part Slack confirmed is never
   sent again; rate-limited calls wait for `Retry-After`; failures Slack did not act on
@@ -75,7 +79,13 @@ from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, MET
 from gateway.channel import Submit
 from gateway.config import ConfigError, SlackSettings
 from gateway.http import SLACK_EVENTS_PATH, HttpServer, json_error
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import (
+    META_EDIT_OF,
+    META_POST_ID,
+    META_SENT_AT,
+    InboundMessage,
+    OutboundMessage,
+)
 
 CHANNEL = "slack"
 THREAD_KIND = "thread"
@@ -84,6 +94,8 @@ ENV_PREFIX = "GATEWAY_CHANNELS__SLACK__"
 
 #: Message subtypes that are a person writing; every other subtype is ignored.
 PERSON_SUBTYPES = frozenset({"file_share", "thread_broadcast"})
+#: The subtype of an edit: a person's edit of their own DM message re-runs the latest turn.
+EDIT_SUBTYPE = "message_changed"
 # Errors with which Slack says it did not carry the call out, and those after which
 # it may have (Slack's docs: "it's possible some aspect of the operation succeeded").
 _NOT_DONE_ERRORS = frozenset({"service_unavailable", "request_timeout", "ratelimited"})
@@ -112,6 +124,27 @@ class Skipped:
     reason: str
 
 
+def _ts_seconds(ts: str) -> float | None:
+    try:
+        return float(ts)
+    except ValueError:
+        return None
+
+
+def _edited_message(event: Mapping[str, Any]) -> Mapping[str, Any] | Skipped:
+    """The message a `message_changed` event carries, when it is a person's edit of
+    their text in a DM. Slack also sends `message_changed` when it unfurls a link or
+    adds metadata to a message (the text stays the same): that is not an edit."""
+    if event.get("channel_type") != "im":
+        return Skipped("an edit outside DMs")
+    message, previous = event.get("message"), event.get("previous_message")
+    if not isinstance(message, Mapping) or not isinstance(message.get("ts"), str):
+        return Skipped("message_changed without the message")
+    if isinstance(previous, Mapping) and previous.get("text") == message.get("text"):
+        return Skipped("message_changed without a change of text (an unfurl)")
+    return {**message, "channel": event.get("channel"), "channel_type": "im"}
+
+
 def translate_event(
     body: Mapping[str, Any], *, bot_user_id: str | None, reply_mode: ReplyMode
 ) -> InboundMessage | Skipped:
@@ -137,6 +170,13 @@ def translate_event(
     else:
         return Skipped(f"{kind} events are not handled")
     subtype = event.get("subtype")
+    edit_of: str | None = None
+    if subtype == EDIT_SUBTYPE:
+        edited = _edited_message(event)
+        if isinstance(edited, Skipped):
+            return edited
+        event, edit_of = edited, f"{channel}:{edited['ts']}"
+        subtype = event.get("subtype")
     if subtype is not None and subtype not in PERSON_SUBTYPES:
         return Skipped(f"message subtype {subtype}")
     user, ts = event.get("user"), event.get("ts")
@@ -165,6 +205,13 @@ def translate_event(
         if name:
             metadata[META_SENDER_NAME] = str(name)
     event_id = body.get("event_id")
+    metadata[META_POST_ID] = f"{channel}:{ts}"
+    metadata[META_SENT_AT] = _ts_seconds(ts)
+    if edit_of is not None:
+        metadata[META_EDIT_OF] = edit_of
+        edited_at = event.get("edited")
+        if isinstance(edited_at, Mapping) and isinstance(edited_at.get("ts"), str):
+            metadata[META_SENT_AT] = _ts_seconds(edited_at["ts"])
     return InboundMessage(
         channel=CHANNEL,
         chat_id=channel,

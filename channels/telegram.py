@@ -27,9 +27,11 @@ Promises (each one tested in tests/test_telegram*.py and tests/test_kill_deliver
 - A 429 is waited out (every send to that chat waits) and retried, up to
   `Pacing.flood_wait_limit` seconds of waiting per request.
 - HTML that Telegram refuses ("can't parse entities") is sent again as plain text.
-- Unsupported content (stickers, photos without caption, voice, ...) and edits get a
-  short notice in private chats (at most one per chat per `Pacing.notice_cooldown`);
-  in groups only a sticker or photo that replies to the bot gets one, never an edit.
+- Unsupported content (stickers, photos without caption, voice, ...) gets a short
+  notice in private chats (at most one per chat per `Pacing.notice_cooldown`); in
+  groups only a sticker or photo that replies to the bot gets one.
+- An edited message is submitted like a new one (its own message id per edit) naming
+  the message it changes (`META_EDIT_OF`); the agent re-runs the latest turn from it.
 - The webhook answers 403 without the right `X-Telegram-Bot-Api-Secret-Token`
   (compared in constant time), and 200 only once the update is journaled (503, which
   Telegram retries, when it could not be kept or the gateway is stopping).
@@ -76,7 +78,12 @@ from gateway.agent.commands import COMMANDS
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, TelegramSettings
 from gateway.http import TELEGRAM_WEBHOOK_PATH, HttpServer, json_error
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import (
+    META_EDIT_OF,
+    META_SENT_AT,
+    InboundMessage,
+    OutboundMessage,
+)
 
 CHANNEL = "telegram"
 TOPIC = "topic"
@@ -91,11 +98,6 @@ _SEEN_UPDATES = 10_000
 #: Metadata keys this adapter adds besides the access ones.
 META_CHAT_TYPE = "telegram_chat_type"
 META_ATTACHMENT = "telegram_attachment"
-
-EDIT_NOTICE = (
-    "I can't follow edited messages yet: I only see what you first wrote. "
-    "Send the changed text as a new message if you'd like an answer to it."
-)
 
 _ATTACHMENTS = (
     ("photo", "a photo"),
@@ -288,10 +290,6 @@ def translate_message(
         return Skip("a channel post forwarded into its discussion group")
     if user is not None and user.is_bot and message.sender_chat is None:
         return Skip("a message from a bot")
-    if edited:
-        if is_group:
-            return Skip("an edited message in a group")
-        return Notice(address, message.message_id, EDIT_NOTICE)
     raw = message.text if message.text is not None else message.caption
     kind = attachment_kind(message)
     reply_to_bot = is_reply_to_bot(message, bot_id)
@@ -324,12 +322,23 @@ def translate_message(
         metadata[META_SENDER_NAME] = f"{name} (@{user.username})" if user.username else name
     else:
         sender_id = ""
+    post_id = f"{chat.id}:{message.message_id}"
+    message_id = post_id
+    sent = message.date
+    if edited:
+        # An edit is a message of its own (its id differs per edit, for dedupe) that
+        # names the message it changes; the core decides whether it re-runs a turn.
+        metadata[META_EDIT_OF] = post_id
+        when = message.edit_date or message.date
+        message_id = f"{post_id}:edit:{int(when.timestamp())}"
+        sent = when
+    metadata[META_SENT_AT] = sent.timestamp()
     return InboundMessage(
         channel=CHANNEL,
         chat_id=str(chat.id),
         text=text,
         sender_id=sender_id,
-        message_id=f"{chat.id}:{message.message_id}",
+        message_id=message_id,
         thread_kind=TOPIC if topic is not None else None,
         thread_id=str(topic) if topic is not None else None,
         metadata=metadata,

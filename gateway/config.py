@@ -133,6 +133,13 @@ class AgentSettings(_Section):
         default_factory=list,
         description="Sender ids (channel:user) allowed to run privileged chat commands.",
     )
+    offline_after_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="A message older than this when its turn comes (sent while the "
+        "gateway was down, or replayed after a crash) gets a short 'I was offline' notice "
+        "instead of an answer; 0 answers every message however old.",
+    )
 
 
 class SessionSettings(_Section):

@@ -194,6 +194,7 @@ def agent_config(settings: Settings) -> AgentConfig:
         owners=frozenset(settings.agent.owners),
         cache_disabled_channels=frozenset(settings.cache.disabled_channels),
         auto_consolidate=settings.memory.auto_consolidate,
+        offline_after=settings.agent.offline_after_seconds,
     )
 
 

@@ -24,6 +24,16 @@ META_REPLAYED = "replayed"
 #: request, wherever the turn ran (`gateway.replicas`).
 META_REPLY_WANTED = "reply_wanted"
 
+#: Metadata naming the platform message as the person sees it (Telegram `chat:message_id`,
+#: Slack `channel:ts`) where the message id is something else (Slack's event id) or an
+#: edit's own id: an edit finds the message it changes by it.
+META_POST_ID = "post_id"
+#: Metadata of an edited message: the `post_id` (or message id) of the message it changes.
+META_EDIT_OF = "edit_of"
+#: Metadata: when the person sent the message, by the platform's clock (Unix seconds);
+#: `received_at` is when the gateway got it, which after downtime can be much later.
+META_SENT_AT = "sent_at"
+
 
 def build_session_key(channel: str, chat_id: str, *, thread: tuple[str, str] | None = None) -> str:
     """The one place a session key is built: `channel:chat_id[:kind:thread_id]`.

@@ -22,7 +22,13 @@ from channels.slack import (
 )
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT
 from gateway.config import ConfigError, SlackSettings
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import (
+    META_EDIT_OF,
+    META_POST_ID,
+    META_SENT_AT,
+    InboundMessage,
+    OutboundMessage,
+)
 from tests.fakes.slack_server import FakeSlack, _SlackError
 
 pytestmark = pytest.mark.anyio
@@ -84,10 +90,10 @@ def test_a_mention_under_the_bots_message_counts_as_a_reply_to_it() -> None:
     assert isinstance(msg, InboundMessage) and msg.metadata[META_REPLY_TO_BOT] is True
 
 
-def _edited() -> dict[str, Any]:
-    body = BUILDER.dm_message(ALICE, "edited")
-    body["event"]["subtype"] = "message_changed"
-    return body
+def _unfurled() -> dict[str, Any]:
+    return BUILDER.message_changed(
+        BUILDER.dm_message(ALICE, "see https://x.org"), "see https://x.org"
+    )
 
 
 @pytest.mark.parametrize(
@@ -95,7 +101,9 @@ def _edited() -> dict[str, Any]:
     [
         (BUILDER.bot_message(CHANNEL, "my own reply"), "bot"),
         (BUILDER.bot_message("D0ALICE001", "another bot", bot_id="B0OTHER001"), "subtype"),
-        (_edited(), "subtype"),
+        (_unfurled(), "unfurl"),
+        (BUILDER.message_changed(BUILDER.channel_message(CHANNEL, ALICE, "a"), "b"), "only"),
+        (BUILDER.message_changed(BUILDER.bot_message("D0ALICE001", "streamed"), "more"), "bot"),
         (BUILDER.channel_message(CHANNEL, ALICE, "chatter"), "mentions only"),
         (BUILDER.app_mention("D0ALICE001", ALICE, "hi"), "message.im"),
         (BUILDER.app_mention(CHANNEL, ALICE, ""), "no text"),
@@ -106,6 +114,20 @@ def _edited() -> dict[str, Any]:
 def test_what_is_not_answered(body: dict[str, Any], reason: str) -> None:
     skipped = translate(body)
     assert isinstance(skipped, Skipped) and reason in skipped.reason
+
+
+def test_an_edit_in_a_dm_names_the_message_it_changes() -> None:
+    original = BUILDER.dm_message(ALICE, "whats 2+3")
+    first = translate(original)
+    edit = translate(BUILDER.message_changed(original, "what's 2+2"))
+    assert isinstance(first, InboundMessage) and isinstance(edit, InboundMessage)
+    assert edit.text == "what's 2+2" and edit.sender_id == ALICE
+    assert edit.session_key == first.session_key == "slack:D0ALICE001"
+    # Its own id (the event's, for dedupe); it names the original as the person sees it.
+    assert edit.message_id != first.message_id
+    assert edit.metadata[META_EDIT_OF] == first.metadata[META_POST_ID]
+    assert edit.metadata[META_EDIT_OF] == f"D0ALICE001:{original['event']['ts']}"
+    assert edit.metadata[META_SENT_AT] > first.metadata[META_SENT_AT] > 0
 
 
 def test_replies_are_addressed_by_chat_and_thread() -> None:

@@ -134,16 +134,15 @@ async def test_mention_thread_and_dm_each_get_one_reply_in_place(
         assert place(dm) == ("D0ALICE001", None)
         assert dm.params["text"] == "echo: just us"
 
-        # Slack's retry of the first mention, our own reply echoed back, an edit:
-        # all acknowledged, none answered.
+        # Slack's retry of the first mention, our own reply echoed back, a link
+        # unfurl (a message_changed with the same text): all acknowledged, none answered.
         retry = await fake_slack.redeliver(first)
         with anyio.fail_after(5):
             await fake_slack.wait_for_ack(retry["envelope_id"])
         own = fake_slack.bot_message(CHANNEL, "echo: hello there", thread_ts=ts)
         await event(fake_slack, own)
-        edited = fake_slack.dm_message(ALICE, "just us!")
-        edited["event"]["subtype"] = "message_changed"
-        await event(fake_slack, edited)
+        dm_event = fake_slack.dm_message(ALICE, "just us")
+        await event(fake_slack, fake_slack.message_changed(dm_event, "just us"))
         await anyio.sleep(QUIET)
         assert len(fake_slack.calls_to("chat.postMessage")) == 3
         assert gw.daemon.dispatcher.stats().duplicates == 1

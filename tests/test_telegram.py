@@ -17,7 +17,6 @@ from telegram import Update
 from telegram.error import BadRequest, Forbidden, NetworkError, RetryAfter, TimedOut
 
 from channels.telegram import (
-    EDIT_NOTICE,
     Address,
     Notice,
     Pacing,
@@ -33,7 +32,7 @@ from channels.telegram import (
 from channels.telegram_format import markdown_to_html, split_markdown
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.config import ConfigError, TelegramSettings
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.messages import META_EDIT_OF, META_SENT_AT, InboundMessage, OutboundMessage
 from tests.fakes.telegram_server import FakeTelegram, parse_html
 
 pytestmark = pytest.mark.anyio
@@ -222,11 +221,24 @@ def test_captions_are_text_and_other_content_gets_a_notice_where_sensible() -> N
     assert isinstance(sticker, Notice) and "a sticker" in sticker.text
     in_group = translated(fake.user_message(GROUP, sticker="👍", chat_type="supergroup"))
     assert isinstance(in_group, Skip)
+
+
+def test_an_edit_is_a_message_of_its_own_naming_the_one_it_changes() -> None:
+    fake = FakeTelegram()
     original = fake.user_message(CHAT, "helo")
+    first = translated(original)
     edit = translated(fake.edited_message(original, "hello"))
-    assert isinstance(edit, Notice) and edit.text == EDIT_NOTICE
+    again = translated(fake.edited_message(original, "hello!"))
+    assert isinstance(first, InboundMessage) and isinstance(edit, InboundMessage)
+    assert isinstance(again, InboundMessage)
+    assert edit.text == "hello" and edit.session_key == first.session_key
+    assert edit.metadata[META_EDIT_OF] == first.message_id
+    assert edit.message_id != first.message_id  # dedupe keeps the edit
+    assert edit.metadata[META_SENT_AT] > first.metadata[META_SENT_AT] > 0
+    # In a group an edit follows the same addressing rules as a new message.
     group_original = fake.user_message(GROUP, "@gateway_bot helo", chat_type="supergroup")
-    assert isinstance(translated(fake.edited_message(group_original, "hi")), Skip)
+    group_edit = translated(fake.edited_message(group_original, "@gateway_bot hi"))
+    assert isinstance(group_edit, InboundMessage) and group_edit.metadata[META_MENTIONED]
 
 
 def test_targets_and_message_ids_parse_back() -> None:
@@ -552,13 +564,15 @@ async def test_notices_for_unsupported_content_are_rate_limited(fake: FakeTelegr
     original = fake.push_update(fake.user_message(GROUP, "@gateway_bot hi", chat_type="supergroup"))
     fake.push_update(fake.edited_message(original, "@gateway_bot hello"))
     async with running(fake, recorder):
-        await recorder.wait(1)
+        await recorder.wait(2)
         await wait_sent(fake, CHAT, 1)
         await anyio.sleep(0.2)
     [notice] = fake.sent_messages(CHAT)
     assert notice["text"].startswith("Sorry, I can't open a sticker yet")
     assert fake.sent_messages(GROUP) == []
-    assert [m.text for m in recorder.messages] == ["hi"]
+    # The edit is submitted (naming the message it changes), never answered with a notice.
+    assert [m.text for m in recorder.messages] == ["hi", "hello"]
+    assert recorder.messages[1].metadata[META_EDIT_OF] == recorder.messages[0].message_id
 
 
 async def test_streaming_edits_one_message_and_send_finalizes_it(fake: FakeTelegram) -> None:

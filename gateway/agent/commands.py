@@ -12,6 +12,7 @@ COMMANDS: dict[str, str] = {
     "status": "session key, message count, model and context use",
     "model": "/model NAME switches this conversation's model; /model alone shows it",
     "compact": "summarize older turns into memory now",
+    "undo": "take back your last message and my answer (kept in the history)",
     "help": "this list",
 }
 PRIVILEGED = frozenset({"model"})

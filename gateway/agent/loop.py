@@ -24,12 +24,20 @@ from gateway.agent.commands import (
 )
 from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs
 from gateway.agent.memory_tools import memory_texts
+from gateway.agent.offline import is_stale, message_age, offline_notice
+from gateway.agent.rewind import (
+    NOTHING_TO_UNDO_TEXT,
+    OLD_EDIT_TEXT,
+    branch_for_edit,
+    undo_last_exchange,
+)
 from gateway.agent.tokens import estimate_messages_tokens
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.agent.turns import EarlierTurn, find_turn, user_entry_meta
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
 from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse, ToolSpec
 from gateway.messages import (
+    META_EDIT_OF,
     META_IN_SESSION,
     META_REPLAYED,
     InboundMessage,
@@ -77,6 +85,8 @@ class AgentConfig:
     owners: frozenset[str] = field(default_factory=frozenset)
     cache_disabled_channels: frozenset[str] = field(default_factory=frozenset)
     auto_consolidate: bool = True
+    #: Seconds after which a message gets an "I was offline" notice (0: never).
+    offline_after: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +172,12 @@ class AgentLoop:
                 is_error=True,
             )
         command = parse_command(text)
+        stale = is_stale(inbound, time.time(), self.config.offline_after)
+        if command is not None and stale:
+            # Commands are not stored; a late one is not carried out either.
+            logger.info("command /{} sent while offline: not run", command.name)
+            age = message_age(inbound, time.time())
+            return reply_for(inbound, offline_notice(age), metadata={"offline": True})
         if command is not None:
             answer = await self._run_command(inbound, command)
             # Marked so metrics count it as a command, not a model turn.
@@ -180,7 +196,20 @@ class AgentLoop:
                 if not earlier.is_latest:
                     logger.warning("replayed message: its turn cannot go on after later ones")
                     return reply_for(inbound, INTERRUPTED_TEXT, is_error=True)
+            if stale:
+                return await self._answer_offline(session, user_message, inbound, earlier is None)
+            if earlier is not None:
                 logger.info("replayed message: its turn goes on where a crash stopped it")
+                nocache = True
+            elif inbound.metadata.get(META_EDIT_OF):
+                edited = str(inbound.metadata[META_EDIT_OF])
+                plan = await anyio.to_thread.run_sync(branch_for_edit, session, edited)
+                if not plan.rerun:
+                    logger.info("edit of an earlier message: not re-run, sender told")
+                    return reply_for(inbound, OLD_EDIT_TEXT, metadata={"edit": "old"})
+                logger.info("edited message: re-run as a new branch from {}", plan.branched_from)
+                # A fresh answer: the cache would give back the one the person just saw
+                # when the edit only changed what normalization ignores.
                 nocache = True
             ctx, texts = await self._open_turn(session, user_message, inbound, earlier is None)
             reply = await self._run_model(session, ctx, texts, inbound, on_delta, nocache=nocache)
@@ -214,6 +243,21 @@ class AgentLoop:
             self.consolidator.maybe_schedule(inbound.session_key, session.build_context())
         # The reply is the session's last entry: a replay finds it (no outbox needed).
         return reply_for(inbound, reply.text, metadata={**reply.metadata, META_IN_SESSION: True})
+
+    async def _answer_offline(
+        self, session: Session, user_message: LLMMessage, inbound: InboundMessage, append: bool
+    ) -> OutboundMessage:
+        """The notice for a message too old for a full turn: the message and the notice
+        are stored like a turn (nothing the person said is lost, and a replay finds the
+        notice as the message's answer), and the model is not called."""
+        age = message_age(inbound, time.time())
+        logger.info("message sent {:.0f} s ago: answered with the offline notice", age)
+        if append:
+            meta = {**(user_entry_meta(inbound) or {}), "offline": True}
+            await session.aadd_message(user_message, meta)
+        notice = offline_notice(age)
+        await session.aadd_message(LLMMessage(role="assistant", content=notice), {"offline": True})
+        return reply_for(inbound, notice, metadata={"offline": True, META_IN_SESSION: True})
 
     async def _open_session(self, inbound: InboundMessage) -> tuple[Session, EarlierTurn | None]:
         """The session, and for a replayed message what the session holds of its turn
@@ -417,6 +461,19 @@ class AgentLoop:
             await anyio.to_thread.run_sync(session.append_model_change, name)
             logger.info("model switched to {}", name)
             return reply_for(inbound, f"Model for this conversation: {name}")
+        if command.name == "undo":
+            undone = await anyio.to_thread.run_sync(undo_last_exchange, session)
+            if undone is None:
+                return reply_for(inbound, NOTHING_TO_UNDO_TEXT, is_error=True)
+            logger.info("/undo: leaf moved back before entry {}", undone.id)
+            quoted = " ".join((undone.message.content or "").split())
+            if len(quoted) > 60:
+                quoted = quoted[:57] + "..."
+            return reply_for(
+                inbound,
+                f'Undone: your message "{quoted}" and my answer. I will answer as if '
+                "they had not been sent (they stay in the history).",
+            )
         if command.name == "compact":
             if self.consolidator is None:
                 return reply_for(inbound, "Memory is turned off here.", is_error=True)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.messages import MERGED_IDS_KEY, InboundMessage
+from gateway.messages import MERGED_IDS_KEY, META_EDIT_OF, META_POST_ID, InboundMessage
 from gateway.sessions.entries import Entry, MessageEntry
 
 META_MESSAGE_ID = "message_id"
@@ -36,6 +36,10 @@ def user_entry_meta(inbound: InboundMessage) -> dict[str, Any] | None:
     merged = inbound.metadata.get(MERGED_IDS_KEY)
     if merged:
         meta[MERGED_IDS_KEY] = list(merged)
+    # An edit's entry answers to the message it changes, so a second edit finds it.
+    post_id = inbound.metadata.get(META_EDIT_OF) or inbound.metadata.get(META_POST_ID)
+    if post_id and post_id != inbound.message_id:
+        meta[META_POST_ID] = str(post_id)
     return meta
 
 

@@ -440,6 +440,42 @@ class FakeSlack(LocalApiServer[ApiCall]):
         dm = channel or f"D{user[1:]}"
         return self.event_callback(self._user_event("message", dm, user, text, ts, thread_ts, "im"))
 
+    def message_changed(self, body: Payload, text: str) -> Payload:
+        """A ``message_changed`` event callback: the user edited the message of `body`
+        (a ``message`` callback) to `text`, as Slack sends it (a hidden message event
+        at the edit's ts, the new ``message`` with ``edited``, and ``previous_message``;
+        no ``user`` at the top level)."""
+        original = body["event"]
+        channel, ts = original["channel"], original["ts"]
+        with self._lock:
+            previous = copy.deepcopy(self._messages.get((channel, ts), original))
+        edit_ts = self._new_ts()
+        message = {
+            key: value
+            for key, value in previous.items()
+            if key not in ("channel", "event_ts", "channel_type")
+        }
+        message.update(text=text, edited={"user": previous["user"], "ts": edit_ts})
+        with self._lock:
+            self._messages[(channel, ts)] = {**previous, "text": text, "edited": message["edited"]}
+        event: Payload = {
+            "type": "message",
+            "subtype": "message_changed",
+            "hidden": True,
+            "channel": channel,
+            "ts": edit_ts,
+            "event_ts": edit_ts,
+            "message": message,
+            "previous_message": {
+                key: value
+                for key, value in previous.items()
+                if key not in ("channel", "event_ts", "channel_type")
+            },
+        }
+        if "channel_type" in original:
+            event["channel_type"] = original["channel_type"]
+        return self.event_callback(event)
+
     def bot_message(
         self,
         channel: str,
