@@ -188,6 +188,24 @@ async def test_an_update_stays_pending_until_a_later_offset_confirms_it(
     assert poll.answered_at is not None and poll.received_at <= poll.answered_at
 
 
+async def test_allowed_updates_filters_only_updates_created_after_it(
+    fake: FakeTelegram, bot: telegram.Bot
+) -> None:
+    """getUpdates: allowed_updates "doesn't affect updates created before the call to
+    getUpdates, so unwanted updates may be received for a short period of time"."""
+    first = fake.user_message(CHAT, "typo")
+    before = fake.push_update(fake.edited_message(first, "fixed"))
+    [early] = await bot.get_updates(timeout=0, allowed_updates=["message"])
+    assert early.update_id == before["update_id"] and early.edited_message is not None
+
+    fake.push_update(fake.edited_message(first, "fixed again"))  # not wanted: never stored
+    after = fake.push_update(fake.user_message(CHAT, "hello"))
+    updates = await bot.get_updates(offset=early.update_id + 1, timeout=0)
+    assert [u.update_id for u in updates] == [after["update_id"]]
+    assert updates[0].message is not None and updates[0].message.text == "hello"
+    assert fake.pending_updates == [after]
+
+
 async def test_get_updates_returns_at_most_100_updates_per_call(
     fake: FakeTelegram, bot: telegram.Bot
 ) -> None:

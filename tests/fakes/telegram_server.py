@@ -56,6 +56,10 @@ never stored twice" promise rests on (https://core.telegram.org/bots/api#getupda
 - limit: "Limits the number of updates to be retrieved. Values between 1-100 are
   accepted. Defaults to 100." The fake clamps to that range.
 - timeout: long polling; the call is held until an update arrives or the time is up.
+- allowed_updates: the kinds of update to keep; "this parameter doesn't affect updates
+  created before the call to getUpdates, so unwanted updates may be received for a short
+  period of time." The filter is applied when an update is created (pushed), not when
+  one is handed out.
 - update_id: "Update identifiers start from a certain positive number and increase
   sequentially", also across a restart of the bot (and, with `state_path`, of the fake).
 - "This method will not work if an outgoing webhook is set up" (409), and a second
@@ -651,7 +655,8 @@ class FakeTelegram(LocalApiServer[ApiCall]):
                 )
             self._next_update_id = max(self._next_update_id, update_id + 1)
             self._remember_messages(update)
-            self._queue_update(update)
+            if self._wanted(update):
+                self._queue_update(update)
             self._save_state()
         self._notify()
         return update
@@ -1115,16 +1120,17 @@ class FakeTelegram(LocalApiServer[ApiCall]):
                 await asyncio.wait_for(changed.wait(), remaining)
 
     def _deliverable(self, limit: int) -> list[Update]:
-        """The next updates the current `allowed_updates` lets through; updates of other
-        kinds are dropped, as the server never stores them. Call with the lock held."""
-        allowed = set(self._allowed_updates)
-        kept = []
-        for update in self._updates:
-            kind = next((k for k in update if k != "update_id"), "")
-            if (kind in allowed) if allowed else (kind not in _OPT_IN_UPDATES):
-                kept.append(update)
-        self._updates = kept
-        return copy.deepcopy(kept[:limit])
+        """The next pending updates (call with the lock held)."""
+        return copy.deepcopy(self._updates[:limit])
+
+    def _wanted(self, update: Update) -> bool:
+        """Does the bot's current `allowed_updates` let a new update of this kind be
+        stored? The filter applies when an update is created: "this parameter doesn't
+        affect updates created before the call to getUpdates, so unwanted updates may be
+        received for a short period of time" (getUpdates). Call with the lock held."""
+        kind = next((k for k in update if k != "update_id"), "")
+        allowed = self._allowed_updates
+        return (kind in allowed) if allowed else (kind not in _OPT_IN_UPDATES)
 
     async def _send_message(self, params: dict[str, Any]) -> Message:
         with self._lock:
