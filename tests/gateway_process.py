@@ -13,11 +13,25 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tests.fakes.openai_server import FakeOpenAI
     from tests.fakes.telegram_server import FakeTelegram
+
+
+class BotApiServer(Protocol):
+    """A Bot API server the gateway can poll: the fake, or the bridge to the emulator
+    (tests/emulators/telegram_emulator.py)."""
+
+    token: str
+
+    @property
+    def api_url(self) -> str: ...
+
+    @property
+    def file_url(self) -> str: ...
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +133,7 @@ def base_env(workspace: Path, llm: FakeOpenAI, *, llm_timeout: float = 30) -> di
 
 
 def telegram_env(
-    workspace: Path, llm: FakeOpenAI, telegram: FakeTelegram, *, llm_timeout: float = 30
+    workspace: Path, llm: FakeOpenAI, telegram: BotApiServer, *, llm_timeout: float = 30
 ) -> dict[str, str]:
     """`base_env` plus long polling of `telegram`, open to everyone, on a free port."""
     return base_env(workspace, llm, llm_timeout=llm_timeout) | {

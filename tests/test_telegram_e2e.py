@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import anyio
@@ -21,6 +21,7 @@ from gateway.http import TELEGRAM_WEBHOOK_PATH
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram, parse_html, utf16_len
+from tests.gateway_process import BotApiServer
 
 pytestmark = pytest.mark.anyio
 
@@ -28,19 +29,6 @@ TOKEN = "test-api-token-123"
 CHAT = 4242
 GROUP = -1001234567890
 SECRET = "webhook-secret_42"
-
-
-class BotApiServer(Protocol):
-    """A Bot API server the gateway can poll: the fake, or the bridge to the emulator
-    (tests/test_telegram_emulator.py)."""
-
-    token: str
-
-    @property
-    def api_url(self) -> str: ...
-
-    @property
-    def file_url(self) -> str: ...
 
 
 @dataclass

@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from html import unescape
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,11 +22,13 @@ import pytest
 from gateway.config import Settings
 from tests.emulators.telegram_emulator import (
     BOT_USERNAME,
+    TOKEN,
     EmulatorBridge,
     TelegramEmulator,
     require_emulator,
 )
 from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import GatewayProcess, telegram_env
 from tests.test_telegram_e2e import gateway, session_file
 
 pytestmark = [pytest.mark.anyio, pytest.mark.telegram_emulator]
@@ -36,6 +39,7 @@ GROUP_MEMBER = 1001
 # "Text of the message to be sent, 1-4096 characters after entities parsing"
 # (https://core.telegram.org/bots/api#sendmessage), counted in UTF-16 code units.
 BOT_API_TEXT_LIMIT = 4096
+TOKEN_TAIL = TOKEN.split(":", 1)[1]  # the secret part: never in a log line
 
 
 @pytest.fixture
@@ -197,6 +201,35 @@ async def test_a_repeated_update_after_a_restart_gets_no_second_answer(
     assert [m["text"] for m in sent] == ["echo: only once", "echo: next"]
     assert [r.last_user_text for r in fake_openai.chat_requests] == ["only once", "next"]
     assert session_file(gw.settings, f"telegram:{CHAT}").count('"only once"') == 1
+
+
+async def test_gateway_run_answers_once_and_again_nothing_twice_after_a_restart(
+    emulator: TelegramEmulator,
+    bridge: EmulatorBridge,
+    fake_openai: FakeOpenAI,
+    tmp_path: Path,
+) -> None:
+    """The same through `gateway run` processes: SIGTERM drains and stops the first; the
+    second is handed the first's update again and answers only what is new."""
+    env = telegram_env(tmp_path / "ws", fake_openai, bridge)
+    logs: list[str] = []
+    for text in ("only once", "next"):
+        process = GatewayProcess(env, tmp_path)
+        try:
+            await anyio.to_thread.run_sync(process.wait_for_line, "is live (long polling)")
+            await emulator.send_user_message(CHAT, text)
+            await emulator.wait_bot_messages(CHAT, ending=f"echo: {text}")
+            assert await anyio.to_thread.run_sync(process.terminate) == 0
+        finally:
+            process.stop()
+            logs += process.log
+        if text == "only once":
+            bridge.replay(bridge.served(1)[0])
+    assert len(bridge.served(1)) == 2, "the second process was never handed the old update"
+    sent = await emulator.bot_messages(CHAT)
+    assert [m["text"] for m in sent] == ["echo: only once", "echo: next"]
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["only once", "next"]
+    assert not [line for line in logs if "Traceback" in line or TOKEN_TAIL in line]
 
 
 @pytest.mark.parametrize("ci", ["true", None])

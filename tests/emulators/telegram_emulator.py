@@ -263,9 +263,11 @@ class EmulatorBridge(LocalApiServer[BridgedCall]):
 
     def replay(self, update: Update) -> None:
         """Hand `update` out again on the next getUpdates, as Telegram does with an update
-        whose confirmation it never got (the process died before its next poll)."""
+        whose confirmation it never got (the process died before its next poll). An
+        update still held is held once."""
         with self._lock:
-            self._held = sorted([*self._held, update], key=lambda u: int(u["update_id"]))
+            if all(int(u["update_id"]) != int(update["update_id"]) for u in self._held):
+                self._held = sorted([*self._held, update], key=lambda u: int(u["update_id"]))
         self._notify()
 
     def _build_app(self) -> web.Application:
