@@ -46,7 +46,15 @@ EXIT_CONFIG = 78
 
 # Keys whose values are secrets: refused in gateway.toml, redacted everywhere.
 SECRET_KEYS = frozenset(
-    {"api_key", "token", "bot_token", "app_token", "signing_secret", "webhook_secret"}
+    {
+        "api_key",
+        "token",
+        "bot_token",
+        "app_token",
+        "signing_secret",
+        "webhook_secret",
+        "admin_token",
+    }
 )
 
 
@@ -303,6 +311,12 @@ class HTTPSettings(_Section):
     port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP server.")
     token: SecretStr | None = _secret("bearer token of the chat API", "GATEWAY_HTTP__TOKEN")
     token_file: Path | None = _secret_file("GATEWAY_HTTP__TOKEN", "gateway-http-token")
+    admin_token: SecretStr | None = _secret(
+        "token of the /admin page (unset: the chat API's token; set: chat API clients "
+        "cannot open /admin)",
+        "GATEWAY_HTTP__ADMIN_TOKEN",
+    )
+    admin_token_file: Path | None = _secret_file("GATEWAY_HTTP__ADMIN_TOKEN", "gateway-admin-token")
 
 
 class StorageSettings(_Section):

@@ -36,6 +36,7 @@ from gateway.workspace import cannot_write, prepare_workspace, write_denied
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy, PairingBackend
     from gateway.dedupe import DedupeStore
+    from gateway.http.admin import AdminPage
     from gateway.replicas import SessionRouter
     from gateway.storage.postgres import SharedStorage
 
@@ -467,6 +468,7 @@ class Daemon:
         self.http = HttpServer(
             settings.http, health=self.health, metrics=self.metrics, chat=self._api_chat
         )
+        self.admin = self._admin_page()
         self.channels: dict[str, Channel] = {}
         self._stop = anyio.Event()
         self._watch_metrics()
@@ -515,6 +517,32 @@ class Daemon:
             raise ValueError(f"channel {channel.name!r} is added twice")
         self.channels[channel.name] = channel
         self.health.component(channel.name)
+
+    def _admin_page(self) -> AdminPage:
+        """The operator's page under /admin, on the stores this daemon runs on."""
+        from gateway.http.admin import AdminPage, AdminSources, TurnWindow
+        from gateway.http.auth import secret_value
+        from gateway.storage.postgres import redact_url
+
+        settings = self.gateway.settings
+        url = settings.storage.url
+        sources = AdminSources(
+            health=self.health,
+            sessions=self.gateway.sessions,
+            pairing=self.pairing,
+            pairing_channels=tuple(sorted(self.access.policies)),
+            memory=self.gateway.memory,
+            cache=self.gateway.cache,
+            deliver=self.deliver,
+            turns=TurnWindow(),
+            dispatcher_stats=self.dispatcher.stats,
+            llm_errors=self.gateway.agent.llm_errors,
+            storage=f"shared, {redact_url(url)}" if url else "workspace files",
+        )
+        token = secret_value(settings.http.admin_token) or secret_value(settings.http.token)
+        page = AdminPage(token, sources)
+        page.mount(self.http)
+        return page
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
@@ -590,6 +618,7 @@ class Daemon:
 
     def _turn_done(self, reply: OutboundMessage, seconds: float) -> None:
         self.metrics.observe_turn(reply, seconds)
+        self.admin.sources.turns.record(reply, seconds)
 
     # ----------------------------------------------------------------- routing
 

@@ -331,7 +331,8 @@ class AgentLoop:
             hit = await self.cache.lookup(cache_ctx)
             if hit is not None:
                 cached = LLMMessage(role="assistant", content=hit.response, model=model)
-                meta = {"cached": True, "cache_match": hit.match}
+                # The key lets an operator drop a wrong answer from the transcript.
+                meta = {"cached": True, "cache_match": hit.match, "cache_key": hit.key}
                 await session.aadd_message(cached, meta)
                 logger.info("answered from cache ({} match)", hit.match)
                 return _TurnResult(hit.response, {"cached": True})

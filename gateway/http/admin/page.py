@@ -1,0 +1,553 @@
+"""The operator's web page under `/admin` on the daemon's HTTP port.
+
+Pages: the overview (channel health and a live view of turns, refreshed by htmx
+without a reload), sessions (search, sort, counts), one session (its tree and the
+transcript of its current branch), the memory of a scope, pairing requests (approve,
+revoke) and the response cache (statistics, invalidate). Everything is read through the
+stores the daemon runs on (`SessionManager`, `MemoryBackend`, `PairingBackend`,
+`SemanticCache`), so in the shared mode every replica shows the same.
+
+Invariants (tested in tests/test_admin_http.py and tests/test_admin_browser.py):
+- Every page needs a login (the cookie of the login form, or the bearer header);
+  without an HTTP token configured the page is off (see `gateway.http.admin.auth`).
+- Every POST needs the login's CSRF token and, when the browser names an `Origin`,
+  this very origin; otherwise 403 and nothing changes.
+- Everything a user or the model wrote is escaped by Jinja2's autoescape and shown with
+  `show_text` (bidi overrides visible, long texts cut); the Content-Security-Policy lets
+  only this page's own script and style files run, so even a missed escape runs nothing.
+- No page shows a secret: tokens, keys and URLs with passwords are never rendered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import anyio.to_thread
+import jinja2
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler
+from loguru import logger
+
+from gateway.http.admin.auth import (
+    COOKIE_NAME,
+    CSRF_FIELD,
+    CSRF_HEADER,
+    SESSION_SECONDS,
+    AdminKeys,
+    AdminLogin,
+)
+from gateway.http.admin.views import (
+    SESSION_SORTS,
+    TurnWindow,
+    session_rows,
+    show_text,
+    transcript,
+    tree_rows,
+)
+from gateway.http.auth import TOKEN_ENV, is_loopback
+from gateway.http.health import HealthState
+from gateway.messages import OutboundMessage
+from gateway.sessions.errors import SessionKeyError
+
+if TYPE_CHECKING:
+    from gateway.access import PairingBackend
+    from gateway.cache import SemanticCache
+    from gateway.dispatch import DispatcherStats
+    from gateway.http.server import HttpServer
+    from gateway.memory.protocol import MemoryBackend
+    from gateway.sessions import SessionManager
+
+PREFIX = "/admin"
+#: The message a sender gets on their channel when the operator approves their code.
+APPROVED_TEXT = "Your pairing request was approved: you can write to the assistant now."
+_STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
+_SECURITY_HEADERS = {
+    # Only this page's own files may run or style it; no frames, no foreign forms.
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass
+class AdminSources:
+    """What the page reads and acts on: the daemon's own stores and counters."""
+
+    health: HealthState
+    sessions: SessionManager
+    pairing: PairingBackend
+    pairing_channels: tuple[str, ...] = ("telegram", "slack")
+    memory: MemoryBackend | None = None
+    cache: SemanticCache | None = None
+    #: Sends a message to a channel (the daemon's `deliver`), for approval notices.
+    deliver: Callable[[OutboundMessage], Awaitable[None]] | None = None
+    turns: TurnWindow = field(default_factory=TurnWindow)
+    dispatcher_stats: Callable[[], DispatcherStats] | None = None
+    llm_errors: Mapping[str, int] = field(default_factory=dict)
+    #: Where the state lives, for the header ("workspace files", a redacted URL).
+    storage: str = "workspace files"
+
+
+def _templates() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("gateway.http.admin", "templates"),
+        autoescape=True,  # every template, whatever its name
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["show"] = show_text
+    env.filters["when"] = _when
+    env.filters["ago"] = _ago
+    return env
+
+
+def _when(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _ago(ts: float) -> str:
+    seconds = max(0, int(time.time() - ts))
+    if seconds < 60:
+        return f"{seconds}s ago"
+    if seconds < 3600:
+        return f"{seconds // 60}m ago"
+    if seconds < 86400:
+        return f"{seconds // 3600}h ago"
+    return f"{seconds // 86400}d ago"
+
+
+def _static_files() -> dict[str, tuple[bytes, str]]:
+    folder = resources.files("gateway.http.admin").joinpath("static")
+    files: dict[str, tuple[bytes, str]] = {}
+    for item in folder.iterdir():
+        suffix = "." + item.name.rsplit(".", 1)[-1]
+        if item.is_file() and suffix in _STATIC_TYPES:
+            files[item.name] = (item.read_bytes(), _STATIC_TYPES[suffix])
+    return files
+
+
+class AdminPage:
+    """The `/admin` routes; `mount(server)` adds them to the daemon's HTTP server."""
+
+    def __init__(self, token: str | None, sources: AdminSources) -> None:
+        self.keys = AdminKeys(token) if token else None
+        self.sources = sources
+        self.templates = _templates()
+        self._static = _static_files()
+
+    def mount(self, server: HttpServer) -> None:
+        """Add the routes. They answer while starting and draining too: an operator
+        looks at a gateway most when it is not ready."""
+        get, post = "GET", "POST"
+        routes: list[tuple[str, str, Handler]] = [
+            (get, PREFIX, self._guard(self.overview)),
+            (get, f"{PREFIX}/live", self._guard(self.live)),
+            (get, f"{PREFIX}/sessions", self._guard(self.sessions)),
+            (get, f"{PREFIX}/session", self._guard(self.session)),
+            (get, f"{PREFIX}/memory", self._guard(self.memory)),
+            (get, f"{PREFIX}/pairing", self._guard(self.pairing)),
+            (post, f"{PREFIX}/pairing/approve", self._guard(self.approve, changes=True)),
+            (post, f"{PREFIX}/pairing/revoke", self._guard(self.revoke, changes=True)),
+            (get, f"{PREFIX}/cache", self._guard(self.cache)),
+            (post, f"{PREFIX}/cache/invalidate", self._guard(self.invalidate, changes=True)),
+            (post, f"{PREFIX}/logout", self._guard(self.logout, changes=True)),
+            (get, f"{PREFIX}/login", self.login_form),
+            (post, f"{PREFIX}/login", self.login),
+            (get, f"{PREFIX}/static/{{name}}", self.static),
+        ]
+        for method, path, handler in routes:
+            server.mount(method, path, handler, require_ready=False)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _render(
+        self,
+        template: str,
+        request: web.Request,
+        login: AdminLogin | None,
+        /,
+        status: int = 200,
+        **context: Any,
+    ) -> web.Response:
+        page = self.templates.get_template(template).render(
+            csrf=login.csrf if login is not None else "",
+            csrf_field=CSRF_FIELD,
+            logged_in=login is not None,
+            path=request.path,
+            storage=self.sources.storage,
+            **context,
+        )
+        return web.Response(
+            text=page,
+            status=status,
+            content_type="text/html",
+            charset="utf-8",
+            headers=_SECURITY_HEADERS,
+        )
+
+    def _refuse(self, request: web.Request, status: int, message: str) -> web.Response:
+        return self._render("message.html", request, None, status=status, message=message)
+
+    def _login_of(self, request: web.Request) -> AdminLogin | None:
+        assert self.keys is not None
+        authorization = request.headers.get(hdrs.AUTHORIZATION)
+        if authorization:  # a wrong bearer header is not rescued by a cookie
+            return self.keys.check_authorization(authorization)
+        return self.keys.check_cookie(request.cookies.get(COOKIE_NAME))
+
+    def _guard(
+        self, handler: Callable[..., Awaitable[web.StreamResponse]], *, changes: bool = False
+    ) -> Handler:
+        """Log in, CSRF and origin checks in front of a page (see the module doc)."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if self.keys is None:
+                return self._refuse(
+                    request,
+                    503,
+                    f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}.",
+                )
+            login = self._login_of(request)
+            if login is None:
+                if request.method == "GET" and hdrs.AUTHORIZATION not in request.headers:
+                    raise web.HTTPSeeOther(f"{PREFIX}/login")
+                return self._refuse(request, 401, "Log in first: the token is missing or wrong.")
+            if changes:
+                form = await request.post()
+                given = request.headers.get(CSRF_HEADER) or form.get(CSRF_FIELD)
+                if not AdminKeys.csrf_ok(login, given if isinstance(given, str) else None):
+                    logger.warning(
+                        "admin: {} {} refused: no valid CSRF token", request.method, request.path
+                    )
+                    return self._refuse(
+                        request,
+                        403,
+                        "Refused: the form's security token is missing or stale. "
+                        "Reload the page and try again.",
+                    )
+                if not _same_origin(request):
+                    logger.warning(
+                        "admin: {} {} refused: foreign origin", request.method, request.path
+                    )
+                    return self._refuse(
+                        request, 403, "Refused: the request came from another site."
+                    )
+            return await handler(request, login)
+
+        return guarded
+
+    # ------------------------------------------------------------------ login
+
+    async def login_form(self, request: web.Request) -> web.StreamResponse:
+        if self.keys is None:
+            return self._refuse(
+                request, 503, f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
+            )
+        return self._render("login.html", request, None, error="")
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        if self.keys is None:
+            return self._refuse(
+                request, 503, f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
+            )
+        form = await request.post()
+        token = form.get("token")
+        if not isinstance(token, str) or not self.keys.token_matches(token.strip()):
+            logger.warning("admin: failed login from {}", request.remote or "-")
+            return self._render("login.html", request, None, status=401, error="Wrong token.")
+        if not _secure_enough(request):
+            return self._render(
+                "login.html",
+                request,
+                None,
+                status=400,
+                error="The login cookie is only sent over HTTPS off this machine: open the "
+                "page through TLS (deploy/nginx.conf) or an SSH tunnel to 127.0.0.1.",
+            )
+        response = web.HTTPSeeOther(PREFIX)
+        response.set_cookie(
+            COOKIE_NAME,
+            self.keys.new_cookie(),
+            max_age=SESSION_SECONDS,
+            path=PREFIX,
+            secure=True,
+            httponly=True,
+            samesite="Strict",
+        )
+        logger.info("admin: operator logged in from {}", request.remote or "-")
+        raise response
+
+    async def logout(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        response = web.HTTPSeeOther(f"{PREFIX}/login")
+        response.del_cookie(COOKIE_NAME, path=PREFIX)
+        raise response
+
+    async def static(self, request: web.Request) -> web.StreamResponse:
+        found = self._static.get(request.match_info["name"])
+        if found is None:
+            raise web.HTTPNotFound()
+        body, content_type = found
+        return web.Response(
+            body=body,
+            content_type=content_type,
+            headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "max-age=3600"},
+        )
+
+    # ------------------------------------------------------------------ overview
+
+    def _live_context(self) -> dict[str, Any]:
+        src = self.sources
+        readiness = src.health.readiness()
+        stats = src.dispatcher_stats() if src.dispatcher_stats is not None else None
+        return {
+            "readiness": readiness,
+            "live": src.turns.snapshot(),
+            "queued": stats.queued_total if stats is not None else 0,
+            "in_flight": stats.in_flight if stats is not None else 0,
+            "llm_errors": dict(src.llm_errors),
+        }
+
+    async def overview(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        return self._render("overview.html", request, login, **self._live_context())
+
+    async def live(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        return self._render("live.html", request, login, **self._live_context())
+
+    # ------------------------------------------------------------------ sessions
+
+    async def sessions(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        query = request.query.get("q", "")[:200]
+        sort = request.query.get("sort", "recent")
+        infos = await anyio.to_thread.run_sync(self.sources.sessions.list_sessions)
+        rows, counts = session_rows(infos, query, sort, time.time())
+        return self._render(
+            "sessions.html",
+            request,
+            login,
+            rows=rows[:500],
+            counts=counts,
+            query=query,
+            sort=sort if sort in SESSION_SORTS else "recent",
+            sorts=SESSION_SORTS,
+        )
+
+    async def session(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        key = request.query.get("key", "")
+        try:
+            found = await anyio.to_thread.run_sync(self.sources.sessions.get, key) if key else None
+        except SessionKeyError:
+            found = None
+        if found is None:
+            return self._render(
+                "message.html",
+                request,
+                login,
+                status=404,
+                message=f"No session {key!r}. The sessions page lists the keys.",
+            )
+        session = found
+
+        def read() -> dict[str, Any]:
+            branch = session.get_branch()
+            branch_ids = {e.id for e in branch}
+            leaf = session.leaf_id
+            return {
+                "rows": tree_rows(session.get_tree(), leaf, branch_ids),
+                "messages": transcript(branch),
+                "leaf": leaf,
+                "name": session.name,
+                "created_at": session.created_at,
+                "updated_at": session.updated_at,
+                "labels": session.labels,
+            }
+
+        data = await anyio.to_thread.run_sync(read)
+        memory = self.sources.memory
+        has_memory = memory is not None and await anyio.to_thread.run_sync(memory.exists, key)
+        return self._render("session.html", request, login, key=key, has_memory=has_memory, **data)
+
+    # ------------------------------------------------------------------ memory
+
+    async def memory(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        key = request.query.get("key", "")
+        query = request.query.get("q", "")[:200]
+        backend = self.sources.memory
+        context: dict[str, Any] = {"key": key, "query": query, "enabled": backend is not None}
+        if backend is None or not key:
+            return self._render("memory.html", request, login, found=False, **context)
+
+        def read() -> dict[str, Any] | None:
+            assert backend is not None
+            if not backend.exists(key):
+                return None
+            scope = backend.for_session(key)
+            knowledge: dict[str, list[Any]] = {}
+            for entry in scope.knowledge:
+                knowledge.setdefault(entry.category, []).append(entry)
+            return {
+                "scope": scope.scope,
+                "facts": scope.read_memory(),
+                "history": scope.search_history(query, max_results=50),
+                "knowledge": dict(sorted(knowledge.items())),
+            }
+
+        try:
+            data = await anyio.to_thread.run_sync(read)
+        except SessionKeyError:
+            data = None
+        if data is None:
+            return self._render("memory.html", request, login, found=False, **context)
+        return self._render("memory.html", request, login, found=True, **context, **data)
+
+    # ------------------------------------------------------------------ pairing
+
+    async def pairing(
+        self, request: web.Request, login: AdminLogin, *, notice: str = "", error: str = ""
+    ) -> web.StreamResponse:
+        store = self.sources.pairing
+        listing = await anyio.to_thread.run_sync(store.list)
+        return self._render(
+            "pairing.html",
+            request,
+            login,
+            status=400 if error else 200,
+            listing=listing,
+            channels=self.sources.pairing_channels,
+            load_error=store.load_error or "",
+            notice=notice,
+            error=error,
+        )
+
+    async def approve(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        form = await request.post()
+        channel, code = str(form.get("channel", "")), str(form.get("code", "")).strip()
+        if channel not in self.sources.pairing_channels or not code:
+            return await self.pairing(request, login, error="Choose a channel and enter a code.")
+        store = self.sources.pairing
+        from gateway.access import normalize_code
+
+        wanted = normalize_code(code)
+
+        def approve() -> tuple[str | None, str]:
+            pending = {r.code: r for r in store.list(channel).pending}
+            sender = store.approve(channel, code)
+            request_ = pending.get(wanted)
+            return sender, request_.chat_id if request_ is not None else ""
+
+        sender, chat_id = await anyio.to_thread.run_sync(approve)
+        if sender is None:
+            return await self.pairing(
+                request, login, error=f"No live request on {channel} has code {wanted!r}."
+            )
+        logger.info("admin: approved sender {} on {}", sender, channel)
+        await self._notify_approved(channel, chat_id or sender)
+        return await self.pairing(
+            request, login, notice=f"Approved {sender} on {channel}; they were told on {channel}."
+        )
+
+    async def _notify_approved(self, channel: str, chat_id: str) -> None:
+        """Tell the sender they may write now (best effort: approved either way)."""
+        deliver = self.sources.deliver
+        if deliver is None:
+            return
+        message = OutboundMessage(
+            channel=channel, chat_id=chat_id, text=APPROVED_TEXT, session_key=f"{channel}:{chat_id}"
+        )
+        try:
+            await deliver(message)
+        except Exception as exc:
+            logger.warning("admin: could not tell {} on {}: {}", chat_id, channel, exc)
+
+    async def revoke(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        form = await request.post()
+        channel, sender = str(form.get("channel", "")), str(form.get("sender", ""))
+        if channel not in self.sources.pairing_channels or not sender:
+            return await self.pairing(request, login, error="Choose a channel and a sender.")
+        done = await anyio.to_thread.run_sync(self.sources.pairing.revoke, channel, sender)
+        if not done:
+            return await self.pairing(
+                request, login, error=f"{sender} is not approved on {channel}."
+            )
+        logger.info("admin: revoked sender {} on {}", sender, channel)
+        return await self.pairing(request, login, notice=f"Revoked {sender} on {channel}.")
+
+    # ------------------------------------------------------------------ cache
+
+    async def cache(
+        self, request: web.Request, login: AdminLogin, *, notice: str = "", error: str = ""
+    ) -> web.StreamResponse:
+        from gateway.cache import CacheUnavailable
+
+        cache = self.sources.cache
+        stats = None
+        if cache is not None:
+            try:
+                stats = await cache.stats()
+            except CacheUnavailable as exc:
+                error = error or f"The cache does not answer: {exc}"
+        return self._render(
+            "cache.html",
+            request,
+            login,
+            status=400 if error and notice == "" and request.method == "POST" else 200,
+            enabled=cache is not None,
+            stats=stats,
+            notice=notice,
+            error=error,
+        )
+
+    async def invalidate(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
+        from gateway.cache import CacheUnavailable
+
+        cache = self.sources.cache
+        if cache is None:
+            return await self.cache(request, login, error="The cache is off.")
+        form = await request.post()
+        what, value = str(form.get("what", "")), str(form.get("value", "")).strip()
+        try:
+            if what == "key" and value:
+                removed = await cache.invalidate(value)
+            elif what == "session" and value:
+                removed = await cache.invalidate(session_key=value)
+            elif what == "model" and value:
+                removed = await cache.invalidate(model=value)
+            elif what == "shared":
+                removed = await cache.invalidate(shared=True)
+            elif what == "all":
+                removed = await cache.clear()
+            else:
+                return await self.cache(request, login, error="Say what to invalidate.")
+        except CacheUnavailable as exc:
+            return await self.cache(request, login, error=f"Nothing removed: {exc}")
+        noun = "entry" if removed == 1 else "entries"
+        return await self.cache(request, login, notice=f"Removed {removed} cache {noun}.")
+
+
+def _same_origin(request: web.Request) -> bool:
+    """No `Origin` header (not a browser, or an old one), or this page's own origin."""
+    origin = request.headers.get(hdrs.ORIGIN)
+    if origin is None:
+        return True
+    return urlsplit(origin).netloc.lower() == request.host.lower()
+
+
+def _secure_enough(request: web.Request) -> bool:
+    """Will the browser send back a Secure cookie? Over HTTPS (here or at a proxy in
+    front), or on loopback, which browsers treat as secure."""
+    if request.secure or request.headers.get("X-Forwarded-Proto", "").lower() == "https":
+        return True
+    host = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host
+    return is_loopback(host) and is_loopback(request.remote or "")
