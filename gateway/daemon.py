@@ -397,6 +397,13 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     }
 
 
+def _is_stop(message: InboundMessage) -> bool:
+    """/stop bypasses its session's lane: it must reach the turn it stops."""
+    from gateway.agent.commands import is_stop_command
+
+    return is_stop_command(message.text)
+
+
 class Daemon:
     """`gateway run`: every part in one anyio task group on asyncio.
 
@@ -456,6 +463,7 @@ class Daemon:
             access=self.access,
             on_turn_done=self._turn_done,
             deliver_timeout=settings.dispatch.deliver_timeout_seconds,
+            urgent=_is_stop,
         )
         self.router: SessionRouter | None = None
         if settings.storage.url:

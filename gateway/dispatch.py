@@ -24,6 +24,9 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   turn again, and runs the turns that never finished. Durable means: in the session as
   the answer to its message (`META_IN_SESSION`: the handler finds it there again), or
   else recorded in the outbox (errors, commands, a merged turn's reply).
+- An urgent message (`urgent(msg)` is true: /stop) is handled on arrival, outside its
+  lane, after the access check: it never waits behind the turn it is meant to stop.
+  It is not journaled (it acts on what runs now, which a crash ends anyway).
 """
 
 from __future__ import annotations
@@ -291,6 +294,7 @@ class Dispatcher:
         idle_lane_ttl: float = 300,
         on_turn_done: TurnDoneCallback | None = None,
         deliver_timeout: float = 60.0,
+        urgent: Callable[[InboundMessage], bool] | None = None,
     ) -> None:
         if max_concurrent_turns < 1:
             raise ValueError("max_concurrent_turns must be at least 1")
@@ -313,6 +317,7 @@ class Dispatcher:
         self._dedupe = dedupe
         self._access = access
         self._on_turn_done = on_turn_done
+        self._urgent = urgent
         self._limiter = anyio.CapacityLimiter(max_concurrent_turns)
         self._lanes: dict[str, _Lane] = {}
         self._counters = _Counters()
@@ -397,6 +402,11 @@ class Dispatcher:
             with logger.contextualize(session=key):
                 logger.info("message refused: draining")
             await self._refuse(ticket, SubmitStatus.REJECTED_DRAINING, DRAINING_TEXT)
+            return ticket
+        if recorded is None and self._urgent is not None and self._urgent(msg):
+            self._counters.accepted += 1
+            self._outstanding += 1
+            self._tg.start_soon(self._run_urgent, ticket, name=f"urgent {key}")
             return ticket
         # A replayed message was taken before the crash: the bounds never refuse it.
         bounded = recorded is None
@@ -597,6 +607,40 @@ class Dispatcher:
         try:
             await self._deliver_safely(notice)
         finally:
+            self._settled(1)
+
+    async def _run_urgent(self, ticket: Ticket) -> None:
+        """An urgent message, beside its lane: checked, handled and answered at once."""
+        msg = ticket.message
+        try:
+            if self._access is not None:
+                decision = await self._check_access(msg)
+                if not isinstance(decision, Allow):
+                    ticket.status = (
+                        SubmitStatus.DENIED
+                        if isinstance(decision, Deny | Challenge)
+                        else SubmitStatus.IGNORED
+                    )
+                    notice = None
+                    if isinstance(decision, Deny | Challenge):
+                        self._counters.denied += 1
+                        notice = reply_for(msg, decision.reply, is_error=isinstance(decision, Deny))
+                        await self._deliver_safely(notice)
+                    else:
+                        self._counters.ignored += 1
+                    ticket._resolve(notice)
+                    return
+            with logger.contextualize(session=msg.session_key):
+                try:
+                    reply = await self._handler(msg)
+                except Exception:
+                    logger.exception("urgent message failed; the sender gets an error reply")
+                    reply = reply_for(msg, ERROR_TEXT, is_error=True)
+            ticket._resolve(reply)
+            await self._deliver_safely(reply)
+        finally:
+            ticket._resolve(None)
+            ticket._done.set()
             self._settled(1)
 
     # ------------------------------------------------------------------ lanes

@@ -13,6 +13,7 @@ COMMANDS: dict[str, str] = {
     "model": "/model NAME switches this conversation's model; /model alone shows it",
     "compact": "summarize older turns into memory now",
     "undo": "take back your last message and my answer (kept in the history)",
+    "stop": "stop the answer being worked on now (messages sent after it still run)",
     "help": "this list",
 }
 PRIVILEGED = frozenset({"model"})
@@ -43,6 +44,13 @@ def parse_command(text: str) -> Command | None:
     if match is None:
         return None
     return Command(name=match.group(1).lower(), argument=(match.group(2) or "").strip())
+
+
+def is_stop_command(text: str) -> bool:
+    """True for `/stop`: the one command answered on arrival, outside the session's turn
+    order, because it must not wait behind the turn it stops."""
+    command = parse_command(text)
+    return command is not None and command.name == "stop"
 
 
 def help_text() -> str:

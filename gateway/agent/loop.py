@@ -19,6 +19,7 @@ from gateway.agent.commands import (
     PRIVILEGED,
     Command,
     help_text,
+    is_stop_command,
     parse_command,
     unknown_command_text,
 )
@@ -53,6 +54,14 @@ if TYPE_CHECKING:
     from gateway.sessions import Session, SessionContext, SessionManager
 
 DeltaCallback = Callable[[str], Awaitable[None]]
+
+#: The reply of a turn /stop ended before the model said anything.
+STOPPED_EMPTY_TEXT = "(stopped before I answered)"
+#: What /stop answers.
+STOP_DONE_TEXT = "Stopped. Messages you sent after that one will still be answered."
+STOP_IDLE_TEXT = "Nothing is running here to stop."
+#: The tool result of a call /stop cut short (every call keeps its result).
+STOPPED_TOOL_RESULT = "error: stopped by the user (/stop) before this tool finished"
 
 INTERRUPTED_TEXT = (
     "I was restarting while answering an earlier message and lost my place. Please send it again."
@@ -93,6 +102,19 @@ class AgentConfig:
 class _TurnResult:
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far a turn got, for /stop: the text streamed of the answer being written, and
+    the tool calls persisted without their results yet."""
+
+    said: list[str] = field(default_factory=list)
+    pending: list[Any] = field(default_factory=list)
+
+    def stopped_text(self) -> str:
+        said = "".join(self.said).strip()
+        return f"{said}\n\n(stopped)" if said else STOPPED_EMPTY_TEXT
 
 
 class AgentLoop:
@@ -138,6 +160,8 @@ class AgentLoop:
         #: Failed turns by error kind, for metrics.
         self.llm_errors: collections.Counter[str] = collections.Counter()
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        #: The cancel scope of each session's running model-and-tools part (for /stop).
+        self._running: dict[str, anyio.CancelScope] = {}
 
     def _lock_for(self, key: str) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -147,17 +171,27 @@ class AgentLoop:
         return lock
 
     async def handle(
-        self, inbound: InboundMessage, *, on_delta: DeltaCallback | None = None
+        self,
+        inbound: InboundMessage,
+        *,
+        on_delta: DeltaCallback | None = None,
+        token_budget: int | None = None,
     ) -> OutboundMessage:
         """Answer one inbound message. Never raises for user or model problems: the
-        reply then says what went wrong (`is_error=True`)."""
+        reply then says what went wrong (`is_error=True`). With `token_budget`, the
+        turn's model calls stop once they have used that many tokens (a subagent's)."""
         key = inbound.session_key
         with logger.contextualize(session=key):
+            if is_stop_command(clean_user_text(inbound.text)):
+                # Not behind the lock: it must reach the turn it stops.
+                stopped = self.stop(key)
+                text = STOP_DONE_TEXT if stopped else STOP_IDLE_TEXT
+                return reply_for(inbound, text, metadata={"command": "stop"})
             async with self._lock_for(key):
-                return await self._handle_locked(inbound, on_delta)
+                return await self._handle_locked(inbound, on_delta, token_budget)
 
     async def _handle_locked(
-        self, inbound: InboundMessage, on_delta: DeltaCallback | None
+        self, inbound: InboundMessage, on_delta: DeltaCallback | None, token_budget: int | None
     ) -> OutboundMessage:
         text, nocache = strip_nocache(clean_user_text(inbound.text).strip())
         text = text.strip()
@@ -212,7 +246,9 @@ class AgentLoop:
                 # when the edit only changed what normalization ignores.
                 nocache = True
             ctx, texts = await self._open_turn(session, user_message, inbound, earlier is None)
-            reply = await self._run_model(session, ctx, texts, inbound, on_delta, nocache=nocache)
+            reply = await self._run_model(
+                session, ctx, texts, inbound, on_delta, nocache=nocache, token_budget=token_budget
+            )
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
             self.llm_errors[type(exc).__name__] += 1
@@ -258,6 +294,17 @@ class AgentLoop:
         notice = offline_notice(age)
         await session.aadd_message(LLMMessage(role="assistant", content=notice), {"offline": True})
         return reply_for(inbound, notice, metadata={"offline": True, META_IN_SESSION: True})
+
+    def stop(self, key: str) -> bool:
+        """Cancel the running turn of session `key` at once (its LLM request or tool
+        call); the turn records what was said so far and answers that it stopped.
+        False when no turn of that session is running."""
+        scope = self._running.get(key)
+        if scope is None:
+            return False
+        logger.info("turn stopped by /stop")
+        scope.cancel()
+        return True
 
     async def _open_session(self, inbound: InboundMessage) -> tuple[Session, EarlierTurn | None]:
         """The session, and for a replayed message what the session holds of its turn
@@ -307,6 +354,7 @@ class AgentLoop:
         on_delta: DeltaCallback | None,
         *,
         nocache: bool = False,
+        token_budget: int | None = None,
     ) -> _TurnResult:
         model = ctx.model or self.config.model
         query = ctx.messages[-1].content or "" if ctx.messages else ""
@@ -337,39 +385,146 @@ class AgentLoop:
                 logger.info("answered from cache ({} match)", hit.match)
                 return _TurnResult(hit.response, {"cached": True})
 
-        tool_context = ToolContext(session_key=session.key, sender_id=inbound.sender_id)
+        tool_context = ToolContext(
+            session_key=session.key, sender_id=inbound.sender_id, inbound=inbound
+        )
+        progress = _Progress()
+        with anyio.CancelScope() as scope:
+            self._running[session.key] = scope
+            try:
+                reply, used_tools = await self._tool_loop(
+                    session,
+                    ctx,
+                    fit,
+                    messages,
+                    model,
+                    specs,
+                    tool_context,
+                    on_delta,
+                    progress,
+                    token_budget,
+                )
+            finally:
+                if self._running.get(session.key) is scope:
+                    del self._running[session.key]
+        if scope.cancelled_caught:
+            text = await self._record_stop(session, progress, model)
+            return _TurnResult(text, {"stopped": True})
+        if cache_ctx is not None and self.cache is not None:
+            stored_ctx = dataclasses.replace(cache_ctx, tool_calls_made=used_tools)
+            await self.cache.store(stored_ctx, reply)
+        return _TurnResult(reply)
+
+    async def _tool_loop(
+        self,
+        session: Session,
+        ctx: SessionContext,
+        fit: Callable[[Sequence[LLMMessage]], ContextPlan],
+        messages: list[LLMMessage],
+        model: str,
+        specs: list[ToolSpec],
+        tool_context: ToolContext,
+        on_delta: DeltaCallback | None,
+        progress: _Progress,
+        token_budget: int | None = None,
+    ) -> tuple[str, bool]:
+        """Model calls and tool calls until a final answer; (the answer, whether tools
+        were called). `progress` says how far it got when /stop cancels it; the writes
+        are shielded, so what is persisted and what `progress` says always agree."""
+        streamed: DeltaCallback | None = None
+        if on_delta is not None:
+            forward = on_delta
+
+            async def streamed(text: str) -> None:
+                progress.said.append(text)
+                await forward(text)
+
         turn: list[LLMMessage] = []  # what this turn added after the user's message
         reply: str | None = None
+        spent = 0
         for _ in range(self.config.max_tool_iterations):
-            response = await self._complete(messages, model, specs, on_delta)
+            progress.said.clear()
+            response = await self._complete(messages, model, specs, streamed)
             self.context.observe(session.key, messages, response.usage)
             assistant = response.message
-            await session.aadd_message(assistant)
+            with anyio.CancelScope(shield=True):
+                await session.aadd_message(assistant)
+                progress.pending = list(assistant.tool_calls)
             turn.append(assistant)
             if not assistant.tool_calls:
                 reply = assistant.content or ""
                 break
+            spent += response.usage.total_tokens if response.usage else 0
+            if token_budget is not None and spent >= token_budget:
+                reply = await self._out_of_budget(session, assistant, token_budget, spent)
+                progress.pending = []
+                break
+            progress.said.clear()  # said with the tool calls, and stored with them
             for call in assistant.tool_calls:
                 logger.info("tool call {}", call.function_name)
                 result = await self.tools.execute(call, tool_context)
                 tool_message = LLMMessage(
                     role="tool", content=result, tool_call_id=call.id, name=call.function_name
                 )
-                await session.aadd_message(tool_message)
+                with anyio.CancelScope(shield=True):
+                    await session.aadd_message(tool_message)
+                    progress.pending.remove(call)
                 turn.append(tool_message)
             # Re-fit: tool results can be large, and the request must stay in the window.
             messages = list(fit([*ctx.messages, *turn]).messages)
         if reply is None:
             # Out of tool rounds: ask once more without tools, so the user gets an answer.
             logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
-            response = await self._complete(repair_tool_pairs(messages), model, [], on_delta)
-            await session.aadd_message(response.message)
+            progress.said.clear()
+            response = await self._complete(repair_tool_pairs(messages), model, [], streamed)
+            with anyio.CancelScope(shield=True):
+                await session.aadd_message(response.message)
             reply = response.message.content or ""
-        if cache_ctx is not None and self.cache is not None:
-            used_tools = any(m.tool_calls for m in turn)
-            stored_ctx = dataclasses.replace(cache_ctx, tool_calls_made=used_tools)
-            await self.cache.store(stored_ctx, reply)
-        return _TurnResult(reply)
+        return reply, any(m.tool_calls for m in turn)
+
+    async def _out_of_budget(
+        self, session: Session, assistant: LLMMessage, budget: int, spent: int
+    ) -> str:
+        """The token budget is spent: the calls just made are answered as not run (so
+        the transcript stays whole) and the answer says how far the work got."""
+        logger.warning("token budget spent ({} of {} tokens); the turn ends", spent, budget)
+        with anyio.CancelScope(shield=True):
+            for call in assistant.tool_calls:
+                await session.aadd_message(
+                    LLMMessage(
+                        role="tool",
+                        content=f"error: not run: the token budget ({budget}) is spent",
+                        tool_call_id=call.id,
+                        name=call.function_name,
+                    )
+                )
+            said = (assistant.content or "").strip()
+            text = f"(stopped: the token budget of {budget} tokens is spent)"
+            text = f"{said}\n\n{text}" if said else text
+            await session.aadd_message(
+                LLMMessage(role="assistant", content=text, model=assistant.model),
+                {"budget_spent": True},
+            )
+        return text
+
+    async def _record_stop(self, session: Session, progress: _Progress, model: str) -> str:
+        """After /stop: each tool call cut short gets its result, then the text said so
+        far is stored as the answer (meta `stopped`), so the transcript stays whole."""
+        with anyio.CancelScope(shield=True):
+            for call in progress.pending:
+                await session.aadd_message(
+                    LLMMessage(
+                        role="tool",
+                        content=STOPPED_TOOL_RESULT,
+                        tool_call_id=call.id,
+                        name=call.function_name,
+                    )
+                )
+            text = progress.stopped_text()
+            stopped = LLMMessage(role="assistant", content=text, model=model)
+            await session.aadd_message(stopped, {"stopped": True})
+        logger.info("turn stopped; {} characters of the answer kept", len(text))
+        return text
 
     def _cache_context(
         self,

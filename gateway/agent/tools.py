@@ -12,6 +12,7 @@ import anyio
 from loguru import logger
 
 from gateway.llm.types import ToolCall, ToolSpec
+from gateway.messages import InboundMessage
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,8 @@ class ToolContext:
 
     session_key: str
     sender_id: str = ""
+    #: The message the turn answers: where a reply to this conversation goes.
+    inbound: InboundMessage | None = None
 
 
 ToolHandler = Callable[[dict[str, Any], ToolContext], Awaitable[str]]
