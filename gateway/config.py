@@ -294,6 +294,22 @@ class HeartbeatSettings(_Section):
     )
 
 
+class SubagentSettings(_Section):
+    enabled: bool = Field(
+        False, description="Offer the model the spawn tool (a task run in its own session)."
+    )
+    max_depth: int = Field(
+        1, ge=1, le=5, description="How deep subagents nest (1: subagents spawn none)."
+    )
+    max_concurrent: int = Field(
+        4, ge=1, le=64, description="Subagents running at once in the whole gateway."
+    )
+    token_budget: int = Field(
+        20_000, ge=100, description="Tokens one subagent's model calls may use in all."
+    )
+    timeout_seconds: float = Field(300.0, gt=0, description="Longest one subagent may run.")
+
+
 class LogSettings(_Section):
     level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Lowest level logged."
@@ -484,6 +500,7 @@ class Settings(_Section):
     cache: CacheSettingsSection = Field(default_factory=CacheSettingsSection)
     dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
     heartbeat: HeartbeatSettings = Field(default_factory=HeartbeatSettings)
+    subagents: SubagentSettings = Field(default_factory=SubagentSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)

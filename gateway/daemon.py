@@ -19,6 +19,7 @@ from loguru import logger
 from gateway import __version__
 from gateway.agent import AgentConfig, AgentLoop, build_registry
 from gateway.agent.memory_tools import memory_tools
+from gateway.agent.subagents import SubagentLimits, Subagents
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket
 from gateway.config import AccessSection, ConfigError, Settings
@@ -274,12 +275,31 @@ def build_memory(
     return memory, consolidator
 
 
+def build_subagents(settings: Settings, agent: AgentLoop) -> Subagents | None:
+    """The spawn tool, registered with the agent's tools, when `[subagents]` is on."""
+    section = settings.subagents
+    if not section.enabled:
+        return None
+    subagents = Subagents(
+        agent,
+        SubagentLimits(
+            max_depth=section.max_depth,
+            max_concurrent=section.max_concurrent,
+            token_budget=section.token_budget,
+            timeout_seconds=section.timeout_seconds,
+        ),
+    )
+    agent.tools.register(subagents.tool())
+    return subagents
+
+
 @dataclass
 class Gateway:
     """The assembled parts. The agent holds them; the properties name them."""
 
     settings: Settings
     agent: AgentLoop
+    subagents: Subagents | None = None
     closed: bool = field(default=False, init=False)
 
     @property
@@ -324,7 +344,7 @@ class Gateway:
             memory=memory,
             consolidator=consolidator,
         )
-        return cls(settings=settings, agent=agent)
+        return cls(settings=settings, agent=agent, subagents=build_subagents(settings, agent))
 
     async def run_services(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -333,6 +353,8 @@ class Gateway:
         async with anyio.create_task_group() as tg:
             if self.consolidator is not None:
                 await tg.start(self.consolidator.run)
+            if self.subagents is not None:
+                await tg.start(self.subagents.run)
             task_status.started()
 
     async def aclose(self, *, grace: float = 10.0) -> None:
@@ -479,6 +501,8 @@ class Daemon:
         self.admin = self._admin_page()
         self.channels: dict[str, Channel] = {}
         self._stop = anyio.Event()
+        if gateway.subagents is not None:
+            gateway.subagents.submit = self.submit  # background results come back here
         self._watch_metrics()
         cli = settings.channels.cli
         if interactive is None:

@@ -149,6 +149,25 @@ class OutboundFile:
         )
 
 
+#: What joins a subagent's session key to its parent's: `<parent key>:sub:<id>`.
+SUBAGENT_MARK = ":sub:"
+
+
+def subagent_session_key(parent: str, sub_id: str) -> str:
+    """The session of a subagent `parent` spawned: `<parent>:sub:<id>`."""
+    return f"{parent}{SUBAGENT_MARK}{sub_id}"
+
+
+def subagent_depth(key: str) -> int:
+    """How many subagents deep `key` is (0: a conversation's own session)."""
+    return key.count(SUBAGENT_MARK)
+
+
+def root_session_key(key: str) -> str:
+    """The conversation a (sub)agent session belongs to: `key` up to its first `:sub:`."""
+    return key.split(SUBAGENT_MARK, 1)[0]
+
+
 @dataclass(frozen=True, slots=True)
 class InboundMessage:
     """A message from a person (or a scheduled job) on its way to the agent.

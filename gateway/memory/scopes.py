@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from gateway.messages import root_session_key
 from gateway.sessions.keys import encode_key
 
 ScopeMode = Literal["per_session", "workspace"]
@@ -41,7 +42,8 @@ def scope_dir(workspace_path: Path, scope: str) -> Path:
 
 
 def scope_for_session(session_key: str, mode: ScopeMode) -> str:
-    """The memory scope a session key reads and writes under `mode`."""
+    """The memory scope a session key reads and writes under `mode`; a subagent's
+    session (`<parent>:sub:<id>`) shares the memory of the conversation it serves."""
     if mode == "workspace":
         return WORKSPACE_SCOPE
     if mode != "per_session":
@@ -50,4 +52,4 @@ def scope_for_session(session_key: str, mode: ScopeMode) -> str:
         raise ValueError(
             f"session key {WORKSPACE_SCOPE!r} is reserved for the shared workspace memory"
         )
-    return session_key
+    return root_session_key(session_key)
