@@ -179,6 +179,14 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("channel")
     revoke.add_argument("sender")
 
+    schedules = sub.add_parser("schedules", help="reminders and tasks people set from chat")
+    schsub = schedules.add_subparsers(dest="action", metavar="ACTION", required=True)
+    slist = schsub.add_parser("list", help="every job, soonest first")
+    slist.add_argument("--session", help="only the jobs of this conversation (session key)")
+    slist.add_argument("--json", action="store_true", help="machine-readable output")
+    scancel = schsub.add_parser("cancel", help="cancel a job by its id")
+    scancel.add_argument("id")
+
     cache = sub.add_parser("cache", help="inspect and manage the response cache")
     csub = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
     stats = csub.add_parser("stats", help="entries, hits, misses, hit rate, bytes")
@@ -605,7 +613,10 @@ def _resolve_session_names(args: argparse.Namespace) -> None:
         args.key = session_key_from_name(args.key)
     if getattr(args, "new_key", None) is not None:
         args.new_key = session_key_from_name(args.new_key)
-    if args.command in ("chat", "cache") and getattr(args, "session", None) is not None:
+    if (
+        args.command in ("chat", "cache", "schedules")
+        and getattr(args, "session", None) is not None
+    ):
         args.session = session_key_from_name(args.session)
 
 
@@ -621,6 +632,27 @@ def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.storage.commands import storage_transfer
 
     return storage_transfer(settings, args.action, args.dir)
+
+
+def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.reminders import JOBS_FILE, FileJobStore
+
+    store = FileJobStore(settings.workspace_path / JOBS_FILE)
+    if args.action == "cancel":
+        job = store.remove(args.id)
+        if job is None:
+            raise CommandError(f"no scheduled job {args.id!r}; `gateway schedules list` shows them")
+        print(f"cancelled {job.describe()} (owner {job.owner})")
+        return EXIT_OK
+    jobs = store.jobs(args.session)
+    if args.json:
+        print(json.dumps([job.to_dict() for job in jobs], indent=2))
+    elif not jobs:
+        print("no scheduled jobs")
+    else:
+        for job in jobs:
+            print(f"{job.describe()}  [owner {job.owner}, runs {job.runs}]")
+    return EXIT_OK
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -639,6 +671,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "sessions": cmd_sessions,
         "cache": cmd_cache,
         "pairing": cmd_pairing,
+        "schedules": cmd_schedules,
         "doctor": cmd_doctor,
         "memory": cmd_memory,
         "db": cmd_db,

@@ -310,6 +310,32 @@ class SubagentSettings(_Section):
     timeout_seconds: float = Field(300.0, gt=0, description="Longest one subagent may run.")
 
 
+class ScheduleSettings(_Section):
+    enabled: bool = Field(
+        False,
+        description="Offer the model the schedule, list_schedules and cancel_schedule tools "
+        "(reminders and tasks set from chat, in workspace/schedules.json).",
+    )
+    timezone: str = Field("UTC", description="Time zone of times given without one.")
+    max_per_conversation: int = Field(
+        20, ge=1, le=1000, description="Jobs one conversation may hold at once."
+    )
+    max_late_seconds: float = Field(
+        86400.0,
+        gt=0,
+        description="A job missed while the gateway was down fires once at start when at "
+        "most this late; older ones are skipped (and logged).",
+    )
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        from gateway.schedule import zone
+
+        zone(value)
+        return value
+
+
 class LogSettings(_Section):
     level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Lowest level logged."
@@ -501,6 +527,7 @@ class Settings(_Section):
     dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
     heartbeat: HeartbeatSettings = Field(default_factory=HeartbeatSettings)
     subagents: SubagentSettings = Field(default_factory=SubagentSettings)
+    schedules: ScheduleSettings = Field(default_factory=ScheduleSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)

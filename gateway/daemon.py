@@ -9,6 +9,7 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from gateway.memory import MemoryStore
 from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
 from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
+from gateway.reminders import JOBS_FILE, FileJobStore, Reminders, ScheduleLimits
 from gateway.sessions import SessionManager
 from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
@@ -293,6 +295,29 @@ def build_subagents(settings: Settings, agent: AgentLoop) -> Subagents | None:
     return subagents
 
 
+def build_reminders(settings: Settings, agent: AgentLoop) -> Reminders | None:
+    """The schedule tools, registered with the agent's tools, when `[schedules]` is on."""
+    section = settings.schedules
+    if not section.enabled:
+        return None
+    if settings.storage.url:
+        raise ConfigError(
+            "schedules: not available with storage.url yet (jobs live in workspace files); "
+            "set schedules.enabled = false"
+        )
+    reminders = Reminders(
+        FileJobStore(settings.workspace_path / JOBS_FILE),
+        ScheduleLimits(
+            timezone=section.timezone,
+            max_per_conversation=section.max_per_conversation,
+            max_late=timedelta(seconds=section.max_late_seconds),
+        ),
+    )
+    for tool in reminders.tools():
+        agent.tools.register(tool)
+    return reminders
+
+
 @dataclass
 class Gateway:
     """The assembled parts. The agent holds them; the properties name them."""
@@ -300,6 +325,7 @@ class Gateway:
     settings: Settings
     agent: AgentLoop
     subagents: Subagents | None = None
+    reminders: Reminders | None = None
     closed: bool = field(default=False, init=False)
 
     @property
@@ -344,7 +370,12 @@ class Gateway:
             memory=memory,
             consolidator=consolidator,
         )
-        return cls(settings=settings, agent=agent, subagents=build_subagents(settings, agent))
+        return cls(
+            settings=settings,
+            agent=agent,
+            subagents=build_subagents(settings, agent),
+            reminders=build_reminders(settings, agent),
+        )
 
     async def run_services(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -521,6 +552,10 @@ class Daemon:
                     job,
                     target,
                 )
+        if gateway.reminders is not None:
+            from gateway.reminders import ScheduleRunner
+
+            self.add_channel(ScheduleRunner(gateway.reminders))
         if settings.channels.telegram.enabled:
             from channels.telegram import TelegramChannel
 
