@@ -291,7 +291,7 @@ def build_subagents(settings: Settings, agent: AgentLoop) -> Subagents | None:
             timeout_seconds=section.timeout_seconds,
         ),
     )
-    agent.tools.register(subagents.tool())
+    agent.tools.register(subagents.tool(), group="subagents")
     return subagents
 
 
@@ -314,7 +314,7 @@ def build_reminders(settings: Settings, agent: AgentLoop) -> Reminders | None:
         ),
     )
     for tool in reminders.tools():
-        agent.tools.register(tool)
+        agent.tools.register(tool, group="schedules")
     return reminders
 
 

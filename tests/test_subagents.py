@@ -53,9 +53,11 @@ async def test_spawn_runs_the_task_in_its_own_session_and_returns_the_result(
     try:
         reply = await gw.agent.handle(inbound("please count"))
         keys = [info.key for info in gw.sessions.list_sessions()]
+        status = await gw.agent.handle(inbound("/status"))
     finally:
         await gw.aclose()
     assert reply.text == "My helper counted: one, two, three."
+    assert "Tools subagents: on (spawn)" in status.text.splitlines()
     [sub] = [k for k in keys if k.startswith(f"{ROOT}:sub:")]
     # The subagent's request: its own session (only the task), the spawn tool offered.
     sub_request = fake_openai.chat_requests[1]
