@@ -95,6 +95,23 @@ class Site:
             return body
 
 
+def _remember(env: dict[str, str]) -> None:
+    """What the gateway remembers about Telegram user 4242 before it starts (memory is
+    plain files a person may also write)."""
+    from gateway.config import load_settings
+    from gateway.daemon import build_memory_backend
+
+    memory = build_memory_backend(load_settings(None, environ=env))
+    scope = memory.for_session(f"telegram:{USER}")
+    scope.record_consolidation(
+        [("user_preference", "prefers short answers"), ("learned_fact", "lives in Lisbon")],
+        "asked about train times to Porto",
+    )
+    scope.append_history("planned a weekend in Sintra")
+    scope.knowledge.add("project_decision", "use the night train")
+    memory.close()
+
+
 @pytest.fixture
 def site(tmp_path: Path) -> Iterator[Site]:
     with (
@@ -106,6 +123,7 @@ def site(tmp_path: Path) -> Iterator[Site]:
             "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "pairing",
             "GATEWAY_LLM__TEMPERATURE": "0",
         }
+        _remember(env)
         gateway = GatewayProcess(env, tmp_path)
         try:
             port = gateway.wait_ready()
@@ -119,11 +137,15 @@ def site(tmp_path: Path) -> Iterator[Site]:
 
 
 def _wait_text(driver: Any, css: str, text: str) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     def found() -> bool:
-        elements = driver.find_elements(By.CSS_SELECTOR, css)
-        return any(text in e.text for e in elements)
+        try:
+            elements = driver.find_elements(By.CSS_SELECTOR, css)
+            return any(text in e.text for e in elements)
+        except StaleElementReferenceException:  # the page changed under us: look again
+            return False
 
     wait_until(found, WAIT, f"{text!r} in {css}")
     return driver.find_element(By.CSS_SELECTOR, css)
@@ -147,12 +169,14 @@ def _log_in(driver: Any, site: Site) -> None:
 def test_an_operator_logs_in_finds_a_session_and_opens_its_tree(browser: Any, site: Site) -> None:
     from selenium.webdriver.common.by import By
 
-    for text in ("hello there", "what can you do?", "thanks"):
+    # /undo takes the second exchange back: the next message starts a second branch.
+    for text in ("hello there", "what can you do?", "/undo", "tell me a joke"):
         site.chat("support-42", text)
     site.chat("other", "unrelated")
     _log_in(browser, site)
+    # The last turn is counted once its reply is delivered: the live view shows it soon.
+    _wait_text(browser, "#total-turns", "5")
     browser.save_screenshot(str(site.shots / "overview.png"))
-    assert browser.find_element(By.ID, "total-turns").text == "4"
 
     browser.find_element(By.LINK_TEXT, "Sessions").click()
     search = browser.find_element(By.ID, "q")
@@ -165,11 +189,13 @@ def test_an_operator_logs_in_finds_a_session_and_opens_its_tree(browser: Any, si
 
     rows[0].find_element(By.TAG_NAME, "a").click()
     _wait_text(browser, "#session-key", "api:support-42")
-    tree = browser.find_elements(By.CSS_SELECTOR, "#tree li")
-    assert len(tree) == 6  # three questions, three answers
-    assert "leaf" in tree[-1].get_attribute("class")
+    tree = browser.find_element(By.ID, "tree")
+    assert "branches: 2" in tree.text and "what can you do?" in tree.text
+    leaf = browser.find_element(By.CSS_SELECTOR, "#tree li.leaf")
+    assert "echo: tell me a joke" in leaf.text
     transcript = browser.find_element(By.ID, "transcript").text
-    assert "what can you do?" in transcript and "echo: thanks" in transcript
+    assert "echo: hello there" in transcript and "echo: tell me a joke" in transcript
+    assert "what can you do?" not in transcript  # taken back: off the current branch
     browser.save_screenshot(str(site.shots / "session.png"))
 
 
@@ -287,3 +313,23 @@ def test_the_live_view_updates_without_a_reload(browser: Any, site: Site) -> Non
     assert browser.execute_script("return window.sameDocument") is True
     assert "api 2" in browser.find_element(By.ID, "live").text
     browser.save_screenshot(str(site.shots / "live.png"))
+
+
+def test_the_memory_of_a_scope_with_history_search(browser: Any, site: Site) -> None:
+    from selenium.webdriver.common.by import By
+
+    _log_in(browser, site)
+    browser.find_element(By.LINK_TEXT, "Memory").click()
+    browser.find_element(By.ID, "memory-key").send_keys(f"telegram:{USER}")
+    browser.find_element(By.ID, "memory-go").click()
+    facts = _wait_text(browser, "#facts", "prefers short answers")
+    assert "[learned_fact] lives in Lisbon" in facts.text
+    history = browser.find_element(By.ID, "history").text
+    assert "Sintra" in history and "Porto" in history
+    assert "use the night train" in browser.find_element(By.TAG_NAME, "main").text
+    browser.save_screenshot(str(site.shots / "memory.png"))
+    browser.find_element(By.ID, "history-q").send_keys("Sintra")
+    browser.find_element(By.ID, "memory-go").click()
+    _wait_text(browser, "h2", "History matching")
+    history = browser.find_element(By.ID, "history").text
+    assert "Sintra" in history and "Porto" not in history

@@ -456,7 +456,7 @@ class AdminPage:
         logger.info("admin: approved sender {} on {}", sender, channel)
         await self._notify_approved(channel, chat_id or sender)
         return await self.pairing(
-            request, login, notice=f"Approved {sender} on {channel}; they were told on {channel}."
+            request, login, notice=f"Approved {sender} on {channel}; telling them there."
         )
 
     async def _notify_approved(self, channel: str, chat_id: str) -> None:
