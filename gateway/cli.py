@@ -214,6 +214,10 @@ def _parser() -> argparse.ArgumentParser:
     simport.add_argument("dir", type=Path, help="the workspace folder (the one holding sessions/)")
     sexport = stsub.add_parser("export", help="write storage.url out as a file workspace")
     sexport.add_argument("dir", type=Path, help="the folder to write the workspace into")
+    usage = sub.add_parser("usage", help="tokens and cost per conversation and per day")
+    usage.add_argument("--days", type=_positive, default=7, help="the last N UTC days (default 7)")
+    usage.add_argument("--session", metavar="KEY", help="one conversation only")
+    usage.add_argument("--json", action="store_true", help="one JSON object per line")
     _with_global_options(parser)
     return parser
 
@@ -537,6 +541,27 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
+    import time
+
+    from gateway.daemon import build_usage_meter
+    from gateway.usage import day_of, usage_table
+
+    key = session_key_from_name(args.session) if args.session else None
+    since = day_of(time.time() - (args.days - 1) * 86400)
+    meter = build_usage_meter(settings)
+    try:
+        rows = meter.ledger.rows(since=since, session_key=key)
+    finally:
+        meter.ledger.close()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row.to_dict()))
+    else:
+        print(usage_table(rows, meter.prices, since=since))
+    return EXIT_OK
+
+
 def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.access import (
         PairingError,
@@ -676,6 +701,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "memory": cmd_memory,
         "db": cmd_db,
         "storage": cmd_storage,
+        "usage": cmd_usage,
     }
     return handlers[args.command](args, settings)
 

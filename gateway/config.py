@@ -225,6 +225,41 @@ class MemorySettings(_Section):
     )
 
 
+class ModelPriceSettings(_Section):
+    prompt: float = Field(ge=0, description="US dollars per million prompt tokens.")
+    completion: float = Field(ge=0, description="US dollars per million completion tokens.")
+
+
+def _budget(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise ValueError(
+            "a budget of 0 tokens would stop every conversation; leave it unset for no "
+            "budget, or give the tokens allowed per day"
+        )
+    return value
+
+
+class UsageSettings(_Section):
+    prices: dict[str, ModelPriceSettings] = Field(
+        default_factory=dict,
+        description="Price per model in US dollars per million tokens, one line each; a "
+        "model without a price counts its tokens at $0.",
+    )
+    conversation_tokens_per_day: int | None = Field(
+        None,
+        description="Tokens one conversation may use per UTC day; at the limit the bot says "
+        "so and stops calling the model until 00:00 UTC. Unset: no limit.",
+        examples=[200_000],
+    )
+    tokens_per_day: int | None = Field(
+        None,
+        description="Tokens all conversations together may use per UTC day. Unset: no limit.",
+        examples=[5_000_000],
+    )
+
+    _check_budgets = field_validator("conversation_tokens_per_day", "tokens_per_day")(_budget)
+
+
 class DispatchSettings(_Section):
     max_concurrent_turns: int = Field(
         8, ge=1, le=10_000, description="Turns running at once across all sessions."
@@ -525,6 +560,7 @@ class Settings(_Section):
     memory: MemorySettings = Field(default_factory=MemorySettings)
     cache: CacheSettingsSection = Field(default_factory=CacheSettingsSection)
     dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
+    usage: UsageSettings = Field(default_factory=UsageSettings)
     heartbeat: HeartbeatSettings = Field(default_factory=HeartbeatSettings)
     subagents: SubagentSettings = Field(default_factory=SubagentSettings)
     schedules: ScheduleSettings = Field(default_factory=ScheduleSettings)
@@ -927,6 +963,7 @@ _EXAMPLES: dict[str, list[str]] = {
         '# jobs.morning = { cron = "0 8 * * 1-5", timezone = "Europe/Berlin", '
         'prompt = "Anything on my calendar today?" }',
     ],
+    "usage.prices": ['# prices."gpt-4o-mini" = { prompt = 0.15, completion = 0.6 }'],
 }
 
 

@@ -34,6 +34,7 @@ from gateway.memory.protocol import MemoryBackend
 from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
 from gateway.reminders import JOBS_FILE, FileJobStore, Reminders, ScheduleLimits
 from gateway.sessions import SessionManager
+from gateway.usage import MeteredProvider, UsageMeter
 from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
 if TYPE_CHECKING:
@@ -181,6 +182,30 @@ def build_session_manager(settings: Settings, *, spare_files: int = 0) -> Sessio
         spare_files=spare_files,
         io_on_loop=settings.io_on_loop,
     )
+
+
+def build_usage_meter(settings: Settings) -> UsageMeter:
+    """Token usage totals with their prices and budgets: `usage.sqlite` in the
+    workspace, or PostgreSQL with `storage.url` (a budget then holds across replicas)."""
+    from gateway.usage import (
+        Budgets,
+        PostgresUsageLedger,
+        Price,
+        PriceTable,
+        SqliteUsageLedger,
+        UsageLedger,
+    )
+
+    section = settings.usage
+    shared = shared_storage(settings)
+    ledger: UsageLedger
+    if shared is not None:
+        ledger = PostgresUsageLedger(shared.sync)
+    else:
+        ledger = SqliteUsageLedger(settings.workspace_path / "usage.sqlite")
+    prices = {name: Price(p.prompt, p.completion) for name, p in section.prices.items()}
+    budgets = Budgets(section.conversation_tokens_per_day, section.tokens_per_day)
+    return UsageMeter(ledger, PriceTable(prices), budgets)
 
 
 def agent_config(settings: Settings) -> AgentConfig:
@@ -354,8 +379,10 @@ class Gateway:
             tools = build_registry(settings.agent.tools)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        provider = build_provider(settings)
         sessions = build_session_manager(settings, spare_files=SPARE_FILES)
+        usage = build_usage_meter(settings)
+        # Every model call (turns, heartbeats, consolidation) is counted at this one seam.
+        provider: LLMProvider = MeteredProvider(build_provider(settings), usage)
         cache = build_cache(settings)
         memory, consolidator = build_memory(settings, sessions, provider)
         if memory is not None:
@@ -369,6 +396,7 @@ class Gateway:
             cache=cache,
             memory=memory,
             consolidator=consolidator,
+            usage=usage,
         )
         return cls(
             settings=settings,
@@ -403,6 +431,8 @@ class Gateway:
         if self.cache is not None:
             await self.cache.aclose()
         await anyio.to_thread.run_sync(self.sessions.close)
+        if self.agent.usage is not None:
+            await anyio.to_thread.run_sync(self.agent.usage.ledger.close)
 
 
 #: Channels whose senders are the operator (terminal, scheduled jobs) or are already
@@ -483,6 +513,8 @@ class Daemon:
         settings = gateway.settings
         self.health = HealthState()
         self.metrics = Metrics(version=__version__)
+        if gateway.agent.usage is not None:
+            gateway.agent.usage.on_record(self.metrics.observe_usage)
         self.gc_policy = GCPolicy()
         self.dedupe: DedupeStore
         if settings.storage.url:

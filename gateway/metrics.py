@@ -17,6 +17,11 @@ the start (at 0), so a rate or an alert has a series before the first event. The
 - drop reason: lane_full | draining | access_denied
 - llm error kind: LLMError | LLMConfigError
 - consolidation outcome: ok | failed | skipped
+
+Token usage (`gateway_llm_tokens_total`, `gateway_llm_cost_usd_total`) appears per
+channel and model once used: its `kind` is turn, heartbeat or consolidation, its `type`
+prompt or completion, and `model` a configured model name (or one an owner set with
+/model).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.messages import OutboundMessage
+from gateway.usage import UsageRow
 
 # `*_created` series double every counter and histogram in the text format and no
 # dashboard of ours reads them. The switch is process-wide in the library; the gateway
@@ -210,6 +216,19 @@ class Metrics:
             ("component",),
             registry=registry,
         )
+        self.llm_tokens = Counter(
+            "gateway_llm_tokens_total",
+            "Tokens the model servers reported, by channel, model, kind (turn, heartbeat, "
+            "consolidation) and type (prompt, completion).",
+            ("channel", "model", "kind", "type"),
+            registry=registry,
+        )
+        self.llm_cost = Counter(
+            "gateway_llm_cost_usd_total",
+            "Cost of those tokens from usage.prices, in US dollars, by channel, model, kind.",
+            ("channel", "model", "kind"),
+            registry=registry,
+        )
         self.build_info = Gauge(
             "gateway_build_info",
             "Always 1; the gateway's version as a label.",
@@ -245,6 +264,13 @@ class Metrics:
                 self.turns.labels(channel, each)
         self.turns.labels(channel, outcome).inc()
         self.turn_seconds.labels(channel).observe(seconds)
+
+    def observe_usage(self, row: UsageRow) -> None:
+        """Count one model call's tokens and cost (`UsageMeter.on_record`)."""
+        labels = (row.channel, row.model, row.kind)
+        self.llm_tokens.labels(*labels, "prompt").inc(row.prompt_tokens)
+        self.llm_tokens.labels(*labels, "completion").inc(row.completion_tokens)
+        self.llm_cost.labels(*labels).inc(row.cost)
 
     def mirror_drops(self, channel: str, by_reason: Mapping[str, int]) -> None:
         for reason in DROP_REASONS:

@@ -46,6 +46,7 @@ from gateway.messages import (
     reply_for,
 )
 from gateway.sessions.errors import SessionError, SessionKeyError
+from gateway.usage import UsageMeter, usage_scope
 
 if TYPE_CHECKING:
     # Type-only: importing these at run time would make an import cycle.
@@ -144,8 +145,10 @@ class AgentLoop:
         cache: SemanticCache | None = None,
         memory: MemoryBackend | None = None,
         consolidator: Consolidator | None = None,
+        usage: UsageMeter | None = None,
     ) -> None:
         self.sessions = sessions
+        self.usage = usage
         self.provider = provider
         self.config = config
         self.tools = tools or ToolRegistry()
@@ -181,7 +184,7 @@ class AgentLoop:
         reply then says what went wrong (`is_error=True`). With `token_budget`, the
         turn's model calls stop once they have used that many tokens (a subagent's)."""
         key = inbound.session_key
-        with logger.contextualize(session=key):
+        with logger.contextualize(session=key), usage_scope(key):
             if is_stop_command(clean_user_text(inbound.text)):
                 # Not behind the lock: it must reach the turn it stops.
                 stopped = self.stop(key)
@@ -231,7 +234,18 @@ class AgentLoop:
                     logger.warning("replayed message: its turn cannot go on after later ones")
                     return reply_for(inbound, INTERRUPTED_TEXT, is_error=True)
             if stale:
-                return await self._answer_offline(session, user_message, inbound, earlier is None)
+                age = message_age(inbound, time.time())
+                logger.info("message sent {:.0f} s ago: answered with the offline notice", age)
+                notice = offline_notice(age)
+                return await self._answer_without_model(
+                    session, user_message, inbound, earlier is None, notice, "offline"
+                )
+            over = await self._over_budget(inbound.session_key)
+            if over is not None:
+                logger.warning("token budget used up: the model is not called")
+                return await self._answer_without_model(
+                    session, user_message, inbound, earlier is None, over, "budget"
+                )
             if earlier is not None:
                 logger.info("replayed message: its turn goes on where a crash stopped it")
                 nocache = True
@@ -280,20 +294,41 @@ class AgentLoop:
         # The reply is the session's last entry: a replay finds it (no outbox needed).
         return reply_for(inbound, reply.text, metadata={**reply.metadata, META_IN_SESSION: True})
 
-    async def _answer_offline(
-        self, session: Session, user_message: LLMMessage, inbound: InboundMessage, append: bool
+    def _usage_line(self, key: str) -> str:
+        assert self.usage is not None
+        tokens, cost = self.usage.today(key)
+        line = f"Tokens today: {tokens:,} (${cost:.6f})"
+        limit = self.usage.budgets.conversation_per_day
+        return f"{line}, budget {limit:,} per day" if limit is not None else line
+
+    async def _answer_without_model(
+        self,
+        session: Session,
+        user_message: LLMMessage,
+        inbound: InboundMessage,
+        append: bool,
+        notice: str,
+        reason: str,
     ) -> OutboundMessage:
-        """The notice for a message too old for a full turn: the message and the notice
-        are stored like a turn (nothing the person said is lost, and a replay finds the
-        notice as the message's answer), and the model is not called."""
-        age = message_age(inbound, time.time())
-        logger.info("message sent {:.0f} s ago: answered with the offline notice", age)
+        """A notice instead of a turn (the message is too old, a budget is used up): the
+        message and the notice are stored like a turn, both marked with `reason` (nothing
+        the person said is lost, and a replay finds the notice as the message's answer),
+        and the model is not called."""
         if append:
-            meta = {**(user_entry_meta(inbound) or {}), "offline": True}
+            meta = {**(user_entry_meta(inbound) or {}), reason: True}
             await session.aadd_message(user_message, meta)
-        notice = offline_notice(age)
-        await session.aadd_message(LLMMessage(role="assistant", content=notice), {"offline": True})
-        return reply_for(inbound, notice, metadata={"offline": True, META_IN_SESSION: True})
+        await session.aadd_message(LLMMessage(role="assistant", content=notice), {reason: True})
+        return reply_for(inbound, notice, metadata={reason: True, META_IN_SESSION: True})
+
+    async def _over_budget(self, key: str) -> str | None:
+        if self.usage is None or not self.usage.budgets.any:
+            return None
+        try:
+            return await anyio.to_thread.run_sync(self.usage.budget_notice, key)
+        except Exception as exc:
+            # An unreadable ledger does not stop conversations; it is logged loudly.
+            logger.error("token budget could not be checked: {}", exc)
+            return None
 
     def stop(self, key: str) -> bool:
         """Cancel the running turn of session `key` at once (its LLM request or tool
@@ -647,6 +682,8 @@ class AgentLoop:
             ]
             if ctx.summary:
                 lines.append("Summary: yes (older turns are summarized)")
+            if self.usage is not None:
+                lines.append(await anyio.to_thread.run_sync(self._usage_line, key))
             lines += [f"Tools {group.describe()}" for group in self.tools.groups()]
             return reply_for(inbound, "\n".join(lines))
         raise AssertionError(f"unhandled command {command.name}")  # parse_command bounds this

@@ -40,6 +40,7 @@ from gateway.memory.protocol import MemoryBackend
 from gateway.memory.text import one_line
 from gateway.sessions import EntryNotFoundError, Session, SessionContext, SessionManager
 from gateway.sessions.context import choose_cut
+from gateway.usage import usage_scope
 
 CONSOLIDATION_TOOL = "save_consolidation"
 MAX_FACTS = 100
@@ -734,13 +735,15 @@ class Consolidator:
                     self._failures.pop(key, None)
                     return snapshot
                 plan = snapshot.plan
-                result = await summarize(
-                    self.provider,
-                    self.model,
-                    plan.previous_summary,
-                    plan.to_summarize,
-                    self.timeout,
-                )
+                # Counted as upkeep of this conversation, apart from its turns.
+                with usage_scope(key, "consolidation"):
+                    result = await summarize(
+                        self.provider,
+                        self.model,
+                        plan.previous_summary,
+                        plan.to_summarize,
+                        self.timeout,
+                    )
             # The commit is short local I/O; once begun it completes, so a cancellation
             # cannot leave facts recorded without their compaction.
             with anyio.CancelScope(shield=True):

@@ -1,0 +1,471 @@
+"""Token usage and its cost: every model call counted by day, conversation, channel,
+model and kind (turn, heartbeat, consolidation), priced, and held to optional budgets.
+
+One seam: `MeteredProvider` wraps the LLM provider, so every call the gateway makes
+(a turn's, a tool round's, a heartbeat's, a consolidation's) is counted without its
+caller doing anything but saying, once, what it is working for (`usage_scope`).
+The promise kept here: a call the provider reports usage for is in the ledger before
+its answer reaches the caller, so a budget check after it sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import anyio.to_thread
+from loguru import logger
+
+from gateway.llm.types import LLMMessage, LLMProvider, LLMResponse, StreamDelta, ToolSpec
+
+UsageKind = Literal["turn", "heartbeat", "consolidation"]
+USAGE_KINDS: tuple[UsageKind, ...] = ("turn", "heartbeat", "consolidation")
+#: The session key of calls made outside any conversation (none today; kept honest).
+UNSCOPED = "-"
+
+
+@dataclass(frozen=True, slots=True)
+class UsageScope:
+    """What a model call works for: the conversation, its channel, the kind of work."""
+
+    session_key: str
+    channel: str
+    kind: UsageKind
+
+
+_scope: ContextVar[UsageScope | None] = ContextVar("gateway_usage_scope", default=None)
+
+
+def kind_for_channel(channel: str) -> UsageKind:
+    """Scheduled jobs (the `system` channel) are heartbeats; everything else a turn."""
+    return "heartbeat" if channel == "system" else "turn"
+
+
+@contextlib.contextmanager
+def usage_scope(session_key: str, kind: UsageKind | None = None) -> Iterator[UsageScope]:
+    """Count the model calls made inside (this task and those it starts) for
+    `session_key`; the kind defaults to the one its channel implies."""
+    channel = session_key.split(":", 1)[0]
+    scope = UsageScope(session_key, channel, kind or kind_for_channel(channel))
+    token = _scope.set(scope)
+    try:
+        yield scope
+    finally:
+        _scope.reset(token)
+
+
+def day_of(timestamp: float) -> str:
+    """The UTC day a timestamp falls on, `YYYY-MM-DD` (budgets reset at 00:00 UTC)."""
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d")
+
+
+def next_day_start(timestamp: float) -> datetime:
+    day = datetime.fromtimestamp(timestamp, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return day + timedelta(days=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """US dollars per million prompt and completion tokens."""
+
+    prompt: float
+    completion: float
+
+
+class PriceTable:
+    """Cost of a call from `usage.prices`; a model without a price costs 0 (and
+    `priced` says so, so a report never passes 0 off as a real price)."""
+
+    def __init__(self, prices: Mapping[str, Price]) -> None:
+        self._prices = dict(prices)
+
+    def priced(self, model: str) -> bool:
+        return model in self._prices
+
+    def cost(self, model: str, prompt_tokens: int, completion_tokens: int) -> float:
+        price = self._prices.get(model)
+        if price is None:
+            return 0.0
+        return (prompt_tokens * price.prompt + completion_tokens * price.completion) / 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """Totals of one (day, conversation, channel, model, kind)."""
+
+    day: str
+    session_key: str
+    channel: str
+    model: str
+    kind: str
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "day": self.day,
+            "session_key": self.session_key,
+            "channel": self.channel,
+            "model": self.model,
+            "kind": self.kind,
+            "calls": self.calls,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "tokens": self.tokens,
+            "cost_usd": round(self.cost, 6),
+        }
+
+
+class UsageLedger(Protocol):
+    """Durable usage totals (blocking calls: run them in a worker thread)."""
+
+    def add(self, row: UsageRow) -> None:
+        """Add one call's counts to its (day, conversation, channel, model, kind) totals."""
+
+    def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
+        """Totals from day `since` on (all days without), of one conversation or all."""
+
+    def tokens(self, day: str, session_key: str | None = None) -> int:
+        """Tokens of `day`, of one conversation or of all, for budgets (turns and
+        heartbeats; consolidation is upkeep and never stops a conversation)."""
+
+    def close(self) -> None: ...
+
+
+_SQLITE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    day TEXT NOT NULL,
+    session_key TEXT NOT NULL,
+    channel TEXT NOT NULL,
+    model TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    calls INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    cost REAL NOT NULL,
+    PRIMARY KEY (day, session_key, channel, model, kind)
+)
+"""
+_UPSERT = (
+    "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
+    "calls = calls + excluded.calls, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+    "completion_tokens = completion_tokens + excluded.completion_tokens, "
+    "cost = cost + excluded.cost"
+)
+_COLUMNS = "day, session_key, channel, model, kind, calls, prompt_tokens, completion_tokens, cost"
+
+
+def _row(values: Sequence[Any]) -> UsageRow:
+    day, key, channel, model, kind, calls, prompt, completion, cost = values
+    return UsageRow(
+        str(day), str(key), str(channel), str(model), str(kind),
+        int(calls), int(prompt), int(completion), float(cost),
+    )  # fmt: skip
+
+
+def _where(since: str | None, session_key: str | None, mark: str) -> tuple[str, list[Any]]:
+    clauses, params = [], []
+    if since is not None:
+        clauses.append(f"day >= {mark}")
+        params.append(since)
+    if session_key is not None:
+        clauses.append(f"session_key = {mark}")
+        params.append(session_key)
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+def _budget_sql(table: str, day: str, session_key: str | None, mark: str) -> tuple[str, list[Any]]:
+    sql = (
+        f"SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM {table} "
+        f"WHERE day = {mark} AND kind != 'consolidation'"
+    )
+    if session_key is None:
+        return sql, [day]
+    return f"{sql} AND session_key = {mark}", [day, session_key]
+
+
+class SqliteUsageLedger:
+    """The file mode's ledger: `usage.sqlite` in the workspace (WAL, one writer lock)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.execute(_SQLITE_SCHEMA)
+
+    def add(self, row: UsageRow) -> None:
+        values = (row.day, row.session_key, row.channel, row.model, row.kind)
+        counts = (row.calls, row.prompt_tokens, row.completion_tokens, row.cost)
+        with self._lock:
+            self._db.execute(_UPSERT, (*values, *counts))
+
+    def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
+        where, params = _where(since, session_key, "?")
+        sql = f"SELECT {_COLUMNS} FROM usage{where} ORDER BY day, session_key, kind, model"
+        with self._lock:
+            return [_row(values) for values in self._db.execute(sql, params)]
+
+    def tokens(self, day: str, session_key: str | None = None) -> int:
+        sql, params = _budget_sql("usage", day, session_key, "?")
+        with self._lock:
+            (total,) = self._db.execute(sql, params).fetchone()
+        return int(total)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class PostgresUsageLedger:
+    """The shared mode's ledger (`gw_usage`, migration 0007): replicas add to the same
+    totals, so a budget holds across them."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def add(self, row: UsageRow) -> None:
+        with self._pool.connection() as conn:
+            conn.execute(
+                "INSERT INTO gw_usage VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
+                "calls = gw_usage.calls + excluded.calls, "
+                "prompt_tokens = gw_usage.prompt_tokens + excluded.prompt_tokens, "
+                "completion_tokens = gw_usage.completion_tokens + excluded.completion_tokens, "
+                "cost = gw_usage.cost + excluded.cost",
+                (
+                    row.day, row.session_key, row.channel, row.model, row.kind,
+                    row.calls, row.prompt_tokens, row.completion_tokens, row.cost,
+                ),
+            )  # fmt: skip
+
+    def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
+        where, params = _where(since, session_key, "%s")
+        sql = f"SELECT {_COLUMNS} FROM gw_usage{where} ORDER BY day, session_key, kind, model"
+        with self._pool.connection() as conn:
+            return [_row(values) for values in conn.execute(sql, params).fetchall()]
+
+    def tokens(self, day: str, session_key: str | None = None) -> int:
+        sql, params = _budget_sql("gw_usage", day, session_key, "%s")
+        with self._pool.connection() as conn:
+            row = conn.execute(sql, params).fetchone()
+        return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        pass  # the pool belongs to the shared storage
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Tokens a conversation may use per UTC day, and all conversations together
+    (None: no limit). Consolidation does not count against them."""
+
+    conversation_per_day: int | None = None
+    total_per_day: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.conversation_per_day is not None or self.total_per_day is not None
+
+
+Recorder = Callable[[UsageRow], None]
+
+
+class UsageMeter:
+    """The ledger, the price table and the budgets together; what the agent, the
+    metered provider, /status and `gateway usage` use."""
+
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        prices: PriceTable,
+        budgets: Budgets | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ledger = ledger
+        self.prices = prices
+        self.budgets = budgets or Budgets()
+        self.clock = clock
+        self._listeners: list[Recorder] = []
+
+    def on_record(self, listener: Recorder) -> None:
+        """Call `listener` with each recorded call (metrics)."""
+        self._listeners.append(listener)
+
+    def record(
+        self, scope: UsageScope | None, model: str, prompt: int, completion: int
+    ) -> UsageRow:
+        """Add one call to the ledger (blocking)."""
+        scope = scope or UsageScope(UNSCOPED, "none", "turn")
+        row = UsageRow(
+            day=day_of(self.clock()),
+            session_key=scope.session_key,
+            channel=scope.channel,
+            model=model,
+            kind=scope.kind,
+            calls=1,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cost=self.prices.cost(model, prompt, completion),
+        )
+        self.ledger.add(row)
+        for listener in self._listeners:
+            try:
+                listener(row)
+            except Exception as exc:
+                logger.warning("usage listener failed: {}", exc)
+        return row
+
+    def budget_notice(self, session_key: str) -> str | None:
+        """The answer when a budget of today is used up (None: go on). Blocking."""
+        if not self.budgets.any:
+            return None
+        now = self.clock()
+        day = day_of(now)
+        resumes = next_day_start(now).strftime("%H:%M UTC")
+        limit = self.budgets.conversation_per_day
+        if limit is not None:
+            used = self.ledger.tokens(day, session_key)
+            if used >= limit:
+                return (
+                    f"This conversation has used its token budget for today ({used:,} of "
+                    f"{limit:,} tokens), so I am not asking the model until the budget "
+                    f"renews at {resumes}."
+                )
+        limit = self.budgets.total_per_day
+        if limit is not None:
+            used = self.ledger.tokens(day)
+            if used >= limit:
+                return (
+                    f"I have used today's token budget ({used:,} of {limit:,} tokens across "
+                    f"all conversations), so I am not asking the model until it renews at "
+                    f"{resumes}."
+                )
+        return None
+
+    def today(self, session_key: str) -> tuple[int, float]:
+        """(tokens, cost) of `session_key` today, every kind included. Blocking."""
+        rows = self.ledger.rows(since=day_of(self.clock()), session_key=session_key)
+        return sum(r.tokens for r in rows), sum(r.cost for r in rows)
+
+
+class MeteredProvider:
+    """An `LLMProvider` that counts every call's usage in `meter` under the current
+    `usage_scope` before handing the answer back (see the module docstring)."""
+
+    def __init__(self, inner: LLMProvider, meter: UsageMeter) -> None:
+        self.inner = inner
+        self.meter = meter
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (default model, fallbacks, ...) is the inner provider's.
+        return getattr(self.inner, name)
+
+    async def _count(self, response: LLMResponse, model: str | None) -> None:
+        usage = response.usage
+        if usage is None:
+            return
+        name = response.message.model or model or "unknown"
+        scope = _scope.get()
+        try:
+            await anyio.to_thread.run_sync(
+                self.meter.record, scope, name, usage.prompt_tokens, usage.completion_tokens
+            )
+        except Exception as exc:
+            # Counting must not cost the person their answer; the loss is logged.
+            logger.error("usage of a model call could not be recorded: {}", exc)
+
+    async def chat(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        model: str | None = None,
+        tools: Sequence[ToolSpec] = (),
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+    ) -> LLMResponse:
+        response = await self.inner.chat(
+            messages,
+            model=model,
+            tools=tools,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            tool_choice=tool_choice,
+        )
+        await self._count(response, model)
+        return response
+
+    async def stream(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        model: str | None = None,
+        tools: Sequence[ToolSpec] = (),
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        async for delta in self.inner.stream(
+            messages, model=model, tools=tools, temperature=temperature, max_tokens=max_tokens
+        ):
+            if delta.response is not None:
+                await self._count(delta.response, model)
+            yield delta
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def usage_table(rows: Sequence[UsageRow], prices: PriceTable, *, since: str) -> str:
+    """`gateway usage` as a person reads it: a line per day, conversation, kind and
+    model, then the totals per day and of everything; unpriced models are marked."""
+    if not rows:
+        return f"No model usage recorded since {since}."
+    header = ("day", "conversation", "kind", "model", "calls", "prompt", "completion", "cost")
+    lines: list[tuple[str, ...]] = [header]
+    for r in rows:
+        cost = f"${r.cost:.6f}" if prices.priced(r.model) else "unpriced"
+        lines.append(
+            (
+                r.day, r.session_key, r.kind, r.model, str(r.calls),
+                f"{r.prompt_tokens:,}", f"{r.completion_tokens:,}", cost,
+            )
+        )  # fmt: skip
+    days: dict[str, list[UsageRow]] = {}
+    for r in rows:
+        days.setdefault(r.day, []).append(r)
+    for day, of_day in days.items():
+        lines.append(_total_line(day, "all conversations", of_day))
+    if len(days) > 1:
+        lines.append(_total_line("total", "", rows))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def _total_line(day: str, what: str, rows: Sequence[UsageRow]) -> tuple[str, ...]:
+    return (
+        day, what, "", "", str(sum(r.calls for r in rows)),
+        f"{sum(r.prompt_tokens for r in rows):,}",
+        f"{sum(r.completion_tokens for r in rows):,}",
+        f"${sum(r.cost for r in rows):.6f}",
+    )  # fmt: skip

@@ -1,0 +1,223 @@
+"""Tokens and cost: the ledger in both stores (SQLite file, PostgreSQL), every model call
+counted through the real openai client against the fake server (turns, heartbeats,
+consolidation apart), budgets, /status, /metrics and `gateway usage`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.config import ConfigError, Settings, load_settings
+from gateway.daemon import Gateway
+from gateway.messages import InboundMessage
+from gateway.sessions.keys import encode_key
+from gateway.usage import (
+    PostgresUsageLedger,
+    PriceTable,
+    SqliteUsageLedger,
+    UsageLedger,
+    UsageRow,
+    usage_table,
+)
+from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.telegram_server import FakeTelegram
+from tests.test_cli_e2e import llm_env, run_gateway
+from tests.test_memory_e2e import consolidating_responder
+from tests.test_telegram_e2e import fake_tg, gateway, wait_sent  # noqa: F401
+
+pytestmark = pytest.mark.anyio
+
+PRICES = '{ "gpt-4o-mini" = { prompt = 0.15, completion = 0.6 } }'
+
+
+def said(text: str, key: str = "telegram:42") -> InboundMessage:
+    channel, chat = key.split(":", 1)
+    return InboundMessage(channel=channel, chat_id=chat, text=text)
+
+
+def reported_usage(settings: Settings, key: str) -> list[dict[str, int]]:
+    """The usage the server reported, as the session recorded it on each answer."""
+    path = settings.sessions_dir / f"{encode_key(key)}.jsonl"
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    return [
+        e["message"]["usage"]
+        for e in entries
+        if e.get("type") == "message" and "usage" in e["message"]
+    ]
+
+
+def row(day: str, key: str, kind: str, prompt: int, completion: int = 0) -> UsageRow:
+    return UsageRow(day, key, key.split(":")[0], "m", kind, 1, prompt, completion, prompt / 1e6)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UsageLedger]:
+    if request.param == "sqlite":
+        store: UsageLedger = SqliteUsageLedger(tmp_path / "usage.sqlite")
+        yield store
+        store.close()
+        return
+    from gateway.storage.postgres import sync_pool
+
+    with sync_pool(request.getfixturevalue("migrated_pg_url"), max_size=2) as pool:
+        pool.wait()
+        yield PostgresUsageLedger(pool)
+
+
+def test_the_ledger_adds_up_per_day_conversation_and_kind(ledger: UsageLedger) -> None:
+    ledger.add(row("2026-11-22", "telegram:1", "turn", 100, 10))
+    ledger.add(row("2026-11-23", "telegram:1", "turn", 200, 20))
+    ledger.add(row("2026-11-23", "telegram:1", "turn", 300, 30))
+    ledger.add(row("2026-11-23", "telegram:1", "consolidation", 1000))
+    ledger.add(row("2026-11-23", "system:heartbeat:daily", "heartbeat", 50))
+    [summed] = [
+        r for r in ledger.rows(since="2026-11-23", session_key="telegram:1") if r.kind == "turn"
+    ]
+    assert (summed.calls, summed.prompt_tokens, summed.completion_tokens) == (2, 500, 50)
+    assert summed.cost == pytest.approx(500 / 1e6)
+    # Budgets count turns and heartbeats of the day, never consolidation.
+    assert ledger.tokens("2026-11-23", "telegram:1") == 550
+    assert ledger.tokens("2026-11-23") == 600
+    assert ledger.tokens("2026-11-21") == 0
+    assert len(ledger.rows()) == 4
+
+
+async def test_every_call_is_counted_by_conversation_kind_and_model_with_its_cost(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    fake_openai.responder = consolidating_responder
+    settings = make_settings(fake_openai, usage__prices=PRICES, agent__memory_window=1)
+    gw = Gateway.build(settings)
+    try:
+        await gw.agent.handle(said("hello there"))
+        await gw.agent.handle(said("and again"))
+        await gw.agent.handle(said("check the calendar", key="system:heartbeat:daily"))
+        assert gw.consolidator is not None
+        outcome = await gw.consolidator.consolidate_now("telegram:42", force=True)
+        assert outcome.status == "compacted", outcome.describe()
+        status = await gw.agent.handle(said("/status"))
+        assert gw.agent.usage is not None
+        rows = gw.agent.usage.ledger.rows()
+    finally:
+        await gw.aclose()
+    by_kind = {(r.session_key, r.kind): r for r in rows}
+    assert set(by_kind) == {
+        ("telegram:42", "turn"),
+        ("telegram:42", "consolidation"),
+        ("system:heartbeat:daily", "heartbeat"),
+    }
+    turns = by_kind[("telegram:42", "turn")]
+    reported = reported_usage(settings, "telegram:42")
+    # The consolidation's call is not among the turns: its request forces a tool.
+    assert turns.calls == 2 and turns.channel == "telegram" and turns.model == "gpt-4o-mini"
+    assert turns.prompt_tokens == sum(u["prompt_tokens"] for u in reported) > 0
+    assert turns.completion_tokens == sum(u["completion_tokens"] for u in reported) > 0
+    heartbeat = reported_usage(settings, "system:heartbeat:daily")
+    assert by_kind[("system:heartbeat:daily", "heartbeat")].prompt_tokens == sum(
+        u["prompt_tokens"] for u in heartbeat
+    )
+    assert turns.cost == pytest.approx(
+        (turns.prompt_tokens * 0.15 + turns.completion_tokens * 0.6) / 1e6
+    )
+    assert by_kind[("telegram:42", "consolidation")].prompt_tokens > 0
+    today = sum(r.tokens for r in rows if r.session_key == "telegram:42")
+    assert f"Tokens today: {today:,} ($" in status.text
+
+
+async def test_at_the_conversation_budget_the_bot_says_so_and_stops_calling_the_model(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = make_settings(fake_openai, usage__conversation_tokens_per_day=1)
+    gw = Gateway.build(settings)
+    try:
+        first = await gw.agent.handle(said("one"))
+        second = await gw.agent.handle(said("two"))
+        other = await gw.agent.handle(said("hi", key="telegram:43"))
+        session = gw.agent.sessions.get_or_create("telegram:42")
+        kept = [m.content for m in session.messages]
+    finally:
+        await gw.aclose()
+    assert first.text == "echo: one" and other.text == "echo: hi"
+    assert second.text.startswith("This conversation has used its token budget for today")
+    assert "renews at 00:00 UTC" in second.text
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["one", "hi"]
+    assert kept == ["one", "echo: one", "two", second.text]  # the message is kept
+
+
+async def test_the_daily_budget_of_all_conversations_stops_every_one(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = make_settings(fake_openai, usage__tokens_per_day=1)
+    gw = Gateway.build(settings)
+    try:
+        await gw.agent.handle(said("one"))
+        other = await gw.agent.handle(said("hi", key="telegram:43"))
+    finally:
+        await gw.aclose()
+    assert other.text.startswith("I have used today's token budget")
+    assert len(fake_openai.chat_requests) == 1
+
+
+def test_a_budget_of_zero_is_refused_with_what_to_do_instead() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(None, environ={"GATEWAY_USAGE__CONVERSATION_TOKENS_PER_DAY": "0"})
+    message = str(caught.value)
+    assert "a budget of 0 tokens would stop every conversation" in message
+    assert "leave it unset for no budget" in message
+    with pytest.raises(ConfigError, match="a budget of 0"):
+        load_settings(None, environ={"GATEWAY_USAGE__TOKENS_PER_DAY": "-5"})
+
+
+async def test_tokens_and_cost_are_in_metrics_per_channel_and_model(
+    fake_openai: FakeOpenAI,
+    fake_tg: FakeTelegram,  # noqa: F811
+    make_settings: Callable[..., Settings],
+) -> None:
+    async with gateway(make_settings, fake_openai, fake_tg, usage__prices=PRICES) as gw:
+        fake_tg.push_update(fake_tg.user_message(4242, "count me"))
+        await wait_sent(fake_tg, 4242, 1)
+        async with aiohttp.ClientSession() as http, http.get(f"{gw.url}/metrics") as response:
+            text = await response.text()
+    [usage] = reported_usage(gw.settings, "telegram:4242")
+    labels = 'channel="telegram",kind="turn",model="gpt-4o-mini"'
+    prompt = f'gateway_llm_tokens_total{{{labels},type="prompt"}} {float(usage["prompt_tokens"])}'
+    assert prompt in text, text
+    cost = (usage["prompt_tokens"] * 0.15 + usage["completion_tokens"] * 0.6) / 1e6
+    [line] = [x for x in text.splitlines() if x.startswith(f"gateway_llm_cost_usd_total{{{labels}")]
+    assert float(line.split()[-1]) == pytest.approx(cost)
+
+
+def test_gateway_usage_prints_per_conversation_and_day(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = llm_env(tmp_path, fake_openai_thread) | {"GATEWAY_USAGE__PRICES": PRICES}
+    for text in ("first question", "second question"):
+        assert run_gateway(["chat", "-m", text], env, tmp_path).returncode == 0
+    table = run_gateway(["usage"], env, tmp_path)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == [
+        "day", "conversation", "kind", "model", "calls", "prompt", "completion", "cost",
+    ]  # fmt: skip
+    [cli] = [line for line in lines if "cli:direct" in line]
+    assert cli.split()[2:5] == ["turn", "gpt-4o-mini", "2"]
+    assert "all conversations" in lines[-1]
+    as_json = run_gateway(["usage", "--json", "--session", "direct"], env, tmp_path)
+    [record] = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert record["session_key"] == "cli:direct" and record["calls"] == 2
+    assert record["cost_usd"] > 0
+    bad = run_gateway(["usage", "--days", "0"], env, tmp_path)
+    assert bad.returncode == 2 and "not a number from 1 up" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_an_empty_ledger_and_unpriced_models_are_said_plainly() -> None:
+    assert usage_table([], PriceTable({}), since="2026-11-20") == (
+        "No model usage recorded since 2026-11-20."
+    )
+    table = usage_table([row("2026-11-23", "cli:x", "turn", 10)], PriceTable({}), since="x")
+    assert "unpriced" in table
