@@ -25,8 +25,9 @@ from gateway.reminders import (
     ScheduleRunner,
 )
 from gateway.sessions.keys import encode_key
-from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply, content_text
 from tests.fakes.telegram_server import FakeTelegram
+from tests.gateway_process import GatewayProcess, telegram_env, wait_until
 from tests.test_cli_e2e import base_env, run_gateway
 from tests.test_telegram_e2e import CHAT, gateway, wait_sent
 
@@ -271,3 +272,49 @@ def test_operators_list_and_cancel_jobs(tmp_path: Path) -> None:
     assert missing.stderr.strip().splitlines()[-1].endswith("`gateway schedules list` shows them")
     assert "Traceback" not in missing.stderr
     assert [j.owner for j in store.jobs()] == ["cli:work"]
+
+
+@pytest.mark.kill
+def test_a_reminder_due_while_the_gateway_is_killed_fires_once_after_the_restart(
+    tmp_path: Path,
+) -> None:
+    """`gateway run` as a real process, SIGKILLed before the reminder is due, started
+    again after: the reminder comes once, and a later message gets no second one."""
+
+    def script(body: dict[str, Any]) -> Reply | str:
+        last = body["messages"][-1]
+        text = content_text(last.get("content"))
+        if last["role"] == "tool":
+            return "Noted."
+        if text == "remind me in 8s":
+            return Reply(
+                tool_calls=(FakeToolCall("schedule", {"text": "feed the cat", "in": "8s"}),)
+            )
+        return f"echo: {text}"
+
+    workspace = tmp_path / "ws"
+    with FakeOpenAI.in_thread(responder=script) as llm, FakeTelegram.in_thread() as tg:
+        env = telegram_env(workspace, llm, tg) | {"GATEWAY_SCHEDULES__ENABLED": "true"}
+        store = FileJobStore(workspace / JOBS_FILE)
+        gw = GatewayProcess(env, tmp_path)
+        try:
+            gw.wait_for_line("gateway ready: http://", 120)
+            tg.push_update(tg.user_message(CHAT, "remind me in 8s"))
+            wait_until(lambda: len(tg.sent_messages(CHAT)) >= 1, 60, "the confirmation")
+            [pending] = store.jobs()
+            gw.kill()
+            wait_until(lambda: datetime.now(UTC) > pending.next_run, 30, "the due time")
+            gw = GatewayProcess(env, tmp_path)
+            gw.wait_for_line("gateway ready: http://", 120)
+            wait_until(lambda: len(tg.sent_messages(CHAT)) >= 2, 60, "the reminder")
+            wait_until(lambda: not store.jobs(), 30, "the job to be done")
+            tg.push_update(tg.user_message(CHAT, "thanks"))
+            wait_until(lambda: len(tg.sent_messages(CHAT)) >= 3, 60, "the answer to thanks")
+            assert gw.terminate() == 0
+        finally:
+            gw.stop()
+        texts = [m["text"] for m in tg.sent_messages(CHAT)]
+    assert texts[0] == "Noted."
+    assert texts[1].startswith("echo: [reminder ") and texts[1].endswith("] feed the cat")
+    assert texts[2] == "echo: thanks"
+    assert sum("feed the cat" in t for t in texts) == 1
