@@ -660,9 +660,9 @@ def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.reminders import JOBS_FILE, FileJobStore
+    from gateway.daemon import build_job_store
 
-    store = FileJobStore(settings.workspace_path / JOBS_FILE)
+    store = build_job_store(settings)
     if args.action == "cancel":
         job = store.remove(args.id)
         if job is None:

@@ -349,7 +349,8 @@ class ScheduleSettings(_Section):
     enabled: bool = Field(
         False,
         description="Offer the model the schedule, list_schedules and cancel_schedule tools "
-        "(reminders and tasks set from chat, in workspace/schedules.json).",
+        "(reminders and tasks set from chat; in workspace/schedules.json, or PostgreSQL "
+        "with storage.url).",
     )
     timezone: str = Field("UTC", description="Time zone of times given without one.")
     max_per_conversation: int = Field(

@@ -32,7 +32,7 @@ from gateway.memory import MemoryStore
 from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
 from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
-from gateway.reminders import JOBS_FILE, FileJobStore, Reminders, ScheduleLimits
+from gateway.reminders import JOBS_FILE, FileJobStore, JobStore, Reminders, ScheduleLimits
 from gateway.sessions import SessionManager
 from gateway.usage import MeteredProvider, UsageMeter
 from gateway.workspace import cannot_write, prepare_workspace, write_denied
@@ -320,18 +320,24 @@ def build_subagents(settings: Settings, agent: AgentLoop) -> Subagents | None:
     return subagents
 
 
+def build_job_store(settings: Settings) -> JobStore:
+    """Where reminders and scheduled tasks live: the workspace's jobs file, or PostgreSQL
+    with `storage.url` (then every replica sees them and a run fires once among them)."""
+    shared = shared_storage(settings)
+    if shared is not None:
+        from gateway.reminders_pg import PostgresJobStore
+
+        return PostgresJobStore(shared.sync)
+    return FileJobStore(settings.workspace_path / JOBS_FILE)
+
+
 def build_reminders(settings: Settings, agent: AgentLoop) -> Reminders | None:
     """The schedule tools, registered with the agent's tools, when `[schedules]` is on."""
     section = settings.schedules
     if not section.enabled:
         return None
-    if settings.storage.url:
-        raise ConfigError(
-            "schedules: not available with storage.url yet (jobs live in workspace files); "
-            "set schedules.enabled = false"
-        )
     reminders = Reminders(
-        FileJobStore(settings.workspace_path / JOBS_FILE),
+        build_job_store(settings),
         ScheduleLimits(
             timezone=section.timezone,
             max_per_conversation=section.max_per_conversation,

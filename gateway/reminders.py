@@ -117,7 +117,8 @@ class ScheduledJob:
 
 
 class JobStore(Protocol):
-    """Where jobs live: a file here; a shared table for replicas would be another."""
+    """Where jobs live: a file (`FileJobStore`), or PostgreSQL shared by replicas
+    (`gateway.reminders_pg.PostgresJobStore`)."""
 
     def add(self, job: ScheduledJob, *, limit: int) -> bool: ...
     def jobs(self, owner: str | None = None) -> list[ScheduledJob]: ...

@@ -1,0 +1,139 @@
+"""The job stores of reminders (the file and real PostgreSQL) keep the same rules, and in
+the shared mode a due job fires once among replicas: two runners, each with its own
+dispatcher and journal connection, over one PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from gateway.config import Settings
+from gateway.daemon import Gateway
+from gateway.dedupe_pg import PostgresDedupeStore
+from gateway.dispatch import Dispatcher
+from gateway.messages import InboundMessage, OutboundMessage, reply_for
+from gateway.reminders import (
+    JOBS_FILE,
+    FileJobStore,
+    JobStore,
+    Reminders,
+    ScheduleLimits,
+    ScheduleRunner,
+)
+from gateway.reminders_pg import PostgresJobStore
+from tests.fakes.openai_server import FakeOpenAI
+from tests.test_reminders import job
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["file", "postgres"])
+def job_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], JobStore]]:
+    """Opens stores on one place, as several processes (or replicas) would."""
+    if request.param == "file":
+        yield lambda: FileJobStore(tmp_path / JOBS_FILE)
+        return
+    pools = request.getfixturevalue("pg_pools")
+    yield lambda: PostgresJobStore(pools())
+
+
+def test_stores_keep_the_limit_the_owner_and_the_compare_and_set(
+    job_store: Callable[[], JobStore],
+) -> None:
+    one, other = job_store(), job_store()
+    due = datetime(2030, 1, 1, 9, 0, tzinfo=UTC)
+    first, second = job(next_run=due), job(next_run=due + timedelta(hours=1))
+    assert one.add(first, limit=2) and other.add(second, limit=2)
+    assert not one.add(job(next_run=due + timedelta(hours=2)), limit=2)  # the owner's limit
+    assert other.add(job("cli:else", next_run=due + timedelta(hours=2)), limit=2)
+    assert [j.id for j in other.jobs("telegram:4242")] == [first.id, second.id]
+    assert one.jobs() == other.jobs() and len(one.jobs()) == 3
+    assert one.remove(first.id, owner="cli:else") is None  # not that owner's
+    # A compare-and-set on the due time: only the first of two advances wins.
+    later = due + timedelta(days=1)
+    assert one.advance(first.id, due, later)
+    assert not other.advance(first.id, due, later + timedelta(days=1))
+    [moved] = [j for j in other.jobs() if j.id == first.id]
+    assert moved.next_run == later and moved.runs == 1 and moved.text == first.text
+    assert other.advance(first.id, later, None)  # a one-off is done: removed
+    assert first.id not in [j.id for j in one.jobs()]
+    removed = other.remove(second.id, owner="telegram:4242")
+    assert removed == second and len(one.jobs()) == 1
+
+
+@pytest.fixture
+async def replicas(migrated_pg_url: str) -> AsyncIterator[list[PostgresDedupeStore]]:
+    stores = [PostgresDedupeStore(migrated_pg_url) for _ in range(2)]
+    yield stores
+    for store in stores:
+        await store.aclose()
+
+
+async def test_a_due_job_fires_once_among_replicas(
+    pg_pools: Callable[[], Any], replicas: list[PostgresDedupeStore]
+) -> None:
+    now = datetime.now(UTC)
+    every_minute = job(next_run=now - timedelta(seconds=5), cron="* * * * *")
+    once = job("cli:else", next_run=now - timedelta(seconds=1))
+    PostgresJobStore(pg_pools()).add(every_minute, limit=5)
+    PostgresJobStore(pg_pools()).add(once, limit=5)
+    turns: list[str] = []
+
+    async def handler(message: InboundMessage) -> OutboundMessage:
+        turns.append(message.text)
+        return reply_for(message, "ok")
+
+    async def deliver(message: OutboundMessage) -> None:
+        pass
+
+    async with anyio.create_task_group() as tg:
+        runners = []
+        for journal in replicas:
+            dispatcher = Dispatcher(handler, deliver, dedupe=journal)
+            await tg.start(dispatcher.run)
+            runner = ScheduleRunner(Reminders(PostgresJobStore(pg_pools()), ScheduleLimits()))
+            runners.append(runner)
+            tg.start_soon(runner.run, dispatcher.submit)
+        with anyio.fail_after(30):
+            while len(turns) < 2 or PostgresJobStore(pg_pools()).jobs()[0].runs < 1:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert sorted(turns) == sorted(
+        f"[{kind} {j.id}, set {j.local(j.created_at)}] water the plants"
+        for kind, j in (("scheduled task (* * * * *)", every_minute), ("reminder", once))
+    )
+    [left] = PostgresJobStore(pg_pools()).jobs()
+    assert left.id == every_minute.id and left.runs == 1 and left.next_run > now
+
+
+async def test_in_the_shared_mode_a_job_set_on_one_replica_is_seen_on_another(
+    fake_openai: FakeOpenAI,
+    make_settings: Callable[..., Settings],
+    migrated_pg_url: str,
+    pg_pools: Callable[[], Any],
+    tmp_path: Path,
+) -> None:
+    fake_openai.add_tool_call("schedule", {"text": "call Ann", "cron": "0 9 * * *"})
+    fake_openai.add_reply("Scheduled.")
+    fake_openai.add_tool_call("list_schedules", {})
+    fake_openai.add_reply("Here they are.")
+    shared = {"storage__url": migrated_pg_url, "schedules__enabled": True}
+    one = Gateway.build(make_settings(fake_openai, **shared, workspace=str(tmp_path / "a")))
+    two = Gateway.build(make_settings(fake_openai, **shared, workspace=str(tmp_path / "b")))
+    message = InboundMessage(channel="telegram", chat_id="77", text="daily at 9: call Ann")
+    try:
+        await one.agent.handle(message)
+        await two.agent.handle(InboundMessage(channel="telegram", chat_id="77", text="list"))
+    finally:
+        await one.aclose()
+        await two.aclose()
+    listed = fake_openai.chat_requests[-1].messages[-1]
+    assert listed["role"] == "tool" and "cron '0 9 * * *'" in listed["content"]
+    assert listed["content"].endswith(": call Ann")
+    [stored] = PostgresJobStore(pg_pools()).jobs()
+    assert stored.owner == "telegram:77" and not (tmp_path / "a" / JOBS_FILE).exists()
