@@ -164,11 +164,11 @@ async def test_a_reminder_set_in_chat_comes_back_into_that_chat_once(
         with anyio.fail_after(20):
             while store_of(gw.settings).jobs():  # noqa: ASYNC110
                 await anyio.sleep(0.05)
+        status = await gw.daemon.gateway.agent.handle(
+            InboundMessage(channel="cli", chat_id="x", text="/status")
+        )
+        assert "Tools schedules: on (cancel_schedule, list_schedules, schedule)" in status.text
     assert sent[0]["text"] == "I will remind you in two seconds."
-    status = await gw.daemon.gateway.agent.handle(
-        InboundMessage(channel="cli", chat_id="x", text="/status")
-    )
-    assert "Tools schedules: on (cancel_schedule, list_schedules, schedule)" in status.text
     assert sent[1]["text"].startswith("echo: [reminder ")
     assert sent[1]["text"].endswith("] stretch your legs")
     assert len(fake_tg.sent_messages(CHAT)) == 2
