@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -298,12 +299,27 @@ class ModelFailure:
         return self.kind not in ("auth", "denied", "bad_request")
 
 
+def _refused_connection(exc: BaseException) -> OSError | None:
+    """The refused or failed connect behind `exc`, if any: the SDK's aiohttp transport
+    reports a refused connection as a connect *timeout*, which would tell an operator
+    the model is slow when its server is down."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ConnectionError | socket.gaierror):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def classify_failure(exc: openai.APIError, model: str, base_url: str) -> ModelFailure:
     """A `ModelFailure` for an error the openai client raised after its own retries."""
-    if isinstance(exc, openai.APITimeoutError):
+    refused = _refused_connection(exc)
+    if isinstance(exc, openai.APITimeoutError) and refused is None:
         return ModelFailure(model, "timeout", f"model {model!r}: no answer in time ({base_url})")
     if isinstance(exc, openai.APIConnectionError):
-        cause = exc.__cause__ or exc
+        cause = refused or exc.__cause__ or exc
         return ModelFailure(
             model, "unavailable", f"model {model!r}: cannot reach {base_url}: {cause}"
         )
@@ -410,7 +426,14 @@ class OpenAIProvider:
         # base_url is always passed, so OPENAI_BASE_URL in the environment cannot make the
         # client talk to a server other than the one check_credentials approved.
         self._client = openai.AsyncOpenAI(
-            base_url=self.base_url, api_key=key, timeout=timeout, max_retries=max_retries
+            base_url=self.base_url,
+            api_key=key,
+            timeout=timeout,
+            max_retries=max_retries,
+            # The SDK's documented aiohttp transport: httpcore's connection pool (a
+            # health check of the socket before each request, its pool bookkeeping) was a
+            # third of the client's CPU per call; aiohttp is a dependency anyway.
+            http_client=openai.DefaultAioHttpClient(timeout=timeout),
         )
 
     def candidate_models(self, model: str | None = None) -> list[str]:
