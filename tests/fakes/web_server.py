@@ -1,0 +1,108 @@
+"""A local web site for `web_fetch` tests: pages, redirects, huge, slow and binary answers.
+
+Routes: ``/article`` (an HTML article inside navigation and a footer), ``/plain``,
+``/data.json``, ``/image.png``, ``/huge?mb=N`` (N MiB of text, streamed), ``/slow``
+(a byte a second, for a minute at most), ``/redirect?to=URL`` (302), ``/loop`` (a
+redirect to itself), ``/missing`` (404). Every request is logged (`paths`), so a test
+can tell that a refused fetch never reached the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from tests.fakes._serving import LocalServer
+
+ARTICLE_TITLE = "Otters hold hands while sleeping"
+ARTICLE_SENTENCE = (
+    "Sea otters often hold paws while they sleep so that they do not drift apart, "
+    "a habit known as rafting."
+)
+ARTICLE_HTML = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{ARTICLE_TITLE}</title></head>
+<body>
+<nav><a href="/">Home</a> | <a href="/about">About</a> | <a href="/shop">Shop</a></nav>
+<article>
+<h1>{ARTICLE_TITLE}</h1>
+<p>{ARTICLE_SENTENCE}</p>
+<p>Groups of otters can number in the dozens; the largest rafts counted held more
+than a thousand animals resting together in kelp forests along the coast.</p>
+</article>
+<footer>Copyright 2026 Example Wildlife Pages. All rights reserved.</footer>
+<script>var tracking = "SCRIPT_TEXT_MUST_NOT_APPEAR";</script>
+</body></html>
+"""
+PNG_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(64)
+
+
+class FakeWeb(LocalServer):
+    _thread_name = "fake-web"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._paths: list[str] = []
+
+    @property
+    def paths(self) -> list[str]:
+        """Paths requested so far, oldest first (a snapshot)."""
+        with self._lock:
+            return list(self._paths)
+
+    def _build_app(self) -> web.Application:
+        @web.middleware
+        async def log(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+            with self._lock:
+                self._paths.append(request.path_qs)
+            self._notify()
+            return await handler(request)
+
+        app = web.Application(middlewares=[log])
+        app.router.add_get("/article", self._article)
+        app.router.add_get("/plain", self._plain)
+        app.router.add_get("/data.json", self._json)
+        app.router.add_get("/image.png", self._image)
+        app.router.add_get("/huge", self._huge)
+        app.router.add_get("/slow", self._slow)
+        app.router.add_get("/redirect", self._redirect)
+        app.router.add_get("/loop", self._loop_redirect)
+        return app
+
+    async def _article(self, request: web.Request) -> web.Response:
+        return web.Response(text=ARTICLE_HTML, content_type="text/html", charset="utf-8")
+
+    async def _plain(self, request: web.Request) -> web.Response:
+        return web.Response(text="just plain text\nline two\n", content_type="text/plain")
+
+    async def _json(self, request: web.Request) -> web.Response:
+        return web.json_response({"otters": 3})
+
+    async def _image(self, request: web.Request) -> web.Response:
+        return web.Response(body=PNG_BYTES, content_type="image/png")
+
+    async def _huge(self, request: web.Request) -> web.StreamResponse:
+        megabytes = int(request.query.get("mb", "50"))
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        line = b"otters " * 146 + b"\n"  # 1023 bytes
+        block = line * 1024
+        for _ in range(megabytes):
+            await response.write(block)
+        await response.write_eof()
+        return response
+
+    async def _slow(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        for _ in range(60):
+            await response.write(b"z")
+            await asyncio.sleep(1.0)
+        await response.write_eof()
+        return response
+
+    async def _redirect(self, request: web.Request) -> web.Response:
+        raise web.HTTPFound(request.query["to"])
+
+    async def _loop_redirect(self, request: web.Request) -> web.Response:
+        raise web.HTTPFound("/loop")
