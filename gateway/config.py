@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -135,7 +136,10 @@ class AgentSettings(_Section):
         100_000, ge=1, description="Longest user message accepted, in characters."
     )
     tools: list[str] = Field(
-        default_factory=lambda: ["current_time"], description="Built-in tools offered."
+        default_factory=lambda: ["current_time"],
+        description="Built-in tools offered: current_time, and web_fetch (reaches the "
+        "internet: off unless listed here; see [tools.web_fetch]). MCP servers' tools are "
+        "offered by [mcp.servers.NAME].",
     )
     owners: list[str] = Field(
         default_factory=list,
@@ -530,6 +534,96 @@ class SlackSettings(AccessSection):
     )
 
 
+# ----------------------------------------------------------------- tools and MCP servers
+
+_MCP_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_))*")
+
+
+class WebFetchSettings(_Section):
+    """The `web_fetch` tool; it is offered only when agent.tools lists it."""
+
+    timeout: float = Field(15.0, gt=0, le=300, description="Seconds one fetch may take in all.")
+    max_bytes: int = Field(
+        2_000_000, ge=1024, description="Bytes of a page read at most; the rest is cut."
+    )
+    max_chars: int = Field(12_000, ge=100, description="Characters of text given to the model.")
+    max_redirects: int = Field(5, ge=0, le=20, description="Redirects followed, each checked.")
+    allow_networks: list[str] = Field(
+        default_factory=list,
+        description="Private, loopback or link-local addresses (CIDR) it may still reach, "
+        'e.g. ["10.1.2.0/24"]; everything but public addresses is refused otherwise.',
+    )
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an address or a CIDR network") from None
+        return value
+
+
+class ToolsSettings(_Section):
+    web_fetch: WebFetchSettings = Field(default_factory=WebFetchSettings)
+
+
+class MCPServerSettings(_Section):
+    """One MCP server: a command run over stdio, or a streamable HTTP url."""
+
+    enabled: bool = Field(True, description="Start this server with the gateway.")
+    command: str | None = Field(None, description="Program to run (stdio transport).")
+    args: list[str] = Field(default_factory=list, description="Its arguments.")
+    url: str | None = Field(None, description="Streamable HTTP endpoint instead of a command.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment of the command (no secrets here)."
+    )
+    pass_env: list[str] = Field(
+        default_factory=list,
+        description="Variables of the gateway's environment passed on to the command "
+        "(secrets go this way); nothing else of it is, but PATH, HOME and the like.",
+    )
+    tools: list[str] | None = Field(
+        None, description="Tools of the server offered to the model; unset = all."
+    )
+    timeout: float = Field(30.0, gt=0, le=3600, description="Seconds one tool call may take.")
+    startup_timeout: float = Field(
+        30.0, gt=0, le=600, description="Seconds the server may take to start and list tools."
+    )
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> MCPServerSettings:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give exactly one of command (stdio) and url (streamable HTTP)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError("url: use an http:// or https:// address")
+        if self.url is not None and (self.env or self.pass_env):
+            raise ValueError("env and pass_env are for a command, not for a url")
+        return self
+
+
+class MCPSettings(_Section):
+    servers: dict[str, MCPServerSettings] = Field(
+        default_factory=dict,
+        description="MCP servers whose tools the model may call, as NAME__tool: a "
+        "[mcp.servers.NAME] table each. They reach outside the gateway: none by default.",
+    )
+
+    @field_validator("servers")
+    @classmethod
+    def _names(cls, value: dict[str, MCPServerSettings]) -> dict[str, MCPServerSettings]:
+        for name in value:
+            if len(name) > 32 or not _MCP_NAME.fullmatch(name):
+                raise ValueError(
+                    f"server name {name!r}: use up to 32 letters, digits, - and single _ "
+                    "(tools are named NAME__tool)"
+                )
+        return value
+
+
 def reveal(secret: SecretStr | None) -> str | None:
     """A secret's value; None when it is unset or empty."""
     return (secret.get_secret_value() or None) if secret is not None else None
@@ -569,6 +663,8 @@ class Settings(_Section):
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)
+    tools: ToolsSettings = Field(default_factory=ToolsSettings)
+    mcp: MCPSettings = Field(default_factory=MCPSettings)
 
     @property
     def io_on_loop(self) -> bool:
@@ -960,6 +1056,11 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
 
 # One line each, so that uncommenting a line gives a valid config.
 _EXAMPLES: dict[str, list[str]] = {
+    "mcp.servers": [
+        '# servers.files = { command = "npx", args = ["-y", '
+        '"@modelcontextprotocol/server-filesystem", "/srv/shared"], tools = ["read_file"] }',
+        '# servers.search = { url = "http://127.0.0.1:9000/mcp", timeout = 20.0 }',
+    ],
     "heartbeat.jobs": [
         '# jobs.morning = { cron = "0 8 * * 1-5", timezone = "Europe/Berlin", '
         'prompt = "Anything on my calendar today?" }',

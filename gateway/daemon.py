@@ -18,9 +18,10 @@ import anyio.abc
 from loguru import logger
 
 from gateway import __version__
-from gateway.agent import AgentConfig, AgentLoop, build_registry
+from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.memory_tools import memory_tools
 from gateway.agent.subagents import SubagentLimits, Subagents
+from gateway.agent.toolset import build_mcp, build_tools
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket
 from gateway.config import AccessSection, ConfigError, Settings
@@ -39,6 +40,7 @@ from gateway.workspace import cannot_write, prepare_workspace, write_denied
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy, PairingBackend
+    from gateway.agent.mcp import MCPServers, ServerState
     from gateway.dedupe import DedupeStore
     from gateway.http.admin import AdminPage
     from gateway.replicas import SessionRouter
@@ -357,6 +359,8 @@ class Gateway:
     agent: AgentLoop
     subagents: Subagents | None = None
     reminders: Reminders | None = None
+    #: The MCP servers whose tools the agent offers (None: none configured).
+    mcp: MCPServers | None = None
     closed: bool = field(default=False, init=False)
 
     @property
@@ -381,10 +385,8 @@ class Gateway:
 
     @classmethod
     def build(cls, settings: Settings) -> Gateway:
-        try:
-            tools = build_registry(settings.agent.tools)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        tools = build_tools(settings)
+        mcp = build_mcp(settings, tools)
         sessions = build_session_manager(settings, spare_files=SPARE_FILES)
         usage = build_usage_meter(settings)
         # Every model call (turns, heartbeats, consolidation) is counted at this one seam.
@@ -409,6 +411,7 @@ class Gateway:
             agent=agent,
             subagents=build_subagents(settings, agent),
             reminders=build_reminders(settings, agent),
+            mcp=mcp,
         )
 
     async def run_services(
@@ -420,6 +423,9 @@ class Gateway:
                 await tg.start(self.consolidator.run)
             if self.subagents is not None:
                 await tg.start(self.subagents.run)
+            if self.mcp is not None:
+                # Each server has come up or failed once before the first turn.
+                await tg.start(self.mcp.run)
             task_status.started()
 
     async def aclose(self, *, grace: float = 10.0) -> None:
@@ -573,6 +579,7 @@ class Daemon:
         if gateway.subagents is not None:
             gateway.subagents.submit = self.submit  # background results come back here
         self._watch_metrics()
+        self._watch_mcp()
         cli = settings.channels.cli
         if interactive is None:
             interactive = cli.enabled and sys.stdin.isatty()
@@ -678,6 +685,24 @@ class Daemon:
         return HeartbeatChannel(
             jobs, state_path=workspace / STATE_FILE, route=self.deliver, state=state
         )
+
+    def _watch_mcp(self) -> None:
+        """Each MCP server is a component of /readyz: shown, not required (a dead tool
+        server makes answers poorer, it does not stop them)."""
+        mcp = self.gateway.mcp
+        if mcp is None:
+            return
+        components = {
+            name: self.health.component(f"mcp:{name}", required=False) for name in mcp.connections
+        }
+
+        def report(name: str, state: ServerState) -> None:
+            fix = (
+                "" if state.up else f"see `gateway doctor` and {mcp.connections[name].stderr_path}"
+            )
+            components[name].healthy(state.up, state.detail, fix=fix)
+
+        mcp.observe(report)
 
     def _watch_metrics(self) -> None:
         metrics = self.metrics

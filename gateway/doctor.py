@@ -320,6 +320,53 @@ async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:
     return Finding("ok", f"{name} credentials work: {who}")
 
 
+async def check_tools(settings: Settings) -> list[Finding]:
+    """Which tools reach outside (web_fetch, MCP servers), and each MCP server started
+    once the way `run` starts it, its tools listed, then stopped."""
+    from gateway.agent.mcp import MCPUnavailable
+    from gateway.agent.toolset import build_mcp, build_tools
+
+    try:
+        registry = build_tools(settings)
+        mcp = build_mcp(settings, registry)
+    except ConfigError as exc:
+        return [Finding("fail", str(exc))]
+    findings = []
+    for group in registry.groups():
+        if group.name == "web_fetch":
+            where = "off" if not group.on else "on: the model may fetch public web pages"
+            findings.append(Finding("ok", f"tool web_fetch is {where}"))
+    if mcp is None:
+        findings.append(Finding("ok", "no MCP servers configured"))
+        return findings
+    for name, connection in mcp.connections.items():
+        if not connection.settings.enabled:
+            findings.append(Finding("ok", f"MCP server {name} is off (enabled = false)"))
+            continue
+        for variable in connection.missing_env():
+            findings.append(
+                Finding(
+                    "warn",
+                    f"MCP server {name}: pass_env names {variable}, which is not set",
+                    f"set {variable} in the gateway's environment",
+                )
+            )
+        try:
+            tools = await connection.probe()
+        except MCPUnavailable as exc:
+            findings.append(
+                Finding(
+                    "fail",
+                    f"MCP server {name} ({connection.where}) did not work: {exc}",
+                    f"fix mcp.servers.{name}; its stderr is in {connection.stderr_path}",
+                )
+            )
+            continue
+        listed = ", ".join(tools) if tools else f"none (check mcp.servers.{name}.tools)"
+        findings.append(Finding("ok", f"MCP server {name} answers; tools: {listed}"))
+    return findings
+
+
 async def run_checks(settings: Settings, *, config_path: Path | None = None) -> list[Finding]:
     """Everything `gateway run` will need, checked the way `run` uses it: the workspace
     is made, the HTTP port is listened on, the LLM and platforms are asked."""
@@ -331,4 +378,5 @@ async def run_checks(settings: Settings, *, config_path: Path | None = None) -> 
     findings += await check_http(settings)
     findings += await check_cache(settings)
     findings += await check_channels(settings)
+    findings += await check_tools(settings)
     return findings

@@ -56,6 +56,9 @@ async def test_a_prefix_answers_for_tools_the_group_never_listed() -> None:
     registry.add_group("files", on=False, reason="did not start: no such command", prefix="files__")
     answer = await registry.execute(call("files__write"), CONTEXT)
     assert "unavailable now: did not start: no such command" in answer
+    registry.add_group("web_fetch", on=False, reason="off; list it in agent.tools")
+    named = await registry.execute(call("web_fetch"), CONTEXT)
+    assert named == "error: tool web_fetch is unavailable now: off; list it in agent.tools"
     other = await registry.execute(call("other__x"), CONTEXT)
     assert other.startswith("error: unknown tool 'other__x'")
 

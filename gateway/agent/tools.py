@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -86,8 +86,9 @@ class ToolRegistry:
         self._group_of[tool.spec.name] = group
 
     def add_group(self, name: str, *, on: bool = True, reason: str = "", prefix: str = "") -> None:
-        """Declare a group, perhaps before it has tools. A call to an unknown tool whose
-        name starts with `prefix` (non-empty) is answered with this group's reason."""
+        """Declare a group, perhaps before it has tools. While it is off, a call to an
+        unknown tool named like the group, or whose name starts with `prefix` (when not
+        empty), is answered with this group's reason."""
         if name in self._groups:
             raise ValueError(f"tool group {name!r} is already registered")
         self._groups[name] = _Group(on=on, reason=reason, prefix=prefix)
@@ -149,7 +150,8 @@ class ToolRegistry:
                 (
                     name
                     for name, g in self._groups.items()
-                    if g.prefix and not g.on and tool_name.startswith(g.prefix)
+                    if not g.on
+                    and (name == tool_name or (g.prefix and tool_name.startswith(g.prefix)))
                 ),
                 None,
             )
@@ -205,12 +207,24 @@ BUILTIN_TOOLS: dict[str, Tool] = {
 }
 
 
-def build_registry(names: list[str]) -> ToolRegistry:
-    """A registry with the named built-in tools; unknown names are a config error."""
+def build_registry(
+    names: list[str], outside: Mapping[str, Callable[[], Tool]] | None = None
+) -> ToolRegistry:
+    """A registry with the named built-in tools; unknown names are a config error.
+
+    `outside` are the tools that reach outside the gateway (the web, say): each is
+    built only when `names` lists it, in a group of its own, and otherwise shown off
+    (with how to turn it on) but never offered."""
+    outside = outside or {}
     registry = ToolRegistry()
     for name in names:
+        if name in outside:
+            registry.register(outside[name](), group=name)
+            continue
         if name not in BUILTIN_TOOLS:
-            known = ", ".join(sorted(BUILTIN_TOOLS))
+            known = ", ".join(sorted([*BUILTIN_TOOLS, *outside]))
             raise ValueError(f"agent.tools: unknown tool {name!r}; known tools: {known}")
         registry.register(BUILTIN_TOOLS[name])
+    for name in sorted(set(outside) - set(names)):
+        registry.add_group(name, on=False, reason="off; list it in agent.tools to turn it on")
     return registry
