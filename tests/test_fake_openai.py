@@ -57,15 +57,34 @@ async def test_non_streaming_reply_parses_and_is_logged(
     assert completion.choices[0].message.content == "Hello, world"
     assert completion.choices[0].finish_reason == "stop"
     assert completion.usage is not None
-    assert completion.usage.prompt_tokens == 2  # ceil(len("hi there") / 4)
+    # ceil(len("hi there") / 4), 3 tokens framing the message, 3 starting the reply.
+    assert completion.usage.prompt_tokens == 2 + 3 + 3
     assert completion.usage.completion_tokens == 3  # ceil(len("Hello, world") / 4)
-    assert completion.usage.total_tokens == 5
+    assert completion.usage.total_tokens == 11
     request = fake.last_request
     assert request.path == "/v1/chat/completions"
     assert request.model == "gpt-x"
     assert request.messages == USER_HI
     assert request.bearer_token == fake.api_key
     assert fake.chat_requests == [request]
+
+
+@pytest.mark.anyio
+async def test_prompt_tokens_count_each_message_framing_like_a_real_server(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    # llama.cpp's server counted 5 tokens around each ChatML message and 3 to start the
+    # reply; the fake counted the text alone, below every real server.
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "Be brief."},  # 9 characters: 3 tokens
+        {"role": "user", "content": "hello"},  # 2 tokens
+    ]
+    one = await client.chat.completions.create(model="m", messages=messages[1:])
+    two = await client.chat.completions.create(model="m", messages=messages)
+
+    assert one.usage is not None and two.usage is not None
+    assert one.usage.prompt_tokens == 2 + 3 + 3
+    assert two.usage.prompt_tokens == 3 + 2 + 2 * 3 + 3
 
 
 @pytest.mark.anyio

@@ -33,7 +33,8 @@ Scripted replies are queued and consumed in order, one per chat request (a reply
 with ``model=...`` is only consumed by a request for that model). ``fail_model`` makes
 every request for one model fail, without consuming the queue. With nothing queued, the
 reply comes from ``fake.responder(request_json)``, by default ``echo: <last user text>``.
-Token usage is estimated as ceil(characters / 4) of the prompt's and the reply's text.
+Token usage is estimated as ceil(characters / 4) of each message's and the reply's text,
+plus 3 tokens of framing per prompt message and 3 to start the reply, as real servers count.
 """
 
 from __future__ import annotations
@@ -163,19 +164,30 @@ def estimate_tokens(text: str) -> int:
     return -(-len(text) // 4)
 
 
-def prompt_text(body: Mapping[str, Any]) -> str:
-    """All the text of a chat request's messages that the usage estimate counts."""
-    parts: list[str] = []
-    for message in body.get("messages") or ():
-        if not isinstance(message, dict):
-            continue
-        parts.append(content_text(message.get("content")))
-        for call in message.get("tool_calls") or ():
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict):
-                parts.append(str(function.get("name", "")))
-                parts.append(str(function.get("arguments", "")))
+#: Tokens a real server counts around each message and to start the reply: OpenAI's own
+#: count for its chat models is 3 and 3 (llama.cpp's ChatML template: 5 and 3). The
+#: fake used to count the text alone, so its prompt_tokens ran below every real server's.
+TOKENS_PER_MESSAGE = 3
+REPLY_PRIMING_TOKENS = 3
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """The text of one request message that the usage estimate counts."""
+    parts = [content_text(message.get("content"))]
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            parts.append(str(function.get("name", "")))
+            parts.append(str(function.get("arguments", "")))
     return "\n".join(parts)
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """The fake's prompt_tokens for a chat request: each message's text estimate plus its
+    framing, plus the reply's priming."""
+    messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
+    framing = TOKENS_PER_MESSAGE * len(messages) + REPLY_PRIMING_TOKENS
+    return framing + sum(estimate_tokens(message_text(m)) for m in messages)
 
 
 def echo_responder(body: dict[str, Any]) -> Reply | str:
@@ -655,9 +667,7 @@ class FakeOpenAI(LocalServer):
         self, body: Mapping[str, Any], reply: Reply, calls: list[dict[str, Any]]
     ) -> dict[str, int]:
         prompt = (
-            reply.prompt_tokens
-            if reply.prompt_tokens is not None
-            else estimate_tokens(prompt_text(body))
+            reply.prompt_tokens if reply.prompt_tokens is not None else estimate_prompt_tokens(body)
         )
         if reply.completion_tokens is not None:
             completion = reply.completion_tokens
