@@ -111,6 +111,13 @@ class LLMSettings(_Section):
         32_768, gt=256, description="The model's context window, in tokens."
     )
     stream: bool = Field(False, description="Stream replies token by token where possible.")
+    tool_choice: Literal["auto", "none", "required"] | None = Field(
+        None,
+        description="tool_choice sent with a (not streamed) request that offers tools; unset "
+        "leaves it to the server (OpenAI: auto). llama-cpp-python's chatml-function-calling "
+        'offers the tools only with "auto".',
+        examples=["auto"],
+    )
 
     def resolved_api_key(self) -> str | None:
         """The API key (from the environment or `api_key_file`), if any."""

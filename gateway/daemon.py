@@ -61,6 +61,7 @@ def build_provider(settings: Settings) -> LLMProvider:
         max_retries=llm.max_retries,
         default_temperature=llm.temperature,
         default_max_tokens=llm.max_tokens,
+        default_tool_choice=llm.tool_choice,
     )
 
 

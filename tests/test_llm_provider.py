@@ -121,6 +121,27 @@ async def test_temperature_and_max_tokens_defaults_are_sent(
 
 
 @pytest.mark.anyio
+async def test_a_configured_tool_choice_goes_with_requests_that_offer_tools(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    # llama-cpp-python's chatml-function-calling ignores tools sent without a tool_choice.
+    provider = make_provider(default_tool_choice="auto")
+
+    await provider.chat(HELLO, tools=[WEATHER])
+    assert fake.last_request.body["tool_choice"] == "auto"
+    await provider.chat(HELLO, tools=[WEATHER], tool_choice="none")
+    assert fake.last_request.body["tool_choice"] == "none"
+    await provider.chat(HELLO)
+    assert "tool_choice" not in fake.last_request.body  # the API refuses it without tools
+    # llama-cpp-python answers a streamed "auto" with HTTP 500 when the model picks a tool.
+    async for _ in provider.stream(HELLO, tools=[WEATHER]):
+        pass
+    assert fake.last_request.stream and "tool_choice" not in fake.last_request.body
+    await make_provider().chat(HELLO, tools=[WEATHER])
+    assert "tool_choice" not in fake.last_request.body
+
+
+@pytest.mark.anyio
 async def test_tool_call_round_trip(fake: FakeOpenAI, make_provider: MakeProvider) -> None:
     provider = make_provider()
     fake.add_tool_call("get_weather", {"city": "Zürich"}, call_id="call_1")

@@ -408,7 +408,10 @@ class OpenAIProvider:
         max_retries: int = 2,
         default_temperature: float | None = None,
         default_max_tokens: int | None = None,
+        default_tool_choice: str | None = None,
     ) -> None:
+        """`default_tool_choice` goes with every `chat` that offers tools and names no
+        tool_choice of its own (None: the server's default)."""
         check_credentials(base_url, api_key)
         if not model.strip():
             raise LLMConfigError(
@@ -421,6 +424,7 @@ class OpenAIProvider:
         self.fallback_models = tuple(m for m in dict.fromkeys(fallback_models) if m and m != model)
         self.default_temperature = default_temperature
         self.default_max_tokens = default_max_tokens
+        self.default_tool_choice = default_tool_choice
         key = api_key.strip() if api_key and api_key.strip() else PLACEHOLDER_API_KEY
         self._secret = key
         # base_url is always passed, so OPENAI_BASE_URL in the environment cannot make the
@@ -457,7 +461,12 @@ class OpenAIProvider:
                 completion = await self._client.post(
                     "/chat/completions",
                     body=self._request_body(
-                        candidate, wire_messages, tools, temperature, max_tokens, tool_choice
+                        candidate,
+                        wire_messages,
+                        tools,
+                        temperature,
+                        max_tokens,
+                        tool_choice if tool_choice is not None else self.default_tool_choice,
                     ),
                     cast_to=ChatCompletion,
                 )
@@ -485,7 +494,9 @@ class OpenAIProvider:
     ) -> AsyncIterator[StreamDelta]:
         """Yield text increments, then one `StreamDelta` whose `response` is the whole
         answer with tool calls and usage. A fallback model is tried only while nothing
-        has been yielded: text a user may have seen is never mixed with another model's."""
+        has been yielded: text a user may have seen is never mixed with another model's.
+        No tool_choice is sent (not even `default_tool_choice`): llama-cpp-python answers a
+        streamed "auto" with HTTP 500 whenever the model picks a tool."""
         wire_messages = self._wire_messages(messages)
         failures: list[ModelFailure] = []
         for candidate in self.candidate_models(model):
