@@ -198,7 +198,7 @@ class CacheSettingsSection(_Section):
         "cache-neardup extra).",
     )
     near_duplicate_threshold: float = Field(
-        0.8, gt=0, le=1, description="Cosine similarity a paraphrase must reach."
+        0.7, gt=0, le=1, description="Cosine similarity a paraphrase must reach."
     )
     disabled_channels: list[str] = Field(
         default_factory=list, description='Channels that never use the cache, e.g. ["slack"].'

@@ -25,13 +25,21 @@ from gateway.cache import (
     near_duplicates_available,
     neardup,
 )
-from gateway.cache.neardup import score_pairs
+from gateway.cache import guard as guard_module
+from gateway.cache.neardup import DEFAULT_THRESHOLD, score_pairs
+from tests.public_pairs import SPLIT_SEED, public_pairs, public_pairs_available
 
 PAIRS_FILE = Path(__file__).parent / "data" / "cache_pairs.json"
 PAIRS: list[dict[str, Any]] = json.loads(PAIRS_FILE.read_text(encoding="utf-8"))["pairs"]
 needs_extra = pytest.mark.skipif(
     not near_duplicates_available(),
     reason="the cache-neardup extra (wordllama) is not installed",
+)
+needs_public_pairs = pytest.mark.skipif(
+    not public_pairs_available(), reason="fow-cache (a dev dependency) is not installed"
+)
+needs_dictionary = pytest.mark.skipif(
+    guard_module.load_dictionary() is None, reason="pyspellchecker is not installed"
 )
 
 
@@ -91,6 +99,45 @@ def test_guard_reasons(a: str, b: str, reason: str | None) -> None:
         assert conflict is None
     else:
         assert conflict is not None and reason in conflict
+
+
+@needs_dictionary
+@pytest.mark.parametrize(
+    ("a", "b", "reason"),
+    [
+        ("Can I get my bank statement by post?", "can i get my bank statment by post", None),
+        ("Why is it slow in the evenings?", "why is it slow in the evenigns", None),
+        ("Difference between a virus and germs?", "diffrence between a virus and germs", None),
+        # Two dictionary words one edit apart are two words, not a typo.
+        ("Best desert to visit in spring?", "Best dessert to visit in spring?", "content"),
+        ("Is this diary free?", "Is this dairy free?", "content"),
+        # A different first letter is a different word ("iphone" is no typo of "phone").
+        ("How do I reset my iphone?", "How do I reset my phone?", "content"),
+        # One misspelling maps onto one word only, and only onto a word the other side has.
+        ("How do I cancel my order?", "How do I cancle my booking?", "content"),
+        ("Why dont my emails send?", "Why don't my emails send?", None),
+        ("Why dont my emails send?", "Why do my emails send?", "negation"),
+        ("Whats the fee for a late return?", "What's the fee for a late return?", None),
+        ("Do you do takeaway?", "um yeah do you do takeaway, thank you", None),
+        ("Do you do takeaway?", "Just wondering, do you do takeaway?", None),
+    ],
+)  # fmt: skip
+def test_guard_reads_typos_fillers_and_bare_contractions(
+    a: str, b: str, reason: str | None
+) -> None:
+    for x, y in ((a, b), (b, a)):
+        conflict = guard_conflict(x, y)
+        if reason is None:
+            assert conflict is None, (x, y, conflict)
+        else:
+            assert conflict is not None and reason in conflict, (x, y, conflict)
+
+
+def test_guard_without_a_dictionary_reads_no_typo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the word list the guard is stricter, never looser."""
+    monkeypatch.setattr(guard_module, "load_dictionary", lambda: None)
+    conflict = guard_conflict("bank statement by post", "bank statment by post")
+    assert conflict == "content words differ"
 
 
 def test_guard_accepts_identical_text() -> None:
@@ -210,6 +257,41 @@ async def test_real_model_has_no_false_hits_on_the_labelled_set(
     assert scores.near_miss_false_hits == 0, scores.false_hit_examples
     assert scores.false_hit_rate < 0.01
     assert scores.recall >= 0.6
+
+
+@needs_public_pairs
+def test_public_pairs_split_is_fixed_disjoint_and_balanced() -> None:
+    tune, held_out = public_pairs("tune"), public_pairs("held-out")
+    assert SPLIT_SEED == 15 and public_pairs("held-out") == held_out  # same pairs every run
+    assert len(tune) + len(held_out) == len(public_pairs("all")) == 600
+    assert not set(tune) & set(held_out)
+    for part in (tune, held_out):
+        same = sum(1 for _, _, s in part if s)
+        assert same == 150 and len(part) - same >= 145  # half the paraphrases, half the traps
+
+
+@needs_extra
+@needs_public_pairs
+@pytest.mark.anyio
+async def test_shipped_threshold_on_public_held_out_pairs() -> None:
+    """The product promise, judged on public pairs never tuned on: at the shipped threshold
+    with the guard, at least 98% of hits are right, and at least 25% of the pairs that
+    share an answer are found. A quality check: it counts hits, it times nothing."""
+    index = NearDuplicateIndex(WordLlamaEmbedder(), threshold=DEFAULT_THRESHOLD)
+    scores = await score_pairs(index, public_pairs("held-out"))
+    assert scores.positives == 150
+    assert scores.precision >= 0.98, scores.false_hit_examples
+    assert scores.recall >= 0.25, scores.recall
+
+
+@needs_extra
+@needs_public_pairs
+@pytest.mark.anyio
+async def test_public_pairs_without_the_guard_would_serve_wrong_answers() -> None:
+    """The held-out pairs do hold hard negatives that the embedding alone confuses."""
+    index = NearDuplicateIndex(WordLlamaEmbedder(), threshold=DEFAULT_THRESHOLD, use_guard=False)
+    scores = await score_pairs(index, public_pairs("held-out"))
+    assert scores.near_miss_false_hits > 30 and scores.precision < 0.9
 
 
 @needs_extra

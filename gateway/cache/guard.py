@@ -15,6 +15,11 @@ question framing, expanding contractions and a light stemming, they have
 - the same order of the content words outside prepositional phrases ("who killed
   Brutus" vs "who did Brutus kill").
 
+Before those checks, a word that only one side has and that no English dictionary knows is
+read as a misspelling of the other side's dictionary word one edit away with the same
+first letter ("statment" / "statement"); two real words ("desert" / "dessert") never
+are. Spoken fillers ("um", "uh") and thanks are dropped like politeness.
+
 It errs towards "different": a false veto costs one LLM call, a false pass serves a
 wrong answer.
 """
@@ -24,7 +29,9 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "`": "'", "\u00b4": "'"})
 _TOKEN = re.compile(r"\d+(?:[.,:]\d+)*|[^\W\d_]+(?:'[^\W\d_]+)?|[+\-*/=<>%$€£]")
@@ -35,6 +42,16 @@ _IS_AFTER = frozenset(
 )  # fmt: skip
 _IRREGULAR_NOT = {"can't": "can not", "won't": "will not", "shan't": "shall not",
                   "ain't": "is not", "cannot": "can not"}  # fmt: skip
+# Contractions typed without the apostrophe; ambiguous ones ("its", "were", "ill") are not here.
+_BARE_CONTRACTIONS = {
+    word.replace("'", ""): word
+    for word in (
+        "don't", "doesn't", "didn't", "can't", "won't", "isn't", "aren't", "wasn't",
+        "weren't", "haven't", "hasn't", "hadn't", "wouldn't", "shouldn't", "couldn't",
+        "what's", "how's", "where's", "who's", "that's", "there's", "i'm", "i've",
+        "you're", "you've", "they're",
+    )
+}  # fmt: skip
 _CONTRACTION_SUFFIXES = {"'re": "are", "'m": "am", "'ll": "will", "'ve": "have", "'d": "would"}
 
 # Phrases that frame a question without changing what is asked, and what they become.
@@ -52,7 +69,9 @@ _REWRITES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = tuple(
                     "tell me", "i want to know", "i would like to know", "i wonder",
                     "do you know", "i need to know", "can you please", "could you please",
                     "can you", "could you", "would you", "quick question",
-                    "i have a question", "to me",
+                    "i have a question", "to me", "thank you very much", "thank you so much",
+                    "thanks so much", "thank you", "many thanks", "just wondering",
+                    "i was wondering", "i am wondering",
                 )
             ),
             *(
@@ -173,7 +192,8 @@ _STOPWORDS = frozenset(
      "hi", "hello", "hey", "thanks", "thank", "ok", "okay", "well", "mean", "meaning",
      "define", "definition", "anyway", "again", "have", "has", "had", "get", "which",
      "got", "go", "s", "'s", "any", "thing", "things", "stuff", "possible", "somehow",
-     "tell", "give", "show", "ever", "even", "very", "too"}
+     "tell", "give", "show", "ever", "even", "very", "too",
+     "um", "umm", "uh", "uhm", "erm", "er", "hmm", "yeah", "yep", "ah", "oh"}
 )  # fmt: skip
 
 _SYNONYMS = {
@@ -204,6 +224,7 @@ class _Analysis:
 
 
 def _expand(token: str) -> list[str]:
+    token = _BARE_CONTRACTIONS.get(token, token)
     if token in _IRREGULAR_NOT:
         return _IRREGULAR_NOT[token].split()
     if token.endswith("n't"):
@@ -269,8 +290,48 @@ def _is_number(token: str) -> bool:
     return token[0].isdigit()
 
 
-def _analyse(text: str) -> _Analysis:
-    tokens = _tokens(text)
+@cache
+def load_dictionary() -> tuple[Callable[[str], bool], Callable[[str], set[str]]] | None:
+    """(is_known_word, words_one_edit_away) from pyspellchecker's English word list, or
+    None without it (then no word is read as a misspelling: stricter, never looser).
+    The first call reads the list from disk (about a second): call it from a thread."""
+    try:
+        from spellchecker import SpellChecker
+    except ImportError:
+        return None
+    checker = SpellChecker(language="en", distance=1)
+    return (lambda word: word in checker), checker.edit_distance_1
+
+
+def _typo_candidate(word: str) -> bool:
+    return len(word) >= 4 and word.isalpha()
+
+
+def _correct_typos(a: list[str], b: list[str]) -> list[str]:
+    """`b` with each misspelling of a word of `a` replaced by that word (and the reverse
+    direction handled by calling it the other way round). A replacement needs a word of `b`
+    that `a` lacks and the dictionary does not know, and exactly one word that only `a`
+    has, which the dictionary knows, one edit away, with the same first letter."""
+    only_a = {w for w in set(a) - set(b) if _typo_candidate(w)}
+    only_b = {w for w in set(b) - set(a) if _typo_candidate(w)}
+    if not only_a or not only_b:
+        return b
+    dictionary = load_dictionary()
+    if dictionary is None:
+        return b
+    known, one_edit = dictionary
+    fixes: dict[str, str] = {}
+    for word in only_b:
+        if known(word):
+            continue
+        near = one_edit(word)
+        matches = [w for w in only_a if w[0] == word[0] and w in near and known(w)]
+        if len(matches) == 1:
+            fixes[word] = matches[0]
+    return [fixes.get(w, w) for w in b] if fixes else b
+
+
+def _analyse(tokens: list[str]) -> _Analysis:
     negations: Counter[str] = Counter()
     numbers: Counter[str] = Counter()
     time_words: set[str] = set()
@@ -346,7 +407,10 @@ def _antonym_split(a: frozenset[str], b: frozenset[str]) -> tuple[str, str] | No
 
 def guard_conflict(a: str, b: str) -> str | None:
     """Why questions `a` and `b` must not share an answer, or None if nothing says so."""
-    x, y = _analyse(a), _analyse(b)
+    tokens_a, tokens_b = _tokens(a), _tokens(b)
+    tokens_b = _correct_typos(tokens_a, tokens_b)
+    tokens_a = _correct_typos(tokens_b, tokens_a)
+    x, y = _analyse(tokens_a), _analyse(tokens_b)
     if x.negations != y.negations:
         return "negation differs"
     if x.numbers != y.numbers:
