@@ -475,6 +475,12 @@ async def test_the_live_view_counts_turns_latency_and_errors(
         assert "api 3" in page  # turns by channel
         _, overview = await admin.get("/admin")
         assert 'hx-get="/admin/live"' in overview and 'hx-trigger="every 2s"' in overview
+        # Once the login is gone, the next poll sends the whole page to the login form.
+        admin.cookie = ""
+        async with admin.http.get(
+            admin.url + "/admin/live", headers={"HX-Request": "true"}, allow_redirects=False
+        ) as r:
+            assert r.status == 401 and r.headers["HX-Redirect"] == "/admin/login"
 
 
 def test_the_turn_window_forgets_old_turns() -> None:

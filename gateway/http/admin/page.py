@@ -223,6 +223,10 @@ class AdminPage:
                 )
             login = self._login_of(request)
             if login is None:
+                if request.headers.get("HX-Request") == "true":
+                    # The live view's poll after the login expired: the whole page goes
+                    # to the login form (a redirect would put the form inside the panel).
+                    return web.Response(status=401, headers={"HX-Redirect": f"{PREFIX}/login"})
                 if request.method == "GET" and hdrs.AUTHORIZATION not in request.headers:
                     raise web.HTTPSeeOther(f"{PREFIX}/login")
                 return self._refuse(request, 401, "Log in first: the token is missing or wrong.")
