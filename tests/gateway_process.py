@@ -84,9 +84,9 @@ class GatewayProcess:
         tail = "".join(self.log[-20:])
         raise AssertionError(f"the gateway never logged {text!r}; its last lines:\n{tail}")
 
-    def wait_ready(self) -> int:
+    def wait_ready(self, timeout: float = 20) -> int:
         """Wait for start-up; the HTTP port it listens on."""
-        line = self.wait_for_line("gateway ready: http://")
+        line = self.wait_for_line("gateway ready: http://", timeout)
         return int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
 
     def wait_readyz(self, port: int, timeout: float = 20) -> None:

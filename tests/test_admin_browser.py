@@ -126,8 +126,9 @@ def site(tmp_path: Path) -> Iterator[Site]:
         _remember(env)
         gateway = GatewayProcess(env, tmp_path)
         try:
-            port = gateway.wait_ready()
-            gateway.wait_readyz(port)
+            # Chromium and the other tests share two cores: start-up may take a while.
+            port = gateway.wait_ready(timeout=90)
+            gateway.wait_readyz(port, timeout=90)
             shots = tmp_path / "screenshots"
             shots.mkdir()
             yield Site(f"http://127.0.0.1:{port}", llm, telegram, gateway, shots)

@@ -403,6 +403,26 @@ async def test_a_session_shows_its_tree_and_the_transcript_of_its_branch(
         assert status == 404
 
 
+async def test_a_long_session_shows_its_newest_part_and_says_so(
+    settings_for: Callable[..., Settings],
+) -> None:
+    async with running(settings_for()) as admin:
+        await admin.login()
+        session = admin.daemon.gateway.sessions.get_or_create("cli:long")
+        for n in range(300):
+            session.add_message(LLMMessage(role="user", content=f"question {n}"))
+            session.add_message(LLMMessage(role="assistant", content=f"answer {n}"))
+        _, page = await admin.get("/admin/session", params={"key": "cli:long"})
+        assert "600 entries" in page
+        assert "The first 100 entries are not shown" in page
+        assert "400 earlier messages are not shown" in page
+        tree, transcript = page.split('id="transcript"', 1)
+        assert tree.count("<li class=") == 500
+        assert transcript.count("<article") == 200
+        assert "answer 299" in transcript and "question 200<" in transcript
+        assert "question 199<" not in transcript
+
+
 async def test_the_memory_page_shows_facts_history_and_knowledge(
     settings_for: Callable[..., Settings],
 ) -> None:

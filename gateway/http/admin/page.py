@@ -20,6 +20,7 @@ Invariants (tested in tests/test_admin_http.py and tests/test_admin_browser.py):
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +64,9 @@ if TYPE_CHECKING:
     from gateway.sessions import SessionManager
 
 PREFIX = "/admin"
+#: Rows of a session's tree and messages of its transcript shown at most (the newest).
+MAX_TREE_ROWS = 500
+MAX_TRANSCRIPT = 200
 #: The message a sender gets on their channel when the operator approves their code.
 APPROVED_TEXT = "Your pairing request was approved: you can write to the assistant now."
 _STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
@@ -174,7 +178,7 @@ class AdminPage:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _render(
+    async def _render(
         self,
         template: str,
         request: web.Request,
@@ -183,14 +187,17 @@ class AdminPage:
         status: int = 200,
         **context: Any,
     ) -> web.Response:
-        page = self.templates.get_template(template).render(
-            csrf=login.csrf if login is not None else "",
-            csrf_field=CSRF_FIELD,
-            logged_in=login is not None,
-            path=request.path,
-            storage=self.sources.storage,
-            **context,
-        )
+        page = await anyio.to_thread.run_sync(
+            functools.partial(
+                self.templates.get_template(template).render,
+                csrf=login.csrf if login is not None else "",
+                csrf_field=CSRF_FIELD,
+                logged_in=login is not None,
+                path=request.path,
+                storage=self.sources.storage,
+                **context,
+            )
+        )  # in a worker thread: a long session's page must not hold up the turns
         return web.Response(
             text=page,
             status=status,
@@ -199,8 +206,8 @@ class AdminPage:
             headers=_SECURITY_HEADERS,
         )
 
-    def _refuse(self, request: web.Request, status: int, message: str) -> web.Response:
-        return self._render("message.html", request, None, status=status, message=message)
+    async def _refuse(self, request: web.Request, status: int, message: str) -> web.Response:
+        return await self._render("message.html", request, None, status=status, message=message)
 
     def _login_of(self, request: web.Request) -> AdminLogin | None:
         assert self.keys is not None
@@ -216,7 +223,7 @@ class AdminPage:
 
         async def guarded(request: web.Request) -> web.StreamResponse:
             if self.keys is None:
-                return self._refuse(
+                return await self._refuse(
                     request,
                     503,
                     f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}.",
@@ -229,7 +236,9 @@ class AdminPage:
                     return web.Response(status=401, headers={"HX-Redirect": f"{PREFIX}/login"})
                 if request.method == "GET" and hdrs.AUTHORIZATION not in request.headers:
                     raise web.HTTPSeeOther(f"{PREFIX}/login")
-                return self._refuse(request, 401, "Log in first: the token is missing or wrong.")
+                return await self._refuse(
+                    request, 401, "Log in first: the token is missing or wrong."
+                )
             if changes:
                 form = await request.post()
                 given = request.headers.get(CSRF_HEADER) or form.get(CSRF_FIELD)
@@ -237,7 +246,7 @@ class AdminPage:
                     logger.warning(
                         "admin: {} {} refused: no valid CSRF token", request.method, request.path
                     )
-                    return self._refuse(
+                    return await self._refuse(
                         request,
                         403,
                         "Refused: the form's security token is missing or stale. "
@@ -247,7 +256,7 @@ class AdminPage:
                     logger.warning(
                         "admin: {} {} refused: foreign origin", request.method, request.path
                     )
-                    return self._refuse(
+                    return await self._refuse(
                         request, 403, "Refused: the request came from another site."
                     )
             return await handler(request, login)
@@ -258,23 +267,23 @@ class AdminPage:
 
     async def login_form(self, request: web.Request) -> web.StreamResponse:
         if self.keys is None:
-            return self._refuse(
+            return await self._refuse(
                 request, 503, f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
             )
-        return self._render("login.html", request, None, error="")
+        return await self._render("login.html", request, None, error="")
 
     async def login(self, request: web.Request) -> web.StreamResponse:
         if self.keys is None:
-            return self._refuse(
+            return await self._refuse(
                 request, 503, f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
             )
         form = await request.post()
         token = form.get("token")
         if not isinstance(token, str) or not self.keys.token_matches(token.strip()):
             logger.warning("admin: failed login from {}", request.remote or "-")
-            return self._render("login.html", request, None, status=401, error="Wrong token.")
+            return await self._render("login.html", request, None, status=401, error="Wrong token.")
         if not _secure_enough(request):
-            return self._render(
+            return await self._render(
                 "login.html",
                 request,
                 None,
@@ -326,10 +335,10 @@ class AdminPage:
         }
 
     async def overview(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
-        return self._render("overview.html", request, login, **self._live_context())
+        return await self._render("overview.html", request, login, **self._live_context())
 
     async def live(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
-        return self._render("live.html", request, login, **self._live_context())
+        return await self._render("live.html", request, login, **self._live_context())
 
     # ------------------------------------------------------------------ sessions
 
@@ -338,7 +347,7 @@ class AdminPage:
         sort = request.query.get("sort", "recent")
         infos = await anyio.to_thread.run_sync(self.sources.sessions.list_sessions)
         rows, counts = session_rows(infos, query, sort, time.time())
-        return self._render(
+        return await self._render(
             "sessions.html",
             request,
             login,
@@ -356,7 +365,7 @@ class AdminPage:
         except SessionKeyError:
             found = None
         if found is None:
-            return self._render(
+            return await self._render(
                 "message.html",
                 request,
                 login,
@@ -369,9 +378,15 @@ class AdminPage:
             branch = session.get_branch()
             branch_ids = {e.id for e in branch}
             leaf = session.leaf_id
+            rows = tree_rows(session.get_tree(), leaf, branch_ids)
+            messages = transcript(branch)
             return {
-                "rows": tree_rows(session.get_tree(), leaf, branch_ids),
-                "messages": transcript(branch),
+                # The newest part of a long session; the CLI shows all of it.
+                "rows": rows[-MAX_TREE_ROWS:],
+                "rows_hidden": max(0, len(rows) - MAX_TREE_ROWS),
+                "entries": len(rows),
+                "messages": messages[-MAX_TRANSCRIPT:],
+                "messages_hidden": max(0, len(messages) - MAX_TRANSCRIPT),
                 "leaf": leaf,
                 "name": session.name,
                 "created_at": session.created_at,
@@ -382,7 +397,9 @@ class AdminPage:
         data = await anyio.to_thread.run_sync(read)
         memory = self.sources.memory
         has_memory = memory is not None and await anyio.to_thread.run_sync(memory.exists, key)
-        return self._render("session.html", request, login, key=key, has_memory=has_memory, **data)
+        return await self._render(
+            "session.html", request, login, key=key, has_memory=has_memory, **data
+        )
 
     # ------------------------------------------------------------------ memory
 
@@ -392,7 +409,7 @@ class AdminPage:
         backend = self.sources.memory
         context: dict[str, Any] = {"key": key, "query": query, "enabled": backend is not None}
         if backend is None or not key:
-            return self._render("memory.html", request, login, found=False, **context)
+            return await self._render("memory.html", request, login, found=False, **context)
 
         def read() -> dict[str, Any] | None:
             assert backend is not None
@@ -414,8 +431,8 @@ class AdminPage:
         except SessionKeyError:
             data = None
         if data is None:
-            return self._render("memory.html", request, login, found=False, **context)
-        return self._render("memory.html", request, login, found=True, **context, **data)
+            return await self._render("memory.html", request, login, found=False, **context)
+        return await self._render("memory.html", request, login, found=True, **context, **data)
 
     # ------------------------------------------------------------------ pairing
 
@@ -424,7 +441,7 @@ class AdminPage:
     ) -> web.StreamResponse:
         store = self.sources.pairing
         listing = await anyio.to_thread.run_sync(store.list)
-        return self._render(
+        return await self._render(
             "pairing.html",
             request,
             login,
@@ -503,7 +520,7 @@ class AdminPage:
                 stats = await cache.stats()
             except CacheUnavailable as exc:
                 error = error or f"The cache does not answer: {exc}"
-        return self._render(
+        return await self._render(
             "cache.html",
             request,
             login,
