@@ -134,6 +134,30 @@ async def test_login_sets_a_strict_httponly_secure_cookie(
         assert status == 200 and "Sessions" in page
 
 
+async def test_off_this_machine_the_login_needs_https(
+    settings_for: Callable[..., Settings],
+) -> None:
+    async with running(settings_for()) as admin:
+        # A browser would drop the Secure cookie over plain HTTP: say so, set none.
+        elsewhere = {"Host": "gateway.example.org"}
+        async with admin.http.post(
+            admin.url + "/admin/login",
+            data={"token": TOKEN},
+            headers=elsewhere,
+            allow_redirects=False,
+        ) as r:
+            assert r.status == 400 and "HTTPS" in await r.text()
+            assert COOKIE_NAME not in r.cookies
+        behind_tls = elsewhere | {"X-Forwarded-Proto": "https"}
+        async with admin.http.post(
+            admin.url + "/admin/login",
+            data={"token": TOKEN},
+            headers=behind_tls,
+            allow_redirects=False,
+        ) as r:
+            assert r.status == 303 and COOKIE_NAME in r.cookies
+
+
 async def test_forged_and_altered_cookies_are_refused(
     settings_for: Callable[..., Settings],
 ) -> None:

@@ -69,6 +69,7 @@ MAX_TREE_ROWS = 500
 MAX_TRANSCRIPT = 200
 #: The message a sender gets on their channel when the operator approves their code.
 APPROVED_TEXT = "Your pairing request was approved: you can write to the assistant now."
+_OFF = f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
 _STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
 _SECURITY_HEADERS = {
     # Only this page's own files may run or style it; no frames, no foreign forms.
@@ -226,7 +227,7 @@ class AdminPage:
                 return await self._refuse(
                     request,
                     503,
-                    f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}.",
+                    _OFF,
                 )
             login = self._login_of(request)
             if login is None:
@@ -267,16 +268,12 @@ class AdminPage:
 
     async def login_form(self, request: web.Request) -> web.StreamResponse:
         if self.keys is None:
-            return await self._refuse(
-                request, 503, f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
-            )
+            return await self._refuse(request, 503, _OFF)
         return await self._render("login.html", request, None, error="")
 
     async def login(self, request: web.Request) -> web.StreamResponse:
         if self.keys is None:
-            return await self._refuse(
-                request, 503, f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
-            )
+            return await self._refuse(request, 503, _OFF)
         form = await request.post()
         token = form.get("token")
         if not isinstance(token, str) or not self.keys.token_matches(token.strip()):
