@@ -158,6 +158,18 @@ async def test_off_this_machine_the_login_needs_https(
             assert r.status == 303 and COOKIE_NAME in r.cookies
 
 
+async def test_guessing_the_token_is_slowed_down(settings_for: Callable[..., Settings]) -> None:
+    async with running(settings_for()) as admin:
+        page = admin.daemon.admin
+        now = [1000.0]
+        page._clock = lambda: now[0]
+        for _ in range(page.MAX_FAILED_LOGINS):
+            assert (await admin.login("guess")).status == 401
+        assert (await admin.login()).status == 429  # even the right token, for now
+        now[0] += page.LOGIN_WINDOW + 1
+        assert (await admin.login()).status == 303
+
+
 async def test_forged_and_altered_cookies_are_refused(
     settings_for: Callable[..., Settings],
 ) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -148,9 +149,22 @@ def _static_files() -> dict[str, tuple[bytes, str]]:
 class AdminPage:
     """The `/admin` routes; `mount(server)` adds them to the daemon's HTTP server."""
 
-    def __init__(self, token: str | None, sources: AdminSources) -> None:
+    #: Failed logins in `LOGIN_WINDOW` seconds after which the form refuses every try
+    #: until the window has passed (per process): guessing a token stays slow.
+    MAX_FAILED_LOGINS = 10
+    LOGIN_WINDOW = 60.0
+
+    def __init__(
+        self,
+        token: str | None,
+        sources: AdminSources,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.keys = AdminKeys(token) if token else None
         self.sources = sources
+        self._clock = clock
+        self._failed_logins: deque[float] = deque()
         self.templates = _templates()
         self._static = _static_files()
 
@@ -274,9 +288,17 @@ class AdminPage:
     async def login(self, request: web.Request) -> web.StreamResponse:
         if self.keys is None:
             return await self._refuse(request, 503, _OFF)
+        now = self._clock()
+        failed = self._failed_logins
+        while failed and now - failed[0] > self.LOGIN_WINDOW:
+            failed.popleft()
+        if len(failed) >= self.MAX_FAILED_LOGINS:
+            error = "Too many failed logins: wait a minute, then try again."
+            return await self._render("login.html", request, None, status=429, error=error)
         form = await request.post()
         token = form.get("token")
         if not isinstance(token, str) or not self.keys.token_matches(token.strip()):
+            failed.append(now)
             logger.warning("admin: failed login from {}", request.remote or "-")
             return await self._render("login.html", request, None, status=401, error="Wrong token.")
         if not _secure_enough(request):
