@@ -334,7 +334,10 @@ async def check_tools(settings: Settings) -> list[Finding]:
     findings = []
     for group in registry.groups():
         if group.name == "web_fetch":
+            allowed = settings.tools.web_fetch.allow_networks
             where = "off" if not group.on else "on: the model may fetch public web pages"
+            if group.on and allowed:
+                where += f" and {', '.join(allowed)} (tools.web_fetch.allow_networks)"
             findings.append(Finding("ok", f"tool web_fetch is {where}"))
     if mcp is None:
         findings.append(Finding("ok", "no MCP servers configured"))
