@@ -214,6 +214,13 @@ def _parser() -> argparse.ArgumentParser:
     simport.add_argument("dir", type=Path, help="the workspace folder (the one holding sessions/)")
     sexport = stsub.add_parser("export", help="write storage.url out as a file workspace")
     sexport.add_argument("dir", type=Path, help="the folder to write the workspace into")
+    people = sub.add_parser("people", help="link one person's ids across channels")
+    pesub = people.add_subparsers(dest="action", metavar="ACTION", required=True)
+    plink = pesub.add_parser("link", help="make these sender ids one person (shared memory)")
+    plink.add_argument("ids", nargs="+", metavar="ID", help="channel:user, e.g. telegram:42")
+    pesub.add_parser("list", help="the linked people and their ids")
+    punlink = pesub.add_parser("unlink", help="take an id out of its person")
+    punlink.add_argument("id", metavar="ID")
     usage = sub.add_parser("usage", help="tokens and cost per conversation and per day")
     usage.add_argument("--days", type=_positive, default=7, help="the last N UTC days (default 7)")
     usage.add_argument("--session", metavar="KEY", help="one conversation only")
@@ -541,6 +548,26 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def cmd_people(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.daemon import build_people_store, build_session_manager
+    from gateway.people import PeopleError, cli_link, cli_list, cli_unlink
+
+    build_session_manager(settings).close()  # creates the private workspace if needed
+    store = build_people_store(settings)
+    try:
+        if args.action == "link":
+            print(cli_link(store, args.ids))
+        elif args.action == "unlink":
+            print(cli_unlink(store, args.id))
+        else:
+            print(cli_list(store))
+    except PeopleError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    if settings.memory.scope != "person":
+        print('note: memory.scope is not "person"; links take effect once it is', file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
     import time
 
@@ -702,6 +729,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "db": cmd_db,
         "storage": cmd_storage,
         "usage": cmd_usage,
+        "people": cmd_people,
     }
     return handlers[args.command](args, settings)
 

@@ -207,10 +207,12 @@ class CacheSettingsSection(_Section):
 
 class MemorySettings(_Section):
     enabled: bool = Field(True, description="Long-term memory: MEMORY.md, HISTORY.md, knowledge.")
-    scope: Literal["per_session", "workspace"] = Field(
+    scope: Literal["per_session", "workspace", "person"] = Field(
         "per_session",
         description="per_session: each conversation has its own memory (users never see each "
-        "other's); workspace: one shared memory for a single-owner assistant.",
+        "other's); workspace: one shared memory for a single-owner assistant; person: a "
+        "person's direct chats share one memory on every channel once `gateway people link` "
+        "joins their ids (groups keep their own).",
     )
     auto_consolidate: bool = Field(
         True, description="Summarize old turns into memory in the background."

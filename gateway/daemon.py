@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from gateway.agent.mcp import MCPServers, ServerState
     from gateway.dedupe import DedupeStore
     from gateway.http.admin import AdminPage
+    from gateway.people import PeopleStore
     from gateway.replicas import SessionRouter
     from gateway.storage.postgres import SharedStorage
 
@@ -264,12 +265,25 @@ def build_memory_backend(settings: Settings) -> MemoryBackend:
     if shared is not None:
         from gateway.memory.pg_store import PostgresMemoryStore
 
-        return PostgresMemoryStore(shared.sync, mode=settings.memory.scope)
+        return PostgresMemoryStore(
+            shared.sync, mode=settings.memory.scope, people=build_people_store(settings)
+        )
     return MemoryStore(
         settings.workspace_path,
         mode=settings.memory.scope,
         history_max_bytes=settings.memory.history_max_bytes,
+        people=build_people_store(settings),
     )
+
+
+def build_people_store(settings: Settings) -> PeopleStore:
+    """Who is who across channels: `people.json` in the workspace, or PostgreSQL."""
+    from gateway.people import PEOPLE_FILE, FilePeopleStore, PostgresPeopleStore
+
+    shared = shared_storage(settings)
+    if shared is not None:
+        return PostgresPeopleStore(shared.sync)
+    return FilePeopleStore(settings.workspace_path / PEOPLE_FILE)
 
 
 def build_memory(
@@ -406,6 +420,7 @@ class Gateway:
             memory=memory,
             consolidator=consolidator,
             usage=usage,
+            people=build_people_store(settings) if settings.memory.scope == "person" else None,
         )
         return cls(
             settings=settings,

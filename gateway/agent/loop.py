@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from loguru import logger
 
+from gateway.access import META_IS_GROUP
 from gateway.agent.commands import (
     PRIVILEGED,
     Command,
@@ -45,6 +46,7 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
+from gateway.people import DM_CHANNELS, PeopleStore
 from gateway.sessions.errors import SessionError, SessionKeyError
 from gateway.usage import UsageMeter, usage_scope
 
@@ -146,9 +148,14 @@ class AgentLoop:
         memory: MemoryBackend | None = None,
         consolidator: Consolidator | None = None,
         usage: UsageMeter | None = None,
+        people: PeopleStore | None = None,
     ) -> None:
         self.sessions = sessions
         self.usage = usage
+        #: With `memory.scope = "person"`: direct conversations are noted as their
+        #: sender's, so their memory is the person's (`gateway.people`).
+        self.people = people
+        self._dm_owners: dict[str, str] = {}
         self.provider = provider
         self.config = config
         self.tools = tools or ToolRegistry()
@@ -294,9 +301,26 @@ class AgentLoop:
         # The reply is the session's last entry: a replay finds it (no outbox needed).
         return reply_for(inbound, reply.text, metadata={**reply.metadata, META_IN_SESSION: True})
 
+    async def _note_dm(self, inbound: InboundMessage) -> None:
+        """Record whose direct conversation this is (once per process and session)."""
+        if inbound.metadata.get(META_IS_GROUP) is not False or not inbound.sender_id:
+            return
+        if inbound.channel not in DM_CHANNELS:
+            return
+        key, sender = inbound.session_key, f"{inbound.channel}:{inbound.sender_id}"
+        if self._dm_owners.get(key) == sender or self.people is None:
+            return
+        await anyio.to_thread.run_sync(self.people.note_dm, key, sender)
+        self._dm_owners[key] = sender
+
     def _usage_line(self, key: str) -> str:
         assert self.usage is not None
-        tokens, cost = self.usage.today(key)
+        try:
+            tokens, cost = self.usage.today(key)
+        except Exception as exc:
+            # /status still answers; the ledger's trouble is logged for the operator.
+            logger.error("usage ledger unreadable: {}", exc)
+            return "Tokens today: unknown (the usage ledger cannot be read)"
         line = f"Tokens today: {tokens:,} (${cost:.6f})"
         limit = self.usage.budgets.conversation_per_day
         return f"{line}, budget {limit:,} per day" if limit is not None else line
@@ -366,6 +390,8 @@ class AgentLoop:
         `SessionManager.aget_or_create`); memory search, which may build an index, runs
         in a worker thread when there is memory to search."""
         key = session.key
+        if self.people is not None:
+            await self._note_dm(inbound)
         if append:
             await session.aadd_message(user_message, user_entry_meta(inbound))
         texts: list[str] = []

@@ -52,6 +52,7 @@ from gateway.memory.knowledge import (
 from gateway.memory.manager import utc_now
 from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
 from gateway.memory.text import one_line, tokenize
+from gateway.people import PeopleStore, person_scope
 
 if TYPE_CHECKING:
     import psycopg
@@ -457,8 +458,10 @@ class PostgresMemoryStore:
         *,
         mode: ScopeMode = "per_session",
         clock: Callable[[], datetime] = utc_now,
+        people: PeopleStore | None = None,
     ) -> None:
         scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
+        self.people = people
         self._pool = pool
         self._mode: ScopeMode = mode
         self._clock = clock
@@ -468,6 +471,8 @@ class PostgresMemoryStore:
         return self._mode
 
     def scope_for(self, session_key: str) -> str:
+        if self._mode == "person" and self.people is not None:
+            return person_scope(self.people, session_key)
         return scope_for_session(session_key, self._mode)
 
     def exists(self, session_key: str) -> bool:

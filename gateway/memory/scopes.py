@@ -14,7 +14,7 @@ from typing import Literal
 from gateway.messages import root_session_key
 from gateway.sessions.keys import encode_key
 
-ScopeMode = Literal["per_session", "workspace"]
+ScopeMode = Literal["per_session", "workspace", "person"]
 WORKSPACE_SCOPE = "_workspace"
 MEMORY_DIRNAME = "memory"
 
@@ -46,8 +46,10 @@ def scope_for_session(session_key: str, mode: ScopeMode) -> str:
     session (`<parent>:sub:<id>`) shares the memory of the conversation it serves."""
     if mode == "workspace":
         return WORKSPACE_SCOPE
-    if mode != "per_session":
-        raise ValueError(f"unknown memory scope mode {mode!r}; use 'per_session' or 'workspace'")
+    if mode not in ("per_session", "person"):
+        raise ValueError(
+            f"unknown memory scope mode {mode!r}; use 'per_session', 'workspace' or 'person'"
+        )
     if session_key == WORKSPACE_SCOPE:
         raise ValueError(
             f"session key {WORKSPACE_SCOPE!r} is reserved for the shared workspace memory"

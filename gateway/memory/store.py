@@ -23,6 +23,7 @@ from gateway.memory.scopes import (
     scope_dirname,
     scope_for_session,
 )
+from gateway.people import PeopleStore, person_scope
 
 
 class MemoryStore:
@@ -38,8 +39,10 @@ class MemoryStore:
         fsync_appends: bool = False,
         knowledge_flush_every: int = 32,
         clock: Callable[[], datetime] = utc_now,
+        people: PeopleStore | None = None,
     ) -> None:
         scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
+        self.people = people
         self.workspace_path = Path(workspace_path)
         self._memory_root = str(self.workspace_path / MEMORY_DIRNAME)
         self.mode: ScopeMode = mode
@@ -56,6 +59,8 @@ class MemoryStore:
 
     def scope_for(self, session_key: str) -> str:
         """The scope `session_key` uses in this store's mode."""
+        if self.mode == "person" and self.people is not None:
+            return person_scope(self.people, session_key)
         return scope_for_session(session_key, self.mode)
 
     def exists(self, session_key: str) -> bool:
