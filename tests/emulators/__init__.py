@@ -1,0 +1,1 @@
+"""Third-party emulators of the outside services (not written here), run for tests."""
