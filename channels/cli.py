@@ -19,7 +19,12 @@ import anyio.abc
 
 from gateway.agent import AgentLoop
 from gateway.channel import Submit
-from gateway.messages import DEFAULT_TERMINAL_SESSION, InboundMessage, OutboundMessage
+from gateway.messages import (
+    DEFAULT_TERMINAL_SESSION,
+    InboundMessage,
+    OutboundFile,
+    OutboundMessage,
+)
 
 if TYPE_CHECKING:
     from prompt_toolkit import PromptSession
@@ -111,6 +116,8 @@ class CLIChannel:
     async def send(self, message: OutboundMessage) -> None:
         prefix = "error> " if message.is_error else "bot> "
         self._print(prefix + message.text)
+        for file in message.files:
+            self._print(render_file(file))
 
     async def _next_line(self, *, ctrl_c_ends: bool = False) -> str | None:
         """The next line typed, or None at the end (Ctrl-D, /quit, end of input)."""
@@ -204,3 +211,15 @@ class CLIChannel:
             else:
                 prefix = "error> " if reply.is_error else "bot> "
                 self._print(prefix + reply.text)
+
+
+def render_file(file: OutboundFile) -> str:
+    """A reply's file as the terminal shows it: a header line, then its text when it
+    is text (a terminal cannot show an image or binary)."""
+    header = f"[file {file.name}, {len(file.data):,} bytes, {file.mime_type}]"
+    if file.is_image:
+        return header
+    try:
+        return f"{header}\n{file.data.decode('utf-8').rstrip()}"
+    except UnicodeDecodeError:
+        return header

@@ -47,6 +47,7 @@ Promises (tested in tests/test_slack*.py):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Mapping
@@ -79,11 +80,17 @@ from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, MET
 from gateway.channel import Submit
 from gateway.config import ConfigError, SlackSettings
 from gateway.http import SLACK_EVENTS_PATH, HttpServer, json_error
+from gateway.media import MediaError
+from gateway.media.download import download_capped
 from gateway.messages import (
     META_EDIT_OF,
     META_POST_ID,
+    META_QUOTED_SENDER,
+    META_QUOTED_TEXT,
     META_SENT_AT,
+    Attachment,
     InboundMessage,
+    OutboundFile,
     OutboundMessage,
 )
 
@@ -187,8 +194,9 @@ def translate_event(
     if not isinstance(ts, str) or not ts:
         return Skipped("no message ts")
     text = slack_to_plain(str(event.get("text") or ""), bot_user_id)
-    if not text:
-        return Skipped("no text (only a mention, or only files)")
+    files = event_attachments(event)
+    if not text and not files:
+        return Skipped("no text (only a mention)")
     thread_ts = event.get("thread_ts")
     if not isinstance(thread_ts, str) or not thread_ts:
         thread_ts = ts if (not is_dm and reply_mode == "thread") else None
@@ -221,7 +229,43 @@ def translate_event(
         thread_kind=THREAD_KIND if thread_ts else None,
         thread_id=thread_ts,
         metadata=metadata,
+        attachments=files,
     )
+
+
+def event_attachments(event: Mapping[str, Any]) -> tuple[Attachment, ...]:
+    """The files shared with a message, as references the agent fetches at turn time
+    (an image, audio to transcribe, or a document)."""
+    found = []
+    for file in event.get("files") or ():
+        if not isinstance(file, Mapping) or not isinstance(file.get("id"), str):
+            continue
+        mime = str(file.get("mimetype") or "")
+        kind = (
+            "image"
+            if mime.startswith("image/")
+            else "voice"
+            if mime.startswith("audio/") or file.get("subtype") == "slack_audio"
+            else "document"
+        )
+        size = file.get("size")
+        url = file.get("url_private_download") or file.get("url_private")
+        found.append(
+            Attachment(
+                kind,
+                file["id"],
+                str(file.get("name") or file.get("title") or "file"),
+                mime,
+                size if isinstance(size, int) else None,
+                str(url) if url and file.get("file_access") != "check_file_info" else None,
+            )
+        )
+    return tuple(found)
+
+
+def _looks_like_html(data: bytes) -> bool:
+    head = data[:64].lstrip().lower()
+    return head.startswith((b"<!doctype html", b"<html"))
 
 
 def address_of(message: OutboundMessage) -> tuple[str, str | None]:
@@ -441,6 +485,8 @@ class SlackChannel:
         self._paused = False
         self._mounted = False
         self._streams: dict[str, _Stream] = {}
+        self._bot_token = bot_token
+        self._names: dict[str, str] = {}  # user id -> display name (users.info)
         self.app = AsyncApp(
             client=self.client,
             signing_secret=signing_secret or "",
@@ -575,6 +621,75 @@ class SlackChannel:
             "slack: handling event {} failed", body.get("event_id") if body else None
         )
 
+    # ----------------------------------------------------------------- turn time
+
+    async def fetch_file(self, attachment: Attachment, *, max_bytes: int) -> bytes:
+        """A file someone shared: its url_private_download (after files.info when the
+        event did not carry it), with the bot token as a bearer (needs files:read)."""
+        url = attachment.url
+        if url is None:
+            try:
+                info = await self.client.files_info(file=attachment.file_id)
+            except (SlackClientError, aiohttp.ClientError, TimeoutError) as exc:
+                logger.warning("slack: files.info failed: {}", _classify(exc))
+                raise MediaError("Slack did not hand over the file") from None
+            file = info.get("file") or {}
+            size = file.get("size")
+            if isinstance(size, int) and size > max_bytes:
+                raise MediaError(
+                    f"it is {size / 2**20:.1f} MB; the limit is {max_bytes / 2**20:.0f} MB"
+                )
+            url = file.get("url_private_download") or file.get("url_private")
+            if not url:
+                raise MediaError("Slack gave no download address for the file")
+        headers = {"Authorization": f"Bearer {self._bot_token}"}
+        data = await download_capped(str(url), max_bytes, headers=headers)
+        if _looks_like_html(data) and "html" not in attachment.mime_type:
+            # Slack's sign-in page: the token may not read files.
+            logger.error("slack: a file download was refused; the app needs the files:read scope")
+            raise MediaError("Slack refused to hand over the file")
+        return data
+
+    async def enrich_for_turn(self, message: InboundMessage) -> InboundMessage:
+        """In a channel: the sender's display name when the event had none (users.info)
+        and, for a message inside a thread, the thread's parent message
+        (conversations.replies). Nothing in DMs."""
+        if message.channel != CHANNEL or not message.metadata.get(META_IS_GROUP):
+            return message
+        metadata = dict(message.metadata)
+        if not metadata.get(META_SENDER_NAME) and message.sender_id:
+            metadata[META_SENDER_NAME] = await self._display_name(message.sender_id)
+        own_ts = metadata.get("slack_ts")
+        if message.thread_id and message.thread_id != own_ts:
+            answer = await self.client.conversations_replies(
+                channel=message.chat_id, ts=message.thread_id, limit=1
+            )
+            parents = answer.get("messages") or []
+            if parents and parents[0].get("ts") == message.thread_id:
+                parent = parents[0]
+                text = slack_to_plain(str(parent.get("text") or ""), None)
+                if text:
+                    metadata[META_QUOTED_TEXT] = text
+                    metadata[META_QUOTED_SENDER] = await self._author(parent)
+        return dataclasses.replace(message, metadata=metadata)
+
+    async def _author(self, message: Mapping[str, Any]) -> str:
+        profile = message.get("bot_profile")
+        if isinstance(profile, Mapping) and profile.get("name"):
+            return str(profile["name"])
+        user = message.get("user")
+        return await self._display_name(str(user)) if user else ""
+
+    async def _display_name(self, user: str) -> str:
+        if user not in self._names:
+            answer = await self.client.users_info(user=user)
+            info = answer.get("user") or {}
+            profile = info.get("profile") or {}
+            self._names[user] = str(
+                profile.get("display_name") or profile.get("real_name") or info.get("name") or ""
+            )
+        return self._names[user]
+
     # ----------------------------------------------------------------- replies
 
     async def send(self, message: OutboundMessage) -> None:
@@ -585,6 +700,9 @@ class SlackChannel:
         stream = self._streams.pop(message.reply_to or message.session_key, None)
         deadline = time.monotonic() + self.retry.reply_deadline
         with logger.contextualize(session=message.session_key):
+            if not parts and message.files:
+                await self._upload_files(channel, thread_ts, message.files)
+                return
             if not parts:
                 logger.warning("slack: empty reply not sent")
                 return
@@ -604,6 +722,25 @@ class SlackChannel:
                         len(parts) - index - 1,
                     )
                     return
+            if message.files:
+                await self._upload_files(channel, thread_ts, message.files)
+
+    async def _upload_files(
+        self, channel: str, thread_ts: str | None, files: tuple[OutboundFile, ...]
+    ) -> None:
+        """Upload a reply's files into its conversation, the way `files_upload_v2` does
+        (files.getUploadURLExternal, the bytes, files.completeUploadExternal). Tried
+        once: a failed upload is logged, never repeated blindly (it may have landed)."""
+        uploads = [
+            {"content": f.data, "filename": f.name, "title": f.caption or f.name} for f in files
+        ]
+        try:
+            await self.client.files_upload_v2(
+                channel=channel, thread_ts=thread_ts, file_uploads=uploads
+            )
+        except (SlackClientError, aiohttp.ClientError, TimeoutError) as exc:
+            names = ", ".join(f.name for f in files)
+            logger.error("slack: files {} not uploaded to {}: {}", names, channel, _classify(exc))
 
     async def stream_delta(self, inbound: InboundMessage, delta: str) -> None:
         """A piece of the reply to `inbound` while it is written (streaming on): the

@@ -57,7 +57,15 @@ import anyio.abc
 import httpx
 from aiohttp import web
 from loguru import logger
-from telegram import Bot, BotCommand, Message, MessageEntity, ReplyParameters, Update
+from telegram import (
+    Bot,
+    BotCommand,
+    InputFile,
+    Message,
+    MessageEntity,
+    ReplyParameters,
+    Update,
+)
 from telegram.constants import ChatAction, ChatType, ParseMode
 from telegram.error import (
     BadRequest,
@@ -78,10 +86,16 @@ from gateway.agent.commands import COMMANDS
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, TelegramSettings
 from gateway.http import TELEGRAM_WEBHOOK_PATH, HttpServer, json_error
+from gateway.media import MediaError
+from gateway.media.download import download_capped
 from gateway.messages import (
     META_EDIT_OF,
+    META_QUOTED_SENDER,
+    META_QUOTED_TEXT,
     META_SENT_AT,
+    Attachment,
     InboundMessage,
+    OutboundFile,
     OutboundMessage,
 )
 
@@ -270,6 +284,58 @@ def attachment_kind(message: Message) -> str | None:
     return "an attachment" if message.effective_attachment is not None else None
 
 
+#: Telegram's own limits: the largest photo a bot may send, and a caption.
+PHOTO_UPLOAD_LIMIT = 10 * 1024 * 1024
+CAPTION_LIMIT = 1024
+
+
+def readable_attachments(message: Message) -> tuple[Attachment, ...]:
+    """The files of `message` the agent can read: a photo (its largest size), a voice
+    note or audio file, a document (an image or audio sent as a file counts as one)."""
+    if message.photo:
+        best = message.photo[-1]
+        return (Attachment("image", best.file_id, "photo.jpg", "image/jpeg", best.file_size),)
+    if message.voice is not None:
+        voice = message.voice
+        mime = voice.mime_type or "audio/ogg"
+        return (Attachment("voice", voice.file_id, "voice.ogg", mime, voice.file_size),)
+    if message.audio is not None:
+        audio = message.audio
+        name = audio.file_name or "audio.mp3"
+        mime = audio.mime_type or "audio/mpeg"
+        return (Attachment("voice", audio.file_id, name, mime, audio.file_size),)
+    if message.document is not None:
+        doc = message.document
+        mime = doc.mime_type or ""
+        kind = (
+            "image"
+            if mime.startswith("image/")
+            else "voice"
+            if mime.startswith("audio/")
+            else "document"
+        )
+        return (Attachment(kind, doc.file_id, doc.file_name or "file", mime, doc.file_size),)
+    return ()
+
+
+def quoted_message(message: Message) -> tuple[str, str] | None:
+    """(who wrote it, its text) of the message `message` replies to; None when it replies
+    to nothing (a forum topic's first message does not count) or to a textless one."""
+    reply = message.reply_to_message
+    if reply is None or reply.forum_topic_created is not None:
+        return None
+    if message.is_topic_message and reply.message_id == message.message_thread_id:
+        return None
+    text = reply.text if reply.text is not None else reply.caption
+    if not text or not text.strip():
+        return None
+    if reply.sender_chat is not None:
+        who = reply.sender_chat.title or ""
+    else:
+        who = reply.from_user.full_name if reply.from_user is not None else ""
+    return who, text
+
+
 def unsupported_notice(kind: str) -> str:
     return (
         f"Sorry, I can't open {kind} yet: I can only read text. "
@@ -291,9 +357,14 @@ def translate_message(
     if user is not None and user.is_bot and message.sender_chat is None:
         return Skip("a message from a bot")
     raw = message.text if message.text is not None else message.caption
-    kind = attachment_kind(message)
+    files = readable_attachments(message)
+    kind = None if files else attachment_kind(message)
     reply_to_bot = is_reply_to_bot(message, bot_id)
-    if raw is None or not raw.strip():
+    if files and (raw is None or not raw.strip()):
+        if is_group and not reply_to_bot:
+            return Skip("a file in a group, not addressed to the bot")
+        raw = ""
+    if raw is None or (not raw.strip() and not files):
         if kind is None:
             return Skip("a service message")
         if is_group and not reply_to_bot:
@@ -304,6 +375,7 @@ def translate_message(
     if addressing.command_for_another_bot:
         return Skip("a command for another bot")
     text = addressing.text
+    quote = quoted_message(message) if is_group else None
     metadata: dict[str, Any] = {
         META_IS_GROUP: is_group,
         META_MENTIONED: addressing.mentioned,
@@ -313,6 +385,8 @@ def translate_message(
     if kind is not None:
         metadata[META_ATTACHMENT] = kind
         text += f"\n\n[The user attached {kind}, which the assistant cannot see.]"
+    if quote is not None:
+        metadata[META_QUOTED_SENDER], metadata[META_QUOTED_TEXT] = quote
     if message.sender_chat is not None:
         sender_id = str(message.sender_chat.id)
         metadata[META_SENDER_NAME] = message.sender_chat.title or ""
@@ -342,6 +416,7 @@ def translate_message(
         thread_kind=TOPIC if topic is not None else None,
         thread_id=str(topic) if topic is not None else None,
         metadata=metadata,
+        attachments=files,
     )
 
 
@@ -804,6 +879,10 @@ class TelegramChannel:
         pieces = split_markdown(message.text)
         stream = await self._finish_stream(message)
         with logger.contextualize(session=message.session_key):
+            if not pieces and message.files:
+                for file in message.files:
+                    await self._send_file(where, file)
+                return
             if not pieces:
                 logger.warning("telegram: empty reply not sent")
                 return
@@ -814,6 +893,57 @@ class TelegramChannel:
                 quote = None
             for i, piece in enumerate(pieces[first:]):
                 await self._send_piece(where, piece, quote if i == 0 else None)
+            for file in message.files:
+                await self._send_file(where, file)
+
+    async def _send_file(self, where: Address, file: OutboundFile) -> Message:
+        """One file of a reply: an image as a photo (sendPhoto) when Telegram takes it
+        as one, anything else as a document (sendDocument)."""
+        bot = self._bot()
+        upload = InputFile(file.data, filename=file.name)
+        caption = file.caption[:CAPTION_LIMIT] or None
+        if file.is_image and len(file.data) <= PHOTO_UPLOAD_LIMIT:
+            photo = functools.partial(
+                bot.send_photo,
+                where.chat_id,
+                upload,
+                caption=caption,
+                message_thread_id=where.thread_id,
+            )
+            return await self.call_api("sendPhoto", where.chat_id, photo, idempotent=False)
+        document = functools.partial(
+            bot.send_document,
+            where.chat_id,
+            upload,
+            caption=caption,
+            message_thread_id=where.thread_id,
+        )
+        return await self.call_api("sendDocument", where.chat_id, document, idempotent=False)
+
+    # ----------------------------------------------------------------- files in
+
+    async def fetch_file(self, attachment: Attachment, *, max_bytes: int) -> bytes:
+        """A file someone sent: getFile, then a download of at most `max_bytes` (the
+        download URL holds the token, so it never reaches a log line or an error)."""
+        bot = self._bot()
+        limit = max_bytes  # a self-hosted Bot API server allows more than Telegram's 20 MB
+        get = functools.partial(bot.get_file, attachment.file_id)
+        try:
+            file = await self.call_api("getFile", "getFile", get, idempotent=True)
+        except BadRequest as exc:
+            if "too big" in str(exc).lower():
+                raise MediaError("Telegram lets bots download files of up to 20 MB only") from None
+            raise MediaError("Telegram no longer has the file") from None
+        except TelegramError as exc:
+            logger.warning("telegram: getFile failed: {}", type(exc).__name__)
+            raise MediaError("Telegram did not hand over the file; please send it again") from None
+        if file.file_size is not None and file.file_size > limit:
+            raise MediaError(
+                f"it is {file.file_size / 2**20:.1f} MB; the limit is {limit / 2**20:.0f} MB"
+            )
+        if not file.file_path:
+            raise MediaError("Telegram gave no download address for the file")
+        return await download_capped(file.file_path, limit)
 
     async def _send_piece(self, where: Address, markdown: str, quote: int | None) -> Message:
         """Send one piece as HTML; as plain text when Telegram refuses the HTML."""

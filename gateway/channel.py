@@ -16,10 +16,11 @@ begins to drain, leaving them with the platform for the next start.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import anyio
 import anyio.abc
+from loguru import logger
 
 from gateway.messages import InboundMessage, OutboundMessage
 
@@ -56,3 +57,24 @@ class Channel(Protocol):
     async def send(self, message: OutboundMessage) -> None:
         """Deliver a reply (or a notice) to the platform."""
         ...
+
+
+@runtime_checkable
+class TurnEnricher(Protocol):
+    """A channel that adds, at turn time, what its edge could not know without a
+    request to the platform (Slack: the text of a thread's parent message). Called
+    when the message's turn begins, never before the platform is acknowledged."""
+
+    async def enrich_for_turn(self, message: InboundMessage) -> InboundMessage: ...
+
+
+async def enrich_for_turn(channel: object, message: InboundMessage) -> InboundMessage:
+    """`message` as its channel enriches it; unchanged when the channel does not, or
+    when enriching fails (the turn goes on without the extra context)."""
+    if not isinstance(channel, TurnEnricher):
+        return message
+    try:
+        return await channel.enrich_for_turn(message)
+    except Exception as exc:  # context is a nicety: never a reason to lose the turn
+        logger.warning("{}: no extra context for this turn: {!r}", message.channel, exc)
+        return message

@@ -259,7 +259,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
-    from channels.cli import CLIChannel
+    from channels.cli import CLIChannel, render_file
     from gateway.daemon import Gateway
 
     key = args.session or settings.channels.cli.session
@@ -278,6 +278,8 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
                         code = EXIT_FAILED
                     else:
                         print(reply.text, flush=True)
+                        for file in reply.files:
+                            print(render_file(file), flush=True)
                 else:
                     await channel.run_interactive()
                 # Background consolidation gets its grace period before we leave.

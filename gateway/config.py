@@ -161,6 +161,66 @@ class AgentSettings(_Section):
     )
 
 
+class MediaSettings(_Section):
+    """`[media]`: images, voice notes and documents people send, and files in replies."""
+
+    enabled: bool = Field(True, description="Read images, voice messages and documents.")
+    max_download_mb: float = Field(
+        20.0, gt=0, le=2000, description="Largest file fetched (Telegram bots get 20 MB at most)."
+    )
+    image_max_side: int = Field(
+        2048, ge=64, le=16384, description="Longer images are scaled down to this many pixels."
+    )
+    image_max_kb: int = Field(
+        2048, ge=16, description="Larger images are re-encoded (JPEG) to fit under this size."
+    )
+    image_max_megapixels: float = Field(
+        50.0, gt=0, description="Larger images are refused (decompression bombs)."
+    )
+    vision_models: list[str] = Field(
+        default_factory=lambda: [
+            "gpt-4o*",
+            "gpt-4.1*",
+            "gpt-5*",
+            "o3*",
+            "o4*",
+            "*vision*",
+            "*-vl*",
+            "llava*",
+            "gemma3*",
+            "claude*",
+            "gemini*",
+        ],
+        description="Models that see images (glob patterns); others get a short note instead.",
+    )
+    document_max_chars: int = Field(
+        20_000, ge=100, description="Text taken from one document (PDF, DOCX, text)."
+    )
+    transcription_model: str = Field(
+        "whisper-1", description="Model of the /audio/transcriptions endpoint for voice messages."
+    )
+    transcription_base_url: str | None = Field(
+        None,
+        description="OpenAI-compatible server for transcriptions; unset = llm.base_url.",
+        examples=["http://127.0.0.1:8000/v1"],
+    )
+    transcription_api_key: SecretStr | None = _secret(
+        "the transcription server's key (unset: llm's key when the server is llm's, else none)",
+        "GATEWAY_MEDIA__TRANSCRIPTION_API_KEY",
+    )
+    transcription_api_key_file: Path | None = _secret_file(
+        "GATEWAY_MEDIA__TRANSCRIPTION_API_KEY", "transcription-api-key"
+    )
+    transcription_timeout: float = Field(
+        120.0, gt=0, description="Seconds one transcription may take."
+    )
+    code_block_file_chars: int = Field(
+        4000,
+        ge=0,
+        description="A reply's code block longer than this goes out as a file (0: never).",
+    )
+
+
 class SessionSettings(_Section):
     fsync: Literal["always", "batch", "never"] = Field(
         "batch",
@@ -660,6 +720,7 @@ class Settings(_Section):
     )
     llm: LLMSettings = Field(default_factory=LLMSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
+    media: MediaSettings = Field(default_factory=MediaSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
     cache: CacheSettingsSection = Field(default_factory=CacheSettingsSection)

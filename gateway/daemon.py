@@ -23,12 +23,14 @@ from gateway.agent.memory_tools import memory_tools
 from gateway.agent.subagents import SubagentLimits, Subagents
 from gateway.agent.toolset import build_mcp, build_tools
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
-from gateway.channel import Channel, Ticket
+from gateway.channel import Channel, Ticket, enrich_for_turn
 from gateway.config import AccessSection, ConfigError, Settings
 from gateway.dedupe import dedupe_key
 from gateway.gcpolicy import GCPolicy
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
 from gateway.llm.types import LLMProvider
+from gateway.media import FileSource
+from gateway.media.build import build_media
 from gateway.memory import MemoryStore
 from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
@@ -228,6 +230,7 @@ def agent_config(settings: Settings) -> AgentConfig:
         cache_disabled_channels=frozenset(settings.cache.disabled_channels),
         auto_consolidate=settings.memory.auto_consolidate,
         offline_after=settings.agent.offline_after_seconds,
+        code_block_file_chars=settings.media.code_block_file_chars,
     )
 
 
@@ -421,6 +424,7 @@ class Gateway:
             consolidator=consolidator,
             usage=usage,
             people=build_people_store(settings) if settings.memory.scope == "person" else None,
+            media=build_media(settings),
         )
         return cls(
             settings=settings,
@@ -456,6 +460,8 @@ class Gateway:
         if self.memory is not None:
             await anyio.to_thread.run_sync(self.memory.close)
         await self.provider.aclose()
+        if self.agent.media is not None:
+            await self.agent.media.aclose()
         if self.cache is not None:
             await self.cache.aclose()
         await anyio.to_thread.run_sync(self.sessions.close)
@@ -753,14 +759,16 @@ class Daemon:
         """One turn; with streaming on, text deltas go to channels that can show them."""
         agent = self.gateway.agent
         channel = self.channels.get(message.channel)
+        files = channel if isinstance(channel, FileSource) else None
+        message = await enrich_for_turn(channel, message)
         stream_delta = getattr(channel, "stream_delta", None)
         if stream_delta is None or not agent.config.stream:
-            return await agent.handle(message)
+            return await agent.handle(message, files=files)
 
         async def on_delta(text: str) -> None:
             await stream_delta(message, text)
 
-        return await agent.handle(message, on_delta=on_delta)
+        return await agent.handle(message, on_delta=on_delta, files=files)
 
     def _turn_done(self, reply: OutboundMessage, seconds: float) -> None:
         self.metrics.observe_turn(reply, seconds)

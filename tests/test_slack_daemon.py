@@ -107,6 +107,12 @@ async def event(fake: FakeSlack, payload: dict[str, Any]) -> tuple[dict[str, Any
         return envelope, await fake.wait_for_ack(envelope["envelope_id"])
 
 
+def in_channel(text: str, user: str = ALICE) -> str:
+    """The fake model's echo of a channel message: in channels the model sees who wrote
+    (gateway.agent.speakers; the fake's users.info names a user by its lower-case id)."""
+    return f'echo: [from "{user.lower()}"]\n{text}'
+
+
 def place(call: ApiCall) -> tuple[str, str | None]:
     return call.params["channel"], call.params.get("thread_ts")
 
@@ -120,14 +126,17 @@ async def test_mention_thread_and_dm_each_get_one_reply_in_place(
         [answer] = await posts(fake_slack, 1)
         ts = mention["event"]["ts"]
         assert place(answer) == (CHANNEL, ts)  # reply_mode thread: a thread under it
-        assert answer.params["text"] == "echo: hello there"
+        assert answer.params["text"] == in_channel("hello there")
 
         await event(fake_slack, fake_slack.app_mention(CHANNEL, BOB, "and you?", thread_ts=ts))
         [_, in_thread] = await posts(fake_slack, 2)
         assert place(in_thread) == (CHANNEL, ts)
         # Same session: the model saw the first exchange too.
         history = [m["content"] for m in fake_openai.last_request.messages]
-        assert "hello there" in history and "echo: hello there" in history
+        assert history[-2] == in_channel("hello there")  # the first answer
+        assert history[-3].endswith("\nhello there") and history[-1].endswith("\nand you?")
+        # Bob's message names him and quotes the thread's parent (Alice's mention).
+        assert history[-1].startswith('[from "u0bob00001"]\n[in reply to "u0alice001": ')
 
         await event(fake_slack, fake_slack.dm_message(ALICE, "just us"))
         [*_, dm] = await posts(fake_slack, 3)
@@ -193,7 +202,8 @@ async def test_a_429_storm_delays_but_loses_nothing(
         await event(fake_slack, fake_slack.app_mention(CHANNEL, ALICE, "three"))
         answered = await posts(fake_slack, 3)
         await anyio.sleep(QUIET)
-    assert sorted(c.params["text"] for c in answered) == ["echo: one", "echo: three", "echo: two"]
+    texts = {c.params["text"] for c in answered}
+    assert texts == {"echo: one", in_channel("three"), "echo: two"}
     statuses = [c.status for c in fake_slack.calls_to("chat.postMessage")]
     assert statuses.count(429) == 7 and statuses.count(200) == 3
 
@@ -242,7 +252,7 @@ async def test_http_mode_checks_signatures_and_answers_once(
         assert accepted.status == 200
         [answer] = await posts(fake_slack, 1)
         assert place(answer) == (CHANNEL, mention["event"]["ts"])
-        assert answer.params["text"] == "echo: over http"
+        assert answer.params["text"] == in_channel("over http")
 
         retried = await fake_slack.post_event(url, mention, retry_num=1)
         assert retried.status == 200
@@ -282,7 +292,7 @@ async def test_http_mode_answers_a_signed_malformed_body_with_400_not_a_tracebac
         logger.remove(handler)
     assert refused.status == 400
     assert "JSON object" in refused.json()["error"]
-    assert accepted.status == 200 and answer.params["text"] == "echo: still there?"
+    assert accepted.status == 200 and answer.params["text"] == in_channel("still there?")
     log = "".join(lines)
     assert "Traceback" not in log and " 500 " not in log
 

@@ -216,7 +216,8 @@ def test_captions_are_text_and_other_content_gets_a_notice_where_sensible() -> N
     fake = FakeTelegram()
     photo = translated(fake.user_message(CHAT, "what is this?", photo=True))
     assert isinstance(photo, InboundMessage)
-    assert photo.text.startswith("what is this?\n\n[The user attached a photo")
+    assert photo.text == "what is this?"  # the photo is an attachment the agent reads
+    assert [a.kind for a in photo.attachments] == ["image"]
     sticker = translated(fake.user_message(CHAT, sticker="👍"))
     assert isinstance(sticker, Notice) and "a sticker" in sticker.text
     in_group = translated(fake.user_message(GROUP, sticker="👍", chat_type="supergroup"))

@@ -131,7 +131,8 @@ async def test_a_forum_topic_message_is_answered_in_its_topic(
             )
         )
         [reply] = await wait_sent(fake_tg, GROUP, 1)
-    assert reply["text"] == "echo: what now?"  # the mention was cut out
+    # The mention was cut out; in a group the model sees who wrote (gateway.agent.speakers).
+    assert reply["text"] == 'echo: [from "Alice (@alice)"]\nwhat now?'
     assert reply["message_thread_id"] == 7 and reply["is_topic_message"] is True
     assert "what now?" in session_file(gw.settings, f"telegram:{GROUP}:topic:7")
 
@@ -186,7 +187,8 @@ async def test_a_long_reply_arrives_split_and_in_order(
     assert 9_000 < len(reply) < 12_000
     fake_openai.add_reply(reply)
     expected = [parse_html(markdown_to_html(chunk))[0] for chunk in split_markdown(reply)]
-    async with gateway(make_settings, fake_openai, fake_tg):
+    # Splitting is what this test is about: no code block goes out as a file.
+    async with gateway(make_settings, fake_openai, fake_tg, media__code_block_file_chars=0):
         fake_tg.push_update(fake_tg.user_message(CHAT, "write a lot"))
         await wait_sent(fake_tg, CHAT, len(expected))
         await anyio.sleep(0.3)
@@ -234,7 +236,9 @@ async def test_in_groups_only_messages_for_the_bot_are_answered(
         await wait_sent(fake_tg, GROUP, 2)
         await anyio.sleep(0.3)
     sent = fake_tg.sent_messages(GROUP)
-    assert [m["text"] for m in sent] == ["echo: are you there?", "echo: and this?"]
+    sender = '[from "Alice (@alice)"]'
+    assert [m["text"].splitlines()[0] for m in sent] == [f"echo: {sender}", f"echo: {sender}"]
+    assert [m["text"].splitlines()[-1] for m in sent] == ["are you there?", "and this?"]
     assert [r.last_user_text for r in fake_openai.chat_requests] == ["are you there?", "and this?"]
 
 

@@ -25,6 +25,7 @@ from gateway.agent.commands import (
     unknown_command_text,
 )
 from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs
+from gateway.agent.inputs import UserInput, read_user_input, with_images
 from gateway.agent.memory_tools import memory_texts
 from gateway.agent.offline import is_stale, message_age, offline_notice
 from gateway.agent.rewind import (
@@ -38,11 +39,14 @@ from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.agent.turns import EarlierTurn, find_turn, user_entry_meta
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
 from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse, ToolSpec
+from gateway.media import FileSource, MediaPreparer
+from gateway.media.outbound import code_blocks_as_files
 from gateway.messages import (
     META_EDIT_OF,
     META_IN_SESSION,
     META_REPLAYED,
     InboundMessage,
+    OutboundFile,
     OutboundMessage,
     reply_for,
 )
@@ -99,12 +103,15 @@ class AgentConfig:
     auto_consolidate: bool = True
     #: Seconds after which a message gets an "I was offline" notice (0: never).
     offline_after: float = 3600.0
+    #: A reply's code block longer than this goes out as a file (0: never).
+    code_block_file_chars: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class _TurnResult:
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    files: tuple[OutboundFile, ...] = ()
 
 
 @dataclass(slots=True)
@@ -149,6 +156,7 @@ class AgentLoop:
         consolidator: Consolidator | None = None,
         usage: UsageMeter | None = None,
         people: PeopleStore | None = None,
+        media: MediaPreparer | None = None,
     ) -> None:
         self.sessions = sessions
         self.usage = usage
@@ -162,6 +170,7 @@ class AgentLoop:
         self.cache = cache
         self.memory = memory
         self.consolidator = consolidator
+        self.media = media
         self.context = ContextBuilder(
             context_window=config.context_window,
             reply_reserve=config.reply_reserve_tokens,
@@ -186,10 +195,12 @@ class AgentLoop:
         *,
         on_delta: DeltaCallback | None = None,
         token_budget: int | None = None,
+        files: FileSource | None = None,
     ) -> OutboundMessage:
         """Answer one inbound message. Never raises for user or model problems: the
         reply then says what went wrong (`is_error=True`). With `token_budget`, the
-        turn's model calls stop once they have used that many tokens (a subagent's)."""
+        turn's model calls stop once they have used that many tokens (a subagent's).
+        `files` fetches the message's attachments (its channel)."""
         key = inbound.session_key
         with logger.contextualize(session=key), usage_scope(key):
             if is_stop_command(clean_user_text(inbound.text)):
@@ -198,14 +209,18 @@ class AgentLoop:
                 text = STOP_DONE_TEXT if stopped else STOP_IDLE_TEXT
                 return reply_for(inbound, text, metadata={"command": "stop"})
             async with self._lock_for(key):
-                return await self._handle_locked(inbound, on_delta, token_budget)
+                return await self._handle_locked(inbound, on_delta, token_budget, files)
 
     async def _handle_locked(
-        self, inbound: InboundMessage, on_delta: DeltaCallback | None, token_budget: int | None
+        self,
+        inbound: InboundMessage,
+        on_delta: DeltaCallback | None,
+        token_budget: int | None,
+        files: FileSource | None = None,
     ) -> OutboundMessage:
         text, nocache = strip_nocache(clean_user_text(inbound.text).strip())
         text = text.strip()
-        if not text:
+        if not text and not inbound.attachments:
             return reply_for(inbound, "Send some text and I will answer.", is_error=True)
         if len(text) > self.config.max_message_chars:
             logger.warning("message refused: {} characters", len(text))
@@ -215,7 +230,8 @@ class AgentLoop:
                 f"{self.config.max_message_chars:,}). Please shorten it or split it up.",
                 is_error=True,
             )
-        command = parse_command(text)
+        # A caption is not a command: the file would be dropped unanswered.
+        command = None if inbound.attachments else parse_command(text)
         stale = is_stale(inbound, time.time(), self.config.offline_after)
         if command is not None and stale:
             # Commands are not stored; a late one is not carried out either.
@@ -231,12 +247,16 @@ class AgentLoop:
         started = time.monotonic()
         try:
             user_message = LLMMessage(role="user", content=text)
+            if inbound.attachments and not text:
+                # What is stored when the model is not called (offline, over budget).
+                names = ", ".join(a.name or a.kind for a in inbound.attachments)
+                user_message = LLMMessage(role="user", content=f"[sent files: {names}]")
             session, earlier = await self._open_session(inbound)
             if earlier is not None:
                 if earlier.reply is not None:
                     logger.info("replayed message: its reply is in the session; not run again")
                     meta = {"replayed": True, META_IN_SESSION: True}
-                    return reply_for(inbound, earlier.reply, metadata=meta)
+                    return self._reply(inbound, _TurnResult(earlier.reply, meta))
                 if not earlier.is_latest:
                     logger.warning("replayed message: its turn cannot go on after later ones")
                     return reply_for(inbound, INTERRUPTED_TEXT, is_error=True)
@@ -266,9 +286,35 @@ class AgentLoop:
                 # A fresh answer: the cache would give back the one the person just saw
                 # when the edit only changed what normalization ignores.
                 nocache = True
-            ctx, texts = await self._open_turn(session, user_message, inbound, earlier is None)
+            if earlier is None:
+                said = await read_user_input(
+                    inbound,
+                    text,
+                    media=self.media,
+                    files=files,
+                    model=self._model_for(session) if inbound.attachments else self.config.model,
+                )
+            else:
+                # The session holds the message as it was read (attachments included).
+                said = UserInput(text)
+            user_message = LLMMessage(role="user", content=said.text)
+            ctx, texts = await self._open_turn(
+                session, user_message, inbound, earlier is None, said.meta
+            )
+            if said.problem is not None:
+                # The entry is stored (nothing the person sent is lost); no model call.
+                return reply_for(inbound, said.problem, is_error=True)
+            # An image is not in the cache key's text: such a turn is never cached.
+            nocache = nocache or bool(said.images)
             reply = await self._run_model(
-                session, ctx, texts, inbound, on_delta, nocache=nocache, token_budget=token_budget
+                session,
+                ctx,
+                texts,
+                inbound,
+                on_delta,
+                nocache=nocache,
+                token_budget=token_budget,
+                images=said.images,
             )
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
@@ -299,7 +345,18 @@ class AgentLoop:
             # the context (a count, then at most twice the window's messages).
             self.consolidator.maybe_schedule(inbound.session_key, session.build_context())
         # The reply is the session's last entry: a replay finds it (no outbox needed).
-        return reply_for(inbound, reply.text, metadata={**reply.metadata, META_IN_SESSION: True})
+        return self._reply(inbound, reply)
+
+    def _reply(self, inbound: InboundMessage, result: _TurnResult) -> OutboundMessage:
+        """The outbound reply of a turn: long code blocks go out as files, with the
+        files the turn's tools attached. The session keeps the whole text."""
+        text, blocks = code_blocks_as_files(result.text, self.config.code_block_file_chars)
+        return reply_for(
+            inbound,
+            text,
+            metadata={**result.metadata, META_IN_SESSION: True},
+            files=result.files + blocks,
+        )
 
     async def _note_dm(self, inbound: InboundMessage) -> None:
         """Record whose direct conversation this is (once per process and session)."""
@@ -382,6 +439,7 @@ class AgentLoop:
         user_message: LLMMessage,
         inbound: InboundMessage,
         append: bool,
+        meta: dict[str, Any] | None = None,
     ) -> tuple[SessionContext, list[str]]:
         """The user's message appended (the promise: what the user said is on disk
         before the model sees it) unless the session holds it already, the context
@@ -393,7 +451,8 @@ class AgentLoop:
         if self.people is not None:
             await self._note_dm(inbound)
         if append:
-            await session.aadd_message(user_message, user_entry_meta(inbound))
+            entry_meta = {**(user_entry_meta(inbound) or {}), **(meta or {})} or None
+            await session.aadd_message(user_message, entry_meta)
         texts: list[str] = []
         if self.memory is not None and (
             not self.sessions.io_on_loop or self.memory.exists(key)  # one stat
@@ -416,12 +475,13 @@ class AgentLoop:
         *,
         nocache: bool = False,
         token_budget: int | None = None,
+        images: tuple[str, ...] = (),
     ) -> _TurnResult:
         model = ctx.model or self.config.model
         query = ctx.messages[-1].content or "" if ctx.messages else ""
 
         def fit(history: Sequence[LLMMessage]) -> ContextPlan:
-            return self.context.build(
+            plan = self.context.build(
                 system_prompt=self.config.system_prompt,
                 history=history,
                 summary=ctx.summary,
@@ -429,6 +489,10 @@ class AgentLoop:
                 query=query,
                 session_key=session.key,
             )
+            if not images:
+                return plan
+            # The turn's images ride on its user message, in every request of the turn.
+            return dataclasses.replace(plan, messages=tuple(with_images(plan.messages, images)))
 
         plan = fit(ctx.messages)
         messages = list(plan.messages)
@@ -446,8 +510,12 @@ class AgentLoop:
                 logger.info("answered from cache ({} match)", hit.match)
                 return _TurnResult(hit.response, {"cached": True})
 
+        attached: list[OutboundFile] = []
         tool_context = ToolContext(
-            session_key=session.key, sender_id=inbound.sender_id, inbound=inbound
+            session_key=session.key,
+            sender_id=inbound.sender_id,
+            inbound=inbound,
+            attach=attached.append,
         )
         progress = _Progress()
         with anyio.CancelScope() as scope:
@@ -474,7 +542,7 @@ class AgentLoop:
         if cache_ctx is not None and self.cache is not None:
             stored_ctx = dataclasses.replace(cache_ctx, tool_calls_made=used_tools)
             await self.cache.store(stored_ctx, reply)
-        return _TurnResult(reply)
+        return _TurnResult(reply, files=tuple(attached))
 
     async def _tool_loop(
         self,

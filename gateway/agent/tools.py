@@ -12,7 +12,8 @@ import anyio
 from loguru import logger
 
 from gateway.llm.types import ToolCall, ToolSpec
-from gateway.messages import InboundMessage
+from gateway.media.outbound import send_file_handler
+from gateway.messages import InboundMessage, OutboundFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,8 @@ class ToolContext:
     sender_id: str = ""
     #: The message the turn answers: where a reply to this conversation goes.
     inbound: InboundMessage | None = None
+    #: Adds a file to the turn's reply (None: this turn's reply cannot carry files).
+    attach: Callable[[OutboundFile], None] | None = None
 
 
 ToolHandler = Callable[[dict[str, Any], ToolContext], Awaitable[str]]
@@ -195,7 +198,30 @@ async def _current_time(args: dict[str, Any], context: ToolContext) -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+async def _send_file(args: dict[str, Any], context: ToolContext) -> str:
+    if context.attach is None:
+        return "error: this conversation's replies cannot carry files"
+    return send_file_handler(context.attach, args)
+
+
 BUILTIN_TOOLS: dict[str, Tool] = {
+    "send_file": Tool(
+        ToolSpec(
+            name="send_file",
+            description="Send the user a text file (code, CSV, notes...) with your reply.",
+            parameters={
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "description": "File name, e.g. report.csv"},
+                    "content": {"type": "string", "description": "The file's text."},
+                    "caption": {"type": "string", "description": "A short caption."},
+                },
+                "required": ["name", "content"],
+                "additionalProperties": False,
+            },
+        ),
+        _send_file,
+    ),
     "current_time": Tool(
         ToolSpec(
             name="current_time",

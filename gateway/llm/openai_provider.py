@@ -109,6 +109,10 @@ def to_openai_message(message: LLMMessage) -> dict[str, Any]:
             }
             for call in message.tool_calls
         ]
+    elif message.images:
+        parts: list[dict[str, Any]] = [{"type": "text", "text": message.content or ""}]
+        parts += [{"type": "image_url", "image_url": {"url": url}} for url in message.images]
+        result["content"] = parts
     else:
         result["content"] = message.content or ""
     name = _api_name(message.name)

@@ -59,6 +59,10 @@ class LLMMessage:
 
     `usage` and `model` are set on assistant messages produced by a provider, so the
     session records which model answered and what it cost.
+
+    `images` (data URLs) go to the model with a user message as image parts, on the
+    turn they arrived; they are not part of `to_dict`, so a session stores the file's
+    reference (the entry's meta), never its bytes.
     """
 
     role: Role
@@ -68,6 +72,7 @@ class LLMMessage:
     name: str | None = None
     usage: TokenUsage | None = None
     model: str | None = None
+    images: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tool_calls, tuple):

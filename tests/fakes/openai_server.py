@@ -6,7 +6,8 @@ it is an aiohttp server on 127.0.0.1 with a random free port.
 Endpoints: ``POST /v1/chat/completions`` (JSON ``chat.completion`` objects, or SSE
 ``chat.completion.chunk`` events with incremental tool-call deltas, a usage chunk when
 ``stream_options.include_usage`` is set, and ``data: [DONE]``), ``GET /v1/models`` and
-``GET /v1/models/{id}``. Errors use OpenAI's ``{"error": {"message", "type", "param",
+``GET /v1/models/{id}``, and ``POST /v1/audio/transcriptions`` (multipart: ``file``,
+``model``; answers ``{"text": ...}``). Errors use OpenAI's ``{"error": {"message", "type", "param",
 "code"}}`` shape. Requests are checked like the real API does (a bearer key when
 ``api_key`` is set; well-formed messages, every assistant tool call answered by a tool
 message, string tool arguments, valid ``name`` fields) so provider bugs show up as 400s.
@@ -35,12 +36,28 @@ every request for one model fail, without consuming the queue. With nothing queu
 reply comes from ``fake.responder(request_json)``, by default ``echo: <last user text>``.
 Token usage is estimated as ceil(characters / 4) of each message's and the reply's text,
 plus 3 tokens of framing per prompt message and 3 to start the reply, as real servers count.
+
+Images: a user message's content may be a list of parts, ``{"type": "text", "text"}``
+and ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, as in
+the real API. A data URL that is not base64 of a PNG, JPEG, GIF or WebP image is the
+real 400 ("You uploaded an unsupported image..."), and so is any image part sent to a
+model in ``text_only_models`` ("Invalid content type. image_url is only supported by
+certain models."). The echo reply names each image it got: ``[image 640x480 jpeg]``.
+
+Transcriptions: files with an extension the real API refuses get its 400 ("Invalid file
+format. Supported formats: [...]"); otherwise the text is the next one queued with
+``add_transcription``, or else the bytes after a ``SPEECH:`` marker in the file (a test
+makes "audio" that says what it wants), or else "". Each request is recorded with
+``body = {"model": ..., "file": {"filename", "content_type", "size"}, ...}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
+import io
 import itertools
 import json
 import re
@@ -50,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from PIL import Image, UnidentifiedImageError
 
 from tests.fakes._serving import LocalServer, at_least
 
@@ -191,11 +209,58 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
 
 
 def echo_responder(body: dict[str, Any]) -> Reply | str:
-    """The default reply: ``echo: <text of the last user message>``."""
+    """The default reply: ``echo: <text of the last user message>``, and a
+    ``[image WxH format]`` for each image part it carried."""
     for message in reversed(body.get("messages") or ()):
         if isinstance(message, dict) and message.get("role") == "user":
-            return f"echo: {content_text(message.get('content'))}"
+            content = message.get("content")
+            seen = "".join(f" [image {d}]" for d in image_descriptions(content))
+            return f"echo: {content_text(content)}{seen}"
     return "echo: "
+
+
+_IMAGE_FORMATS = {"PNG", "JPEG", "GIF", "WEBP"}
+UNSUPPORTED_IMAGE = (
+    "You uploaded an unsupported image. Please make sure your image is below 20 MB in size "
+    "and is of one the following formats: ['png', 'jpeg', 'gif', 'webp']."
+)
+NO_VISION = "Invalid content type. image_url is only supported by certain models."
+AUDIO_FORMATS = ("flac", "m4a", "mp3", "mp4", "mpeg", "mpga", "oga", "ogg", "wav", "webm")
+
+
+def image_urls(content: Any) -> list[str]:
+    """The URLs of the image parts of a message content."""
+    if not isinstance(content, list):
+        return []
+    return [
+        str((part.get("image_url") or {}).get("url", ""))
+        for part in content
+        if isinstance(part, dict) and part.get("type") == "image_url"
+    ]
+
+
+def decode_image_url(url: str) -> Image.Image | None:
+    """The image a ``data:`` URL holds (None when it holds none the API accepts)."""
+    head, _, payload = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64")):
+        return None
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        image.load()
+    except (binascii.Error, UnidentifiedImageError, OSError, ValueError):
+        return None
+    return image if image.format in _IMAGE_FORMATS else None
+
+
+def image_descriptions(content: Any) -> list[str]:
+    """``WxH format`` of each image part (``remote`` for an http(s) URL)."""
+    found = []
+    for url in image_urls(content):
+        image = None if url.startswith(("http://", "https://")) else decode_image_url(url)
+        found.append(
+            "remote" if image is None else f"{image.width}x{image.height} {image.format.lower()}"
+        )
+    return found
 
 
 _NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -260,6 +325,17 @@ def validate_chat_request(body: Any) -> str | None:
                 "responding to each 'tool_call_id'. The following tool_call_ids did not have "
                 f"response messages: {', '.join(unanswered)}"
             )
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    continue
+                if kind != "image_url" or role != "user":
+                    return f"Invalid value for '{where}.content[{j}].type'."
+                url = str((part.get("image_url") or {}).get("url", ""))
+                if not url.startswith(("http://", "https://")) and decode_image_url(url) is None:
+                    return UNSUPPORTED_IMAGE
         tool_calls = message.get("tool_calls")
         if role == "assistant" and tool_calls:
             for j, call in enumerate(tool_calls):
@@ -357,10 +433,14 @@ class FakeOpenAI(LocalServer):
         models: Sequence[str] = ("gpt-4o-mini",),
         responder: Responder | None = None,
         validate: bool = True,
+        text_only_models: Sequence[str] = (),
     ) -> None:
         """`api_key=None` accepts any or no Authorization header (like a local server);
-        `validate=False` skips the request checks of `validate_chat_request`."""
+        `validate=False` skips the request checks of `validate_chat_request`;
+        `text_only_models` refuse image parts, as models without vision do."""
         super().__init__()
+        self.text_only_models = set(text_only_models)
+        self._transcripts: list[str] = []
         self.api_key = api_key
         self.models = list(models)
         self.responder: Responder = responder or echo_responder
@@ -382,6 +462,7 @@ class FakeOpenAI(LocalServer):
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/v1/models/{model_id}", self._get_model)
+        app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         return app
 
@@ -391,6 +472,15 @@ class FakeOpenAI(LocalServer):
         """Queue any scripted reply."""
         with self._lock:
             self._queue.append(reply)
+
+    def add_transcription(self, text: str) -> None:
+        """Queue the text of the next transcription request."""
+        with self._lock:
+            self._transcripts.append(text)
+
+    @property
+    def transcription_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.requests if r.path == "/v1/audio/transcriptions"]
 
     def add_reply(
         self,
@@ -603,6 +693,10 @@ class FakeOpenAI(LocalServer):
             return _error_response(400, error_body(400, message))
         if self.validate and (problem := validate_chat_request(body)) is not None:
             return _error_response(400, error_body(400, problem))
+        if body.get("model") in self.text_only_models and any(
+            image_urls(m.get("content")) for m in body["messages"] if isinstance(m, dict)
+        ):
+            return _error_response(400, error_body(400, NO_VISION))
         reply = self._next_reply(body)
         if reply.delay:
             await self._sleep(reply.delay)
@@ -611,6 +705,50 @@ class FakeOpenAI(LocalServer):
         if body.get("stream"):
             return await self._stream(request, body, reply)
         return web.json_response(self._completion(body, reply), headers=self._id_header())
+
+    async def _transcriptions(self, request: web.Request) -> web.Response:
+        fields: dict[str, Any] = {}
+        data = b""
+        if request.content_type == "multipart/form-data":
+            form = await request.post()
+            for key, value in form.items():
+                if isinstance(value, web.FileField):
+                    data = value.file.read()
+                    fields[key] = {
+                        "filename": value.filename,
+                        "content_type": value.content_type,
+                        "size": len(data),
+                    }
+                else:
+                    fields[key] = value
+        recorded = RecordedRequest(
+            method=request.method,
+            path=request.path,
+            headers={k.lower(): v for k, v in request.headers.items()},
+            body=fields,
+            timestamp=time.time(),
+        )
+        with self._lock:
+            self._requests.append(recorded)
+        self._notify()
+        if (denied := self._auth_error(recorded)) is not None:
+            return denied
+        file = fields.get("file")
+        if not isinstance(file, dict) or not fields.get("model"):
+            missing = "file" if not isinstance(file, dict) else "model"
+            return _error_response(
+                400, error_body(400, f"Missing required parameter: '{missing}'.")
+            )
+        suffix = str(file.get("filename") or "").rpartition(".")[2].lower()
+        if suffix not in AUDIO_FORMATS:
+            message = f"Invalid file format. Supported formats: {list(AUDIO_FORMATS)}"
+            return _error_response(400, error_body(400, message))
+        with self._lock:
+            queued = self._transcripts.pop(0) if self._transcripts else None
+        if queued is None:
+            _, marker, spoken = data.partition(b"SPEECH:")
+            queued = spoken.decode("utf-8", errors="replace") if marker else ""
+        return web.json_response({"text": queued}, headers=self._id_header())
 
     def _next_reply(self, body: dict[str, Any]) -> Reply:
         model = body.get("model")

@@ -12,7 +12,9 @@ slack-sdk 3.47 appends one when it is missing, other clients may not)::
     await handler.connect_async()  # apps.connections.open on app.client, then the socket
 
 Web API methods: auth.test, chat.postMessage, chat.update, apps.connections.open,
-conversations.info and users.info; anything else answers ``unknown_method``. Errors are
+conversations.info, conversations.replies, users.info, files.info,
+files.getUploadURLExternal and files.completeUploadExternal; anything else answers
+``unknown_method``. Errors are
 Slack's: HTTP 200 with ``{"ok": false, "error": ...}`` (``not_authed``, ``invalid_auth``,
 ``not_allowed_token_type`` - the bot token ``xoxb-`` for the Web API, the app-level
 token ``xapp-`` only for apps.connections.open - ``channel_not_found``, ``no_text``,
@@ -64,6 +66,17 @@ handling / graceful retries"):
 
 Event builders (`app_mention`, `channel_message`, `dm_message`, `bot_message`,
 `event_callback`) return full ``event_callback`` payloads, each with a fresh event_id.
+
+Files (https://api.slack.com/types/file, files.info, the upload flow
+files.getUploadURLExternal -> POST the bytes to ``upload_url`` ->
+files.completeUploadExternal, which slack-sdk's ``files_upload_v2`` follows):
+``fake.add_file(data, name, mimetype)`` makes a file object whose ``url_private`` and
+``url_private_download`` serve the bytes only with ``Authorization: Bearer <bot
+token>``; without it the answer is Slack's sign-in page (HTTP 200, text/html), as on
+the real service. `app_mention` and `dm_message` take ``files=[...]`` (such a message
+has ``subtype: file_share`` outside app mentions). Uploads must announce their exact
+``length``; completed ones are listed by `uploaded_files` (bytes, channel, thread).
+``add_user(user_id, display_name)`` names a user for users.info.
 
 ``with FakeSlack.in_thread() as fake:`` serves from a background thread; the scripting
 methods and logs are thread-safe, and the coroutine helpers work from any event loop.
@@ -311,7 +324,15 @@ class FakeSlack(LocalApiServer[ApiCall]):
             "apps.connections.open": ("app", self._connections_open),
             "conversations.info": ("bot", self._conversations_info),
             "users.info": ("bot", self._users_info),
+            "conversations.replies": ("bot", self._conversations_replies),
+            "files.info": ("bot", self._files_info),
+            "files.getUploadURLExternal": ("bot", self._get_upload_url),
+            "files.completeUploadExternal": ("bot", self._complete_upload),
         }
+        self._files: dict[str, tuple[Payload, bytes]] = {}
+        self._file_numbers = itertools.count(1)
+        self._pending_uploads: dict[str, Payload] = {}
+        self._uploaded: list[Payload] = []
 
     # -- running ----------------------------------------------------------------------
 
@@ -324,6 +345,9 @@ class FakeSlack(LocalApiServer[ApiCall]):
         app = web.Application()
         app.router.add_route("*", "/api/{method}", self._api)
         app.router.add_get("/socket", self._socket)
+        app.router.add_get("/files-pri/{team_file}/{name}", self._file_download)
+        app.router.add_get("/files-pri/{team_file}/download/{name}", self._file_download)
+        app.router.add_post("/upload/v1/{file_id}", self._file_upload)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         return app
 
@@ -401,15 +425,17 @@ class FakeSlack(LocalApiServer[ApiCall]):
         *,
         ts: str | None = None,
         thread_ts: str | None = None,
+        files: Sequence[Payload] = (),
     ) -> Payload:
         """An ``app_mention`` event callback; the text gets the bot's ``<@U...>`` mention
         in front unless it already has one."""
         mention = f"<@{self.bot_user_id}>"
         if mention not in text:
             text = f"{mention} {text}"
-        return self.event_callback(
-            self._user_event("app_mention", channel, user, text, ts, thread_ts, None)
-        )
+        event = self._user_event("app_mention", channel, user, text, ts, thread_ts, None)
+        if files:
+            event["files"] = copy.deepcopy(list(files))
+        return self.event_callback(event)
 
     def channel_message(
         self,
@@ -434,11 +460,162 @@ class FakeSlack(LocalApiServer[ApiCall]):
         channel: str | None = None,
         ts: str | None = None,
         thread_ts: str | None = None,
+        files: Sequence[Payload] = (),
     ) -> Payload:
         """A ``message`` event callback in the user's direct-message channel with the
-        bot (``channel_type: im``; the channel defaults to ``D`` + the user id's rest)."""
+        bot (``channel_type: im``; the channel defaults to ``D`` + the user id's rest).
+        With `files` it is a ``file_share`` message carrying them."""
         dm = channel or f"D{user[1:]}"
-        return self.event_callback(self._user_event("message", dm, user, text, ts, thread_ts, "im"))
+        event = self._user_event("message", dm, user, text, ts, thread_ts, "im")
+        if files:
+            event.update(subtype="file_share", files=copy.deepcopy(list(files)), upload=True)
+        return self.event_callback(event)
+
+    # -- files ------------------------------------------------------------------------
+
+    def add_user(self, user: str, display_name: str) -> None:
+        """Name a user (users.info's display_name)."""
+        with self._lock:
+            self._users[user] = display_name
+
+    def add_file(
+        self, data: bytes, name: str, mimetype: str, *, user: str = "U0ALICE001"
+    ) -> Payload:
+        """A file someone uploaded: its file object, as events and files.info show it."""
+        number = next(self._file_numbers)
+        file_id = f"F0FAKE{number:05d}"
+        base = f"{self.url}/files-pri/{self.team_id}-{file_id}"
+        file: Payload = {
+            "id": file_id,
+            "created": int(time.time()),
+            "timestamp": int(time.time()),
+            "name": name,
+            "title": name,
+            "mimetype": mimetype,
+            "filetype": name.rpartition(".")[2].lower() or "binary",
+            "user": user,
+            "size": len(data),
+            "mode": "hosted",
+            "is_external": False,
+            "url_private": f"{base}/{name}",
+            "url_private_download": f"{base}/download/{name}",
+        }
+        with self._lock:
+            self._files[file_id] = (file, data)
+        return copy.deepcopy(file)
+
+    def uploaded_files(self) -> list[Payload]:
+        """Every completed upload: id, filename, title, data (bytes), channel, thread_ts,
+        initial_comment."""
+        with self._lock:
+            return copy.deepcopy(self._uploaded)
+
+    async def _file_download(self, request: web.Request) -> web.StreamResponse:
+        team_file = request.match_info["team_file"]
+        auth = request.headers.get("Authorization", "")
+        with self._lock:
+            stored = self._files.get(team_file.removeprefix(f"{self.team_id}-"))
+        if auth != f"Bearer {self.bot_token}":
+            # Slack answers an unauthenticated download with its sign-in page.
+            page = (
+                "<!DOCTYPE html><html><head><title>Slack</title></head><body>Sign in</body></html>"
+            )
+            return web.Response(text=page, content_type="text/html")
+        if stored is None:
+            return web.Response(status=404, text="file not found")
+        file, data = stored
+        return web.Response(body=data, content_type=str(file["mimetype"]))
+
+    async def _file_upload(self, request: web.Request) -> web.Response:
+        file_id = request.match_info["file_id"]
+        data = await request.read()
+        with self._lock:
+            pending = self._pending_uploads.get(file_id)
+            if pending is None:
+                return web.Response(status=404, text="unknown upload")
+            if len(data) != pending["length"]:
+                return web.Response(status=400, text="length mismatch")
+            pending["data"] = data
+        return web.Response(text=f"OK - {len(data)}")
+
+    async def _files_info(self, params: dict[str, Any]) -> Payload:
+        with self._lock:
+            stored = self._files.get(str(params.get("file") or ""))
+        if stored is None:
+            raise _SlackError("file_not_found")
+        return {"file": copy.deepcopy(stored[0])}
+
+    async def _get_upload_url(self, params: dict[str, Any]) -> Payload:
+        filename = str(params.get("filename") or "")
+        try:
+            length = int(params.get("length") or 0)
+        except (TypeError, ValueError):
+            length = 0
+        if not filename or length < 1:
+            raise _SlackError("invalid_arguments")
+        file_id = f"F0UPLD{next(self._file_numbers):05d}"
+        with self._lock:
+            self._pending_uploads[file_id] = {"filename": filename, "length": length}
+        return {"upload_url": f"{self.url}/upload/v1/{file_id}", "file_id": file_id}
+
+    async def _complete_upload(self, params: dict[str, Any]) -> Payload:
+        files = params.get("files")
+        if isinstance(files, str):
+            try:
+                files = json.loads(files)
+            except ValueError:
+                files = None
+        if not isinstance(files, list) or not files:
+            raise _SlackError("invalid_arguments")
+        channel = params.get("channel_id")
+        if channel is not None and not _CHANNEL_ID.match(str(channel)):
+            raise _SlackError("channel_not_found")
+        thread_ts = params.get("thread_ts")
+        if thread_ts is not None and not _TS.match(str(thread_ts)):
+            raise _SlackError("invalid_thread_ts")
+        done = []
+        with self._lock:
+            for item in files:
+                file_id = str(item.get("id") if isinstance(item, dict) else "")
+                pending = self._pending_uploads.get(file_id)
+                if pending is None or "data" not in pending:
+                    raise _SlackError("file_upload_not_completed" if pending else "file_not_found")
+            for item in files:
+                pending = self._pending_uploads.pop(str(item["id"]))
+                title = str(item.get("title") or pending["filename"])
+                self._uploaded.append(
+                    {
+                        "id": item["id"],
+                        "filename": pending["filename"],
+                        "title": title,
+                        "data": pending["data"],
+                        "channel": channel,
+                        "thread_ts": thread_ts,
+                        "initial_comment": params.get("initial_comment"),
+                    }
+                )
+                done.append({"id": item["id"], "title": title, "name": pending["filename"]})
+        return {"files": done}
+
+    async def _conversations_replies(self, params: dict[str, Any]) -> Payload:
+        channel = _channel_param(params)
+        ts = str(params.get("ts") or "")
+        oldest = float(params.get("oldest") or 0)
+        with self._lock:
+            parent = self._messages.get((channel, ts))
+            if parent is None:
+                raise _SlackError("thread_not_found")
+            replies = sorted(
+                (
+                    m
+                    for (c, t), m in self._messages.items()
+                    if c == channel and m.get("thread_ts") == ts and t != ts and float(t) > oldest
+                ),
+                key=lambda m: float(m["ts"]),
+            )
+            messages = [copy.deepcopy(parent), *(copy.deepcopy(m) for m in replies)]
+        limit = int(params.get("limit") or 1000)
+        return {"messages": messages[:limit], "has_more": len(messages) > limit}
 
     def message_changed(self, body: Payload, text: str) -> Payload:
         """A ``message_changed`` event callback: the user edited the message of `body`

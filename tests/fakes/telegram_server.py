@@ -18,7 +18,7 @@ PTB appends the token to its base URLs, so give it the *prefixes*::
     )
 
 Methods: getMe, getUpdates, sendMessage, editMessageText, sendChatAction, getFile,
-setWebhook, deleteWebhook, getWebhookInfo, setMyCommands, getMyCommands and
+sendPhoto, sendDocument, setWebhook, deleteWebhook, getWebhookInfo, setMyCommands, getMyCommands and
 deleteMyCommands (method names are case-insensitive, as on the real server); any other
 method is a 404 "Not Found". Checked like the real server: the token (401), HTML parse
 mode (`parse_html`, tdlib's wording: "Bad Request: can't parse entities: ..."), text
@@ -27,6 +27,16 @@ actions, command names, edits that change nothing ("message is not modified"), a
 getUpdates while a webhook is set or while another getUpdates is pending (409). Not
 checked: MarkdownV2 (passed through verbatim), permissions, real rate limits (script
 them with `fail_next`). Like a local Bot API server, webhooks may be plain http.
+
+Files, as the Bot API handles them (https://core.telegram.org/bots/api#getfile,
+#sendphoto, #senddocument): `user_message` can carry a photo, a voice note, an audio
+file or a document, each registered with `add_file`; getFile describes a file and
+``/file/bot<token>/<file_path>`` serves it, but a file over 20 MB gets the real
+"Bad Request: file is too big" (bots may not download it). sendPhoto and
+sendDocument take a multipart upload (or a file_id); a photo must be an image Pillow
+can decode ("Bad Request: IMAGE_PROCESS_FAILED"), at most 10 MB and with width + height
+at most 10000; a document at most 50 MB ("Request Entity Too Large", 413). The uploads'
+bytes are kept: `sent_files` returns them with their message.
 
 Scripting, in the current event loop::
 
@@ -90,8 +100,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import copy
 import dataclasses
+import io
 import itertools
 import json
 import os
@@ -106,6 +118,7 @@ from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
+from PIL import Image, UnidentifiedImageError
 
 from tests.fakes._serving import LocalApiServer, at_least
 
@@ -162,6 +175,11 @@ _COMMAND_PATTERN = re.compile(r"^[a-z0-9_]{1,32}$")
 _SECRET_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 _TOKEN_PATTERN = re.compile(r"^\d+:[A-Za-z0-9_-]+$")
 _FAKE_JPEG = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00fake-telegram-photo\xff\xd9"
+#: The bytes of the files uploaded with the request being handled, by parameter name.
+_UPLOADS: contextvars.ContextVar[dict[str, bytes]] = contextvars.ContextVar("uploads")
+BOT_DOWNLOAD_LIMIT = 20 * 1024 * 1024  # getFile: "file is too big" above this
+PHOTO_UPLOAD_LIMIT = 10 * 1024 * 1024
+DOCUMENT_UPLOAD_LIMIT = 50 * 1024 * 1024
 
 # Default descriptions per status, as the real server words them.
 _ERROR_DESCRIPTIONS: dict[int, str] = {
@@ -588,6 +606,7 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         self._webhook_error: tuple[int, str] | None = None
         self._commands: dict[tuple[str, str], list[dict[str, str]]] = {}
         self._files: dict[str, tuple[str, bytes]] = {}
+        self._sent_files: list[tuple[Message, bytes]] = []
         self._file_ids = itertools.count(1)
         self._poll_generation = 0
         self._methods: dict[str, tuple[str, Handler]] = {
@@ -599,6 +618,8 @@ class FakeTelegram(LocalApiServer[ApiCall]):
                 "editMessageText": self._edit_message_text,
                 "sendChatAction": self._send_chat_action,
                 "getFile": self._get_file,
+                "sendPhoto": self._send_photo,
+                "sendDocument": self._send_document,
                 "setWebhook": self._set_webhook,
                 "deleteWebhook": self._delete_webhook,
                 "getWebhookInfo": self._get_webhook_info,
@@ -744,6 +765,9 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         entities: Sequence[Mapping[str, Any]] | None = None,
         photo: bytes | bool = False,
         sticker: str | None = None,
+        voice: bytes | None = None,
+        audio: tuple[str, bytes] | None = None,
+        document: tuple[str, str, bytes] | None = None,
         date: int | None = None,
     ) -> Update:
         """Build a realistic ``message`` update from a user, with a fresh update_id
@@ -752,7 +776,10 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         In a private chat the user id is the chat id. Entities default to what the server
         detects by itself (@mentions, /commands, URLs, #hashtags). ``photo`` makes it a
         photo message whose caption is `text` (bytes become the file getFile serves);
-        ``sticker`` (its emoji) makes it a sticker message without text.
+        ``sticker`` (its emoji) makes it a sticker message without text. ``voice``
+        (OGG bytes) makes it a voice note, ``audio`` ((file name, bytes)) an audio file
+        and ``document`` ((file name, MIME type, bytes)) a file, each captioned with
+        `text` when given.
         ``is_topic_message`` puts it in forum topic `message_thread_id` (the chat becomes
         a forum) and, as on the real server, makes it reply to the topic's creation
         message unless it replies to something else. ``reply_to_bot`` replies to the
@@ -787,10 +814,15 @@ class FakeTelegram(LocalApiServer[ApiCall]):
                 "date": date if date is not None else int(time.time()),
                 **threading_fields,
             }
+            media = self._media_fields(voice, audio, document)
             if sticker is not None:
                 message["sticker"] = self._sticker(sticker)
-            elif photo is not False:
-                message["photo"] = self._photo_sizes(photo if isinstance(photo, bytes) else None)
+            elif photo is not False or media:
+                if photo is not False:
+                    message["photo"] = self._photo_sizes(
+                        photo if isinstance(photo, bytes) else None
+                    )
+                message.update(media)
                 if text:
                     message["caption"] = text
                     message["caption_entities"] = self._entities(text, entities)
@@ -841,6 +873,39 @@ class FakeTelegram(LocalApiServer[ApiCall]):
             "file_size": len(data),
             "file_path": path,
         }
+
+    def _media_fields(
+        self,
+        voice: bytes | None,
+        audio: tuple[str, bytes] | None,
+        document: tuple[str, str, bytes] | None,
+    ) -> dict[str, Any]:
+        """The voice/audio/document field of a user message (the lock is held)."""
+        if voice is not None:
+            file = self.add_file(voice, file_path=f"voice/file_{len(self._files)}.oga")
+            del file["file_path"]
+            return {"voice": {**file, "duration": 3, "mime_type": "audio/ogg"}}
+        if audio is not None:
+            name, data = audio
+            file = self.add_file(data, file_path=f"music/file_{len(self._files)}.mp3")
+            del file["file_path"]
+            return {"audio": {**file, "duration": 3, "file_name": name, "mime_type": "audio/mpeg"}}
+        if document is not None:
+            name, mime, data = document
+            suffix = name.rpartition(".")[2] or "bin"
+            file = self.add_file(data, file_path=f"documents/file_{len(self._files)}.{suffix}")
+            del file["file_path"]
+            return {"document": {**file, "file_name": name, "mime_type": mime}}
+        return {}
+
+    def sent_files(self, chat_id: int | None = None) -> list[tuple[Message, bytes]]:
+        """(message, uploaded bytes) of each successful sendPhoto and sendDocument."""
+        with self._lock:
+            return [
+                (copy.deepcopy(m), data)
+                for m, data in self._sent_files
+                if chat_id is None or m["chat"]["id"] == chat_id
+            ]
 
     # -- scripting: faults ------------------------------------------------------------
 
@@ -984,10 +1049,12 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         token = request.match_info["token"]
         name = request.match_info["method"]
         parse_error: str | None = None
+        uploads: dict[str, bytes] = {}
         try:
-            params = await _read_params(request)
+            params = await _read_params(request, uploads)
         except ValueError as exc:
             params, parse_error = {}, str(exc)
+        _UPLOADS.set(uploads)  # this request's own (each request runs in its own task)
         canonical = self._canonical(name)
         try:
             if token != self.token:
@@ -1203,6 +1270,8 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         if stored is None:
             raise _bad_request("invalid file_id")
         path, data = stored
+        if len(data) > BOT_DOWNLOAD_LIMIT:
+            raise _bad_request("file is too big")
         number = file_id.removeprefix("AgACAgFake")
         return {
             "file_id": file_id,
@@ -1210,6 +1279,84 @@ class FakeTelegram(LocalApiServer[ApiCall]):
             "file_size": len(data),
             "file_path": path,
         }
+
+    def _upload(self, params: dict[str, Any], field_name: str) -> tuple[bytes, str, bool]:
+        """(bytes, file name, fresh upload) of a file parameter: a multipart upload or
+        the file_id of a file the server has."""
+        value = params.get(field_name)
+        if isinstance(value, dict) and "size" in value:
+            data = _UPLOADS.get().get(field_name, b"")
+            return data, str(value.get("filename") or field_name), True
+        if isinstance(value, str) and value in self._files:
+            path, data = self._files[value]
+            return data, path.rpartition("/")[2], False
+        raise _bad_request(f"there is no {field_name} in the request")
+
+    def _file_message(self, params: dict[str, Any]) -> Message:
+        chat = self._resolve_chat(params.get("chat_id"))
+        thread_id = _optional_int(params, "message_thread_id")
+        reply_to = self._reply_target(chat["id"], params)
+        message: Message = {
+            "message_id": self._new_message_id(chat["id"]),
+            "from": self.bot_user,
+            "chat": dict(chat),
+            "date": int(time.time()),
+            **self._thread_fields(chat, thread_id, bool(chat.get("is_forum")), reply_to),
+        }
+        caption = params.get("caption")
+        if caption:
+            message["caption"] = str(caption)
+        return message
+
+    async def _send_photo(self, params: dict[str, Any]) -> Message:
+        with self._lock:
+            data, _, _ = self._upload(params, "photo")
+            if len(data) > PHOTO_UPLOAD_LIMIT:
+                raise _ApiError(413, "Request Entity Too Large")
+            try:
+                image = Image.open(io.BytesIO(data))
+                image.load()
+            except (UnidentifiedImageError, OSError, ValueError):
+                raise _bad_request("IMAGE_PROCESS_FAILED") from None
+            if image.width + image.height > 10_000:
+                raise _bad_request("PHOTO_INVALID_DIMENSIONS")
+            message = self._file_message(params)
+            file = self.add_file(data, file_path=f"photos/file_{len(self._files)}.jpg")
+            message["photo"] = [
+                {
+                    "file_id": file["file_id"],
+                    "file_unique_id": file["file_unique_id"],
+                    "file_size": len(data),
+                    "width": image.width,
+                    "height": image.height,
+                }
+            ]
+            self._messages[(message["chat"]["id"], message["message_id"])] = message
+            self._sent_files.append((copy.deepcopy(message), data))
+            return copy.deepcopy(message)
+
+    async def _send_document(self, params: dict[str, Any]) -> Message:
+        with self._lock:
+            data, name, _ = self._upload(params, "document")
+            if len(data) > DOCUMENT_UPLOAD_LIMIT:
+                raise _ApiError(413, "Request Entity Too Large")
+            message = self._file_message(params)
+            file = self.add_file(data, file_path=f"documents/file_{len(self._files)}")
+            content_type = (
+                params["document"].get("content_type")
+                if isinstance(params.get("document"), dict)
+                else None
+            )
+            message["document"] = {
+                "file_id": file["file_id"],
+                "file_unique_id": file["file_unique_id"],
+                "file_size": len(data),
+                "file_name": name,
+                "mime_type": content_type or "application/octet-stream",
+            }
+            self._messages[(message["chat"]["id"], message["message_id"])] = message
+            self._sent_files.append((copy.deepcopy(message), data))
+            return copy.deepcopy(message)
 
     async def _set_webhook(self, params: dict[str, Any]) -> _WithDescription:
         url = str(params.get("url") or "")
@@ -1609,9 +1756,13 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
-async def _read_params(request: web.Request) -> dict[str, Any]:
-    """The call's parameters from the query string and a JSON, form or multipart body."""
+async def _read_params(
+    request: web.Request, uploads: dict[str, bytes] | None = None
+) -> dict[str, Any]:
+    """The call's parameters from the query string and a JSON, form or multipart body;
+    the bytes of uploaded files go into `uploads` by parameter name."""
     params: dict[str, Any] = dict(request.query)
+    uploads = {} if uploads is None else uploads
     if request.can_read_body:
         if request.content_type == "application/json":
             try:
@@ -1625,11 +1776,13 @@ async def _read_params(request: web.Request) -> dict[str, Any]:
             form = await request.post()
             for key, value in form.items():
                 if isinstance(value, web.FileField):
+                    data = value.file.read()
                     params[key] = {
                         "filename": value.filename,
                         "content_type": value.content_type,
-                        "size": len(value.file.read()),
+                        "size": len(data),
                     }
+                    uploads[key] = data
                 else:
                     params[key] = value
     return {key: _coerce(key, value) for key, value in params.items()}

@@ -1,0 +1,46 @@
+"""The media preparer from `[media]` and `[llm]` settings."""
+
+from __future__ import annotations
+
+from gateway.config import Settings, reveal
+from gateway.llm.openai_provider import DEFAULT_BASE_URL
+from gateway.media.prepare import MediaConfig, MediaPreparer
+from gateway.media.transcribe import Transcriber
+
+_MB = 1024 * 1024
+
+
+def media_config(settings: Settings) -> MediaConfig:
+    media = settings.media
+    return MediaConfig(
+        enabled=media.enabled,
+        max_download_bytes=int(media.max_download_mb * _MB),
+        image_max_side=media.image_max_side,
+        image_max_bytes=media.image_max_kb * 1024,
+        image_max_pixels=int(media.image_max_megapixels * 1_000_000),
+        document_max_chars=media.document_max_chars,
+        vision_models=tuple(media.vision_models),
+    )
+
+
+def build_media(settings: Settings) -> MediaPreparer | None:
+    """The preparer, with a transcriber on the configured server; None when media is
+    off. The LLM's key goes only to the LLM's own server: a separate transcription
+    server gets `transcription_api_key` or no key."""
+    media = settings.media
+    if not media.enabled:
+        return None
+    own_server = media.transcription_base_url is None
+    base_url = (settings.llm.base_url if own_server else media.transcription_base_url) or (
+        DEFAULT_BASE_URL
+    )
+    api_key = reveal(media.transcription_api_key) or (
+        settings.llm.resolved_api_key() if own_server else None
+    )
+    transcriber = Transcriber(
+        base_url=base_url,
+        api_key=api_key,
+        model=media.transcription_model,
+        timeout=media.transcription_timeout,
+    )
+    return MediaPreparer(media_config(settings), transcriber)
