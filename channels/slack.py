@@ -43,6 +43,11 @@ Promises (tested in tests/test_slack*.py):
 - With streaming on, a reply is one message posted at the first delta and edited at
   most once per `stream_interval`; `send` finalizes that message instead of posting
   the reply again.
+- Files shared with a message become its attachments (references; `fetch_file`
+  downloads them with the bot token when the turn starts). A reply's files are uploaded
+  after its text, once (see docs/media.md). In channels, `enrich_for_turn` adds the
+  sender's name and a thread's parent message when the turn starts, never before the
+  ack.
 """
 
 from __future__ import annotations

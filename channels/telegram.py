@@ -27,11 +27,16 @@ Promises (each one tested in tests/test_telegram*.py and tests/test_kill_deliver
 - A 429 is waited out (every send to that chat waits) and retried, up to
   `Pacing.flood_wait_limit` seconds of waiting per request.
 - HTML that Telegram refuses ("can't parse entities") is sent again as plain text.
-- Unsupported content (stickers, photos without caption, voice, ...) gets a short
-  notice in private chats (at most one per chat per `Pacing.notice_cooldown`); in
-  groups only a sticker or photo that replies to the bot gets one.
+- Photos, voice notes, audio and documents become the message's attachments (file
+  references; the agent fetches them with `fetch_file` when the turn starts, see
+  docs/media.md). Other content (stickers, videos, ...) gets a short notice in private
+  chats (at most one per chat per `Pacing.notice_cooldown`); in groups only a sticker
+  that replies to the bot gets one. In groups the text of the message replied to
+  travels with the message (`META_QUOTED_TEXT`).
 - An edited message is submitted like a new one (its own message id per edit) naming
   the message it changes (`META_EDIT_OF`); the agent re-runs the latest turn from it.
+- A reply's files go out after its text: images with sendPhoto, others with
+  sendDocument, each at most once (never retried after a request that went out).
 - The webhook answers 403 without the right `X-Telegram-Bot-Api-Secret-Token`
   (compared in constant time), and 200 only once the update is journaled (503, which
   Telegram retries, when it could not be kept or the gateway is stopping).

@@ -161,7 +161,13 @@ class MediaPreparer:
             )
         if source is None:
             raise MediaError("files can't be fetched from this channel")
-        data = await source.fetch_file(attachment, max_bytes=config.max_download_bytes)
+        try:
+            data = await source.fetch_file(attachment, max_bytes=config.max_download_bytes)
+        except MediaError:
+            raise
+        except Exception:  # a channel bug or a channel that is not running: one line too
+            logger.exception("fetching attachment {} failed", name)
+            raise MediaError("the file could not be fetched") from None
         record["bytes"] = len(data)
         if attachment.kind == "image":
             image = await anyio.to_thread.run_sync(self._image, data)

@@ -1036,6 +1036,14 @@ class FakeSlack(LocalApiServer[ApiCall]):
             loop,
         )
 
+    def socket_event_soon(self, payload: Mapping[str, Any]) -> concurrent.futures.Future[Payload]:
+        """Start `socket_event` in the fake's own event loop, from any thread (for sync
+        tests against ``in_thread``); the future resolves to the envelope once sent."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("FakeSlack is not running")
+        return asyncio.run_coroutine_threadsafe(self.socket_event(payload), loop)
+
     @property
     def event_deliveries(self) -> list[EventDelivery]:
         """Every `deliver_event` so far, in the order they started (a snapshot)."""
