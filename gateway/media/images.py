@@ -7,10 +7,12 @@ import base64
 import io
 import warnings
 from dataclasses import dataclass
-
-from PIL import Image, UnidentifiedImageError
+from typing import TYPE_CHECKING
 
 from gateway.media.errors import MediaError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 #: What a vision model accepts as is; anything else is re-encoded.
 _PASS_THROUGH = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "GIF": "image/gif"}
@@ -36,6 +38,9 @@ def prepare_image(data: bytes, *, max_side: int, max_bytes: int, max_pixels: int
     `max_side` pixels and `max_bytes`, else scaled down and re-encoded. Raises
     MediaError for bytes that are no image and for images over `max_pixels` (a
     decompression bomb is refused before it is decoded)."""
+    # Imported on first use: the daemon starts without paying for Pillow.
+    from PIL import Image, UnidentifiedImageError
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
