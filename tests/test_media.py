@@ -3,8 +3,10 @@ conversion, code blocks as files, the send_file tool, and group speaker headers.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+from collections.abc import Callable
 
 import pytest
 from PIL import Image
@@ -13,14 +15,25 @@ from gateway.access import META_IS_GROUP, META_SENDER_NAME
 from gateway.agent.inputs import with_images
 from gateway.agent.speakers import speaker_header, with_speaker
 from gateway.agent.tools import ToolContext, build_registry
+from gateway.config import Settings
+from gateway.daemon import Gateway
 from gateway.llm.openai_provider import to_openai_message
 from gateway.llm.types import LLMMessage, ToolCall
 from gateway.media import MediaConfig, MediaError, MediaPreparer
 from gateway.media.documents import document_text
 from gateway.media.images import prepare_image
 from gateway.media.outbound import code_blocks_as_files, safe_file_name
-from gateway.messages import META_QUOTED_SENDER, META_QUOTED_TEXT, Attachment, OutboundFile
-from tests.media_files import docx_file, noisy_png, pdf, png
+from gateway.messages import (
+    META_QUOTED_SENDER,
+    META_QUOTED_TEXT,
+    META_REPLAYED,
+    Attachment,
+    InboundMessage,
+    OutboundFile,
+)
+from gateway.sessions.keys import encode_key
+from tests.fakes.openai_server import FakeOpenAI
+from tests.media_files import docx_file, noisy_png, pdf, png, speech
 
 MB = 1024 * 1024
 
@@ -238,3 +251,56 @@ def test_a_display_name_cannot_break_out_of_its_quotes(name: str) -> None:
     assert "\n" not in header and "\r" not in header and "\u2028" not in header
     assert header.startswith("[from ") and header.endswith("]")
     assert json.loads(header[len("[from ") : -1]) == name.replace("\u2028", " ").strip()
+
+
+# --------------------------------------------------------------------------- downloads
+
+
+@pytest.mark.anyio
+async def test_a_download_is_cut_off_at_the_limit_whatever_was_declared() -> None:
+    from gateway.media.download import download_capped
+    from tests.fakes.telegram_server import FakeTelegram
+
+    async with FakeTelegram() as fake:
+        file = fake.add_file(b"x" * (3 * MB), file_path="documents/big.bin")
+        url = f"{fake.file_url}{fake.token}/{file['file_path']}"
+        assert len(await download_capped(url, 4 * MB)) == 3 * MB
+        with pytest.raises(MediaError, match="larger than the 1 MB limit"):
+            await download_capped(url, MB)
+        with pytest.raises(MediaError, match=r"HTTP 404") as missing:
+            await download_capped(f"{fake.file_url}{fake.token}/nope", MB)
+        assert fake.token not in str(missing.value)  # the URL holds the token
+
+
+# --------------------------------------------------------------------------- replays
+
+
+@pytest.mark.anyio
+async def test_a_replayed_voice_turn_goes_on_from_the_stored_transcript(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """A crash after the user's entry: the replay neither fetches nor transcribes again;
+    the transcript in the session is the message."""
+    settings = make_settings(fake_openai)
+    gw = Gateway.build(settings)
+    voice = Attachment("voice", "V1", "voice.ogg", "audio/ogg", 20)
+    files = _Files({"V1": speech("call mom at six")})
+    message = InboundMessage(
+        "telegram", "42", "", sender_id="42", message_id="42:9", attachments=(voice,)
+    )
+    try:
+        fake_openai.add_error(400, "boom")  # the first turn fails after storing
+        first = await gw.agent.handle(message, files=files)
+        replay = dataclasses.replace(message, metadata={META_REPLAYED: True})
+        again = await gw.agent.handle(replay, files=files)
+    finally:
+        await gw.aclose()
+    assert first.is_error and again.text == "echo: call mom at six"
+    assert files.fetched == ["V1"] and len(fake_openai.transcription_requests) == 1
+    path = settings.sessions_dir / f"{encode_key('telegram:42')}.jsonl"
+    users = [
+        e
+        for e in map(json.loads, path.read_text().splitlines())
+        if e.get("type") == "message" and e["message"]["role"] == "user"
+    ]
+    assert [u["message"]["content"] for u in users] == ["call mom at six"]
