@@ -239,7 +239,9 @@ async def test_in_groups_only_messages_for_the_bot_are_answered(
     sender = '[from "Alice (@alice)"]'
     assert [m["text"].splitlines()[0] for m in sent] == [f"echo: {sender}", f"echo: {sender}"]
     assert [m["text"].splitlines()[-1] for m in sent] == ["are you there?", "and this?"]
-    assert [r.last_user_text for r in fake_openai.chat_requests] == ["are you there?", "and this?"]
+    said = [(r.last_user_text or "").splitlines() for r in fake_openai.chat_requests]
+    assert [lines[-1] for lines in said] == ["are you there?", "and this?"]
+    assert all(lines[0] == sender for lines in said)
 
 
 async def test_a_stranger_gets_a_pairing_code_and_never_reaches_the_llm(

@@ -129,8 +129,10 @@ async def test_in_a_group_only_a_mention_of_the_bot_is_answered_quoting_it(
             GROUP, then, chat_type="supergroup", user_id=GROUP_MEMBER, entities=mention(then)
         )
         sent = await emulator.wait_bot_messages(GROUP, 2)
-    assert [m["text"] for m in sent] == ["echo: are you there?", "echo: and now?"]
-    assert [r.last_user_text for r in fake_openai.chat_requests] == ["are you there?", "and now?"]
+    # In a group the model sees who wrote (gateway.agent.speakers).
+    said = ['[from "Alice (@alice)"]\nare you there?', '[from "Alice (@alice)"]\nand now?']
+    assert [m["text"] for m in sent] == [f"echo: {text}" for text in said]
+    assert [r.last_user_text for r in fake_openai.chat_requests] == said
     [asked_record] = [r for r in await emulator.history() if r["message"].get("text") == asked]
     quoted = json.loads(reply["reply_parameters"])
     assert quoted["message_id"] == asked_record["messageId"]
