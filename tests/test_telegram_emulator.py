@@ -150,7 +150,8 @@ async def test_a_long_reply_arrives_split_under_the_limit_in_order(
     reply = f"{prose}\n\n{code}\n\nThat is **all**."
     assert 9_000 < len(reply) < 12_000
     fake_openai.add_reply(reply)
-    async with gateway(make_settings, fake_openai, bridge):
+    # Splitting is what this test is about: no code block goes out as a file.
+    async with gateway(make_settings, fake_openai, bridge, media__code_block_file_chars=0):
         await emulator.send_user_message(CHAT, "write a lot")
         await emulator.send_user_message(CHAT, "thanks")  # answered after every piece
         sent = await emulator.wait_bot_messages(CHAT, ending="echo: thanks")
