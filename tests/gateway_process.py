@@ -84,8 +84,9 @@ class GatewayProcess:
         tail = "".join(self.log[-20:])
         raise AssertionError(f"the gateway never logged {text!r}; its last lines:\n{tail}")
 
-    def wait_ready(self, timeout: float = 20) -> int:
-        """Wait for start-up; the HTTP port it listens on."""
+    def wait_ready(self, timeout: float = 60) -> int:
+        """Wait for start-up (a cold start imports for seconds, more on a busy machine);
+        the HTTP port it listens on."""
         line = self.wait_for_line("gateway ready: http://", timeout)
         return int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
 
