@@ -141,6 +141,15 @@ async def test_a_configured_tool_choice_goes_with_requests_that_offer_tools(
     assert "tool_choice" not in fake.last_request.body
 
 
+def test_a_tool_call_without_text_goes_with_an_empty_content() -> None:
+    # llama.cpp's server answers "content": null, or none, with HTTP 500; OpenAI takes "".
+    call = ToolCall(id="call_1", function_name="get_weather", arguments={})
+    wire = to_openai_message(LLMMessage(role="assistant", tool_calls=(call,)))
+    assert wire["content"] == "" and wire["tool_calls"][0]["id"] == "call_1"
+    with_text = LLMMessage(role="assistant", content="Checking.", tool_calls=(call,))
+    assert to_openai_message(with_text)["content"] == "Checking."
+
+
 @pytest.mark.anyio
 async def test_tool_call_round_trip(fake: FakeOpenAI, make_provider: MakeProvider) -> None:
     provider = make_provider()

@@ -100,7 +100,10 @@ def to_openai_message(message: LLMMessage) -> dict[str, Any]:
         result["content"] = message.content or ""
         return result
     if message.role == "assistant" and message.tool_calls:
-        result["content"] = message.content
+        # No text goes as "", which OpenAI takes like null: llama.cpp's server answers
+        # a null content with HTTP 500, and its chatml-function-calling template a
+        # missing one too.
+        result["content"] = message.content or ""
         result["tool_calls"] = [
             {
                 "id": call.id,
