@@ -23,6 +23,7 @@ def run_gateway(
     stdin: str | None = None,
     *,
     prefix: Sequence[str] = (),
+    timeout: float = 60,
 ) -> subprocess.CompletedProcess[str]:
     """`gateway ARGS` as a subprocess; `prefix` runs it through a wrapper (e.g. setpriv)."""
     return subprocess.run(
@@ -32,7 +33,7 @@ def run_gateway(
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
 
 
