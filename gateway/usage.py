@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import anyio.to_thread
 from loguru import logger
 
+from gateway.fsutil import open_sqlite
 from gateway.llm.types import LLMMessage, LLMProvider, LLMResponse, StreamDelta, ToolSpec
 
 UsageKind = Literal["turn", "heartbeat", "consolidation"]
@@ -199,16 +200,18 @@ def _budget_sql(table: str, day: str, session_key: str | None, mark: str) -> tup
     return f"{sql} AND session_key = {mark}", [day, session_key]
 
 
+def _create_usage_table(conn: sqlite3.Connection) -> None:
+    conn.execute(_SQLITE_SCHEMA)
+
+
 class SqliteUsageLedger:
     """The file mode's ledger: `usage.sqlite` in the workspace (WAL, one writer lock)."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.execute(_SQLITE_SCHEMA)
+        # 0600 like every workspace database (it names conversations), and a damaged file
+        # is moved aside, not overwritten.
+        self._db = open_sqlite(path, what="usage ledger", init=_create_usage_table)
 
     def add(self, row: UsageRow) -> None:
         values = (row.day, row.session_key, row.channel, row.model, row.kind)

@@ -221,3 +221,28 @@ def test_an_empty_ledger_and_unpriced_models_are_said_plainly() -> None:
     )
     table = usage_table([row("2026-11-23", "cli:x", "turn", 10)], PriceTable({}), since="x")
     assert "unpriced" in table
+
+
+def test_the_ledger_file_is_private_and_a_damaged_one_is_kept(tmp_path: Path) -> None:
+    """`usage.sqlite` names conversations: 0600 like every workspace database (so
+    `gateway doctor` finds nothing readable by others), and a damaged file is moved aside
+    with its bytes, never overwritten."""
+    path = tmp_path / "ws" / "usage.sqlite"
+    ledger = SqliteUsageLedger(path)
+    ledger.add(row("2026-11-23", "telegram:1", "turn", 10))
+    ledger.close()
+    for name in ("usage.sqlite", "usage.sqlite-wal", "usage.sqlite-shm"):
+        file = path.with_name(name)
+        if file.exists():
+            assert file.stat().st_mode & 0o777 == 0o600, name
+
+    path.with_name("usage.sqlite-wal").unlink(missing_ok=True)
+    path.with_name("usage.sqlite-shm").unlink(missing_ok=True)
+    path.write_bytes(b"not a database " * 100)
+    ledger = SqliteUsageLedger(path)
+    try:
+        assert ledger.rows() == []
+    finally:
+        ledger.close()
+    [aside] = path.parent.glob("usage.sqlite.broken-*")
+    assert aside.read_bytes() == b"not a database " * 100
