@@ -521,6 +521,13 @@ def _is_stop(message: InboundMessage) -> bool:
     return is_stop_command(message.text)
 
 
+#: The chat API's answer to a message it did not take in (503 + Retry-After).
+RETRY_LATER_TEXT = (
+    "the message was not taken in yet (another replica is taking it in); send it again "
+    "with the same id"
+)
+
+
 class Daemon:
     """`gateway run`: every part in one anyio task group on asyncio.
 
@@ -793,7 +800,13 @@ class Daemon:
             )
         ticket = await self.dispatcher.submit(message)
         from gateway.dispatch import SubmitStatus
+        from gateway.http.chat_api import ApiError
 
+        if ticket.status is SubmitStatus.RETRY_LATER:
+            # Not taken: another replica holds the claim and has not journaled it (or it
+            # died doing so). Like a platform, the client must send it again; an answer
+            # of "no reply" here would tell it the message was handled.
+            raise ApiError(503, RETRY_LATER_TEXT)
         if self.router is not None and ticket.status is SubmitStatus.DUPLICATE:
             # A client's retry (same "id") of a message taken in already, perhaps by a
             # replica that died since: the reply of its one turn, when it comes.

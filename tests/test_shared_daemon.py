@@ -4,6 +4,7 @@ answered and stored in the database, and a restarted gateway answers none of the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,3 +73,53 @@ def test_telegram_turns_are_journaled_answered_and_stored_in_postgresql(
         finally:
             restarted.stop()
         assert len(telegram.sent_messages()) == before
+
+
+@pytest.mark.anyio
+async def test_an_api_message_another_replica_is_taking_in_is_answered_503_not_null(
+    make_settings: Any, fake_openai: Any, migrated_pg_url: str, tmp_path: Path
+) -> None:
+    """A client's retry that reaches a replica while another one holds the message's claim
+    (not journaled: it may be a few milliseconds away, or dead) is told to send it again
+    (503 + Retry-After), as a webhook is: "no reply" would tell it the message was handled,
+    and it would be lost. Sent again once the claim is gone, it is answered."""
+    import aiohttp
+    import anyio
+
+    from gateway.daemon import Daemon, Gateway
+    from gateway.dedupe_pg import PostgresDedupeStore
+    from gateway.messages import InboundMessage
+
+    token = "shared-api-token-0123456789abcdef"
+    settings = make_settings(
+        fake_openai, http__port=0, http__token=token, storage__url=migrated_pg_url
+    )
+    other = PostgresDedupeStore(migrated_pg_url, claim_wait=0.2)
+    held = InboundMessage(
+        channel="api", chat_id="held", sender_id="api", text="x", message_id="m-1"
+    )
+    from gateway.dedupe import dedupe_key
+
+    key = dedupe_key(held)
+    assert key is not None
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    body = {"session": "held", "text": "are you there?", "id": "m-1"}
+    headers = {"Authorization": f"Bearer {token}"}
+    try:
+        assert await other.seen_or_add(key) is False  # claimed elsewhere, not journaled
+        async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+            port = await tg.start(daemon.run)
+            url = f"http://127.0.0.1:{port}/api/chat"
+            async with http.post(url, json=body, headers=headers) as resp:
+                refused = (resp.status, resp.headers.get("Retry-After"), await resp.json())
+            await other.release(key)  # the other replica gave the claim up
+            async with http.post(url, json=body, headers=headers) as resp:
+                answered = (resp.status, await resp.json())
+            daemon.stop()
+    finally:
+        await other.aclose()
+    assert refused[:2] == (503, "1") and "send it again" in refused[2]["error"]
+    assert answered == (
+        200,
+        {"session": "api:held", "reply": "echo: are you there?", "error": False},
+    )

@@ -341,5 +341,9 @@ class HttpServer:
         except ApiError as exc:
             return json_error(exc.status, exc.message)
         with logger.contextualize(session=chat_request.session_key):
-            reply = await self._chat(chat_request.inbound())
+            try:
+                reply = await self._chat(chat_request.inbound())
+            except ApiError as exc:
+                retry = {"Retry-After": "1"} if exc.status == 503 else None
+                return json_error(exc.status, exc.message, headers=retry)
         return web.json_response(reply_body(chat_request.session_key, reply))
