@@ -176,15 +176,22 @@ async def test_a_flood_control_storm_delays_but_loses_nothing(
     assert statuses == [429, 429, 200, 200]
 
 
+def long_reply() -> str:
+    """A reply of 9-12k characters: prose with markup, then a 230-line code block, past
+    Telegram's 4096-character limit several times (the long-reply tests' input)."""
+    prose = "\n\n".join(f"Part {i}: " + "some *careful* words " * 20 for i in range(9))
+    code = "```python\n" + "\n".join(f"print('line {i}')  # <{i}>" for i in range(230)) + "\n```"
+    reply = f"{prose}\n\n{code}\n\nThat is **all**."
+    assert 9_000 < len(reply) < 12_000
+    return reply
+
+
 async def test_a_long_reply_arrives_split_and_in_order(
     fake_openai: FakeOpenAI,
     fake_tg: FakeTelegram,
     make_settings: Callable[..., Settings],
 ) -> None:
-    prose = "\n\n".join(f"Part {i}: " + "some *careful* words " * 20 for i in range(9))
-    code = "```python\n" + "\n".join(f"print('line {i}')  # <{i}>" for i in range(230)) + "\n```"
-    reply = f"{prose}\n\n{code}\n\nThat is **all**."
-    assert 9_000 < len(reply) < 12_000
+    reply = long_reply()
     fake_openai.add_reply(reply)
     expected = [parse_html(markdown_to_html(chunk))[0] for chunk in split_markdown(reply)]
     # Splitting is what this test is about: no code block goes out as a file.

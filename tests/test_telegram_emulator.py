@@ -30,7 +30,7 @@ from tests.emulators.telegram_emulator import (
 )
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_process import GatewayProcess, telegram_env
-from tests.test_telegram_e2e import gateway, session_file
+from tests.test_telegram_e2e import gateway, long_reply, session_file
 
 pytestmark = [pytest.mark.anyio, pytest.mark.telegram_emulator]
 
@@ -145,10 +145,7 @@ async def test_a_long_reply_arrives_split_under_the_limit_in_order(
     fake_openai: FakeOpenAI,
     make_settings: Callable[..., Settings],
 ) -> None:
-    prose = "\n\n".join(f"Part {i}: " + "some *careful* words " * 20 for i in range(9))
-    code = "```python\n" + "\n".join(f"print('line {i}')  # <{i}>" for i in range(230)) + "\n```"
-    reply = f"{prose}\n\n{code}\n\nThat is **all**."
-    assert 9_000 < len(reply) < 12_000
+    reply = long_reply()
     fake_openai.add_reply(reply)
     # Splitting is what this test is about: no code block goes out as a file.
     async with gateway(make_settings, fake_openai, bridge, media__code_block_file_chars=0):
