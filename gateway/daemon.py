@@ -521,7 +521,11 @@ def _is_stop(message: InboundMessage) -> bool:
     return is_stop_command(message.text)
 
 
-#: The chat API's answer to a message it did not take in (503 + Retry-After).
+#: The chat API's answers (503 + Retry-After) to a message it has no reply for yet: one
+#: still being answered (a client's retry), and one it did not take in.
+STILL_RUNNING_TEXT = (
+    "this message (same id) is still being answered; send it again to get its reply"
+)
 RETRY_LATER_TEXT = (
     "the message was not taken in yet (another replica is taking it in); send it again "
     "with the same id"
@@ -814,7 +818,9 @@ class Daemon:
             if key is not None:
                 with anyio.move_on_after(self.gateway.settings.llm.timeout * 3):
                     return await self.router.wait_reply(key)
-            return None
+            # Still running (or its replica died and another has not resumed it yet):
+            # "no reply" would tell the client it was handled; it must ask again.
+            raise ApiError(503, STILL_RUNNING_TEXT)
         return await ticket.reply()
 
     async def deliver(self, message: OutboundMessage) -> None:

@@ -747,16 +747,22 @@ class Dispatcher:
                     logger.warning("re-sending a reply a crash may have kept from going out")
         if send:
             await self._deliver_safely(reply)
-        if store is not None:
-            for key in keys:
-                await self._mark_done(store, key)
+        # Shared mode: a reply someone waits for (`/api/chat`, perhaps on another
+        # replica) is kept on its message's row as the row is marked answered.
+        published = set()
         if self.router is not None:
             for item in batch:
-                if item.dedupe_key is not None and item.message.metadata.get(META_REPLY_WANTED):
+                key = item.dedupe_key
+                if key is not None and item.message.metadata.get(META_REPLY_WANTED):
                     try:
-                        await self.router.publish(item.dedupe_key, reply)
+                        await self.router.publish(key, reply)
+                        published.add(key)
                     except Exception as exc:
                         logger.error("a reply could not be handed to the waiting replica: {}", exc)
+        if store is not None:
+            for key in keys:
+                if key not in published:
+                    await self._mark_done(store, key)
         for item in batch:
             item.ticket._done.set()
         self._settled(len(batch))

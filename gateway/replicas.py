@@ -22,8 +22,11 @@ Promises kept here:
   again, a turn whose message is in the session is not stored twice.
 - A draining replica stops feeding and withdraws its leases, so the others go on.
 - `/api/chat` answers synchronously wherever the turn runs: the replica that ran it
-  stores the reply on the message's journal row and NOTIFYs ``gw_replies``; the waiting
-  replica LISTENs (and asks every `REPLY_POLL` seconds, should a notification be lost).
+  marks the message answered and keeps the reply on its journal row in one statement, and
+  NOTIFYs ``gw_replies``; the waiting replica LISTENs (and asks every `REPLY_POLL`
+  seconds, should a notification be lost). The reply stays until the row expires
+  (`dedupe_ttl`): a client that sends the request again with the same ``id`` (its answer
+  lost with a dead replica, or its own time-out) gets the same reply, not a second turn.
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ WHERE l.session_key = %(key)s AND l.owner = %(me)s AND NOT EXISTS (
 _OWED = """
 SELECT dedupe_key, message::text, reply_id, reply::text FROM gw_inbound
 WHERE session_key = %s AND state = 'journaled' ORDER BY seq LIMIT %s
+"""
+
+# Answered, with the reply kept for a client's retry, and the waiter told: one statement.
+_PUBLISH = """
+WITH done AS (
+    UPDATE gw_inbound SET state = 'done', expires_at = %(expires)s, session_key = NULL,
+        received_at = NULL, message = NULL, reply = %(reply)s::json, reply_id = NULL
+    WHERE dedupe_key = %(key)s
+    RETURNING dedupe_key)
+SELECT pg_notify(%(channel)s, dedupe_key) FROM done
 """
 
 _UNLEASED = """
@@ -310,49 +323,56 @@ class SessionRouter:
     # ------------------------------------------------------------------ API replies
 
     async def publish(self, dedupe_key: str, reply: OutboundMessage) -> None:
-        """A turn for a waiting `/api/chat` request ended here: hand its reply over."""
+        """A turn for a waiting `/api/chat` request ended here: mark its message answered
+        and keep the reply on its journal row, in one statement (so no crash between the
+        two can leave an answered message without its reply), and tell the waiter."""
         waiter = self._waiters.get(dedupe_key)
-        if waiter is not None:  # the request waits on this replica
-            waiter[1].append(reply)
-            waiter[0].set()
-            return
         raw = json.dumps(reply.to_dict(), default=str)
         async with self.store.connection() as conn:
             await conn.execute(
-                "UPDATE gw_inbound SET reply = %s::json WHERE dedupe_key = %s", (raw, dedupe_key)
+                _PUBLISH,
+                {
+                    "key": dedupe_key,
+                    "reply": raw,
+                    "expires": time.time() + self.store.ttl,
+                    "channel": NOTIFY_CHANNEL,
+                },
             )
-            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, dedupe_key))
+        if waiter is not None and not waiter[1]:  # the request waits on this replica
+            waiter[1].append(reply)
+            waiter[0].set()
 
     async def wait_reply(self, dedupe_key: str) -> OutboundMessage | None:
-        """The reply to a message this replica forwarded, wherever its turn runs."""
-        event = anyio.Event()
+        """The reply to a message this replica forwarded, wherever its turn runs. The
+        reply stays on the message's row until the row expires, so a client that sends
+        the request again (its answer lost with a replica, or its own time-out) gets
+        the same reply and the turn does not run twice."""
         box: list[OutboundMessage | None] = []
-        self._waiters[dedupe_key] = (event, box)
         try:
             while not box:
+                # Armed before the read: a notification during it is not missed.
+                event = anyio.Event()
+                self._waiters[dedupe_key] = (event, box)
+                try:
+                    reply = await self.published(dedupe_key)
+                except Exception as exc:  # a busy or lost database: ask again later
+                    logger.debug("replicas: reply poll failed ({})", exc)
+                    reply = None
+                if reply is not None and not box:
+                    box.append(reply)
+                    break
                 with anyio.move_on_after(REPLY_POLL):
                     await event.wait()
-                if not box:
-                    try:
-                        reply = await self._take_published(dedupe_key)
-                    except Exception as exc:  # a busy or lost database: ask again later
-                        logger.debug("replicas: reply poll failed ({})", exc)
-                        continue
-                    if reply is not None:
-                        box.append(reply)
             return box[0]
         finally:
             self._waiters.pop(dedupe_key, None)
 
-    async def _take_published(self, dedupe_key: str) -> OutboundMessage | None:
+    async def published(self, dedupe_key: str) -> OutboundMessage | None:
+        """The reply kept on an answered message's row, if there is one."""
         async with self.store.connection() as conn:
-            # Taken once: the row keeps no reply after (RETURNING gives the new row, so
-            # the old reply comes from a locked read in the same statement).
             cur = await conn.execute(
-                "UPDATE gw_inbound g SET reply = NULL FROM (SELECT dedupe_key, reply "
-                "FROM gw_inbound WHERE dedupe_key = %s AND state = 'done' "
-                "AND reply IS NOT NULL FOR UPDATE) old "
-                "WHERE g.dedupe_key = old.dedupe_key RETURNING old.reply::text",
+                "SELECT reply::text FROM gw_inbound WHERE dedupe_key = %s AND state = 'done' "
+                "AND reply IS NOT NULL",
                 (dedupe_key,),
             )
             row = await cur.fetchone()
@@ -378,10 +398,7 @@ class SessionRouter:
                             continue
                         waiter = self._waiters.get(note.payload)
                         if waiter is not None and not waiter[1]:
-                            reply = await self._take_published(note.payload)
-                            if reply is not None:
-                                waiter[1].append(reply)
-                                waiter[0].set()
+                            waiter[0].set()  # the waiter reads the reply itself
             except Exception as exc:
                 logger.warning("replicas: reply listener failed ({}); reconnecting", exc)
                 await anyio.sleep(1.0)

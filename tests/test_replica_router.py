@@ -151,3 +151,48 @@ async def test_turns_longer_than_the_lease_keep_their_leases_renewed(
             ("a", f"slow {chat}"),
             ("a", f"next {chat}"),
         ]
+
+
+async def test_an_api_reply_outlives_its_waiter_so_a_retry_elsewhere_gets_it(
+    migrated_pg_url: str,
+) -> None:
+    """An `/api/chat` message taken in on b runs on a (a holds the session). b's waiter
+    gets the reply; should b die before its client hears it, the client's retry with the
+    same id reaches a, which must give the same reply without running the turn again.
+    The message is marked answered and the reply kept in one statement."""
+    import psycopg
+
+    from gateway.dedupe import dedupe_key
+    from gateway.messages import META_REPLY_WANTED
+
+    ran: list[tuple[str, str, float]] = []
+    async with replicas(migrated_pg_url, ran) as (a, b):
+        await a.dispatcher.submit(message(1, "91"))
+        await wait_for(lambda: len(ran) == 1, 5)
+        api = InboundMessage(
+            channel="telegram",
+            chat_id="91",
+            sender_id="91",
+            text="question",
+            message_id="91:2",
+            metadata={META_REPLY_WANTED: True},
+        )
+        ticket = await b.dispatcher.submit(api)
+        with anyio.fail_after(5):
+            first = await ticket.reply()
+        assert first is not None and first.text == "echo: question"
+        key = dedupe_key(api)
+        assert key is not None
+        with psycopg.connect(migrated_pg_url) as conn:
+            state = conn.execute(
+                "SELECT state, reply->>'text' FROM gw_inbound WHERE dedupe_key = %s", (key,)
+            ).fetchone()
+        assert state == ("done", "echo: question")
+        # The retry: a duplicate on a, answered from the row, twice over if need be.
+        again = await a.dispatcher.submit(api)
+        assert again.status.value == "duplicate"
+        for router in (a.router, b.router):
+            with anyio.fail_after(2):
+                reply = await router.wait_reply(key)
+            assert reply is not None and reply.text == "echo: question"
+    assert [text for _, text, _ in ran] == ["m1", "question"]  # the turn ran once
