@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -100,6 +101,19 @@ def append_text(path: Path, text: str, *, fsync: bool = False) -> int:
         return size + len(data)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (created 0600 if missing) until the block
+    ends: how processes sharing a workspace file take turns changing it. Not reentrant
+    within a process on the same path: pair it with a thread lock taken first."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def create_exclusive(path: Path, data: bytes) -> None:

@@ -64,7 +64,9 @@ def test_scope_folder_and_private_permissions(mm: MemoryManager, tmp_path: Path)
         "HISTORY.md.index",
         "MEMORY.md",
         "MEMORY.md.index",
+        "MEMORY.md.lock",  # other processes' rewrites (gateway memory forget) wait on it
         "knowledge.json.index",
+        "knowledge.json.lock",
         "knowledge.json.log",
     ]
     for name in names:
@@ -474,3 +476,83 @@ def test_a_flipped_byte_in_a_saved_index_is_caught_by_its_checksum(
     assert again.search_history("topic7 entry", 1)[0].endswith(
         "entry 7 about topic7 and some filler words here"
     )
+
+
+# -- forgetting and correcting facts in the files ---------------------------------------
+
+
+def _all_bytes(folder: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file())
+
+
+def test_forget_leaves_the_words_in_no_file_of_the_scope(mm: MemoryManager) -> None:
+    mm.write_memory(
+        "# About Alice\n\nFree text she wrote <!-- her own comment -->\n\n"
+        "### Consolidated 2024-02-01\n- [learned_fact] Takes the Zyrtecor pill daily\n"
+        "- [learned_fact] Takes the Zyrtecor pill daily\n- plain note\n"
+    )
+    mm.append_facts([("learned_fact", "A duplicate drug: Zyrtecor")])
+    mm.compact_memory()  # MEMORY.md.bak now holds the old text too
+    mm.knowledge.add("learned_fact", "takes the zyrtecor pill daily.", source="remember")
+    mm.knowledge.flush()
+    assert mm.search_memory("zyrtecor") and mm.knowledge.search("zyrtecor")
+    mm.flush()  # the saved indexes hold the word
+    assert b"Zyrtecor pill" in _all_bytes(mm.dir)
+    pill = next(f for f in mm.list_facts() if f.text == "Takes the Zyrtecor pill daily")
+    assert mm.forget_fact(pill.id) is not None
+    mm.close()
+    assert b"Zyrtecor pill" not in _all_bytes(mm.dir)
+    # Every other byte as it was: headings, free text, another's comment, other facts.
+    assert mm.read_memory() == (
+        "# About Alice\n\nFree text she wrote <!-- her own comment -->\n\n"
+        "### Consolidated 2024-02-01\n- plain note\n\n"
+        "### Consolidated 2024-02-28\n- [learned_fact] A duplicate drug: Zyrtecor\n"
+    )
+    assert mm.search_memory("zyrtecor") == ["- [learned_fact] A duplicate drug: Zyrtecor"]
+    assert not list(mm.dir.glob("*.tmp"))
+
+
+def test_a_forget_by_another_process_is_not_undone_by_the_running_gateway(
+    tmp_path: Path, clock: Clock
+) -> None:
+    running = MemoryManager(tmp_path, "telegram:42", clock=clock)
+    running.record_consolidation(
+        [("learned_fact", "Secret hobby is karaoke"), ("learned_fact", "Likes maps")], "s"
+    )
+    running.knowledge.search("karaoke")  # touched: a pending change in the running base
+    assert "karaoke" in running.knowledge.export_for_context()
+    operator = MemoryManager(tmp_path, "telegram:42", clock=clock)  # `gateway memory forget`
+    secret = next(f for f in operator.list_facts() if "karaoke" in f.text)
+    assert operator.forget_fact(secret.id) is not None
+    operator.close()
+    # The running gateway sees it at once and does not write it back.
+    assert "karaoke" not in running.knowledge.export_for_context()
+    assert running.search_memory("karaoke") == []
+    running.knowledge.add("learned_fact", "Added after the forget", source="remember")
+    running.close()
+    reopened = MemoryManager(tmp_path, "telegram:42", clock=clock)
+    assert sorted(e.content for e in reopened.knowledge) == ["Added after the forget", "Likes maps"]
+    assert b"karaoke" not in _all_bytes(reopened.dir)
+
+
+def test_appends_wait_for_a_rewrite_by_another_process(tmp_path: Path, clock: Clock) -> None:
+    """The flock on MEMORY.md.lock: an append during another process's rewrite lands in
+    the rewritten file, never in the one being replaced."""
+    from gateway.fsutil import file_lock
+
+    mm = MemoryManager(tmp_path, "telegram:42", clock=clock)
+    mm.append_facts([("learned_fact", "first")])
+    done = threading.Event()
+
+    def append() -> None:
+        mm.append_facts([("learned_fact", "second")])
+        done.set()
+
+    with file_lock(mm.dir / "MEMORY.md.lock"):  # as `gateway memory forget` holds it
+        worker = threading.Thread(target=append)
+        worker.start()
+        assert not done.wait(0.5)
+        manager_module.atomic_write_text(mm.memory_path, "- [learned_fact] rewritten\n")
+    worker.join(10)
+    assert mm.read_memory().splitlines()[-1] == "- [learned_fact] second"
+    assert "- [learned_fact] rewritten" in mm.read_memory()

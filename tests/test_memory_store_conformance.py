@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway.memory import MemoryStore
+from gateway.memory.facts import Correction, NewFact, Origin, fact_id
 from gateway.memory.protocol import MemoryBackend
 from gateway.memory.scopes import ScopeMode
 
@@ -340,3 +341,129 @@ def test_huge_entries_are_kept_whole_and_searchable(backend: MemoryBackend) -> N
     entry = memory.knowledge.add("learned_fact", huge)
     memory.knowledge.flush()
     assert memory.knowledge.search("needle")[0].id == entry.id
+
+
+# -- fact ids, origins, corrections, forgetting ------------------------------------------
+
+
+def test_facts_have_stable_ids_and_point_back_to_their_session_entry(
+    make_backend: MakeBackend,
+) -> None:
+    memory = make_backend().for_session("telegram:1")
+    told = Origin("telegram:1", "0a1b2c3d4e5f")
+    memory.record_consolidation(
+        [NewFact("user_preference", "Drinks green tea", told), ("learned_fact", "Has a cat")],
+        "talked about tea",
+    )
+    facts = memory.list_facts()
+    assert [(f.category, f.text, f.origin) for f in facts] == [
+        ("user_preference", "Drinks green tea", told),
+        ("learned_fact", "Has a cat", None),  # the writer did not say where from
+    ]
+    tea, cat = facts
+    assert tea.id != cat.id and all(len(f.id) == 8 for f in facts)
+    # Readable as Markdown: the id and origin ride in a comment; search never sees it.
+    assert memory.read_memory() == (
+        "### Consolidated 2025-03-01\n"
+        f"- [user_preference] Drinks green tea <!-- fact {tea.id} from telegram:1 "
+        "entry 0a1b2c3d4e5f -->\n"
+        "- [learned_fact] Has a cat\n"
+    )
+    assert memory.search_memory("tea") == ["- [user_preference] Drinks green tea"]
+    assert memory.search_memory("0a1b2c3d4e5f") == []  # an entry id is not a word of it
+    # Another process (replica) sees the same ids.
+    assert make_backend().for_session("telegram:1").list_facts() == facts
+
+
+def test_lines_without_ids_get_ids_derived_from_their_day_and_text(backend: MemoryBackend) -> None:
+    memory = backend.for_session("telegram:1")
+    memory.append_facts([("learned_fact", "Lives in Lyon")], day=date(2024, 1, 2))
+    (fact,) = memory.list_facts()
+    assert fact.id == fact_id(date(2024, 1, 2), "learned_fact", "Lives in Lyon")
+    assert (fact.day, fact.origin, fact.correction) == (date(2024, 1, 2), None, None)
+    assert backend.for_session("telegram:1").list_facts() == [fact]
+
+
+def test_a_correction_keeps_the_id_and_says_who_corrected_it(
+    make_backend: MakeBackend, clock: Clock
+) -> None:
+    memory = make_backend().for_session("telegram:1")
+    told = Origin("telegram:1", "e1")
+    memory.record_consolidation([NewFact("user_preference", "Drinks green tea", told)], "s")
+    (tea,) = memory.list_facts()
+    clock.now = T0 + timedelta(hours=2)
+    fixed = memory.correct_fact(tea.id, "Drinks black tea, no sugar", by="telegram:1")
+    assert fixed is not None
+    assert (fixed.id, fixed.text, fixed.origin) == (tea.id, "Drinks black tea, no sugar", told)
+    assert fixed.correction == Correction("2025-03-01T14:00:00Z", "telegram:1")
+    again = make_backend().for_session("telegram:1")
+    assert again.list_facts() == [fixed]
+    # The knowledge entry says the new text, and searches find it instead of the old.
+    assert [e.content for e in again.knowledge] == ["Drinks black tea, no sugar"]
+    assert again.search_memory("green") == []
+    assert eventually(lambda: again.search_memory("black")) == [
+        "- [user_preference] Drinks black tea, no sugar"
+    ]
+    assert "green" not in again.knowledge.export_for_context()
+    assert again.correct_fact("ffffffff", "anything", by="x") is None
+    with pytest.raises(ValueError, match="needs some text"):
+        again.correct_fact(tea.id, "   ", by="x")
+    assert again.list_facts() == [fixed]
+
+
+def test_forgetting_removes_the_fact_its_knowledge_and_its_search_hits(
+    make_backend: MakeBackend,
+) -> None:
+    memory = make_backend().for_session("telegram:1")
+    memory.record_consolidation(
+        [("user_preference", "Drinks green tea"), ("learned_fact", "Has a cat named Miso")], "s"
+    )
+    memory.knowledge.add("learned_fact", "has a cat named miso.", source="remember")
+    assert eventually(lambda: memory.search_memory("miso"))
+    cat = next(f for f in memory.list_facts() if "Miso" in f.text)
+    gone = memory.forget_fact(cat.id)
+    assert gone is not None and gone.text == "Has a cat named Miso"
+    for view in (memory, make_backend().for_session("telegram:1")):
+        assert [f.text for f in view.list_facts()] == ["Drinks green tea"]
+        assert "Miso" not in view.read_memory()
+        assert view.search_memory("miso") == []
+        assert view.knowledge.search("miso") == []
+        assert [e.content for e in view.knowledge] == ["Drinks green tea"]
+        assert "Miso" not in view.knowledge.export_for_context()
+
+
+def test_forgetting_a_fact_that_does_not_exist_changes_nothing(backend: MemoryBackend) -> None:
+    memory = backend.for_session("telegram:1")
+    memory.record_consolidation([("user_preference", "Drinks green tea")], "s")
+    before = (memory.read_memory(), memory.list_facts(), list(memory.knowledge))
+    assert memory.forget_fact("deadbeef") is None
+    assert memory.forget_fact("") is None
+    assert (memory.read_memory(), memory.list_facts(), list(memory.knowledge)) == before
+
+
+def test_one_scope_cannot_correct_or_forget_another_scopes_fact(backend: MemoryBackend) -> None:
+    alice = backend.for_session("telegram:1")
+    bob = backend.for_session("telegram:2")
+    alice.record_consolidation([("learned_fact", "Alice's PIN hint is her cat")], "s")
+    (secret,) = alice.list_facts()
+    assert bob.list_facts() == []
+    assert bob.forget_fact(secret.id) is None
+    assert bob.correct_fact(secret.id, "nothing", by="telegram:2") is None
+    assert backend.for_session("telegram:1").list_facts() == [secret]
+
+
+def test_a_knowledge_entry_no_line_says_is_a_fact_too(backend: MemoryBackend) -> None:
+    memory = backend.for_session("telegram:1")
+    entry = memory.knowledge.add("user_preference", "Answers in French", source="remember")
+    (fact,) = memory.list_facts()
+    assert (fact.id, fact.kind, fact.text) == (entry.id[:8], "knowledge", "Answers in French")
+    fixed = memory.correct_fact(fact.id, "Answers in German", by="operator")
+    assert fixed is not None and fixed.id == fact.id
+    (now,) = memory.list_facts()  # a line from now on, with the same id
+    assert (now.id, now.kind, now.text) == (fact.id, "memory", "Answers in German")
+    assert [e.content for e in memory.knowledge] == ["Answers in German"]
+    assert memory.forget_fact(fact.id) is not None
+    assert memory.list_facts() == [] and len(memory.knowledge) == 0
+    other = memory.knowledge.add("learned_fact", "Only knowledge", source="remember")
+    assert memory.forget_fact(other.id[:8]) is not None
+    assert len(memory.knowledge) == 0

@@ -34,6 +34,8 @@ _FACT_RE = re.compile(r"^[-*+]\s+\[([A-Za-z_][A-Za-z0-9_]*)\]\s*(.*)$")
 _BULLET_RE = re.compile(r"^[-*+]\s+(.*)$")
 _HEADING_PREFIX = "### Consolidated "
 _HEADING_RE = re.compile(r"^#+\s*Consolidated\s+(\d{4}-\d{2}-\d{2})\s*$")
+# The comment at the end of a fact's line holding its id and origin (`gateway.memory.facts`).
+FACT_COMMENT_RE = re.compile(r"\s*<!--\s*fact\s+([^<>]*?)\s*-->\s*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +67,17 @@ def format_fact(category: str, text: str) -> str:
     return f"- [{category}] {one_line(text)}"
 
 
+def without_fact_comment(line: str) -> str:
+    """A MEMORY.md line as people and searches see it: its fact comment (id, origin)
+    taken off."""
+    match = FACT_COMMENT_RE.search(line)
+    return line if match is None else line[: match.start()].rstrip()
+
+
 def parse_fact(line: str) -> FactLine | None:
-    """The bullet's category and text, or None for any other kind of line."""
-    match = _FACT_RE.match(line.strip())
+    """The bullet's category and text (without its fact comment), or None for any
+    other kind of line."""
+    match = _FACT_RE.match(without_fact_comment(line.strip()))
     if match is None:
         return None
     return FactLine(match.group(1), match.group(2).strip())
@@ -78,7 +88,7 @@ def parse_bullet(line: str) -> FactLine | None:
     fact = parse_fact(line)
     if fact is not None:
         return fact
-    match = _BULLET_RE.match(line.strip())
+    match = _BULLET_RE.match(without_fact_comment(line.strip()))
     if match is None or not match.group(1).strip():
         return None
     return FactLine("", match.group(1).strip())
@@ -120,11 +130,12 @@ def heading_day(line: str) -> date | None:
 def memory_documents(content: str) -> list[tuple[str, str | None]]:
     """The searchable lines of MEMORY.md: `(stripped line, category or None)`.
 
-    Headings and blank lines are not documents; free text is (without a category).
+    Headings and blank lines are not documents; free text is (without a category). A
+    fact's comment (its id and origin) is not searched.
     """
     docs: list[tuple[str, str | None]] = []
     for raw in content.splitlines():
-        line = raw.strip()
+        line = without_fact_comment(raw.strip())
         if not line or is_heading(line):
             continue
         fact = parse_fact(line)

@@ -20,6 +20,12 @@ Invariants:
   `<name>.corrupt-<ts>`, the problem is logged and kept in `load_error`, and any
   entries that could be read are kept. A torn last log line (a crash mid-write) is
   ignored. A damaged index is rebuilt.
+- `remove_where` takes entries out for good: the snapshot is rewritten without them,
+  the log emptied and the saved index (which holds their words) deleted. Another
+  process's removal (`gateway memory forget`) is seen at the next call (two stats: a
+  rewritten snapshot or a log grown by someone else reloads the files), and an entry
+  removed there is not written back from here. Writes hold an `flock` on
+  `knowledge.json.lock`.
 - Search is BM25 over content, tags and source. Changed entries are (re)indexed in one
   batch by the next search. A reload reads the saved index when the snapshot and the
   log still hold what it covers (CRC-32), indexing only the entries logged after it.
@@ -44,7 +50,7 @@ from typing import Any
 import orjson
 from loguru import logger
 
-from gateway.fsutil import append_text, atomic_write_bytes, ensure_private_dir
+from gateway.fsutil import append_text, atomic_write_bytes, ensure_private_dir, file_lock
 from gateway.memory.format import CATEGORIES, normalize_category
 from gateway.memory.index import IndexFileError, SearchIndex
 from gateway.memory.text import normalize_text, one_line, tokenize
@@ -268,6 +274,9 @@ class KnowledgeBase:
         self._lock = threading.RLock()
         self.log_path = path.with_name(path.name + ".log")
         self.index_path = path.with_name(path.name + ".index")
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._created: set[str] = set()  # added (not reinforced) since the last flush
+        self._snapshot_ident: tuple[int, int, int] | None = None
         self._state = _State()
         self._unsaved: dict[str, KnowledgeEntry] = {}  # changed since the last flush
         self._log_records = 0
@@ -277,6 +286,7 @@ class KnowledgeBase:
         self._index_saved = False  # the saved index covers the current files
         self._flush_requested = False  # the writer thread will flush this base
         self._load()
+        self._snapshot_ident = _identity(self.path)
         _OPEN_BASES.add(self)
 
     # -- reading -----------------------------------------------------------------
@@ -286,6 +296,7 @@ class KnowledgeBase:
 
     def __iter__(self) -> Iterator[KnowledgeEntry]:
         with self._lock:
+            self._notice_outside_changes()
             return iter(list(self._state.entries.values()))
 
     @property
@@ -294,11 +305,14 @@ class KnowledgeBase:
         return bool(self._unsaved)
 
     def get(self, entry_id: str) -> KnowledgeEntry | None:
-        return self._state.entries.get(entry_id)
+        with self._lock:
+            self._notice_outside_changes()
+            return self._state.entries.get(entry_id)
 
     def by_category(self, category: str) -> list[KnowledgeEntry]:
         """Entries of `category`, most accessed first, then newest first."""
         with self._lock:
+            self._notice_outside_changes()
             found = [e for e in self._state.entries.values() if e.category == category]
         found.sort(key=_popularity, reverse=True)
         return found
@@ -313,6 +327,7 @@ class KnowledgeBase:
         accessed first. Returned entries carry their updated access count.
         """
         with self._lock:
+            self._notice_outside_changes()
             state = self._state
             if not tokenize(query):
                 pool = (
@@ -330,6 +345,7 @@ class KnowledgeBase:
     def export_for_context(self, max_chars: int = 2000) -> str:
         """`context_export` of every entry."""
         with self._lock:
+            self._notice_outside_changes()
             entries = list(self._state.entries.values())
         return context_export(entries, max_chars)
 
@@ -358,9 +374,11 @@ class KnowledgeBase:
         key = entry_id(category, text)
         now = self._clock()
         with self._lock:
+            self._notice_outside_changes()
             existing = self._state.entries.get(key)
             if existing is None:
                 entry = KnowledgeEntry(key, category, text, origin, new_tags, now, now, 0)
+                self._created.add(key)
                 logger.debug("Knowledge entry {} added ({})", key, category)
             else:
                 merged = tuple(dict.fromkeys(existing.tags + new_tags))
@@ -388,25 +406,14 @@ class KnowledgeBase:
             self._flush_requested = False
             if not self._unsaved:
                 return False
-            if self._log_records + len(self._unsaved) >= max(_COMPACT_AT, len(self)):
-                self._write_snapshot()
-                return True
-            # orjson writes the dataclass itself: the same object `to_dict` gives, in C.
-            data = b"".join(orjson.dumps(e) + b"\n" for e in self._unsaved.values())
-            lines = data.decode()
-            batch = self._unsaved
-            self._unsaved = {}
-            try:
-                size = append_text(self.log_path, lines)
-            except OSError:
-                self._unsaved = {**batch, **self._unsaved}
-                raise
-            if size != self._log_bytes + len(data):  # someone else wrote to it
-                self._index_saved = False
-            self._log_bytes = size
-            self._log_crc = zlib.crc32(data, self._log_crc)
-            self._log_records += len(batch)
-            self._index_saved = False
+            with file_lock(self.lock_path):
+                self._notice_outside_changes()
+                if not self._unsaved:
+                    return False
+                if self._log_records + len(self._unsaved) >= max(_COMPACT_AT, len(self)):
+                    self._write_snapshot()
+                    return True
+                batch = self._append_unsaved()
         try:
             fd = os.open(self.log_path, os.O_RDONLY)
             try:
@@ -418,6 +425,48 @@ class KnowledgeBase:
                 self._unsaved = {**batch, **self._unsaved}
             raise
         return True
+
+    def _append_unsaved(self) -> dict[str, KnowledgeEntry]:
+        """Append the pending entries to the log (no fsync); the batch written."""
+        # orjson writes the dataclass itself: the same object `to_dict` gives, in C.
+        data = b"".join(orjson.dumps(e) + b"\n" for e in self._unsaved.values())
+        batch = self._unsaved
+        self._unsaved = {}
+        try:
+            size = append_text(self.log_path, data.decode())
+        except OSError:
+            self._unsaved = {**batch, **self._unsaved}
+            raise
+        self._log_bytes = size
+        self._log_crc = zlib.crc32(data, self._log_crc)
+        self._log_records += len(batch)
+        self._index_saved = False
+        self._created -= batch.keys()
+        return batch
+
+    def remove_where(self, doomed: Callable[[KnowledgeEntry], bool]) -> list[KnowledgeEntry]:
+        """Remove every entry `doomed` accepts, for good, now: the snapshot is rewritten
+        without them, the log emptied and the saved index deleted (it holds their words;
+        the next search rebuilds it). The removed entries."""
+        with self._lock:
+            self._notice_outside_changes()
+            state = self._state
+            gone = [entry for entry in state.entries.values() if doomed(entry)]
+            if not gone:
+                return []
+            for entry in gone:
+                del state.entries[entry.id]
+                self._unsaved.pop(entry.id, None)
+                self._created.discard(entry.id)
+            self._state = _State(entries=state.entries, stale=set(state.entries))
+            with file_lock(self.lock_path):
+                self._write_snapshot()
+                damaged = self.index_path.with_name(self.index_path.name + ".damaged")
+                for path in (self.index_path, damaged):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            logger.debug("Knowledge entries removed: {}", [e.id for e in gone])
+            return gone
 
     def close(self) -> None:
         """Flush and save the search index; the base stays usable (twice is harmless)."""
@@ -438,6 +487,33 @@ class KnowledgeBase:
                 self.flush()
 
     # -- internals ---------------------------------------------------------------
+
+    def _notice_outside_changes(self) -> None:
+        """Reload the files when another process changed them (holding `_lock`): a
+        snapshot we did not write, or a log longer than ours. Pending changes are kept,
+        but not for an entry the other process removed: only entries this base created
+        since its last flush (the other process never saw them) come back."""
+        ident = _identity(self.path)
+        try:
+            log_size = os.path.getsize(self.log_path)
+        except FileNotFoundError:
+            log_size = 0
+        if ident == self._snapshot_ident and log_size == self._log_bytes:
+            return
+        pending, fresh = self._unsaved, self._created
+        self._state = _State()
+        self._unsaved, self._created = {}, set()
+        self._log_records = self._log_bytes = self._log_crc = 0
+        self._index_saved = False
+        self._load()
+        self._snapshot_ident = _identity(self.path)
+        for key, entry in pending.items():
+            if key in self._state.entries or key in fresh:
+                self._put(entry, reindex=True)
+                self._unsaved[key] = entry
+                if key in fresh:
+                    self._created.add(key)
+        logger.debug("Knowledge base {} reloaded: changed by another process", self.path)
 
     def _put(self, entry: KnowledgeEntry, *, reindex: bool) -> None:
         self._state.entries[entry.id] = entry
@@ -475,8 +551,10 @@ class KnowledgeBase:
         with contextlib.suppress(FileNotFoundError):
             os.truncate(self.log_path, 0)
         self._snapshot_crc = zlib.crc32(data)
+        self._snapshot_ident = _identity(self.path)
         self._log_records = self._log_bytes = self._log_crc = 0
         self._unsaved = {}
+        self._created = set()
         self._index_saved = False
         self._save_index(build=False)
 
@@ -693,6 +771,14 @@ class KnowledgeBase:
             problem,
             target.name,
         )
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 _OPEN_BASES: weakref.WeakSet[KnowledgeBase] = weakref.WeakSet()

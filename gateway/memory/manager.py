@@ -15,15 +15,23 @@ Invariants:
   a bounded scan of the newest lines), and every append queues its documents for it
   (`gateway.memory.live`). MEMORY.md is meant to be edited by people: a search
   notices a hand edit (by the file's size and mtime) and rebuilds that index.
-- All methods are thread-safe (one lock per manager). Keep one manager per scope per
+- Forgetting or correcting a fact (`forget_fact`, `correct_fact`) rewrites MEMORY.md
+  atomically and takes the text out of the knowledge entries saying the same thing, of
+  `MEMORY.md.bak` and of the saved search indexes (rebuilt without it).
+- All methods are thread-safe (one lock per manager). Changes to MEMORY.md also hold
+  an `flock` on `MEMORY.md.lock`, so an operator's `gateway memory forget` in another
+  process cannot lose an append of the running gateway. Keep one manager per scope per
   process (`MemoryStore` does). Hand edits of HISTORY.md or its archives while the
   history index is loaded are seen after the scope is reopened.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from datetime import UTC, date, datetime
 from pathlib import Path
 
@@ -35,22 +43,35 @@ from gateway.fsutil import (
     atomic_write_text,
     create_exclusive,
     ensure_private_dir,
+    file_lock,
     read_text,
 )
 from gateway.memory.dedupe import redundant_facts
+from gateway.memory.facts import (
+    ID_CHARS,
+    Fact,
+    FactInput,
+    all_facts,
+    corrected,
+    correction_now,
+    knowledge_fact,
+    memory_facts,
+    new_facts,
+    rewrite_memory,
+    same_text,
+    scrub_lines,
+    written_fact,
+)
 from gateway.memory.format import (
-    clean_facts,
     consolidated_heading,
-    format_fact,
     format_history_line,
     heading_day,
     history_timestamp,
     is_heading,
     memory_documents,
-    normalize_category,
     parse_bullet,
 )
-from gateway.memory.knowledge import KnowledgeBase
+from gateway.memory.knowledge import KnowledgeBase, KnowledgeEntry
 from gateway.memory.live import Doc, FileIndex
 from gateway.memory.scopes import WORKSPACE_SCOPE, scope_dir
 from gateway.memory.text import one_line, tokenize
@@ -60,6 +81,7 @@ HISTORY_FILE = "HISTORY.md"
 KNOWLEDGE_FILE = "knowledge.json"
 MEMORY_BACKUP_FILE = "MEMORY.md.bak"
 MEMORY_INDEX_FILE = "MEMORY.md.index"
+MEMORY_LOCK_FILE = "MEMORY.md.lock"
 HISTORY_INDEX_FILE = "HISTORY.md.index"
 ARCHIVE_GLOB = "HISTORY.archive.*.md"
 
@@ -96,6 +118,7 @@ class MemoryManager:
         self.fsync_appends = fsync_appends
         self._clock = clock
         self._lock = threading.RLock()
+        self._file_lock_depth = 0  # under `_lock`: the flock is taken by the outermost
         self._log = logger.bind(memory_scope=scope)
         self._memory_index = FileIndex(
             self.dir / MEMORY_INDEX_FILE, lambda: [self.memory_path], _memory_docs, self._lock
@@ -126,7 +149,7 @@ class MemoryManager:
 
     def write_memory(self, content: str) -> None:
         """Replace MEMORY.md atomically; the facts index is rebuilt from it when needed."""
-        with self._lock:
+        with self._locked():
             atomic_write_text(self.memory_path, content)
             self._memory_index.invalidate()
             self._memory_seen = self._memory_stat()
@@ -137,7 +160,7 @@ class MemoryManager:
         text = entry.rstrip() + "\n"
         if not text.strip():
             return
-        with self._lock:
+        with self._locked():
             self._notice_memory_edits()
             append_text(self.memory_path, text, fsync=self.fsync_appends)
             docs, _ = _memory_docs(text, None)
@@ -145,22 +168,22 @@ class MemoryManager:
             self._memory_seen = self._memory_stat()
             self._last_day_stat = None
 
-    def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
-        """Append `- [category] text` bullets under today's (or `day`'s) heading.
+    def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
+        """Append `- [category] text` bullets under today's (or `day`'s) heading; a
+        `NewFact` with an origin gets its fact comment (`gateway.memory.facts`).
 
         The `### Consolidated YYYY-MM-DD` heading is written only if the last heading
         in MEMORY.md is not already that day's. Unknown categories become
         `learned_fact`; empty texts are skipped. Returns the number of bullets written.
         """
-        bullets = [
-            format_fact(normalize_category(category), text)
-            for category, text in facts
-            if one_line(text)
-        ]
+        day = day or self._clock().astimezone(UTC).date()
+        bullets = [written_fact(fact, day).line() for fact in new_facts(facts)]
+        return self._append_bullets(bullets, day)
+
+    def _append_bullets(self, bullets: list[str], day: date) -> int:
         if not bullets:
             return 0
-        day = day or self._clock().astimezone(UTC).date()
-        with self._lock:
+        with self._locked():
             block = "\n".join(bullets) + "\n"
             if self._last_heading_day() != day:
                 lead = "\n" if self._memory_size() > 0 else ""
@@ -196,7 +219,7 @@ class MemoryManager:
         content is kept in `MEMORY.md.bak` (one backup, replaced by the next
         compaction) and MEMORY.md is rewritten atomically.
         """
-        with self._lock:
+        with self._locked():
             content = self.read_memory()
             lines = content.splitlines(keepends=True)
             positions: list[int] = []
@@ -281,7 +304,7 @@ class MemoryManager:
 
     def record_consolidation(
         self,
-        facts: Iterable[tuple[str, str]],
+        facts: Iterable[FactInput],
         summary: str,
         *,
         day: date | None = None,
@@ -294,14 +317,96 @@ class MemoryManager:
         There is no transaction across the three files: a crash in between can leave
         the facts without the summary, never half a file.
         """
-        cleaned = clean_facts(facts)
+        cleaned = new_facts(facts)
         with self._lock:
             written = self.append_facts(cleaned, day)
-            for category, text in cleaned:
-                self.knowledge.add(category, text, source=source)
+            for fact in cleaned:
+                self.knowledge.add(fact.category, fact.text, source=source)
             self.knowledge.flush()
             self.append_history(summary)
         self._log.info("Recorded consolidation: {} facts, summary {}", written, bool(summary))
+
+    # -- seeing, correcting, forgetting facts -----------------------------------
+
+    def list_facts(self) -> list[Fact]:
+        """Every fact: MEMORY.md's bullets in file order, then the knowledge entries no
+        bullet says (an earlier version's `remember` stored only those)."""
+        with self._lock:
+            return all_facts(memory_facts(self.read_memory()), self.knowledge)
+
+    def correct_fact(self, ident: str, text: str, *, by: str) -> Fact | None:
+        """Give fact `ident` a new text (same id and origin; the correction records
+        `by` and when); the knowledge entries that said the old text say the new one.
+        None, and nothing changed, when there is no such fact."""
+        new_text = one_line(text)
+        if not new_text:
+            raise ValueError("a corrected fact needs some text")
+        fix = correction_now(self._clock(), by)
+        with self._locked():
+            rewritten, found = rewrite_memory(
+                self.read_memory(), ident, lambda f: corrected(f, new_text, fix)
+            )
+            if found:
+                self.write_memory(rewritten)
+                fact = corrected(found[0], new_text, fix)
+            else:
+                entry = self._knowledge_only(ident)
+                if entry is None:
+                    return None
+                found = [knowledge_fact(entry)]
+                # Written as a line from now on: a knowledge entry's id is its content's.
+                today = self._clock().astimezone(UTC).date()
+                fact = corrected(replace(found[0], day=today), new_text, fix)
+                self._append_bullets([fact.line()], today)
+            old = {same_text(f.text) for f in found}
+            for gone in self.knowledge.remove_where(lambda e: same_text(e.content) in old):
+                source = gone.source or ""
+                self.knowledge.add(gone.category, new_text, source=source, tags=gone.tags)
+            self.knowledge.flush()
+            self._drop_saved_indexes()
+        self._log.info("Fact {} corrected by {}", ident, by)
+        return fact
+
+    def forget_fact(self, ident: str) -> Fact | None:
+        """Remove fact `ident` for good: its MEMORY.md lines (atomic rewrite), the
+        knowledge entries saying the same, its lines in `MEMORY.md.bak`, and the saved
+        search indexes that held its words. None, and nothing changed, when there is
+        no such fact."""
+        with self._locked():
+            content = self.read_memory()
+            rewritten, found = rewrite_memory(content, ident, lambda _: None)
+            if not found:
+                entry = self._knowledge_only(ident)
+                if entry is None:
+                    return None
+                found = [knowledge_fact(entry)]
+            else:
+                self.write_memory(rewritten)
+            texts = {same_text(f.text) for f in found}
+            self.knowledge.remove_where(lambda e: same_text(e.content) in texts)
+            backup = self.dir / MEMORY_BACKUP_FILE
+            old = read_text(backup)
+            if old and scrub_lines(old, texts) != old:
+                atomic_write_text(backup, scrub_lines(old, texts))
+            self._drop_saved_indexes()
+        self._log.info("Fact {} forgotten ({} lines)", ident, len(found))
+        return found[0]
+
+    def _knowledge_only(self, ident: str) -> KnowledgeEntry | None:
+        """The knowledge entry listed as fact `ident` (one no MEMORY.md line says)."""
+        said = {same_text(f.text) for f in memory_facts(self.read_memory())}
+        for entry in self.knowledge:
+            if entry.id[:ID_CHARS] == ident and same_text(entry.content) not in said:
+                return entry
+        return None
+
+    def _drop_saved_indexes(self) -> None:
+        """Delete the saved MEMORY.md index (and a kept damaged one): it holds the old
+        text; it is rebuilt from the file when next searched."""
+        self._memory_index.invalidate()
+        for name in (MEMORY_INDEX_FILE, MEMORY_INDEX_FILE + ".damaged"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.dir / name)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -331,6 +436,24 @@ class MemoryManager:
         self.close()
 
     # -- internals ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This manager's lock and, held by the outermost caller, MEMORY.md's flock."""
+        with self._lock:
+            if self._file_lock_depth:
+                self._file_lock_depth += 1
+                try:
+                    yield
+                finally:
+                    self._file_lock_depth -= 1
+                return
+            with file_lock(self.dir / MEMORY_LOCK_FILE):
+                self._file_lock_depth = 1
+                try:
+                    yield
+                finally:
+                    self._file_lock_depth = 0
 
     def _notice_memory_edits(self) -> None:
         """Drop the facts index if MEMORY.md changed behind our back (one stat)."""

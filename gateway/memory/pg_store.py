@@ -32,16 +32,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any
 
+from gateway.memory.facts import (
+    ID_CHARS,
+    Fact,
+    FactInput,
+    all_facts,
+    corrected,
+    correction_now,
+    knowledge_fact,
+    new_facts,
+    parse_fact_line,
+    same_text,
+    written_fact,
+)
 from gateway.memory.format import (
-    clean_facts,
-    format_fact,
     format_history_line,
     history_timestamp,
+    is_heading,
     normalize_category,
     render_memory,
+    without_fact_comment,
 )
 from gateway.memory.knowledge import (
     KnowledgeEntry,
@@ -271,7 +285,8 @@ class PostgresKnowledge(_Scoped):
             "WHERE scope = %s AND id = %s FOR UPDATE",
             (self._key, key),
         ).fetchone()
-        assert row is not None  # rows are never deleted but with their scope
+        if row is None:  # forgotten meanwhile (`remove_in`): add it afresh
+            return self.add_in(conn, category, content, source=source, tags=tags)
         existing = knowledge_entry(row)
         merged = KnowledgeEntry(
             key,
@@ -297,6 +312,21 @@ class PostgresKnowledge(_Scoped):
             ),
         )
         return merged
+
+    def remove_in(self, conn: psycopg.Connection[Any], texts: set[str]) -> list[KnowledgeEntry]:
+        """Delete the entries whose content says one of `texts` (`same_text`), inside
+        the caller's transaction; the entries deleted."""
+        rows = conn.execute(
+            f"SELECT {ENTRY_COLUMNS} FROM gw_memory_knowledge WHERE scope = %s FOR UPDATE",
+            (self._key,),
+        ).fetchall()
+        gone = [e for e in map(knowledge_entry, rows) if same_text(e.content) in texts]
+        if gone:
+            conn.execute(
+                "DELETE FROM gw_memory_knowledge WHERE scope = %s AND id = ANY(%s)",
+                (self._key, [e.id for e in gone]),
+            )
+        return gone
 
     def flush(self) -> bool:
         """Every change was committed already."""
@@ -345,29 +375,34 @@ class PostgresMemoryScope(_Scoped):
             ).fetchall()
         return render_memory((day, str(line)) for day, line in rows)
 
-    def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
+    def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
         with self._pool.connection() as conn, conn.transaction():
             return self._append_facts(conn, facts, day)
 
     def _append_facts(
-        self, conn: psycopg.Connection[Any], facts: Iterable[tuple[str, str]], day: date | None
+        self, conn: psycopg.Connection[Any], facts: Iterable[FactInput], day: date | None
     ) -> int:
-        rows: list[tuple[str, str]] = []
-        for category, text in facts:
-            if not one_line(text):
-                continue
-            tag = normalize_category(category)
-            rows.append((tag, pg_text(format_fact(tag, text))))
+        day = day or self._clock().astimezone(UTC).date()
+        rows = [
+            (fact.category, pg_text(written_fact(fact, day).line())) for fact in new_facts(facts)
+        ]
+        return self._insert_lines(conn, rows, day)
+
+    def _insert_lines(
+        self, conn: psycopg.Connection[Any], rows: list[tuple[str, str]], day: date
+    ) -> int:
         if not rows:
             return 0
-        day = day or self._clock().astimezone(UTC).date()
         now = time.time()
         self._ensure_scope(conn)
         with conn.cursor() as cur:
             cur.executemany(
                 "INSERT INTO gw_memory_facts (scope, day, category, line, created_at, tsv) "
                 "VALUES (%s, %s, %s, %s, %s, to_tsvector('simple', %s))",
-                [(self._key, day, tag, line, now, search_terms(line)) for tag, line in rows],
+                [
+                    (self._key, day, tag, line, now, search_terms(without_fact_comment(line)))
+                    for tag, line in rows
+                ],
             )
         return len(rows)
 
@@ -378,9 +413,92 @@ class PostgresMemoryScope(_Scoped):
             return []
         tag = category.strip().lower() if category else None
         with self._pool.connection() as conn:
-            return _top(
+            lines = _top(
                 conn, "gw_memory_facts", "line", self._key, query, max_results, category=tag
             )
+        return [without_fact_comment(line) for line in lines]
+
+    # -- seeing, correcting, forgetting facts ----------------------------------------
+
+    def _facts(self, conn: psycopg.Connection[Any], lock: bool) -> list[tuple[int, Fact]]:
+        """(row id, fact) of every fact line, in order."""
+        rows = conn.execute(
+            "SELECT id, day, line FROM gw_memory_facts WHERE scope = %s ORDER BY id"
+            + (" FOR UPDATE" if lock else ""),
+            (self._key,),
+        ).fetchall()
+        out: list[tuple[int, Fact]] = []
+        for row_id, day, line in rows:
+            fact = None if is_heading(str(line)) else parse_fact_line(str(line), day)
+            if fact is not None:
+                out.append((int(row_id), fact))
+        return out
+
+    def list_facts(self) -> list[Fact]:
+        with self._pool.connection() as conn:
+            memory = [fact for _, fact in self._facts(conn, lock=False)]
+        return all_facts(memory, self._knowledge)
+
+    def _knowledge_only(self, memory: list[Fact], ident: str) -> KnowledgeEntry | None:
+        for fact in all_facts(memory, self._knowledge):
+            if fact.id == ident and fact.kind == "knowledge":
+                found = self._knowledge._select("AND left(id, %s) = %s", (ID_CHARS, ident))
+                return found[0] if found else None
+        return None
+
+    def correct_fact(self, ident: str, text: str, *, by: str) -> Fact | None:
+        """As the file mode's; in one transaction."""
+        new_text = pg_text(one_line(text))
+        if not new_text:
+            raise ValueError("a corrected fact needs some text")
+        fix = correction_now(self._clock(), pg_text(by))
+        with self._pool.connection() as conn, conn.transaction():
+            facts = self._facts(conn, lock=True)
+            found = [(row, f) for row, f in facts if f.id == ident]
+            if found:
+                fact = corrected(found[0][1], new_text, fix)
+                for row, old in found:
+                    line = pg_text(corrected(old, new_text, fix).line())
+                    conn.execute(
+                        "UPDATE gw_memory_facts SET line = %s, tsv = to_tsvector('simple', %s) "
+                        "WHERE scope = %s AND id = %s",
+                        (line, search_terms(without_fact_comment(line)), self._key, row),
+                    )
+                olds = {same_text(f.text) for _, f in found}
+            else:
+                entry = self._knowledge_only([f for _, f in facts], ident)
+                if entry is None:
+                    return None
+                today = self._clock().astimezone(UTC).date()
+                fact = corrected(replace(knowledge_fact(entry), day=today), new_text, fix)
+                self._insert_lines(conn, [(fact.category, pg_text(fact.line()))], today)
+                olds = {same_text(entry.content)}
+            for gone in self._knowledge.remove_in(conn, olds):
+                self._knowledge.add_in(
+                    conn, gone.category, new_text, source=gone.source or "", tags=gone.tags
+                )
+        return fact
+
+    def forget_fact(self, ident: str) -> Fact | None:
+        """As the file mode's: the fact's rows and the knowledge entries saying the
+        same are deleted, in one transaction."""
+        with self._pool.connection() as conn, conn.transaction():
+            facts = self._facts(conn, lock=True)
+            found = [(row, f) for row, f in facts if f.id == ident]
+            if found:
+                conn.execute(
+                    "DELETE FROM gw_memory_facts WHERE scope = %s AND id = ANY(%s)",
+                    (self._key, [row for row, _ in found]),
+                )
+                fact = found[0][1]
+            else:
+                entry = self._knowledge_only([f for _, f in facts], ident)
+                if entry is None:
+                    return None
+                fact = knowledge_fact(entry)
+            texts = {same_text(f.text) for _, f in found} | {same_text(fact.text)}
+            self._knowledge.remove_in(conn, texts)
+        return fact
 
     # -- history ---------------------------------------------------------------------
 
@@ -428,18 +546,18 @@ class PostgresMemoryScope(_Scoped):
 
     def record_consolidation(
         self,
-        facts: Iterable[tuple[str, str]],
+        facts: Iterable[FactInput],
         summary: str,
         *,
         day: date | None = None,
         source: str = "consolidation",
     ) -> None:
         """Facts, knowledge entries and the summary line in one transaction."""
-        cleaned = clean_facts(facts)
+        cleaned = new_facts(facts)
         with self._pool.connection() as conn, conn.transaction():
             self._append_facts(conn, cleaned, day)
-            for category, text in cleaned:
-                self._knowledge.add_in(conn, category, text, source=source)
+            for fact in cleaned:
+                self._knowledge.add_in(conn, fact.category, fact.text, source=source)
             self._append_history(conn, summary)
 
     def flush(self) -> None:

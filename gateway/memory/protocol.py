@@ -11,6 +11,10 @@ keep the same promises, checked by one conformance suite
 - facts are `- [category] text` bullets under `### Consolidated YYYY-MM-DD` headings,
   history lines are `[YYYY-MM-DD HH:MM:SS] text` (UTC), both append-only;
 - knowledge entries are deduplicated by (category, normalized content);
+- every fact has a short id (`gateway.memory.facts`) that a correction keeps, and where
+  it came from (session key and entry) when the writer knew it; forgetting a fact
+  removes its lines and every knowledge entry saying the same, and a fact id that does
+  not exist (or is another scope's) changes nothing;
 - searches rank by keyword relevance (the same tokenizer, `gateway.memory.text`, for
   documents and queries), optionally filtered by category and weighted by recency
   `1 / (1 + age_hours * decay_rate)`, best `max_results` first, newer first on ties;
@@ -25,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from datetime import date, datetime
 from typing import Protocol
 
+from gateway.memory.facts import Fact, FactInput
 from gateway.memory.knowledge import KnowledgeEntry
 from gateway.memory.scopes import ScopeMode
 
@@ -82,8 +87,9 @@ class MemoryScope(Protocol):
         """The facts as MEMORY.md text ('' when there are none)."""
         ...
 
-    def append_facts(self, facts: Iterable[tuple[str, str]], day: date | None = None) -> int:
-        """`(category, text)` bullets under the day's heading; how many were written."""
+    def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
+        """`(category, text)` or `NewFact` bullets under the day's heading; how many
+        were written."""
         ...
 
     def search_memory(
@@ -107,9 +113,24 @@ class MemoryScope(Protocol):
         """History lines by relevance x recency, best first."""
         ...
 
+    def list_facts(self) -> list[Fact]:
+        """Every fact with its id and origin: MEMORY.md's in order, then knowledge
+        entries no fact line says."""
+        ...
+
+    def correct_fact(self, ident: str, text: str, *, by: str) -> Fact | None:
+        """The fact with a new text, same id, marked corrected by `by`; None (nothing
+        changed) when the scope has no fact `ident`. ValueError for an empty text."""
+        ...
+
+    def forget_fact(self, ident: str) -> Fact | None:
+        """Remove fact `ident` and the knowledge saying the same; the fact forgotten,
+        or None (nothing changed) when the scope has no such fact."""
+        ...
+
     def record_consolidation(
         self,
-        facts: Iterable[tuple[str, str]],
+        facts: Iterable[FactInput],
         summary: str,
         *,
         day: date | None = None,
