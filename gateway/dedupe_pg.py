@@ -65,6 +65,24 @@ ON CONFLICT (dedupe_key) DO UPDATE
 RETURNING dedupe_key
 """
 
+# Claimed and journaled in one statement (`take_in`): the same takeover rules as _CLAIM.
+_TAKE_IN = """
+INSERT INTO gw_inbound AS row
+    (dedupe_key, state, claimed_by, claimed_at, session_key, received_at, message)
+VALUES (%(key)s, 'journaled', %(me)s, %(now)s, %(session)s, %(received)s, %(message)s::json)
+ON CONFLICT (dedupe_key) DO UPDATE
+    SET state = 'journaled', claimed_by = EXCLUDED.claimed_by,
+        claimed_at = EXCLUDED.claimed_at, session_key = EXCLUDED.session_key,
+        received_at = EXCLUDED.received_at, message = EXCLUDED.message, reply = NULL,
+        reply_id = NULL, expires_at = NULL
+    WHERE (row.state = 'done' AND row.expires_at <= %(now)s)
+       OR (row.state = 'claimed' AND row.claimed_at <= %(expired)s)
+       OR (row.state = 'claimed' AND row.claimed_by <> %(me)s AND NOT EXISTS (
+            SELECT 1 FROM gw_replicas r
+            WHERE r.replica_id = row.claimed_by AND r.seen_at > %(live_since)s))
+RETURNING dedupe_key
+"""
+
 _TAKE_OVER = """
 UPDATE gw_inbound AS row SET claimed_by = %(me)s
 WHERE row.state = 'journaled' AND (row.claimed_by = %(me)s OR NOT EXISTS (
@@ -184,6 +202,34 @@ class PostgresDedupeStore:
             state, owner = row
             if state != "claimed" or owner == self.replica_id:
                 return True  # journaled, answered, or in flight here
+            if time.monotonic() >= deadline:
+                raise ClaimBusy(f"message {key!r} is claimed by replica {owner} (not journaled)")
+            await anyio.sleep(0.05)
+
+    async def take_in(self, key: str, msg: InboundMessage) -> bool:
+        """`seen_or_add` and `journal` in one round trip, for a message already allowed
+        in: True for a duplicate (nothing written), False once `msg` is journaled.
+        Raises `ClaimBusy` as `seen_or_add` does."""
+        await self._first_beat()
+        raw = json.dumps(msg.to_dict(), default=str)
+        deadline = time.monotonic() + self.claim_wait
+        while True:
+            params = self._params(
+                key=key, session=msg.session_key, received=msg.received_at, message=raw
+            )
+            async with self.connection() as conn:
+                cur = await conn.execute(_TAKE_IN, params)
+                if await cur.fetchone() is not None:
+                    return False
+                cur = await conn.execute(
+                    "SELECT state, claimed_by FROM gw_inbound WHERE dedupe_key = %s", (key,)
+                )
+                row = await cur.fetchone()
+            if row is None:
+                continue  # released meanwhile: take it
+            state, owner = row
+            if state != "claimed" or owner == self.replica_id:
+                return True
             if time.monotonic() >= deadline:
                 raise ClaimBusy(f"message {key!r} is claimed by replica {owner} (not journaled)")
             await anyio.sleep(0.05)

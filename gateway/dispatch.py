@@ -460,6 +460,10 @@ class Dispatcher:
             key, store = item.dedupe_key, self._dedupe
             # A journaled message fed by the router is claimed already (by its journal row).
             fed = self.router is not None and item.recorded is not None
+            take_in = getattr(store, "take_in", None)
+            if key is not None and item.recorded is None and take_in is not None:
+                allowed = await self._admit_shared(item, key, take_in)
+                return
             if key is not None and store is not None and not fed:
                 try:
                     duplicate = await self._is_duplicate(key, store)
@@ -495,6 +499,47 @@ class Dispatcher:
                 self._skip(item, Ignore("submit cancelled during the access check"))
             item.ready.set()  # also when cancelled: the lane must not wait forever
 
+    async def _admit_shared(
+        self,
+        item: _Item,
+        key: str,
+        take_in: Callable[[str, InboundMessage], Awaitable[bool]],
+    ) -> bool:
+        """`_admit` on a shared journal (PostgreSQL), one round trip for an allowed
+        message: access first, then claimed and journaled in one statement. A refused
+        message is only claimed, so its redelivery is a duplicate (no second notice),
+        as in `_admit`. True once the message passed the access check."""
+        store = self._dedupe
+        assert store is not None
+        if self._access is not None:
+            decision = await self._check_access(item.message)
+            if not isinstance(decision, Allow):
+                try:
+                    duplicate = await self._is_duplicate(key, store)
+                except ClaimBusy:
+                    self._skip(item, None, status=SubmitStatus.RETRY_LATER)
+                    return False
+                self._skip(item, None if duplicate else decision)
+                return False
+        try:
+            duplicate = await take_in(key, item.message)
+        except ClaimBusy as exc:
+            with logger.contextualize(session=item.message.session_key):
+                logger.info("message not taken now: {}", exc)
+            self._skip(item, None, status=SubmitStatus.RETRY_LATER)
+            return True
+        except Exception as exc:
+            self._counters.dedupe_errors += 1
+            with logger.contextualize(session=item.message.session_key):
+                logger.error("inbound journal failed ({}); message left with the platform", exc)
+            self._skip(item, None, status=SubmitStatus.RETRY_LATER)
+            return True
+        if duplicate:
+            self._skip(item, None)
+        elif self.router is not None:
+            self._forward(item, key, self.router)
+        return True
+
     def _forward(self, item: _Item, key: str, router: SessionRouter) -> None:
         """Shared mode: the journal is the queue. The lane drops the item; the router
         feeds it, in journal order, to whichever replica holds the session's lease."""
@@ -510,7 +555,7 @@ class Dispatcher:
 
     async def _await_remote_reply(self, ticket: Ticket, key: str, router: SessionRouter) -> None:
         try:
-            ticket._resolve(await router.wait_reply(key))
+            ticket._resolve(await router.wait_reply(key, fresh=True))
         finally:
             ticket._resolve(None)
 

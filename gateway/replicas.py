@@ -327,6 +327,11 @@ class SessionRouter:
         and keep the reply on its journal row, in one statement (so no crash between the
         two can leave an answered message without its reply), and tell the waiter."""
         waiter = self._waiters.get(dedupe_key)
+        if waiter is not None and not waiter[1]:
+            # The request waits on this replica: answered first (its NOTIFY, heard below,
+            # then finds the box full rather than asking the database).
+            waiter[1].append(reply)
+            waiter[0].set()
         raw = json.dumps(reply.to_dict(), default=str)
         async with self.store.connection() as conn:
             await conn.execute(
@@ -338,21 +343,25 @@ class SessionRouter:
                     "channel": NOTIFY_CHANNEL,
                 },
             )
-        if waiter is not None and not waiter[1]:  # the request waits on this replica
-            waiter[1].append(reply)
-            waiter[0].set()
 
-    async def wait_reply(self, dedupe_key: str) -> OutboundMessage | None:
+    async def wait_reply(self, dedupe_key: str, *, fresh: bool = False) -> OutboundMessage | None:
         """The reply to a message this replica forwarded, wherever its turn runs. The
         reply stays on the message's row until the row expires, so a client that sends
         the request again (its answer lost with a replica, or its own time-out) gets
-        the same reply and the turn does not run twice."""
+        the same reply and the turn does not run twice. `fresh`: the message was just
+        forwarded, so the first look at the database waits for a notification."""
         box: list[OutboundMessage | None] = []
         try:
             while not box:
                 # Armed before the read: a notification during it is not missed.
                 event = anyio.Event()
                 self._waiters[dedupe_key] = (event, box)
+                if fresh:  # just forwarded: no reply can be there yet, wait for word
+                    fresh = False
+                    with anyio.move_on_after(REPLY_POLL):
+                        await event.wait()
+                    if box:
+                        break
                 try:
                     reply = await self.published(dedupe_key)
                 except Exception as exc:  # a busy or lost database: ask again later
