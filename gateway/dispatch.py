@@ -507,8 +507,9 @@ class Dispatcher:
     ) -> bool:
         """`_admit` on a shared journal (PostgreSQL), one round trip for an allowed
         message: access first, then claimed and journaled in one statement. A refused
-        message is only claimed, so its redelivery is a duplicate (no second notice),
-        as in `_admit`. True once the message passed the access check."""
+        message is claimed and marked answered, so its redelivery, to any replica, is a
+        duplicate (no second notice), as in `_admit`. True once the message passed the
+        access check."""
         store = self._dedupe
         assert store is not None
         if self._access is not None:
@@ -519,6 +520,10 @@ class Dispatcher:
                 except ClaimBusy:
                     self._skip(item, None, status=SubmitStatus.RETRY_LATER)
                     return False
+                if not duplicate:
+                    # Settled, not left claimed: a claim would hold the redelivery to
+                    # another replica off (503) until it expired.
+                    await self._mark_done(store, key)
                 self._skip(item, None if duplicate else decision)
                 return False
         try:

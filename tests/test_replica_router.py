@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
+from gateway.access import AccessGate, ChannelAccessPolicy
+from gateway.access_pg import PostgresPairingStore
 from gateway.dedupe_pg import PostgresDedupeStore
 from gateway.dispatch import Dispatcher
 from gateway.messages import InboundMessage, OutboundMessage, reply_for
@@ -31,6 +33,7 @@ class Replica:
         url: str,
         ran: list[tuple[str, str, float]],
         gate: anyio.Event | None = None,
+        access: AccessGate | None = None,
         **router_options: float,
     ) -> None:
         self.name = name
@@ -42,10 +45,12 @@ class Replica:
                 await gate.wait()
             return reply_for(msg, f"echo: {msg.text}")
 
-        async def deliver(reply: OutboundMessage) -> None:
-            pass
+        self.sent: list[OutboundMessage] = []
 
-        self.dispatcher = Dispatcher(handle, deliver, dedupe=self.store)
+        async def deliver(reply: OutboundMessage) -> None:
+            self.sent.append(reply)
+
+        self.dispatcher = Dispatcher(handle, deliver, dedupe=self.store, access=access)
         options: dict[str, float] = {"sweep_interval": SWEEP, "linger": LINGER}
         self.router = SessionRouter(self.store, self.dispatcher, **(options | router_options))
         self.dispatcher.router = self.router
@@ -56,9 +61,13 @@ async def replicas(
     url: str,
     ran: list[tuple[str, str, float]],
     gate: anyio.Event | None = None,
+    access: Callable[[], AccessGate] | None = None,
     **router_options: float,
 ) -> AsyncIterator[list[Replica]]:
-    made = [Replica(name, url, ran, gate, **router_options) for name in ("a", "b")]
+    made = [
+        Replica(name, url, ran, gate, access() if access else None, **router_options)
+        for name in ("a", "b")
+    ]
     async with anyio.create_task_group() as tg:
         for r in made:
             await tg.start(r.dispatcher.run)
@@ -196,3 +205,38 @@ async def test_an_api_reply_outlives_its_waiter_so_a_retry_elsewhere_gets_it(
                 reply = await router.wait_reply(key)
             assert reply is not None and reply.text == "echo: question"
     assert [text for _, text, _ in ran] == ["m1", "question"]  # the turn ran once
+
+
+async def test_a_strangers_redelivered_message_gets_one_pairing_code_across_replicas(
+    migrated_pg_url: str,
+) -> None:
+    """Access is checked before a message is journaled; a refused message is still
+    claimed, so the platform's redelivery to the other replica is a duplicate: one
+    pairing code, never a second, and no turn. An allowed sender's message delivered
+    to both runs once."""
+    from gateway.storage.postgres import sync_pool
+
+    pool = sync_pool(migrated_pg_url, max_size=2)
+    pool.open(wait=True)
+    policy = ChannelAccessPolicy(dm_policy="pairing", allow_from=frozenset({"5"}))
+
+    def gate() -> AccessGate:
+        return AccessGate({"telegram": policy}, PostgresPairingStore(pool, where="test"))
+
+    ran: list[tuple[str, str, float]] = []
+    try:
+        async with replicas(migrated_pg_url, ran, access=gate) as (a, b):
+            stranger = message(1, "66", "hello?")
+            first = await a.dispatcher.submit(stranger)
+            again = await b.dispatcher.submit(stranger)
+            assert (first.status.value, again.status.value) == ("denied", "duplicate")
+            friend = message(1, "5", "hi")
+            tickets = [await r.dispatcher.submit(friend) for r in (a, b)]
+            assert [t.status.value for t in tickets] == ["accepted", "duplicate"]
+            await wait_for(lambda: len(ran) == 1, 5)
+            await anyio.sleep(0.5)
+            notices = [m.text for m in a.sent + b.sent if m.chat_id == "66"]
+    finally:
+        pool.close()
+    assert len(notices) == 1 and "pairing code" in notices[0].lower(), notices
+    assert [text for _, text, _ in ran] == ["hi"]
