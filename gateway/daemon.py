@@ -194,6 +194,7 @@ def build_usage_meter(settings: Settings) -> UsageMeter:
     """Token usage totals with their prices and budgets: `usage.sqlite` in the
     workspace, or PostgreSQL with `storage.url` (a budget then holds across replicas)."""
     from gateway.usage import (
+        USAGE_FILE,
         Budgets,
         PostgresUsageLedger,
         Price,
@@ -208,7 +209,7 @@ def build_usage_meter(settings: Settings) -> UsageMeter:
     if shared is not None:
         ledger = PostgresUsageLedger(shared.sync)
     else:
-        ledger = SqliteUsageLedger(settings.workspace_path / "usage.sqlite")
+        ledger = SqliteUsageLedger(settings.workspace_path / USAGE_FILE)
     prices = {name: Price(p.prompt, p.completion) for name, p in section.prices.items()}
     budgets = Budgets(section.conversation_tokens_per_day, section.tokens_per_day)
     return UsageMeter(ledger, PriceTable(prices), budgets)

@@ -84,6 +84,29 @@ def _canonical(ids: list[str]) -> str:
     return min(ids)
 
 
+def parse_people(text: str) -> dict[str, dict[str, str]]:
+    """people.json's `{"links": {id: person}, "dms": {session key: id}}`; ValueError
+    (saying what) when the text is not that shape."""
+    raw: Any = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError("expected a JSON object")
+    data: dict[str, dict[str, str]] = {}
+    for part in ("links", "dms"):
+        found = raw.get(part) or {}
+        if not isinstance(found, dict):
+            raise ValueError(f"{part!r} must be an object")
+        bad = sum(not isinstance(k, str) or not isinstance(v, str) for k, v in found.items())
+        if bad:
+            raise ValueError(f"{bad} unreadable {part} entries (ids must be strings)")
+        data[part] = dict(found)
+    return data
+
+
+def dump_people(data: dict[str, dict[str, str]]) -> str:
+    """people.json's text for `data` (keys sorted)."""
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
 class FilePeopleStore:
     """`people.json` in the workspace: {"links": {id: person}, "dms": {key: id}},
     rewritten atomically on each change (changes are rare: an operator's command, a
@@ -106,18 +129,14 @@ class FilePeopleStore:
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp != self._stamp:
             try:
-                raw: Any = json.loads(self.path.read_text(encoding="utf-8"))
+                self._data = parse_people(self.path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
                 raise PeopleError(f"{self.path} cannot be read ({exc}); fix or move it") from None
-            self._data = {
-                "links": dict(raw.get("links") or {}),
-                "dms": dict(raw.get("dms") or {}),
-            }
             self._stamp = stamp
         return self._data
 
     def _save(self, data: dict[str, dict[str, str]]) -> None:
-        atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        atomic_write_text(self.path, dump_people(data))
         st = os.stat(self.path)
         self._stamp = (st.st_mtime_ns, st.st_size)
 

@@ -27,7 +27,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -55,6 +55,18 @@ Clock = Callable[[], datetime]
 
 def _utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+#: The order `_address` writes a job's address fields in.
+_ADDRESS_FIELDS = ("channel", "chat_id", "sender_id", "thread_kind", "thread_id")
+
+
+def _address_in_order(raw: dict[str, str | None]) -> dict[str, str | None]:
+    """The address with its fields in `_address`'s order (unknown ones after, sorted):
+    PostgreSQL's jsonb keeps no key order, and a job read back from it must be written
+    to schedules.json exactly as the file mode wrote it."""
+    known = {k: raw[k] for k in _ADDRESS_FIELDS if k in raw}
+    return known | {k: raw[k] for k in sorted(raw) if k not in known}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +103,7 @@ class ScheduledJob:
             timezone=str(data["timezone"]),
             next_run=datetime.fromisoformat(data["next_run"]).astimezone(UTC),
             created_at=datetime.fromisoformat(data["created_at"]).astimezone(UTC),
-            address=dict(data["address"]),
+            address=_address_in_order(data["address"]),
             cron=data.get("cron"),
             runs=int(data.get("runs", 0)),
         )
@@ -114,6 +126,28 @@ class ScheduledJob:
             return None
         tz = zone(self.timezone)
         return cron_next(self.cron, max(now, self.next_run).astimezone(tz)).astimezone(UTC)
+
+
+def parse_jobs(text: str) -> dict[str, ScheduledJob]:
+    """The jobs of a schedules.json text by id (of a repeated id, the last); ValueError
+    (saying what) when the text or any job in it cannot be read."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict) or not isinstance(raw.get("jobs"), list):
+        raise ValueError('expected a JSON object with a "jobs" list')
+    jobs: dict[str, ScheduledJob] = {}
+    for n, data in enumerate(raw["jobs"], start=1):
+        try:
+            job = ScheduledJob.from_dict(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"job {n} is unreadable ({type(exc).__name__}: {exc})") from None
+        jobs[job.id] = job
+    return jobs
+
+
+def dump_jobs(jobs: Iterable[ScheduledJob]) -> str:
+    """schedules.json's text for `jobs` (soonest first)."""
+    ordered = sorted(jobs, key=lambda j: (j.next_run, j.id))
+    return json.dumps({"jobs": [j.to_dict() for j in ordered]}, indent=1) + "\n"
 
 
 class JobStore(Protocol):
@@ -149,11 +183,10 @@ class FileJobStore:
 
     def _read(self) -> dict[str, ScheduledJob]:
         try:
-            raw = json.loads(self.path.read_text(encoding="utf-8"))
-            return {d["id"]: ScheduledJob.from_dict(d) for d in raw["jobs"]}
+            return parse_jobs(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             aside = self.path.with_name(
                 f"{self.path.name}.corrupt-{int(datetime.now().timestamp())}"
             )
@@ -163,10 +196,7 @@ class FileJobStore:
             return {}
 
     def _write(self, jobs: dict[str, ScheduledJob]) -> None:
-        ordered = sorted(jobs.values(), key=lambda j: (j.next_run, j.id))
-        atomic_write_text(
-            self.path, json.dumps({"jobs": [j.to_dict() for j in ordered]}, indent=1) + "\n"
-        )
+        atomic_write_text(self.path, dump_jobs(jobs.values()))
 
     def add(self, job: ScheduledJob, *, limit: int) -> bool:
         """Store `job`; False (nothing stored) when its owner holds `limit` jobs."""

@@ -29,6 +29,8 @@ from gateway.llm.types import LLMMessage, LLMProvider, LLMResponse, StreamDelta,
 
 UsageKind = Literal["turn", "heartbeat", "consolidation"]
 USAGE_KINDS: tuple[UsageKind, ...] = ("turn", "heartbeat", "consolidation")
+#: The file mode's ledger, in the workspace folder.
+USAGE_FILE = "usage.sqlite"
 #: The session key of calls made outside any conversation (none today; kept honest).
 UNSCOPED = "-"
 
@@ -168,10 +170,13 @@ _UPSERT = (
     "completion_tokens = completion_tokens + excluded.completion_tokens, "
     "cost = cost + excluded.cost"
 )
-_COLUMNS = "day, session_key, channel, model, kind, calls, prompt_tokens, completion_tokens, cost"
+USAGE_COLUMNS = (
+    "day, session_key, channel, model, kind, calls, prompt_tokens, completion_tokens, cost"
+)
 
 
-def _row(values: Sequence[Any]) -> UsageRow:
+def usage_row(values: Sequence[Any]) -> UsageRow:
+    """A row of `USAGE_COLUMNS` as read from either ledger."""
     day, key, channel, model, kind, calls, prompt, completion, cost = values
     return UsageRow(
         str(day), str(key), str(channel), str(model), str(kind),
@@ -221,9 +226,9 @@ class SqliteUsageLedger:
 
     def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
         where, params = _where(since, session_key, "?")
-        sql = f"SELECT {_COLUMNS} FROM usage{where} ORDER BY day, session_key, kind, model"
+        sql = f"SELECT {USAGE_COLUMNS} FROM usage{where} ORDER BY day, session_key, kind, model"
         with self._lock:
-            return [_row(values) for values in self._db.execute(sql, params)]
+            return [usage_row(values) for values in self._db.execute(sql, params)]
 
     def tokens(self, day: str, session_key: str | None = None) -> int:
         sql, params = _budget_sql("usage", day, session_key, "?")
@@ -260,9 +265,9 @@ class PostgresUsageLedger:
 
     def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
         where, params = _where(since, session_key, "%s")
-        sql = f"SELECT {_COLUMNS} FROM gw_usage{where} ORDER BY day, session_key, kind, model"
+        sql = f"SELECT {USAGE_COLUMNS} FROM gw_usage{where} ORDER BY day, session_key, kind, model"
         with self._pool.connection() as conn:
-            return [_row(values) for values in conn.execute(sql, params).fetchall()]
+            return [usage_row(values) for values in conn.execute(sql, params).fetchall()]
 
     def tokens(self, day: str, session_key: str | None = None) -> int:
         sql, params = _budget_sql("gw_usage", day, session_key, "%s")

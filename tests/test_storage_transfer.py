@@ -18,8 +18,11 @@ from gateway.access import PairingStore, PendingRequest
 from gateway.memory import MemoryStore
 from gateway.memory.format import memory_documents
 from gateway.memory.manager import MemoryManager
+from gateway.people import FilePeopleStore
+from gateway.reminders import FileJobStore, ScheduledJob
 from gateway.sessions import SessionManager
 from gateway.sessions.keys import encode_key
+from gateway.usage import SqliteUsageLedger, UsageRow
 from tests.llm_messages import assistant, user
 from tests.test_cli_e2e import base_env, run_gateway
 
@@ -332,11 +335,15 @@ DAY_TWO = datetime(2024, 3, 2, 18, 5, 7, tzinfo=UTC)
 
 
 def state_workspace(tmp_path: Path) -> Path:
-    """A file-mode workspace with every shape of memory (facts over two days under a
-    hand-written title and note, history rotated into archives plus a hand-written line,
-    knowledge with tags, sources and reinforcement, hostile text, the workspace scope),
-    pairing (approvals, a live and an expired code) and heartbeat runs."""
+    """A file-mode workspace with every kind of state: the sessions of `populate`, every
+    shape of memory (facts over two days under a hand-written title and note, history
+    rotated into archives plus a hand-written line, knowledge with tags, sources and
+    reinforcement, hostile text, the workspace scope), pairing (approvals, a live and an
+    expired code), heartbeat runs, usage totals, schedules and people links."""
     source = tmp_path / "source"
+    sessions = SessionManager(source / "sessions", fsync="never")
+    populate(sessions)
+    sessions.close()
     clock = [DAY_ONE]
     store = MemoryStore(source, history_max_bytes=300, clock=lambda: clock[0])
     alice = store.for_session("telegram:1")
@@ -372,7 +379,48 @@ def state_workspace(tmp_path: Path) -> Path:
     runs = HeartbeatState(source / "heartbeat-state.json")
     runs.record("daily", DAY_ONE)
     runs.record("hourly", DAY_TWO.replace(microsecond=123456))
+
+    usage = SqliteUsageLedger(source / "usage.sqlite")
+    for row in USAGE_ROWS:
+        usage.add(row)
+    usage.add(USAGE_ROWS[0])  # totals add up
+    usage.close()
+
+    jobs = FileJobStore(source / "schedules.json")
+    for job in JOBS:
+        assert jobs.add(job, limit=20)
+
+    people = FilePeopleStore(source / "people.json")
+    people.link(["telegram:42", "slack:U123"])
+    people.link(["telegram:7", "slack:UABC", "telegram:8"])
+    people.note_dm("telegram:42", "telegram:42")
+    people.note_dm("slack:D1", "slack:U123")
+    people.note_dm(HOSTILE_KEY, "slack:U9")
     return source
+
+
+USAGE_ROWS = (
+    UsageRow("2024-03-01", "telegram:1", "telegram", "gpt-4o-mini", "turn", 1, 120, 30, 0.0000375),
+    UsageRow("2024-03-01", "telegram:1", "telegram", "cheap", "consolidation", 2, 900, 80, 0.1),
+    UsageRow("2024-03-02", "system:heartbeat:daily", "system", "gpt-4o-mini", "heartbeat", 1, 50,
+             5, 1 / 3),
+    UsageRow("2024-03-02", HOSTILE_KEY, "slack", "modèle-ü", "turn", 3, 7, 0, 0.0),
+    UsageRow("2024-03-02", "-", "none", "unknown", "turn", 1, 1, 1, 0.0),
+)  # fmt: skip
+JOBS = (
+    ScheduledJob(
+        id="a1b2c3d4", owner="slack:C9:thread:1.5", text="call Ann", timezone="UTC",
+        next_run=datetime(2030, 5, 1, 9, 30, tzinfo=UTC), created_at=DAY_ONE,
+        address={"channel": "slack", "chat_id": "C9", "sender_id": "U1",
+                 "thread_kind": "thread", "thread_id": "1.5"},
+    ),
+    ScheduledJob(
+        id="e5f6a7b8", owner="telegram:1", text=HOSTILE_TEXT.replace("\x00", ""),
+        timezone="Europe/Berlin", next_run=datetime(2030, 1, 6, 7, 0, tzinfo=UTC),
+        created_at=DAY_TWO, address={"channel": "telegram", "chat_id": "1"},
+        cron="0 8 * * mon-fri", runs=2,
+    ),
+)  # fmt: skip
 
 
 NOW = 1_900_000_000.0  # pending codes above expire after the tests run
@@ -390,8 +438,9 @@ def memory_view(workspace: Path, scope: str) -> tuple[Any, ...]:
 
 
 def dump_state_rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of the memory, pairing and heartbeat tables but serial ids and the time
-    a fact line was appended (no file keeps it), in a stable order."""
+    """Every row of the memory, pairing, heartbeat, usage, schedules and people tables
+    but serial ids and the time a fact line was appended (no file keeps it), in a
+    stable order."""
     import psycopg
 
     queries = {
@@ -404,30 +453,63 @@ def dump_state_rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
         "approved": "SELECT * FROM gw_pairing_approved ORDER BY channel, sender_id",
         "pending": "SELECT * FROM gw_pairing_pending ORDER BY channel, sender_id",
         "heartbeat": "SELECT * FROM gw_heartbeat_runs ORDER BY job",
+        "usage": "SELECT * FROM gw_usage ORDER BY day, session_key, channel, model, kind",
+        "schedules": "SELECT id, owner, next_run, job::text FROM gw_schedules ORDER BY id",
+        "people": "SELECT * FROM gw_people ORDER BY sender_id",
+        "dms": "SELECT * FROM gw_people_dms ORDER BY session_key",
     }
     with psycopg.connect(url) as conn:
         return {name: conn.execute(sql).fetchall() for name, sql in queries.items()}
 
 
-def test_memory_pairing_and_heartbeat_go_files_to_postgresql_to_files(
+EVERY_KIND = (
+    ("sessions", 6),
+    ("memory", 3),
+    ("pairing", 3),
+    ("heartbeat", 2),
+    ("usage", 5),
+    ("schedules", 2),
+    ("people", 5),
+)
+
+
+def test_every_kind_of_state_goes_files_to_postgresql_to_files(
     migrated_pg_url: str, tmp_path: Path
 ) -> None:
     source = state_workspace(tmp_path)
+    before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
     imported = storage(["import", str(source)], migrated_pg_url, tmp_path)
     assert imported.returncode == 0, imported.stderr
+    # Only read: not even SQLite's -wal and -shm files appear next to usage.sqlite.
+    assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
     assert imported.stdout.strip() == "; ".join(
         f"{kind}: {n} imported, 0 already there, 0 damaged (skipped), "
         "0 conflicting (left as they are)"
-        for kind, n in (("sessions", 0), ("memory", 3), ("pairing", 3), ("heartbeat", 2))
+        for kind, n in EVERY_KIND
     )
     assert "memory [1/3] imported" in imported.stderr
     assert "pairing [2/3] imported pending telegram:u2" in imported.stderr
+    assert "usage [1/5] imported 2024-03-01 telegram:1 consolidation cheap" in imported.stderr
+    assert "schedules [2/2] imported e5f6a7b8 (telegram:1)" in imported.stderr
+    assert (
+        "people [2/5] imported person slack:UABC: linked ids slack:UABC, telegram:7, telegram:8"
+        in imported.stderr
+    )
 
     # The shared mode reads what the files held.
     from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.people import PostgresPeopleStore
+    from gateway.reminders_pg import PostgresJobStore
     from gateway.storage.postgres import sync_pool
+    from gateway.usage import PostgresUsageLedger
 
+    files_usage = SqliteUsageLedger(source / "usage.sqlite")
     with sync_pool(migrated_pg_url, max_size=1) as pool:
+        assert PostgresUsageLedger(pool).rows() == files_usage.rows()
+        assert PostgresJobStore(pool).jobs() == FileJobStore(source / "schedules.json").jobs()
+        shared_people = PostgresPeopleStore(pool)
+        assert shared_people.people() == FilePeopleStore(source / "people.json").people()
+        assert shared_people.dm_owner("slack:D1") == "slack:U123"
         shared = PostgresMemoryStore(pool).for_session("telegram:1")
         assert shared.read_memory() == MemoryManager(source, "telegram:1").read_memory().replace(
             "\n\n## Notes", "\n## Notes"
@@ -449,20 +531,30 @@ def test_memory_pairing_and_heartbeat_go_files_to_postgresql_to_files(
     pairs = [PairingStore(w / "pairing.json").state() for w in (source, back)]
     assert pairs[0].approved == pairs[1].approved
     assert sorted(pairs[0].pending, key=repr) == sorted(pairs[1].pending, key=repr)
-    assert (back / "heartbeat-state.json").read_bytes() == (
-        source / "heartbeat-state.json"
-    ).read_bytes()
+    for name in ("heartbeat-state.json", "schedules.json", "people.json"):
+        assert (back / name).read_bytes() == (source / name).read_bytes(), name
     assert HeartbeatState(back / "heartbeat-state.json").last_run("daily") == DAY_ONE
+    assert session_files(back) == session_files(source)
+    back_usage = SqliteUsageLedger(back / "usage.sqlite")
+    assert back_usage.rows() == files_usage.rows() and len(files_usage.rows()) == 5
+    assert back_usage.tokens("2024-03-01", "telegram:1") == 2 * 150  # budgets read it alike
+    back_usage.close()
+    files_usage.close()
+    assert (back / "usage.sqlite").stat().st_mode & 0o777 == 0o600
+    assert FileJobStore(back / "schedules.json").jobs() == sorted(JOBS, key=lambda j: j.next_run)
 
 
-def test_memory_pairing_and_heartbeat_go_postgresql_to_files_to_postgresql(
+def test_every_kind_of_state_goes_postgresql_to_files_to_postgresql(
     migrated_pg_url: str, tmp_path: Path
 ) -> None:
     import psycopg
 
     from gateway.access_pg import PostgresPairingStore
     from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.people import PostgresPeopleStore
+    from gateway.reminders_pg import PostgresJobStore
     from gateway.storage.postgres import sync_pool
+    from gateway.usage import PostgresUsageLedger
 
     clock = [DAY_ONE]
     with sync_pool(migrated_pg_url, max_size=1) as pool:
@@ -482,28 +574,48 @@ def test_memory_pairing_and_heartbeat_go_postgresql_to_files_to_postgresql(
             PendingRequest("telegram", "8", "BCDEFGHJ", NOW, NOW + 60, "8", ""), max_pending=3
         )
         pairing.approve("telegram", "ABCDEFGH")
+        usage = PostgresUsageLedger(pool)
+        for row in (*USAGE_ROWS, USAGE_ROWS[2]):
+            usage.add(row)
+        jobs = PostgresJobStore(pool)
+        for job in JOBS:
+            assert jobs.add(job, limit=20)
+        assert jobs.advance(JOBS[1].id, JOBS[1].next_run, datetime(2030, 1, 7, 7, tzinfo=UTC))
+        people = PostgresPeopleStore(pool)
+        people.link(["telegram:42", "slack:U123", "telegram:43"])
+        people.note_dm("telegram:42", "telegram:42")
+        people.note_dm(HOSTILE_KEY, "telegram:43")
     with psycopg.connect(migrated_pg_url) as conn:
         conn.execute(
             "INSERT INTO gw_heartbeat_runs VALUES ('daily', %s), ('x', %s)",
             (DAY_ONE, DAY_TWO.replace(microsecond=5)),
         )
     rows = dump_state_rows(migrated_pg_url)
-    assert [len(rows[t]) for t in ("scopes", "approved", "pending", "heartbeat")] == [2, 1, 1, 2]
+    counted = ("scopes", "approved", "pending", "heartbeat", "usage", "schedules", "people", "dms")
+    assert [len(rows[t]) for t in counted] == [2, 1, 1, 2, 5, 2, 3, 2]
 
     files = tmp_path / "files"
     exported = storage(["export", str(files)], migrated_pg_url, tmp_path)
     assert exported.returncode == 0, exported.stderr
     with psycopg.connect(migrated_pg_url) as conn:
-        for table in ("gw_memory_scopes", "gw_pairing_approved", "gw_pairing_pending"):
+        for table in (
+            "gw_memory_scopes",
+            "gw_pairing_approved",
+            "gw_pairing_pending",
+            "gw_heartbeat_runs",
+            "gw_usage",
+            "gw_schedules",
+            "gw_people",
+            "gw_people_dms",
+        ):
             conn.execute(f"DELETE FROM {table}")
-        conn.execute("DELETE FROM gw_heartbeat_runs")
     imported = storage(["import", str(files)], migrated_pg_url, tmp_path)
     assert imported.returncode == 0, imported.stderr
     assert dump_state_rows(migrated_pg_url) == rows
 
     again = storage(["export", str(files)], migrated_pg_url, tmp_path)
     assert again.returncode == 0, again.stderr
-    assert again.stdout.count("0 exported") == 4 and "already exported" in again.stderr
+    assert again.stdout.count("0 exported") == 7 and "already exported" in again.stderr
 
 
 def test_a_second_state_import_skips_and_a_replicas_writes_are_left_alone(
@@ -519,21 +631,59 @@ def test_a_second_state_import_skips_and_a_replicas_writes_are_left_alone(
     assert "memory: 0 imported, 3 already there" in again.stdout
     assert "pairing: 0 imported, 3 already there" in again.stdout
     assert "heartbeat: 0 imported, 2 already there" in again.stdout
+    assert "usage: 0 imported, 5 already there" in again.stdout
+    assert "schedules: 0 imported, 2 already there" in again.stdout
+    assert "people: 0 imported, 5 already there" in again.stdout
     assert dump_state_rows(migrated_pg_url) == rows
 
     from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.people import PostgresPeopleStore
+    from gateway.reminders_pg import PostgresJobStore
     from gateway.storage.postgres import sync_pool
+    from gateway.usage import PostgresUsageLedger
 
+    # What replicas do after an import: counters grow, a task runs, a link is added.
     with sync_pool(migrated_pg_url, max_size=1) as pool:
         PostgresMemoryStore(pool).for_session("telegram:1").append_history("later, shared")
+        PostgresUsageLedger(pool).add(USAGE_ROWS[1])
+        cron = JOBS[1]
+        assert PostgresJobStore(pool).advance(
+            cron.id, cron.next_run, datetime(2030, 2, 1, tzinfo=UTC)
+        )
+        PostgresPeopleStore(pool).link(["telegram:42", "telegram:99"])
     with psycopg.connect(migrated_pg_url) as conn:
         conn.execute("UPDATE gw_heartbeat_runs SET last_run = last_run + interval '1 hour'")
         conn.execute("UPDATE gw_pairing_approved SET label = 'renamed'")
+        conn.execute(
+            "UPDATE gw_people_dms SET sender_id = 'slack:U7' WHERE session_key = 'slack:D1'"
+        )
+        conn.execute("UPDATE gw_usage SET calls = 0 WHERE model = 'unknown'")
+        conn.execute(
+            "UPDATE gw_schedules SET job = jsonb_set(job, '{text}', '\"other\"') "
+            "WHERE id = 'a1b2c3d4'"
+        )
     rows = dump_state_rows(migrated_pg_url)
     third = storage(["import", str(source)], migrated_pg_url, tmp_path)
     assert "the database has 1 history lines more" in third.stderr
     assert "the database has a later run" in third.stderr
     assert third.returncode == 1 and "CONFLICT approved telegram:u1" in third.stderr
+    assert "the database has counted 2 more calls since; nothing added" in third.stderr
+    assert "skipped e5f6a7b8 (telegram:1): the database has run it 1 more times" in third.stderr
+    assert "skipped person slack:U123: already imported; the database links 1 more" in third.stderr
+    assert "CONFLICT dm slack:D1: the database has it as slack:U7's" in third.stderr
+    assert (
+        "CONFLICT 2024-03-02 - (none) turn unknown: the database has other totals" in third.stderr
+    )
+    assert "CONFLICT a1b2c3d4 (slack:C9:thread:1.5): the database has another job" in third.stderr
+    assert "usage: 0 imported, 4 already there, 0 damaged (skipped), 1 conflicting" in third.stdout
+    assert dump_state_rows(migrated_pg_url) == rows
+
+    # A person linked otherwise in the database: the whole person is a conflict.
+    with sync_pool(migrated_pg_url, max_size=1) as pool:
+        PostgresPeopleStore(pool).unlink("telegram:7")
+    rows = dump_state_rows(migrated_pg_url)
+    fifth = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert "CONFLICT person slack:UABC: the database links these ids otherwise" in fifth.stderr
     assert dump_state_rows(migrated_pg_url) == rows
 
     # A scope a replica wrote to before the import: a conflict, nothing merged.
@@ -558,12 +708,24 @@ def test_damaged_state_files_are_reported_and_skipped_whole(
     hostile.write_bytes(hostile.read_bytes() + b"\xff\xfe not text\n")
     (source / "pairing.json").write_text('{"version": 1, "approved": [{"channel": 1}]}')
     (source / "heartbeat-state.json").write_text('{"daily": "2024-03-01T09:30:00"}')
+    usage = source / "usage.sqlite"
+    usage.write_bytes(b"SQLite format 3\x00" + b"\xff" * 200)
+    jobs = json.loads((source / "schedules.json").read_text())
+    del jobs["jobs"][1]["owner"]
+    (source / "schedules.json").write_text(json.dumps(jobs))
+    (source / "people.json").write_text('{"links": {"telegram:1": 1}, "dms": {}}')
     before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
 
     result = storage(["import", str(source)], migrated_pg_url, tmp_path)
     assert result.returncode == 1
     damaged = [line for line in result.stderr.splitlines() if "DAMAGED" in line]
-    assert len(damaged) == 4, result.stderr
+    assert len(damaged) == 7, result.stderr
+    assert any("usage.sqlite cannot be read" in d for d in damaged)
+    assert any(
+        "schedules.json" in d and "job 2 is unreadable (KeyError: 'owner')" in d for d in damaged
+    )
+    assert any("people.json" in d and "1 unreadable links entries" in d for d in damaged)
+    assert all(d.endswith("the file stays as it is") for d in damaged[-3:])
     assert any("telegram:1" in d and "knowledge.json.log: line 3:" in d for d in damaged)
     assert any("HISTORY.md line 2 is not UTF-8" in d for d in damaged)
     assert any("pairing.json" in d and "1 unreadable entries" in d for d in damaged)
@@ -573,6 +735,7 @@ def test_damaged_state_files_are_reported_and_skipped_whole(
     assert [r[0] for r in rows["scopes"]] == ["_workspace"]
     assert {r[0] for r in rows["facts"]} == {"_workspace"}  # nothing of the damaged scopes
     assert not rows["approved"] and not rows["pending"] and not rows["heartbeat"]
+    assert not rows["usage"] and not rows["schedules"] and not rows["people"] and not rows["dms"]
     assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
 
 
@@ -584,12 +747,48 @@ def test_export_never_overwrites_state_that_differs(migrated_pg_url: str, tmp_pa
     folder.mkdir(parents=True)
     (folder / "MEMORY.md").write_text("- [learned_fact] someone else's\n")
     (target / "pairing.json").write_text('{"version": 1, "approved": [], "pending": []}')
+    theirs = SqliteUsageLedger(target / "usage.sqlite")
+    theirs.add(USAGE_ROWS[2])  # the same as in the database
+    theirs.add(replace(USAGE_ROWS[3], calls=1))  # another total
+    theirs.close()
+    FileJobStore(target / "schedules.json").add(JOBS[0], limit=20)
+    FilePeopleStore(target / "people.json").link(["telegram:42", "slack:U123"])
     mine = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
 
     result = storage(["export", str(target)], migrated_pg_url, tmp_path)
     assert result.returncode == 1
     assert "CONFLICT telegram:1" in result.stderr and "it was not overwritten" in result.stderr
     assert result.stderr.count("pairing.json is there without it") == 3
+    assert result.stderr.count("usage.sqlite is there without it") == 4
+    assert "usage: 0 exported, 1 already there, 0 damaged (skipped), 4 conflicting" in result.stdout
+    assert "schedules: 0 exported, 1 already there, 0 damaged (skipped), 1 conflicting" in (
+        result.stdout
+    )
+    assert "people: 0 exported, 1 already there, 0 damaged (skipped), 4 conflicting" in (
+        result.stdout
+    )
     assert {p: p.read_bytes() for p in mine} == mine
     assert not list((target / "memory").glob(".export-*"))  # nothing left half-built
     assert memory_view(target, "_workspace") == memory_view(source, "_workspace")
+
+
+def test_usage_still_in_the_write_ahead_log_is_imported(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    ledger = SqliteUsageLedger(source / "usage.sqlite")
+    try:
+        for row in USAGE_ROWS:
+            ledger.add(row)
+        # Not closed (a gateway that was killed): the totals are in usage.sqlite-wal only.
+        assert (source / "usage.sqlite-wal").stat().st_size > 0
+        result = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    finally:
+        ledger.close()
+    assert result.returncode == 0, result.stderr
+    assert "usage: 5 imported, 0 already there" in result.stdout
+    assert dump_state_rows(migrated_pg_url)["usage"] == sorted(
+        (r.day, r.session_key, r.channel, r.model, r.kind, r.calls, r.prompt_tokens,
+         r.completion_tokens, r.cost)
+        for r in USAGE_ROWS
+    )  # fmt: skip

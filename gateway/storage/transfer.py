@@ -2,8 +2,10 @@
 
 Each kind of state has one import function and one export function, registered in
 `IMPORTS` and `EXPORTS`: sessions, memory (one item per scope: facts, history and
-knowledge), pairing (one item per approval or pending code) and heartbeat runs (one item
-per job). A function gets the open connection, the workspace folder and a `Transfer` to
+knowledge), pairing (one item per approval or pending code), heartbeat runs (one item
+per job), usage totals (one per day, conversation, channel, model and kind), schedules
+(one per job) and people (one per person with all its ids, one per direct
+conversation's owner). A function gets the open connection, the workspace folder and a `Transfer` to
 report to, and keeps these promises for every item it moves:
 - Lossless: a session's header and entry lines are stored verbatim (the ``json`` columns
   keep the text) and written back byte for byte, archived (`/new`) sessions included.
@@ -11,7 +13,10 @@ report to, and keeps these promises for every item it moves:
   dropped and a complete last line without its newline gets one. Memory keeps every
   fact line (category, `### Consolidated` day), history line (timestamp) and knowledge
   entry (every field); what no file keeps (serial ids, when a fact line was appended)
-  cannot round-trip, and PostgreSQL text holds no NUL (it becomes U+FFFD).
+  cannot round-trip, and PostgreSQL text holds no NUL (it becomes U+FFFD). The state
+  files (pairing, heartbeat, schedules, people) are written back in the file mode's own
+  format, so a file the file mode wrote comes back byte for byte; usage.sqlite comes
+  back with the same totals (SQLite's bytes are its own).
 - One transaction per item: a damaged or refused item leaves nothing behind.
 - Safe to re-run: an item already at the destination, identical, is skipped and
   reported; one that differs is reported as a conflict and left as it is on both sides
@@ -39,10 +44,11 @@ import fcntl
 import json
 import os
 import shutil
+import sqlite3
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime
 from fractions import Fraction
 from pathlib import Path
@@ -82,6 +88,8 @@ from gateway.memory.pg_store import (
     search_terms,
 )
 from gateway.memory.scopes import MEMORY_DIRNAME, scope_dirname
+from gateway.people import PEOPLE_FILE, dump_people, parse_people
+from gateway.reminders import JOBS_FILE, ScheduledJob, dump_jobs, parse_jobs
 from gateway.sessions.entries import SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionKeyError, UnsupportedVersionError
 from gateway.sessions.keys import SUFFIX, decode_key, encode_key, session_path
@@ -89,6 +97,7 @@ from gateway.sessions.manager import list_archived_files, list_session_files
 from gateway.sessions.pg_store import session_lines
 from gateway.sessions.store import ARCHIVE_DIR, archive_name
 from gateway.storage.postgres import StorageError, StorageUnavailable, redact_url, schema_status
+from gateway.usage import USAGE_COLUMNS, USAGE_FILE, SqliteUsageLedger, UsageRow, usage_row
 
 if TYPE_CHECKING:
     import psycopg
@@ -801,7 +810,7 @@ def _write_state_file(
     path: Path,
     rows: dict[Any, Any],
     existing: dict[Any, Any] | None,
-    data: str,
+    data: bytes,
     describe: Callable[[Any, Any], tuple[str, str]],
     transfer: Transfer,
 ) -> None:
@@ -810,7 +819,7 @@ def _write_state_file(
     different or missing item is a conflict: files are not merged)."""
     if existing is None:
         try:
-            create_exclusive(path, data.encode())
+            create_exclusive(path, data)
         except FileExistsError:
             existing = {}
         else:
@@ -863,7 +872,7 @@ def export_pairing(conn: psycopg.Connection[Any], workspace: Path, transfer: Tra
     except DamagedFile:
         existing = {}  # every item conflicts; the damaged file stays as it is
     _write_state_file(
-        "pairing", path, rows, existing, dump_pairing(state), _describe_pairing, transfer
+        "pairing", path, rows, existing, dump_pairing(state).encode(), _describe_pairing, transfer
     )
 
 
@@ -934,8 +943,347 @@ def export_heartbeat(conn: psycopg.Connection[Any], workspace: Path, transfer: T
     except DamagedFile:
         existing = {}
     _write_state_file(
-        "heartbeat", path, runs, existing, dump_run_times(runs), _describe_run, transfer
+        "heartbeat", path, runs, existing, dump_run_times(runs).encode(), _describe_run, transfer
     )
+
+
+# ----------------------------------------------------------------------------- usage
+
+UsageKey = tuple[str, str, str, str, str]
+UsageCounts = tuple[int, int, int, float]
+
+
+def _usage_item(row: UsageRow) -> tuple[UsageKey, UsageCounts]:
+    key = (row.day, row.session_key, row.channel, row.model, row.kind)
+    return key, (row.calls, row.prompt_tokens, row.completion_tokens, row.cost)
+
+
+def _read_usage_file(path: Path) -> dict[UsageKey, UsageCounts] | None:
+    """Every total of a usage.sqlite (None when there is none; an empty file, as a crash
+    at its creation leaves it, holds none); `DamagedFile` when it is not a readable usage
+    ledger. Read from a copy (with its write-ahead log): SQLite leaves -wal and -shm
+    files next to a WAL database even a read-only connection opened, and an import only
+    reads. Not `SqliteUsageLedger`: that sets a damaged file aside."""
+    with tempfile.TemporaryDirectory(prefix="gateway-import-") as folder:
+        copy = Path(folder) / USAGE_FILE
+        try:
+            shutil.copyfile(path, copy)
+        except FileNotFoundError:
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            shutil.copyfile(f"{path}-wal", f"{copy}-wal")
+        try:
+            conn = sqlite3.connect(copy)
+            try:
+                tables = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                if ("usage",) not in tables.fetchall():
+                    return {}
+                raw = conn.execute(f"SELECT {USAGE_COLUMNS} FROM usage").fetchall()
+            finally:
+                conn.close()
+            rows = dict(_usage_item(usage_row(values)) for values in raw)
+        except (sqlite3.Error, ValueError, TypeError) as exc:
+            raise DamagedFile(f"{path.name} cannot be read ({exc})") from None
+    if len(rows) != len(raw):
+        raise DamagedFile(f"{path.name} cannot be read (repeated totals)")
+    return rows
+
+
+def _describe_usage(key: UsageKey, counts: UsageCounts) -> tuple[str, str]:
+    day, session_key, channel, model, kind = key
+    calls, prompt, completion, cost = counts
+    where = session_key if session_key.startswith(channel + ":") else f"{session_key} ({channel})"
+    return (
+        f"{day} {where} {kind} {model}",
+        f"{calls} calls, {prompt + completion} tokens, ${cost:.6f}",
+    )
+
+
+def import_usage(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """The usage ledger's totals (usage.sqlite) into ``gw_usage``, one row per item.
+
+    A total the database holds larger in every count is a counter that went on in the
+    shared mode: it is there (nothing is added twice). The import cannot tell that from
+    the shared mode having counted the same day, conversation, model and kind before the
+    import; the detail line says how much more the database has."""
+    path = workspace / USAGE_FILE
+    try:
+        rows = _read_usage_file(path) or {}
+    except DamagedFile as exc:
+        transfer.start("usage", 1, path)
+        transfer.note("usage", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        return
+    transfer.start("usage", len(rows), path)
+    for n, (key, counts) in enumerate(sorted(rows.items()), start=1):
+        item, detail = _describe_usage(key, counts)
+        outcome: Outcome = "moved"
+        with conn.transaction():
+            created = conn.execute(
+                "INSERT INTO gw_usage (day, session_key, channel, model, kind, calls, "
+                "prompt_tokens, completion_tokens, cost) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING day",
+                (*key, *counts),
+            ).fetchone()
+            if created is None:
+                row = conn.execute(
+                    "SELECT calls, prompt_tokens, completion_tokens, cost FROM gw_usage WHERE "
+                    "day = %s AND session_key = %s AND channel = %s AND model = %s AND kind = %s",
+                    key,
+                ).fetchone()
+                assert row is not None  # totals are never deleted
+                stored = (int(row[0]), int(row[1]), int(row[2]), float(row[3]))
+                if stored == counts:
+                    outcome, detail = "present", "already imported"
+                elif all(mine <= theirs for mine, theirs in zip(counts, stored, strict=True)):
+                    outcome = "present"
+                    detail = (
+                        f"the database has counted {stored[0] - counts[0]} more calls "
+                        "since; nothing added"
+                    )
+                else:
+                    outcome = "conflict"
+                    detail = (
+                        f"the database has other totals ({stored[0]} calls, "
+                        f"{stored[1] + stored[2]} tokens); nothing changed on either side"
+                    )
+        transfer.note("usage", outcome, item, detail, (n, len(rows)))
+
+
+def _usage_file_bytes(rows: dict[UsageKey, UsageCounts]) -> bytes:
+    """A usage.sqlite holding ``rows``, built by the file mode's own ledger aside."""
+    with tempfile.TemporaryDirectory(prefix="gateway-export-") as folder:
+        path = Path(folder) / USAGE_FILE
+        ledger = SqliteUsageLedger(path)
+        try:
+            for key, counts in rows.items():
+                ledger.add(UsageRow(*key, *counts))
+        finally:
+            ledger.close()  # the last connection checkpoints the WAL into the file
+        return path.read_bytes()
+
+
+def export_usage(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Every usage total as the workspace's usage.sqlite."""
+    path = workspace / USAGE_FILE
+    raw = conn.execute(
+        f"SELECT {USAGE_COLUMNS} FROM gw_usage ORDER BY day, session_key, channel, model, kind"
+    ).fetchall()
+    rows = dict(_usage_item(usage_row(values)) for values in raw)
+    transfer.start("usage", len(rows), path)
+    if not rows:
+        return
+    try:
+        existing = _read_usage_file(path)
+    except DamagedFile:
+        existing = {}
+    data = _usage_file_bytes(rows) if existing is None else b""
+    _write_state_file("usage", path, rows, existing, data, _describe_usage, transfer)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def _parse_schedules(text: str) -> dict[str, ScheduledJob]:
+    jobs = parse_jobs(text)
+    if len(jobs) != len(json.loads(text)["jobs"]):
+        raise ValueError("a job id is repeated")
+    return jobs
+
+
+def _describe_job(job_id: str, job: ScheduledJob) -> tuple[str, str]:
+    return f"{job_id} ({job.owner})", f"{job.kind}, next {job.next_run.isoformat()}"
+
+
+def _ran_since(stored: ScheduledJob, mine: ScheduledJob) -> bool:
+    """Whether ``stored`` is ``mine`` moved on by its runs (a repeating job that fired)."""
+    return (
+        stored.runs > mine.runs
+        and stored.next_run > mine.next_run
+        and replace(stored, runs=mine.runs, next_run=mine.next_run) == mine
+    )
+
+
+def import_schedules(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Reminders and scheduled tasks (schedules.json) into ``gw_schedules``, one per job.
+    The per-conversation limit is not applied: what the file holds is kept."""
+    path = workspace / JOBS_FILE
+    try:
+        jobs = _read_state_file(path, _parse_schedules) or {}
+    except DamagedFile as exc:
+        transfer.start("schedules", 1, path)
+        transfer.note("schedules", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        return
+    transfer.start("schedules", len(jobs), path)
+    for n, (job_id, job) in enumerate(sorted(jobs.items()), start=1):
+        item, detail = _describe_job(job_id, job)
+        outcome: Outcome = "moved"
+        with conn.transaction():
+            created = conn.execute(
+                "INSERT INTO gw_schedules (id, owner, next_run, job) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT (id) DO NOTHING RETURNING id",
+                (job.id, job.owner, job.next_run, json.dumps(job.to_dict())),
+            ).fetchone()
+            if created is None:
+                row = conn.execute("SELECT job FROM gw_schedules WHERE id = %s", (job_id,))
+                stored = ScheduledJob.from_dict(_json_value(row.fetchone()))
+                if stored == job:
+                    outcome, detail = "present", "already imported"
+                elif _ran_since(stored, job):
+                    outcome = "present"
+                    detail = f"the database has run it {stored.runs - job.runs} more times since"
+                else:
+                    outcome = "conflict"
+                    detail = (
+                        f"the database has another job under this id ({stored.describe()}); "
+                        "nothing changed on either side"
+                    )
+        transfer.note("schedules", outcome, item, detail, (n, len(jobs)))
+
+
+def _json_value(row: tuple[Any, ...] | None) -> Any:
+    assert row is not None
+    return row[0] if not isinstance(row[0], str) else json.loads(row[0])
+
+
+def export_schedules(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Every job as the workspace's schedules.json."""
+    path = workspace / JOBS_FILE
+    found = [
+        ScheduledJob.from_dict(_json_value(row))
+        for row in conn.execute("SELECT job FROM gw_schedules ORDER BY id").fetchall()
+    ]
+    jobs = {job.id: job for job in found}
+    transfer.start("schedules", len(jobs), path)
+    if not jobs:
+        return
+    try:
+        existing = _read_state_file(path, _parse_schedules)
+    except DamagedFile:
+        existing = {}
+    data = dump_jobs(jobs.values()).encode()
+    _write_state_file("schedules", path, jobs, existing, data, _describe_job, transfer)
+
+
+# ----------------------------------------------------------------------------- people
+
+#: ("person", person id) -> the ids linked as that person (sorted), or
+#: ("dm", session key) -> the sender whose direct conversation it is
+PeopleRows = dict[tuple[str, str], tuple[str, ...] | str]
+
+
+def _people_rows(data: dict[str, dict[str, str]]) -> PeopleRows:
+    groups: dict[str, list[str]] = {}
+    for sender, person in data["links"].items():
+        groups.setdefault(person, []).append(sender)
+    rows: PeopleRows = {("person", p): tuple(sorted(ids)) for p, ids in sorted(groups.items())}
+    rows.update({("dm", key): sender for key, sender in sorted(data["dms"].items())})
+    return rows
+
+
+def _people_data(rows: PeopleRows) -> dict[str, dict[str, str]]:
+    data: dict[str, dict[str, str]] = {"links": {}, "dms": {}}
+    for (_, name), value in rows.items():
+        if isinstance(value, tuple):
+            data["links"].update(dict.fromkeys(value, name))
+        else:
+            data["dms"][name] = value
+    return data
+
+
+def _describe_people(which: tuple[str, str], value: tuple[str, ...] | str) -> tuple[str, str]:
+    name = which[1]
+    if isinstance(value, tuple):
+        return f"person {name}", f"linked ids {', '.join(value)}"
+    return f"dm {name}", f"the direct conversation of {value}"
+
+
+def _store_person(
+    conn: psycopg.Connection[Any], person: str, ids: tuple[str, ...]
+) -> tuple[Outcome, str]:
+    conn.execute("LOCK TABLE gw_people IN SHARE ROW EXCLUSIVE MODE")  # as `link` does
+    stored = dict(
+        conn.execute(
+            "SELECT sender_id, person FROM gw_people WHERE sender_id = ANY(%s) OR person = %s",
+            (list(ids), person),
+        ).fetchall()
+    )
+    if not stored:
+        conn.cursor().executemany(
+            "INSERT INTO gw_people (sender_id, person) VALUES (%s, %s)",
+            [(sender, person) for sender in ids],
+        )
+        return "moved", f"linked ids {', '.join(ids)}"
+    if set(stored.values()) == {person} and set(ids) <= set(stored):
+        more = len(stored) - len(ids)
+        return "present", "already imported" + (
+            f"; the database links {more} more ids to them" if more else ""
+        )
+    there = ", ".join(f"{s} -> {p}" for s, p in sorted(stored.items()))
+    return "conflict", (
+        f"the database links these ids otherwise ({there}); nothing changed on either side"
+    )
+
+
+def import_people(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """People links and DM owners (people.json) into ``gw_people`` and ``gw_people_dms``:
+    one item per person (all its ids, in one transaction: a person is never half linked)
+    and one per direct conversation."""
+    path = workspace / PEOPLE_FILE
+    try:
+        data = _read_state_file(path, parse_people)
+    except DamagedFile as exc:
+        transfer.start("people", 1, path)
+        transfer.note("people", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        return
+    rows = _people_rows(data) if data is not None else {}
+    transfer.start("people", len(rows), path)
+    for n, (which, value) in enumerate(rows.items(), start=1):
+        item, detail = _describe_people(which, value)
+        outcome: Outcome = "moved"
+        with conn.transaction():
+            if isinstance(value, tuple):
+                outcome, detail = _store_person(conn, which[1], value)
+            else:
+                created = conn.execute(
+                    "INSERT INTO gw_people_dms (session_key, sender_id) VALUES (%s, %s) "
+                    "ON CONFLICT (session_key) DO NOTHING RETURNING session_key",
+                    (which[1], value),
+                ).fetchone()
+                if created is None:
+                    row = conn.execute(
+                        "SELECT sender_id FROM gw_people_dms WHERE session_key = %s", (which[1],)
+                    ).fetchone()
+                    assert row is not None
+                    if row[0] == value:
+                        outcome, detail = "present", "already imported"
+                    else:
+                        outcome = "conflict"
+                        detail = (
+                            f"the database has it as {row[0]}'s; nothing changed on either side"
+                        )
+        transfer.note("people", outcome, item, detail, (n, len(rows)))
+
+
+def export_people(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """People links and DM owners as the workspace's people.json."""
+    path = workspace / PEOPLE_FILE
+    links = conn.execute("SELECT sender_id, person FROM gw_people").fetchall()
+    dms = conn.execute("SELECT session_key, sender_id FROM gw_people_dms").fetchall()
+    data = {
+        "links": {str(s): str(p) for s, p in links},
+        "dms": {str(k): str(s) for k, s in dms},
+    }
+    rows = _people_rows(data)
+    transfer.start("people", len(rows), path)
+    if not rows:
+        return
+    try:
+        there = _read_state_file(path, parse_people)
+        existing = _people_rows(there) if there is not None else None
+    except DamagedFile:
+        existing = {}
+    data_bytes = dump_people(_people_data(rows)).encode()
+    _write_state_file("people", path, rows, existing, data_bytes, _describe_people, transfer)
 
 
 #: One function per kind of state, run in this order.
@@ -944,12 +1292,18 @@ IMPORTS: dict[str, Step] = {
     "memory": import_memory,
     "pairing": import_pairing,
     "heartbeat": import_heartbeat,
+    "usage": import_usage,
+    "schedules": import_schedules,
+    "people": import_people,
 }
 EXPORTS: dict[str, Step] = {
     "sessions": export_sessions,
     "memory": export_memory,
     "pairing": export_pairing,
     "heartbeat": export_heartbeat,
+    "usage": export_usage,
+    "schedules": export_schedules,
+    "people": export_people,
 }
 
 
