@@ -299,8 +299,24 @@ class MemorySettings(_Section):
 
 
 class ModelPriceSettings(_Section):
-    prompt: float = Field(ge=0, description="US dollars per million prompt tokens.")
-    completion: float = Field(ge=0, description="US dollars per million completion tokens.")
+    prompt: float = Field(0.0, ge=0, description="US dollars per million prompt tokens.")
+    completion: float = Field(0.0, ge=0, description="US dollars per million completion tokens.")
+    per_minute: float = Field(
+        0.0,
+        ge=0,
+        description="US dollars per minute of audio, for transcription models the server "
+        "bills by duration (whisper-1).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelPriceSettings:
+        given = self.model_fields_set
+        if not given or ("prompt" in given) != ("completion" in given):
+            raise ValueError(
+                "give prompt and completion (US dollars per million tokens), per_minute "
+                "(US dollars per minute of audio), or all three"
+            )
+        return self
 
 
 def _budget(value: int | None) -> int | None:
@@ -315,8 +331,9 @@ def _budget(value: int | None) -> int | None:
 class UsageSettings(_Section):
     prices: dict[str, ModelPriceSettings] = Field(
         default_factory=dict,
-        description="Price per model in US dollars per million tokens, one line each; a "
-        "model without a price counts its tokens at $0.",
+        description="Price per model in US dollars per million tokens (and per minute of "
+        "audio for transcription models), one line each; a model without a price counts "
+        "at $0.",
     )
     conversation_tokens_per_day: int | None = Field(
         None,
@@ -1135,7 +1152,10 @@ _EXAMPLES: dict[str, list[str]] = {
         '# jobs.morning = { cron = "0 8 * * 1-5", timezone = "Europe/Berlin", '
         'prompt = "Anything on my calendar today?" }',
     ],
-    "usage.prices": ['# prices."gpt-4o-mini" = { prompt = 0.15, completion = 0.6 }'],
+    "usage.prices": [
+        '# prices."gpt-4o-mini" = { prompt = 0.15, completion = 0.6 }',
+        '# prices."whisper-1" = { per_minute = 0.006 }',
+    ],
 }
 
 

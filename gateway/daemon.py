@@ -210,7 +210,9 @@ def build_usage_meter(settings: Settings) -> UsageMeter:
         ledger = PostgresUsageLedger(shared.sync)
     else:
         ledger = SqliteUsageLedger(settings.workspace_path / USAGE_FILE)
-    prices = {name: Price(p.prompt, p.completion) for name, p in section.prices.items()}
+    prices = {
+        name: Price(p.prompt, p.completion, p.per_minute) for name, p in section.prices.items()
+    }
     budgets = Budgets(section.conversation_tokens_per_day, section.tokens_per_day)
     return UsageMeter(ledger, PriceTable(prices), budgets)
 
@@ -425,7 +427,7 @@ class Gateway:
             consolidator=consolidator,
             usage=usage,
             people=build_people_store(settings) if settings.memory.scope == "person" else None,
-            media=build_media(settings),
+            media=build_media(settings, usage),
         )
         return cls(
             settings=settings,

@@ -18,10 +18,11 @@ the start (at 0), so a rate or an alert has a series before the first event. The
 - llm error kind: LLMError | LLMConfigError
 - consolidation outcome: ok | failed | skipped
 
-Token usage (`gateway_llm_tokens_total`, `gateway_llm_cost_usd_total`) appears per
-channel and model once used: its `kind` is turn, heartbeat or consolidation, its `type`
-prompt or completion, and `model` a configured model name (or one an owner set with
-/model).
+Token usage (`gateway_llm_calls_total`, `gateway_llm_tokens_total`,
+`gateway_llm_cost_usd_total`) appears per channel and model once used: its `kind` is
+turn, heartbeat, consolidation or transcription (voice notes), its `type` prompt or
+completion, and `model` a configured model name (or one an owner set with /model).
+Transcribed audio is `gateway_transcription_audio_seconds_total` per channel and model.
 """
 
 from __future__ import annotations
@@ -219,14 +220,29 @@ class Metrics:
         self.llm_tokens = Counter(
             "gateway_llm_tokens_total",
             "Tokens the model servers reported, by channel, model, kind (turn, heartbeat, "
-            "consolidation) and type (prompt, completion).",
+            "consolidation, transcription) and type (prompt, completion).",
             ("channel", "model", "kind", "type"),
             registry=registry,
         )
         self.llm_cost = Counter(
             "gateway_llm_cost_usd_total",
-            "Cost of those tokens from usage.prices, in US dollars, by channel, model, kind.",
+            "Cost of those tokens (and of transcribed audio) from usage.prices, in US "
+            "dollars, by channel, model, kind.",
             ("channel", "model", "kind"),
+            registry=registry,
+        )
+        self.llm_calls = Counter(
+            "gateway_llm_calls_total",
+            "Model calls counted in the usage ledger, by channel, model and kind (turn, "
+            "heartbeat, consolidation, transcription).",
+            ("channel", "model", "kind"),
+            registry=registry,
+        )
+        self.transcribed_audio = Counter(
+            "gateway_transcription_audio_seconds_total",
+            "Seconds of audio the transcription server reported transcribing (servers that "
+            "bill by tokens or report nothing add 0), by channel and model.",
+            ("channel", "model"),
             registry=registry,
         )
         self.build_info = Gauge(
@@ -268,9 +284,12 @@ class Metrics:
     def observe_usage(self, row: UsageRow) -> None:
         """Count one model call's tokens and cost (`UsageMeter.on_record`)."""
         labels = (row.channel, row.model, row.kind)
+        self.llm_calls.labels(*labels).inc(row.calls)
         self.llm_tokens.labels(*labels, "prompt").inc(row.prompt_tokens)
         self.llm_tokens.labels(*labels, "completion").inc(row.completion_tokens)
         self.llm_cost.labels(*labels).inc(row.cost)
+        if row.kind == "transcription":
+            self.transcribed_audio.labels(row.channel, row.model).inc(row.audio_seconds)
 
     def mirror_drops(self, channel: str, by_reason: Mapping[str, int]) -> None:
         for reason in DROP_REASONS:

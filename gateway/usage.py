@@ -1,9 +1,12 @@
 """Token usage and its cost: every model call counted by day, conversation, channel,
-model and kind (turn, heartbeat, consolidation), priced, and held to optional budgets.
+model and kind (turn, heartbeat, consolidation, transcription), priced, and held to
+optional budgets.
 
-One seam: `MeteredProvider` wraps the LLM provider, so every call the gateway makes
-(a turn's, a tool round's, a heartbeat's, a consolidation's) is counted without its
-caller doing anything but saying, once, what it is working for (`usage_scope`).
+One seam per model server: `MeteredProvider` wraps the LLM provider, so every call the
+gateway makes (a turn's, a tool round's, a heartbeat's, a consolidation's) is counted
+without its caller doing anything but saying, once, what it is working for
+(`usage_scope`); the voice transcriber counts its calls with `count_transcription`
+under the same scope, as kind "transcription".
 The promise kept here: a call the provider reports usage for is in the ledger before
 its answer reaches the caller, so a budget check after it sees it.
 """
@@ -11,6 +14,7 @@ its answer reaches the caller, so a budget check after it sees it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sqlite3
 import threading
 import time
@@ -27,8 +31,8 @@ from loguru import logger
 from gateway.fsutil import open_sqlite
 from gateway.llm.types import LLMMessage, LLMProvider, LLMResponse, StreamDelta, ToolSpec
 
-UsageKind = Literal["turn", "heartbeat", "consolidation"]
-USAGE_KINDS: tuple[UsageKind, ...] = ("turn", "heartbeat", "consolidation")
+UsageKind = Literal["turn", "heartbeat", "consolidation", "transcription"]
+USAGE_KINDS: tuple[UsageKind, ...] = ("turn", "heartbeat", "consolidation", "transcription")
 #: The file mode's ledger, in the workspace folder.
 USAGE_FILE = "usage.sqlite"
 #: The session key of calls made outside any conversation (none today; kept honest).
@@ -77,10 +81,12 @@ def next_day_start(timestamp: float) -> datetime:
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """US dollars per million prompt and completion tokens."""
+    """US dollars per million prompt and completion tokens, and per minute of audio
+    (transcription models billed by duration, e.g. whisper-1)."""
 
     prompt: float
     completion: float
+    per_minute: float = 0.0
 
 
 class PriceTable:
@@ -93,16 +99,23 @@ class PriceTable:
     def priced(self, model: str) -> bool:
         return model in self._prices
 
-    def cost(self, model: str, prompt_tokens: int, completion_tokens: int) -> float:
+    def cost(
+        self, model: str, prompt_tokens: int, completion_tokens: int, audio_seconds: float = 0.0
+    ) -> float:
         price = self._prices.get(model)
         if price is None:
             return 0.0
-        return (prompt_tokens * price.prompt + completion_tokens * price.completion) / 1_000_000
+        tokens = (prompt_tokens * price.prompt + completion_tokens * price.completion) / 1_000_000
+        return tokens + audio_seconds / 60 * price.per_minute
 
 
 @dataclass(frozen=True, slots=True)
 class UsageRow:
-    """Totals of one (day, conversation, channel, model, kind)."""
+    """Totals of one (day, conversation, channel, model, kind).
+
+    `audio_seconds` is the audio a transcription call reported; it reaches the
+    `UsageMeter.on_record` listeners (metrics) and its cost is in `cost`, but neither
+    ledger keeps it (``gw_usage`` has no column for it): rows read back hold 0."""
 
     day: str
     session_key: str
@@ -113,6 +126,7 @@ class UsageRow:
     prompt_tokens: int
     completion_tokens: int
     cost: float
+    audio_seconds: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -143,8 +157,9 @@ class UsageLedger(Protocol):
         """Totals from day `since` on (all days without), of one conversation or all."""
 
     def tokens(self, day: str, session_key: str | None = None) -> int:
-        """Tokens of `day`, of one conversation or of all, for budgets (turns and
-        heartbeats; consolidation is upkeep and never stops a conversation)."""
+        """Tokens of `day`, of one conversation or of all, for budgets (turns,
+        heartbeats and the tokens a transcription was billed; consolidation is upkeep
+        and never stops a conversation)."""
 
     def close(self) -> None: ...
 
@@ -318,20 +333,28 @@ class UsageMeter:
         self._listeners.append(listener)
 
     def record(
-        self, scope: UsageScope | None, model: str, prompt: int, completion: int
+        self,
+        scope: UsageScope | None,
+        model: str,
+        prompt: int,
+        completion: int,
+        *,
+        kind: UsageKind | None = None,
+        audio_seconds: float = 0.0,
     ) -> UsageRow:
-        """Add one call to the ledger (blocking)."""
+        """Add one call to the ledger (blocking), as `kind` (default: the scope's)."""
         scope = scope or UsageScope(UNSCOPED, "none", "turn")
         row = UsageRow(
             day=day_of(self.clock()),
             session_key=scope.session_key,
             channel=scope.channel,
             model=model,
-            kind=scope.kind,
+            kind=kind or scope.kind,
             calls=1,
             prompt_tokens=prompt,
             completion_tokens=completion,
-            cost=self.prices.cost(model, prompt, completion),
+            cost=self.prices.cost(model, prompt, completion, audio_seconds),
+            audio_seconds=audio_seconds,
         )
         self.ledger.add(row)
         for listener in self._listeners:
@@ -372,6 +395,36 @@ class UsageMeter:
         """(tokens, cost) of `session_key` today, every kind included. Blocking."""
         rows = self.ledger.rows(since=day_of(self.clock()), session_key=session_key)
         return sum(r.tokens for r in rows), sum(r.cost for r in rows)
+
+
+async def count_transcription(
+    meter: UsageMeter,
+    model: str,
+    *,
+    audio_seconds: float | None,
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+) -> None:
+    """Count one transcription call under the current `usage_scope`, as kind
+    "transcription": the audio's duration (priced per minute) or the tokens the server
+    billed (priced like a model's). A server that reports neither (many local Whisper
+    servers) is counted as a call with no duration."""
+    scope = _scope.get()
+    try:
+        await anyio.to_thread.run_sync(
+            functools.partial(
+                meter.record,
+                scope,
+                model,
+                input_tokens,
+                output_tokens,
+                kind="transcription",
+                audio_seconds=audio_seconds or 0.0,
+            )
+        )
+    except Exception as exc:
+        # Counting must not cost the person their message; the loss is logged.
+        logger.error("usage of a transcription could not be recorded: {}", exc)
 
 
 class MeteredProvider:

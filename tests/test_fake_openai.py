@@ -334,3 +334,25 @@ def test_thread_mode_serves_sync_clients_and_scripting_from_the_test_thread() ->
         assert len(fake.wait_for_requests(2, timeout=1)) == 2
         with pytest.raises(TimeoutError):
             fake.wait_for_requests(3, timeout=0.05)
+
+
+@pytest.mark.anyio
+async def test_transcriptions_report_usage_as_the_real_api_does(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    from openai.types.audio.transcription import UsageDuration, UsageTokens
+
+    audio = ("voice.ogg", b"OggS SPEECH:one two three four five six", "audio/ogg")
+    by_minute = await client.audio.transcriptions.create(model="whisper-1", file=audio)
+    assert by_minute.text == "one two three four five six"
+    assert isinstance(by_minute.usage, UsageDuration) and by_minute.usage.seconds == 3
+
+    fake.add_transcription("hello", seconds=4.5)
+    by_token = await client.audio.transcriptions.create(model="gpt-4o-transcribe", file=audio)
+    assert isinstance(by_token.usage, UsageTokens)
+    assert (by_token.usage.input_tokens, by_token.usage.output_tokens) == (45, 2)
+    assert by_token.usage.total_tokens == 47
+
+    fake.transcription_usage = False  # a local Whisper server
+    bare = await client.audio.transcriptions.create(model="whisper-1", file=audio)
+    assert bare.usage is None and bare.text == "one two three four five six"

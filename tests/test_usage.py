@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
+import anyio
 import pytest
 
 from gateway.config import ConfigError, Settings, load_settings
@@ -17,6 +18,7 @@ from gateway.messages import InboundMessage
 from gateway.sessions.keys import encode_key
 from gateway.usage import (
     PostgresUsageLedger,
+    Price,
     PriceTable,
     SqliteUsageLedger,
     UsageLedger,
@@ -25,7 +27,7 @@ from gateway.usage import (
 )
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
-from tests.test_cli_e2e import llm_env, run_gateway
+from tests.test_cli_e2e import base_env, llm_env, run_gateway
 from tests.test_memory_e2e import consolidating_responder
 from tests.test_telegram_e2e import fake_tg, gateway, wait_sent  # noqa: F401
 
@@ -246,3 +248,112 @@ def test_the_ledger_file_is_private_and_a_damaged_one_is_kept(tmp_path: Path) ->
         ledger.close()
     [aside] = path.parent.glob("usage.sqlite.broken-*")
     assert aside.read_bytes() == b"not a database " * 100
+
+
+# ----------------------------------------------------------------------- transcriptions
+
+VOICE_PRICES = (
+    '{ "gpt-4o-mini" = { prompt = 0.15, completion = 0.6 }, '
+    '"whisper-1" = { per_minute = 0.006 }, '
+    '"gpt-4o-mini-transcribe" = { prompt = 3.0, completion = 5.0 } }'
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "server_usage", "seconds", "tokens", "cost"),
+    [
+        # billed by the minute: 90 s at $0.006 a minute
+        ("whisper-1", True, 90.0, (0, 0), 0.009),
+        # billed by tokens: 10 audio tokens a second in the fake, the text at 4 chars a token
+        ("gpt-4o-mini-transcribe", True, 0.0, (120, 3), (120 * 3.0 + 3 * 5.0) / 1e6),
+        # a local Whisper server that reports nothing: a call, no duration, no cost
+        ("whisper-1", False, 0.0, (0, 0), 0.0),
+    ],
+)
+async def test_a_voice_note_is_counted_as_a_transcription_in_the_ledger_and_metrics(
+    fake_openai: FakeOpenAI,
+    fake_tg: FakeTelegram,  # noqa: F811
+    make_settings: Callable[..., Settings],
+    tmp_path: Path,
+    model: str,
+    server_usage: bool,
+    seconds: float,
+    tokens: tuple[int, int],
+    cost: float,
+) -> None:
+    from tests.media_files import speech
+
+    fake_openai.transcription_usage = server_usage
+    fake_openai.add_transcription("buy oat milk", seconds=90.0 if model == "whisper-1" else 12.0)
+    async with gateway(
+        make_settings,
+        fake_openai,
+        fake_tg,
+        usage__prices=VOICE_PRICES,
+        media__transcription_model=model,
+    ) as gw:
+        fake_tg.push_update(fake_tg.user_message(4242, voice=speech("ignored")))
+        await wait_sent(fake_tg, 4242, 1)
+        async with aiohttp.ClientSession() as http, http.get(f"{gw.url}/metrics") as response:
+            metrics = await response.text()
+    assert fake_tg.sent_messages(4242)[0]["text"] == "echo: buy oat milk"
+
+    ledger = SqliteUsageLedger(gw.settings.workspace_path / "usage.sqlite")
+    try:
+        rows = {r.kind: r for r in ledger.rows()}
+    finally:
+        ledger.close()
+    assert set(rows) == {"turn", "transcription"}
+    heard = rows["transcription"]
+    assert (heard.session_key, heard.channel, heard.model, heard.calls) == (
+        "telegram:4242",
+        "telegram",
+        model,
+        1,
+    )
+    assert (heard.prompt_tokens, heard.completion_tokens) == tokens
+    assert heard.cost == pytest.approx(cost)
+    assert rows["turn"].model == "gpt-4o-mini"  # the turn's own call, apart
+
+    labels = f'channel="telegram",kind="transcription",model="{model}"'
+    assert f"gateway_llm_calls_total{{{labels}}} 1.0" in metrics
+    [line] = [
+        x for x in metrics.splitlines() if x.startswith(f"gateway_llm_cost_usd_total{{{labels}")
+    ]
+    assert float(line.split()[-1]) == pytest.approx(cost)
+    audio = f'gateway_transcription_audio_seconds_total{{channel="telegram",model="{model}"}}'
+    assert f"{audio} {seconds}" in metrics
+
+    # The duration the server reported stays with the voice message in the session.
+    path = gw.settings.sessions_dir / f"{encode_key('telegram:4242')}.jsonl"
+    [entry] = [
+        e
+        for e in map(json.loads, path.read_text().splitlines())
+        if e.get("type") == "message" and e["message"]["role"] == "user"
+    ]
+    [record] = entry["meta"]["attachments"]
+    assert record.get("audio_seconds") == (seconds or None)
+
+    # `gateway usage` shows it under its own kind, priced.
+    env = base_env(tmp_path) | {
+        "GATEWAY_WORKSPACE": str(gw.settings.workspace_path),
+        "GATEWAY_USAGE__PRICES": VOICE_PRICES,
+    }
+    table = await anyio.to_thread.run_sync(lambda: run_gateway(["usage"], env, tmp_path))
+    assert table.returncode == 0, table.stderr
+    [voice] = [line for line in table.stdout.splitlines() if "transcription" in line]
+    assert voice.split()[1:5] == ["telegram:4242", "transcription", model, "1"]
+    assert voice.split()[-1] == f"${cost:.6f}"
+
+
+def test_a_price_is_per_token_per_minute_or_both_and_never_half_given() -> None:
+    def prices(value: str) -> Settings:
+        return load_settings(None, environ={"GATEWAY_USAGE__PRICES": value})
+
+    whisper = prices('{ "whisper-1" = { per_minute = 0.006 } }').usage.prices["whisper-1"]
+    assert (whisper.prompt, whisper.completion, whisper.per_minute) == (0.0, 0.0, 0.006)
+    for half in ('{ "m" = { prompt = 0.15 } }', '{ "m" = {} }', '{ "m" = { completion = 1 } }'):
+        with pytest.raises(ConfigError, match="give prompt and completion"):
+            prices(half)
+    table = PriceTable({"whisper-1": Price(0.0, 0.0, per_minute=0.006)})
+    assert table.cost("whisper-1", 0, 0, audio_seconds=30) == pytest.approx(0.003)

@@ -6,6 +6,7 @@ from gateway.config import Settings, reveal
 from gateway.llm.openai_provider import DEFAULT_BASE_URL
 from gateway.media.prepare import MediaConfig, MediaPreparer
 from gateway.media.transcribe import Transcriber
+from gateway.usage import UsageMeter
 
 _MB = 1024 * 1024
 
@@ -23,10 +24,10 @@ def media_config(settings: Settings) -> MediaConfig:
     )
 
 
-def build_media(settings: Settings) -> MediaPreparer | None:
-    """The preparer, with a transcriber on the configured server; None when media is
-    off. The LLM's key goes only to the LLM's own server: a separate transcription
-    server gets `transcription_api_key` or no key."""
+def build_media(settings: Settings, usage: UsageMeter | None = None) -> MediaPreparer | None:
+    """The preparer, with a transcriber on the configured server that counts its calls
+    in `usage`; None when media is off. The LLM's key goes only to the LLM's own server:
+    a separate transcription server gets `transcription_api_key` or no key."""
     media = settings.media
     if not media.enabled:
         return None
@@ -42,5 +43,6 @@ def build_media(settings: Settings) -> MediaPreparer | None:
         api_key=api_key,
         model=media.transcription_model,
         timeout=media.transcription_timeout,
+        meter=usage,
     )
     return MediaPreparer(media_config(settings), transcriber)

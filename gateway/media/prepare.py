@@ -177,9 +177,12 @@ class MediaPreparer:
             got.parts.append(f"[image: {name}, {image.width}x{image.height}]")
         elif attachment.kind == "voice":
             assert self.transcriber is not None
-            spoken = await self.transcriber.transcribe(
+            transcript = await self.transcriber.transcribe(
                 data, name=attachment.name or "voice.ogg", mime_type=attachment.mime_type
             )
+            if transcript.audio_seconds is not None:
+                record["audio_seconds"] = transcript.audio_seconds
+            spoken = transcript.text
             if not spoken:
                 raise MediaError("no speech was recognized in it")
             record.update(status="ok", transcribed_chars=len(spoken))

@@ -48,7 +48,13 @@ Transcriptions: files with an extension the real API refuses get its 400 ("Inval
 format. Supported formats: [...]"); otherwise the text is the next one queued with
 ``add_transcription``, or else the bytes after a ``SPEECH:`` marker in the file (a test
 makes "audio" that says what it wants), or else "". Each request is recorded with
-``body = {"model": ..., "file": {"filename", "content_type", "size"}, ...}``.
+``body = {"model": ..., "file": {"filename", "content_type", "size"}, ...}``. The answer
+carries ``usage`` as the real API's does: ``{"type": "duration", "seconds": ...}`` for
+models billed by the minute (whisper-1), ``{"type": "tokens", "input_tokens", ...}`` for
+``gpt-*`` models (10 audio tokens a second, ceil(characters / 4) for the text). The
+duration is the one given to ``add_transcription``, else the text spoken at 2.5 words a
+second (at least 1 s). ``transcription_usage = False`` leaves ``usage`` out, as many
+local Whisper servers do.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -440,7 +447,8 @@ class FakeOpenAI(LocalServer):
         `text_only_models` refuse image parts, as models without vision do."""
         super().__init__()
         self.text_only_models = set(text_only_models)
-        self._transcripts: list[str] = []
+        self._transcripts: list[tuple[str, float | None]] = []
+        self.transcription_usage = True
         self.api_key = api_key
         self.models = list(models)
         self.responder: Responder = responder or echo_responder
@@ -473,10 +481,10 @@ class FakeOpenAI(LocalServer):
         with self._lock:
             self._queue.append(reply)
 
-    def add_transcription(self, text: str) -> None:
-        """Queue the text of the next transcription request."""
+    def add_transcription(self, text: str, *, seconds: float | None = None) -> None:
+        """Queue the text of the next transcription request (and its audio's duration)."""
         with self._lock:
-            self._transcripts.append(text)
+            self._transcripts.append((text, seconds))
 
     @property
     def transcription_requests(self) -> list[RecordedRequest]:
@@ -747,8 +755,12 @@ class FakeOpenAI(LocalServer):
             queued = self._transcripts.pop(0) if self._transcripts else None
         if queued is None:
             _, marker, spoken = data.partition(b"SPEECH:")
-            queued = spoken.decode("utf-8", errors="replace") if marker else ""
-        return web.json_response({"text": queued}, headers=self._id_header())
+            queued = (spoken.decode("utf-8", errors="replace") if marker else "", None)
+        text, seconds = queued
+        answer: dict[str, Any] = {"text": text}
+        if self.transcription_usage:
+            answer["usage"] = transcription_usage(str(fields["model"]), text, seconds)
+        return web.json_response(answer, headers=self._id_header())
 
     def _next_reply(self, body: dict[str, Any]) -> Reply:
         model = body.get("model")
@@ -906,6 +918,22 @@ class FakeOpenAI(LocalServer):
 
 def _model_object(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 1700000000, "owned_by": "fake-openai"}
+
+
+def transcription_usage(model: str, text: str, seconds: float | None) -> dict[str, Any]:
+    """The ``usage`` of a transcription, as the real API reports it for ``model``."""
+    if seconds is None:
+        seconds = max(1.0, math.ceil(len(text.split()) / 2.5))
+    if not model.startswith("gpt-"):
+        return {"type": "duration", "seconds": seconds}
+    audio, out = math.ceil(seconds * 10), math.ceil(len(text) / 4)
+    return {
+        "type": "tokens",
+        "input_tokens": audio,
+        "input_token_details": {"audio_tokens": audio, "text_tokens": 0},
+        "output_tokens": out,
+        "total_tokens": audio + out,
+    }
 
 
 def _error_response(
