@@ -52,6 +52,7 @@ from gateway.messages import (
     META_IN_SESSION,
     META_REPLAYED,
     META_REPLY_WANTED,
+    META_SESSION_CURRENT,
     InboundMessage,
     OutboundMessage,
     reply_for,
@@ -385,10 +386,13 @@ class Dispatcher:
             await self.feed(entry)
         return len(pending)
 
-    async def feed(self, entry: Unanswered) -> Ticket:
+    async def feed(self, entry: Unanswered, *, current: bool = False) -> Ticket:
         """Queue a journaled message (a crash's leftover, or in the shared mode one the
-        router hands over): marked `META_REPLAYED`, never refused by the queue bounds."""
-        metadata = {**entry.message.metadata, META_REPLAYED: True}
+        router hands over): marked `META_REPLAYED`, never refused by the queue bounds.
+        `current`: the router knows it is new to the session, and the session cached
+        here is current (`META_SESSION_CURRENT` instead of `META_REPLAYED`)."""
+        flag = META_SESSION_CURRENT if current else META_REPLAYED
+        metadata = {**entry.message.metadata, flag: True}
         message = replace(entry.message, metadata=metadata)
         return await self._enqueue(message, replace(entry, message=message))
 

@@ -19,6 +19,11 @@ META_IN_SESSION = "in_session"
 #: Metadata of a message the dispatcher replays after a crash: its turn may have begun
 #: (the user's entry may be in the session already).
 META_REPLAYED = "replayed"
+#: Metadata of a message the shared mode's router hands over for the first time, under
+#: a session lease this replica has held since its previous turn of the session: no
+#: turn of it can have begun, and no other replica wrote to the session meanwhile, so
+#: the session as cached here is current (`gateway.replicas`).
+META_SESSION_CURRENT = "session_current"
 #: Metadata of a message whose sender waits for the reply on its HTTP request
 #: (`/api/chat`): in the shared mode its reply is handed to the replica holding that
 #: request, wherever the turn ran (`gateway.replicas`).

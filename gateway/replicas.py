@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from gateway.dedupe_pg import PostgresDedupeStore
     from gateway.dispatch import Dispatcher, Ticket
 
+#: Notification channels, one pair per schema (NOTIFY is database-wide; two deployments
+#: on one database in two schemas must not wake each other): `<name>.<schema>`.
 NOTIFY_CHANNEL = "gw_replies"
 KICK_CHANNEL = "gw_kicks"
 #: How often a waiting `/api/chat` request asks the database for its reply, in case the
@@ -65,7 +67,8 @@ WITH taken AS (
     RETURNING owner)
 SELECT true FROM taken
 UNION ALL
-SELECT false FROM (SELECT pg_notify(%(kicks)s, %(key)s)) n WHERE NOT EXISTS (SELECT FROM taken)
+SELECT false FROM (SELECT pg_notify(%(kicks)s || '.' || current_schema(), %(key)s)) n
+WHERE NOT EXISTS (SELECT FROM taken)
 """
 
 _RENEW = """
@@ -92,7 +95,7 @@ WITH done AS (
         received_at = NULL, message = NULL, reply = %(reply)s::json, reply_id = NULL
     WHERE dedupe_key = %(key)s
     RETURNING dedupe_key)
-SELECT pg_notify(%(channel)s, dedupe_key) FROM done
+SELECT pg_notify(%(channel)s || '.' || current_schema(), dedupe_key) FROM done
 """
 
 _UNLEASED = """
@@ -128,6 +131,7 @@ class SessionRouter:
         # Running pumps, each with the event that wakes it (a kick: something journaled).
         self._pumps: dict[str, anyio.Event] = {}
         self._leases: set[str] = set()  # sessions whose lease this replica holds
+        self._lost: set[str] = set()  # ... and lost while a pump ran (another may write)
         self._waiters: dict[str, tuple[anyio.Event, list[OutboundMessage | None]]] = {}
         self._stopping = False
         self.fed = 0  # messages handed to the dispatcher (for tests and metrics)
@@ -230,6 +234,7 @@ class SessionRouter:
         for key in keys:
             if key not in kept and key in self._leases:
                 logger.error("replicas: lost the lease of {} to another replica mid-turn", key)
+                self._lost.add(key)
 
     async def _renew_forever(self) -> None:
         while True:
@@ -272,6 +277,7 @@ class SessionRouter:
             logger.error("replicas: pump of {} failed ({}); the sweep will retry", key, exc)
         finally:
             self._leases.discard(key)
+            self._lost.discard(key)
             wake = self._pumps.pop(key, None)
             if wake is not None and wake.is_set():
                 self.kick(key)  # kicked while letting go: that message is not left behind
@@ -284,16 +290,24 @@ class SessionRouter:
     async def _feed_until_empty(self, key: str) -> None:
         fed: dict[str, Ticket] = {}
         check = True  # ask the journal (else wait for a kick, a finished turn or the linger)
+        # What the first look finds may have been handed over before (by a replica that
+        # died, or to this one's pump before): its turns look in the session first, and
+        # the session is read afresh. What comes after, under the lease held since, is
+        # new to the session, and the session as cached here is current.
+        first = True
         while True:
             if self._stopping or self.dispatcher.draining:
                 return  # `stop` withdraws the lease; what was fed finishes in the drain
             wake = self._rearm(key)  # before the query: a kick during it is not missed
             if check:
                 owed = await self._owed(key)
+                if key in self._lost:
+                    first = True  # another replica may have written since: read afresh
                 for dedupe, entry in owed:
                     if dedupe not in fed:
-                        fed[dedupe] = await self.dispatcher.feed(entry)
+                        fed[dedupe] = await self.dispatcher.feed(entry, current=not first)
                         self.fed += 1
+                first = False
                 journaled = {d for d, _ in owed}
                 fed = {d: t for d, t in fed.items() if d in journaled or not t.finished}
                 stuck = bool(fed) and all(t.finished for t in fed.values())
@@ -390,17 +404,22 @@ class SessionRouter:
         return OutboundMessage.from_dict(json.loads(row[0]))
 
     async def _listen(self) -> None:
-        """LISTEN for published replies; reconnects after a failure."""
+        """LISTEN for published replies and kicks; reconnects after a failure."""
         import psycopg
+        from psycopg import sql
 
         while True:
             try:
                 conn = await psycopg.AsyncConnection.connect(self.store.url, autocommit=True)
                 async with conn:
-                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    await conn.execute(f"LISTEN {KICK_CHANNEL}")
+                    cur = await conn.execute("SELECT current_schema()")
+                    row = await cur.fetchone()
+                    schema = str(row[0]) if row is not None else "public"
+                    replies, kicks = f"{NOTIFY_CHANNEL}.{schema}", f"{KICK_CHANNEL}.{schema}"
+                    for channel in (replies, kicks):
+                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     async for note in conn.notifies():
-                        if note.channel == KICK_CHANNEL:
+                        if note.channel == kicks:
                             wake = self._pumps.get(note.payload)
                             if wake is not None:
                                 wake.set()
@@ -461,7 +480,7 @@ class SharedRunState:
 
 
 #: First key of the advisory locks naming a replica's role ("gwld" in ASCII); the second
-#: is the role name's hash.
+#: is the hash of the schema and the role name (advisory locks are database-wide).
 LEADER_LOCK = 0x67776C64
 
 
@@ -489,7 +508,8 @@ async def run_as_leader(
         try:
             conn = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=5)
             cur = await conn.execute(
-                "SELECT pg_try_advisory_lock(%s::int4, hashtext(%s))", (LEADER_LOCK, role)
+                "SELECT pg_try_advisory_lock(%s::int4, hashtext(current_schema() || ':' || %s))",
+                (LEADER_LOCK, role),
             )
             row = await cur.fetchone()
             if row is not None and row[0]:

@@ -15,7 +15,13 @@ from gateway.access import AccessGate, ChannelAccessPolicy
 from gateway.access_pg import PostgresPairingStore
 from gateway.dedupe_pg import PostgresDedupeStore
 from gateway.dispatch import Dispatcher
-from gateway.messages import InboundMessage, OutboundMessage, reply_for
+from gateway.messages import (
+    META_REPLAYED,
+    META_SESSION_CURRENT,
+    InboundMessage,
+    OutboundMessage,
+    reply_for,
+)
 from gateway.replicas import SessionRouter
 
 pytestmark = pytest.mark.anyio
@@ -39,8 +45,15 @@ class Replica:
         self.name = name
         self.store = PostgresDedupeStore(url)
 
+        self.flags: dict[str, tuple[bool, bool]] = {}
+
         async def handle(msg: InboundMessage) -> OutboundMessage:
             ran.append((self.name, msg.text, time.monotonic()))
+            meta = msg.metadata
+            self.flags[msg.text] = (
+                bool(meta.get(META_REPLAYED)),
+                bool(meta.get(META_SESSION_CURRENT)),
+            )
             if gate is not None and msg.text.startswith("slow"):
                 await gate.wait()
             return reply_for(msg, f"echo: {msg.text}")
@@ -122,6 +135,16 @@ async def test_the_lease_holder_runs_what_another_replica_took_in_at_once(
         await b.dispatcher.submit(message(5))
         await wait_for(lambda: len(ran) == 5, 5)
         assert ran[-1][:2] == ("b", "m5")
+    # What a pump finds first may have been handed over before (replayed: the session is
+    # read afresh and searched for the turn); what comes after, under the lease held
+    # since, is new and the cached session current. (replayed, current) per message:
+    assert a.flags == {
+        "m1": (True, False),
+        "m2": (False, True),
+        "m3": (False, True),
+        "m4": (False, True),
+    }
+    assert b.flags == {"m5": (True, False)}  # b's first turn of a session a wrote to
 
 
 async def test_turns_longer_than_the_lease_keep_their_leases_renewed(
@@ -240,3 +263,53 @@ async def test_a_strangers_redelivered_message_gets_one_pairing_code_across_repl
         pool.close()
     assert len(notices) == 1 and "pairing code" in notices[0].lower(), notices
     assert [text for _, text, _ in ran] == ["hi"]
+
+
+async def test_two_deployments_in_two_schemas_of_one_database_keep_apart(
+    migrated_pg_url: str,
+) -> None:
+    """Advisory locks and NOTIFY are database-wide: each deployment (schema) must still
+    get its own Telegram poller, and another schema's kicks must not reach its pumps."""
+    import psycopg
+
+    from gateway.replicas import run_as_leader
+    from gateway.storage.postgres import connect, migrate
+    from tests.local_pg import PG_URL, schema_url
+
+    other_schema = "gwtest_other_" + str(time.time_ns())[-9:]
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {other_schema}")
+    other_url = schema_url(other_schema)
+    try:
+        with connect(other_url) as conn:
+            migrate(conn)
+        leaders: list[str] = []
+        release = anyio.Event()
+
+        async def lead(name: str) -> None:
+            leaders.append(name)
+            await release.wait()
+
+        async with anyio.create_task_group() as tg:
+            for name, url in (("one", migrated_pg_url), ("two", other_url)):
+                tg.start_soon(run_as_leader, url, "telegram-poller", lambda n=name: lead(n))
+            await wait_for(lambda: len(leaders) == 2, 10)
+            release.set()
+        assert sorted(leaders) == ["one", "two"]
+
+        ran: list[tuple[str, str, float]] = []
+        async with replicas(migrated_pg_url, ran) as (a, _):
+            await a.dispatcher.submit(message(1, "95"))
+            await wait_for(lambda: len(ran) == 1, 5)
+            assert "telegram:95" in a.router._pumps  # lingering with the lease
+            with psycopg.connect(other_url, autocommit=True) as conn:
+                # The other deployment's replica cannot take the same key's lease there
+                # (someone holds it) and kicks the holder: in its own schema only.
+                conn.execute("INSERT INTO gw_session_leases VALUES ('telegram:95', 'x', 1e12)")
+                conn.execute("SELECT pg_notify('gw_kicks.' || current_schema(), 'telegram:95')")
+            await anyio.sleep(0.5)
+            wake = a.router._pumps.get("telegram:95")
+            assert wake is not None and not wake.is_set()
+    finally:
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {other_schema} CASCADE")

@@ -45,6 +45,7 @@ from gateway.messages import (
     META_EDIT_OF,
     META_IN_SESSION,
     META_REPLAYED,
+    META_SESSION_CURRENT,
     InboundMessage,
     OutboundFile,
     OutboundMessage,
@@ -425,8 +426,14 @@ class AgentLoop:
     async def _open_session(self, inbound: InboundMessage) -> tuple[Session, EarlierTurn | None]:
         """The session, and for a replayed message what the session holds of its turn
         already (None: nothing, the turn runs as new). Only replays look: a message the
-        dispatcher takes in for the first time cannot be in the session."""
-        session = await self.sessions.aget_or_create(inbound.session_key)
+        dispatcher takes in for the first time cannot be in the session. A message the
+        shared mode's router marks `META_SESSION_CURRENT` takes the cached session as it
+        is (read afresh otherwise, in case another replica wrote to it)."""
+        session = None
+        if inbound.metadata.get(META_SESSION_CURRENT):
+            session = self.sessions.cached(inbound.session_key)  # no round trip
+        if session is None:
+            session = await self.sessions.aget_or_create(inbound.session_key)
         earlier = None
         if inbound.metadata.get(META_REPLAYED) and inbound.message_id:
             branch = await anyio.to_thread.run_sync(session.get_branch)

@@ -700,6 +700,18 @@ class SessionManager:
         finally:
             self._lock.release()
 
+    def cached(self, key: str) -> Session | None:
+        """The cached session of ``key`` as it is, without reading its store; None when
+        it is not cached or the cache is busy. Only for a caller that knows no other
+        process wrote to the session since this one last read it (the shared mode's
+        session lease, `gateway.replicas`)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._lookup(key)
+        finally:
+            self._lock.release()
+
     async def aget_or_create(self, key: str) -> Session:
         """`get_or_create` for the event loop: on the loop when `open_nowait` can, else
         in a worker thread."""
