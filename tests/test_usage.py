@@ -22,6 +22,7 @@ from gateway.usage import (
     PriceTable,
     SqliteUsageLedger,
     UsageLedger,
+    UsageMeter,
     UsageRow,
     usage_table,
 )
@@ -248,6 +249,42 @@ def test_the_ledger_file_is_private_and_a_damaged_one_is_kept(tmp_path: Path) ->
         ledger.close()
     [aside] = path.parent.glob("usage.sqlite.broken-*")
     assert aside.read_bytes() == b"not a database " * 100
+
+
+def test_a_model_call_is_counted_on_the_loop_unless_the_ledger_would_make_it_wait(
+    tmp_path: Path,
+) -> None:
+    """The file mode counts a call on the event loop (no thread hop) when usage.sqlite
+    is free; when another writer holds it, nothing is written and the caller falls back
+    to the blocking add in a worker thread, which waits and counts it once."""
+    import sqlite3
+    import threading
+
+    path = tmp_path / "usage.sqlite"
+    ledger = SqliteUsageLedger(path)
+    meter = UsageMeter(ledger, PriceTable({}))
+    seen: list[UsageRow] = []
+    meter.on_record(seen.append)
+    try:
+        assert meter.try_record_nowait(None, "m", 10, 5) is True
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another writer holds the file
+        assert meter.try_record_nowait(None, "m", 1, 1) is False
+        assert len(seen) == 1
+        done = threading.Event()
+        worker = threading.Thread(
+            target=lambda: (meter.record(None, "m", 1, 1), done.set()), daemon=True
+        )
+        worker.start()
+        assert not done.wait(0.3)  # the blocking add waits for the other writer ...
+        other.execute("COMMIT")
+        other.close()
+        assert done.wait(5)  # ... and counts once it lets go
+        [total] = ledger.rows()
+        assert (total.calls, total.prompt_tokens, total.completion_tokens) == (2, 11, 6)
+        assert len(seen) == 2
+    finally:
+        ledger.close()
 
 
 # ----------------------------------------------------------------------- transcriptions
