@@ -37,6 +37,7 @@ from gateway.messages import session_key_from_name
 from gateway.workspace import WorkspaceError, cannot_write, check_workspace, write_denied
 
 if TYPE_CHECKING:
+    from gateway.memory.protocol import MemoryScope
     from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
 
 EXIT_OK = 0
@@ -165,6 +166,15 @@ def _parser() -> argparse.ArgumentParser:
     mknow = msub.add_parser("knowledge", help="the knowledge base entries")
     mknow.add_argument("key")
     mknow.add_argument("--category", help="only this category")
+    mfacts = msub.add_parser("facts", help="the facts with their ids and where each came from")
+    mfacts.add_argument("key")
+    mcorrect = msub.add_parser("correct", help="give a fact a new text (it keeps its id)")
+    mcorrect.add_argument("key")
+    mcorrect.add_argument("id", help="the fact's id (`gateway memory facts KEY`)")
+    mcorrect.add_argument("text", nargs="+", help="the corrected fact")
+    mforget = msub.add_parser("forget", help="remove a fact for good (and its knowledge entry)")
+    mforget.add_argument("key")
+    mforget.add_argument("id", help="the fact's id (`gateway memory facts KEY`)")
 
     sub.add_parser("doctor", help="check the installation and say what to fix")
 
@@ -470,6 +480,7 @@ def _print_tree(session: Session) -> None:
 
 _NOTHING_REMEMBERED = {
     "show": "no remembered facts for {key} yet",
+    "facts": "no remembered facts for {key} yet",
     "search": "no matching facts",
     "history": "no matching history",
     "knowledge": "the knowledge base is empty",
@@ -485,12 +496,16 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
         return _memory_compact(args, settings)
     store = build_memory_backend(settings)
     if not store.exists(args.key):
+        if args.action in ("correct", "forget"):
+            raise CommandError(f"no fact {args.id} in the memory of {args.key} (it has none)")
         # Nothing remembered yet: say so without making the scope's folder.
         print(_NOTHING_REMEMBERED[args.action].format(key=args.key))
         return EXIT_OK
     try:
         manager = store.for_session(args.key)
-        if args.action == "show":
+        if args.action in ("facts", "correct", "forget"):
+            print(_memory_facts(manager, args))
+        elif args.action == "show":
             text = manager.read_memory()
             print(
                 text.rstrip() if text.strip() else _NOTHING_REMEMBERED["show"].format(key=args.key)
@@ -511,6 +526,34 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         store.close()
     return EXIT_OK
+
+
+def _memory_facts(memory: MemoryScope, args: argparse.Namespace) -> str:
+    """`gateway memory facts|correct|forget`: the answer, or CommandError for a fact id
+    the key's memory does not have (nothing is changed then)."""
+    from gateway.memory.facts import normalize_id
+
+    if args.action == "facts":
+        facts = memory.list_facts()
+        if not facts:
+            return _NOTHING_REMEMBERED["facts"].format(key=args.key)
+        return "\n".join(fact.describe() for fact in facts)
+    ident = normalize_id(args.id)
+    missing = f"no fact {args.id} in the memory of {args.key}; `gateway memory facts` lists them"
+    if ident is None:
+        raise CommandError(missing, EXIT_USAGE)
+    if args.action == "forget":
+        gone = memory.forget_fact(ident)
+        if gone is None:
+            raise CommandError(missing)
+        return f"forgotten: {gone.describe()}"
+    text = " ".join(args.text).strip()
+    if not text:
+        raise CommandError("give the corrected text after the id", EXIT_USAGE)
+    fixed = memory.correct_fact(ident, text, by="operator")
+    if fixed is None:
+        raise CommandError(missing)
+    return f"corrected: {fixed.describe()}"
 
 
 def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:

@@ -15,14 +15,16 @@ same facts in their Telegram DM and their Slack DM once an operator links the tw
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from gateway.fsutil import atomic_write_text
+from gateway.fsutil import atomic_write_text, ensure_private_dir, file_lock
 
 PEOPLE_FILE = "people.json"
 #: Channels whose direct conversations can belong to a person.
@@ -110,13 +112,26 @@ def dump_people(data: dict[str, dict[str, str]]) -> str:
 class FilePeopleStore:
     """`people.json` in the workspace: {"links": {id: person}, "dms": {key: id}},
     rewritten atomically on each change (changes are rare: an operator's command, a
-    person's first DM message)."""
+    person's first DM message). Every change is a fresh read, the change and the write
+    under an exclusive `flock` on `people.json.lock` (as the pairing file's): two
+    processes changing it at once (two `gateway people link`, a gateway noting a DM)
+    never lose one of the changes."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
         self._lock = threading.Lock()
         self._data: dict[str, dict[str, str]] = {"links": {}, "dms": {}}
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict[str, dict[str, str]]]:
+        """The data as on disk now, to change and save, held by this process alone."""
+        with self._lock:
+            ensure_private_dir(self.path.parent)
+            with file_lock(self.lock_path):
+                self._stamp = None  # read again: the stat may not show another's write
+                yield self._load()
 
     def _load(self) -> dict[str, dict[str, str]]:
         # One stat per call: a link made by `gateway people link` in another process
@@ -126,7 +141,7 @@ class FilePeopleStore:
         except FileNotFoundError:
             self._data, self._stamp = {"links": {}, "dms": {}}, None
             return self._data
-        stamp = (st.st_mtime_ns, st.st_size)
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         if stamp != self._stamp:
             try:
                 self._data = parse_people(self.path.read_text(encoding="utf-8"))
@@ -138,11 +153,10 @@ class FilePeopleStore:
     def _save(self, data: dict[str, dict[str, str]]) -> None:
         atomic_write_text(self.path, dump_people(data))
         st = os.stat(self.path)
-        self._stamp = (st.st_mtime_ns, st.st_size)
+        self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def link(self, ids: list[str]) -> str:
-        with self._lock:
-            data = self._load()
+        with self._changing() as data:
             links = data["links"]
             people = {links.get(i, i) for i in ids}
             members = set(ids) | {i for i, p in links.items() if p in people}
@@ -153,8 +167,7 @@ class FilePeopleStore:
             return person
 
     def unlink(self, sender_id: str) -> bool:
-        with self._lock:
-            data = self._load()
+        with self._changing() as data:
             links = data["links"]
             person = links.pop(sender_id, None)
             if person is None:
@@ -183,7 +196,9 @@ class FilePeopleStore:
 
     def note_dm(self, session_key: str, sender_id: str) -> None:
         with self._lock:
-            data = self._load()
+            if self._load()["dms"].get(session_key) == sender_id:
+                return  # the common case: no lock file, no write
+        with self._changing() as data:
             if data["dms"].get(session_key) == sender_id:
                 return
             data["dms"][session_key] = sender_id

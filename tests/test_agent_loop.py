@@ -173,9 +173,10 @@ async def test_model_switch_is_recorded_and_survives_restart(
         await gw.aclose()
     assert fake_openai.last_request.model == "other-model"
     assert "other-model" in status.text and "cli:test" in status.text
-    assert "Tools builtin: on (current_time, history_search, memory_search, remember)" in (
-        status.text
-    )
+    assert (
+        "Tools builtin: on (current_time, history_search, memory_correct, memory_facts, "
+        "memory_forget, memory_search, remember)"
+    ) in status.text
     types = [
         json.loads(x)["type"] for x in session_path(settings, "cli:test").read_text().splitlines()
     ]

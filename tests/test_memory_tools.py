@@ -41,7 +41,14 @@ async def call(registry: ToolRegistry, key: str, name: str, **arguments: Any) ->
 
 
 def test_tools_are_offered_with_schemas(registry: ToolRegistry) -> None:
-    assert registry.names() == ["history_search", "memory_search", "remember"]
+    assert registry.names() == [
+        "history_search",
+        "memory_correct",
+        "memory_facts",
+        "memory_forget",
+        "memory_search",
+        "remember",
+    ]
     specs = {s.name: s for s in registry.specs()}
     assert specs["memory_search"].parameters["required"] == ["query"]
     assert "user_preference" in specs["remember"].description
@@ -51,7 +58,7 @@ async def test_remember_then_find_it_again(registry: ToolRegistry, store: Memory
     said = await call(
         registry, ALICE, "remember", content="Prefers answers in German", category="user_preference"
     )
-    assert said == "Remembered: [user_preference] Prefers answers in German"
+    assert said.startswith("Remembered: [user_preference] Prefers answers in German (fact ")
     again = await call(
         registry,
         ALICE,
@@ -72,7 +79,7 @@ async def test_unknown_category_falls_back_like_the_knowledge_base(
     registry: ToolRegistry,
 ) -> None:
     said = await call(registry, ALICE, "remember", content="The VPN drops at noon", category="vpn")
-    assert said == "Remembered: [learned_fact] The VPN drops at noon"
+    assert said.startswith("Remembered: [learned_fact] The VPN drops at noon (fact ")
     bad = await call(registry, ALICE, "memory_search", query="vpn", category="vpn")
     assert bad.startswith("error: unknown category")
 
@@ -161,3 +168,41 @@ async def test_memory_texts_feed_the_context_builder_once_per_fact(store: Memory
     block = plan.messages[1].content or ""
     assert plan.memory_injected and block.count("Deploys on Fridays") == 1
     assert memory_texts(store, ALICE, "  ")[0] == ""  # no query: only the export
+
+
+async def test_remembered_facts_point_at_the_turns_message_and_can_be_corrected_and_forgotten(
+    registry: ToolRegistry, store: MemoryStore
+) -> None:
+    turn = ToolContext(session_key=ALICE, sender_id="1", user_entry_id="0a1b2c3d4e5f")
+    said = await registry.execute(
+        ToolCall(id="c", function_name="remember", arguments={"content": "Owns a red bike"}), turn
+    )
+    ident = said.rsplit("(fact ", 1)[1].rstrip(")")
+    listed = await call(registry, ALICE, "memory_facts")
+    assert f"{ident}  [learned_fact] Owns a red bike  (from {ALICE} entry 0a1b2c3d4e5f)" in listed
+    fixed = await registry.execute(
+        ToolCall(
+            id="c",
+            function_name="memory_correct",
+            arguments={"id": ident, "text": "Owns a blue bike"},
+        ),
+        turn,
+    )
+    assert fixed == f"Corrected: [learned_fact] Owns a blue bike (fact {ident})"
+    (fact,) = store.for_session(ALICE).list_facts()
+    assert fact.correction is not None and fact.correction.by == f"{ALICE} entry 0a1b2c3d4e5f"
+    # Bob cannot see, correct or forget Alice's fact by its id.
+    assert await call(registry, BOB, "memory_facts") == (
+        "I have no facts remembered about this conversation."
+    )
+    assert (await call(registry, BOB, "memory_forget", id=ident)).startswith(
+        f"error: no fact {ident} in your memory"
+    )
+    assert (await call(registry, BOB, "memory_correct", id=ident, text="x")).startswith("error:")
+    assert await call(registry, ALICE, "memory_forget", id="bike") == (
+        "error: give the fact's id (memory_facts lists them)"
+    )
+    gone = await call(registry, ALICE, "memory_forget", id=ident)
+    assert gone == f"Forgotten: [learned_fact] Owns a blue bike (fact {ident})"
+    assert await call(registry, ALICE, "memory_search", query="bike") == "No stored memory matches."
+    assert (await call(registry, ALICE, "memory_forget", id=ident)).startswith("error: no fact")

@@ -5,6 +5,7 @@ server, group memory kept out of every DM, and `gateway people` on the command l
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,32 @@ def test_people_commands_and_their_bad_input(
     assert people("list").stdout.strip().startswith("No linked people yet")
     missing = people("unlink", "telegram:42")
     assert missing.returncode == 2 and "is not linked to anyone" in missing.stderr
+
+
+def _link_many(path: str, worker: int, count: int, go: Any) -> None:
+    store = FilePeopleStore(Path(path))
+    go.wait(60)  # every process starts linking at the same moment
+    for i in range(count):
+        store.link([f"telegram:{worker}{i:03d}", f"slack:U{worker}X{i:03d}"])
+
+
+def test_concurrent_links_from_several_processes_lose_none(tmp_path: Path) -> None:
+    """Each change is a read-modify-write of people.json under its flock: processes
+    linking at the same moment (operators, a gateway noting a DM) never drop one."""
+    import multiprocessing
+
+    path = tmp_path / "people.json"
+    spawn = multiprocessing.get_context("spawn")
+    go = spawn.Event()
+    workers = [spawn.Process(target=_link_many, args=(str(path), w, 40, go)) for w in range(1, 5)]
+    for process in workers:
+        process.start()
+    time.sleep(3)  # let them import
+    go.set()
+    for process in workers:
+        process.join(120)
+        assert process.exitcode == 0
+    people = FilePeopleStore(path).people()
+    assert len(people) == 4 * 40
+    assert people["slack:U1X000"] == ["slack:U1X000", "telegram:1000"]
+    assert (tmp_path / "people.json.lock").exists()

@@ -26,7 +26,7 @@ from gateway.agent.commands import (
 )
 from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs
 from gateway.agent.inputs import UserInput, read_user_input, with_images
-from gateway.agent.memory_tools import memory_texts
+from gateway.agent.memory_tools import correct_text, facts_text, forget_text, memory_texts
 from gateway.agent.offline import is_stale, message_age, offline_notice
 from gateway.agent.rewind import (
     NOTHING_TO_UNDO_TEXT,
@@ -65,6 +65,8 @@ DeltaCallback = Callable[[str], Awaitable[None]]
 
 #: The reply of a turn /stop ended before the model said anything.
 STOPPED_EMPTY_TEXT = "(stopped before I answered)"
+#: The commands that see, correct and forget remembered facts.
+MEMORY_COMMANDS = frozenset({"memory", "facts", "correct", "forget"})
 #: What /stop answers.
 STOP_DONE_TEXT = "Stopped. Messages you sent after that one will still be answered."
 STOP_IDLE_TEXT = "Nothing is running here to stop."
@@ -518,11 +520,13 @@ class AgentLoop:
                 return _TurnResult(hit.response, {"cached": True})
 
         attached: list[OutboundFile] = []
+        said_last = bool(ctx.messages) and ctx.messages[-1].role == "user"
         tool_context = ToolContext(
             session_key=session.key,
             sender_id=inbound.sender_id,
             inbound=inbound,
             attach=attached.append,
+            user_entry_id=ctx.entry_ids[-1] if said_last and ctx.entry_ids else "",
         )
         progress = _Progress()
         with anyio.CancelScope() as scope:
@@ -740,6 +744,8 @@ class AgentLoop:
             return reply_for(inbound, help_text())
         if command.name == "start":
             return reply_for(inbound, f"Hello! Write to me, or use a command.\n{help_text()}")
+        if command.name in MEMORY_COMMANDS:
+            return await self._memory_command(inbound, command)
         if command.name in ("new", "reset"):
             await anyio.to_thread.run_sync(self.sessions.reset, key)
             logger.info("session reset by /{}", command.name)
@@ -788,3 +794,49 @@ class AgentLoop:
             lines += [f"Tools {group.describe()}" for group in self.tools.groups()]
             return reply_for(inbound, "\n".join(lines))
         raise AssertionError(f"unhandled command {command.name}")  # parse_command bounds this
+
+    async def _memory_command(self, inbound: InboundMessage, command: Command) -> OutboundMessage:
+        """/memory (/facts), /correct and /forget on the memory this conversation uses (in
+        the person mode, its person's): another scope's fact id is simply not found."""
+        memory = self.memory
+        if memory is None:
+            return reply_for(inbound, "Memory is turned off here.", is_error=True)
+        key, argument = inbound.session_key, command.argument
+        if self.people is not None:
+            await self._note_dm(inbound)  # whose memory a first message here means
+        sender = f"{inbound.channel}:{inbound.sender_id}" if inbound.sender_id else key
+
+        def run() -> tuple[bool, str]:
+            if command.name in ("memory", "facts"):
+                if not memory.exists(key):  # a look creates nothing
+                    return True, "I have no facts remembered about this conversation."
+                return True, facts_text(memory.for_session(key))
+            if not argument:
+                return False, f"Write /{command.name} ID; /memory lists the facts with their ids."
+            if not memory.exists(key):
+                return False, f"no fact {argument.split()[0]} in your memory"
+            scope = memory.for_session(key)
+            if command.name == "correct":
+                ident, _, text = argument.partition(" ")
+                return correct_text(scope, ident, text, by=f"{sender} (/correct)")
+            return forget_text(scope, argument)
+
+        try:
+            done, text = await anyio.to_thread.run_sync(run)
+        except Exception as exc:  # storage trouble: one line for the person, the log has it
+            logger.opt(exception=exc).error("/{} failed", command.name)
+            return reply_for(inbound, "I could not reach my memory right now.", is_error=True)
+        if done and command.name in ("correct", "forget"):
+            logger.info("/{}: {}", command.name, text.rsplit("(fact ", 1)[-1].rstrip(")"))
+            await self._drop_cached_answers(key)
+        return reply_for(inbound, text, is_error=not done)
+
+    async def _drop_cached_answers(self, key: str) -> None:
+        """A corrected or forgotten fact may be in an answer cached for this
+        conversation: those answers go."""
+        if self.cache is None:
+            return
+        try:
+            await self.cache.invalidate(session_key=key)
+        except Exception as exc:  # the fact is gone from memory either way
+            logger.warning("cached answers of this conversation not dropped: {}", exc)

@@ -1,9 +1,11 @@
-"""Tools that let the model search and extend long-term memory of its own conversation.
+"""Tools that let the model search, extend, correct and forget long-term memory of its own
+conversation, and the texts the chat commands /memory, /correct and /forget answer with.
 
 Promise: every tool resolves its memory scope from the calling turn's session key
 (`ToolContext.session_key`) and from nothing the model sends, so one user's
-conversation never reads or writes another's memory (unless the operator chose the
-shared workspace scope). Blocking file work runs in a worker thread.
+conversation never reads, corrects or forgets another's memory (unless the operator
+chose the shared workspace scope): a fact id of another scope is answered as unknown.
+Blocking file work runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import anyio
 
 from gateway.agent.tools import Tool, ToolContext
 from gateway.llm.types import ToolSpec
-from gateway.memory.format import CATEGORIES, parse_fact
+from gateway.memory.facts import Fact, NewFact, Origin, find_facts, normalize_id
+from gateway.memory.format import CATEGORIES, normalize_category, parse_fact
+from gateway.memory.knowledge import entry_id
 from gateway.memory.protocol import MemoryBackend, MemoryScope
 from gateway.memory.text import normalize_text, one_line
 
@@ -23,6 +27,7 @@ DEFAULT_RESULTS = 5
 MAX_RESULTS = 20
 MAX_OUTPUT_CHARS = 4000
 MAX_REMEMBER_CHARS = 1000
+MAX_LISTED_FACTS = 50
 
 _CATEGORY_LIST = ", ".join(CATEGORIES)
 
@@ -97,8 +102,84 @@ def memory_texts(
     return ["\n".join(relevant), manager.knowledge.export_for_context(export_chars)]
 
 
+# -- seeing, correcting and forgetting facts (commands and tools alike) ------------------
+
+
+def facts_text(memory: MemoryScope, *, limit: int = MAX_LISTED_FACTS) -> str:
+    """The scope's facts, one a line: id, category, text and where each came from."""
+    facts = memory.list_facts()
+    if not facts:
+        return "I have no facts remembered about this conversation."
+    lines = [f"Remembered facts ({len(facts)}):"]
+    lines += [fact.describe() for fact in facts[-limit:]]
+    if len(facts) > limit:
+        lines.insert(1, f"(the newest {limit}; {len(facts) - limit} older ones not shown)")
+    lines.append("/correct ID NEW TEXT fixes one; /forget ID removes one.")
+    return "\n".join(lines)
+
+
+def _choose(memory: MemoryScope, ref: str) -> tuple[Fact | None, str]:
+    """The one fact `ref` (an id, or words) names, else what to tell the person."""
+    ref = one_line(ref)
+    if not ref:
+        return None, "Say which fact: its id (/memory lists them) or words from it."
+    found = find_facts(memory.list_facts(), ref)
+    if not found:
+        return None, f"no fact {ref} in your memory (/memory lists them with their ids)"
+    if len(found) > 1:
+        listed = "\n".join(fact.describe() for fact in found[:MAX_LISTED_FACTS])
+        return None, f"{len(found)} facts match {ref!r}; say which one by its id:\n{listed}"
+    return found[0], ""
+
+
+def forget_text(memory: MemoryScope, ref: str) -> tuple[bool, str]:
+    """Forget the fact `ref` names (an id, or words only one fact holds): (done, answer).
+    Several matches are listed, none is forgotten."""
+    fact, problem = _choose(memory, ref)
+    if fact is None:
+        return False, problem
+    gone = memory.forget_fact(fact.id)
+    if gone is None:  # forgotten meanwhile
+        return False, f"no fact {fact.id} in your memory"
+    return True, f"Forgotten: {_said(gone)} (fact {gone.id})"
+
+
+def correct_text(memory: MemoryScope, ident: str, text: str, *, by: str) -> tuple[bool, str]:
+    """Correct fact `ident` (an id: the new text follows it) to `text`: (done, answer)."""
+    wanted = normalize_id(ident)
+    text = one_line(text)
+    if wanted is None or not text:
+        return False, "Write /correct ID NEW TEXT; /memory shows the ids."
+    if len(text) > MAX_REMEMBER_CHARS:
+        return False, f"Keep it under {MAX_REMEMBER_CHARS} characters (one fact at a time)."
+    fixed = memory.correct_fact(wanted, text, by=by)
+    if fixed is None:
+        return False, f"no fact {wanted} in your memory (/memory lists them with their ids)"
+    return True, f"Corrected: {_said(fixed)} (fact {fixed.id})"
+
+
+def _said(fact: Fact) -> str:
+    return f"[{fact.category}] {fact.text}" if fact.category else fact.text
+
+
+def _origin(context: ToolContext) -> Origin | None:
+    if not context.user_entry_id:
+        return None
+    return Origin(context.session_key, context.user_entry_id)
+
+
+def _who(context: ToolContext) -> str:
+    """Who corrects through the model: the sender, else the conversation."""
+    if context.inbound is not None and context.sender_id:
+        who = f"{context.inbound.channel}:{context.sender_id}"
+    else:
+        who = context.session_key
+    return f"{who} entry {context.user_entry_id}" if context.user_entry_id else who
+
+
 def memory_tools(store: MemoryBackend) -> list[Tool]:
-    """`memory_search`, `history_search` and `remember`, bound to `store`."""
+    """`memory_search`, `history_search`, `remember`, `memory_facts`, `memory_correct`
+    and `memory_forget`, bound to `store`."""
 
     async def in_scope(context: ToolContext, work: Callable[[MemoryScope], str]) -> str:
         def run() -> str:
@@ -144,11 +225,42 @@ def memory_tools(store: MemoryBackend) -> list[Tool]:
         category = _str_arg(args, "category") or "learned_fact"
 
         def work(manager: MemoryScope) -> str:
-            entry = manager.knowledge.add(category, content, source="remember")
-            manager.knowledge.flush()  # the model said so: durable now, not in a batch
-            if entry.access_count > 0:
+            tag = normalize_category(category)
+            if manager.knowledge.get(entry_id(tag, content)) is not None:
+                entry = manager.knowledge.add(tag, content, source="remember")  # reinforced
+                manager.knowledge.flush()
                 return f"Already remembered: [{entry.category}] {entry.content}"
-            return f"Remembered: [{entry.category}] {entry.content}"
+            # A fact line pointing back at this turn's message, and its knowledge entry;
+            # durable when this returns (the model said so), not in a later batch.
+            fact = NewFact(tag, content, _origin(context))
+            manager.record_consolidation([fact], "", source="remember")
+            manager.flush()
+            ids = [f.id for f in manager.list_facts() if f.text == content and f.category == tag]
+            shown = f" (fact {ids[-1]})" if ids else ""
+            return f"Remembered: [{tag}] {content}{shown}"
+
+        return await in_scope(context, work)
+
+    async def memory_facts(args: dict[str, Any], context: ToolContext) -> str:
+        return await in_scope(context, facts_text)
+
+    async def memory_correct(args: dict[str, Any], context: ToolContext) -> str:
+        ident, text = _str_arg(args, "id"), _str_arg(args, "text")
+
+        def work(manager: MemoryScope) -> str:
+            done, answer = correct_text(manager, ident, text, by=_who(context))
+            return answer if done else f"error: {answer}"
+
+        return await in_scope(context, work)
+
+    async def memory_forget(args: dict[str, Any], context: ToolContext) -> str:
+        ident = _str_arg(args, "id")
+
+        def work(manager: MemoryScope) -> str:
+            if normalize_id(ident) is None:
+                return "error: give the fact's id (memory_facts lists them)"
+            done, answer = forget_text(manager, ident)
+            return answer if done else f"error: {answer}"
 
         return await in_scope(context, work)
 
@@ -204,5 +316,47 @@ def memory_tools(store: MemoryBackend) -> list[Tool]:
                 },
             ),
             remember,
+        ),
+        Tool(
+            ToolSpec(
+                name="memory_facts",
+                description="List every remembered fact of this conversation with its id, "
+                "category and the message it came from.",
+                parameters={"type": "object", "properties": {}, "additionalProperties": False},
+            ),
+            memory_facts,
+        ),
+        Tool(
+            ToolSpec(
+                name="memory_correct",
+                description="Correct a remembered fact that is wrong or outdated (the user "
+                "said so). It keeps its id; the correction is recorded.",
+                parameters={
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string", "description": "The fact's id (memory_facts)."},
+                        "text": {"type": "string", "description": "The corrected fact."},
+                    },
+                    "required": ["id", "text"],
+                    "additionalProperties": False,
+                },
+            ),
+            memory_correct,
+        ),
+        Tool(
+            ToolSpec(
+                name="memory_forget",
+                description="Forget a remembered fact for good when the user asks you to "
+                "(removed from memory and from search).",
+                parameters={
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string", "description": "The fact's id (memory_facts)."},
+                    },
+                    "required": ["id"],
+                    "additionalProperties": False,
+                },
+            ),
+            memory_forget,
         ),
     ]

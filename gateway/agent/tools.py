@@ -26,6 +26,9 @@ class ToolContext:
     inbound: InboundMessage | None = None
     #: Adds a file to the turn's reply (None: this turn's reply cannot carry files).
     attach: Callable[[OutboundFile], None] | None = None
+    #: The session entry of the user's message this turn answers ('' when unknown):
+    #: where a fact the turn remembers came from.
+    user_entry_id: str = ""
 
 
 ToolHandler = Callable[[dict[str, Any], ToolContext], Awaitable[str]]

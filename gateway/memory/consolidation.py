@@ -35,6 +35,7 @@ from loguru import logger
 from gateway.agent.context import estimate_branch_tokens, trim_middle
 from gateway.agent.tokens import estimate_messages_tokens, estimate_text_tokens
 from gateway.llm.types import LLMError, LLMMessage, LLMProvider, ToolSpec
+from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import CATEGORIES, normalize_category
 from gateway.memory.protocol import MemoryBackend
 from gateway.memory.text import one_line
@@ -64,13 +65,22 @@ def needs_consolidation(
 @dataclass(frozen=True, slots=True)
 class CompactionPlan:
     """What one consolidation summarizes (`to_summarize`: the context's messages
-    before the cut) and where the compaction keeps the context from."""
+    before the cut, made by the session entries `entry_ids`) and where the compaction
+    keeps the context from."""
 
     to_summarize: tuple[LLMMessage, ...]
     first_kept_entry_id: str
     kept: int
     previous_summary: str | None
     tokens_before: int
+    entry_ids: tuple[str, ...] = ()
+
+    def entry_of(self, number: int | None) -> str:
+        """The entry of message `number` (1-based, as the request numbers them); the
+        last summarized one when the model cited none or one that is not there."""
+        if number is not None and 1 <= number <= len(self.entry_ids):
+            return self.entry_ids[number - 1]
+        return self.entry_ids[-1] if self.entry_ids else self.first_kept_entry_id
 
 
 def plan_compaction(
@@ -118,6 +128,7 @@ def plan_compaction(
         kept=len(messages) - cut,
         previous_summary=ctx.summary,
         tokens_before=estimate_branch_tokens(messages),
+        entry_ids=tuple(ctx.entry_ids[:cut]),
     )
 
 
@@ -142,11 +153,21 @@ def _previous_boundary(messages: Sequence[LLMMessage], cut: int) -> int:
 class ConsolidationResult:
     """Facts as ``(category, text)`` (categories normalized), the new cumulative
     summary (for the compaction entry), and what only the new messages were about (for
-    HISTORY.md, so its lines do not repeat each other; the summary when not given)."""
+    HISTORY.md, so its lines do not repeat each other; the summary when not given).
+    `cited[i]` is the number of the message fact i came from, when the model said."""
 
     facts: tuple[tuple[str, str], ...]
     summary: str
     recent: str | None = None
+    cited: tuple[int | None, ...] = ()
+
+    def new_facts(self, session_key: str, plan: CompactionPlan) -> list[NewFact]:
+        """The facts with their origins: the entry of the message each cites."""
+        cited = self.cited + (None,) * (len(self.facts) - len(self.cited))
+        return [
+            NewFact(category, text, Origin(session_key, plan.entry_of(number)))
+            for (category, text), number in zip(self.facts, cited, strict=False)
+        ]
 
     @property
     def history_line(self) -> str:
@@ -173,6 +194,10 @@ def consolidation_tool() -> ToolSpec:
                         "properties": {
                             "category": {"type": "string", "enum": list(CATEGORIES)},
                             "text": {"type": "string"},
+                            "message": {
+                                "type": "integer",
+                                "description": "The [number] of the message it came from.",
+                            },
                         },
                         "required": ["category", "text"],
                         "additionalProperties": False,
@@ -200,7 +225,8 @@ You keep the long-term memory of a chat assistant. You get the summary of a \
 conversation so far and the messages that followed it. Call {CONSOLIDATION_TOOL} once:
 - facts: durable facts worth remembering in later conversations, each one short \
 self-contained sentence with a category: user_preference, project_decision, \
-error_pattern, system_behavior or learned_fact. No small talk, greetings, one-off \
+error_pattern, system_behavior or learned_fact, and the [number] of the message it \
+came from. No small talk, greetings, one-off \
 details or tool chatter. An empty list when nothing qualifies.
 - summary: ONE summary of the whole conversation so far. It replaces the previous \
 summary, so carry over everything from it that still matters (people, decisions, open \
@@ -209,16 +235,18 @@ tasks, promises), then add the new messages. At most {SUMMARY_WORDS} words.
 
 _JSON_FALLBACK = (
     "If you cannot call tools, answer with only this JSON object and nothing else: "
-    '{"facts": [{"category": "...", "text": "..."}], "summary": "...", "recent": "..."}'
+    '{"facts": [{"category": "...", "text": "...", "message": 1}], "summary": "...", '
+    '"recent": "..."}'
 )
 
 
 def transcript_lines(
     messages: Sequence[LLMMessage], *, max_message_tokens: int = 600, max_tool_tokens: int = 200
 ) -> list[str]:
-    """One line block per message, `Role: text`, long texts cut in the middle."""
+    """One line block per message, `[n] Role: text` (n from 1, so a fact can cite its
+    message), long texts cut in the middle."""
     lines: list[str] = []
-    for message in messages:
+    for number, message in enumerate(messages, start=1):
         text = message.content or ""
         if message.role == "tool":
             label = f"Tool result ({message.name or 'tool'})"
@@ -232,7 +260,7 @@ def transcript_lines(
                 for call in message.tool_calls
             )
             text = f"{text} [called {calls}]".strip()
-        lines.append(f"{label}: {text}")
+        lines.append(f"[{number}] {label}: {text}")
     return lines
 
 
@@ -295,6 +323,7 @@ def _validated(data: Mapping[str, Any]) -> ConsolidationResult:
     if not isinstance(raw_facts, list):
         raise ConsolidationError("the consolidation answer's facts are not a list")
     facts: list[tuple[str, str]] = []
+    cited: list[int | None] = []
     for item in raw_facts[:MAX_FACTS]:
         if not isinstance(item, dict):
             raise ConsolidationError("a consolidation fact is not an object")
@@ -304,9 +333,13 @@ def _validated(data: Mapping[str, Any]) -> ConsolidationResult:
         text = one_line(text)[:MAX_FACT_CHARS]
         if text:
             facts.append((normalize_category(category or ""), text))
+            number = item.get("message")
+            # A wrong citation costs only precision: the fact then points at the range.
+            usable = isinstance(number, int) and not isinstance(number, bool)
+            cited.append(number if usable else None)
     recent = data.get("recent")
     recent_line = one_line(recent) if isinstance(recent, str) else ""
-    return ConsolidationResult(tuple(facts), summary.strip(), recent_line or None)
+    return ConsolidationResult(tuple(facts), summary.strip(), recent_line or None, tuple(cited))
 
 
 async def summarize(
@@ -796,7 +829,9 @@ class Consolidator:
         ):
             return ConsolidationOutcome(key, "busy")
         # Facts first: a crash before the compaction can only repeat them next time.
-        self.memory.for_session(key).record_consolidation(result.facts, result.history_line)
+        self.memory.for_session(key).record_consolidation(
+            result.new_facts(key, plan), result.history_line
+        )
         if reset:  # /new meanwhile: the old conversation's facts still count
             return ConsolidationOutcome(key, "reset", facts, summarized)
         try:
