@@ -22,6 +22,7 @@ from gateway.daemon import Daemon, Gateway
 from gateway.http.admin.auth import COOKIE_NAME, AdminKeys
 from gateway.http.admin.views import TurnWindow
 from gateway.llm.types import LLMMessage
+from gateway.memory.facts import NewFact, Origin
 from gateway.messages import OutboundMessage
 from tests.fakes.openai_server import FakeOpenAI
 
@@ -467,18 +468,25 @@ async def test_the_memory_page_shows_facts_history_and_knowledge(
         memory = admin.daemon.gateway.memory
         assert memory is not None
 
-        def remember() -> None:
+        def remember() -> list[str]:
             scope = memory.for_session("telegram:42")
             scope.record_consolidation(
                 [("user_preference", "likes green tea"), ("learned_fact", HOSTILE)],
                 "talked about tea and the weather",
             )
             scope.append_history("planned a trip to Lisbon")
+            scope.append_facts(
+                [NewFact("learned_fact", "owns a kayak", Origin("telegram:42", "e1"))]
+            )
             scope.flush()
+            return [fact.id for fact in scope.list_facts()]
 
-        await anyio.to_thread.run_sync(remember)
+        ids = await anyio.to_thread.run_sync(remember)
         status, page = await admin.get("/admin/memory", params={"key": "telegram:42"})
         assert status == 200
+        # Each fact with its id, and where it came from when known.
+        assert all(f"<code>{ident}</code>" in page for ident in ids) and len(ids) == 3
+        assert "owns a kayak" in page and "from telegram:42 entry <code>e1</code>" in page
         assert "likes green tea" in page and "user_preference" in page
         assert "Lisbon" in page and "tea and the weather" in page
         assert "<script>document" not in page

