@@ -22,11 +22,13 @@ from gateway.memory.consolidation import (
     CONSOLIDATION_TOOL,
     ConsolidationError,
     Consolidator,
+    consolidation_messages,
     needs_consolidation,
     parse_consolidation,
     plan_compaction,
     retry_delay,
 )
+from gateway.memory.facts import Origin
 from gateway.sessions import CompactionEntry, Session, SessionContext, SessionManager
 from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply
 from tests.llm_messages import assistant, user
@@ -206,6 +208,32 @@ def test_parse_accepts_the_tool_call_or_strict_json() -> None:
     for content in (body, f"```json\n{body}\n```"):
         parsed = parse_consolidation(LLMMessage(role="assistant", content=content))
         assert parsed.summary == "from content" and parsed.facts == ()
+
+
+def test_facts_point_at_the_message_they_cite_or_at_the_ranges_last_entry() -> None:
+    messages = [user("hi"), assistant("hello"), user("I drink tea"), assistant("ok"), user("x")]
+    plan = plan_compaction(ctx_of(messages), keep_last=1)
+    assert plan is not None and plan.entry_ids == ("e0", "e1", "e2", "e3")
+    request = consolidation_messages(None, plan.to_summarize)[1].content or ""
+    assert "[3] User: I drink tea" in request and "[1] User: hi" in request
+    facts = [
+        {"category": "user_preference", "text": "Drinks tea", "message": 3},
+        {"category": "learned_fact", "text": "Cited nothing"},
+        {"category": "learned_fact", "text": "Cited a message not sent", "message": 9},
+        {"category": "learned_fact", "text": "Cited with a bool", "message": True},
+    ]
+    call = ToolCall(
+        id="c", function_name=CONSOLIDATION_TOOL, arguments={"facts": facts, "summary": "s"}
+    )
+    parsed = parse_consolidation(LLMMessage(role="assistant", tool_calls=[call]))
+    assert parsed.cited == (3, None, 9, None)
+    origins = [(f.text, f.origin) for f in parsed.new_facts("telegram:1", plan)]
+    assert origins == [
+        ("Drinks tea", Origin("telegram:1", "e2")),
+        ("Cited nothing", Origin("telegram:1", "e3")),
+        ("Cited a message not sent", Origin("telegram:1", "e3")),
+        ("Cited with a bool", Origin("telegram:1", "e3")),
+    ]
 
 
 @pytest.mark.parametrize(
