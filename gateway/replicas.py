@@ -42,7 +42,7 @@ import anyio.abc
 from loguru import logger
 
 from gateway.dedupe import Unanswered
-from gateway.messages import OutboundMessage
+from gateway.messages import META_REPLY_WANTED, OutboundMessage
 
 if TYPE_CHECKING:
     from gateway.dedupe_pg import PostgresDedupeStore
@@ -237,12 +237,16 @@ class SessionRouter:
                 self._lost.add(key)
 
     async def _renew_forever(self) -> None:
+        pause = self.lease_ttl / 3
         while True:
-            await anyio.sleep(self.lease_ttl / 3)
+            await anyio.sleep(pause)
             try:
                 await self.renew()
+                pause = self.lease_ttl / 3
             except Exception as exc:
-                logger.warning("replicas: lease renewal failed ({})", exc)
+                # Soon again, not a third of the lease later: two misses would lose it.
+                logger.warning("replicas: lease renewal failed ({}); retrying", exc)
+                pause = min(0.5, self.lease_ttl / 10)
 
     async def _owed(self, key: str) -> list[tuple[str, Unanswered]]:
         async with self.store.connection() as conn:
@@ -295,44 +299,69 @@ class SessionRouter:
         # the session is read afresh. What comes after, under the lease held since, is
         # new to the session, and the session as cached here is current.
         first = True
+        failures = 0
         while True:
             if self._stopping or self.dispatcher.draining:
                 return  # `stop` withdraws the lease; what was fed finishes in the drain
             wake = self._rearm(key)  # before the query: a kick during it is not missed
-            if check:
-                owed = await self._owed(key)
-                if key in self._lost:
-                    first = True  # another replica may have written since: read afresh
-                for dedupe, entry in owed:
-                    if dedupe not in fed:
-                        fed[dedupe] = await self.dispatcher.feed(entry, current=not first)
-                        self.fed += 1
-                first = False
-                journaled = {d for d, _ in owed}
-                fed = {d: t for d, t in fed.items() if d in journaled or not t.finished}
-                stuck = bool(fed) and all(t.finished for t in fed.values())
-            waiting = [t for t in fed.values() if not t.finished]
-            if waiting:
-                # The last fed finishes last (one lane per session); a kick comes first
-                # when another message is journaled meanwhile.
-                await _first_of(waiting[-1].wait_finished, wake.wait, self.lease_ttl / 3)
-                check = wake.is_set()
-                continue
-            if check and stuck:
-                # Finished here, yet still journaled (its mark failed): give the store a
-                # moment rather than spin; the lease is ours until it clears.
-                await anyio.sleep(0.2)
-                continue
-            # Nothing owed that we know of: linger with the lease, then let go unless
-            # something was journaled meanwhile (the release's own check).
-            with anyio.move_on_after(self.linger):
-                await wake.wait()
-            if wake.is_set():
+            try:
+                if check:
+                    owed = await self._owed(key)
+                    if key in self._lost:
+                        first = True  # another replica may have written: read afresh
+                    for dedupe, entry in owed:
+                        if dedupe not in fed:
+                            fed[dedupe] = await self.dispatcher.feed(entry, current=not first)
+                            self.fed += 1
+                    first = False
+                    journaled = {d for d, _ in owed}
+                    fed = {d: t for d, t in fed.items() if d in journaled or not t.finished}
+                    stuck = [d for d, t in fed.items() if t.finished]
+                    if stuck and len(stuck) == len(fed):
+                        # Finished here, yet still journaled: its mark failed (a busy or
+                        # lost database). Marked again here; the lease is ours meanwhile.
+                        await self._mark_finished(stuck, fed)
+                        failures += 1
+                        await anyio.sleep(min(0.2 * 2**failures, 2.0))
+                        continue
+                failures = 0
+                waiting = [t for t in fed.values() if not t.finished]
+                if waiting:
+                    # The last fed finishes last (one lane per session); a kick comes
+                    # first when another message is journaled meanwhile.
+                    await _first_of(waiting[-1].wait_finished, wake.wait, self.lease_ttl / 3)
+                    check = wake.is_set()
+                    continue
+                # Nothing owed that we know of: linger with the lease, then let go unless
+                # something was journaled meanwhile (the release's own check).
+                with anyio.move_on_after(self.linger):
+                    await wake.wait()
+                if wake.is_set():
+                    check = True
+                    continue
+                if await self._release_if_empty(key):
+                    return
                 check = True
-                continue
-            if await self._release_if_empty(key):
-                return
-            check = True
+            except Exception as exc:
+                # A busy or lost database mid-feed. Giving up now would leave what was
+                # fed running here while the lease runs out and another replica runs
+                # the same messages: keep the lease (renewed) and try again.
+                failures += 1
+                if failures == 1:
+                    logger.warning("replicas: feeding {} failed ({}); retrying", key, exc)
+                await anyio.sleep(min(0.2 * 2**failures, 2.0))
+                check = True
+
+    async def _mark_finished(self, keys: list[str], fed: dict[str, Ticket]) -> None:
+        """Mark answered the messages whose turns finished here but whose rows are still
+        journaled (the mark failed): with the reply for a waiting `/api/chat` request."""
+        for dedupe in keys:
+            ticket = fed[dedupe]
+            reply = await ticket.reply()  # resolved: the ticket is finished
+            if reply is not None and ticket.message.metadata.get(META_REPLY_WANTED):
+                await self.publish(dedupe, reply)
+            else:
+                await self.store.mark_done(dedupe)
 
     # ------------------------------------------------------------------ API replies
 

@@ -313,3 +313,53 @@ async def test_two_deployments_in_two_schemas_of_one_database_keep_apart(
     finally:
         with psycopg.connect(PG_URL, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA {other_schema} CASCADE")
+
+
+async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
+    migrated_pg_url: str,
+) -> None:
+    """Replica a loses PostgreSQL while a turn runs (the proxy cut): the turn's
+    answered-mark fails. Back within the lease time, a marks it again itself; the lease
+    stays a's throughout, so b (sweeping five times a second) never runs the message."""
+    import psycopg
+
+    from gateway.dedupe import dedupe_key
+    from tests.fakes.tcp_proxy import tcp_proxy
+    from tests.local_pg import PG_URL
+
+    authority = PG_URL.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+    host, _, port = authority.partition(":")
+    ran: list[tuple[str, str, float]] = []
+    gate = anyio.Event()
+    with tcp_proxy(host, int(port or 5432)) as proxy:
+        proxied = migrated_pg_url.replace(authority, f"127.0.0.1:{proxy.port}", 1)
+        a = Replica("a", proxied, ran, gate, linger=0.5, lease_ttl=6.0, sweep_interval=0.2)
+        b = Replica("b", migrated_pg_url, ran, None, linger=0.5, lease_ttl=6.0, sweep_interval=0.2)
+        async with anyio.create_task_group() as tg:
+            for r in (a, b):
+                await tg.start(r.dispatcher.run)
+                await tg.start(r.router.run)
+            msg = message(1, "97", "slow one")
+            await a.dispatcher.submit(msg)
+            await wait_for(lambda: len(ran) == 1, 5)
+            proxy.cut()
+            gate.set()  # the turn ends; its mark cannot reach the database
+            await anyio.sleep(2.0)
+            proxy.restore()
+            key = dedupe_key(msg)
+
+            def state() -> object:
+                with psycopg.connect(migrated_pg_url) as conn:
+                    row = conn.execute(
+                        "SELECT state FROM gw_inbound WHERE dedupe_key = %s", (key,)
+                    ).fetchone()
+                return row[0] if row else None
+
+            await wait_for(lambda: state() == "done", 10)
+            await anyio.sleep(1.0)
+            tg.cancel_scope.cancel()
+        for r in (a, b):
+            await r.store.aclose()
+    assert [(who, text) for who, text, _ in ran] == [("a", "slow one")]
+    assert b.router.takeovers == 0
+    assert [m.text for m in a.sent] == ["echo: slow one"]
