@@ -374,7 +374,8 @@ class KnowledgeBase:
         key = entry_id(category, text)
         now = self._clock()
         with self._lock:
-            self._notice_outside_changes()
+            # No look for another process's changes here (add stays two dict operations):
+            # the next flush looks, and a forgotten entry reinforced meanwhile is dropped.
             existing = self._state.entries.get(key)
             if existing is None:
                 entry = KnowledgeEntry(key, category, text, origin, new_tags, now, now, 0)
