@@ -802,20 +802,22 @@ class Dispatcher:
         if send:
             await self._deliver_safely(reply)
         # Shared mode: a reply someone waits for (`/api/chat`, perhaps on another
-        # replica) is kept on its message's row as the row is marked answered.
-        published = set()
+        # replica) is kept on its message's row as the row is marked answered. If that
+        # fails the row stays journaled, never answered without its reply: the session's
+        # pump marks it again with the reply (`SessionRouter._mark_finished`).
+        wanted = set()
         if self.router is not None:
             for item in batch:
                 key = item.dedupe_key
                 if key is not None and item.message.metadata.get(META_REPLY_WANTED):
+                    wanted.add(key)
                     try:
                         await self.router.publish(key, reply)
-                        published.add(key)
                     except Exception as exc:
                         logger.error("a reply could not be handed to the waiting replica: {}", exc)
         if store is not None:
             for key in keys:
-                if key not in published:
+                if key not in wanted:
                     await self._mark_done(store, key)
         for item in batch:
             item.ticket._done.set()

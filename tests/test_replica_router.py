@@ -315,15 +315,19 @@ async def test_two_deployments_in_two_schemas_of_one_database_keep_apart(
             conn.execute(f"DROP SCHEMA {other_schema} CASCADE")
 
 
+@pytest.mark.parametrize("api", [False, True], ids=["platform", "api"])
 async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
-    migrated_pg_url: str,
+    migrated_pg_url: str, api: bool
 ) -> None:
     """Replica a loses PostgreSQL while a turn runs (the proxy cut): the turn's
     answered-mark fails. Back within the lease time, a marks it again itself; the lease
-    stays a's throughout, so b (sweeping five times a second) never runs the message."""
+    stays a's throughout, so b (sweeping five times a second) never runs the message.
+    An `/api/chat` message is never marked answered without its reply: a client's retry
+    on b gets it."""
     import psycopg
 
     from gateway.dedupe import dedupe_key
+    from gateway.messages import META_REPLY_WANTED
     from tests.fakes.tcp_proxy import tcp_proxy
     from tests.local_pg import PG_URL
 
@@ -340,6 +344,15 @@ async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
                 await tg.start(r.dispatcher.run)
                 await tg.start(r.router.run)
             msg = message(1, "97", "slow one")
+            if api:
+                msg = InboundMessage(
+                    channel="api",
+                    chat_id="user97",
+                    sender_id="user97",
+                    text="slow one",
+                    message_id="97-1",
+                    metadata={META_REPLY_WANTED: True},
+                )
             await a.dispatcher.submit(msg)
             await wait_for(lambda: len(ran) == 1, 5)
             proxy.cut()
@@ -356,6 +369,11 @@ async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
                 return row[0] if row else None
 
             await wait_for(lambda: state() == "done", 10)
+            if api:
+                assert key is not None
+                with anyio.fail_after(2):
+                    reply = await b.router.wait_reply(key)
+                assert reply is not None and reply.text == "echo: slow one"
             await anyio.sleep(1.0)
             tg.cancel_scope.cancel()
         for r in (a, b):
