@@ -549,6 +549,24 @@ class Dispatcher:
             self._forward(item, key, self.router)
         return True
 
+    def withdraw(self, session_key: str, tickets: Sequence[Ticket]) -> int:
+        """Take back fed messages of `session_key` whose turns have not begun (the shared
+        mode's router, when another replica took the session over): the lane drops them,
+        their rows stay journaled for the new holder. Returns how many."""
+        lane = self._lanes.get(session_key)
+        if lane is None:
+            return 0
+        wanted = {id(t) for t in tickets}
+        taken = 0
+        for item in lane.queue:
+            if id(item.ticket) in wanted and not item.skip:
+                item.skip = True
+                self._settled(1)
+                item.ticket._resolve(None)
+                item.ticket._done.set()
+                taken += 1
+        return taken
+
     def _forward(self, item: _Item, key: str, router: SessionRouter) -> None:
         """Shared mode: the journal is the queue. The lane drops the item; the router
         feeds it, in journal order, to whichever replica holds the session's lease."""
@@ -721,6 +739,9 @@ class Dispatcher:
                 self._limiter.acquire_nowait()  # fair: fails while others wait
             except anyio.WouldBlock:
                 await self._limiter.acquire()
+            if lane.queue[0].skip:  # withdrawn while it waited for the slot
+                self._limiter.release()
+                continue
             try:
                 # Taken after the slot is ours, so collect mode merges what arrived
                 # while waiting for it.

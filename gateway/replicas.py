@@ -232,9 +232,12 @@ class SessionRouter:
             )
             kept = {str(k) for (k,) in await cur.fetchall()}
         for key in keys:
-            if key not in kept and key in self._leases:
+            if key not in kept and key in self._leases and key not in self._lost:
                 logger.error("replicas: lost the lease of {} to another replica mid-turn", key)
                 self._lost.add(key)
+                wake = self._pumps.get(key)
+                if wake is not None:
+                    wake.set()  # the pump stops feeding at once
 
     async def _renew_forever(self) -> None:
         pause = self.lease_ttl / 3
@@ -303,12 +306,13 @@ class SessionRouter:
         while True:
             if self._stopping or self.dispatcher.draining:
                 return  # `stop` withdraws the lease; what was fed finishes in the drain
+            if key in self._lost:
+                await self._let_go(key, fed)
+                return
             wake = self._rearm(key)  # before the query: a kick during it is not missed
             try:
                 if check:
                     owed = await self._owed(key)
-                    if key in self._lost:
-                        first = True  # another replica may have written: read afresh
                     for dedupe, entry in owed:
                         if dedupe not in fed:
                             fed[dedupe] = await self.dispatcher.feed(entry, current=not first)
@@ -351,6 +355,19 @@ class SessionRouter:
                     logger.warning("replicas: feeding {} failed ({}); retrying", key, exc)
                 await anyio.sleep(min(0.2 * 2**failures, 2.0))
                 check = True
+
+    async def _let_go(self, key: str, fed: dict[str, Ticket]) -> None:
+        """The lease of `key` went to another replica (this one could not renew it in
+        time): stop feeding, take back what has not begun (its holder runs it), and let
+        the turn in progress end. That one turn may run on both replicas: the bound the
+        delivery promise allows a replica that stops answering (docs/scaling.md)."""
+        pending = [t for t in fed.values() if not t.finished]
+        taken = self.dispatcher.withdraw(key, pending)
+        logger.warning("replicas: {} handed to its new holder ({} messages taken back)", key, taken)
+        for ticket in pending:
+            if not ticket.finished:
+                with anyio.move_on_after(self.lease_ttl * 3):
+                    await ticket.wait_finished()
 
     async def _mark_finished(self, keys: list[str], fed: dict[str, Ticket]) -> None:
         """Mark answered the messages whose turns finished here but whose rows are still

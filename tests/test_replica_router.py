@@ -381,3 +381,40 @@ async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
     assert [(who, text) for who, text, _ in ran] == [("a", "slow one")]
     assert b.router.takeovers == 0
     assert [m.text for m in a.sent] == ["echo: slow one"]
+
+
+async def test_a_replica_that_lost_a_lease_hands_over_what_has_not_begun(
+    migrated_pg_url: str,
+) -> None:
+    """a holds a session and runs a slow turn with two more messages fed behind it;
+    its lease goes to another replica (as when a starves past the lease time). a stops
+    feeding and takes back the two that have not begun; only the turn in progress ends
+    on a; the next holder runs the other two, once, in order."""
+    import psycopg
+
+    ran: list[tuple[str, str, float]] = []
+    gate = anyio.Event()
+    async with replicas(migrated_pg_url, ran, gate, sweep_interval=0.2) as (a, _):
+        await a.dispatcher.submit(message(1, "98", "slow 1"))
+        await wait_for(lambda: len(ran) == 1, 5)
+        for n in (2, 3):
+            await a.dispatcher.submit(message(n, "98"))
+        await wait_for(lambda: a.router.fed == 3, 5)
+        stolen = time.monotonic()
+        with psycopg.connect(migrated_pg_url, autocommit=True) as conn:
+            # Taken over: by a replica that then goes quiet, its lease running out soon.
+            conn.execute(
+                "UPDATE gw_session_leases SET owner = 'elsewhere', "
+                "expires_at = extract(epoch FROM clock_timestamp()) + 1.5 "
+                "WHERE session_key = 'telegram:98'"
+            )
+        await a.router.renew()  # finds the lease gone
+        await anyio.sleep(0.3)
+        gate.set()
+        await wait_for(lambda: len(ran) == 3, 10)
+        await anyio.sleep(0.5)
+    # The two taken back ran once each, in order, only once the quiet holder's lease had
+    # run out (on whichever replica's sweep came first), not on a's old pump meanwhile.
+    assert [text for _, text, _ in ran] == ["slow 1", "m2", "m3"]
+    assert ran[0][0] == "a"
+    assert ran[1][2] - stolen >= 1.4, ran[1][2] - stolen
