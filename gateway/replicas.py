@@ -312,6 +312,9 @@ class SessionRouter:
             wake = self._rearm(key)  # before the query: a kick during it is not missed
             try:
                 if check:
+                    # Only a turn that had finished before the query can be stuck: one
+                    # finishing during it may have been read just before its mark.
+                    settled = {d for d, t in fed.items() if t.finished}
                     owed = await self._owed(key)
                     for dedupe, entry in owed:
                         if dedupe not in fed:
@@ -320,8 +323,8 @@ class SessionRouter:
                     first = False
                     journaled = {d for d, _ in owed}
                     fed = {d: t for d, t in fed.items() if d in journaled or not t.finished}
-                    stuck = [d for d, t in fed.items() if t.finished]
-                    if stuck and len(stuck) == len(fed):
+                    stuck = [d for d in fed if d in settled]
+                    if stuck and all(t.finished for t in fed.values()):
                         # Finished here, yet still journaled: its mark failed (a busy or
                         # lost database). Marked again here; the lease is ours meanwhile.
                         await self._mark_finished(stuck, fed)
