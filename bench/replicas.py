@@ -288,7 +288,16 @@ def turn_cost(seconds: float) -> TurnCost:
     )
 
 
-def throughput(replicas: int, seconds: float) -> float:
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine so far (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def throughput(replicas: int, seconds: float) -> tuple[float, float]:
+    """Turns/s of `replicas` replicas, and how busy the machine's CPUs were meanwhile."""
+
     def slow(body: dict[str, Any]) -> Reply:
         answer = echo_responder(body)
         return Reply(text=answer if isinstance(answer, str) else answer.text, delay=LLM_DELAY)
@@ -302,7 +311,10 @@ def throughput(replicas: int, seconds: float) -> float:
             procs, urls = start(env_for(Path(tmp), llm, url), Path(tmp), replicas)
             try:
                 asyncio.run(closed_loop(urls, 6 * CAP * replicas, 2.0))  # warm up
-                return asyncio.run(closed_loop(urls, 6 * CAP * replicas, seconds))
+                busy0, total0 = machine_busy()
+                rate = asyncio.run(closed_loop(urls, 6 * CAP * replicas, seconds))
+                busy1, total1 = machine_busy()
+                return rate, (busy1 - busy0) / max(1, total1 - total0)
             finally:
                 stop(procs)
     finally:
@@ -352,8 +364,17 @@ def main() -> int:
         ):
             rows.append(Row(what, round(value, 2), unit, "-", None))
     for n in (1, 2, 3) if args.only in (None, "throughput") else ():
-        rate = throughput(n, seconds)
+        rate, busy = throughput(n, seconds)
         ideal = n * CAP / LLM_DELAY
+        rows.append(
+            Row(
+                f"machine CPU busy, {n} replica{'s' if n > 1 else ''}",
+                round(busy * 100),
+                "%",
+                "-",
+                None,
+            )
+        )
         rows.append(
             Row(
                 f"turns/s, {n} replica{'s' if n > 1 else ''} (ideal {ideal:.0f})",
