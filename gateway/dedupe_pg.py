@@ -186,11 +186,25 @@ class PostgresDedupeStore:
                 await self.beat()
 
     async def seen_or_add(self, key: str) -> bool:
+        return await self._claim(key, _CLAIM, {})
+
+    async def take_in(self, key: str, msg: InboundMessage) -> bool:
+        """`seen_or_add` and `journal` in one round trip, for a message already allowed
+        in: True for a duplicate (nothing written), False once `msg` is journaled.
+        Raises `ClaimBusy` as `seen_or_add` does."""
+        raw = json.dumps(msg.to_dict(), default=str)
+        extra = {"session": msg.session_key, "received": msg.received_at, "message": raw}
+        return await self._claim(key, _TAKE_IN, extra)
+
+    async def _claim(self, key: str, statement: str, extra: dict[str, Any]) -> bool:
+        """Run `statement` (_CLAIM or _TAKE_IN) for `key`: False when it took the row,
+        True for a duplicate; waits up to `claim_wait` for another live replica's claim
+        that is not journaled yet, then raises `ClaimBusy`."""
         await self._first_beat()
         deadline = time.monotonic() + self.claim_wait  # real time, whatever `clock` says
         while True:
             async with self.connection() as conn:
-                cur = await conn.execute(_CLAIM, self._params(key=key))
+                cur = await conn.execute(statement, self._params(key=key, **extra))
                 if await cur.fetchone() is not None:
                     return False
                 cur = await conn.execute(
@@ -202,34 +216,6 @@ class PostgresDedupeStore:
             state, owner = row
             if state != "claimed" or owner == self.replica_id:
                 return True  # journaled, answered, or in flight here
-            if time.monotonic() >= deadline:
-                raise ClaimBusy(f"message {key!r} is claimed by replica {owner} (not journaled)")
-            await anyio.sleep(0.05)
-
-    async def take_in(self, key: str, msg: InboundMessage) -> bool:
-        """`seen_or_add` and `journal` in one round trip, for a message already allowed
-        in: True for a duplicate (nothing written), False once `msg` is journaled.
-        Raises `ClaimBusy` as `seen_or_add` does."""
-        await self._first_beat()
-        raw = json.dumps(msg.to_dict(), default=str)
-        deadline = time.monotonic() + self.claim_wait
-        while True:
-            params = self._params(
-                key=key, session=msg.session_key, received=msg.received_at, message=raw
-            )
-            async with self.connection() as conn:
-                cur = await conn.execute(_TAKE_IN, params)
-                if await cur.fetchone() is not None:
-                    return False
-                cur = await conn.execute(
-                    "SELECT state, claimed_by FROM gw_inbound WHERE dedupe_key = %s", (key,)
-                )
-                row = await cur.fetchone()
-            if row is None:
-                continue  # released meanwhile: take it
-            state, owner = row
-            if state != "claimed" or owner == self.replica_id:
-                return True
             if time.monotonic() >= deadline:
                 raise ClaimBusy(f"message {key!r} is claimed by replica {owner} (not journaled)")
             await anyio.sleep(0.05)

@@ -211,3 +211,42 @@ async def test_a_delivery_of_a_message_another_replica_is_journaling_is_not_take
         stats = dispatcher.stats()
         assert stats.not_taken == 1 and stats.dedupe_errors == 0
         tg.cancel_scope.cancel()
+
+
+async def test_take_in_claims_and_journals_in_one_step_with_the_claims_rules(
+    replica: Replica,
+) -> None:
+    """`take_in` (claim and journal at once, for an allowed message): one of three
+    replicas wins each message and journals it; a live replica's unjournaled claim is
+    waited for (ClaimBusy past `claim_wait`), a dead one's is taken over; the journaled
+    message is what the dead replica's successor replays."""
+    stores = [replica(claim_wait=5.0) for _ in range(3)]
+    wins: dict[str, int] = {}
+
+    async def take(store: PostgresDedupeStore, n: int) -> None:
+        msg = message(n, 1.0)
+        if not await store.take_in(key_of(msg), msg):
+            wins[msg.text] = wins.get(msg.text, 0) + 1
+
+    async with anyio.create_task_group() as tg:
+        for n in range(30):
+            for store in stores:
+                tg.start_soon(take, store, n)
+    assert wins == {f"m{n}": 1 for n in range(30)}
+
+    clock = Clock()
+    first, second = replica(clock), replica(clock, claim_wait=0.3)
+    msg = message(100, clock.now)
+    assert await first.seen_or_add(key_of(msg)) is False  # claimed, not journaled
+    with pytest.raises(ClaimBusy):
+        await second.take_in(key_of(msg), msg)
+
+    dead_clock = Clock()
+    dead = replica(dead_clock)
+    late = message(200, dead_clock.now)
+    assert await dead.seen_or_add(key_of(late)) is False  # then it dies
+    heir = replica(Clock(dead_clock.now + 20))
+    assert await heir.take_in(key_of(late), late) is False
+    assert await heir.take_in(key_of(late), late) is True
+    replayed = [entry.message.text for entry in await heir.unanswered()]
+    assert "m200" in replayed
