@@ -50,28 +50,15 @@ def new_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+# A claim (state 'claimed', no message yet) or, for `take_in`, a claim and its journal at
+# once (state 'journaled', with the message). A row is taken when it is new, answered
+# and expired, or claimed and never journaled by a replica that expired or stopped beating.
 _CLAIM = """
-INSERT INTO gw_inbound AS row (dedupe_key, state, claimed_by, claimed_at)
-VALUES (%(key)s, 'claimed', %(me)s, %(now)s)
-ON CONFLICT (dedupe_key) DO UPDATE
-    SET state = 'claimed', claimed_by = EXCLUDED.claimed_by, claimed_at = EXCLUDED.claimed_at,
-        session_key = NULL, received_at = NULL, message = NULL, reply = NULL,
-        reply_id = NULL, expires_at = NULL
-    WHERE (row.state = 'done' AND row.expires_at <= %(now)s)
-       OR (row.state = 'claimed' AND row.claimed_at <= %(expired)s)
-       OR (row.state = 'claimed' AND row.claimed_by <> %(me)s AND NOT EXISTS (
-            SELECT 1 FROM gw_replicas r
-            WHERE r.replica_id = row.claimed_by AND r.seen_at > %(live_since)s))
-RETURNING dedupe_key
-"""
-
-# Claimed and journaled in one statement (`take_in`): the same takeover rules as _CLAIM.
-_TAKE_IN = """
 INSERT INTO gw_inbound AS row
     (dedupe_key, state, claimed_by, claimed_at, session_key, received_at, message)
-VALUES (%(key)s, 'journaled', %(me)s, %(now)s, %(session)s, %(received)s, %(message)s::json)
+VALUES (%(key)s, %(state)s, %(me)s, %(now)s, %(session)s, %(received)s, %(message)s::json)
 ON CONFLICT (dedupe_key) DO UPDATE
-    SET state = 'journaled', claimed_by = EXCLUDED.claimed_by,
+    SET state = EXCLUDED.state, claimed_by = EXCLUDED.claimed_by,
         claimed_at = EXCLUDED.claimed_at, session_key = EXCLUDED.session_key,
         received_at = EXCLUDED.received_at, message = EXCLUDED.message, reply = NULL,
         reply_id = NULL, expires_at = NULL
@@ -186,25 +173,32 @@ class PostgresDedupeStore:
                 await self.beat()
 
     async def seen_or_add(self, key: str) -> bool:
-        return await self._claim(key, _CLAIM, {})
+        return await self._claim(key, "claimed", None, None, None)
 
     async def take_in(self, key: str, msg: InboundMessage) -> bool:
         """`seen_or_add` and `journal` in one round trip, for a message already allowed
         in: True for a duplicate (nothing written), False once `msg` is journaled.
         Raises `ClaimBusy` as `seen_or_add` does."""
         raw = json.dumps(msg.to_dict(), default=str)
-        extra = {"session": msg.session_key, "received": msg.received_at, "message": raw}
-        return await self._claim(key, _TAKE_IN, extra)
+        return await self._claim(key, "journaled", msg.session_key, msg.received_at, raw)
 
-    async def _claim(self, key: str, statement: str, extra: dict[str, Any]) -> bool:
-        """Run `statement` (_CLAIM or _TAKE_IN) for `key`: False when it took the row,
-        True for a duplicate; waits up to `claim_wait` for another live replica's claim
-        that is not journaled yet, then raises `ClaimBusy`."""
+    async def _claim(
+        self,
+        key: str,
+        state: str,
+        session: str | None,
+        received: float | None,
+        message: str | None,
+    ) -> bool:
+        """Take the row of `key` in `state` (_CLAIM): False when taken, True for a
+        duplicate; waits up to `claim_wait` for another live replica's claim that is not
+        journaled yet, then raises `ClaimBusy`."""
         await self._first_beat()
         deadline = time.monotonic() + self.claim_wait  # real time, whatever `clock` says
+        extra = {"state": state, "session": session, "received": received, "message": message}
         while True:
             async with self.connection() as conn:
-                cur = await conn.execute(statement, self._params(key=key, **extra))
+                cur = await conn.execute(_CLAIM, self._params(key=key, **extra))
                 if await cur.fetchone() is not None:
                     return False
                 cur = await conn.execute(
