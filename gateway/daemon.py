@@ -415,7 +415,7 @@ class Gateway:
         cache = build_cache(settings)
         memory, consolidator = build_memory(settings, sessions, provider)
         if memory is not None:
-            for tool in memory_tools(memory):
+            for tool in memory_tools(memory, cache):
                 tools.register(tool)
         agent = AgentLoop(
             sessions=sessions,

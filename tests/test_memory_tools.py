@@ -206,3 +206,46 @@ async def test_remembered_facts_point_at_the_turns_message_and_can_be_corrected_
     assert gone == f"Forgotten: [learned_fact] Owns a blue bike (fact {ident})"
     assert await call(registry, ALICE, "memory_search", query="bike") == "No stored memory matches."
     assert (await call(registry, ALICE, "memory_forget", id=ident)).startswith("error: no fact")
+
+
+async def test_a_fact_forgotten_or_corrected_through_the_tool_leaves_no_cached_answer(
+    tmp_path: Path, store: MemoryStore
+) -> None:
+    """An answer cached for this conversation with its memory in the prompt may say the
+    fact: the tools drop those answers as `/forget` does (another conversation's stay);
+    a forget that fails drops nothing."""
+    from gateway.cache import CacheContext, SemanticCache, SqliteCacheBackend
+
+    cache = SemanticCache(SqliteCacheBackend(tmp_path / "cache.sqlite"))
+    tools = ToolRegistry()
+    for tool in memory_tools(store, cache):
+        tools.register(tool)
+
+    def ctx(session: str) -> CacheContext:
+        return CacheContext(
+            query="which bike do I own?",
+            model="m",
+            session_key=session,
+            temperature=0.0,
+            memory_injected=True,
+        )
+
+    try:
+        turn = ToolContext(session_key=ALICE, sender_id="1", user_entry_id="0a1b2c3d4e5f")
+        said = await tools.execute(
+            ToolCall(id="c", function_name="remember", arguments={"content": "Owns a red bike"}),
+            turn,
+        )
+        ident = said.rsplit("(fact ", 1)[1].rstrip(")")
+        for session in (ALICE, BOB):
+            await cache.store(ctx(session), "You own a red bike.")
+        assert (await call(tools, ALICE, "memory_forget", id="0badc0de")).startswith("error:")
+        assert await cache.lookup(ctx(ALICE)) is not None  # nothing forgotten: kept
+        await call(tools, ALICE, "memory_correct", id=ident, text="Owns a blue bike")
+        assert await cache.lookup(ctx(ALICE)) is None
+        await cache.store(ctx(ALICE), "You own a blue bike.")
+        assert (await call(tools, ALICE, "memory_forget", id=ident)).startswith("Forgotten")
+        assert await cache.lookup(ctx(ALICE)) is None
+        assert await cache.lookup(ctx(BOB)) is not None
+    finally:
+        await cache.aclose()

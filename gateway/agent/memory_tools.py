@@ -11,9 +11,10 @@ Blocking file work runs in a worker thread.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+from loguru import logger
 
 from gateway.agent.tools import Tool, ToolContext
 from gateway.llm.types import ToolSpec
@@ -22,6 +23,9 @@ from gateway.memory.format import CATEGORIES, normalize_category, parse_fact
 from gateway.memory.knowledge import entry_id
 from gateway.memory.protocol import MemoryBackend, MemoryScope
 from gateway.memory.text import normalize_text, one_line
+
+if TYPE_CHECKING:
+    from gateway.cache import SemanticCache
 
 DEFAULT_RESULTS = 5
 MAX_RESULTS = 20
@@ -177,9 +181,18 @@ def _who(context: ToolContext) -> str:
     return f"{who} entry {context.user_entry_id}" if context.user_entry_id else who
 
 
-def memory_tools(store: MemoryBackend) -> list[Tool]:
+def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> list[Tool]:
     """`memory_search`, `history_search`, `remember`, `memory_facts`, `memory_correct`
-    and `memory_forget`, bound to `store`."""
+    and `memory_forget`, bound to `store`. A corrected or forgotten fact may be in an
+    answer `cache` holds for the conversation: those answers go too (as with `/forget`)."""
+
+    async def drop_cached(context: ToolContext, answer: str) -> str:
+        if cache is not None and not answer.startswith("error:"):
+            try:
+                await cache.invalidate(session_key=context.session_key)
+            except Exception as exc:  # the fact is gone from memory either way
+                logger.warning("cached answers of this conversation not dropped: {}", exc)
+        return answer
 
     async def in_scope(context: ToolContext, work: Callable[[MemoryScope], str]) -> str:
         def run() -> str:
@@ -251,7 +264,7 @@ def memory_tools(store: MemoryBackend) -> list[Tool]:
             done, answer = correct_text(manager, ident, text, by=_who(context))
             return answer if done else f"error: {answer}"
 
-        return await in_scope(context, work)
+        return await drop_cached(context, await in_scope(context, work))
 
     async def memory_forget(args: dict[str, Any], context: ToolContext) -> str:
         ident = _str_arg(args, "id")
@@ -262,7 +275,7 @@ def memory_tools(store: MemoryBackend) -> list[Tool]:
             done, answer = forget_text(manager, ident)
             return answer if done else f"error: {answer}"
 
-        return await in_scope(context, work)
+        return await drop_cached(context, await in_scope(context, work))
 
     return [
         Tool(
