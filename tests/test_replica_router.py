@@ -17,6 +17,7 @@ from gateway.dedupe_pg import PostgresDedupeStore
 from gateway.dispatch import Dispatcher
 from gateway.messages import (
     META_REPLAYED,
+    META_REPLY_WANTED,
     META_SESSION_CURRENT,
     InboundMessage,
     OutboundMessage,
@@ -93,13 +94,23 @@ async def replicas(
         await r.store.aclose()
 
 
-def message(n: int, chat: str = "77", text: str | None = None) -> InboundMessage:
+def message(
+    n: int,
+    chat: str = "77",
+    text: str | None = None,
+    *,
+    channel: str = "telegram",
+    reply_wanted: bool = False,
+) -> InboundMessage:
+    """A platform message, or with `reply_wanted` one whose sender waits for the reply
+    on its request (`/api/chat`)."""
     return InboundMessage(
-        channel="telegram",
+        channel=channel,
         chat_id=chat,
         sender_id=chat,
         text=text or f"m{n}",
         message_id=f"{chat}:{n}",
+        metadata={META_REPLY_WANTED: True} if reply_wanted else {},
     )
 
 
@@ -195,20 +206,12 @@ async def test_an_api_reply_outlives_its_waiter_so_a_retry_elsewhere_gets_it(
     import psycopg
 
     from gateway.dedupe import dedupe_key
-    from gateway.messages import META_REPLY_WANTED
 
     ran: list[tuple[str, str, float]] = []
     async with replicas(migrated_pg_url, ran) as (a, b):
         await a.dispatcher.submit(message(1, "91"))
         await wait_for(lambda: len(ran) == 1, 5)
-        api = InboundMessage(
-            channel="telegram",
-            chat_id="91",
-            sender_id="91",
-            text="question",
-            message_id="91:2",
-            metadata={META_REPLY_WANTED: True},
-        )
+        api = message(2, "91", "question", reply_wanted=True)
         ticket = await b.dispatcher.submit(api)
         with anyio.fail_after(5):
             first = await ticket.reply()
@@ -327,7 +330,6 @@ async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
     import psycopg
 
     from gateway.dedupe import dedupe_key
-    from gateway.messages import META_REPLY_WANTED
     from tests.fakes.tcp_proxy import tcp_proxy
     from tests.local_pg import PG_URL
 
@@ -345,14 +347,7 @@ async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
                 await tg.start(r.router.run)
             msg = message(1, "97", "slow one")
             if api:
-                msg = InboundMessage(
-                    channel="api",
-                    chat_id="user97",
-                    sender_id="user97",
-                    text="slow one",
-                    message_id="97-1",
-                    metadata={META_REPLY_WANTED: True},
-                )
+                msg = message(1, "user97", "slow one", channel="api", reply_wanted=True)
             await a.dispatcher.submit(msg)
             await wait_for(lambda: len(ran) == 1, 5)
             proxy.cut()

@@ -720,6 +720,12 @@ def _read_state_file(path: Path, parse: Callable[[str], _S]) -> _S | None:
         raise DamagedFile(f"{path.name} cannot be read ({exc})") from None
 
 
+def _damaged_state_file(transfer: Transfer, kind: str, path: Path, exc: DamagedFile) -> None:
+    """A state file that cannot be read: reported as one damaged item, kept as it is."""
+    transfer.start(kind, 1, path)
+    transfer.note(kind, "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+
+
 def _parse_pairing(text: str) -> PairingState:
     state, bad = parse_pairing(json.loads(text))
     if bad:
@@ -767,8 +773,7 @@ def import_pairing(conn: psycopg.Connection[Any], workspace: Path, transfer: Tra
     try:
         state = _read_state_file(path, _parse_pairing)
     except DamagedFile as exc:
-        transfer.start("pairing", 1, path)
-        transfer.note("pairing", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        _damaged_state_file(transfer, "pairing", path, exc)
         return
     rows = _pairing_rows(state) if state is not None else {}
     transfer.start("pairing", len(rows), path)
@@ -899,8 +904,7 @@ def import_heartbeat(conn: psycopg.Connection[Any], workspace: Path, transfer: T
     try:
         runs = _read_state_file(path, _parse_runs) or {}
     except DamagedFile as exc:
-        transfer.start("heartbeat", 1, path)
-        transfer.note("heartbeat", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        _damaged_state_file(transfer, "heartbeat", path, exc)
         return
     transfer.start("heartbeat", len(runs), path)
     for n, (job, when) in enumerate(sorted(runs.items()), start=1):
@@ -1011,8 +1015,7 @@ def import_usage(conn: psycopg.Connection[Any], workspace: Path, transfer: Trans
     try:
         rows = _read_usage_file(path) or {}
     except DamagedFile as exc:
-        transfer.start("usage", 1, path)
-        transfer.note("usage", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        _damaged_state_file(transfer, "usage", path, exc)
         return
     transfer.start("usage", len(rows), path)
     for n, (key, counts) in enumerate(sorted(rows.items()), start=1):
@@ -1111,8 +1114,7 @@ def import_schedules(conn: psycopg.Connection[Any], workspace: Path, transfer: T
     try:
         jobs = _read_state_file(path, _parse_schedules) or {}
     except DamagedFile as exc:
-        transfer.start("schedules", 1, path)
-        transfer.note("schedules", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        _damaged_state_file(transfer, "schedules", path, exc)
         return
     transfer.start("schedules", len(jobs), path)
     for n, (job_id, job) in enumerate(sorted(jobs.items()), start=1):
@@ -1233,8 +1235,7 @@ def import_people(conn: psycopg.Connection[Any], workspace: Path, transfer: Tran
     try:
         data = _read_state_file(path, parse_people)
     except DamagedFile as exc:
-        transfer.start("people", 1, path)
-        transfer.note("people", "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+        _damaged_state_file(transfer, "people", path, exc)
         return
     rows = _people_rows(data) if data is not None else {}
     transfer.start("people", len(rows), path)
