@@ -567,6 +567,7 @@ class Daemon:
         self.dedupe: DedupeStore
         if settings.storage.url:
             from gateway.dedupe_pg import PostgresDedupeStore
+            from gateway.usage import PostgresUsageLedger
 
             # Shared with the other replicas: one claim per platform message wins.
             self.dedupe = PostgresDedupeStore(
@@ -574,6 +575,12 @@ class Daemon:
                 ttl=settings.dispatch.dedupe_ttl_seconds,
                 pool_size=settings.storage.pool_size,
             )
+            # A turn's appends and usage row go over the journal's event-loop pool, not
+            # a worker thread each (see `gateway.sessions.pg_store`).
+            gateway.sessions.use_loop_connections(self.dedupe.connection)
+            ledger = gateway.agent.usage.ledger if gateway.agent.usage is not None else None
+            if isinstance(ledger, PostgresUsageLedger):
+                ledger.aconnect = self.dedupe.connection
         else:
             self.dedupe = FileDedupeStore(
                 settings.workspace_path / "dedupe.sqlite",

@@ -19,12 +19,14 @@ import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import anyio
 import anyio.to_thread
 from loguru import logger
 
@@ -284,27 +286,47 @@ class SqliteUsageLedger:
             self._db.close()
 
 
+_PG_ADD = (
+    "INSERT INTO gw_usage VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
+    "ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
+    "calls = gw_usage.calls + excluded.calls, "
+    "prompt_tokens = gw_usage.prompt_tokens + excluded.prompt_tokens, "
+    "completion_tokens = gw_usage.completion_tokens + excluded.completion_tokens, "
+    "cost = gw_usage.cost + excluded.cost"
+)
+
+
+def _pg_params(row: UsageRow) -> tuple[Any, ...]:
+    return (
+        row.day, row.session_key, row.channel, row.model, row.kind,
+        row.calls, row.prompt_tokens, row.completion_tokens, row.cost,
+    )  # fmt: skip
+
+
 class PostgresUsageLedger:
     """The shared mode's ledger (`gw_usage`, migration 0007): replicas add to the same
     totals, so a budget holds across them."""
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
+        #: A connection of the event loop's pool (`PostgresDedupeStore.connection`), for
+        #: `aadd`; None until the gateway gives one.
+        self.aconnect: Callable[[], AbstractAsyncContextManager[Any]] | None = None
 
     def add(self, row: UsageRow) -> None:
         with self._pool.connection() as conn:
-            conn.execute(
-                "INSERT INTO gw_usage VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
-                "calls = gw_usage.calls + excluded.calls, "
-                "prompt_tokens = gw_usage.prompt_tokens + excluded.prompt_tokens, "
-                "completion_tokens = gw_usage.completion_tokens + excluded.completion_tokens, "
-                "cost = gw_usage.cost + excluded.cost",
-                (
-                    row.day, row.session_key, row.channel, row.model, row.kind,
-                    row.calls, row.prompt_tokens, row.completion_tokens, row.cost,
-                ),
-            )  # fmt: skip
+            conn.execute(_PG_ADD, _pg_params(row))
+
+    async def aadd(self, row: UsageRow) -> bool:
+        """`add` on the event loop over its pool (no worker thread: see
+        `gateway.sessions.pg_store` on what a thread hop per call costs a turn's
+        latency); False, nothing added, when the gateway gave no loop pool."""
+        if self.aconnect is None:
+            return False
+        with anyio.CancelScope(shield=True):  # a stopped turn's call still counts
+            async with self.aconnect() as conn:
+                await conn.execute(_PG_ADD, _pg_params(row))
+        return True
 
     def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
         where, params = _where(since, session_key, "%s")
@@ -389,6 +411,22 @@ class UsageMeter:
             return False
         self._recorded(row)
         return True
+
+    async def arecord(
+        self, scope: UsageScope | None, model: str, prompt: int, completion: int
+    ) -> None:
+        """`record` for the event loop: on the loop when the ledger can (the file mode's
+        when `usage.sqlite` is free, the shared mode's over the loop's pool), else in a
+        worker thread."""
+        if self.try_record_nowait(scope, model, prompt, completion):
+            return
+        aadd = getattr(self.ledger, "aadd", None)
+        if aadd is not None:
+            row = self._row(scope, model, prompt, completion, None, 0.0)
+            if await aadd(row):
+                self._recorded(row)
+                return
+        await anyio.to_thread.run_sync(self.record, scope, model, prompt, completion)
 
     def _row(
         self,
@@ -503,8 +541,7 @@ class MeteredProvider:
         scope = _scope.get()
         try:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
-            if not self.meter.try_record_nowait(scope, name, prompt, completion):
-                await anyio.to_thread.run_sync(self.meter.record, scope, name, prompt, completion)
+            await self.meter.arecord(scope, name, prompt, completion)
         except Exception as exc:
             # Counting must not cost the person their answer; the loss is logged.
             logger.error("usage of a model call could not be recorded: {}", exc)

@@ -4,6 +4,7 @@ busy pool's statement is one round trip, a current session's append is one."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -72,3 +73,42 @@ def test_appending_to_a_current_session_is_one_round_trip(
     branch = other.tree.get_branch()
     assert [e.parent_id for e in branch[1:]] == [e.id for e in branch[:-1]]
     assert len(branch) == 12  # the first, 6 unmeasured, 5 measured
+
+
+@pytest.mark.anyio
+async def test_a_turns_session_steps_on_the_loop_are_one_round_trip_each(
+    migrated_pg_url: str,
+) -> None:
+    """Over the loop's pool (the journal's): a new key's session is created with its
+    first entry in one round trip, a current session's entry appended in one, and the
+    cached session checked in one."""
+    from gateway.dedupe_pg import PostgresDedupeStore
+    from gateway.sessions import SessionManager
+    from gateway.sessions.pg_store import PostgresSessions
+
+    parts = urlsplit(migrated_pg_url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 5432
+    with PgWireCounter.in_thread(host, port) as wire:
+        netloc = parts.netloc.replace(f"{host}:{port}", f"127.0.0.1:{wire.listen_port}")
+        journal = PostgresDedupeStore(parts._replace(netloc=netloc).geturl(), pool_size=1)
+        with sync_pool(migrated_pg_url, max_size=1) as threads_pool:
+            manager = SessionManager.shared(PostgresSessions(threads_pool))
+            manager.use_loop_connections(journal.connection)
+            async with journal.connection() as conn:  # opened, and warm
+                await conn.execute("SELECT 1")
+
+            async def trips(step: Callable[[], Any]) -> int:
+                before = wire.round_trips
+                await step()
+                return wire.round_trips - before
+
+            for n in range(6):  # psycopg prepares a statement at its 5th use: warm it
+                warm = await manager.aget_or_create(f"api:warm{n}")
+                await warm.aadd_message(LLMMessage(role="user", content="hi"))
+                await warm.aadd_message(LLMMessage(role="assistant", content="hello"))
+            session = await manager.aget_or_create("api:new")
+            first = await trips(lambda: session.aadd_message(LLMMessage(role="user", content="a")))
+            later = await trips(lambda: session.aadd_message(LLMMessage(role="user", content="b")))
+            check = await trips(lambda: manager.aget_or_create("api:new"))
+        await journal._pool.close()
+    assert (first, later, check) == (1, 1, 1)

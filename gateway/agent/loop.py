@@ -438,7 +438,9 @@ class AgentLoop:
             session = await self.sessions.aget_or_create(inbound.session_key)
         earlier = None
         if inbound.metadata.get(META_REPLAYED) and inbound.message_id:
-            branch = await anyio.to_thread.run_sync(session.get_branch)
+            branch = session.branch_nowait()  # in memory: on the loop unless it is busy
+            if branch is None:
+                branch = await anyio.to_thread.run_sync(session.get_branch)
             earlier = find_turn(branch, inbound.message_id)
         return session, earlier
 

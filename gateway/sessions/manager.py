@@ -86,7 +86,7 @@ from gateway.sessions.store import (
 from gateway.sessions.tree import SessionTree, TreeNode
 
 if TYPE_CHECKING:
-    from gateway.sessions.pg_store import PostgresSessions
+    from gateway.sessions.pg_store import AsyncConnect, PostgresSessions
 
 
 def _require(tree: SessionTree, entry_id: str) -> None:
@@ -189,6 +189,17 @@ class Session:
             if from_id is not None:
                 _require(self._store.tree, from_id)
             return self._store.tree.get_branch(from_id)
+
+    def branch_nowait(self) -> list[Entry] | None:
+        """`get_branch` of the leaf without waiting (for the event loop): None when a
+        worker thread holds the store."""
+        lock = self._store.lock
+        if not lock.acquire(blocking=False):
+            return None
+        try:
+            return self._store.tree.get_branch(None)
+        finally:
+            lock.release()
 
     def get_tree(self) -> list[TreeNode]:
         with self._store.lock:
@@ -713,11 +724,41 @@ class SessionManager:
             self._lock.release()
 
     async def aget_or_create(self, key: str) -> Session:
-        """`get_or_create` for the event loop: on the loop when `open_nowait` can, else
-        in a worker thread."""
+        """`get_or_create` for the event loop: on the loop when `open_nowait` (files) or
+        `_aopen_shared` (PostgreSQL) can, else in a worker thread."""
         session = self.open_nowait(key)
+        if session is None and self._shared is not None and self._shared.aconnect is not None:
+            session = await self._aopen_shared(key)
         if session is None:
             session = await anyio.to_thread.run_sync(self.get_or_create, key)
+        return session
+
+    async def _aopen_shared(self, key: str) -> Session | None:
+        """`get_or_create` of the shared mode on the event loop, when one round trip over
+        the loop's pool shows the cached session current or a new key without a row
+        (`PostgresSessionStore.aload_nowait`); None when entries must be read."""
+        stem = encode_key(key)
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            session = self._lookup(key)
+            fresh = session is None
+            if session is None:
+                session = self._new_session(key, stem=stem)
+        finally:
+            self._lock.release()
+        aload = getattr(session._store, "aload_nowait", None)
+        if aload is None or not await aload():
+            return None  # a new one is dropped unused: the worker thread loads afresh
+        if fresh:
+            if not self._lock.acquire(blocking=False):
+                return None
+            try:
+                if self._lookup(key) is not None:
+                    return None  # opened by another meanwhile: the thread path takes it
+                self._remember(session)
+            finally:
+                self._lock.release()
         return session
 
     def get(self, key: str) -> Session | None:
@@ -746,6 +787,12 @@ class SessionManager:
             self._spares.close()
 
     # -- listing ----------------------------------------------------------------------
+
+    def use_loop_connections(self, aconnect: AsyncConnect) -> None:
+        """The shared mode: turns append over the event loop's pool, given by `aconnect`
+        (`PostgresSessionStore.aappend`). No effect on files."""
+        if self._shared is not None:
+            self._shared.aconnect = aconnect
 
     def probe(self) -> None:
         """Raise what a new session would meet now: the `OSError` of a file that cannot

@@ -1,0 +1,157 @@
+"""A turn's session and usage writes in the shared mode run on the event loop, over the
+journal's pool (real PostgreSQL): a new key's session is created with its first entry,
+a current session's entry is appended, a cached session is checked, each in one round
+trip and without a worker thread; whenever another replica got there first, the worker
+thread's locking path catches up and nothing is lost, doubled or mis-parented."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import pytest
+
+from gateway.dedupe_pg import PostgresDedupeStore
+from gateway.llm.types import LLMMessage
+from gateway.sessions import SessionManager
+from gateway.sessions.entries import MessageEntry
+from gateway.sessions.pg_store import PostgresSessions
+from gateway.usage import PostgresUsageLedger, PriceTable, UsageMeter, UsageScope
+
+pytestmark = pytest.mark.anyio
+
+
+class Hops:
+    """Counts the worker-thread hops made while it is installed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = anyio.to_thread.run_sync
+
+        async def counting(func: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+            self.count += 1
+            return await original(func, *args, **kw)
+
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+
+
+@pytest.fixture
+async def journal(migrated_pg_url: str) -> AsyncIterator[PostgresDedupeStore]:
+    store = PostgresDedupeStore(migrated_pg_url)
+    yield store
+    await store._pool.close()
+
+
+@pytest.fixture
+def replica(
+    pg_pools: Callable[[], Any], journal: PostgresDedupeStore
+) -> Callable[[], SessionManager]:
+    """A replica's session manager: its own worker-thread pool, the loop's pool shared."""
+
+    def make() -> SessionManager:
+        manager = SessionManager.shared(PostgresSessions(pg_pools()))
+        manager.use_loop_connections(journal.connection)
+        return manager
+
+    return make
+
+
+def texts(manager: SessionManager, key: str) -> list[str]:
+    """The stored branch of `key` as a fresh replica reads it, parents checked."""
+    fresh = SessionManager.shared(PostgresSessions(manager._shared.pool))  # type: ignore[union-attr]
+    branch = fresh.get_or_create(key).get_branch()
+    assert [e.parent_id for e in branch[1:]] == [e.id for e in branch[:-1]]
+    return [str(e.message.content) for e in branch if isinstance(e, MessageEntry)]
+
+
+def user(text: str) -> LLMMessage:
+    return LLMMessage(role="user", content=text)
+
+
+async def test_a_new_session_and_its_appends_need_no_worker_thread(
+    replica: Callable[[], SessionManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = replica()
+    hops = Hops(monkeypatch)
+    session = await manager.aget_or_create("api:new")
+    for n in range(4):
+        await session.aadd_message(user(f"m{n}"))
+    again = await manager.aget_or_create("api:new")  # cached and current: one check
+    await again.aadd_message(user("m4"))
+    assert hops.count == 0
+    assert again is session
+    assert texts(manager, "api:new") == [f"m{n}" for n in range(5)]
+
+
+async def test_another_replicas_appends_between_ours_are_caught_up(
+    replica: Callable[[], SessionManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours, theirs = replica(), replica()
+    session = await ours.aget_or_create("telegram:7")
+    await session.aadd_message(user("a1"))
+    other = await theirs.aget_or_create("telegram:7")
+    await other.aadd_message(user("b1"))
+    hops = Hops(monkeypatch)
+    # Our tree is behind: the one-statement append writes nothing, the locking one
+    # reads b1 and stores a2 after it.
+    entry = await session.aadd_message(user("a2"))
+    assert hops.count == 1
+    assert texts(ours, "telegram:7") == ["a1", "b1", "a2"]
+    assert entry.parent_id == other.get_branch()[-1].id
+    # And a cached session another replica wrote to is read afresh, not taken as is.
+    await other.aadd_message(user("b2"))
+    reopened = await ours.aget_or_create("telegram:7")
+    assert [str(e.message.content) for e in reopened.get_branch()[-2:]] == ["a2", "b2"]
+
+
+async def test_a_key_another_replica_created_first_is_adopted(
+    replica: Callable[[], SessionManager],
+) -> None:
+    ours, theirs = replica(), replica()
+    session = await ours.aget_or_create("slack:C1")  # no row yet: a new, empty session
+    other = await theirs.aget_or_create("slack:C1")
+    await other.aadd_message(user("theirs"))
+    # Ours would create the key's session: it exists, so ours joins it instead.
+    entry = await session.aadd_message(user("ours"))
+    assert texts(ours, "slack:C1") == ["theirs", "ours"]
+    assert entry.parent_id == other.get_branch()[-1].id
+    assert len(theirs._shared.list_sessions()) == 1  # type: ignore[union-attr]
+
+
+async def test_a_stopped_turns_append_is_stored_and_known(
+    replica: Callable[[], SessionManager],
+) -> None:
+    manager = replica()
+    session = await manager.aget_or_create("cli:direct")
+    await session.aadd_message(user("first"))
+    with anyio.CancelScope() as scope:
+        scope.cancel()  # cancelled before the append even starts its round trip
+        await session.aadd_message(user("second"))
+        await anyio.lowlevel.checkpoint()  # the turn's next step is where the stop lands
+    assert scope.cancelled_caught
+    # Stored, and the tree knows it: the next append chains after it in one statement.
+    await session.aadd_message(user("third"))
+    assert texts(manager, "cli:direct") == ["first", "second", "third"]
+
+
+async def test_a_model_calls_usage_is_counted_on_the_loop(
+    pg_pools: Callable[[], Any], journal: PostgresDedupeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = PostgresUsageLedger(pg_pools())
+    ledger.aconnect = journal.connection
+    meter = UsageMeter(ledger, PriceTable({}))
+    hops = Hops(monkeypatch)
+    scope = UsageScope("api:u1", "api", "turn")
+    for _ in range(3):
+        await meter.arecord(scope, "gpt-x", 100, 20)
+    assert hops.count == 0
+    (row,) = ledger.rows(session_key="api:u1")
+    assert (row.calls, row.prompt_tokens, row.completion_tokens) == (3, 300, 60)
+    # Without the loop's pool it still counts, in a worker thread.
+    ledger.aconnect = None
+    await meter.arecord(scope, "gpt-x", 1, 1)
+    assert hops.count == 1
+    assert ledger.rows(session_key="api:u1")[0].calls == 4
