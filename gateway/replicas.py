@@ -88,15 +88,32 @@ SELECT dedupe_key, message::text, reply_id, reply::text FROM gw_inbound
 WHERE session_key = %s AND state = 'journaled' ORDER BY seq LIMIT %s
 """
 
+#: Replies up to this many bytes ride in their notification (NOTIFY's payload must stay
+#: under 8000 bytes): the waiting replica needs no round trip to read them.
+NOTE_REPLY_MAX = 7000
+
 # Answered, with the reply kept for a client's retry, and the waiter told: one statement.
+# The notification says `<length of key>:<key><reply>`, the reply left out when large.
 _PUBLISH = """
 WITH done AS (
     UPDATE gw_inbound SET state = 'done', expires_at = %(expires)s, session_key = NULL,
         received_at = NULL, message = NULL, reply = %(reply)s::json, reply_id = NULL
     WHERE dedupe_key = %(key)s
     RETURNING dedupe_key)
-SELECT pg_notify(%(channel)s || '.' || current_schema(), dedupe_key) FROM done
+SELECT pg_notify(%(channel)s || '.' || current_schema(),
+    length(dedupe_key)::text || ':' || dedupe_key || %(carried)s) FROM done
 """
+
+
+def reply_note(payload: str) -> tuple[str, str]:
+    """The dedupe key and the reply's JSON ('' when not carried) of a reply
+    notification (`_PUBLISH`)."""
+    length, sep, rest = payload.partition(":")
+    if not sep or not length.isdigit():
+        return payload, ""  # not ours: no waiter has such a key
+    size = int(length)
+    return rest[:size], rest[size:]
+
 
 _UNLEASED = """
 SELECT DISTINCT i.session_key FROM gw_inbound i
@@ -396,12 +413,14 @@ class SessionRouter:
             waiter[1].append(reply)
             waiter[0].set()
         raw = json.dumps(reply.to_dict(), default=str)
+        carried = raw if len(raw.encode()) + len(dedupe_key.encode()) <= NOTE_REPLY_MAX else ""
         async with self.store.connection() as conn:
             await conn.execute(
                 _PUBLISH,
                 {
                     "key": dedupe_key,
                     "reply": raw,
+                    "carried": carried,
                     "expires": time.time() + self.store.ttl,
                     "channel": NOTIFY_CHANNEL,
                 },
@@ -473,12 +492,27 @@ class SessionRouter:
                             if wake is not None:
                                 wake.set()
                             continue
-                        waiter = self._waiters.get(note.payload)
+                        key, carried = reply_note(note.payload)
+                        waiter = self._waiters.get(key)
                         if waiter is not None and not waiter[1]:
-                            waiter[0].set()  # the waiter reads the reply itself
+                            reply = _carried_reply(carried)
+                            if reply is not None:
+                                waiter[1].append(reply)
+                            waiter[0].set()  # else the waiter reads the reply itself
             except Exception as exc:
                 logger.warning("replicas: reply listener failed ({}); reconnecting", exc)
                 await anyio.sleep(1.0)
+
+
+def _carried_reply(carried: str) -> OutboundMessage | None:
+    """The reply a notification carried; None (read from its row) when none or unreadable."""
+    if not carried:
+        return None
+    try:
+        return OutboundMessage.from_dict(json.loads(carried))
+    except (ValueError, TypeError, KeyError) as exc:
+        logger.warning("replicas: a reply notification could not be read ({})", exc)
+        return None
 
 
 async def _first_of(

@@ -23,7 +23,7 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
-from gateway.replicas import SessionRouter
+from gateway.replicas import SessionRouter, reply_note
 
 pytestmark = pytest.mark.anyio
 
@@ -231,6 +231,45 @@ async def test_an_api_reply_outlives_its_waiter_so_a_retry_elsewhere_gets_it(
                 reply = await router.wait_reply(key)
             assert reply is not None and reply.text == "echo: question"
     assert [text for _, text, _ in ran] == ["m1", "question"]  # the turn ran once
+
+
+async def test_a_forwarded_api_reply_rides_in_its_notification(
+    migrated_pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b forwards two `/api/chat` messages to a (the session's holder). The small reply
+    comes to b inside the NOTIFY: b reads no row. The large one (over NOTIFY's payload
+    limit) is announced without it, and b reads it from the row."""
+    ran: list[tuple[str, str, float]] = []
+    async with replicas(migrated_pg_url, ran) as (a, b):
+        await a.dispatcher.submit(message(1, "93"))
+        await wait_for(lambda: len(ran) == 1, 5)
+        reads: list[str] = []
+        original = b.router.published
+
+        async def counted(key: str) -> OutboundMessage | None:
+            reads.append(key)
+            return await original(key)
+
+        monkeypatch.setattr(b.router, "published", counted)
+        small = await b.dispatcher.submit(message(2, "93", "small", reply_wanted=True))
+        with anyio.fail_after(5):
+            reply = await small.reply()
+        assert reply is not None and reply.text == "echo: small"
+        assert reads == []
+        big_text = "big " + "\u00e9" * 5000  # 10 kB in UTF-8
+        big = await b.dispatcher.submit(message(3, "93", big_text, reply_wanted=True))
+        with anyio.fail_after(5):
+            reply = await big.reply()
+        assert reply is not None and reply.text == f"echo: {big_text}"
+        assert len(reads) == 1
+    assert [who for who, _, _ in ran] == ["a", "a", "a"]
+
+
+@pytest.mark.parametrize("key", ["api:s1:42", "api:a:b\nc:9", "x", "api:\u00e9\u00e9:1", ""])
+def test_a_reply_notification_gives_back_its_key_and_reply(key: str) -> None:
+    for reply in ('{"text": "hi: there"}', ""):
+        assert reply_note(f"{len(key)}:{key}{reply}") == (key, reply)
+    assert reply_note("no-length-here") == ("no-length-here", "")
 
 
 async def test_a_strangers_redelivered_message_gets_one_pairing_code_across_replicas(
