@@ -4,11 +4,14 @@ shared mode adds to a turn's latency against the file mode. Prints a table (``--
     .venv/bin/python bench/replicas.py [--json] [--quick]
 
 1. Throughput: N replicas share one PostgreSQL (a fresh schema) and Redis; the fake model
-   answers after 200 ms; each replica runs at most 8 turns at once (the default cap), so
+   answers after 200 ms, from a process of its own as a real server would (in a thread of
+   this process it waited for the load generator's GIL: 206 ms for a 200 ms answer at 70
+   turns/s); each replica runs at most 8 turns at once (the default cap), so
    the ideal is 40 turns/s per replica. Closed loop: 48 clients per replica, each with its
    own session, post `/api/chat` to the replicas in turn (as a load balancer would).
    Goal: at least 90% of the ideal at each step.
-2. Latency: one replica, the model answering at once, an open loop of 200 turns/s (the
+2. Latency: one replica, the model (in its own process) answering at once, an open loop
+   of 200 turns/s (the
    issue's rate) and of 50 turns/s (`--rates`) over 400 sessions for a fixed time; p50 /
    p99 of the `/api/chat` round trip in the file mode and in the shared mode. Goal: the
    shared mode's p99 at most 5 ms above the file mode's. A 503 (not taken in now) is
@@ -37,6 +40,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +71,58 @@ class Row:
     met: bool | None
 
 
+@dataclass(frozen=True)
+class ModelProcess:
+    """The fake model served from a process of its own (`model_process`)."""
+
+    base_url: str
+    api_key: str | None
+    pid: int
+
+
+def serve_model(delay: float) -> None:
+    """`--serve-model DELAY`: the fake model, its URL and key printed as one JSON line,
+    served until standard input closes (`model_process`'s child)."""
+
+    def answer(body: dict[str, Any]) -> Reply:
+        echoed = echo_responder(body)
+        return Reply(text=echoed if isinstance(echoed, str) else echoed.text, delay=delay)
+
+    async def serve() -> None:
+        async with FakeOpenAI(responder=answer) as fake:
+            print(json.dumps([fake.base_url, fake.api_key]), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+    asyncio.run(serve())
+
+
+@contextmanager
+def model_process(delay: float) -> Iterator[ModelProcess]:
+    """The fake model (answering `echo: ...` after `delay` seconds) in its own process."""
+    import subprocess
+
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve-model", str(delay)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError("the fake model process did not start")
+        base_url, api_key = json.loads(line)
+        yield ModelProcess(base_url, api_key, child.pid)
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
 def fresh_schema() -> tuple[str, str]:
     import psycopg
 
@@ -83,8 +140,10 @@ def drop_schema(schema: str) -> None:
         conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-def env_for(workdir: Path, llm: FakeOpenAI, storage_url: str | None) -> dict[str, str]:
-    env = base_env(workdir / "ws", llm, llm_timeout=30) | {
+def env_for(
+    workdir: Path, llm: FakeOpenAI | ModelProcess, storage_url: str | None
+) -> dict[str, str]:
+    env = base_env(workdir / "ws", llm, llm_timeout=30) | {  # type: ignore[arg-type]
         "GATEWAY_HTTP__PORT": "0",
         "GATEWAY_HTTP__TOKEN": TOKEN,
         "GATEWAY_MEMORY__ENABLED": "false",
@@ -298,16 +357,9 @@ def machine_busy() -> tuple[int, int]:
 def throughput(replicas: int, seconds: float) -> tuple[float, float]:
     """Turns/s of `replicas` replicas, and how busy the machine's CPUs were meanwhile."""
 
-    def slow(body: dict[str, Any]) -> Reply:
-        answer = echo_responder(body)
-        return Reply(text=answer if isinstance(answer, str) else answer.text, delay=LLM_DELAY)
-
     schema, url = fresh_schema()
     try:
-        with (
-            tempfile.TemporaryDirectory() as tmp,
-            FakeOpenAI.in_thread(responder=slow) as llm,
-        ):
+        with tempfile.TemporaryDirectory() as tmp, model_process(LLM_DELAY) as llm:
             procs, urls = start(env_for(Path(tmp), llm, url), Path(tmp), replicas)
             try:
                 asyncio.run(closed_loop(urls, 6 * CAP * replicas, 2.0))  # warm up
@@ -324,7 +376,7 @@ def throughput(replicas: int, seconds: float) -> tuple[float, float]:
 def latency(shared: bool, seconds: float, rate: float) -> list[float]:
     schema, url = fresh_schema() if shared else ("", "")
     try:
-        with tempfile.TemporaryDirectory() as tmp, FakeOpenAI.in_thread() as llm:
+        with tempfile.TemporaryDirectory() as tmp, model_process(0.0) as llm:
             procs, urls = start(env_for(Path(tmp), llm, url or None), Path(tmp), 1)
             try:
                 asyncio.run(open_loop(urls[0], rate / 2, 2.0, 400))  # warm up
@@ -349,7 +401,11 @@ def main() -> int:
         default=[200.0, 50.0],
         help="open-loop rates for the latency rows (default 200,50)",
     )
+    parser.add_argument("--serve-model", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_model is not None:
+        serve_model(args.serve_model)
+        return 0
     seconds = 6.0 if args.quick else 15.0
     rows: list[Row] = []
     if args.only in (None, "cost"):
