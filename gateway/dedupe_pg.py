@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -69,6 +70,39 @@ ON CONFLICT (dedupe_key) DO UPDATE
             WHERE r.replica_id = row.claimed_by AND r.seen_at > %(live_since)s))
 RETURNING dedupe_key
 """
+
+# `take_in` with a `LeaseAsk`: the claim and journal of `_CLAIM`, and in the same round
+# trip the session's lease taken for this replica (as `gateway.replicas` takes it), or,
+# when another live replica holds it, that replica kicked (NOTIFY) to run the message.
+_CLAIM_AND_LEASE = (
+    "WITH claimed AS ("
+    + _CLAIM.strip().removesuffix("RETURNING dedupe_key")
+    + """RETURNING dedupe_key, session_key),
+leased AS (
+    INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
+    SELECT session_key, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s FROM claimed
+    ON CONFLICT (session_key) DO UPDATE
+        SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
+    WHERE l.owner = EXCLUDED.owner OR l.expires_at < extract(epoch FROM clock_timestamp())
+    RETURNING owner)
+SELECT c.dedupe_key, EXISTS (SELECT FROM leased),
+    (SELECT pg_notify(%(kicks)s || '.' || current_schema(), c.session_key)
+     WHERE NOT EXISTS (SELECT FROM leased))
+FROM claimed c
+"""
+)
+
+
+@dataclass
+class LeaseAsk:
+    """`take_in`'s request to take the message's session lease too (`gateway.replicas`):
+    for `ttl` seconds, else to kick its holder on channel `kicks`. `taken` says how it
+    went once the message is journaled (None for a duplicate or a claim that waited)."""
+
+    ttl: float
+    kicks: str
+    taken: bool | None = None
+
 
 _TAKE_OVER = """
 UPDATE gw_inbound AS row SET claimed_by = %(me)s
@@ -175,12 +209,13 @@ class PostgresDedupeStore:
     async def seen_or_add(self, key: str) -> bool:
         return await self._claim(key, "claimed", None, None, None)
 
-    async def take_in(self, key: str, msg: InboundMessage) -> bool:
+    async def take_in(self, key: str, msg: InboundMessage, lease: LeaseAsk | None = None) -> bool:
         """`seen_or_add` and `journal` in one round trip, for a message already allowed
         in: True for a duplicate (nothing written), False once `msg` is journaled.
-        Raises `ClaimBusy` as `seen_or_add` does."""
+        With `lease`, the session's lease is asked for in the same round trip (see
+        `LeaseAsk`). Raises `ClaimBusy` as `seen_or_add` does."""
         raw = json.dumps(msg.to_dict(), default=str)
-        return await self._claim(key, "journaled", msg.session_key, msg.received_at, raw)
+        return await self._claim(key, "journaled", msg.session_key, msg.received_at, raw, lease)
 
     async def _claim(
         self,
@@ -189,17 +224,30 @@ class PostgresDedupeStore:
         session: str | None,
         received: float | None,
         message: str | None,
+        lease: LeaseAsk | None = None,
     ) -> bool:
-        """Take the row of `key` in `state` (_CLAIM): False when taken, True for a
-        duplicate; waits up to `claim_wait` for another live replica's claim that is not
-        journaled yet, then raises `ClaimBusy`."""
+        """Take the row of `key` in `state` (_CLAIM, or _CLAIM_AND_LEASE with `lease`):
+        False when taken, True for a duplicate; waits up to `claim_wait` for another
+        live replica's claim that is not journaled yet, then raises `ClaimBusy`."""
         await self._first_beat()
         deadline = time.monotonic() + self.claim_wait  # real time, whatever `clock` says
-        extra = {"state": state, "session": session, "received": received, "message": message}
+        extra: dict[str, Any] = {
+            "state": state,
+            "session": session,
+            "received": received,
+            "message": message,
+        }
+        sql = _CLAIM
+        if lease is not None:
+            sql = _CLAIM_AND_LEASE
+            extra |= {"ttl": lease.ttl, "kicks": lease.kicks}
         while True:
             async with self.connection() as conn:
-                cur = await conn.execute(_CLAIM, self._params(key=key, **extra))
-                if await cur.fetchone() is not None:
+                cur = await conn.execute(sql, self._params(key=key, **extra))
+                taken = await cur.fetchone()
+                if taken is not None:
+                    if lease is not None:
+                        lease.taken = bool(taken[1])
                     return False
                 cur = await conn.execute(
                     "SELECT state, claimed_by FROM gw_inbound WHERE dedupe_key = %s", (key,)

@@ -507,7 +507,7 @@ class Dispatcher:
         self,
         item: _Item,
         key: str,
-        take_in: Callable[[str, InboundMessage], Awaitable[bool]],
+        take_in: Callable[..., Awaitable[bool]],
     ) -> bool:
         """`_admit` on a shared journal (PostgreSQL), one round trip for an allowed
         message: access first, then claimed and journaled in one statement. A refused
@@ -530,8 +530,12 @@ class Dispatcher:
                     await self._mark_done(store, key)
                 self._skip(item, None if duplicate else decision)
                 return False
+        ask = self.router.lease_ask(item.message.session_key) if self.router else None
         try:
-            duplicate = await take_in(key, item.message)
+            if ask is None:
+                duplicate = await take_in(key, item.message)
+            else:
+                duplicate = await take_in(key, item.message, ask)
         except ClaimBusy as exc:
             with logger.contextualize(session=item.message.session_key):
                 logger.info("message not taken now: {}", exc)
@@ -546,7 +550,7 @@ class Dispatcher:
         if duplicate:
             self._skip(item, None)
         elif self.router is not None:
-            self._forward(item, key, self.router)
+            self._forward(item, key, self.router, ask.taken if ask is not None else None)
         return True
 
     def withdraw(self, session_key: str, tickets: Sequence[Ticket]) -> int:
@@ -567,9 +571,12 @@ class Dispatcher:
                 taken += 1
         return taken
 
-    def _forward(self, item: _Item, key: str, router: SessionRouter) -> None:
+    def _forward(
+        self, item: _Item, key: str, router: SessionRouter, leased: bool | None = None
+    ) -> None:
         """Shared mode: the journal is the queue. The lane drops the item; the router
-        feeds it, in journal order, to whichever replica holds the session's lease."""
+        feeds it, in journal order, to whichever replica holds the session's lease
+        (`leased`: what the journal's round trip did about that lease, if asked)."""
         item.skip = True
         self._settled(1)
         ticket = item.ticket
@@ -578,7 +585,7 @@ class Dispatcher:
             self._tg.start_soon(self._await_remote_reply, ticket, key, router)
         else:
             ticket._resolve(None)
-        router.kick(item.message.session_key)
+        router.kick(item.message.session_key, leased=leased)
 
     async def _await_remote_reply(self, ticket: Ticket, key: str, router: SessionRouter) -> None:
         try:

@@ -42,6 +42,7 @@ import anyio.abc
 from loguru import logger
 
 from gateway.dedupe import Unanswered
+from gateway.dedupe_pg import LeaseAsk
 from gateway.messages import META_REPLY_WANTED, OutboundMessage
 
 if TYPE_CHECKING:
@@ -198,17 +199,29 @@ class SessionRouter:
             logger.info("replicas: {} sessions without a live lease taken up", started)
         return started
 
-    def kick(self, session_key: str) -> None:
+    def lease_ask(self, session_key: str) -> LeaseAsk | None:
+        """What to ask `take_in` for a message of `session_key` taken in here: the
+        session's lease, in the same round trip, when no pump of this replica runs the
+        session (else nothing: the running pump is kicked)."""
+        if self._tg is None or self._stopping or session_key in self._pumps:
+            return None
+        return LeaseAsk(ttl=self.lease_ttl, kicks=KICK_CHANNEL)
+
+    def kick(self, session_key: str, *, leased: bool | None = None) -> None:
         """Make sure the session's journaled messages get run: here, when this replica
-        gets (or holds) the lease; else by the holder, who sees them before letting go."""
+        gets (or holds) the lease; else by the holder, who sees them before letting go.
+        `leased`: what `take_in` did with a `lease_ask` (True: the lease is ours now;
+        False: its holder was kicked by the database)."""
         if self._tg is None or self._stopping:
             return
         wake = self._pumps.get(session_key)
         if wake is not None:
             wake.set()
             return
+        if leased is False:
+            return  # held elsewhere, and the holder told in the same round trip
         self._pumps[session_key] = anyio.Event()
-        self._tg.start_soon(self._pump, session_key, name=f"pump {session_key}")
+        self._tg.start_soon(self._pump, session_key, leased is True, name=f"pump {session_key}")
 
     async def stop(self) -> None:
         """Stop feeding (the drain lets what was fed finish) and withdraw every lease
@@ -290,9 +303,9 @@ class SessionRouter:
                 )
         return owed
 
-    async def _pump(self, key: str) -> None:
+    async def _pump(self, key: str, leased: bool = False) -> None:
         try:
-            if not await self._acquire(key):
+            if not leased and not await self._acquire(key):
                 return  # leased elsewhere: the holder sees our message before letting go
             self._leases.add(key)
             await self._feed_until_empty(key)

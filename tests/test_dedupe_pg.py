@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from gateway.dedupe import dedupe_key
-from gateway.dedupe_pg import ClaimBusy, PostgresDedupeStore
+from gateway.dedupe_pg import ClaimBusy, LeaseAsk, PostgresDedupeStore
 from gateway.messages import InboundMessage
 from tests.test_dedupe import Clock
 
@@ -250,3 +250,51 @@ async def test_take_in_claims_and_journals_in_one_step_with_the_claims_rules(
     assert await heir.take_in(key_of(late), late) is True
     replayed = [entry.message.text for entry in await heir.unanswered()]
     assert "m200" in replayed
+
+
+async def test_take_in_asked_for_the_lease_takes_it_or_kicks_its_holder(
+    replica: Replica, migrated_pg_url: str
+) -> None:
+    """With a `LeaseAsk`, the same round trip takes the session's lease when it is free,
+    expired or already ours; when another replica holds it live, that holder is kicked
+    (NOTIFY on the schema's kick channel) and the lease stays with it. A duplicate asks
+    nothing of the lease."""
+    import psycopg
+
+    a, b = replica(), replica()
+    kicks = "gw_kicks_test"
+    with psycopg.connect(migrated_pg_url, autocommit=True) as listener:
+        schema = listener.execute("SELECT current_schema()").fetchone()
+        assert schema is not None
+        listener.execute(f'LISTEN "{kicks}.{schema[0]}"')
+
+        def owner(session: str) -> str | None:
+            row = listener.execute(
+                "SELECT owner FROM gw_session_leases WHERE session_key = %s", (session,)
+            ).fetchone()
+            return None if row is None else str(row[0])
+
+        first, second, third = message(1, 1.0), message(2, 1.0), message(3, 1.0)
+        ask = LeaseAsk(ttl=10.0, kicks=kicks)
+        assert await a.take_in(key_of(first), first, ask) is False
+        assert ask.taken is True and owner(first.session_key) == a.replica_id
+        # Ours already: taken again (renewed), no kick.
+        again = LeaseAsk(ttl=10.0, kicks=kicks)
+        assert await a.take_in(key_of(second), second, again) is False
+        assert again.taken is True
+        # b takes the next one in: a keeps the lease and is kicked to run it.
+        other = LeaseAsk(ttl=10.0, kicks=kicks)
+        assert await b.take_in(key_of(third), third, other) is False
+        assert other.taken is False and owner(third.session_key) == a.replica_id
+        notes = list(listener.notifies(timeout=2.0, stop_after=1))
+        assert [n.payload for n in notes] == [third.session_key]
+        # A duplicate: nothing journaled, the lease left alone.
+        dup = LeaseAsk(ttl=10.0, kicks=kicks)
+        assert await b.take_in(key_of(third), third, dup) is True
+        assert dup.taken is None and owner(third.session_key) == a.replica_id
+        # An expired lease is taken over by whoever takes a message in.
+        listener.execute("UPDATE gw_session_leases SET expires_at = 0")
+        fourth = message(4, 1.0)
+        late = LeaseAsk(ttl=10.0, kicks=kicks)
+        assert await b.take_in(key_of(fourth), fourth, late) is False
+        assert late.taken is True and owner(fourth.session_key) == b.replica_id
