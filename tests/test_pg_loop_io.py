@@ -84,6 +84,16 @@ async def test_a_new_session_and_its_appends_need_no_worker_thread(
     assert hops.count == 0
     assert again is session
     assert texts(manager, "api:new") == [f"m{n}" for n in range(5)]
+    # The session row as the locking path writes it: made (its header) before its first
+    # entry, last active at its last entry (an import of its export gives the same row).
+    header, branch = session._store.header, session.get_branch()
+    pool = manager._shared.pool  # type: ignore[union-attr]
+    with pool.connection() as conn:
+        row = conn.execute(
+            "SELECT created_at, updated_at, last_seq FROM gw_sessions WHERE key = 'api:new'"
+        ).fetchone()
+    assert header.timestamp <= branch[0].timestamp
+    assert row == (header.timestamp, branch[-1].timestamp, 5)
 
 
 async def test_another_replicas_appends_between_ours_are_caught_up(

@@ -65,7 +65,7 @@ def test_appending_to_a_current_session_is_one_round_trip(
     pool, wire = counted_pool
 
     store = PostgresSessionStore(pool, "cli:costs")
-    store.append(_message("first"))  # creates the session (the locked path)
+    store.append(_message("first"))  # creates the session with its first entry
     assert _round_trips(wire, lambda n: store.append(_message(f"turn {n}")), 5) == 5
     # The stored chain is intact: each entry's parent is the one before it.
     other = PostgresSessionStore(pool, "cli:costs")

@@ -288,8 +288,11 @@ class PostgresSessionStore:
             return entry
 
     def _append_locked(self, factory: EntryFactory[E]) -> tuple[E, int, int]:
-        if self._session_id is not None:
-            done = self._append_if_current(factory)
+        if self._session_id is not None or len(self._tree) == 0:
+            entry, size, sql, params = self._one_statement(factory)
+            with self._pool.connection() as conn:
+                row = conn.execute(sql, params).fetchone()
+            done = self._stored(entry, size, row)
             if done is not None:
                 return done
         with self._pool.connection() as conn, conn.transaction():
@@ -311,55 +314,36 @@ class PostgresSessionStore:
             )
         return entry, seq, size
 
-    def _append_if_current(self, factory: EntryFactory[E]) -> tuple[E, int, int] | None:
-        """The one-round-trip append; None (nothing written) when the stored session moved
-        on from the tree this store holds."""
-        entry, size, params = self._current_append(factory)
-        with self._pool.connection() as conn:
-            row = conn.execute(_APPEND_IF_CURRENT, params).fetchone()
+    def _one_statement(self, factory: EntryFactory[E]) -> tuple[E, int, str, tuple[Any, ...]]:
+        """The entry built on the tree as it is, its size, and the one statement that
+        stores it unless another writer got there first: `_APPEND_IF_CURRENT` for a
+        stored session, `_CREATE_WITH_FIRST` (with the session's row and our header) for
+        one not stored yet."""
+        # A new session's header first: its timestamp comes before its first entry's.
+        header = self.header if self._session_id is None else None
+        entry = build_entry(self._tree, factory)
+        line = _line(entry)
+        size = len(line.encode()) + 1
+        if header is not None:
+            created = (header.id, self.key, _line(header), header.timestamp, entry.timestamp)
+            return entry, size, _CREATE_WITH_FIRST, (
+                *created, size, entry.id, entry.parent_id, entry.type, line,
+            )  # fmt: skip
+        return entry, size, _APPEND_IF_CURRENT, (
+            self.key, self._session_id, self._seq,
+            entry.id, entry.parent_id, entry.type, line, size, entry.timestamp,
+        )  # fmt: skip
+
+    def _stored(
+        self, entry: E, size: int, row: tuple[Any, ...] | None
+    ) -> tuple[E, int, int] | None:
+        """`_one_statement`'s outcome: the entry, its seq and size once stored (the new
+        session's row adopted), None when nothing was written."""
         if row is None or row[0] is None:
             return None
+        if self._session_id is None:
+            self._session_id = self.header.id
         return entry, int(row[0]), size
-
-    def _current_append(self, factory: EntryFactory[E]) -> tuple[E, int, tuple[Any, ...]]:
-        """The entry built on the tree as it is, its size, and `_APPEND_IF_CURRENT`'s
-        parameters for it."""
-        entry = build_entry(self._tree, factory)
-        line = _line(entry)
-        size = len(line.encode()) + 1
-        params = (
-            self.key,
-            self._session_id,
-            self._seq,
-            entry.id,
-            entry.parent_id,
-            entry.type,
-            line,
-            size,
-            entry.timestamp,
-        )
-        return entry, size, params
-
-    def _first_append(self, factory: EntryFactory[E]) -> tuple[E, int, tuple[Any, ...]]:
-        """The first entry of a session not stored yet, its size, and the parameters of
-        `_CREATE_WITH_FIRST` storing the session's row (our header) with it."""
-        header = self.header
-        entry = build_entry(self._tree, factory)
-        line = _line(entry)
-        size = len(line.encode()) + 1
-        params = (
-            header.id,
-            self.key,
-            _line(header),
-            header.timestamp,
-            entry.timestamp,
-            size,
-            entry.id,
-            entry.parent_id,
-            entry.type,
-            line,
-        )
-        return entry, size, params
 
     async def aappend(self, factory: EntryFactory[E]) -> E:
         """`append` for the event loop. On the loop, one round trip over the loop's pool,
@@ -378,24 +362,17 @@ class PostgresSessionStore:
             return await anyio.to_thread.run_sync(self.append, factory)
         self._loop_busy = True
         try:
-            creating = self._session_id is None
-            if creating:
-                entry, size, params = self._first_append(factory)
-                sql = _CREATE_WITH_FIRST
-            else:
-                entry, size, params = self._current_append(factory)
-                sql = _APPEND_IF_CURRENT
+            entry, size, sql, params = self._one_statement(factory)
             # Carried through like the worker thread's append: a turn stopped meanwhile
             # does not leave the tree unsure of what was committed.
             with anyio.CancelScope(shield=True):
                 async with aconnect() as conn:
                     cur = await conn.execute(sql, params)
                     row = await cur.fetchone()
-            if row is not None and row[0] is not None:
-                if creating:
-                    self._session_id = self.header.id
+            done = self._stored(entry, size, row)
+            if done is not None:
                 self._tree.add(entry)
-                self._seq = int(row[0])
+                self._seq = done[1]
                 self._bytes += size
                 return entry
         finally:
