@@ -613,6 +613,9 @@ class Daemon:
             assert isinstance(self.dedupe, PostgresDedupeStore)
             self.router = SessionRouter(self.dedupe, self.dispatcher)
             self.dispatcher.router = self.router
+            # /stop reaches the turn wherever it runs.
+            self.router.on_stop = gateway.agent.stop
+            gateway.agent.stop_elsewhere = self.router.stop_elsewhere
         self.http = HttpServer(
             settings.http, health=self.health, metrics=self.metrics, chat=self._api_chat
         )

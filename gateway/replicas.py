@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 #: on one database in two schemas must not wake each other): `<name>.<schema>`.
 NOTIFY_CHANNEL = "gw_replies"
 KICK_CHANNEL = "gw_kicks"
+STOP_CHANNEL = "gw_stops"
 #: How often a waiting `/api/chat` request asks the database for its reply, in case the
 #: NOTIFY was lost (a reconnect): rarely, since each ask is a round trip per request.
 REPLY_POLL = 5.0
@@ -116,6 +117,14 @@ def reply_note(payload: str) -> tuple[str, str]:
     return rest[:size], rest[size:]
 
 
+# /stop for a session another live replica holds: that replica told (NOTIFY), in the same
+# round trip that finds it.
+_STOP_ELSEWHERE = """
+SELECT pg_notify(%(stops)s || '.' || current_schema(), session_key) FROM gw_session_leases
+WHERE session_key = %(key)s AND owner <> %(me)s
+  AND expires_at > extract(epoch FROM clock_timestamp())
+"""
+
 _UNLEASED = """
 SELECT DISTINCT i.session_key FROM gw_inbound i
 WHERE i.state = 'journaled' AND i.session_key IS NOT NULL AND NOT EXISTS (
@@ -152,6 +161,9 @@ class SessionRouter:
         self._lost: set[str] = set()  # ... and lost while a pump ran (another may write)
         self._waiters: dict[str, tuple[anyio.Event, list[OutboundMessage | None]]] = {}
         self._stopping = False
+        #: Stops the running turn of a session here (`AgentLoop.stop`), for a /stop
+        #: another replica took in (`stop_elsewhere`).
+        self.on_stop: Callable[[str], object] | None = None
         self.fed = 0  # messages handed to the dispatcher (for tests and metrics)
         self.takeovers = 0  # sessions resumed by the sweep
 
@@ -413,6 +425,15 @@ class SessionRouter:
             else:
                 await self.store.mark_done(dedupe)
 
+    async def stop_elsewhere(self, session_key: str) -> bool:
+        """Pass a /stop on to the replica that holds `session_key` (it stops the turn it
+        runs, if any): True when another live replica holds the session."""
+        async with self.store.connection() as conn:
+            cur = await conn.execute(
+                _STOP_ELSEWHERE, {"key": session_key, "me": self.replica_id, "stops": STOP_CHANNEL}
+            )
+            return await cur.fetchone() is not None
+
     # ------------------------------------------------------------------ API replies
 
     async def publish(self, dedupe_key: str, reply: OutboundMessage) -> None:
@@ -497,13 +518,18 @@ class SessionRouter:
                     row = await cur.fetchone()
                     schema = str(row[0]) if row is not None else "public"
                     replies, kicks = f"{NOTIFY_CHANNEL}.{schema}", f"{KICK_CHANNEL}.{schema}"
-                    for channel in (replies, kicks):
+                    stops = f"{STOP_CHANNEL}.{schema}"
+                    for channel in (replies, kicks, stops):
                         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     async for note in conn.notifies():
                         if note.channel == kicks:
                             wake = self._pumps.get(note.payload)
                             if wake is not None:
                                 wake.set()
+                            continue
+                        if note.channel == stops:
+                            if self.on_stop is not None and note.payload in self._leases:
+                                self.on_stop(note.payload)
                             continue
                         key, carried = reply_note(note.payload)
                         waiter = self._waiters.get(key)

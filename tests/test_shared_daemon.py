@@ -123,3 +123,60 @@ async def test_an_api_message_another_replica_is_taking_in_is_answered_503_not_n
         200,
         {"session": "api:held", "reply": "echo: are you there?", "error": False},
     )
+
+
+@pytest.mark.anyio
+async def test_a_stop_taken_in_by_another_replica_stops_the_turn_where_it_runs(
+    make_settings: Any, fake_openai: Any, migrated_pg_url: str, tmp_path: Path
+) -> None:
+    """Two replicas. A turn runs on a (a slow model answer); the sender's /stop reaches
+    b, which runs no turn of that conversation: b passes the stop to a (the session's
+    lease holder), a's turn ends at once, and the sender is told it is being stopped."""
+    import time
+
+    import aiohttp
+    import anyio
+
+    from gateway.agent.loop import STOP_IDLE_TEXT, STOP_PASSED_TEXT
+    from gateway.daemon import Daemon, Gateway
+    from tests.fakes.openai_server import Reply
+
+    token = "shared-api-token-0123456789abcdef"
+    common = {"http__port": 0, "http__token": token, "storage__url": migrated_pg_url}
+    a = Daemon(Gateway.build(make_settings(fake_openai, **common)), interactive=False)
+    b_settings = make_settings(fake_openai, workspace=tmp_path / "ws-b", **common)
+    b = Daemon(Gateway.build(b_settings), interactive=False)
+    fake_openai.add(Reply(text="a long answer", delay=30.0))
+    headers = {"Authorization": f"Bearer {token}"}
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+        url_a = f"http://127.0.0.1:{await tg.start(a.run)}/api/chat"
+        url_b = f"http://127.0.0.1:{await tg.start(b.run)}/api/chat"
+        answers: list[tuple[float, dict[str, Any]]] = []
+
+        async def ask_a() -> None:
+            body = {"session": "slow", "text": "tell me everything"}
+            async with http.post(url_a, json=body, headers=headers) as resp:
+                answers.append((time.monotonic(), await resp.json()))
+
+        tg.start_soon(ask_a)
+        with anyio.fail_after(10):
+            while "api:slow" not in a.gateway.agent._running:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        stopped_at = time.monotonic()
+        body = {"session": "slow", "text": "/stop"}
+        async with http.post(url_b, json=body, headers=headers) as resp:
+            told = await resp.json()
+        with anyio.fail_after(10):
+            while not answers:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        # Nothing runs for another conversation: b says so and passes nothing on.
+        async with http.post(
+            url_b, json={"session": "idle", "text": "/stop"}, headers=headers
+        ) as resp:
+            idle = await resp.json()
+        a.stop()
+        b.stop()
+    assert told["reply"] == STOP_PASSED_TEXT
+    assert answers[0][0] - stopped_at < 5  # long before the model's 30 s answer
+    assert answers[0][1]["reply"] != "a long answer"
+    assert idle["reply"] == STOP_IDLE_TEXT

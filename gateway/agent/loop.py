@@ -70,6 +70,10 @@ MEMORY_COMMANDS = frozenset({"memory", "facts", "correct", "forget"})
 #: What /stop answers.
 STOP_DONE_TEXT = "Stopped. Messages you sent after that one will still be answered."
 STOP_IDLE_TEXT = "Nothing is running here to stop."
+#: /stop of a conversation whose turns another replica runs (the shared mode): passed on.
+STOP_PASSED_TEXT = (
+    "Stopping the answer in progress. Messages you sent after that one will still be answered."
+)
 #: The tool result of a call /stop cut short (every call keeps its result).
 STOPPED_TOOL_RESULT = "error: stopped by the user (/stop) before this tool finished"
 
@@ -184,6 +188,9 @@ class AgentLoop:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         #: The cancel scope of each session's running model-and-tools part (for /stop).
         self._running: dict[str, anyio.CancelScope] = {}
+        #: The shared mode's /stop for a session another replica runs: passes the stop
+        #: on (`SessionRouter.stop_elsewhere`); True when a replica holds the session.
+        self.stop_elsewhere: Callable[[str], Awaitable[bool]] | None = None
 
     def _lock_for(self, key: str) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -208,8 +215,13 @@ class AgentLoop:
         with logger.contextualize(session=key), usage_scope(key):
             if is_stop_command(clean_user_text(inbound.text)):
                 # Not behind the lock: it must reach the turn it stops.
-                stopped = self.stop(key)
-                text = STOP_DONE_TEXT if stopped else STOP_IDLE_TEXT
+                text = STOP_DONE_TEXT if self.stop(key) else STOP_IDLE_TEXT
+                if text is STOP_IDLE_TEXT and self.stop_elsewhere is not None:
+                    try:
+                        if await self.stop_elsewhere(key):
+                            text = STOP_PASSED_TEXT
+                    except Exception as exc:
+                        logger.error("/stop could not be passed to the other replicas: {}", exc)
                 return reply_for(inbound, text, metadata={"command": "stop"})
             async with self._lock_for(key):
                 return await self._handle_locked(inbound, on_delta, token_budget, files)
