@@ -8,12 +8,18 @@ without its caller doing anything but saying, once, what it is working for
 (`usage_scope`); the voice transcriber counts its calls with `count_transcription`
 under the same scope, as kind "transcription".
 The promise kept here: a call the provider reports usage for is in the ledger before
-its answer reaches the caller, so a budget check after it sees it.
+its answer reaches the caller, so a budget check after it sees it. In the shared mode a
+turn's calls are in the ledger before the turn answers instead (`UsageMeter.riding`):
+their row rides in the statement of the turn's next session append (a CTE, see
+`gateway.sessions.pg_store`), written whatever that append finds, and what no append
+carried is written when the turn ends. That takes a round trip out of every turn's
+dispatch slot; budget checks happen between turns, so they see the same totals.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sqlite3
 import threading
@@ -51,6 +57,41 @@ class UsageScope:
 
 
 _scope: ContextVar[UsageScope | None] = ContextVar("gateway_usage_scope", default=None)
+
+
+@dataclass
+class _Riding:
+    """The rows a turn counted and has not written yet (`UsageMeter.riding`)."""
+
+    meter: UsageMeter
+    rows: dict[tuple[str, str, str, str, str], UsageRow]
+
+
+_riding: ContextVar[_Riding | None] = ContextVar("gateway_usage_riding", default=None)
+
+
+def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[], None]] | None:
+    """For the shared session store's next append: the data-modifying statement that
+    writes the current turn's pending usage rows (for a CTE), its parameters, and what
+    to call once it committed. None when nothing rides."""
+    riding = _riding.get()
+    if riding is None or not riding.rows:
+        return None
+    rows = list(riding.rows.values())
+    values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(rows))
+    params = tuple(value for row in rows for value in _pg_params(row))
+
+    def committed() -> None:
+        for row in rows:
+            if riding.rows.get(_row_key(row)) is row:
+                del riding.rows[_row_key(row)]
+            riding.meter._recorded(row)
+
+    return _PG_INSERT + values + _PG_UPSERT, params, committed
+
+
+def _row_key(row: UsageRow) -> tuple[str, str, str, str, str]:
+    return (row.day, row.session_key, row.channel, row.model, row.kind)
 
 
 def kind_for_channel(channel: str) -> UsageKind:
@@ -286,14 +327,15 @@ class SqliteUsageLedger:
             self._db.close()
 
 
-_PG_ADD = (
-    "INSERT INTO gw_usage VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
-    "ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
+_PG_INSERT = "INSERT INTO gw_usage VALUES "
+_PG_UPSERT = (
+    " ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
     "calls = gw_usage.calls + excluded.calls, "
     "prompt_tokens = gw_usage.prompt_tokens + excluded.prompt_tokens, "
     "completion_tokens = gw_usage.completion_tokens + excluded.completion_tokens, "
     "cost = gw_usage.cost + excluded.cost"
 )
+_PG_ADD = _PG_INSERT + "(%s, %s, %s, %s, %s, %s, %s, %s, %s)" + _PG_UPSERT
 
 
 def _pg_params(row: UsageRow) -> tuple[Any, ...]:
@@ -301,6 +343,18 @@ def _pg_params(row: UsageRow) -> tuple[Any, ...]:
         row.day, row.session_key, row.channel, row.model, row.kind,
         row.calls, row.prompt_tokens, row.completion_tokens, row.cost,
     )  # fmt: skip
+
+
+def _merged(a: UsageRow, b: UsageRow) -> UsageRow:
+    """Two calls' rows of one key as one (the ledger adds them up the same way)."""
+    return dataclasses.replace(
+        a,
+        calls=a.calls + b.calls,
+        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+        completion_tokens=a.completion_tokens + b.completion_tokens,
+        cost=a.cost + b.cost,
+        audio_seconds=a.audio_seconds + b.audio_seconds,
+    )
 
 
 class PostgresUsageLedger:
@@ -412,12 +466,48 @@ class UsageMeter:
         self._recorded(row)
         return True
 
+    @contextlib.asynccontextmanager
+    async def riding(self) -> AsyncIterator[None]:
+        """A turn (the shared mode's ledger only; elsewhere nothing changes): calls
+        counted inside ride in the turn's next session append (`riding_rows`), and
+        what none carried is written on the way out, whichever way that is."""
+        if getattr(self.ledger, "aconnect", None) is None:
+            yield
+            return
+        riding = _Riding(self, {})
+        token = _riding.set(riding)
+        try:
+            yield
+        finally:
+            _riding.reset(token)
+            if riding.rows:
+                with anyio.CancelScope(shield=True):
+                    for row in list(riding.rows.values()):
+                        await self._aadd_row(row)
+
+    async def _aadd_row(self, row: UsageRow) -> None:
+        try:
+            aadd = getattr(self.ledger, "aadd", None)
+            if aadd is None or not await aadd(row):
+                await anyio.to_thread.run_sync(self.ledger.add, row)
+            self._recorded(row)
+        except Exception as exc:
+            logger.error("usage of a model call could not be recorded: {}", exc)
+
     async def arecord(
         self, scope: UsageScope | None, model: str, prompt: int, completion: int
     ) -> None:
-        """`record` for the event loop: on the loop when the ledger can (the file mode's
-        when `usage.sqlite` is free, the shared mode's over the loop's pool), else in a
-        worker thread."""
+        """`record` for the event loop: in a turn of the shared mode it rides with the
+        turn's next session append (`riding`); else on the loop when the ledger can (the
+        file mode's when `usage.sqlite` is free, the shared mode's over the loop's pool),
+        else in a worker thread."""
+        riding = _riding.get()
+        if riding is not None and riding.meter is self:
+            row = self._row(scope, model, prompt, completion, None, 0.0)
+            key = _row_key(row)
+            held = riding.rows.get(key)
+            riding.rows[key] = row if held is None else _merged(held, row)
+            return
         if self.try_record_nowait(scope, model, prompt, completion):
             return
         aadd = getattr(self.ledger, "aadd", None)

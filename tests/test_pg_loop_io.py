@@ -165,3 +165,35 @@ async def test_a_model_calls_usage_is_counted_on_the_loop(
     await meter.arecord(scope, "gpt-x", 1, 1)
     assert hops.count == 1
     assert ledger.rows(session_key="api:u1")[0].calls == 4
+
+
+async def test_a_turns_usage_rides_with_its_next_append_or_is_written_at_its_end(
+    replica: Callable[[], SessionManager], pg_pools: Callable[[], Any], journal: PostgresDedupeStore
+) -> None:
+    """In a turn (`UsageMeter.riding`) the model calls' rows are written in the statement
+    of the turn's next session append (merged per model), counted for the listeners once
+    committed; a turn that appends nothing after its call writes them on its way out."""
+    manager = replica()
+    ledger = PostgresUsageLedger(pg_pools())
+    ledger.aconnect = journal.connection
+    meter = UsageMeter(ledger, PriceTable({}))
+    heard: list[int] = []
+    meter.on_record(lambda row: heard.append(row.calls))
+    scope = UsageScope("api:ride", "api", "turn")
+    session = await manager.aget_or_create("api:ride")
+    await session.aadd_message(user("hello"))  # the session exists: a current append
+
+    def calls() -> int:
+        rows = ledger.rows(session_key="api:ride")
+        return rows[0].calls if rows else 0
+
+    async with meter.riding():
+        await meter.arecord(scope, "gpt-x", 10, 2)
+        await meter.arecord(scope, "gpt-x", 10, 2)  # a tool round: same key, merged
+        assert calls() == 0 and heard == []  # nothing written yet
+        await session.aadd_message(LLMMessage(role="assistant", content="hi"))
+        assert calls() == 2 and heard == [2]  # rode with the append
+        await meter.arecord(scope, "gpt-x", 1, 1)  # no append follows this one
+        assert calls() == 2
+    assert calls() == 3 and heard == [2, 1]
+    assert texts(manager, "api:ride") == ["hello", "hi"]

@@ -85,6 +85,7 @@ async def test_a_turns_session_steps_on_the_loop_are_one_round_trip_each(
     from gateway.dedupe_pg import PostgresDedupeStore
     from gateway.sessions import SessionManager
     from gateway.sessions.pg_store import PostgresSessions
+    from gateway.usage import PostgresUsageLedger, PriceTable, UsageMeter, UsageScope
 
     parts = urlsplit(migrated_pg_url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 5432
@@ -110,5 +111,17 @@ async def test_a_turns_session_steps_on_the_loop_are_one_round_trip_each(
             first = await trips(lambda: session.aadd_message(LLMMessage(role="user", content="a")))
             later = await trips(lambda: session.aadd_message(LLMMessage(role="user", content="b")))
             check = await trips(lambda: manager.aget_or_create("api:new"))
+            # A turn's model call counted: its usage row rides in the reply's append.
+            ledger = PostgresUsageLedger(threads_pool)
+            ledger.aconnect = journal.connection
+            meter = UsageMeter(ledger, PriceTable({}))
+
+            async def answered() -> None:
+                async with meter.riding():
+                    await meter.arecord(UsageScope("api:new", "api", "turn"), "m", 5, 1)
+                    await session.aadd_message(LLMMessage(role="assistant", content="c"))
+
+            counted = await trips(answered)
+            assert ledger.rows(session_key="api:new")[0].calls == 1
         await journal._pool.close()
-    assert (first, later, check) == (1, 1, 1)
+    assert (first, later, check, counted) == (1, 1, 1, 1)

@@ -180,3 +180,41 @@ async def test_a_stop_taken_in_by_another_replica_stops_the_turn_where_it_runs(
     assert answers[0][0] - stopped_at < 5  # long before the model's 30 s answer
     assert answers[0][1]["reply"] != "a long answer"
     assert idle["reply"] == STOP_IDLE_TEXT
+
+
+@pytest.mark.anyio
+async def test_every_model_call_of_a_shared_turn_is_in_the_ledger_when_it_answers(
+    make_settings: Any, fake_openai: Any, migrated_pg_url: str
+) -> None:
+    """The shared mode writes a turn's usage in the statement of its reply's append: by
+    the time `/api/chat` answers, the call is in `gw_usage`, once per call."""
+    import aiohttp
+    import anyio
+    import psycopg
+
+    from gateway.daemon import Daemon, Gateway
+
+    token = "shared-api-token-0123456789abcdef"
+    settings = make_settings(
+        fake_openai,
+        http__port=0,
+        http__token=token,
+        storage__url=migrated_pg_url,
+    )
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    headers = {"Authorization": f"Bearer {token}"}
+    seen: list[tuple[int, int]] = []
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{await tg.start(daemon.run)}/api/chat"
+        for n in range(3):
+            body = {"session": "metered", "text": f"question {n}"}
+            async with http.post(url, json=body, headers=headers) as resp:
+                assert resp.status == 200
+            with psycopg.connect(migrated_pg_url) as conn:
+                row = conn.execute(
+                    "SELECT calls, prompt_tokens FROM gw_usage WHERE session_key = 'api:metered'"
+                ).fetchone()
+            seen.append((int(row[0]), int(row[1])) if row else (0, 0))
+        daemon.stop()
+    assert [calls for calls, _ in seen] == [1, 2, 3]
+    assert seen[0][1] > 0 and seen[2][1] > seen[1][1] > seen[0][1]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import re
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -223,8 +225,12 @@ class AgentLoop:
                     except Exception as exc:
                         logger.error("/stop could not be passed to the other replicas: {}", exc)
                 return reply_for(inbound, text, metadata={"command": "stop"})
-            async with self._lock_for(key):
+            async with self._lock_for(key), self._usage_riding():
                 return await self._handle_locked(inbound, on_delta, token_budget, files)
+
+    def _usage_riding(self) -> AbstractAsyncContextManager[None]:
+        """The turn's model calls counted with its session appends (`UsageMeter.riding`)."""
+        return self.usage.riding() if self.usage is not None else contextlib.nullcontext()
 
     async def _handle_locked(
         self,

@@ -84,6 +84,24 @@ SELECT session_id, 1, %s, %s, %s, %s::json FROM created
 RETURNING seq
 """
 
+
+def _with_rider(sql: str, params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...], Any]:
+    """`sql` carrying the current turn's pending usage rows as a CTE of its own (written
+    whatever the append finds: PostgreSQL runs every data-modifying CTE), with the
+    parameters in order, and what to call once it committed (None: nothing rides)."""
+    from gateway.usage import riding_rows
+
+    rider = riding_rows()
+    if rider is None:
+        return sql, params, None
+    ride_sql, ride_params, committed = rider
+    body = sql.strip()
+    if body.startswith("WITH "):
+        body = body.removeprefix("WITH ")
+        return f"WITH riding AS ({ride_sql}), {body}", ride_params + params, committed
+    return f"WITH riding AS ({ride_sql}) {body}", ride_params + params, committed
+
+
 _CURRENT = (
     "SELECT session_id, header::text, last_seq, bytes FROM gw_sessions "
     "WHERE key = %s AND archived_at IS NULL"
@@ -363,12 +381,15 @@ class PostgresSessionStore:
         self._loop_busy = True
         try:
             entry, size, sql, params = self._one_statement(factory)
+            sql, params, committed = _with_rider(sql, params)
             # Carried through like the worker thread's append: a turn stopped meanwhile
             # does not leave the tree unsure of what was committed.
             with anyio.CancelScope(shield=True):
                 async with aconnect() as conn:
                     cur = await conn.execute(sql, params)
                     row = await cur.fetchone()
+            if committed is not None:
+                committed()
             done = self._stored(entry, size, row)
             if done is not None:
                 self._tree.add(entry)
