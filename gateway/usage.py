@@ -70,24 +70,28 @@ class _Riding:
 _riding: ContextVar[_Riding | None] = ContextVar("gateway_usage_riding", default=None)
 
 
-def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[], None]] | None:
+def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[bool], None]] | None:
     """For the shared session store's next append: the data-modifying statement that
     writes the current turn's pending usage rows (for a CTE), its parameters, and what
-    to call once it committed. None when nothing rides."""
+    to call with the outcome (True: committed; False: not, and the rows wait for the
+    next append or the turn's end). None when nothing rides."""
     riding = _riding.get()
     if riding is None or not riding.rows:
         return None
     rows = list(riding.rows.values())
+    riding.rows.clear()  # taken: a call counted meanwhile waits for the next append
     values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(rows))
     params = tuple(value for row in rows for value in _pg_params(row))
 
-    def committed() -> None:
+    def settle(committed: bool) -> None:
         for row in rows:
-            if riding.rows.get(_row_key(row)) is row:
-                del riding.rows[_row_key(row)]
-            riding.meter._recorded(row)
+            if committed:
+                riding.meter._recorded(row)
+            else:
+                held = riding.rows.get(_row_key(row))
+                riding.rows[_row_key(row)] = row if held is None else _merged(held, row)
 
-    return _PG_INSERT + values + _PG_UPSERT, params, committed
+    return _PG_INSERT + values + _PG_UPSERT, params, settle
 
 
 def _row_key(row: UsageRow) -> tuple[str, str, str, str, str]:

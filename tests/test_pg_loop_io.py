@@ -19,7 +19,7 @@ from gateway.llm.types import LLMMessage
 from gateway.sessions import SessionManager
 from gateway.sessions.entries import MessageEntry
 from gateway.sessions.pg_store import PostgresSessions
-from gateway.usage import PostgresUsageLedger, PriceTable, UsageMeter, UsageScope
+from gateway.usage import PostgresUsageLedger, PriceTable, UsageMeter, UsageScope, riding_rows
 
 pytestmark = pytest.mark.anyio
 
@@ -197,3 +197,22 @@ async def test_a_turns_usage_rides_with_its_next_append_or_is_written_at_its_end
         assert calls() == 2
     assert calls() == 3 and heard == [2, 1]
     assert texts(manager, "api:ride") == ["hello", "hi"]
+
+
+async def test_usage_rows_a_failed_append_did_not_carry_are_written_once_at_the_end(
+    pg_pools: Callable[[], Any], journal: PostgresDedupeStore
+) -> None:
+    """Rows taken by an append whose statement failed go back to the turn's pending rows
+    (merged with what was counted meanwhile) and are written once when the turn ends."""
+    ledger = PostgresUsageLedger(pg_pools())
+    ledger.aconnect = journal.connection
+    meter = UsageMeter(ledger, PriceTable({}))
+    scope = UsageScope("api:fail", "api", "turn")
+    async with meter.riding():
+        await meter.arecord(scope, "gpt-x", 10, 1)
+        rider = riding_rows()  # what an append's statement takes
+        assert rider is not None and riding_rows() is None  # taken: nothing rides twice
+        await meter.arecord(scope, "gpt-x", 5, 1)  # counted while that statement ran
+        rider[2](False)  # ... which failed
+    (row,) = ledger.rows(session_key="api:fail")
+    assert (row.calls, row.prompt_tokens, row.completion_tokens) == (2, 15, 2)

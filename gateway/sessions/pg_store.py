@@ -88,7 +88,7 @@ RETURNING seq
 def _with_rider(sql: str, params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...], Any]:
     """`sql` carrying the current turn's pending usage rows as a CTE of its own (written
     whatever the append finds: PostgreSQL runs every data-modifying CTE), with the
-    parameters in order, and what to call once it committed (None: nothing rides)."""
+    parameters in order, and what to tell the outcome (None: nothing rides)."""
     from gateway.usage import riding_rows
 
     rider = riding_rows()
@@ -381,15 +381,20 @@ class PostgresSessionStore:
         self._loop_busy = True
         try:
             entry, size, sql, params = self._one_statement(factory)
-            sql, params, committed = _with_rider(sql, params)
+            sql, params, settle = _with_rider(sql, params)
             # Carried through like the worker thread's append: a turn stopped meanwhile
             # does not leave the tree unsure of what was committed.
-            with anyio.CancelScope(shield=True):
-                async with aconnect() as conn:
-                    cur = await conn.execute(sql, params)
-                    row = await cur.fetchone()
-            if committed is not None:
-                committed()
+            try:
+                with anyio.CancelScope(shield=True):
+                    async with aconnect() as conn:
+                        cur = await conn.execute(sql, params)
+                        row = await cur.fetchone()
+            except BaseException:
+                if settle is not None:
+                    settle(False)
+                raise
+            if settle is not None:
+                settle(True)
             done = self._stored(entry, size, row)
             if done is not None:
                 self._tree.add(entry)
