@@ -532,10 +532,7 @@ class Dispatcher:
                 return False
         ask = self.router.lease_ask(item.message.session_key) if self.router else None
         try:
-            if ask is None:
-                duplicate = await take_in(key, item.message)
-            else:
-                duplicate = await take_in(key, item.message, ask)
+            duplicate = await take_in(key, item.message, ask)
         except ClaimBusy as exc:
             with logger.contextualize(session=item.message.session_key):
                 logger.info("message not taken now: {}", exc)

@@ -57,6 +57,7 @@ from gateway.sessions.store import (
     new_header,
 )
 from gateway.sessions.tree import SessionTree
+from gateway.usage import riding_rows
 
 if TYPE_CHECKING:
     import psycopg
@@ -89,8 +90,6 @@ def _with_rider(sql: str, params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]
     """`sql` carrying the current turn's pending usage rows as a CTE of its own (written
     whatever the append finds: PostgreSQL runs every data-modifying CTE), with the
     parameters in order, and what to tell the outcome (None: nothing rides)."""
-    from gateway.usage import riding_rows
-
     rider = riding_rows()
     if rider is None:
         return sql, params, None
