@@ -216,3 +216,37 @@ async def test_usage_rows_a_failed_append_did_not_carry_are_written_once_at_the_
         rider[2](False)  # ... which failed
     (row,) = ledger.rows(session_key="api:fail")
     assert (row.calls, row.prompt_tokens, row.completion_tokens) == (2, 15, 2)
+
+
+async def test_the_store_is_not_changed_under_an_append_of_the_loop(
+    replica: Callable[[], SessionManager],
+) -> None:
+    """While a loop append awaits its round trip it holds the store; a blocking call
+    from the loop's own thread (which the RLock would let in) is refused, not allowed to
+    read the entry in twice."""
+    from gateway.sessions.errors import SessionError
+
+    manager = replica()
+    session = await manager.aget_or_create("cli:busy")
+    await session.aadd_message(user("first"))
+    store = session._store
+    refused: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(session.aadd_message, user("second"))
+        with anyio.fail_after(5):
+            while not store._loop_busy:  # type: ignore[attr-defined]
+                await anyio.lowlevel.checkpoint()
+        for call in (store.load, lambda: store.append(session_factory("x"))):
+            try:
+                call()
+            except SessionError as exc:
+                refused.append(str(exc))
+    assert len(refused) == 2 and all("in use by a call of the event loop" in r for r in refused)
+    assert texts(manager, "cli:busy") == ["first", "second"]
+    assert [str(e.message.content) for e in session.get_branch()] == ["first", "second"]  # type: ignore[attr-defined]
+
+
+def session_factory(text: str) -> Any:
+    from gateway.sessions.manager import _message_factory
+
+    return _message_factory(user(text), None)

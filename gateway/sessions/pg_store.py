@@ -93,12 +93,12 @@ def _with_rider(sql: str, params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]
     rider = riding_rows()
     if rider is None:
         return sql, params, None
-    ride_sql, ride_params, committed = rider
+    ride_sql, ride_params, settle = rider
     body = sql.strip()
     if body.startswith("WITH "):
         body = body.removeprefix("WITH ")
-        return f"WITH riding AS ({ride_sql}), {body}", ride_params + params, committed
-    return f"WITH riding AS ({ride_sql}) {body}", ride_params + params, committed
+        return f"WITH riding AS ({ride_sql}), {body}", ride_params + params, settle
+    return f"WITH riding AS ({ride_sql}) {body}", ride_params + params, settle
 
 
 _CURRENT = (
@@ -191,6 +191,14 @@ class PostgresSessionStore:
             started_fresh=self._session_id is None,
         )
 
+    def _not_mid_loop_call(self) -> None:
+        """Raise rather than change the tree under a call of the event loop that holds
+        the store (`aappend`, `aload_nowait`) and awaits its round trip. Only the loop's
+        own thread gets here then (the RLock holds others off): a second user of one
+        session on the loop, which the agent never is."""
+        if self._loop_busy:
+            raise SessionError(f"session {self.key!r} is in use by a call of the event loop")
+
     # -- reading ----------------------------------------------------------------------
 
     def _sync(self, conn: psycopg.Connection[Any], row: tuple[Any, ...] | None) -> None:
@@ -233,6 +241,7 @@ class PostgresSessionStore:
     def load(self) -> None:
         """Read the key's current session (if any) into the tree."""
         with self.lock, self._pool.connection() as conn:
+            self._not_mid_loop_call()
             self._sync(conn, conn.execute(_CURRENT, (self.key,)).fetchone())
 
     def refresh(self) -> None:
@@ -286,10 +295,7 @@ class PostgresSessionStore:
     def append(self, factory: EntryFactory[E]) -> E:
         """Append one entry built by ``factory``; return it once PostgreSQL committed it."""
         with self.lock:
-            if self._loop_busy:
-                # Only the loop's own thread gets here (the RLock holds others off): a
-                # second writer of one session on the loop, which the agent never is.
-                raise SessionError(f"session {self.key!r}: appended to while appending")
+            self._not_mid_loop_call()
             known = self._session_id
             try:
                 entry, seq, size = self._append_locked(factory)
@@ -409,6 +415,7 @@ class PostgresSessionStore:
     def create_with(self, entries: Sequence[Entry]) -> None:
         """Store a new session holding ``entries`` (a fork's copied branch, an import)."""
         with self.lock:
+            self._not_mid_loop_call()
             if self._session_id is not None:
                 raise SessionExistsError(f"a session already exists for key {self.key!r}")
             if not entries:
@@ -461,6 +468,7 @@ class PostgresSessionStore:
         """Keep the current session's rows as archived and start a new session whose
         header names the old one as ``previous_session`` (``/new``)."""
         with self.lock, self._pool.connection() as conn, conn.transaction():
+            self._not_mid_loop_call()
             # To the microsecond, as an archived file's name holds it: the session
             # survives `gateway storage export` and `import` with the same row.
             row = conn.execute(
@@ -483,6 +491,7 @@ class PostgresSessionStore:
     def delete(self) -> bool:
         """Remove the key's current session and its entries; the store starts fresh."""
         with self.lock, self._pool.connection() as conn, conn.transaction():
+            self._not_mid_loop_call()
             cur = conn.execute(
                 "DELETE FROM gw_sessions WHERE key = %s AND archived_at IS NULL", (self.key,)
             )
