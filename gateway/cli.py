@@ -306,10 +306,15 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.daemon import Gateway, run_daemon, wait_for_shared_storage
 
-    if settings.storage.url and not anyio.run(wait_for_shared_storage, settings):
+    # Both runs on the same kind of loop: the wait's PostgreSQL connection outlives it.
+    options = {"use_uvloop": settings.use_uvloop}
+    if settings.storage.url and not anyio.run(
+        wait_for_shared_storage, settings, backend_options=options
+    ):
         return EXIT_OK  # stopped by a signal while waiting
     gateway = Gateway.build(settings)
-    return anyio.run(run_daemon, gateway)
+    logger.info("event loop: {}", "uvloop" if settings.use_uvloop else "asyncio")
+    return anyio.run(run_daemon, gateway, backend_options=options)
 
 
 def _manager(settings: Settings) -> SessionManager:

@@ -17,6 +17,7 @@ looks like one (`GATEWAY_HTTP_PORT`, one underscore) is reported by `env_warning
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -735,6 +736,12 @@ class Settings(_Section):
         "when it cannot wait (local disks); threads: all of it in worker threads "
         "(network file systems, where even a small write can stall).",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="The event loop of `gateway run`. auto: uvloop where it is installed "
+        "(a dependency on Linux and macOS; less CPU per turn), else asyncio's own; "
+        "uvloop: refuse to start without it; asyncio: always asyncio's own.",
+    )
     llm: LLMSettings = Field(default_factory=LLMSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
     media: MediaSettings = Field(default_factory=MediaSettings)
@@ -752,6 +759,20 @@ class Settings(_Section):
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)
     tools: ToolsSettings = Field(default_factory=ToolsSettings)
     mcp: MCPSettings = Field(default_factory=MCPSettings)
+
+    @field_validator("event_loop")
+    @classmethod
+    def _uvloop_installed(cls, value: str) -> str:
+        if value == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ValueError("'uvloop' is not installed here (pip install uvloop), or set 'auto'")
+        return value
+
+    @property
+    def use_uvloop(self) -> bool:
+        """Whether `gateway run` runs on uvloop (`event_loop`)."""
+        if self.event_loop == "asyncio":
+            return False
+        return importlib.util.find_spec("uvloop") is not None
 
     @property
     def io_on_loop(self) -> bool:
@@ -1010,6 +1031,7 @@ def _closest(name: str, candidates: list[str]) -> str | None:
 _SHORTCUTS = {
     "GATEWAY_WORKSPACE": ["workspace"],
     "GATEWAY_WORKSPACE_IO": ["workspace_io"],
+    "GATEWAY_EVENT_LOOP": ["event_loop"],
     "GATEWAY_MODEL": ["llm", "model"],
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import tomllib
 from pathlib import Path
@@ -146,6 +147,8 @@ def test_every_commented_secret_file_key_is_valid_toml_when_uncommented() -> Non
         ("", {"GATEWAY_SESSIONS__FSYNC": "sometimes"}, "sessions.fsync: "),
         ("workspace_io = 'disk'\n", {}, "workspace_io: Input should be 'loop' or 'threads'"),
         ("", {"GATEWAY_WORKSPACE_IO": "fast"}, "workspace_io: "),
+        ("event_loop = 'trio'\n", {}, "event_loop: Input should be 'auto', 'uvloop' or"),
+        ("", {"GATEWAY_EVENT_LOOP": "fast"}, "event_loop: "),
         ("[llm]\napi_key = 'sk-oops'\n", {}, "llm.api_key: secrets do not belong"),
         ("[llm\n", {}, "not valid TOML"),
     ],
@@ -159,6 +162,25 @@ def test_errors_name_the_key(tmp_path: Path, toml: str, env: dict[str, str], exp
     assert expected in message
     assert "sk-oops" not in message  # a refused secret is not echoed back
     assert "Traceback" not in message
+
+
+def test_an_event_loop_that_is_not_installed_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text("event_loop = 'uvloop'\n")
+    assert load_settings(cfg, environ={}).use_uvloop  # a dependency: installed here
+    assert not load_settings(cfg, environ={"GATEWAY_EVENT_LOOP": "asyncio"}).use_uvloop
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match="event_loop: .*'uvloop' is not installed"):
+        load_settings(cfg, environ={})
+    # auto falls back to asyncio's own loop where uvloop is missing (Windows, PyPy).
+    assert not load_settings(
+        tmp_path / "gateway.toml", environ={"GATEWAY_EVENT_LOOP": "auto"}
+    ).use_uvloop
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -375,14 +375,21 @@ async def test_heartbeat_suppresses_all_is_well_and_delivers_the_rest(
 
 @contextmanager
 def _gateway_mid_turn(
-    tmp_path: Path, fake: FakeOpenAI, *, delay: float, reply: str
+    tmp_path: Path,
+    fake: FakeOpenAI,
+    *,
+    delay: float,
+    reply: str,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[GatewayProcess, threading.Thread, dict[str, Any]]]:
     """A `gateway run` whose model is answering `POST /api/chat` (session "sig", "long
     job") after `delay` seconds; yields it with the asking thread and, once that
     thread ends, the JSON answer."""
     fake.add_delay(delay, reply)
     gateway = GatewayProcess(
-        base_env(tmp_path / "ws", fake) | {"GATEWAY_HTTP__TOKEN": TOKEN, "GATEWAY_HTTP__PORT": "0"},
+        base_env(tmp_path / "ws", fake)
+        | {"GATEWAY_HTTP__TOKEN": TOKEN, "GATEWAY_HTTP__PORT": "0"}
+        | (env or {}),
         tmp_path,
     )
     result: dict[str, Any] = {}
@@ -406,12 +413,22 @@ def _gateway_mid_turn(
         gateway.stop()
 
 
+@pytest.mark.parametrize(("event_loop", "runs_on"), [("auto", "uvloop"), ("asyncio", "asyncio")])
 def test_sigterm_during_a_turn_finishes_and_persists_it(
-    tmp_path: Path, fake_openai_thread: FakeOpenAI
+    tmp_path: Path, fake_openai_thread: FakeOpenAI, event_loop: str, runs_on: str
 ) -> None:
+    """On either event loop (`event_loop`): the signal handler, the drain and the turn's
+    appends are the loop-specific parts of a run."""
     reply = "finished after SIGTERM"
-    with _gateway_mid_turn(tmp_path, fake_openai_thread, delay=1.5, reply=reply) as running:
+    with _gateway_mid_turn(
+        tmp_path,
+        fake_openai_thread,
+        delay=1.5,
+        reply=reply,
+        env={"GATEWAY_EVENT_LOOP": event_loop},
+    ) as running:
         gateway, asker, result = running
+        assert any(f"event loop: {runs_on}" in line for line in gateway.log)
         gateway.proc.send_signal(signal.SIGTERM)
         asker.join(20)
         assert gateway.proc.wait(20) == 0
