@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -15,6 +16,7 @@ from gateway.llm import (
     LLMMessage,
     LLMProvider,
     StreamDelta,
+    TokenUsage,
     ToolCall,
     ToolSpec,
 )
@@ -549,3 +551,110 @@ async def test_request_bodies_are_what_the_clients_own_transform_would_send(
     assert sent["messages"][2]["tool_calls"][0]["id"] == "call_1"
     assert sent["temperature"] == 0.3 and sent["max_tokens"] == 99
     assert await async_maybe_transform(sent, shape) == sent
+
+
+#: Answers of real servers' shapes: fields of their own, a tool call without an id
+#: (some local servers), content null beside tool calls, no usage at all.
+WIRE_ANSWERS = [
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "served-name",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Grüezi", "reasoning_content": None},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+        "timings": {"predicted_ms": 12.5},
+        "system_fingerprint": "fp_x",
+    },
+    {
+        "model": "m",
+        "choices": [
+            {
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Bern"}'},
+                        },
+                        {
+                            "id": "c2",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": ""},
+                        },
+                    ],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
+    },
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("answer", WIRE_ANSWERS)
+async def test_an_answer_is_read_from_the_wire_as_the_sdk_model_reads_it(
+    fake: FakeOpenAI, make_provider: MakeProvider, answer: dict[str, Any]
+) -> None:
+    """The provider reads the JSON itself (the SDK's model construction was a tenth of a
+    turn's CPU): what it reads must be what `ChatCompletion` reads."""
+    from openai.types.chat import ChatCompletion
+
+    fake.add(Reply(raw=json.dumps(answer).encode()))
+    response = await make_provider().chat(HELLO)
+
+    sdk = ChatCompletion.construct(**answer)  # how the client's `cast_to` reads it
+    choice = sdk.choices[0]
+    assert response.model == sdk.model
+    assert response.finish_reason == choice.finish_reason
+    # Content null beside tool calls stays null (the API's own shape); alone it is "".
+    expected = choice.message.content
+    assert response.message.content == (
+        "" if expected is None and not choice.message.tool_calls else expected
+    )
+    assert [(c.function_name, c.arguments) for c in response.message.tool_calls] == [
+        (c.function.name, decode_arguments(c.function.arguments))
+        for c in choice.message.tool_calls or ()
+    ]
+    assert all(c.id.startswith("call_") or c.id == "c2" for c in response.message.tool_calls)
+    if sdk.usage is None:
+        assert response.usage is None
+    else:
+        assert response.usage == TokenUsage(
+            sdk.usage.prompt_tokens, sdk.usage.completion_tokens, sdk.usage.total_tokens
+        )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("raw", "detail"),
+    [
+        (b"<html>502 Bad Gateway</html>", "answer unreadable: not JSON"),
+        (b'{"choices": "none"}', "answer unreadable: choices is str, not list"),
+        (b'{"choices": [{"message": {"content": 5}}]}', "content is int, not str"),
+        (b'{"choices": [{"message": {"tool_calls": [{"function": {}}]}}]}', "no function name"),
+        (b'{"choices": []}', "answer had no choices"),
+    ],
+)
+async def test_an_unreadable_answer_falls_back_and_says_what_is_wrong(
+    fake: FakeOpenAI, make_provider: MakeProvider, raw: bytes, detail: str
+) -> None:
+    provider = make_provider(fallback_models=["backup"])
+    fake.add(Reply(raw=raw, model="primary"))
+    fake.add_reply("backup here", model="backup")
+    assert (await provider.chat(HELLO)).message.content == "backup here"
+
+    fake.add(Reply(raw=raw, model="primary"))
+    fake.add(Reply(raw=raw, model="backup"))
+    with pytest.raises(LLMError) as caught:
+        await provider.chat(HELLO)
+    assert detail in str(caught.value)
+    assert caught.value.user_message == "The model is not answering right now. Please try again."

@@ -98,6 +98,8 @@ class Reply:
     """One scripted answer to a chat request: a success (`text` and/or `tool_calls`) or,
     when `status` is not 200, an error in OpenAI's error shape.
 
+    `raw` is sent as the whole JSON body of a non-streamed success instead (a server
+    whose answer is not the chat completion format, or one with fields of its own).
     `delay` waits before answering (timeouts, slow models); `chunk_delay` waits between
     streamed events; `break_after` drops the connection after that many streamed `data:`
     events (the first one carries only the assistant role). `model` restricts which
@@ -119,6 +121,7 @@ class Reply:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     model: str | None = None
+    raw: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -712,6 +715,10 @@ class FakeOpenAI(LocalServer):
             return self._error_reply(reply)
         if body.get("stream"):
             return await self._stream(request, body, reply)
+        if reply.raw is not None:
+            return web.Response(
+                body=reply.raw, content_type="application/json", headers=self._id_header()
+            )
         return web.json_response(self._completion(body, reply), headers=self._id_header())
 
     async def _transcriptions(self, request: web.Request) -> web.Response:
