@@ -71,9 +71,15 @@ ON CONFLICT (dedupe_key) DO UPDATE
 RETURNING dedupe_key
 """
 
+# The session's other journaled messages as the claim found them (the statement's own
+# snapshot: without the message it journals), at most `look` of them.
+_OTHERS = """ARRAY(SELECT i.dedupe_key FROM gw_inbound i
+    WHERE i.session_key = c.session_key AND i.state = 'journaled' LIMIT %(look)s)"""
+
 # `take_in` with a `LeaseAsk`: the claim and journal of `_CLAIM`, and in the same round
 # trip the session's lease taken for this replica (as `gateway.replicas` takes it), or,
-# when another live replica holds it, that replica kicked (NOTIFY) to run the message.
+# when another live replica holds it, that replica kicked (NOTIFY) to run the message;
+# and the look at the session's other journaled messages.
 _CLAIM_AND_LEASE = (
     "WITH claimed AS ("
     + _CLAIM.strip().removesuffix("RETURNING dedupe_key")
@@ -87,21 +93,41 @@ leased AS (
     RETURNING owner)
 SELECT c.dedupe_key, EXISTS (SELECT FROM leased),
     (SELECT pg_notify(%(kicks)s || '.' || current_schema(), c.session_key)
-     WHERE NOT EXISTS (SELECT FROM leased))
-FROM claimed c
-"""
+     WHERE NOT EXISTS (SELECT FROM leased)),
+    """
+    + _OTHERS
+    + "\nFROM claimed c\n"
+)
+
+# `take_in` with a `LeaseAsk` whose session this replica's pump runs (`take` False):
+# the claim and journal, and the look at the session's other journaled messages.
+_CLAIM_AND_LOOK = (
+    "WITH claimed AS ("
+    + _CLAIM.strip().removesuffix("RETURNING dedupe_key")
+    + "RETURNING dedupe_key, session_key)\nSELECT c.dedupe_key, NULL, NULL, "
+    + _OTHERS
+    + "\nFROM claimed c\n"
 )
 
 
 @dataclass
 class LeaseAsk:
     """`take_in`'s request to take the message's session lease too (`gateway.replicas`):
-    for `ttl` seconds, else to kick its holder on channel `kicks`. `taken` says how it
-    went once the message is journaled (None for a duplicate or a claim that waited)."""
+    for `ttl` seconds, else to kick its holder on channel `kicks`; with `take` False (a
+    pump of this replica runs the session) only the look below. Once the message is
+    journaled, `taken` says how the lease went (None for a duplicate or a claim that
+    waited), and `others` holds the dedupe keys of the session's other journaled
+    messages as the same statement saw them (None: more than `look`), with `entry` the
+    message as a read of its row would give it: the router hands it over without that
+    read when it knows all the others."""
 
     ttl: float
     kicks: str
+    take: bool = True
+    look: int = 16
     taken: bool | None = None
+    others: list[str] | None = None
+    entry: Unanswered | None = None
 
 
 _TAKE_OVER = """
@@ -215,7 +241,12 @@ class PostgresDedupeStore:
         With `lease`, the session's lease is asked for in the same round trip (see
         `LeaseAsk`). Raises `ClaimBusy` as `seen_or_add` does."""
         raw = json.dumps(msg.to_dict(), default=str)
-        return await self._claim(key, "journaled", msg.session_key, msg.received_at, raw, lease)
+        duplicate = await self._claim(
+            key, "journaled", msg.session_key, msg.received_at, raw, lease
+        )
+        if lease is not None and lease.others is not None:
+            lease.entry = Unanswered.from_stored(raw, None, None)
+        return duplicate
 
     async def _claim(
         self,
@@ -239,15 +270,17 @@ class PostgresDedupeStore:
         }
         sql = _CLAIM
         if lease is not None:
-            sql = _CLAIM_AND_LEASE
-            extra |= {"ttl": lease.ttl, "kicks": lease.kicks}
+            sql = _CLAIM_AND_LEASE if lease.take else _CLAIM_AND_LOOK
+            extra |= {"ttl": lease.ttl, "kicks": lease.kicks, "look": lease.look + 1}
         while True:
             async with self.connection() as conn:
                 cur = await conn.execute(sql, self._params(key=key, **extra))
                 taken = await cur.fetchone()
                 if taken is not None:
                     if lease is not None:
-                        lease.taken = bool(taken[1])
+                        lease.taken = bool(taken[1]) if lease.take else None
+                        others = [str(k) for k in taken[3]]
+                        lease.others = others if len(others) <= lease.look else None
                     return False
                 cur = await conn.execute(
                     "SELECT state, claimed_by FROM gw_inbound WHERE dedupe_key = %s", (key,)

@@ -43,6 +43,7 @@ import anyio.abc
 from loguru import logger
 
 if TYPE_CHECKING:
+    from gateway.dedupe_pg import LeaseAsk
     from gateway.replicas import SessionRouter
 
 from gateway.access import Allow, Challenge, Decision, Deny, Ignore
@@ -104,11 +105,14 @@ class Ticket:
     every message of a merged turn gets the one reply of that turn.
     """
 
-    __slots__ = ("_done", "_event", "_reply", "message", "status")
+    __slots__ = ("_done", "_event", "_reply", "marked", "message", "status")
 
     def __init__(self, message: InboundMessage) -> None:
         self.message = message
         self.status = SubmitStatus.ACCEPTED
+        #: Its message is marked answered in the journal (the mark committed): a read
+        #: of the journal from now on no longer finds it.
+        self.marked = False
         self._event = anyio.Event()
         self._done = anyio.Event()
         self._reply: OutboundMessage | None = None
@@ -547,7 +551,7 @@ class Dispatcher:
         if duplicate:
             self._skip(item, None)
         elif self.router is not None:
-            self._forward(item, key, self.router, ask.taken if ask is not None else None)
+            self._forward(item, key, self.router, ask)
         return True
 
     def withdraw(self, session_key: str, tickets: Sequence[Ticket]) -> int:
@@ -569,11 +573,11 @@ class Dispatcher:
         return taken
 
     def _forward(
-        self, item: _Item, key: str, router: SessionRouter, leased: bool | None = None
+        self, item: _Item, key: str, router: SessionRouter, ask: LeaseAsk | None = None
     ) -> None:
         """Shared mode: the journal is the queue. The lane drops the item; the router
         feeds it, in journal order, to whichever replica holds the session's lease
-        (`leased`: what the journal's round trip did about that lease, if asked)."""
+        (`ask`: what the journal's round trip found about that lease and the session)."""
         item.skip = True
         self._settled(1)
         ticket = item.ticket
@@ -582,7 +586,7 @@ class Dispatcher:
             self._tg.start_soon(self._await_remote_reply, ticket, key, router)
         else:
             ticket._resolve(None)
-        router.kick(item.message.session_key, leased=leased)
+        router.journaled_here(item.message.session_key, key, ask)
 
     async def _await_remote_reply(self, ticket: Ticket, key: str, router: SessionRouter) -> None:
         try:
@@ -840,20 +844,26 @@ class Dispatcher:
                         await self.router.publish(key, reply)
                     except Exception as exc:
                         logger.error("a reply could not be handed to the waiting replica: {}", exc)
+                    else:
+                        item.ticket.marked = True
         if store is not None:
-            for key in keys:
-                if key not in wanted:
-                    await self._mark_done(store, key)
+            for item in batch:
+                key = item.dedupe_key
+                if key is not None and key not in wanted and await self._mark_done(store, key):
+                    item.ticket.marked = True
         for item in batch:
             item.ticket._done.set()
         self._settled(len(batch))
 
-    async def _mark_done(self, store: DedupeStore, key: str) -> None:
+    async def _mark_done(self, store: DedupeStore, key: str) -> bool:
+        """Mark `key` answered: False (logged, counted) when the store failed."""
         try:
             await store.mark_done(key)
         except Exception as exc:
             self._counters.dedupe_errors += 1
             logger.error("dedupe store failed to record an answer: {}", exc)
+            return False
+        return True
 
     async def _deliver_safely(self, reply: OutboundMessage) -> None:
         try:

@@ -16,6 +16,11 @@ Promises kept here:
 - A lease outlives its last message by `linger` seconds, so a conversation's next turn
   costs no lease round trips; one statement every third of `lease_ttl` renews every
   lease this replica holds, however many.
+- A message journaled on the replica whose pump runs its session (or whose journal
+  statement took the lease) costs no journal read either: that statement also lists
+  the session's other journaled messages, and when the pump knows them all the message
+  is next in journal order and is handed over as a read would give it
+  (`journaled_here`). Anything the pump does not know sends it back to the journal.
 - A dead replica's sessions are resumed within `lease_ttl` + `sweep_interval` seconds:
   every replica sweeps for sessions with journaled messages and no live lease. What the
   dead one had in flight is replayed like a crash's leftovers: a recorded reply is sent
@@ -157,6 +162,14 @@ class SessionRouter:
         self._tg: anyio.abc.TaskGroup | None = None
         # Running pumps, each with the event that wakes it (a kick: something journaled).
         self._pumps: dict[str, anyio.Event] = {}
+        # What each running pump has fed (dedupe key: ticket), and the sessions whose
+        # pump must read the journal when it wakes (a kick), and the messages journaled
+        # here that are handed to the pump without that read (`journaled_here`).
+        self._fed: dict[str, dict[str, Ticket]] = {}
+        self._wanted: set[str] = set()
+        self._handoffs: dict[str, list[tuple[str, Unanswered]]] = {}
+        self.handed = 0  # messages handed to a pump without a journal read (tests, metrics)
+        self.reads = 0  # journal reads of the pumps (tests, metrics)
         self._leases: set[str] = set()  # sessions whose lease this replica holds
         self._lost: set[str] = set()  # ... and lost while a pump ran (another may write)
         self._waiters: dict[str, tuple[anyio.Event, list[OutboundMessage | None]]] = {}
@@ -214,10 +227,42 @@ class SessionRouter:
     def lease_ask(self, session_key: str) -> LeaseAsk | None:
         """What to ask `take_in` for a message of `session_key` taken in here: the
         session's lease, in the same round trip, when no pump of this replica runs the
-        session (else nothing: the running pump is kicked)."""
-        if self._tg is None or self._stopping or session_key in self._pumps:
+        session; and either way a look at the session's other journaled messages
+        (`journaled_here`)."""
+        if self._tg is None or self._stopping:
             return None
-        return LeaseAsk(ttl=self.lease_ttl, kicks=KICK_CHANNEL)
+        return LeaseAsk(ttl=self.lease_ttl, kicks=KICK_CHANNEL, take=session_key not in self._pumps)
+
+    def journaled_here(self, session_key: str, dedupe_key: str, ask: LeaseAsk | None) -> None:
+        """A message of `session_key` was just journaled here by `take_in` with `ask`.
+        When that statement saw no other journaled message of the session that this
+        replica's pump does not know, the message is next in journal order: it is handed
+        to the pump (started, if the same statement took the lease) without the round
+        trip of a journal read. Otherwise it is left to the journal, as `kick` does."""
+        if self._tg is None or self._stopping or ask is None:
+            self.kick(session_key)
+            return
+        if ask.entry is None or ask.others is None:
+            self.kick(session_key, leased=ask.taken)
+            return
+        wake = self._pumps.get(session_key)
+        if wake is not None:
+            handed = self._handoffs.get(session_key, [])
+            known = self._fed.get(session_key, {}).keys() | {d for d, _ in handed}
+            if known.issuperset(ask.others):
+                self._handoffs[session_key] = [*handed, (dedupe_key, ask.entry)]
+                self.handed += 1
+                wake.set()  # no read wanted: the pump takes the message as handed
+            else:
+                self.kick(session_key)
+            return
+        if ask.taken is True and not ask.others:
+            self._pumps[session_key] = anyio.Event()
+            self._handoffs[session_key] = [(dedupe_key, ask.entry)]
+            self.handed += 1
+            self._tg.start_soon(self._pump, session_key, True, False, name=f"pump {session_key}")
+            return
+        self.kick(session_key, leased=ask.taken)
 
     def kick(self, session_key: str, *, leased: bool | None = None) -> None:
         """Make sure the session's journaled messages get run: here, when this replica
@@ -228,6 +273,7 @@ class SessionRouter:
             return
         wake = self._pumps.get(session_key)
         if wake is not None:
+            self._wanted.add(session_key)
             wake.set()
             return
         if leased is False:
@@ -294,6 +340,7 @@ class SessionRouter:
                 pause = min(0.5, self.lease_ttl / 10)
 
     async def _owed(self, key: str) -> list[tuple[str, Unanswered]]:
+        self.reads += 1
         async with self.store.connection() as conn:
             cur = await conn.execute(_OWED, (key, self.batch))
             rows = await cur.fetchall()
@@ -315,18 +362,22 @@ class SessionRouter:
                 )
         return owed
 
-    async def _pump(self, key: str, leased: bool = False) -> None:
+    async def _pump(self, key: str, leased: bool = False, read_first: bool = True) -> None:
         try:
             if not leased and not await self._acquire(key):
                 return  # leased elsewhere: the holder sees our message before letting go
             self._leases.add(key)
-            await self._feed_until_empty(key)
+            await self._feed_until_empty(key, read_first)
         except Exception as exc:
             # The lease runs out; the sweep (here or elsewhere) takes the session up.
             logger.error("replicas: pump of {} failed ({}); the sweep will retry", key, exc)
         finally:
             self._leases.discard(key)
             self._lost.discard(key)
+            self._fed.pop(key, None)
+            self._wanted.discard(key)
+            # Not fed: still journaled, for the next pump's read (here or elsewhere).
+            self._handoffs.pop(key, None)
             wake = self._pumps.pop(key, None)
             if wake is not None and wake.is_set():
                 self.kick(key)  # kicked while letting go: that message is not left behind
@@ -336,9 +387,12 @@ class SessionRouter:
         wake = self._pumps[key] = anyio.Event()
         return wake
 
-    async def _feed_until_empty(self, key: str) -> None:
+    async def _feed_until_empty(self, key: str, read_first: bool = True) -> None:
         fed: dict[str, Ticket] = {}
-        check = True  # ask the journal (else wait for a kick, a finished turn or the linger)
+        self._fed[key] = fed
+        # Ask the journal (else take what is handed over, and wait for a kick, a
+        # finished turn or the linger).
+        check = read_first
         # What the first look finds may have been handed over before (by a replica that
         # died, or to this one's pump before): its turns look in the session first, and
         # the session is read afresh. What comes after, under the lease held since, is
@@ -352,7 +406,19 @@ class SessionRouter:
                 await self._let_go(key, fed)
                 return
             wake = self._rearm(key)  # before the query: a kick during it is not missed
+            if key in self._wanted:
+                self._wanted.discard(key)
+                check = True
+            # Marked answered (committed): no read from now on finds them journaled.
+            for done in [d for d, t in fed.items() if t.marked]:
+                del fed[done]
             try:
+                # Handed over by `journaled_here`: next in journal order when handed.
+                for dedupe, entry in self._handoffs.pop(key, ()):
+                    if dedupe not in fed:
+                        fed[dedupe] = await self.dispatcher.feed(entry, current=not first)
+                        self.fed += 1
+                        first = False
                 if check:
                     # Only a turn that had finished before the query can be stuck: one
                     # finishing during it may have been read just before its mark.
@@ -364,7 +430,8 @@ class SessionRouter:
                             self.fed += 1
                     first = False
                     journaled = {d for d, _ in owed}
-                    fed = {d: t for d, t in fed.items() if d in journaled or not t.finished}
+                    for done in [d for d, t in fed.items() if d not in journaled and t.finished]:
+                        del fed[done]
                     stuck = [d for d in fed if d in settled]
                     if stuck and all(t.finished for t in fed.values()):
                         # Finished here, yet still journaled: its mark failed (a busy or
@@ -379,15 +446,14 @@ class SessionRouter:
                     # The last fed finishes last (one lane per session); a kick comes
                     # first when another message is journaled meanwhile.
                     await _first_of(waiting[-1].wait_finished, wake.wait, self.lease_ttl / 3)
-                    check = wake.is_set()
+                    check = False  # unless a kick wants it (above)
                     continue
                 # Nothing owed that we know of: linger with the lease, then let go unless
                 # something was journaled meanwhile (the release's own check).
                 with anyio.move_on_after(self.linger):
                     await wake.wait()
                 if wake.is_set():
-                    check = True
-                    continue
+                    continue  # a kick (its read is wanted) or a message handed over
                 if await self._release_if_empty(key):
                     return
                 check = True
@@ -523,9 +589,8 @@ class SessionRouter:
                         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     async for note in conn.notifies():
                         if note.channel == kicks:
-                            wake = self._pumps.get(note.payload)
-                            if wake is not None:
-                                wake.set()
+                            if note.payload in self._pumps:
+                                self.kick(note.payload)  # the pump reads the journal
                             continue
                         if note.channel == stops:
                             if self.on_stop is not None and note.payload in self._leases:

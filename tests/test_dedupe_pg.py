@@ -278,10 +278,26 @@ async def test_take_in_asked_for_the_lease_takes_it_or_kicks_its_holder(
         ask = LeaseAsk(ttl=10.0, kicks=kicks)
         assert await a.take_in(key_of(first), first, ask) is False
         assert ask.taken is True and owner(first.session_key) == a.replica_id
-        # Ours already: taken again (renewed), no kick.
+        # The look at the session's other journaled messages: none yet; the message
+        # as a read of its row gives it.
+        assert ask.others == [] and ask.entry is not None
+        assert ask.entry.message == first and ask.entry.reply is None
+        # Ours already: taken again (renewed), no kick; the first is still journaled.
         again = LeaseAsk(ttl=10.0, kicks=kicks)
         assert await a.take_in(key_of(second), second, again) is False
-        assert again.taken is True
+        assert again.taken is True and again.others == [key_of(first)]
+        # A pump of a runs the session: only the look (the lease left as it is).
+        look = LeaseAsk(ttl=10.0, kicks=kicks, take=False)
+        fifth = message(5, 1.0)
+        assert await a.take_in(key_of(fifth), fifth, look) is False
+        assert look.taken is None and sorted(look.others or ()) == sorted(
+            [key_of(first), key_of(second)]
+        )
+        # More than `look` others: not listed (the pump reads the journal instead).
+        short = LeaseAsk(ttl=10.0, kicks=kicks, take=False, look=2)
+        sixth = message(6, 1.0)
+        assert await a.take_in(key_of(sixth), sixth, short) is False
+        assert short.others is None and short.entry is None
         # b takes the next one in: a keeps the lease and is kicked to run it.
         other = LeaseAsk(ttl=10.0, kicks=kicks)
         assert await b.take_in(key_of(third), third, other) is False

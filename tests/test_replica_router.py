@@ -13,6 +13,7 @@ import pytest
 
 from gateway.access import AccessGate, ChannelAccessPolicy
 from gateway.access_pg import PostgresPairingStore
+from gateway.dedupe import dedupe_key
 from gateway.dedupe_pg import PostgresDedupeStore
 from gateway.dispatch import Dispatcher
 from gateway.messages import (
@@ -156,6 +157,48 @@ async def test_the_lease_holder_runs_what_another_replica_took_in_at_once(
         "m4": (False, True),
     }
     assert b.flags == {"m5": (True, False)}  # b's first turn of a session a wrote to
+
+
+async def test_a_message_taken_in_where_its_session_runs_is_handed_over_without_a_read(
+    migrated_pg_url: str,
+) -> None:
+    """The journal's round trip looks at the session's other journaled messages: when
+    this replica's pump knows them all (or there are none), the message is next in
+    journal order and is handed to the pump, with no journal read. A message the pump
+    does not know (journaled by a replica that died before telling anyone) sends it
+    back to the journal, and the order holds."""
+    ran: list[tuple[str, str, float]] = []
+    async with replicas(migrated_pg_url, ran) as (a, b):
+        for n in (1, 2, 3):
+            await a.dispatcher.submit(message(n))
+            await wait_for(lambda n=n: len(ran) == n, 5)
+        assert (a.router.handed, a.router.reads) == (3, 0)
+        # m4 taken in elsewhere: its replica cannot lease the session and kicks a,
+        # whose pump reads the journal for it.
+        await b.dispatcher.submit(message(4))
+        await wait_for(lambda: len(ran) == 4, 5)
+        assert a.router.reads >= 1 and b.router.handed == 0
+        # m5 is journaled by a replica that dies before telling anyone (no lease asked,
+        # no kick): a's look, when a takes m6 in, finds it unknown and reads the journal.
+        dead = PostgresDedupeStore(migrated_pg_url)
+        try:
+            dead_msg = message(5)
+            assert not await dead.take_in(str(dedupe_key(dead_msg)), dead_msg)
+        finally:
+            await dead.aclose()
+        reads, handed = a.router.reads, a.router.handed
+        await a.dispatcher.submit(message(6))
+        await wait_for(lambda: len(ran) == 6, 5)
+        assert a.router.reads > reads and a.router.handed == handed
+        assert [(who, text) for who, text, _ in ran] == [("a", f"m{n}") for n in range(1, 7)]
+        # Known again: the next message is handed over.
+        await a.dispatcher.submit(message(7))
+        await wait_for(lambda: len(ran) == 7, 5)
+        assert a.router.handed == handed + 1
+    # The first message's session is read afresh (it may have been handed over before);
+    # the rest, handed over under the lease held since, find the session current.
+    assert a.flags["m1"] == (True, False)
+    assert all(a.flags[f"m{n}"] == (False, True) for n in (2, 3, 4, 6, 7))
 
 
 async def test_turns_longer_than_the_lease_keep_their_leases_renewed(
