@@ -9,7 +9,10 @@ shared mode adds to a turn's latency against the file mode. Prints a table (``--
    turns/s); each replica runs at most 8 turns at once (the default cap), so
    the ideal is 40 turns/s per replica. Closed loop: 48 clients per replica, each with its
    own session, post `/api/chat` to the replicas in turn (as a load balancer would).
-   Goal: at least 90% of the ideal at each step.
+   Goal: at least 90% of the ideal at each step. The control row runs three replicas
+   that share nothing (each on its own workspace files): what this machine gives three
+   replicas with no shared state at all, so the gap to it is the shared mode's own.
+   The harness (load generator, fake model) runs on uvloop, as `gateway run` does.
 2. Latency: one replica, the model (in its own process) answering at once, an open loop
    of 200 turns/s (the
    issue's rate) and of 50 turns/s (`--rates`) over 400 sessions for a fixed time; p50 /
@@ -40,11 +43,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -60,6 +63,20 @@ REDIS_URL = os.environ.get("GATEWAY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"
 TOKEN = "bench-replicas-token-0123456789"
 CAP = 8
 LLM_DELAY = 0.2
+
+T = TypeVar("T")
+
+
+def run_harness(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` for the harness (load generator, fake model) on uvloop when it is
+    installed, as `gateway run` runs: the harness shares the machine's two cores with
+    what it measures, and a real model server and real clients would be elsewhere."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - a dependency on Linux and macOS
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 @dataclass(frozen=True)
@@ -93,7 +110,7 @@ def serve_model(delay: float) -> None:
             print(json.dumps([fake.base_url, fake.api_key]), flush=True)
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
-    asyncio.run(serve())
+    run_harness(serve())
 
 
 @contextmanager
@@ -323,11 +340,11 @@ def turn_cost(seconds: float) -> TurnCost:
             proxied = url.replace(authority, f"127.0.0.1:{wire.listen_port}", 1)
             procs, urls = start(env_for(Path(tmp), llm, proxied), Path(tmp), 1)
             try:
-                asyncio.run(closed_loop(urls, 16, 2.0))  # warm up: pools filled
+                run_harness(closed_loop(urls, 16, 2.0))  # warm up: pools filled
                 rt0, st0, conn0 = wire.snapshot()
                 wire.texts.clear()
                 with CpuMeter([p.proc.pid for p in procs]) as cpu:
-                    turns, _ = asyncio.run(closed_loop_count(urls, 16, seconds))
+                    turns, _ = run_harness(closed_loop_count(urls, 16, seconds))
                     gw, pg, me = cpu.used()
                 rt, st, conns = wire.snapshot()
                 if os.environ.get("GATEWAY_BENCH_STATEMENTS"):
@@ -354,23 +371,26 @@ def machine_busy() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def throughput(replicas: int, seconds: float) -> tuple[float, float]:
-    """Turns/s of `replicas` replicas, and how busy the machine's CPUs were meanwhile."""
+def throughput(replicas: int, seconds: float, shared: bool = True) -> tuple[float, float]:
+    """Turns/s of `replicas` replicas, and how busy the machine's CPUs were meanwhile.
+    `shared` False: each replica on its own workspace files, sharing nothing (what this
+    machine gives with no shared state at all)."""
 
-    schema, url = fresh_schema()
+    schema, url = fresh_schema() if shared else ("", "")
     try:
         with tempfile.TemporaryDirectory() as tmp, model_process(LLM_DELAY) as llm:
-            procs, urls = start(env_for(Path(tmp), llm, url), Path(tmp), replicas)
+            procs, urls = start(env_for(Path(tmp), llm, url or None), Path(tmp), replicas)
             try:
-                asyncio.run(closed_loop(urls, 6 * CAP * replicas, 2.0))  # warm up
+                run_harness(closed_loop(urls, 6 * CAP * replicas, 2.0))  # warm up
                 busy0, total0 = machine_busy()
-                rate = asyncio.run(closed_loop(urls, 6 * CAP * replicas, seconds))
+                rate = run_harness(closed_loop(urls, 6 * CAP * replicas, seconds))
                 busy1, total1 = machine_busy()
                 return rate, (busy1 - busy0) / max(1, total1 - total0)
             finally:
                 stop(procs)
     finally:
-        drop_schema(schema)
+        if schema:
+            drop_schema(schema)
 
 
 def latency(shared: bool, seconds: float, rate: float) -> list[float]:
@@ -379,8 +399,8 @@ def latency(shared: bool, seconds: float, rate: float) -> list[float]:
         with tempfile.TemporaryDirectory() as tmp, model_process(0.0) as llm:
             procs, urls = start(env_for(Path(tmp), llm, url or None), Path(tmp), 1)
             try:
-                asyncio.run(open_loop(urls[0], rate / 2, 2.0, 400))  # warm up
-                return asyncio.run(open_loop(urls[0], rate, seconds, 400))
+                run_harness(open_loop(urls[0], rate / 2, 2.0, 400))  # warm up
+                return run_harness(open_loop(urls[0], rate, seconds, 400))
             finally:
                 stop(procs)
     finally:
@@ -438,6 +458,22 @@ def main() -> int:
                 "turns/s",
                 f">= {0.9 * ideal:.0f} (90% of ideal)",
                 rate >= 0.9 * ideal,
+            )
+        )
+    if args.only in (None, "throughput"):
+        # The control: three replicas that share nothing, each on its own files. What
+        # they reach is this machine's ceiling for three replicas, whatever the design.
+        rate, busy = throughput(3, seconds, shared=False)
+        rows.append(
+            Row("machine CPU busy, 3 file-mode replicas", round(busy * 100), "%", "-", None)
+        )
+        rows.append(
+            Row(
+                "turns/s, 3 file-mode replicas sharing nothing (control)",
+                round(rate, 1),
+                "turns/s",
+                "-",
+                None,
             )
         )
     # The issue's rate, and one this 2-core machine can serve in both modes (at 200
