@@ -175,7 +175,7 @@ def test_an_event_loop_that_is_not_installed_is_refused_by_name(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a)
     )
-    with pytest.raises(ConfigError, match="event_loop: .*'uvloop' is not installed"):
+    with pytest.raises(ConfigError, match=r"event_loop: .*'uvloop' is not installed"):
         load_settings(cfg, environ={})
     # auto falls back to asyncio's own loop where uvloop is missing (Windows, PyPy).
     assert not load_settings(
