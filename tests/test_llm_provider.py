@@ -658,3 +658,21 @@ async def test_an_unreadable_answer_falls_back_and_says_what_is_wrong(
         await provider.chat(HELLO)
     assert detail in str(caught.value)
     assert caught.value.user_message == "The model is not answering right now. Please try again."
+
+
+@pytest.mark.anyio
+async def test_odd_bookkeeping_fields_do_not_cost_the_answer(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    """The answer's text must be text; the model name, finish reason and token counts
+    around it fall back when a server sends them oddly (12.0 tokens, a null model)."""
+    answer = {
+        "model": None,
+        "choices": [{"message": {"content": "fine"}, "finish_reason": 7}],
+        "usage": {"prompt_tokens": 12.0, "completion_tokens": "3", "total_tokens": True},
+    }
+    fake.add(Reply(raw=json.dumps(answer).encode()))
+    response = await make_provider().chat(HELLO)
+    assert response.message.content == "fine"
+    assert response.model == "primary" and response.finish_reason is None
+    assert response.usage == TokenUsage(12, 0, 0)
