@@ -240,6 +240,11 @@ class SessionRouter:
         to the pump (started, if the same statement took the lease) without the round
         trip of a journal read. Otherwise it is left to the journal, as `kick` does."""
         if self._tg is None or self._stopping or ask is None:
+            if self._stopping and self._tg is not None and ask is not None and ask.taken:
+                # Taken by a claim on its way while `stop` withdrew the leases: withdrawn
+                # too, so another replica's sweep runs the message now, not after the
+                # lease's time.
+                self._tg.start_soon(self._withdraw, session_key)
             self.kick(session_key)
             return
         if ask.entry is None or ask.others is None:
@@ -294,6 +299,16 @@ class SessionRouter:
             logger.warning("replicas: could not withdraw leases ({})", exc)
 
     # ------------------------------------------------------------------ leases
+
+    async def _withdraw(self, key: str) -> None:
+        try:
+            async with self.store.connection() as conn:
+                await conn.execute(
+                    "DELETE FROM gw_session_leases WHERE session_key = %s AND owner = %s",
+                    (key, self.replica_id),
+                )
+        except Exception as exc:
+            logger.warning("replicas: could not withdraw the lease of {} ({})", key, exc)
 
     async def _acquire(self, key: str) -> bool:
         async with self.store.connection() as conn:

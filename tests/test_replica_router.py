@@ -201,6 +201,33 @@ async def test_a_message_taken_in_where_its_session_runs_is_handed_over_without_
     assert all(a.flags[f"m{n}"] == (False, True) for n in (2, 3, 4, 6, 7))
 
 
+async def test_a_lease_a_claim_takes_while_its_replica_stops_is_withdrawn_too(
+    migrated_pg_url: str,
+) -> None:
+    """A claim asked for the session's lease before replica a began to stop, and its
+    statement commits after a withdrew its leases: a withdraws that lease too, so b's
+    sweep runs the message within a sweep or two, not after the lease's 10 s."""
+    import psycopg
+
+    ran: list[tuple[str, str, float]] = []
+    async with replicas(migrated_pg_url, ran, sweep_interval=0.2) as (a, _b):
+        msg = message(1)
+        ask = a.router.lease_ask(msg.session_key)
+        assert ask is not None and ask.take
+        await a.router.stop()
+        key = str(dedupe_key(msg))
+        assert not await a.store.take_in(key, msg, ask)
+        assert ask.taken is True  # the orphan: nobody renews it
+        a.router.journaled_here(msg.session_key, key, ask)
+        await wait_for(lambda: len(ran) == 1, 3)
+        assert ran[0][:2] == ("b", "m1")
+    with psycopg.connect(migrated_pg_url) as conn:
+        row = conn.execute(
+            "SELECT owner FROM gw_session_leases WHERE session_key = %s", (msg.session_key,)
+        ).fetchone()
+    assert row is None or row[0] != a.router.replica_id
+
+
 async def test_turns_longer_than_the_lease_keep_their_leases_renewed(
     migrated_pg_url: str,
 ) -> None:
