@@ -66,6 +66,12 @@ class _Riding:
     meter: UsageMeter
     rows: dict[tuple[str, str, str, str, str], UsageRow]
 
+    def hold(self, row: UsageRow) -> None:
+        """Keep `row` for the next append, merged with what is held for its key."""
+        key = _row_key(row)
+        held = self.rows.get(key)
+        self.rows[key] = row if held is None else _merged(held, row)
+
 
 _riding: ContextVar[_Riding | None] = ContextVar("gateway_usage_riding", default=None)
 
@@ -88,8 +94,7 @@ def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[bool], None]] | None:
             if committed:
                 riding.meter._recorded(row)
             else:
-                held = riding.rows.get(_row_key(row))
-                riding.rows[_row_key(row)] = row if held is None else _merged(held, row)
+                riding.hold(row)
 
     return _PG_INSERT + values + _PG_UPSERT, params, settle
 
@@ -507,10 +512,7 @@ class UsageMeter:
         else in a worker thread."""
         riding = _riding.get()
         if riding is not None and riding.meter is self:
-            row = self._row(scope, model, prompt, completion, None, 0.0)
-            key = _row_key(row)
-            held = riding.rows.get(key)
-            riding.rows[key] = row if held is None else _merged(held, row)
+            riding.hold(self._row(scope, model, prompt, completion, None, 0.0))
             return
         if self.try_record_nowait(scope, model, prompt, completion):
             return
