@@ -262,10 +262,8 @@ class SessionRouter:
                 self.kick(session_key)
             return
         if ask.taken is True and not ask.others:
-            self._pumps[session_key] = anyio.Event()
-            self._handoffs[session_key] = [(dedupe_key, ask.entry)]
             self.handed += 1
-            self._tg.start_soon(self._pump, session_key, True, False, name=f"pump {session_key}")
+            self._start_pump(session_key, leased=True, handoff=(dedupe_key, ask.entry))
             return
         self.kick(session_key, leased=ask.taken)
 
@@ -283,8 +281,18 @@ class SessionRouter:
             return
         if leased is False:
             return  # held elsewhere, and the holder told in the same round trip
-        self._pumps[session_key] = anyio.Event()
-        self._tg.start_soon(self._pump, session_key, leased is True, name=f"pump {session_key}")
+        self._start_pump(session_key, leased=leased is True)
+
+    def _start_pump(
+        self, key: str, *, leased: bool, handoff: tuple[str, Unanswered] | None = None
+    ) -> None:
+        """A pump for `key` (none runs): with `handoff`, it starts from that message
+        instead of a journal read."""
+        assert self._tg is not None
+        self._pumps[key] = anyio.Event()
+        if handoff is not None:
+            self._handoffs[key] = [handoff]
+        self._tg.start_soon(self._pump, key, leased, handoff is None, name=f"pump {key}")
 
     async def stop(self) -> None:
         """Stop feeding (the drain lets what was fed finish) and withdraw every lease
