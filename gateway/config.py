@@ -502,6 +502,14 @@ class StorageSettings(_Section):
         description="auto: apply pending schema migrations at start (under a lock); never: "
         "refuse to start until `gateway db migrate` (or a migration Job) has run.",
     )
+    lease_ttl_seconds: float = Field(
+        10.0,
+        ge=1.0,
+        le=600.0,
+        description="How long a replica's lease of a conversation lasts unrenewed: a "
+        "replica paused or cut off this long loses it, another takes the conversation "
+        "over, and the paused one's writes are refused (renewed every third of it).",
+    )
 
     @field_validator("url")
     @classmethod

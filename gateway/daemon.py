@@ -611,7 +611,9 @@ class Daemon:
             from gateway.replicas import SessionRouter
 
             assert isinstance(self.dedupe, PostgresDedupeStore)
-            self.router = SessionRouter(self.dedupe, self.dispatcher)
+            self.router = SessionRouter(
+                self.dedupe, self.dispatcher, lease_ttl=settings.storage.lease_ttl_seconds
+            )
             self.dispatcher.router = self.router
             # /stop reaches the turn wherever it runs.
             self.router.on_stop = gateway.agent.stop

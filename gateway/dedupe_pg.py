@@ -36,6 +36,7 @@ from loguru import logger
 
 from gateway.dedupe import DEFAULT_TTL, ClaimBusy, Unanswered
 from gateway.messages import InboundMessage, OutboundMessage
+from gateway.storage import fence
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
 BEAT_INTERVAL = 5.0
 #: A replica silent for this long is taken for dead: its claims and journal go to others.
 REPLICA_TTL = 15.0
+#: Seconds a released or expired lease's row is kept: a write of a turn that started
+#: under it is refused by its epoch until then, and by the missing row after.
+LEASE_KEPT = 86400.0
 
 
 def new_replica_id() -> str:
@@ -80,23 +84,34 @@ _OTHERS = """ARRAY(SELECT i.dedupe_key FROM gw_inbound i
 # trip the session's lease taken for this replica (as `gateway.replicas` takes it), or,
 # when another live replica holds it, that replica kicked (NOTIFY) to run the message;
 # and the look at the session's other journaled messages.
+#: A session's lease taken for replica ``%(me)s`` for ``%(ttl)s`` seconds when it is free
+#: (no row, or expired: a released lease keeps its row, expired) or this replica's
+#: already, rows from `source`. Its epoch (the fencing token, `gateway.storage.fence`)
+#: is new when the owner changes and stays when the same replica takes it back, so that
+#: replica's writes under it stay valid while nobody else held the session in between.
+LEASE_TAKE = """INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
+    {source}
+    ON CONFLICT (session_key) DO UPDATE
+        SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at,
+            epoch = CASE WHEN l.owner = EXCLUDED.owner THEN l.epoch ELSE EXCLUDED.epoch END
+    WHERE l.owner = EXCLUDED.owner OR l.expires_at < extract(epoch FROM clock_timestamp())
+    RETURNING owner, epoch"""
+
 _CLAIM_AND_LEASE = (
     "WITH claimed AS ("
     + _CLAIM.strip().removesuffix("RETURNING dedupe_key")
-    + """RETURNING dedupe_key, session_key),
-leased AS (
-    INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
-    SELECT session_key, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s FROM claimed
-    ON CONFLICT (session_key) DO UPDATE
-        SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
-    WHERE l.owner = EXCLUDED.owner OR l.expires_at < extract(epoch FROM clock_timestamp())
-    RETURNING owner)
+    + "RETURNING dedupe_key, session_key),\nleased AS (\n    "
+    + LEASE_TAKE.format(
+        source="SELECT session_key, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s "
+        "FROM claimed"
+    )
+    + """)
 SELECT c.dedupe_key, EXISTS (SELECT FROM leased),
     (SELECT pg_notify(%(kicks)s || '.' || current_schema(), c.session_key)
      WHERE NOT EXISTS (SELECT FROM leased)),
     """
     + _OTHERS
-    + "\nFROM claimed c\n"
+    + ",\n    (SELECT epoch FROM leased)\nFROM claimed c\n"
 )
 
 # `take_in` with a `LeaseAsk` whose session this replica's pump runs (`take` False):
@@ -106,7 +121,7 @@ _CLAIM_AND_LOOK = (
     + _CLAIM.strip().removesuffix("RETURNING dedupe_key")
     + "RETURNING dedupe_key, session_key)\nSELECT c.dedupe_key, NULL, NULL, "
     + _OTHERS
-    + "\nFROM claimed c\n"
+    + ", NULL\nFROM claimed c\n"
 )
 
 
@@ -119,7 +134,9 @@ class LeaseAsk:
     waited), and `others` holds the dedupe keys of the session's other journaled
     messages as the same statement saw them (None: more than `look`), with `entry` the
     message as a read of its row would give it: the router hands it over without that
-    read when it knows all the others."""
+    read when it knows all the others. When the lease was taken, `epoch` is its fencing
+    token and `sent` the `time.monotonic()` at which the statement was sent (the lease
+    runs at least `ttl` seconds from then)."""
 
     ttl: float
     kicks: str
@@ -128,6 +145,8 @@ class LeaseAsk:
     taken: bool | None = None
     others: list[str] | None = None
     entry: Unanswered | None = None
+    epoch: int | None = None
+    sent: float = 0.0
 
 
 _TAKE_OVER = """
@@ -209,6 +228,11 @@ class PostgresDedupeStore:
             await conn.execute(
                 "DELETE FROM gw_inbound WHERE state = 'done' AND expires_at <= %s", (now,)
             )
+            # Released and expired leases keep their rows (their epochs fence late
+            # writes); a day later nothing can still write under them.
+            await conn.execute(
+                "DELETE FROM gw_session_leases WHERE expires_at < %s", (now - LEASE_KEPT,)
+            )
         self._beaten = True
 
     async def run_beats(self, interval: float = BEAT_INTERVAL) -> None:
@@ -274,6 +298,8 @@ class PostgresDedupeStore:
             extra |= {"ttl": lease.ttl, "kicks": lease.kicks, "look": lease.look + 1}
         while True:
             async with self.connection() as conn:
+                if lease is not None:
+                    lease.sent = time.monotonic()
                 cur = await conn.execute(sql, self._params(key=key, **extra))
                 taken = await cur.fetchone()
                 if taken is not None:
@@ -281,6 +307,7 @@ class PostgresDedupeStore:
                         lease.taken = bool(taken[1]) if lease.take else None
                         others = [str(k) for k in taken[3]]
                         lease.others = others if len(others) <= lease.look else None
+                        lease.epoch = None if taken[4] is None else int(taken[4])
                     return False
                 cur = await conn.execute(
                     "SELECT state, claimed_by FROM gw_inbound WHERE dedupe_key = %s", (key,)
@@ -316,24 +343,31 @@ class PostgresDedupeStore:
                 raise ClaimBusy(f"message {key!r}: this replica's claim was taken over")
 
     async def record_reply(self, keys: Sequence[str], reply: OutboundMessage) -> None:
+        """The outbox, behind the current turn's fence (`gateway.storage.fence`): raises
+        `FencedOut` when the session's lease moved on, and nothing is recorded."""
         if not keys:
             return
         raw = json.dumps(reply.to_dict(), default=str)
+        fence_key, epoch = fence.params()
         async with self.connection() as conn:
-            await conn.execute(
-                "UPDATE gw_inbound SET reply = %s::json, reply_id = %s "
-                "WHERE dedupe_key = ANY(%s) AND state = 'journaled'",
-                (raw, uuid.uuid4().hex, list(keys)),
-            )
+            with fence.refusals():
+                await conn.execute(
+                    "UPDATE gw_inbound SET reply = %s::json, reply_id = %s "
+                    "WHERE dedupe_key = ANY(%s) AND state = 'journaled' AND gw_fence(%s, %s)",
+                    (raw, uuid.uuid4().hex, list(keys), fence_key, epoch),
+                )
 
     async def mark_done(self, key: str) -> None:
+        """Answered, behind the current turn's fence (`FencedOut` when it moved on)."""
+        fence_key, epoch = fence.params()
         async with self.connection() as conn:
-            await conn.execute(
-                "UPDATE gw_inbound SET state = 'done', expires_at = %s, session_key = NULL, "
-                "received_at = NULL, message = NULL, reply = NULL, reply_id = NULL "
-                "WHERE dedupe_key = %s",
-                (self._clock() + self.ttl, key),
-            )
+            with fence.refusals():
+                await conn.execute(
+                    "UPDATE gw_inbound SET state = 'done', expires_at = %s, session_key = NULL, "
+                    "received_at = NULL, message = NULL, reply = NULL, reply_id = NULL "
+                    "WHERE dedupe_key = %s AND gw_fence(%s, %s)",
+                    (self._clock() + self.ttl, key, fence_key, epoch),
+                )
 
     async def unanswered(self) -> list[Unanswered]:
         await self._first_beat()

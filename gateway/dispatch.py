@@ -27,6 +27,11 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
 - An urgent message (`urgent(msg)` is true: /stop) is handled on arrival, outside its
   lane, after the access check: it never waits behind the turn it is meant to stop.
   It is not journaled (it acts on what runs now, which a crash ends anyway).
+- In the shared mode a fed message's turn runs behind the fence of its session's lease
+  (`gateway.storage.fence`): once another replica holds the session, the turn stores,
+  records, marks and sends nothing more, and its message is left to the new holder. A
+  reply goes out only after its durable write passed the fence and while the lease is
+  surely still held (`SessionRouter.confirm`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     from gateway.dedupe_pg import LeaseAsk
     from gateway.replicas import SessionRouter
 
+from gateway import failpoints
 from gateway.access import Allow, Challenge, Decision, Deny, Ignore
 from gateway.dedupe import ClaimBusy, DedupeStore, Unanswered, dedupe_key
 from gateway.messages import (
@@ -58,6 +64,7 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
+from gateway.storage.fence import Fence, FencedOut, fenced
 
 __all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_messages"]
 
@@ -215,7 +222,7 @@ def merge_messages(messages: Sequence[InboundMessage]) -> InboundMessage:
 class _Item:
     """One submitted message while it waits in its lane."""
 
-    __slots__ = ("dedupe_key", "message", "ready", "recorded", "skip", "ticket")
+    __slots__ = ("dedupe_key", "fence", "message", "ready", "recorded", "skip", "ticket")
 
     def __init__(
         self,
@@ -224,6 +231,7 @@ class _Item:
         *,
         checked: bool,
         recorded: Unanswered | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.message = ticket.message
         self.ticket = ticket
@@ -233,6 +241,8 @@ class _Item:
         self.skip = False  # a duplicate, or not allowed: the lane drops it
         # A replayed message (on file in the journal already), with its recorded reply.
         self.recorded = recorded
+        # The lease its turn runs under (shared mode): its writes carry it.
+        self.fence = fence
 
     @property
     def is_ready(self) -> bool:
@@ -266,6 +276,15 @@ class _Counters:
     dedupe_errors: int = 0
     not_taken: int = 0
     in_flight: int = 0
+
+
+def _fenced_out(key: str, when: str) -> None:
+    with logger.contextualize(session=key):
+        logger.warning(
+            "the session's lease moved on to another replica {}: nothing more is stored "
+            "or sent for this turn here; its new holder answers the message",
+            when,
+        )
 
 
 class Dispatcher:
@@ -390,17 +409,22 @@ class Dispatcher:
             await self.feed(entry)
         return len(pending)
 
-    async def feed(self, entry: Unanswered, *, current: bool = False) -> Ticket:
+    async def feed(
+        self, entry: Unanswered, *, current: bool = False, fence: Fence | None = None
+    ) -> Ticket:
         """Queue a journaled message (a crash's leftover, or in the shared mode one the
         router hands over): marked `META_REPLAYED`, never refused by the queue bounds.
         `current`: the router knows it is new to the session, and the session cached
-        here is current (`META_SESSION_CURRENT` instead of `META_REPLAYED`)."""
+        here is current (`META_SESSION_CURRENT` instead of `META_REPLAYED`). `fence`: the
+        session's lease its turn runs under (the shared mode's router)."""
         flag = META_SESSION_CURRENT if current else META_REPLAYED
         metadata = {**entry.message.metadata, flag: True}
         message = replace(entry.message, metadata=metadata)
-        return await self._enqueue(message, replace(entry, message=message))
+        return await self._enqueue(message, replace(entry, message=message), fence)
 
-    async def _enqueue(self, msg: InboundMessage, recorded: Unanswered | None) -> Ticket:
+    async def _enqueue(
+        self, msg: InboundMessage, recorded: Unanswered | None, fence: Fence | None = None
+    ) -> Ticket:
         ticket = Ticket(msg)
         key = msg.session_key
         if self._draining or self._tg is None:
@@ -448,6 +472,7 @@ class Dispatcher:
             dedupe_key(msg) if self._dedupe is not None else None,
             checked=self._access is not None,
             recorded=recorded,
+            fence=fence,
         )
         lane.queue.append(item)
         lane.wakeup.set()
@@ -770,7 +795,13 @@ class Dispatcher:
                     batch.append(item)
         return batch
 
-    async def _run_turn(self, key: str, batch: list[_Item]) -> OutboundMessage:
+    async def _run_turn(self, key: str, batch: list[_Item]) -> OutboundMessage | None:
+        """The turn's reply; None when its lease moved on to another replica before or
+        during the turn (fenced out: nothing more is stored or sent for it here)."""
+        fence = batch[0].fence
+        if fence is not None and not await self._holds(fence):
+            _fenced_out(key, "before its turn began")
+            return None
         recorded = batch[0].recorded
         if recorded is not None and recorded.reply is not None:
             # The turn ran before the crash and its reply may not have gone out: send
@@ -783,15 +814,24 @@ class Dispatcher:
         counters.turns_started += 1
         counters.in_flight += 1
         started = time.perf_counter()
-        with logger.contextualize(session=key):
+        with logger.contextualize(session=key), fenced(fence):
             try:
-                reply = await self._handler(msg)
+                reply: OutboundMessage | None = await self._handler(msg)
+            except FencedOut:
+                reply = None
             except Exception:
                 counters.turn_failures += 1
                 logger.exception("turn failed; the sender gets an error reply")
                 reply = reply_for(msg, ERROR_TEXT, is_error=True)
             finally:
                 counters.in_flight -= 1
+        if fence is not None and fence.lost:
+            # Also when the handler caught the refusal itself (a tool's write): whatever
+            # it answered was not stored.
+            _fenced_out(key, "during its turn")
+            return None
+        if reply is None:
+            return None
         seconds = time.perf_counter() - started
         counters.turns_finished += 1
         if self._on_turn_done is not None:
@@ -801,9 +841,47 @@ class Dispatcher:
                 logger.exception("on_turn_done callback failed")
         return reply
 
-    async def _finish(self, batch: list[_Item], reply: OutboundMessage) -> None:
+    async def _holds(self, fence: Fence) -> bool:
+        """Is the lease behind `fence` still this replica's? (`SessionRouter.confirm`:
+        the local clock while it is surely held, else one round trip.) False when that
+        cannot be told: nothing is sent, and the message stays journaled for whoever
+        holds the lease next."""
+        if fence.fresh():
+            return True
+        if fence.lost or self.router is None:
+            return False
+        try:
+            return await self.router.confirm(fence)
+        except Exception as exc:
+            logger.warning("the lease of {} could not be confirmed ({})", fence.key, exc)
+            return False
+
+    def _fenced_out_settle(self, batch: list[_Item]) -> None:
+        """A batch whose lease moved on: nothing sent or marked, its rows stay journaled
+        for the lease's new holder."""
+        for item in batch:
+            item.ticket._resolve(None)
+            item.ticket._done.set()
+        self._settled(len(batch))
+
+    async def _finish(self, batch: list[_Item], reply: OutboundMessage | None) -> None:
         """Deliver the reply of a turn: recorded in the outbox first, marked answered
-        after (see the module docstring)."""
+        after (see the module docstring); behind the turn's fence, if it has one."""
+        if reply is None:
+            self._fenced_out_settle(batch)
+            return
+        fence = batch[0].fence
+        stage = ["before its reply was recorded"]
+        try:
+            with fenced(fence):
+                await self._finish_fenced(batch, reply, fence, stage)
+        except FencedOut:
+            _fenced_out(reply.session_key, stage[0])
+            self._fenced_out_settle(batch)
+
+    async def _finish_fenced(
+        self, batch: list[_Item], reply: OutboundMessage, fence: Fence | None, stage: list[str]
+    ) -> None:
         for item in batch:
             item.ticket._resolve(reply)
         store = self._dedupe
@@ -814,8 +892,11 @@ class Dispatcher:
         in_session = reply.metadata.get(META_IN_SESSION) is True and len(batch) == 1
         needs_record = recorded is None or recorded.reply is None
         if store is not None and keys and needs_record and not in_session:
+            await failpoints.reach("dispatch.before_outbox", reply.session_key)
             try:
                 await store.record_reply(keys, reply)
+            except FencedOut:
+                raise
             except Exception as exc:
                 # Delivered all the same: after a crash the turn would run again.
                 self._counters.dedupe_errors += 1
@@ -829,7 +910,14 @@ class Dispatcher:
                 with logger.contextualize(session=reply.session_key):
                     logger.warning("re-sending a reply a crash may have kept from going out")
         if send:
+            stage[0] = "before its reply went out"
+            await failpoints.reach("dispatch.before_send", reply.session_key)
+        if send and fence is not None and not await self._holds(fence):
+            raise fence.refused()
+        if send:
             await self._deliver_safely(reply)
+        stage[0] = "before its message was marked answered"
+        await failpoints.reach("dispatch.before_mark", reply.session_key)
         # Shared mode: a reply someone waits for (`/api/chat`, perhaps on another
         # replica) is kept on its message's row as the row is marked answered. If that
         # fails the row stays journaled, never answered without its reply: the session's
@@ -842,6 +930,8 @@ class Dispatcher:
                     wanted.add(key)
                     try:
                         await self.router.publish(key, reply)
+                    except FencedOut:
+                        raise
                     except Exception as exc:
                         logger.error("a reply could not be handed to the waiting replica: {}", exc)
                     else:
@@ -856,9 +946,12 @@ class Dispatcher:
         self._settled(len(batch))
 
     async def _mark_done(self, store: DedupeStore, key: str) -> bool:
-        """Mark `key` answered: False (logged, counted) when the store failed."""
+        """Mark `key` answered: False (logged, counted) when the store failed; raises
+        `FencedOut` when the turn's lease moved on."""
         try:
             await store.mark_done(key)
+        except FencedOut:
+            raise
         except Exception as exc:
             self._counters.dedupe_errors += 1
             logger.error("dedupe store failed to record an answer: {}", exc)

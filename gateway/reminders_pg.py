@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from gateway.reminders import ScheduledJob
+from gateway.storage import fence
 from gateway.storage.postgres import StorageUnavailable
 
 if TYPE_CHECKING:
@@ -44,7 +45,10 @@ class PostgresJobStore:
         from psycopg_pool import PoolTimeout
 
         try:
-            with self._pool.connection() as conn, conn.transaction():
+            # Inside a turn (a tool adds or cancels a job) behind its fence: refused
+            # once another replica holds the conversation (`gateway.storage.fence`).
+            with self._pool.connection() as conn, fence.refusals(), conn.transaction():
+                fence.check(conn)
                 yield conn
         except (psycopg.OperationalError, PoolTimeout) as exc:
             raise StorageUnavailable(f"PostgreSQL does not answer ({exc})") from None

@@ -47,8 +47,10 @@ import anyio.abc
 from loguru import logger
 
 from gateway.dedupe import Unanswered
-from gateway.dedupe_pg import LeaseAsk
+from gateway.dedupe_pg import LEASE_TAKE, LeaseAsk
 from gateway.messages import META_REPLY_WANTED, OutboundMessage
+from gateway.storage import fence as fencing
+from gateway.storage.fence import Fence
 
 if TYPE_CHECKING:
     from gateway.dedupe_pg import PostgresDedupeStore
@@ -63,30 +65,34 @@ STOP_CHANNEL = "gw_stops"
 #: NOTIFY was lost (a reconnect): rarely, since each ask is a round trip per request.
 REPLY_POLL = 5.0
 
-# Taken (one row), or held elsewhere: then the holder is told in the same round trip.
-_ACQUIRE = """
-WITH taken AS (
-    INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
-    VALUES (%(key)s, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s)
-    ON CONFLICT (session_key) DO UPDATE
-        SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
-    WHERE l.owner = EXCLUDED.owner OR l.expires_at < extract(epoch FROM clock_timestamp())
-    RETURNING owner)
-SELECT true FROM taken
+# Taken (its epoch), or held elsewhere (NULL): then the holder is told in the same round
+# trip.
+_ACQUIRE = (
+    "WITH taken AS (\n    "
+    + LEASE_TAKE.format(
+        source="VALUES (%(key)s, %(me)s, extract(epoch FROM clock_timestamp()) + %(ttl)s)"
+    )
+    + """)
+SELECT epoch FROM taken
 UNION ALL
-SELECT false FROM (SELECT pg_notify(%(kicks)s || '.' || current_schema(), %(key)s)) n
+SELECT NULL FROM (SELECT pg_notify(%(kicks)s || '.' || current_schema(), %(key)s)) n
 WHERE NOT EXISTS (SELECT FROM taken)
 """
+)
 
+# Only a lease still at the epoch this replica holds it under: a renewal never brings
+# back a lease another replica took meanwhile (and perhaps released again).
 _RENEW = """
-UPDATE gw_session_leases SET expires_at = extract(epoch FROM clock_timestamp()) + %(ttl)s
-WHERE owner = %(me)s AND session_key = ANY(%(keys)s)
-RETURNING session_key
+UPDATE gw_session_leases l SET expires_at = extract(epoch FROM clock_timestamp()) + %(ttl)s
+FROM unnest(%(keys)s::text[], %(epochs)s::bigint[]) AS held(key, epoch)
+WHERE l.session_key = held.key AND l.epoch = held.epoch AND l.owner = %(me)s
+RETURNING l.session_key
 """
 
+# Released: expired at once, the row and its epoch kept (`gateway.storage.fence`).
 _RELEASE_IF_EMPTY = """
-DELETE FROM gw_session_leases l
-WHERE l.session_key = %(key)s AND l.owner = %(me)s AND NOT EXISTS (
+UPDATE gw_session_leases l SET expires_at = 0
+WHERE l.session_key = %(key)s AND l.owner = %(me)s AND l.epoch = %(epoch)s AND NOT EXISTS (
     SELECT 1 FROM gw_inbound i WHERE i.session_key = %(key)s AND i.state = 'journaled')
 """
 
@@ -99,13 +105,14 @@ WHERE session_key = %s AND state = 'journaled' ORDER BY seq LIMIT %s
 #: under 8000 bytes): the waiting replica needs no round trip to read them.
 NOTE_REPLY_MAX = 7000
 
-# Answered, with the reply kept for a client's retry, and the waiter told: one statement.
-# The notification says `<length of key>:<key><reply>`, the reply left out when large.
+# Answered, with the reply kept for a client's retry, and the waiter told: one statement,
+# behind the turn's fence. The notification says `<length of key>:<key><reply>`, the reply
+# left out when large.
 _PUBLISH = """
 WITH done AS (
     UPDATE gw_inbound SET state = 'done', expires_at = %(expires)s, session_key = NULL,
         received_at = NULL, message = NULL, reply = %(reply)s::json, reply_id = NULL
-    WHERE dedupe_key = %(key)s
+    WHERE dedupe_key = %(key)s AND gw_fence(%(fence_key)s, %(epoch)s)
     RETURNING dedupe_key)
 SELECT pg_notify(%(channel)s || '.' || current_schema(),
     length(dedupe_key)::text || ':' || dedupe_key || %(carried)s) FROM done
@@ -170,7 +177,8 @@ class SessionRouter:
         self._handoffs: dict[str, list[tuple[str, Unanswered]]] = {}
         self.handed = 0  # messages handed to a pump without a journal read (tests, metrics)
         self.reads = 0  # journal reads of the pumps (tests, metrics)
-        self._leases: set[str] = set()  # sessions whose lease this replica holds
+        #: The leases this replica holds, each as the fence its turns write behind.
+        self._leases: dict[str, Fence] = {}
         self._lost: set[str] = set()  # ... and lost while a pump ran (another may write)
         self._waiters: dict[str, tuple[anyio.Event, list[OutboundMessage | None]]] = {}
         self._stopping = False
@@ -247,8 +255,9 @@ class SessionRouter:
                 self._tg.start_soon(self._withdraw, session_key)
             self.kick(session_key)
             return
+        lease = self._taken(session_key, ask)
         if ask.entry is None or ask.others is None:
-            self.kick(session_key, leased=ask.taken)
+            self.kick(session_key, leased=lease if ask.taken else ask.taken)
             return
         wake = self._pumps.get(session_key)
         if wake is not None:
@@ -261,16 +270,29 @@ class SessionRouter:
             else:
                 self.kick(session_key)
             return
-        if ask.taken is True and not ask.others:
+        if lease is not None and not ask.others:
             self.handed += 1
-            self._start_pump(session_key, leased=True, handoff=(dedupe_key, ask.entry))
+            self._start_pump(session_key, leased=lease, handoff=(dedupe_key, ask.entry))
             return
-        self.kick(session_key, leased=ask.taken)
+        self.kick(session_key, leased=lease if ask.taken else ask.taken)
 
-    def kick(self, session_key: str, *, leased: bool | None = None) -> None:
+    def _taken(self, session_key: str, ask: LeaseAsk) -> Fence | None:
+        """The lease `take_in` took with `ask`, as a fence (None: not taken)."""
+        if not ask.taken or ask.epoch is None:
+            return None
+        return Fence(session_key, ask.epoch, self._surely_until(ask.sent))
+
+    def _surely_until(self, sent: float) -> float:
+        """Until when (`time.monotonic()`) a lease taken or renewed by a statement sent at
+        `sent` is surely held: PostgreSQL set its expiry `lease_ttl` from a moment after
+        `sent`, by the clock the other replicas judge it by; less a margin for clock
+        rates."""
+        return sent + self.lease_ttl - min(1.0, self.lease_ttl / 10)
+
+    def kick(self, session_key: str, *, leased: Fence | bool | None = None) -> None:
         """Make sure the session's journaled messages get run: here, when this replica
         gets (or holds) the lease; else by the holder, who sees them before letting go.
-        `leased`: what `take_in` did with a `lease_ask` (True: the lease is ours now;
+        `leased`: what `take_in` did with a `lease_ask` (a fence: the lease is ours now;
         False: its holder was kicked by the database)."""
         if self._tg is None or self._stopping:
             return
@@ -281,13 +303,13 @@ class SessionRouter:
             return
         if leased is False:
             return  # held elsewhere, and the holder told in the same round trip
-        self._start_pump(session_key, leased=leased is True)
+        self._start_pump(session_key, leased=leased if isinstance(leased, Fence) else None)
 
     def _start_pump(
-        self, key: str, *, leased: bool, handoff: tuple[str, Unanswered] | None = None
+        self, key: str, *, leased: Fence | None, handoff: tuple[str, Unanswered] | None = None
     ) -> None:
-        """A pump for `key` (none runs): with `handoff`, it starts from that message
-        instead of a journal read."""
+        """A pump for `key` (none runs), under `leased` when the lease is ours already:
+        with `handoff`, it starts from that message instead of a journal read."""
         assert self._tg is not None
         self._pumps[key] = anyio.Event()
         if handoff is not None:
@@ -301,7 +323,8 @@ class SessionRouter:
         try:
             async with self.store.connection() as conn:
                 await conn.execute(
-                    "DELETE FROM gw_session_leases WHERE owner = %s", (self.replica_id,)
+                    "UPDATE gw_session_leases SET expires_at = 0 WHERE owner = %s",
+                    (self.replica_id,),
                 )
         except Exception as exc:
             logger.warning("replicas: could not withdraw leases ({})", exc)
@@ -312,43 +335,86 @@ class SessionRouter:
         try:
             async with self.store.connection() as conn:
                 await conn.execute(
-                    "DELETE FROM gw_session_leases WHERE session_key = %s AND owner = %s",
+                    "UPDATE gw_session_leases SET expires_at = 0 "
+                    "WHERE session_key = %s AND owner = %s",
                     (key, self.replica_id),
                 )
         except Exception as exc:
             logger.warning("replicas: could not withdraw the lease of {} ({})", key, exc)
 
-    async def _acquire(self, key: str) -> bool:
+    async def _acquire(self, key: str) -> Fence | None:
+        """The session's lease as a fence, or None (held elsewhere: its holder kicked)."""
+        params = {"key": key, "me": self.replica_id, "ttl": self.lease_ttl, "kicks": KICK_CHANNEL}
         async with self.store.connection() as conn:
-            cur = await conn.execute(
-                _ACQUIRE,
-                {"key": key, "me": self.replica_id, "ttl": self.lease_ttl, "kicks": KICK_CHANNEL},
-            )
+            sent = time.monotonic()
+            cur = await conn.execute(_ACQUIRE, params)
             row = await cur.fetchone()
-            return bool(row is not None and row[0])
+        if row is None or row[0] is None:
+            return None
+        return Fence(key, int(row[0]), self._surely_until(sent))
 
-    async def _release_if_empty(self, key: str) -> bool:
+    async def _release_if_empty(self, lease: Fence) -> bool:
+        params = {"key": lease.key, "me": self.replica_id, "epoch": lease.epoch}
         async with self.store.connection() as conn:
-            cur = await conn.execute(_RELEASE_IF_EMPTY, {"key": key, "me": self.replica_id})
+            cur = await conn.execute(_RELEASE_IF_EMPTY, params)
             return bool(cur.rowcount == 1)
 
     async def renew(self) -> None:
-        """Renew every lease this replica holds, in one statement."""
-        keys = sorted(self._leases)
-        if not keys:
+        """Renew every lease this replica holds, in one statement; one found gone is
+        lost (its fence refuses its turn's writes from now on, without a round trip)."""
+        held = [self._leases[key] for key in sorted(self._leases)]
+        if not held:
             return
+        params = {
+            "keys": [lease.key for lease in held],
+            "epochs": [lease.epoch for lease in held],
+            "me": self.replica_id,
+            "ttl": self.lease_ttl,
+        }
         async with self.store.connection() as conn:
-            cur = await conn.execute(
-                _RENEW, {"keys": keys, "me": self.replica_id, "ttl": self.lease_ttl}
-            )
+            sent = time.monotonic()
+            cur = await conn.execute(_RENEW, params)
             kept = {str(k) for (k,) in await cur.fetchall()}
-        for key in keys:
-            if key not in kept and key in self._leases and key not in self._lost:
-                logger.error("replicas: lost the lease of {} to another replica mid-turn", key)
-                self._lost.add(key)
-                wake = self._pumps.get(key)
-                if wake is not None:
-                    wake.set()  # the pump stops feeding at once
+        for lease in held:
+            if lease.key in kept:
+                lease.deadline = max(lease.deadline, self._surely_until(sent))
+            else:
+                self._lose(lease)
+
+    def _lose(self, lease: Fence) -> None:
+        """`lease` went to another replica (this one could not renew it in time)."""
+        lease.lost = True
+        key = lease.key
+        if self._leases.get(key) is lease and key not in self._lost:
+            logger.error("replicas: lost the lease of {} to another replica mid-turn", key)
+            self._lost.add(key)
+            wake = self._pumps.get(key)
+            if wake is not None:
+                wake.set()  # the pump stops feeding at once
+
+    async def confirm(self, lease: Fence) -> bool:
+        """Is `lease` still this replica's? From the local clock while it is surely held
+        (`Fence.fresh`); past that one round trip, which renews it if so. Asked before a
+        reply goes out, so a replica that was paused past its lease sends nothing."""
+        if lease.fresh():
+            return True
+        if lease.lost:
+            return False
+        params = {
+            "keys": [lease.key],
+            "epochs": [lease.epoch],
+            "me": self.replica_id,
+            "ttl": self.lease_ttl,
+        }
+        async with self.store.connection() as conn:
+            sent = time.monotonic()
+            cur = await conn.execute(_RENEW, params)
+            kept = await cur.fetchone() is not None
+        if kept:
+            lease.deadline = max(lease.deadline, self._surely_until(sent))
+        else:
+            self._lose(lease)
+        return kept
 
     async def _renew_forever(self) -> None:
         pause = self.lease_ttl / 3
@@ -385,17 +451,18 @@ class SessionRouter:
                 )
         return owed
 
-    async def _pump(self, key: str, leased: bool = False, read_first: bool = True) -> None:
+    async def _pump(self, key: str, leased: Fence | None = None, read_first: bool = True) -> None:
         try:
-            if not leased and not await self._acquire(key):
+            lease = leased or await self._acquire(key)
+            if lease is None:
                 return  # leased elsewhere: the holder sees our message before letting go
-            self._leases.add(key)
-            await self._feed_until_empty(key, read_first)
+            self._leases[key] = lease
+            await self._feed_until_empty(lease, read_first)
         except Exception as exc:
             # The lease runs out; the sweep (here or elsewhere) takes the session up.
             logger.error("replicas: pump of {} failed ({}); the sweep will retry", key, exc)
         finally:
-            self._leases.discard(key)
+            self._leases.pop(key, None)
             self._lost.discard(key)
             self._fed.pop(key, None)
             self._wanted.discard(key)
@@ -410,7 +477,10 @@ class SessionRouter:
         wake = self._pumps[key] = anyio.Event()
         return wake
 
-    async def _feed_until_empty(self, key: str, read_first: bool = True) -> None:
+    async def _feed_until_empty(self, lease: Fence, read_first: bool = True) -> None:
+        """Feed the session's journaled messages to the dispatcher, in journal order and
+        behind `lease` (its turns' writes carry it), until none is left to run here."""
+        key = lease.key
         fed: dict[str, Ticket] = {}
         self._fed[key] = fed
         # Ask the journal (else take what is handed over, and wait for a kick, a
@@ -425,8 +495,10 @@ class SessionRouter:
         while True:
             if self._stopping or self.dispatcher.draining:
                 return  # `stop` withdraws the lease; what was fed finishes in the drain
-            if key in self._lost:
-                await self._let_go(key, fed)
+            if lease.lost or key in self._lost:
+                # Lost to another replica: a renewal or one of its turns' writes found
+                # the lease at another epoch.
+                await self._let_go(lease, fed)
                 return
             wake = self._rearm(key)  # before the query: a kick during it is not missed
             if key in self._wanted:
@@ -439,7 +511,9 @@ class SessionRouter:
                 # Handed over by `journaled_here`: next in journal order when handed.
                 for dedupe, entry in self._handoffs.pop(key, ()):
                     if dedupe not in fed:
-                        fed[dedupe] = await self.dispatcher.feed(entry, current=not first)
+                        fed[dedupe] = await self.dispatcher.feed(
+                            entry, current=not first, fence=lease
+                        )
                         self.fed += 1
                         first = False
                 if check:
@@ -449,17 +523,20 @@ class SessionRouter:
                     owed = await self._owed(key)
                     for dedupe, entry in owed:
                         if dedupe not in fed:
-                            fed[dedupe] = await self.dispatcher.feed(entry, current=not first)
+                            fed[dedupe] = await self.dispatcher.feed(
+                                entry, current=not first, fence=lease
+                            )
                             self.fed += 1
                     first = False
                     journaled = {d for d, _ in owed}
                     for done in [d for d, t in fed.items() if d not in journaled and t.finished]:
                         del fed[done]
                     stuck = [d for d in fed if d in settled]
-                    if stuck and all(t.finished for t in fed.values()):
+                    if stuck and all(t.finished for t in fed.values()) and not lease.lost:
                         # Finished here, yet still journaled: its mark failed (a busy or
                         # lost database). Marked again here; the lease is ours meanwhile.
-                        await self._mark_finished(stuck, fed)
+                        with fencing.fenced(lease):
+                            await self._mark_finished(stuck, fed)
                         failures += 1
                         await anyio.sleep(min(0.2 * 2**failures, 2.0))
                         continue
@@ -477,7 +554,7 @@ class SessionRouter:
                     await wake.wait()
                 if wake.is_set():
                     continue  # a kick (its read is wanted) or a message handed over
-                if await self._release_if_empty(key):
+                if await self._release_if_empty(lease):
                     return
                 check = True
             except Exception as exc:
@@ -490,11 +567,14 @@ class SessionRouter:
                 await anyio.sleep(min(0.2 * 2**failures, 2.0))
                 check = True
 
-    async def _let_go(self, key: str, fed: dict[str, Ticket]) -> None:
-        """The lease of `key` went to another replica (this one could not renew it in
-        time): stop feeding, take back what has not begun (its holder runs it), and let
-        the turn in progress end. That one turn may run on both replicas: the bound the
-        delivery promise allows a replica that stops answering (docs/scaling.md)."""
+    async def _let_go(self, lease: Fence, fed: dict[str, Ticket]) -> None:
+        """`lease` went to another replica (this one could not renew it in time, paused
+        or starved): stop feeding, take back what has not begun (its holder runs it),
+        and let the turn in progress end. That turn's next write is refused by its fence
+        (`gateway.storage.fence`): it stores and sends nothing more; its new holder
+        runs the message."""
+        key = lease.key
+        lease.lost = True
         pending = [t for t in fed.values() if not t.finished]
         taken = self.dispatcher.withdraw(key, pending)
         logger.warning("replicas: {} handed to its new holder ({} messages taken back)", key, taken)
@@ -537,17 +617,21 @@ class SessionRouter:
             waiter[0].set()
         raw = json.dumps(reply.to_dict(), default=str)
         carried = raw if len(raw.encode()) + len(dedupe_key.encode()) <= NOTE_REPLY_MAX else ""
+        fence_key, epoch = fencing.params()
         async with self.store.connection() as conn:
-            await conn.execute(
-                _PUBLISH,
-                {
-                    "key": dedupe_key,
-                    "reply": raw,
-                    "carried": carried,
-                    "expires": time.time() + self.store.ttl,
-                    "channel": NOTIFY_CHANNEL,
-                },
-            )
+            with fencing.refusals():
+                await conn.execute(
+                    _PUBLISH,
+                    {
+                        "key": dedupe_key,
+                        "reply": raw,
+                        "carried": carried,
+                        "expires": time.time() + self.store.ttl,
+                        "channel": NOTIFY_CHANNEL,
+                        "fence_key": fence_key,
+                        "epoch": epoch,
+                    },
+                )
 
     async def wait_reply(self, dedupe_key: str, *, fresh: bool = False) -> OutboundMessage | None:
         """The reply to a message this replica forwarded, wherever its turn runs. The

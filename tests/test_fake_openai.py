@@ -356,3 +356,30 @@ async def test_transcriptions_report_usage_as_the_real_api_does(
     fake.transcription_usage = False  # a local Whisper server
     bare = await client.audio.transcriptions.create(model="whisper-1", file=audio)
     assert bare.usage is None and bare.text == "one two three four five six"
+
+
+@pytest.mark.anyio
+async def test_a_held_request_waits_for_release_and_others_go_on(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    """`hold`: the matching request (once) waits unanswered, as a busy model would,
+    until `release`; other requests, and a later matching one, are answered meanwhile."""
+    fake.hold(lambda body: body["messages"][-1]["content"] == "hold me")
+    answers: list[str | None] = []
+
+    async def ask(text: str) -> None:
+        done = await client.chat.completions.create(
+            model="gpt-x", messages=[{"role": "user", "content": text}]
+        )
+        answers.append(done.choices[0].message.content)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask, "hold me")
+        with anyio.fail_after(5):
+            held = await fake.wait_held_async(1)
+        assert held[0].last_user_text == "hold me"
+        await ask("not me")
+        await ask("hold me")  # the hold took one request: this one is answered
+        assert answers == ["echo: not me", "echo: hold me"]
+        fake.release()
+    assert answers == ["echo: not me", "echo: hold me", "echo: hold me"]

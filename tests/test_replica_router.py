@@ -492,13 +492,14 @@ async def test_a_replica_that_lost_a_lease_hands_over_what_has_not_begun(
 ) -> None:
     """a holds a session and runs a slow turn with two more messages fed behind it;
     its lease goes to another replica (as when a starves past the lease time). a stops
-    feeding and takes back the two that have not begun; only the turn in progress ends
-    on a; the next holder runs the other two, once, in order."""
+    feeding and takes back the two that have not begun; the turn in progress ends on a
+    behind its fence (`gateway.storage.fence`): its reply is not sent and its message
+    is not marked answered. The next holder runs all three, once each, in order."""
     import psycopg
 
     ran: list[tuple[str, str, float]] = []
     gate = anyio.Event()
-    async with replicas(migrated_pg_url, ran, gate, sweep_interval=0.2) as (a, _):
+    async with replicas(migrated_pg_url, ran, gate, sweep_interval=0.2) as (a, b):
         await a.dispatcher.submit(message(1, "98", "slow 1"))
         await wait_for(lambda: len(ran) == 1, 5)
         for n in (2, 3):
@@ -515,10 +516,12 @@ async def test_a_replica_that_lost_a_lease_hands_over_what_has_not_begun(
         await a.router.renew()  # finds the lease gone
         await anyio.sleep(0.3)
         gate.set()
-        await wait_for(lambda: len(ran) == 3, 10)
+        await wait_for(lambda: len(ran) == 4, 10)
         await anyio.sleep(0.5)
-    # The two taken back ran once each, in order, only once the quiet holder's lease had
-    # run out (on whichever replica's sweep came first), not on a's old pump meanwhile.
-    assert [text for _, text, _ in ran] == ["slow 1", "m2", "m3"]
+    # The three ran once each on the next holder, in order, only once the quiet holder's
+    # lease had run out (on whichever replica's sweep came first), not on a's old pump
+    # meanwhile; a's own run of the first sent nothing.
+    assert [text for _, text, _ in ran] == ["slow 1", "slow 1", "m2", "m3"]
     assert ran[0][0] == "a"
     assert ran[1][2] - stolen >= 1.4, ran[1][2] - stolen
+    assert sum(m.text == "echo: slow 1" for r in (a, b) for m in r.sent) == 1

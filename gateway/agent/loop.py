@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from loguru import logger
 
+from gateway import failpoints
 from gateway.access import META_IS_GROUP
 from gateway.agent.commands import (
     PRIVILEGED,
@@ -481,6 +482,7 @@ class AgentLoop:
             await self._note_dm(inbound)
         if append:
             entry_meta = {**(user_entry_meta(inbound) or {}), **(meta or {})} or None
+            await failpoints.reach("turn.before_user_append", key)
             await session.aadd_message(user_message, entry_meta)
         texts: list[str] = []
         if self.memory is not None and (

@@ -22,7 +22,9 @@ lone surrogate; everything else is stored as given. A huge entry is stored whole
 first `MAX_INDEXED_CHARS` characters of tokens are searchable (a tsvector is at most
 1 MB).
 
-Promises: every statement names its scope (one scope never sees another's rows); an
+Promises: every statement names its scope (one scope never sees another's rows); a write
+made inside a turn is behind that turn's fence (`gateway.storage.fence`: refused once
+another replica holds the session, at the cost of one round trip per write); an
 append returns once PostgreSQL committed it; `record_consolidation` stores a
 consolidation's facts, knowledge and summary in one transaction (all or nothing, which
 the files cannot promise). Calls block on the network: run them in worker threads.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any
@@ -67,6 +70,7 @@ from gateway.memory.manager import utc_now
 from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
 from gateway.memory.text import one_line, tokenize
 from gateway.people import PeopleStore, person_scope
+from gateway.storage import fence
 
 if TYPE_CHECKING:
     import psycopg
@@ -167,6 +171,14 @@ class _Scoped:
         self._key = scope_dirname(scope)  # raises ValueError for unusable names
         self._clock = clock
 
+    @contextmanager
+    def _writing(self) -> Iterator[psycopg.Connection[Any]]:
+        """A transaction for a write, behind the current turn's fence: refused
+        (`FencedOut`, nothing written) once another replica holds the session."""
+        with self._pool.connection() as conn, fence.refusals(), conn.transaction():
+            fence.check(conn)
+            yield conn
+
     def _ensure_scope(self, conn: psycopg.Connection[Any]) -> None:
         conn.execute(
             "INSERT INTO gw_memory_scopes (scope, created_at) VALUES (%s, %s) "
@@ -249,7 +261,7 @@ class PostgresKnowledge(_Scoped):
         tags: Iterable[str] | None = None,
     ) -> KnowledgeEntry:
         """Add or reinforce an entry; committed when this returns."""
-        with self._pool.connection() as conn, conn.transaction():
+        with self._writing() as conn:
             return self.add_in(conn, category, content, source=source, tags=tags)
 
     def add_in(
@@ -376,7 +388,7 @@ class PostgresMemoryScope(_Scoped):
         return render_memory((day, str(line)) for day, line in rows)
 
     def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
-        with self._pool.connection() as conn, conn.transaction():
+        with self._writing() as conn:
             return self._append_facts(conn, facts, day)
 
     def _append_facts(
@@ -452,7 +464,7 @@ class PostgresMemoryScope(_Scoped):
         if not new_text:
             raise ValueError("a corrected fact needs some text")
         fix = correction_now(self._clock(), pg_text(by))
-        with self._pool.connection() as conn, conn.transaction():
+        with self._writing() as conn:
             facts = self._facts(conn, lock=True)
             found = [(row, f) for row, f in facts if f.id == ident]
             if found:
@@ -482,7 +494,7 @@ class PostgresMemoryScope(_Scoped):
     def forget_fact(self, ident: str) -> Fact | None:
         """As the file mode's: the fact's rows and the knowledge entries saying the
         same are deleted, in one transaction."""
-        with self._pool.connection() as conn, conn.transaction():
+        with self._writing() as conn:
             facts = self._facts(conn, lock=True)
             found = [(row, f) for row, f in facts if f.id == ident]
             if found:
@@ -503,7 +515,7 @@ class PostgresMemoryScope(_Scoped):
     # -- history ---------------------------------------------------------------------
 
     def append_history(self, entry: str) -> str:
-        with self._pool.connection() as conn, conn.transaction():
+        with self._writing() as conn:
             return self._append_history(conn, entry)
 
     def _append_history(self, conn: psycopg.Connection[Any], entry: str) -> str:
@@ -554,7 +566,7 @@ class PostgresMemoryScope(_Scoped):
     ) -> None:
         """Facts, knowledge entries and the summary line in one transaction."""
         cleaned = new_facts(facts)
-        with self._pool.connection() as conn, conn.transaction():
+        with self._writing() as conn:
             self._append_facts(conn, cleaned, day)
             for fact in cleaned:
                 self._knowledge.add_in(conn, fact.category, fact.text, source=source)
@@ -639,7 +651,8 @@ class _PostgresLease:
     def record(
         self, session_id: str, first_kept_entry_id: str, *, summarized: int, facts: int
     ) -> None:
-        with self._pool.connection() as conn:
+        with self._pool.connection() as conn, fence.refusals(), conn.transaction():
+            fence.check(conn)
             conn.execute(
                 "INSERT INTO gw_consolidations (session_key, session_id, first_kept_entry_id, "
                 "summarized, facts, consolidated_at, replica) "

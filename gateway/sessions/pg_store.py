@@ -17,6 +17,9 @@ Promises kept here, as the file store keeps them:
   and commits; a session reset elsewhere (another current row for the key) is loaded
   afresh, as a file replaced underneath is reopened.
 - An acknowledged append is durable: `append` returns after PostgreSQL committed it.
+- Fenced: inside a turn, every write names the epoch of the turn's session lease
+  (`gateway.storage.fence`) and is refused (`FencedOut`, nothing written) once another
+  replica holds the session; the one-statement append carries it in that statement.
 - A damaged row is skipped, counted in the load report and kept.
 
 The calls block on the network: the manager runs them in worker threads, as it does
@@ -57,6 +60,7 @@ from gateway.sessions.store import (
     new_header,
 )
 from gateway.sessions.tree import SessionTree
+from gateway.storage import fence
 from gateway.usage import riding_rows
 
 if TYPE_CHECKING:
@@ -68,16 +72,20 @@ E = TypeVar("E", bound=Entry)
 #: A connection of the event loop's pool, as `PostgresDedupeStore.connection` gives one.
 AsyncConnect = Callable[[], AbstractAsyncContextManager["psycopg.AsyncConnection[Any]"]]
 
-# The one-round-trip append (migration 0006): the entry's seq, or NULL (nothing written)
-# when the session moved on from the (session_id, last_seq) the tree reflects.
-_APPEND_IF_CURRENT = "SELECT gw_append_entry(%s, %s, %s, %s, %s, %s, %s::json, %s, %s)"
+# The one-round-trip append (migrations 0006, 0010): the entry's seq, or NULL (nothing
+# written) when the session moved on from the (session_id, last_seq) the tree reflects;
+# behind the turn's fence (its lease's key and epoch, NULL outside a turn).
+_APPEND_IF_CURRENT = (
+    "SELECT gw_append_entry(%s, %s, %s, %s, %s, %s, %s::json, %s, %s, %s, %s::bigint)"
+)
 
-# A new key's session created with its first entry in one statement; no row (nothing
-# written) when the key has a current session already (another replica made it).
+# A new key's session created with its first entry in one statement, behind the turn's
+# fence; no row (nothing written) when the key has a current session already (another
+# replica made it).
 _CREATE_WITH_FIRST = """
 WITH created AS (
     INSERT INTO gw_sessions (session_id, key, header, created_at, updated_at, last_seq, bytes)
-    VALUES (%s, %s, %s::json, %s, %s, 1, %s)
+    SELECT %s, %s, %s::json, %s, %s, 1, %s WHERE gw_fence(%s, %s::bigint)
     ON CONFLICT (key) WHERE archived_at IS NULL DO NOTHING
     RETURNING session_id)
 INSERT INTO gw_session_entries (session_id, seq, entry_id, parent_id, type, body)
@@ -272,7 +280,9 @@ class PostgresSessionStore:
     # -- writing ----------------------------------------------------------------------
 
     def _lock_current(self, conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
-        """Lock the key's current row, creating it with our header when there is none."""
+        """Lock the key's current row, creating it with our header when there is none
+        (inside a transaction, which the turn's fence holds first)."""
+        fence.check(conn)
         for _ in range(8):
             row = conn.execute(_CURRENT + " FOR UPDATE", (self.key,)).fetchone()
             if row is not None:
@@ -313,12 +323,12 @@ class PostgresSessionStore:
     def _append_locked(self, factory: EntryFactory[E]) -> tuple[E, int, int]:
         if self._session_id is not None or len(self._tree) == 0:
             entry, size, sql, params = self._one_statement(factory)
-            with self._pool.connection() as conn:
+            with self._pool.connection() as conn, fence.refusals():
                 row = conn.execute(sql, params).fetchone()
             done = self._stored(entry, size, row)
             if done is not None:
                 return done
-        with self._pool.connection() as conn, conn.transaction():
+        with self._pool.connection() as conn, fence.refusals(), conn.transaction():
             self._sync(conn, self._lock_current(conn))
             entry = build_entry(self._tree, factory)
             line = _line(entry)
@@ -342,6 +352,7 @@ class PostgresSessionStore:
         stores it unless another writer got there first: `_APPEND_IF_CURRENT` for a
         stored session, `_CREATE_WITH_FIRST` (with the session's row and our header) for
         one not stored yet."""
+        fenced = fence.params()  # raises at once for a fence found lost already
         # A new session's header first: its timestamp comes before its first entry's.
         header = self.header if self._session_id is None else None
         entry = build_entry(self._tree, factory)
@@ -350,11 +361,11 @@ class PostgresSessionStore:
         if header is not None:
             created = (header.id, self.key, _line(header), header.timestamp, entry.timestamp)
             return entry, size, _CREATE_WITH_FIRST, (
-                *created, size, entry.id, entry.parent_id, entry.type, line,
+                *created, size, *fenced, entry.id, entry.parent_id, entry.type, line,
             )  # fmt: skip
         return entry, size, _APPEND_IF_CURRENT, (
             self.key, self._session_id, self._seq,
-            entry.id, entry.parent_id, entry.type, line, size, entry.timestamp,
+            entry.id, entry.parent_id, entry.type, line, size, entry.timestamp, *fenced,
         )  # fmt: skip
 
     def _stored(
@@ -390,7 +401,7 @@ class PostgresSessionStore:
             # Carried through like the worker thread's append: a turn stopped meanwhile
             # does not leave the tree unsure of what was committed.
             try:
-                with anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True), fence.refusals():
                     async with aconnect() as conn:
                         cur = await conn.execute(sql, params)
                         row = await cur.fetchone()
@@ -423,7 +434,8 @@ class PostgresSessionStore:
             header = self.header
             lines = [_line(e) for e in entries]
             size = sum(len(line.encode()) + 1 for line in lines)
-            with self._pool.connection() as conn, conn.transaction():
+            with self._pool.connection() as conn, fence.refusals(), conn.transaction():
+                fence.check(conn)
                 created = conn.execute(
                     "INSERT INTO gw_sessions "
                     "(session_id, key, header, created_at, updated_at, last_seq, bytes) "
@@ -467,8 +479,9 @@ class PostgresSessionStore:
     def archive(self) -> None:
         """Keep the current session's rows as archived and start a new session whose
         header names the old one as ``previous_session`` (``/new``)."""
-        with self.lock, self._pool.connection() as conn, conn.transaction():
+        with self.lock, self._pool.connection() as conn, fence.refusals(), conn.transaction():
             self._not_mid_loop_call()
+            fence.check(conn)
             # To the microsecond, as an archived file's name holds it: the session
             # survives `gateway storage export` and `import` with the same row.
             row = conn.execute(
@@ -490,8 +503,9 @@ class PostgresSessionStore:
 
     def delete(self) -> bool:
         """Remove the key's current session and its entries; the store starts fresh."""
-        with self.lock, self._pool.connection() as conn, conn.transaction():
+        with self.lock, self._pool.connection() as conn, fence.refusals(), conn.transaction():
             self._not_mid_loop_call()
+            fence.check(conn)
             cur = conn.execute(
                 "DELETE FROM gw_sessions WHERE key = %s AND archived_at IS NULL", (self.key,)
             )

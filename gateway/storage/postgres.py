@@ -238,6 +238,23 @@ async def _anote_returned(conn: psycopg.AsyncConnection[Any]) -> None:
     _returned_at[conn] = time.monotonic()
 
 
+#: Seconds PostgreSQL lets a transaction of ours sit idle (the client between two of its
+#: statements) before it ends it: a replica frozen inside a transaction (the locking
+#: session append, a memory write) would otherwise hold its row locks, the lease's
+#: share lock among them (`gateway.storage.fence`), and keep the other replicas from
+#: taking its sessions over for as long as it stays frozen. No transaction of ours
+#: waits on the client anywhere near this long.
+IDLE_IN_TRANSACTION = 10
+
+
+def _configure(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}s'")
+
+
+async def _aconfigure(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}s'")
+
+
 def sync_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPool:
     """A pool for code that runs in worker threads (the session stores)."""
     require_driver()
@@ -252,6 +269,7 @@ def sync_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPo
         timeout=10.0,
         name="gateway-sync",
         kwargs={"autocommit": True},
+        configure=_configure,
         check=_check_idle,
         reset=_note_returned,
     )
@@ -273,6 +291,7 @@ def async_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> AsyncConnec
         timeout=3.0,
         name="gateway-async",
         kwargs={"autocommit": True},
+        configure=_aconfigure,
         check=_acheck_idle,
         reset=_anote_returned,
     )

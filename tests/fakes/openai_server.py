@@ -30,6 +30,10 @@ scripting method and the request log are thread-safe)::
         subprocess.run([...], env=env)
         fake.wait_for_requests(1)
 
+``hold(matches)`` keeps the next matching chat request unanswered until ``release()``
+(a model busy with it, while a test freezes the gateway that asked); ``held`` and
+``wait_held`` show it arrived.
+
 Scripted replies are queued and consumed in order, one per chat request (a reply added
 with ``model=...`` is only consumed by a request for that model). ``fail_model`` makes
 every request for one model fail, without consuming the queue. With nothing queued, the
@@ -457,6 +461,10 @@ class FakeOpenAI(LocalServer):
         self.responder: Responder = responder or echo_responder
         self.validate = validate
         self._queue: list[Reply] = []
+        # Requests to hold unanswered (`hold`): the rule, and how many it still takes.
+        self._holds: list[tuple[Callable[[dict[str, Any]], bool], list[int]]] = []
+        self._held: list[RecordedRequest] = []
+        self._released = False
         self._model_failures: dict[str, Reply] = {}
         self._requests: list[RecordedRequest] = []
         self._ids = itertools.count(1)
@@ -586,6 +594,46 @@ class FakeOpenAI(LocalServer):
                 status=status, error_message=message, retry_after=retry_after
             )
 
+    def hold(self, matches: Callable[[dict[str, Any]], bool], count: int = 1) -> None:
+        """Hold the next `count` chat requests whose JSON body `matches`: they get no
+        answer until `release` (a model busy with them, while a test freezes the
+        gateway that asked). `held` lists them as they arrive."""
+        with self._lock:
+            self._holds.append((matches, [count]))
+            self._released = False
+
+    def release(self) -> None:
+        """Answer every held request now (and stop holding new ones)."""
+        with self._lock:
+            self._released = True
+            self._holds.clear()
+        self._notify()
+
+    @property
+    def held(self) -> list[RecordedRequest]:
+        with self._lock:
+            return list(self._held)
+
+    def wait_held(self, count: int = 1, timeout: float = 10.0) -> list[RecordedRequest]:
+        """Block until `count` requests are held (thread mode)."""
+        return self._wait_blocking(
+            at_least(count, lambda: self.held),
+            timeout,
+            async_method="wait_held_async",
+            describe_timeout=lambda: f"{len(self._held)} of {count} held after {timeout}s",
+        )
+
+    async def wait_held_async(self, count: int = 1) -> list[RecordedRequest]:
+        return await self._until(at_least(count, lambda: self.held))
+
+    def _to_hold(self, body: dict[str, Any]) -> bool:
+        with self._lock:
+            for matches, left in self._holds:
+                if left[0] > 0 and matches(body):
+                    left[0] -= 1
+                    return True
+        return False
+
     def reset(self) -> None:
         """Forget queued replies, model failure rules and the request log."""
         with self._lock:
@@ -708,6 +756,13 @@ class FakeOpenAI(LocalServer):
             image_urls(m.get("content")) for m in body["messages"] if isinstance(m, dict)
         ):
             return _error_response(400, error_body(400, NO_VISION))
+        if self._to_hold(body):
+            with self._lock:
+                self._held.append(recorded)
+            self._notify()
+            closing = self._closing
+            assert closing is not None
+            await self._until(lambda: self._released or closing.is_set() or None)
         reply = self._next_reply(body)
         if reply.delay:
             await self._sleep(reply.delay)

@@ -1,0 +1,83 @@
+"""Failpoints: named places in a turn where a test pauses this process, to prove what a
+pause at the worst moment does (a replica frozen past its lease: `gateway.storage.fence`).
+
+Inert unless armed: `reach` is one dictionary check when nothing is. Armed two ways:
+- from the environment, for a real `gateway run` in a multi-process test:
+  ``GATEWAY_FAILPOINTS="dispatch.before_mark=sigstop@telegram:42"`` (comma-separated
+  ``NAME=ACTION[@SESSION_KEY]``). The one action is ``sigstop``: the process stops itself
+  there (as a stop-the-world pause would), once, and goes on where it stopped when the
+  test sends SIGCONT;
+- in-process, with `arm` and a coroutine function, for tests that run replicas in one
+  process.
+
+The places (`POINTS`) are where a pause decides what a replica may still write or send:
+before the user's message is stored, before the reply is recorded in the outbox, before
+it is sent, and before the message is marked answered.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+from loguru import logger
+
+POINTS = frozenset(
+    {
+        "turn.before_user_append",
+        "dispatch.before_outbox",
+        "dispatch.before_send",
+        "dispatch.before_mark",
+    }
+)
+ENV = "GATEWAY_FAILPOINTS"
+
+Action = Callable[[str, str], Awaitable[None]]
+
+#: name -> (session key or None for any, action); each fires once.
+_armed: dict[str, tuple[str | None, Action]] = {}
+
+
+async def _sigstop(name: str, session_key: str) -> None:
+    logger.warning(
+        "failpoint {} reached for {}: stopping this process (SIGSTOP)", name, session_key
+    )
+    os.kill(os.getpid(), signal.SIGSTOP)  # a test sends SIGCONT
+
+
+def arm(name: str, action: Action, session_key: str | None = None) -> None:
+    """Run `action(name, session_key)` the first time a turn of `session_key` (any
+    session: None) reaches failpoint `name`."""
+    if name not in POINTS:
+        raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(POINTS))}")
+    _armed[name] = (session_key, action)
+
+
+def disarm_all() -> None:
+    _armed.clear()
+
+
+def arm_from(spec: str) -> None:
+    """Arm what `spec` names (the format of ``GATEWAY_FAILPOINTS``)."""
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, rest = part.partition("=")
+        action, _, key = rest.partition("@")
+        if not sep or action != "sigstop":
+            raise ValueError(f"{ENV}: {part!r} is not NAME=sigstop[@SESSION_KEY]")
+        arm(name.strip(), _sigstop, key or None)
+
+
+async def reach(name: str, session_key: str) -> None:
+    """Failpoint `name`, reached by a turn of `session_key`."""
+    if not _armed:
+        return
+    armed = _armed.get(name)
+    if armed is None or armed[0] not in (None, session_key):
+        return
+    del _armed[name]
+    await armed[1](name, session_key)
+
+
+if os.environ.get(ENV):
+    arm_from(os.environ[ENV])
