@@ -2,7 +2,9 @@
 
 Errors a user can cause end in one line on stderr and a distinct exit code, never a
 traceback: 2 for bad usage or input, 78 for configuration (an unwritable workspace
-included), 73 when `gateway init` cannot create its file, 1 for a failed operation.
+included), 73 when `gateway init` cannot create its file, 75 when another gateway runs on
+the workspace (`gateway run`, `chat` and the commands that change the workspace hold its
+lock), 1 for a failed operation.
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ from gateway.config import (
 from gateway.llm.types import LLMConfigError
 from gateway.logs import setup_logging
 from gateway.messages import session_key_from_name
-from gateway.workspace import WorkspaceError, cannot_write, check_workspace, write_denied
+from gateway.workspace import (
+    EXIT_BUSY,
+    WorkspaceBusy,
+    WorkspaceError,
+    WorkspaceLock,
+    cannot_write,
+    check_workspace,
+    write_denied,
+)
 
 if TYPE_CHECKING:
     from gateway.memory.protocol import MemoryScope
@@ -273,6 +283,11 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.daemon import Gateway
 
     key = args.session or settings.channels.cli.session
+    _lock_workspace(
+        settings,
+        "gateway chat",
+        fix="chat in its terminal, through its chat API (/api/chat), or stop it first",
+    )
     gateway = Gateway.build(settings)
 
     async def main() -> int:
@@ -306,6 +321,13 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.daemon import Gateway, run_daemon, wait_for_shared_storage
 
+    # One gateway per workspace: a second one would interleave the same session files.
+    lock = _lock_workspace(
+        settings,
+        "gateway run",
+        fix="stop it first, or give this one its own workspace (--workspace or GATEWAY_WORKSPACE)",
+        always=True,
+    )
     # Both runs on the same kind of loop: the wait's PostgreSQL connection outlives it.
     options = {"use_uvloop": settings.use_uvloop}
     if settings.storage.url and not anyio.run(
@@ -314,7 +336,30 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_OK  # stopped by a signal while waiting
     gateway = Gateway.build(settings)
     logger.info("event loop: {}", "uvloop" if settings.use_uvloop else "asyncio")
-    return anyio.run(run_daemon, gateway, backend_options=options)
+    return anyio.run(run_daemon, gateway, lock, backend_options=options)
+
+
+#: The workspace lock a command holds until the process ends (the kernel lets go).
+_held: list[WorkspaceLock] = []
+
+
+def _lock_workspace(
+    settings: Settings,
+    command: str,
+    *,
+    fix: str = "it writes this workspace; stop it first, then run this again",
+    always: bool = False,
+    folder: Path | None = None,
+) -> WorkspaceLock | None:
+    """Hold the workspace's one-writer lock for `command` until this process ends, or
+    raise `WorkspaceBusy` (one line: who holds it, and `fix`). Only in the file mode
+    unless `always`: with `storage.url` the shared state is PostgreSQL's to guard."""
+    if settings.storage.url and not always:
+        return None
+    lock = WorkspaceLock(folder or settings.workspace_path)
+    lock.acquire(command, doing=f"{command} refused", fix=fix)
+    _held.append(lock)
+    return lock
 
 
 def _manager(settings: Settings) -> SessionManager:
@@ -358,6 +403,8 @@ def _entry_summary(entry: Any) -> str:
 
 
 def cmd_sessions(args: argparse.Namespace, settings: Settings) -> int:
+    if args.action in ("delete", "fork"):
+        _lock_workspace(settings, f"gateway sessions {args.action}")
     manager = _manager(settings)
     try:
         return _sessions_action(args, manager)
@@ -497,6 +544,8 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
 
     if not settings.memory.enabled:
         raise CommandError("memory is disabled ([memory] enabled = false)")
+    if args.action in ("compact", "correct", "forget"):
+        _lock_workspace(settings, f"gateway memory {args.action}")
     if args.action == "compact":
         return _memory_compact(args, settings)
     store = build_memory_backend(settings)
@@ -732,7 +781,20 @@ def cmd_db(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.storage.commands import storage_transfer
+    from gateway.workspace import holder
 
+    # A workspace a gateway writes to is neither copied (its newest appends would be
+    # missed) nor written into: checked without leaving a lock file in a folder that
+    # may be nobody's workspace yet.
+    folder = Path(args.dir).expanduser()
+    running = holder(folder)
+    if running is not None:
+        raise WorkspaceBusy(
+            folder,
+            running,
+            f"gateway storage {args.action} refused",
+            "stop it first, then run this again",
+        )
     return storage_transfer(settings, args.action, args.dir)
 
 
@@ -821,6 +883,9 @@ def _user_error_code(exc: BaseException) -> int | None:
     if isinstance(exc, CommandError):
         print(f"gateway: {exc}", file=sys.stderr)
         return exc.code
+    if isinstance(exc, WorkspaceBusy):
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_BUSY
     if isinstance(exc, WorkspaceError):
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from gateway.people import PeopleStore
     from gateway.replicas import SessionRouter
     from gateway.storage.postgres import SharedStorage
+    from gateway.workspace import WorkspaceLock
 
 
 def build_provider(settings: Settings) -> LLMProvider:
@@ -550,7 +551,13 @@ class Daemon:
     #: Seconds between two checks that sessions can be written and the cache answers.
     STORAGE_CHECK_INTERVAL = 5.0
 
-    def __init__(self, gateway: Gateway, *, interactive: bool | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        *,
+        interactive: bool | None = None,
+        lock: WorkspaceLock | None = None,
+    ) -> None:
         from gateway.access import AccessGate
         from gateway.dedupe import FileDedupeStore
         from gateway.dispatch import Dispatcher
@@ -558,6 +565,7 @@ class Daemon:
         from gateway.metrics import Metrics
 
         self.gateway = gateway
+        self.lock = lock
         settings = gateway.settings
         self.health = HealthState()
         self.metrics = Metrics(version=__version__)
@@ -910,11 +918,11 @@ class Daemon:
                     tg.start_soon(self._supervise, channel)
                 await tg.start(self.gc_policy.run)  # start-up done: freeze what it made
                 self.health.set_ready()
+                url = f"http://{self.gateway.settings.http.host}:{port}"
+                if self.lock is not None:  # `gateway doctor` and a refused second run say it
+                    await anyio.to_thread.run_sync(self.lock.announce, url)
                 logger.info(
-                    "gateway ready: http://{}:{} channels: {}",
-                    self.gateway.settings.http.host,
-                    port,
-                    ", ".join(self.channels) or "none",
+                    "gateway ready: {} channels: {}", url, ", ".join(self.channels) or "none"
                 )
                 task_status.started(port)
                 await self._stop.wait()
@@ -1053,6 +1061,7 @@ class Daemon:
             backoff = min(backoff * 2, self.BACKOFF_MAX)
 
 
-async def run_daemon(gateway: Gateway) -> int:
-    """Run the gateway until a signal (or the end of the terminal chat) stops it."""
-    return await Daemon(gateway).run()
+async def run_daemon(gateway: Gateway, lock: WorkspaceLock | None = None) -> int:
+    """Run the gateway until a signal (or the end of the terminal chat) stops it; `lock`:
+    the workspace's, held by this process (it names the HTTP address once known)."""
+    return await Daemon(gateway, lock=lock).run()

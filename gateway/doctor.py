@@ -14,7 +14,7 @@ from typing import Any, Literal
 import anyio
 
 from gateway.config import ConfigError, Settings, env_warnings
-from gateway.workspace import WorkspaceError, prepare_workspace
+from gateway.workspace import WorkspaceError, holder, prepare_workspace
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -42,6 +42,11 @@ def check_workspace(
     except WorkspaceError as exc:
         return [Finding("fail", f"workspace: {exc}")]
     findings = [Finding("ok", f"workspace {workspace} is writable")]
+    running = holder(workspace)
+    if running is not None:
+        findings.append(
+            Finding("ok", f"a gateway is running on this workspace ({running.describe()})")
+        )
     config = config_path.resolve() if config_path is not None else None
     loose: list[str] = []
     for root, dirs, files in os.walk(workspace):
@@ -183,11 +188,16 @@ async def check_http(settings: Settings) -> list[Finding]:
         check_bind_policy(http.host, secret_value(http.token))
     except HttpConfigError as exc:
         return [Finding("fail", "HTTP server binding", str(exc))]
-    try:
-        await check_listen(http.host, http.port)
-    except HttpBindError as exc:
-        return [Finding("fail", str(exc))]
-    findings = [Finding("ok", f"HTTP server can listen on {http.host}:{http.port}")]
+    running = holder(settings.workspace_path)
+    if running is not None and running.url is not None and running.url.endswith(f":{http.port}"):
+        # Taken by the gateway this checks: that is where `run` listens.
+        findings = [Finding("ok", f"HTTP server: the running gateway listens on {running.url}")]
+    else:
+        try:
+            await check_listen(http.host, http.port)
+        except HttpBindError as exc:
+            return [Finding("fail", str(exc))]
+        findings = [Finding("ok", f"HTTP server can listen on {http.host}:{http.port}")]
     if http.token is None:
         findings.append(
             Finding(

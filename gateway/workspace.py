@@ -1,5 +1,6 @@
 """The workspace's folders: made and checked in one place, so every command (and
-`gateway doctor`) meets an unwritable workspace the same way `gateway run` would.
+`gateway doctor`) meets an unwritable workspace the same way `gateway run` would; and the
+workspace's one-writer lock (`WorkspaceLock`).
 
 An unwritable workspace is the operator's to fix (ownership of a volume, a read-only
 mount, the immutable flag), so it is reported as one line naming the path and the fix,
@@ -8,9 +9,14 @@ with exit code 78 (EX_CONFIG) so that systemd and compose do not restart in a lo
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import json
 import os
 import pwd
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import Settings
@@ -85,18 +91,176 @@ def check_workspace(settings: Settings) -> None:
             raise
 
 
+def make_folder(folder: Path) -> None:
+    """Make `folder` (0700) where missing; WorkspaceError naming the fix if it cannot be."""
+    try:
+        ensure_private_dir(folder)
+    except OSError as exc:
+        where = exc.filename or folder
+        if write_denied(exc):
+            raise cannot_write(Path(where).parent, exc) from None
+        raise WorkspaceError(
+            f"cannot create {folder} ({exc.strerror or exc}): choose another folder "
+            "with --workspace or GATEWAY_WORKSPACE"
+        ) from None
+
+
 def prepare_workspace(settings: Settings) -> None:
     """Make the workspace's folders (0700) where missing and check each can be
     written; WorkspaceError if not. What `gateway run` and `gateway doctor` both do."""
     for folder in workspace_folders(settings):
-        try:
-            ensure_private_dir(folder)
-        except OSError as exc:
-            where = exc.filename or folder
-            if write_denied(exc):
-                raise cannot_write(Path(where).parent, exc) from None
-            raise WorkspaceError(
-                f"cannot create {folder} ({exc.strerror or exc}): choose another folder "
-                "with --workspace or GATEWAY_WORKSPACE"
-            ) from None
+        make_folder(folder)
     check_workspace(settings)
+
+
+# -- one writer per workspace -------------------------------------------------------
+
+#: The workspace's lock file: held (an `flock`) by the one process that writes the
+#: workspace, and saying which one that is (JSON: pid, command, HTTP address, since).
+LOCK_FILE = "gateway.lock"
+#: Exit code of a command refused because another process writes the workspace
+#: (sysexits EX_TEMPFAIL: try again once it has stopped).
+EXIT_BUSY = 75
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """The process holding a workspace's lock, as its lock file says."""
+
+    pid: int | None
+    command: str
+    url: str | None
+    since: float | None
+
+    def describe(self) -> str:
+        parts = [f"pid {self.pid}" if self.pid else "pid unknown", f"`{self.command}`"]
+        if self.url:
+            parts.append(self.url)
+        if self.since:
+            parts.append("since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since)))
+        return ", ".join(parts)
+
+
+class WorkspaceBusy(WorkspaceError):
+    """Another process writes the workspace; the message names it and what to do."""
+
+    def __init__(self, folder: Path, holder: Holder | None, doing: str, fix: str) -> None:
+        who = holder.describe() if holder is not None else "a process that just started"
+        super().__init__(f"{doing}: another gateway is running on {folder} ({who}); {fix}")
+        self.holder = holder
+
+
+def _read_holder(fd: int) -> Holder | None:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        data = json.loads(raw) if raw.strip() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    pid = data.get("pid")
+    url = data.get("url")
+    since = data.get("since")
+    return Holder(
+        pid=pid if isinstance(pid, int) else None,
+        command=str(data.get("command") or "gateway"),
+        url=url if isinstance(url, str) else None,
+        since=float(since) if isinstance(since, int | float) else None,
+    )
+
+
+class WorkspaceLock:
+    """One writer per workspace: an `flock` on ``<workspace>/gateway.lock``.
+
+    The promise: while a `gateway run` (or `gateway chat`, or a command that changes
+    the workspace) holds it, no second one writes the same files. The kernel drops the
+    lock when its process ends however it ends, SIGKILL included: a stale lock cannot
+    outlive its holder. The file says who holds it (for the refusal's one line and for
+    `gateway doctor`); readers (`sessions list`, `memory show`, `usage`) never take it.
+    The descriptor is not inherited by child processes (MCP servers), which would
+    otherwise keep the lock after the gateway died.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.path = folder / LOCK_FILE
+        self._fd: int | None = None
+        self._command = ""
+        self._since = 0.0
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, command: str, *, doing: str, fix: str, wait: float = 1.0) -> WorkspaceLock:
+        """Take the lock for `command` (e.g. ``gateway run``), or raise `WorkspaceBusy`
+        saying `doing` failed, who holds it, and `fix`. Waits up to `wait` seconds: a
+        reader's probe (`holder`) holds it shared for a moment."""
+        make_folder(self.folder)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if write_denied(exc):
+                raise cannot_write(self.folder, exc) from None
+            raise
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = _read_holder(fd)
+                    os.close(fd)
+                    raise WorkspaceBusy(self.folder, holder, doing, fix) from None
+                time.sleep(0.02)
+        self._fd, self._command, self._since = fd, command, time.time()
+        self._write(None)
+        return self
+
+    def announce(self, url: str) -> None:
+        """Say where the holder serves (its HTTP address), once it listens."""
+        self._write(url)
+
+    def _write(self, url: str | None) -> None:
+        if self._fd is None:
+            return
+        record = {"pid": os.getpid(), "command": self._command, "url": url, "since": self._since}
+        data = json.dumps(record).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # nobody holds it: no stale name in it either
+            os.close(fd)  # the lock goes with the descriptor
+
+    def __enter__(self) -> WorkspaceLock:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def holder(folder: Path) -> Holder | None:
+    """The process writing the workspace at `folder` now, or None. A probe that takes
+    the lock shared for a moment, never creating the file or changing anything."""
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            found = _read_holder(fd)
+            if found is None:  # caught between its truncate and its write
+                time.sleep(0.05)
+                found = _read_holder(fd)
+            return found or Holder(None, "gateway", None, None)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
