@@ -486,6 +486,34 @@ class HTTPSettings(_Section):
         "GATEWAY_HTTP__ADMIN_TOKEN",
     )
     admin_token_file: Path | None = _secret_file("GATEWAY_HTTP__ADMIN_TOKEN", "gateway-admin-token")
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="A connection that has not sent a whole request header this long after "
+        "it opened (or after the first byte of a later request) is closed.",
+    )
+    body_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="A request body not all there this long after its header gets 408 and "
+        "the connection is closed.",
+    )
+    keepalive_timeout_seconds: float = Field(
+        75.0,
+        gt=0,
+        le=3600,
+        description="An idle kept-alive connection is closed after this long; keep it above "
+        "the idle timeout of a proxy's connection pool in front (nginx: 60 s).",
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        le=1_000_000,
+        description="Connections open at once; at the bound a new one replaces the longest "
+        "idle one, or gets 503 when none is idle.",
+    )
 
 
 class StorageSettings(_Section):

@@ -19,6 +19,7 @@ Invariants (tested in tests/test_http_server.py):
 - While the gateway is not ready (starting or draining), /api/chat and mounted routes
   answer 503 with Retry-After, so platforms redeliver later instead of losing messages.
 - `run()` releases the port however it ends, cancellation included.
+- Slow, idle and surplus connections are closed (`gateway.http.limits`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from gateway.http.auth import (
 )
 from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
+from gateway.http.limits import BodyTimeout, ConnectionLimits, GuardedRunner, body_deadline
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.metrics import Metrics
 
@@ -76,6 +78,14 @@ class HttpSettingsLike(Protocol):
     def port(self) -> int: ...
     @property
     def token(self) -> SecretStr | str | None: ...
+    @property
+    def header_timeout_seconds(self) -> float: ...
+    @property
+    def body_timeout_seconds(self) -> float: ...
+    @property
+    def keepalive_timeout_seconds(self) -> float: ...
+    @property
+    def max_connections(self) -> int: ...
 
 
 class HttpBindError(Exception):
@@ -151,6 +161,7 @@ class HttpServer:
         self._chat = chat
         self.max_body_bytes = max_body_bytes
         self._shutdown_timeout = shutdown_timeout
+        self.limits = ConnectionLimits.from_settings(settings)
         self._started = False
         self.bound_port: int | None = None
         self._mounted: set[tuple[str, str]] = set()
@@ -212,8 +223,10 @@ class HttpServer:
         if self._started:
             raise RuntimeError("HttpServer.run() can only be called once")
         self._started = True
-        runner = web.AppRunner(
+        runner = GuardedRunner(
             self.app,
+            self.limits,
+            on_drop=self._connection_dropped,
             handle_signals=False,
             access_log=None,  # the edge middleware writes the access log through loguru
             shutdown_timeout=self._shutdown_timeout,
@@ -236,18 +249,29 @@ class HttpServer:
             if self.bound_port is not None:
                 logger.info("http: stopped listening on {}:{}", self.host, self.bound_port)
 
+    def _connection_dropped(self, reason: str) -> None:
+        self.metrics.http_connections_dropped.labels(reason).inc()
+
     # ------------------------------------------------------------------ edge
 
     def _edge_middleware(self) -> Middleware:
-        """Access log, request metrics, and JSON for every error (see the module doc)."""
+        """The body's deadline, access log, request metrics, and JSON for every error
+        (see the module doc)."""
 
         @web.middleware
         async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
             start = time.perf_counter()
             status = 500
             try:
-                response = await handler(request)
+                with body_deadline(request, self.limits.body_timeout):
+                    response = await handler(request)
                 status = response.status
+                return response
+            except BodyTimeout as exc:
+                status = 408
+                self._connection_dropped("body_timeout")
+                response = json_error(408, f"{exc}; send it faster, or a smaller one")
+                response.force_close()
                 return response
             except web.HTTPException as exc:
                 status = exc.status
