@@ -514,6 +514,31 @@ class HTTPSettings(_Section):
         description="Connections open at once; at the bound a new one replaces the longest "
         "idle one, or gets 503 when none is idle.",
     )
+    auth_max_failures: int = Field(
+        10,
+        ge=1,
+        le=10_000,
+        description="Wrong tokens (chat API, admin page) one client address may send in "
+        "the window below; then 429 with Retry-After until the oldest leaves it.",
+    )
+    auth_failure_window_seconds: float = Field(
+        60.0, gt=0, le=86400, description="The window of auth_max_failures, in seconds."
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Addresses or CIDR networks of proxies in front of the gateway, e.g. "
+        '["127.0.0.1", "10.0.0.0/8"]: only requests from them have their X-Forwarded-For '
+        "read, for the client address that wrong tokens are counted under.",
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_networks(cls, value: list[str]) -> list[str]:
+        if value:  # the import pulls in aiohttp: not for every command's settings
+            from gateway.http.throttle import parse_networks
+
+            parse_networks(value)
+        return value
 
 
 class StorageSettings(_Section):

@@ -26,6 +26,7 @@ from tests.test_metrics import parse_exposition
 pytestmark = pytest.mark.anyio
 
 TOKEN = "limits-token-0123456789abcdef"
+OTHER = "127.0.0.2"  # all of 127/8 is this machine: a second client address
 
 
 @pytest.fixture(
@@ -112,8 +113,10 @@ def request_bytes(
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def chat(token: str = TOKEN, text: str = "hi") -> bytes:
+def chat(token: str = TOKEN, forwarded_for: str | None = None, text: str = "hi") -> bytes:
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    if forwarded_for is not None:
+        headers["X-Forwarded-For"] = forwarded_for
     return request_bytes("POST", "/api/chat", json.dumps({"text": text}).encode(), headers)
 
 
@@ -359,3 +362,42 @@ async def test_at_the_bound_the_longest_idle_connection_makes_room() -> None:
         assert await dropped(server, "idle_evicted") == 1
         for _, writer in idle:
             writer.close()
+
+
+# --------------------------------------------------------------------------- guesses
+
+
+async def test_wrong_tokens_get_429_with_retry_after_and_another_address_is_served() -> None:
+    async with serving(auth_max_failures=3, auth_failure_window_seconds=60) as (_, port):
+        for n in range(3):
+            assert (await ask(port, chat(token=f"guess-{n}")))[0] == 401
+        status, headers = await ask(port, chat(token="guess-4"))
+        assert status == 429 and 55 <= int(headers["retry-after"]) <= 60
+        # The locked-out address is not told whether the right token is right.
+        assert (await ask(port, chat()))[0] == 429
+        # Someone else is not locked out.
+        assert (await ask(port, chat(), source=OTHER))[0] == 200
+
+
+async def test_behind_a_trusted_proxy_the_forwarded_address_is_the_one_counted() -> None:
+    proxy = {"trusted_proxies": ["127.0.0.1"], "auth_max_failures": 3}
+    async with serving(**proxy) as (_, port):
+        for n in range(3):
+            # nginx appends the address it saw: a client's own header comes first.
+            forwarded = f"198.51.100.{n}, 203.0.113.7"
+            assert (await ask(port, chat(token=f"guess-{n}", forwarded_for=forwarded)))[0] == 401
+        assert (await ask(port, chat(forwarded_for="203.0.113.7")))[0] == 429
+        # Another client behind the same proxy, and the proxy's own requests, are served.
+        assert (await ask(port, chat(forwarded_for="203.0.113.8")))[0] == 200
+        assert (await ask(port, chat()))[0] == 200
+
+
+async def test_an_untrusted_peer_cannot_dodge_the_count_with_x_forwarded_for() -> None:
+    proxy = {"trusted_proxies": ["127.0.0.1"], "auth_max_failures": 3}
+    async with serving(**proxy) as (_, port):
+        for n in range(3):
+            raw = chat(token=f"guess-{n}", forwarded_for=f"198.51.100.{n}")
+            assert (await ask(port, raw, source=OTHER))[0] == 401
+        raw = chat(token="guess-4", forwarded_for="198.51.100.99")
+        assert (await ask(port, raw, source=OTHER))[0] == 429
+        assert (await ask(port, chat(forwarded_for="198.51.100.99")))[0] == 200

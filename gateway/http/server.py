@@ -19,14 +19,15 @@ Invariants (tested in tests/test_http_server.py):
 - While the gateway is not ready (starting or draining), /api/chat and mounted routes
   answer 503 with Retry-After, so platforms redeliver later instead of losing messages.
 - `run()` releases the port however it ends, cancellation included.
-- Slow, idle and surplus connections are closed (`gateway.http.limits`).
+- Slow, idle and surplus connections are closed (`gateway.http.limits`); wrong tokens are
+  counted per client address and answered 429 past the bound (`gateway.http.throttle`).
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -47,6 +48,7 @@ from gateway.http.auth import (
 from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
 from gateway.http.limits import BodyTimeout, ConnectionLimits, GuardedRunner, body_deadline
+from gateway.http.throttle import AuthThrottle, client_address, parse_networks
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.metrics import Metrics
 
@@ -86,6 +88,12 @@ class HttpSettingsLike(Protocol):
     def keepalive_timeout_seconds(self) -> float: ...
     @property
     def max_connections(self) -> int: ...
+    @property
+    def auth_max_failures(self) -> int: ...
+    @property
+    def auth_failure_window_seconds(self) -> float: ...
+    @property
+    def trusted_proxies(self) -> Sequence[str]: ...
 
 
 class HttpBindError(Exception):
@@ -118,6 +126,13 @@ async def check_listen(host: str, port: int) -> None:
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The one shape of every error the server answers: `{"error": message}`."""
     return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _too_many_failures(retry_after: int) -> str:
+    """What a client locked out by `AuthThrottle` is told."""
+    return (
+        f"too many wrong tokens from your address; try again in {retry_after} s with the right one"
+    )
 
 
 def _loggable_path(request: web.Request) -> str:
@@ -162,6 +177,11 @@ class HttpServer:
         self.max_body_bytes = max_body_bytes
         self._shutdown_timeout = shutdown_timeout
         self.limits = ConnectionLimits.from_settings(settings)
+        self._trusted_proxies = parse_networks(settings.trusted_proxies)
+        #: Wrong tokens per client address, for the chat API and the admin page alike.
+        self.auth_throttle = AuthThrottle(
+            settings.auth_max_failures, settings.auth_failure_window_seconds
+        )
         self._started = False
         self.bound_port: int | None = None
         self._mounted: set[tuple[str, str]] = set()
@@ -255,13 +275,20 @@ class HttpServer:
     # ------------------------------------------------------------------ edge
 
     def _edge_middleware(self) -> Middleware:
-        """The body's deadline, access log, request metrics, and JSON for every error
-        (see the module doc)."""
+        """The client's address, the body's deadline, access log, request metrics, and
+        JSON for every error (see the module doc)."""
 
         @web.middleware
         async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
             start = time.perf_counter()
             status = 500
+            client = client_address(
+                request.remote,
+                request.headers.getall(hdrs.X_FORWARDED_FOR, []),
+                self._trusted_proxies,
+            )
+            if client is not None and client != request.remote:  # behind a trusted proxy
+                request = request.clone(remote=client)
             try:
                 with body_deadline(request, self.limits.body_timeout):
                     response = await handler(request)
@@ -339,7 +366,14 @@ class HttpServer:
     async def _chat_api(self, request: web.Request) -> web.Response:
         if self._token is None:
             return json_error(503, f"the chat API is off until a token is set: set {TOKEN_ENV}")
+        retry_after = self.auth_throttle.retry_after(request.remote)
+        if retry_after is not None:
+            return json_error(
+                429, _too_many_failures(retry_after), headers={hdrs.RETRY_AFTER: str(retry_after)}
+            )
         checked = check_bearer(request.headers.get(hdrs.AUTHORIZATION), self._token)
+        if checked is BearerCheck.INVALID:
+            self.auth_throttle.failed(request.remote)
         if checked is not BearerCheck.OK:
             message = (
                 "missing bearer token; send Authorization: Bearer <token>"
