@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp
 import anyio
 from loguru import logger
+from pydantic import SecretStr
 
 from gateway.access import PairingStore
+from gateway.config import HTTPSettings
 from gateway.http import HealthState, HttpServer
 from gateway.http.admin import AdminPage, AdminSources
 from gateway.llm import LLMMessage
@@ -31,12 +33,6 @@ from gateway.sessions import SessionManager
 TOKEN = "bench-token-0123456789"
 USER = LLMMessage(role="user", content="u" * 80)
 ASSISTANT = LLMMessage(role="assistant", content="a" * 240)
-
-
-class _Http:
-    host = "127.0.0.1"
-    port = 0
-    token = TOKEN
 
 
 async def _median(http: aiohttp.ClientSession, url: str) -> tuple[float, int]:
@@ -66,7 +62,11 @@ async def main() -> None:
             for _ in range(turns):
                 session.add_message(USER)
                 session.add_message(ASSISTANT)
-        server = HttpServer(_Http(), health=HealthState(), metrics=Metrics())
+        server = HttpServer(
+            HTTPSettings(host="127.0.0.1", port=0, token=SecretStr(TOKEN)),
+            health=HealthState(),
+            metrics=Metrics(),
+        )
         sources = AdminSources(
             health=server.health, sessions=sessions, pairing=PairingStore(Path(folder) / "p.json")
         )

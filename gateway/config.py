@@ -486,6 +486,59 @@ class HTTPSettings(_Section):
         "GATEWAY_HTTP__ADMIN_TOKEN",
     )
     admin_token_file: Path | None = _secret_file("GATEWAY_HTTP__ADMIN_TOKEN", "gateway-admin-token")
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="A connection that has not sent a whole request header this long after "
+        "it opened (or after the first byte of a later request) is closed.",
+    )
+    body_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="A request body not all there this long after its header gets 408 and "
+        "the connection is closed.",
+    )
+    keepalive_timeout_seconds: float = Field(
+        75.0,
+        gt=0,
+        le=3600,
+        description="An idle kept-alive connection is closed after this long; keep it above "
+        "the idle timeout of a proxy's connection pool in front (nginx: 60 s).",
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        le=1_000_000,
+        description="Connections open at once; at the bound a new one replaces the longest "
+        "idle one, or gets 503 when none is idle.",
+    )
+    auth_max_failures: int = Field(
+        10,
+        ge=1,
+        le=10_000,
+        description="Wrong tokens (chat API, admin page) one client address may send in "
+        "the window below; then 429 with Retry-After until the oldest leaves it.",
+    )
+    auth_failure_window_seconds: float = Field(
+        60.0, gt=0, le=86400, description="The window of auth_max_failures, in seconds."
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Addresses or CIDR networks of proxies in front of the gateway, e.g. "
+        '["127.0.0.1", "10.0.0.0/8"]: only requests from them have their X-Forwarded-For '
+        "read, for the client address that wrong tokens are counted under.",
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_networks(cls, value: list[str]) -> list[str]:
+        if value:  # the import pulls in aiohttp: not for every command's settings
+            from gateway.http.throttle import parse_networks
+
+            parse_networks(value)
+        return value
 
 
 class StorageSettings(_Section):

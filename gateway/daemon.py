@@ -103,6 +103,7 @@ async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30
     sees a live process that is not ready. False when a signal stopped the wait."""
     from aiohttp import web
 
+    from gateway.http.limits import ConnectionLimits, GuardedRunner
     from gateway.storage.postgres import StorageUnavailable, redact_url
 
     url = settings.storage.url
@@ -121,7 +122,8 @@ async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    runner = web.AppRunner(app, access_log=None)
+    # The same bounds on slow and idle connections as the gateway's own server.
+    runner = GuardedRunner(app, ConnectionLimits.from_settings(settings.http), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.http.host, settings.http.port)
     with contextlib.suppress(OSError):  # the port is taken: `run` says so clearly later

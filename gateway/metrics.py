@@ -17,6 +17,7 @@ the start (at 0), so a rate or an alert has a series before the first event. The
 - drop reason: lane_full | draining | access_denied
 - llm error kind: LLMError | LLMConfigError
 - consolidation outcome: ok | failed | skipped
+- connection drop reason: header_timeout | body_timeout | over_limit | idle_evicted
 
 Token usage (`gateway_llm_calls_total`, `gateway_llm_tokens_total`,
 `gateway_llm_cost_usd_total`) appears per channel and model once used: its `kind` is
@@ -46,6 +47,9 @@ from gateway.usage import UsageRow
 # dashboard of ours reads them. The switch is process-wide in the library; the gateway
 # is the only user of prometheus_client in its process.
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+
+#: Why the HTTP server closed a connection itself (gateway.http.limits).
+HTTP_DROP_REASONS = ("header_timeout", "body_timeout", "over_limit", "idle_evicted")
 
 # Latency buckets from 5 ms (a cache hit) to 60 s (a slow model with tools), in seconds.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -211,6 +215,14 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.http_connections_dropped = Counter(
+            "gateway_http_connections_dropped_total",
+            "HTTP connections the server closed itself, by reason (see gateway.http.limits).",
+            ("reason",),
+            registry=registry,
+        )
+        for reason in HTTP_DROP_REASONS:
+            self.http_connections_dropped.labels(reason)
         self.component_healthy = Gauge(
             "gateway_component_healthy",
             "1 while a component /readyz checks is healthy (sessions, cache, channels), else 0.",

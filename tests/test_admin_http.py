@@ -159,16 +159,53 @@ async def test_off_this_machine_the_login_needs_https(
             assert r.status == 303 and COOKIE_NAME in r.cookies
 
 
-async def test_guessing_the_token_is_slowed_down(settings_for: Callable[..., Settings]) -> None:
+async def _login_from(admin: Admin, address: str, token: str) -> aiohttp.ClientResponse:
+    connector = aiohttp.TCPConnector(local_addr=(address, 0))
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.post(admin.url + "/admin/login", data={"token": token}, allow_redirects=False) as r,
+    ):
+        await r.read()
+        return r
+
+
+async def test_guessing_the_token_locks_out_that_address_only(
+    settings_for: Callable[..., Settings],
+) -> None:
     async with running(settings_for()) as admin:
-        page = admin.daemon.admin
+        throttle = admin.daemon.http.auth_throttle
         now = [1000.0]
-        page._clock = lambda: now[0]
-        for _ in range(page.MAX_FAILED_LOGINS):
+        throttle._clock = lambda: now[0]
+        for _ in range(throttle.max_failures):
             assert (await admin.login("guess")).status == 401
-        assert (await admin.login()).status == 429  # even the right token, for now
-        now[0] += page.LOGIN_WINDOW + 1
+        locked = await admin.login()  # even the right token, for now
+        assert locked.status == 429 and int(locked.headers["Retry-After"]) == 60
+        assert "Too many wrong tokens from your address" in await locked.text()
+        # The operator, at another address, still logs in (127.0.0.2 is this machine too).
+        assert (await _login_from(admin, "127.0.0.2", TOKEN)).status == 303
+        # The same address's bearer header on a page is refused as well, unchecked.
+        status, _ = await admin.get("/admin", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 429
+        now[0] += throttle.window + 1
         assert (await admin.login()).status == 303
+
+
+async def test_wrong_bearer_headers_on_the_pages_count_as_guesses(
+    settings_for: Callable[..., Settings],
+) -> None:
+    async with running(settings_for(http__auth_max_failures=3)) as admin:
+        for n in range(3):
+            status, _ = await admin.get("/admin", headers={"Authorization": f"Bearer no-{n}"})
+            assert status == 401
+        status, page = await admin.get("/admin", headers={"Authorization": "Bearer no-4"})
+        assert status == 429 and "wait 60 s" in page
+        # One count for the chat API and the page: the API refuses this address too.
+        async with admin.http.post(
+            admin.url + "/api/chat",
+            json={"text": "hi"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "60"
 
 
 async def test_forged_and_altered_cookies_are_refused(

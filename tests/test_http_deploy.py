@@ -292,6 +292,32 @@ def test_the_proxy_spreads_the_three_entry_points_over_every_replica() -> None:
     assert "return 404;" in conf.split("location / {", 1)[1].split("}", 1)[0]
 
 
+def test_the_replicas_count_wrong_tokens_per_client_behind_the_proxy(tmp_path: Path) -> None:
+    """nginx appends the client's address and the replicas trust it for that; nginx
+    closes an idle connection to a replica before the replica would."""
+    import ipaddress
+
+    conf = (DEPLOY / "nginx.conf").read_text(encoding="utf-8")
+    assert "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;" in conf
+    upstream = conf.split("upstream gateways {", 1)[1].split("}", 1)[0]
+    (pool_idle,) = [
+        line.split()[1].rstrip(";")
+        for line in upstream.splitlines()
+        if line.strip().startswith("keepalive_timeout ")
+    ]
+    services = compose_file()["services"]
+    for name in REPLICAS:
+        env = dict(services[name]["environment"]) | {"GATEWAY_WORKSPACE": str(tmp_path)}
+        env["GATEWAY_HTTP__TOKEN"] = "t" * 32
+        http = load_settings(None, environ=env).http
+        assert float(pool_idle.removesuffix("s")) < http.keepalive_timeout_seconds
+        trusted = [ipaddress.ip_network(item) for item in http.trusted_proxies]
+        # Docker's default address pools, where nginx's address comes from.
+        for address in ("172.17.0.5", "172.30.1.2", "192.168.16.3", "10.5.0.2"):
+            assert any(ipaddress.ip_address(address) in net for net in trusted), address
+        assert not any(ipaddress.ip_address("203.0.113.9") in net for net in trusted)
+
+
 def test_no_secret_is_written_into_the_compose_file() -> None:
     compose = compose_file()
     services = compose["services"]

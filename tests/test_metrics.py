@@ -346,6 +346,7 @@ DOCUMENTED = {
     "drop reason": ("gateway_dropped_messages_total", "reason"),
     "llm error kind": ("gateway_llm_errors_total", "kind"),
     "consolidation outcome": ("gateway_consolidations_total", "outcome"),
+    "connection drop reason": ("gateway_http_connections_dropped_total", "reason"),
 }
 
 

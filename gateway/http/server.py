@@ -19,13 +19,15 @@ Invariants (tested in tests/test_http_server.py):
 - While the gateway is not ready (starting or draining), /api/chat and mounted routes
   answer 503 with Retry-After, so platforms redeliver later instead of losing messages.
 - `run()` releases the port however it ends, cancellation included.
+- Slow, idle and surplus connections are closed (`gateway.http.limits`); wrong tokens are
+  counted per client address and answered 429 past the bound (`gateway.http.throttle`).
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -45,6 +47,8 @@ from gateway.http.auth import (
 )
 from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
+from gateway.http.limits import BodyTimeout, ConnectionLimits, GuardedRunner, body_deadline
+from gateway.http.throttle import AuthThrottle, client_address, parse_networks
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.metrics import Metrics
 
@@ -76,6 +80,20 @@ class HttpSettingsLike(Protocol):
     def port(self) -> int: ...
     @property
     def token(self) -> SecretStr | str | None: ...
+    @property
+    def header_timeout_seconds(self) -> float: ...
+    @property
+    def body_timeout_seconds(self) -> float: ...
+    @property
+    def keepalive_timeout_seconds(self) -> float: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def auth_max_failures(self) -> int: ...
+    @property
+    def auth_failure_window_seconds(self) -> float: ...
+    @property
+    def trusted_proxies(self) -> Sequence[str]: ...
 
 
 class HttpBindError(Exception):
@@ -108,6 +126,13 @@ async def check_listen(host: str, port: int) -> None:
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The one shape of every error the server answers: `{"error": message}`."""
     return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _too_many_failures(retry_after: int) -> str:
+    """What a client locked out by `AuthThrottle` is told."""
+    return (
+        f"too many wrong tokens from your address; try again in {retry_after} s with the right one"
+    )
 
 
 def _loggable_path(request: web.Request) -> str:
@@ -151,6 +176,12 @@ class HttpServer:
         self._chat = chat
         self.max_body_bytes = max_body_bytes
         self._shutdown_timeout = shutdown_timeout
+        self.limits = ConnectionLimits.from_settings(settings)
+        self._trusted_proxies = parse_networks(settings.trusted_proxies)
+        #: Wrong tokens per client address, for the chat API and the admin page alike.
+        self.auth_throttle = AuthThrottle(
+            settings.auth_max_failures, settings.auth_failure_window_seconds
+        )
         self._started = False
         self.bound_port: int | None = None
         self._mounted: set[tuple[str, str]] = set()
@@ -212,8 +243,10 @@ class HttpServer:
         if self._started:
             raise RuntimeError("HttpServer.run() can only be called once")
         self._started = True
-        runner = web.AppRunner(
+        runner = GuardedRunner(
             self.app,
+            self.limits,
+            on_drop=self._connection_dropped,
             handle_signals=False,
             access_log=None,  # the edge middleware writes the access log through loguru
             shutdown_timeout=self._shutdown_timeout,
@@ -236,18 +269,36 @@ class HttpServer:
             if self.bound_port is not None:
                 logger.info("http: stopped listening on {}:{}", self.host, self.bound_port)
 
+    def _connection_dropped(self, reason: str) -> None:
+        self.metrics.http_connections_dropped.labels(reason).inc()
+
     # ------------------------------------------------------------------ edge
 
     def _edge_middleware(self) -> Middleware:
-        """Access log, request metrics, and JSON for every error (see the module doc)."""
+        """The client's address, the body's deadline, access log, request metrics, and
+        JSON for every error (see the module doc)."""
 
         @web.middleware
         async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
             start = time.perf_counter()
             status = 500
+            client = client_address(
+                request.remote,
+                request.headers.getall(hdrs.X_FORWARDED_FOR, []),
+                self._trusted_proxies,
+            )
+            if client is not None and client != request.remote:  # behind a trusted proxy
+                request = request.clone(remote=client)
             try:
-                response = await handler(request)
+                with body_deadline(request, self.limits.body_timeout):
+                    response = await handler(request)
                 status = response.status
+                return response
+            except BodyTimeout as exc:
+                status = 408
+                self._connection_dropped("body_timeout")
+                response = json_error(408, f"{exc}; send it faster, or a smaller one")
+                response.force_close()
                 return response
             except web.HTTPException as exc:
                 status = exc.status
@@ -315,7 +366,14 @@ class HttpServer:
     async def _chat_api(self, request: web.Request) -> web.Response:
         if self._token is None:
             return json_error(503, f"the chat API is off until a token is set: set {TOKEN_ENV}")
+        retry_after = self.auth_throttle.retry_after(request.remote)
+        if retry_after is not None:
+            return json_error(
+                429, _too_many_failures(retry_after), headers={hdrs.RETRY_AFTER: str(retry_after)}
+            )
         checked = check_bearer(request.headers.get(hdrs.AUTHORIZATION), self._token)
+        if checked is BearerCheck.INVALID:
+            self.auth_throttle.failed(request.remote)
         if checked is not BearerCheck.OK:
             message = (
                 "missing bearer token; send Authorization: Bearer <token>"

@@ -10,6 +10,9 @@ stores the daemon runs on (`SessionManager`, `MemoryBackend`, `PairingBackend`,
 Invariants (tested in tests/test_admin_http.py and tests/test_admin_browser.py):
 - Every page needs a login (the cookie of the login form, or the bearer header);
   without an HTTP token configured the page is off (see `gateway.http.admin.auth`).
+- Wrong tokens (the login form's, a bearer header's) count against the client address
+  they came from, with the chat API's (`HttpServer.auth_throttle`): past the bound that
+  address gets 429 with Retry-After, and the operator's own address still logs in.
 - Every POST needs the login's CSRF token and, when the browser names an `Origin`,
   this very origin; otherwise 403 and nothing changes.
 - Everything a user or the model wrote is escaped by Jinja2's autoescape and shown with
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -53,6 +55,7 @@ from gateway.http.admin.views import (
 )
 from gateway.http.auth import TOKEN_ENV, is_loopback
 from gateway.http.health import HealthState
+from gateway.http.throttle import AuthThrottle
 from gateway.messages import OutboundMessage
 from gateway.sessions.errors import SessionKeyError
 
@@ -149,28 +152,18 @@ def _static_files() -> dict[str, tuple[bytes, str]]:
 class AdminPage:
     """The `/admin` routes; `mount(server)` adds them to the daemon's HTTP server."""
 
-    #: Failed logins in `LOGIN_WINDOW` seconds after which the form refuses every try
-    #: until the window has passed (per process): guessing a token stays slow.
-    MAX_FAILED_LOGINS = 10
-    LOGIN_WINDOW = 60.0
-
-    def __init__(
-        self,
-        token: str | None,
-        sources: AdminSources,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, token: str | None, sources: AdminSources) -> None:
         self.keys = AdminKeys(token) if token else None
         self.sources = sources
-        self._clock = clock
-        self._failed_logins: deque[float] = deque()
+        #: The server's count of wrong tokens per client, set by `mount`.
+        self.throttle: AuthThrottle | None = None
         self.templates = _templates()
         self._static = _static_files()
 
     def mount(self, server: HttpServer) -> None:
         """Add the routes. They answer while starting and draining too: an operator
         looks at a gateway most when it is not ready."""
+        self.throttle = server.auth_throttle
         get, post = "GET", "POST"
         routes: list[tuple[str, str, Handler]] = [
             (get, PREFIX, self._guard(self.overview)),
@@ -200,6 +193,7 @@ class AdminPage:
         login: AdminLogin | None,
         /,
         status: int = 200,
+        headers: Mapping[str, str] | None = None,
         **context: Any,
     ) -> web.Response:
         page = await anyio.to_thread.run_sync(
@@ -218,17 +212,35 @@ class AdminPage:
             status=status,
             content_type="text/html",
             charset="utf-8",
-            headers=_SECURITY_HEADERS,
+            headers=_SECURITY_HEADERS | dict(headers or {}),
         )
 
-    async def _refuse(self, request: web.Request, status: int, message: str) -> web.Response:
-        return await self._render("message.html", request, None, status=status, message=message)
+    async def _refuse(
+        self,
+        request: web.Request,
+        status: int,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> web.Response:
+        return await self._render(
+            "message.html", request, None, status=status, headers=headers, message=message
+        )
+
+    def _locked_out(self, request: web.Request) -> int | None:
+        """Seconds this client must wait before a token of theirs is checked again."""
+        assert self.throttle is not None, "mount() the page first"
+        return self.throttle.retry_after(request.remote)
 
     def _login_of(self, request: web.Request) -> AdminLogin | None:
-        assert self.keys is not None
+        assert self.keys is not None and self.throttle is not None
         authorization = request.headers.get(hdrs.AUTHORIZATION)
         if authorization:  # a wrong bearer header is not rescued by a cookie
-            return self.keys.check_authorization(authorization)
+            login = self.keys.check_authorization(authorization)
+            if login is None:
+                self.throttle.failed(request.remote)
+                logger.warning("admin: wrong bearer token from {}", request.remote or "-")
+            return login
+        # A stale cookie is no guess (a forged one cannot be made): it is not counted.
         return self.keys.check_cookie(request.cookies.get(COOKIE_NAME))
 
     def _guard(
@@ -242,6 +254,13 @@ class AdminPage:
                     request,
                     503,
                     _OFF,
+                )
+            if hdrs.AUTHORIZATION in request.headers and (wait := self._locked_out(request)):
+                return await self._refuse(
+                    request,
+                    429,
+                    f"Too many wrong tokens from your address: wait {wait} s, then try again.",
+                    {hdrs.RETRY_AFTER: str(wait)},
                 )
             login = self._login_of(request)
             if login is None:
@@ -288,17 +307,21 @@ class AdminPage:
     async def login(self, request: web.Request) -> web.StreamResponse:
         if self.keys is None:
             return await self._refuse(request, 503, _OFF)
-        now = self._clock()
-        failed = self._failed_logins
-        while failed and now - failed[0] > self.LOGIN_WINDOW:
-            failed.popleft()
-        if len(failed) >= self.MAX_FAILED_LOGINS:
-            error = "Too many failed logins: wait a minute, then try again."
-            return await self._render("login.html", request, None, status=429, error=error)
+        assert self.throttle is not None
+        wait = self._locked_out(request)
+        if wait is not None:
+            return await self._render(
+                "login.html",
+                request,
+                None,
+                status=429,
+                headers={hdrs.RETRY_AFTER: str(wait)},
+                error=f"Too many wrong tokens from your address: wait {wait} s, then try again.",
+            )
         form = await request.post()
         token = form.get("token")
         if not isinstance(token, str) or not self.keys.token_matches(token.strip()):
-            failed.append(now)
+            self.throttle.failed(request.remote)
             logger.warning("admin: failed login from {}", request.remote or "-")
             return await self._render("login.html", request, None, status=401, error="Wrong token.")
         if not _secure_enough(request):
