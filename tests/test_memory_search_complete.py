@@ -8,18 +8,27 @@ without the saved index, with and without recency decay, in both storage modes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
+from loguru import logger
 
 from gateway.agent.memory_tools import memory_texts, memory_tools, relevant_memory
 from gateway.agent.tools import ToolContext
+from gateway.config import Settings
+from gateway.daemon import Daemon, Gateway
 from gateway.memory import MemoryStore
 from gateway.memory.protocol import MemoryBackend, MemoryScope
+from gateway.messages import InboundMessage
+from tests.fakes.openai_server import FakeOpenAI
+from tests.test_daemon import TOKEN, daemon_settings, running
+from tests.test_metrics import parse_exposition
 
 LINES = 20_000
 EARLY = 17  # the only line holding WORD
@@ -204,3 +213,66 @@ def test_the_history_tool_waits_for_the_build(tmp_path: Path, clock: Clock) -> N
     context = ToolContext(session_key=KEY)
     answer = anyio.run(tools["history_search"].handler, {"query": WORD}, context)
     assert answer == line
+
+
+# -- the turn's recall ----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_turn_recalls_what_it_has_after_its_wait_logs_it_and_counts_it(
+    tmp_path: Path, fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = daemon_settings(
+        make_settings, fake_openai, memory__recall_wait_seconds=0, memory__auto_consolidate=False
+    )
+    key = "api:work"
+    store = MemoryStore(settings.workspace_path)
+    store.for_session(key).memory_path.write_text(
+        "".join(f"- [learned_fact] fact {i}: the trains\n" for i in range(LINES))
+        + f"- [learned_fact] the newest fact, about {WORD} too\n",
+    )
+    warned: list[Any] = []
+    sink = logger.add(warned.append, level="WARNING", filter=lambda r: "recall" in r["message"])
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        async with running(daemon) as url, aiohttp.ClientSession() as http:
+            body = {"session": "work", "text": f"what do you know about {WORD}?"}
+            async with http.post(f"{url}/api/chat", json=body, headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+            async with http.get(f"{url}/metrics") as resp:
+                families = parse_exposition(await resp.text())
+    finally:
+        logger.remove(sink)
+    assert families["gateway_memory_search_incomplete_total"].value() == 1
+    (record,) = [m.record for m in warned]
+    assert record["extra"]["session"] == key and "0 s" in record["message"]
+    # What it had: the newest facts, not a silent nothing.
+    sent = json.dumps(fake_openai.chat_requests[-1].messages)
+    assert f"the newest fact, about {WORD} too" in sent
+
+
+@pytest.mark.anyio
+async def test_a_turn_waits_for_the_build_within_its_bound(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = make_settings(
+        fake_openai, memory__recall_wait_seconds=120, memory__auto_consolidate=False
+    )
+    key = "api:work"
+    folder = MemoryStore(settings.workspace_path).for_session(key).dir
+    facts = [f"- [learned_fact] fact {i}: the trains" for i in range(LINES)]
+    facts[EARLY] += f" and {WORD}"
+    (folder / "MEMORY.md").write_text("\n".join(facts) + "\n")
+    gw = Gateway.build(settings)
+    try:
+        reply = await gw.agent.handle(
+            InboundMessage(channel="api", chat_id="work", sender_id="1", text=f"and {WORD}?")
+        )
+        assert not reply.is_error and reply.session_key == key
+    finally:
+        await gw.aclose()
+    assert gw.agent.incomplete_recalls == 0
+    assert f"fact {EARLY}: the trains and {WORD}" in json.dumps(
+        fake_openai.chat_requests[-1].messages
+    )
