@@ -9,6 +9,7 @@ without the saved index, with and without recency decay, in both storage modes.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,6 +28,9 @@ from gateway.memory import MemoryStore
 from gateway.memory.protocol import MemoryBackend, MemoryScope
 from gateway.messages import InboundMessage
 from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import base_env
+from tests.terminal import Terminal
+from tests.test_cli_e2e import run_gateway
 from tests.test_daemon import TOKEN, daemon_settings, running
 from tests.test_metrics import parse_exposition
 
@@ -215,7 +219,7 @@ def test_the_history_tool_waits_for_the_build(tmp_path: Path, clock: Clock) -> N
     assert answer == line
 
 
-# -- the turn's recall ----------------------------------------------------------------
+# -- the turn's recall and the command line ---------------------------------------------
 
 
 @pytest.mark.anyio
@@ -276,3 +280,28 @@ async def test_a_turn_waits_for_the_build_within_its_bound(
     assert f"fact {EARLY}: the trains and {WORD}" in json.dumps(
         fake_openai.chat_requests[-1].messages
     )
+
+
+def test_the_command_line_waits_for_the_build_and_shows_how_it_goes(
+    tmp_path: Path, clock: Clock, fake_openai_thread: FakeOpenAI
+) -> None:
+    store = MemoryStore(tmp_path / "ws", clock=clock)
+    line = fill(store.for_session(KEY), clock)
+    store.close()
+    for saved in scope_dir(tmp_path).glob("*.index"):
+        saved.unlink()
+    env = base_env(tmp_path / "ws", fake_openai_thread)
+    terminal = Terminal(
+        [sys.executable, "-m", "gateway.cli", "memory", "history", KEY, WORD], env, tmp_path
+    )
+    try:
+        terminal.expect("building the search index of HISTORY.md")
+        terminal.expect(line)
+        assert terminal.wait() == 0
+    finally:
+        terminal.close()
+    for saved in scope_dir(tmp_path).glob("*.index"):
+        saved.unlink()
+    piped = run_gateway(["memory", "history", KEY, WORD], env, tmp_path)  # not a terminal
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.strip() == line and "building" not in piped.stderr
