@@ -564,12 +564,16 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
             print(
                 text.rstrip() if text.strip() else _NOTHING_REMEMBERED["show"].format(key=args.key)
             )
-        elif args.action == "search":
-            hits = manager.search_memory(args.query, category=args.category)
-            print("\n".join(hits) if hits else _NOTHING_REMEMBERED["search"])
-        elif args.action == "history":
-            hits = manager.search_history(args.query)
-            print("\n".join(hits) if hits else _NOTHING_REMEMBERED["history"])
+        elif args.action in ("search", "history"):
+            # A search answers from all the memory: it waits for an index being built
+            # (after an import, or without a saved index), showing how it goes.
+            if sys.stderr.isatty():
+                _load_indexes_showing_progress(manager)
+            if args.action == "search":
+                hits = manager.search_memory(args.query, category=args.category)
+            else:
+                hits = manager.search_history(args.query)
+            print("\n".join(hits) if hits else _NOTHING_REMEMBERED[args.action])
         else:
             kb = manager.knowledge
             entries = kb.by_category(args.category) if args.category else list(kb)
@@ -580,6 +584,27 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         store.close()
     return EXIT_OK
+
+
+def _load_indexes_showing_progress(memory: MemoryScope) -> None:
+    """`memory.load_indexes()`, with a line on the terminal while a build is waited for."""
+    shown = False
+
+    def show(name: str, done: int, total: int) -> None:
+        nonlocal shown
+        shown = True
+        percent = 100 * done // max(total, 1)
+        sys.stderr.write(
+            f"\rbuilding the search index of {name}: {percent}% of {total / 1e6:.1f} MB\x1b[K"
+        )
+        sys.stderr.flush()
+
+    try:
+        memory.load_indexes(progress=show)
+    finally:
+        if shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
 
 
 def _memory_facts(memory: MemoryScope, args: argparse.Namespace) -> str:

@@ -297,6 +297,13 @@ class MemorySettings(_Section):
     history_max_bytes: int = Field(
         512_000, ge=4096, description="HISTORY.md is archived past this size."
     )
+    recall_wait_seconds: float = Field(
+        1.0,
+        ge=0,
+        description="How long a turn's memory recall waits for a search index still being "
+        "built (after a restart without a saved index, an import); then it answers from the "
+        "newest facts, logged and counted in gateway_memory_search_incomplete_total.",
+    )
 
 
 class ModelPriceSettings(_Section):

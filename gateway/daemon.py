@@ -235,6 +235,7 @@ def agent_config(settings: Settings) -> AgentConfig:
         owners=frozenset(settings.agent.owners),
         cache_disabled_channels=frozenset(settings.cache.disabled_channels),
         auto_consolidate=settings.memory.auto_consolidate,
+        memory_recall_wait=settings.memory.recall_wait_seconds,
         offline_after=settings.agent.offline_after_seconds,
         code_block_file_chars=settings.media.code_block_file_chars,
     )
@@ -782,6 +783,7 @@ class Daemon:
             metrics.duplicates.set_total(stats.duplicates, "all")
             for kind, count in self.gateway.agent.llm_errors.items():
                 metrics.llm_errors.set_total(count, kind)
+            metrics.memory_search_incomplete.set_total(self.gateway.agent.incomplete_recalls)
             consolidator = self.gateway.consolidator
             if consolidator is not None:
                 done = consolidator.stats

@@ -202,6 +202,11 @@ class Metrics:
         self.consolidations = self._mirror(
             "gateway_consolidations_total", "Memory consolidations, by outcome.", ("outcome",)
         )
+        self.memory_search_incomplete = self._mirror(
+            "gateway_memory_search_incomplete_total",
+            "Turns whose memory recall answered from part of the memory: its search index "
+            "was still being built when memory.recall_wait_seconds ran out.",
+        )
         self.http_requests = Counter(
             "gateway_http_requests_total",
             "HTTP requests, by method, route pattern and status.",

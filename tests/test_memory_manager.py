@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loguru import logger
@@ -423,37 +424,38 @@ def test_a_damaged_index_is_kept_aside_and_rebuilt(
     assert index_file.read_bytes() != damaged
 
 
-def test_a_large_missing_index_builds_in_the_background_while_searches_scan(
+def test_a_large_missing_index_builds_in_the_background_and_searches_wait_for_it(
     tmp_path: Path, clock: Clock
 ) -> None:
     first = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=10_000_000)
     lines = [f"[2024-02-28 14:00:00] old line {i} with filler text" for i in range(12_000)]
-    first.history_path.write_text(
-        "\n".join(["[2024-01-01 00:00:00] the oldest aardvark", *lines]) + "\n"
-    )
+    oldest = "[2024-01-01 00:00:00] the oldest aardvark"
+    first.history_path.write_text("\n".join([oldest, *lines]) + "\n")
     again = MemoryManager(tmp_path, "s", clock=clock, history_max_bytes=10_000_000)
     release = threading.Event()
     original = again._history_index._build
 
-    def slow_build(*args: object) -> object:
-        release.wait(10)
-        return original(*args)  # type: ignore[arg-type]
+    def slow_build(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("report"):  # the background build, not its catch-up under the lock
+            release.wait(10)
+        return original(*args, **kwargs)
 
     again._history_index._build = slow_build  # type: ignore[method-assign]
-    # The first search does not wait for the build: it scans the newest lines.
-    assert again.search_history("aardvark") == []
-    assert again.search_history("line 11999", 1)[0].startswith(
-        "[2024-02-28 14:00:00] old line 11999"
-    )
+    # A search that cannot wait answers from the newest lines, and says so.
+    found = again.search_history("aardvark", wait=0)
+    assert found == [] and not found.complete
+    newest = again.search_history("line 11999", 1, wait=0.05)
+    assert newest[0].startswith("[2024-02-28 14:00:00] old line 11999") and not newest.complete
+    # The build holds no lock: appends go on, and the bounded scan has them.
     again.append_history("a new kiwi line")
-    assert again.search_history("kiwi", 1)[0].endswith("a new kiwi line")
-    release.set()
-    again._history_index._build = original  # type: ignore[method-assign]
-    again.load_indexes()  # waits for the build
-    assert again.search_history("aardvark", 1, decay_rate=0) == [
-        "[2024-01-01 00:00:00] the oldest aardvark"
-    ]
-    assert again.search_history("kiwi", 1)[0].endswith("a new kiwi line")
+    kiwi = again.search_history("kiwi", 1, wait=0)
+    assert kiwi[0].endswith("a new kiwi line") and not kiwi.complete
+    # A search without a bound waits for the build (let go from another thread).
+    threading.Timer(0.3, release.set).start()
+    found = again.search_history("aardvark", 1, decay_rate=0)
+    assert found == [oldest] and found.complete
+    kiwi = again.search_history("kiwi", 1, wait=0)
+    assert kiwi[0].endswith("a new kiwi line") and kiwi.complete
     assert (again.dir / "HISTORY.md.index").exists()
 
 

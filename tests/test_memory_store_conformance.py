@@ -3,7 +3,6 @@ PostgreSQL keep the same facts, history, knowledge and search promises."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -68,14 +67,6 @@ def clock() -> Clock:
 @pytest.fixture
 def backend(make_backend: MakeBackend) -> MemoryBackend:
     return make_backend()
-
-
-def eventually(search: Callable[[], list[str]], seconds: float = 20.0) -> list[str]:
-    """The first non-empty result of `search`, polled for up to `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not (found := search()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return found
 
 
 def same(line: str) -> str:
@@ -333,11 +324,10 @@ def test_huge_entries_are_kept_whole_and_searchable(backend: MemoryBackend) -> N
     huge = f"needle {words} lastword"
     line = memory.append_history(huge)
     assert len(line) > 2_000_000
-    # The file mode indexes megabytes in the background (searches meanwhile scan the
-    # newest 64 KiB), so it finds the line a moment later; PostgreSQL at once.
-    assert eventually(lambda: memory.search_history("needle")) == [line]
+    # The file mode indexes megabytes in the background: a search waits for it.
+    assert memory.search_history("needle") == [line]
     memory.append_facts([("learned_fact", huge)])
-    assert eventually(lambda: memory.search_memory("needle"))[0].endswith("lastword")
+    assert memory.search_memory("needle")[0].endswith("lastword")
     entry = memory.knowledge.add("learned_fact", huge)
     memory.knowledge.flush()
     assert memory.knowledge.search("needle")[0].id == entry.id
@@ -401,9 +391,7 @@ def test_a_correction_keeps_the_id_and_says_who_corrected_it(
     # The knowledge entry says the new text, and searches find it instead of the old.
     assert [e.content for e in again.knowledge] == ["Drinks black tea, no sugar"]
     assert again.search_memory("green") == []
-    assert eventually(lambda: again.search_memory("black")) == [
-        "- [user_preference] Drinks black tea, no sugar"
-    ]
+    assert again.search_memory("black") == ["- [user_preference] Drinks black tea, no sugar"]
     assert "green" not in again.knowledge.export_for_context()
     assert again.correct_fact("ffffffff", "anything", by="x") is None
     with pytest.raises(ValueError, match="needs some text"):
@@ -419,7 +407,7 @@ def test_forgetting_removes_the_fact_its_knowledge_and_its_search_hits(
         [("user_preference", "Drinks green tea"), ("learned_fact", "Has a cat named Miso")], "s"
     )
     memory.knowledge.add("learned_fact", "has a cat named miso.", source="remember")
-    assert eventually(lambda: memory.search_memory("miso"))
+    assert memory.search_memory("miso")
     cat = next(f for f in memory.list_facts() if "Miso" in f.text)
     gone = memory.forget_fact(cat.id)
     assert gone is not None and gone.text == "Has a cat named Miso"

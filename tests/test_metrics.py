@@ -163,6 +163,7 @@ EXPECTED_SERIES = {
     "gateway_duplicates_total": ("counter", {"channel"}),
     "gateway_channel_up": ("gauge", {"channel"}),
     "gateway_consolidations_total": ("counter", {"outcome"}),
+    "gateway_memory_search_incomplete_total": ("counter", set()),
     "gateway_http_requests_total": ("counter", {"method", "route", "status"}),
     "gateway_http_request_seconds": ("histogram", {"route"}),
     "gateway_build_info": ("gauge", {"version"}),

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import re
 import time
 import weakref
@@ -111,6 +112,8 @@ class AgentConfig:
     owners: frozenset[str] = field(default_factory=frozenset)
     cache_disabled_channels: frozenset[str] = field(default_factory=frozenset)
     auto_consolidate: bool = True
+    #: Seconds a turn's memory recall waits for a search index being built.
+    memory_recall_wait: float = 1.0
     #: Seconds after which a message gets an "I was offline" notice (0: never).
     offline_after: float = 3600.0
     #: A reply's code block longer than this goes out as a file (0: never).
@@ -188,6 +191,8 @@ class AgentLoop:
         )
         #: Failed turns by error kind, for metrics.
         self.llm_errors: collections.Counter[str] = collections.Counter()
+        #: Turns whose memory recall answered from part of the memory, for metrics.
+        self.incomplete_recalls = 0
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         #: The cancel scope of each session's running model-and-tools part (for /stop).
         self._running: dict[str, anyio.CancelScope] = {}
@@ -475,8 +480,10 @@ class AgentLoop:
         before the model sees it) unless the session holds it already, the context
         rebuilt from the branch, and the memory relevant to the message. The session
         steps run on the event loop when they cannot block (see
-        `SessionManager.aget_or_create`); memory search, which may build an index, runs
-        in a worker thread when there is memory to search."""
+        `SessionManager.aget_or_create`); memory search runs in a worker thread when
+        there is memory to search, and waits at most `memory_recall_wait` for an index
+        being built: then it uses the newest facts, and the turn is logged and counted
+        (`incomplete_recalls`) as one whose recall was incomplete."""
         key = session.key
         if self.people is not None:
             await self._note_dm(inbound)
@@ -488,9 +495,21 @@ class AgentLoop:
         if self.memory is not None and (
             not self.sessions.io_on_loop or self.memory.exists(key)  # one stat
         ):
-            texts = await anyio.to_thread.run_sync(
-                memory_texts, self.memory, key, user_message.content or ""
+            wait = self.config.memory_recall_wait
+            recall = await anyio.to_thread.run_sync(
+                functools.partial(
+                    memory_texts, self.memory, key, user_message.content or "", wait=wait
+                )
             )
+            if not recall.complete:
+                # Answered from the newest facts: a turn does not wait for a whole build.
+                self.incomplete_recalls += 1
+                logger.warning(
+                    "memory recall is incomplete: the facts index was still being built "
+                    "after {:g} s, so only the newest facts were searched",
+                    wait,
+                )
+            texts = recall
         return session.build_context(), texts
 
     def _model_for(self, session: Session) -> str:

@@ -5,7 +5,8 @@ Promise: every tool resolves its memory scope from the calling turn's session ke
 (`ToolContext.session_key`) and from nothing the model sends, so one user's
 conversation never reads, corrects or forgets another's memory (unless the operator
 chose the shared workspace scope): a fact id of another scope is answered as unknown.
-Blocking file work runs in a worker thread.
+A tool's search waits for an index still being built, so it answers from all the
+memory, never from part of it. Blocking file work runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gateway.llm.types import ToolSpec
 from gateway.memory.facts import Fact, NewFact, Origin, find_facts, normalize_id
 from gateway.memory.format import CATEGORIES, normalize_category, parse_fact
 from gateway.memory.knowledge import entry_id
-from gateway.memory.protocol import MemoryBackend, MemoryScope
+from gateway.memory.protocol import Found, MemoryBackend, MemoryScope
 from gateway.memory.text import normalize_text, one_line
 
 if TYPE_CHECKING:
@@ -64,10 +65,17 @@ def _compact(lines: list[str], empty: str) -> str:
 
 
 def relevant_memory(
-    manager: MemoryScope, query: str, *, category: str | None = None, limit: int = 8
-) -> list[str]:
+    manager: MemoryScope,
+    query: str,
+    *,
+    category: str | None = None,
+    limit: int = 8,
+    wait: float | None = None,
+) -> Found:
     """`[category] text` lines of MEMORY.md facts and knowledge entries for `query`,
-    best first, each once. Blocking: call it from a worker thread.
+    best first, each once, and whether they come from all the facts (`wait` bounds the
+    wait for a facts index being built; None waits for it). Blocking: call it from a
+    worker thread.
 
     The agent's memory block and the `memory_search` tool both use it.
     """
@@ -81,7 +89,8 @@ def relevant_memory(
         seen.add(key)
         lines.append(f"[{category_name}] {text}" if category_name else text)
 
-    for line in manager.search_memory(query, max_results=limit, category=category):
+    facts = manager.search_memory(query, max_results=limit, category=category, wait=wait)
+    for line in facts:
         fact = parse_fact(line)
         if fact is not None:
             add(fact.category, fact.text)
@@ -89,21 +98,30 @@ def relevant_memory(
             add(None, line.lstrip("-*+ ").strip())
     for entry in manager.knowledge.search(query, category=category, max_results=limit):
         add(entry.category, entry.content)
-    return lines[:limit]
+    return Found(lines[:limit], complete=facts.complete)
 
 
 def memory_texts(
-    store: MemoryBackend, session_key: str, query: str, *, limit: int = 8, export_chars: int = 2000
-) -> list[str]:
+    store: MemoryBackend,
+    session_key: str,
+    query: str,
+    *,
+    limit: int = 8,
+    export_chars: int = 2000,
+    wait: float | None = None,
+) -> Found:
     """What `fit_context` takes as `memory_texts` for a turn: the memory relevant to
     `query`, then the knowledge base's export (`fit_context` drops repeated lines and
-    cuts the block to its share). Scoped by `session_key`. Blocking: worker thread.
-    A conversation without memory yet costs one stat: reading creates nothing."""
+    cuts the block to its share), and whether the search covered all the facts (it
+    waits at most `wait` seconds for an index being built). Scoped by `session_key`.
+    Blocking: worker thread. A conversation without memory yet costs one stat: reading
+    creates nothing."""
     if not store.exists(session_key):
-        return []
+        return Found()
     manager = store.for_session(session_key)
-    relevant = relevant_memory(manager, query, limit=limit) if query.strip() else []
-    return ["\n".join(relevant), manager.knowledge.export_for_context(export_chars)]
+    relevant = relevant_memory(manager, query, limit=limit, wait=wait) if query.strip() else Found()
+    texts = ["\n".join(relevant), manager.knowledge.export_for_context(export_chars)]
+    return Found(texts, complete=relevant.complete)
 
 
 # -- seeing, correcting and forgetting facts (commands and tools alike) ------------------

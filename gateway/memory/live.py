@@ -13,10 +13,15 @@ Invariants:
   memory-mapped; its checksum is verified by a background thread, which drops it (to
   be rebuilt) if it does not match.
 - A missing, stale or damaged index is rebuilt. Work of more than `sync_bytes` runs in
-  a background thread while searches use a bounded scan (an index of the stream's last
-  `fallback_bytes`), so a search never waits for a large build.
+  a background thread; `current` waits for it (with `lock` released, so appends and
+  other scopes go on), or, when its caller bounded the wait, returns None once the
+  bound has passed. Only then may the caller answer from `partial` (an index of the
+  stream's last `partial_bytes`), and it must say that answer is incomplete.
+- The first append opens the index (loading the saved one and catching up, or starting
+  its build), so appends keep it current and saved whether or not anyone searches:
+  the next start loads it instead of building from scratch.
 - Appends are not tokenized when they are written: their documents wait in a pending
-  list and are indexed in one batch by the next search (or past `_PENDING_MAX`).
+  list and are indexed in one batch by the next search or save (or past `_PENDING_MAX`).
 - A damaged index file is reported and kept as `<name>.damaged` (the last one), never
   trusted; a stale one is simply replaced by the rebuilt index.
 - An index is saved only when the files still hold exactly the bytes it covers (checked
@@ -29,8 +34,10 @@ takes it only to swap the finished index in and to save it.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +53,14 @@ Doc = tuple[str, str | None, float | None]
 # before (history lines without one date from it), returned updated.
 Parser = Callable[[str, float | None], tuple[list[Doc], float | None]]
 
+# Told how far it got: (bytes done, bytes to do).
+Progress = Callable[[int, int], None]
+
 _PENDING_MAX = 4096
+# A build indexes this much of the stream between progress reports.
+_BUILD_CHUNK = 1 << 20
+# How often a waiter tells its `progress` how the build goes, in seconds.
+_PROGRESS_EVERY = 0.2
 
 
 @dataclass(slots=True)
@@ -114,20 +128,24 @@ class FileIndex:
         lock: threading.RLock,
         *,
         sync_bytes: int = 256 * 1024,
-        fallback_bytes: int = 64 * 1024,
+        partial_bytes: int = 64 * 1024,
     ) -> None:
         self.path = path
         self._sources = sources
         self._parse = parse
         self._lock = lock
+        # Notified (under `lock`) whenever a build ends, well or not, or is dropped.
+        self._built = threading.Condition(lock)
         self.sync_bytes = sync_bytes
-        self.fallback_bytes = fallback_bytes
+        self.partial_bytes = partial_bytes
         self._index: SearchIndex | None = None
         self._cover = _Coverage()
         self._pending: list[Doc] = []
         self._unsaved = 0
-        self._fallback: SearchIndex | None = None
+        self._partial: SearchIndex | None = None
         self._builder: threading.Thread | None = None
+        self._build_failed = False
+        self._progress = (0, 0)  # of the running build: (bytes done, bytes to do)
         self._generation = 0
         self._log = logger.bind(index=path.name)
 
@@ -135,34 +153,60 @@ class FileIndex:
     def ready(self) -> bool:
         return self._index is not None
 
-    def current(self, *, wait: bool = False) -> SearchIndex:
-        """The index to search now: the full one, or while it builds the bounded scan.
+    def current(
+        self, *, wait: float | None = None, progress: Progress | None = None
+    ) -> SearchIndex | None:
+        """The full index with every append in it, opened or built as needed; None if
+        it is still being built after `wait` seconds (None: wait as long as it takes).
 
-        With `wait`, a running build is joined with `lock` released; the caller must
-        hold it exactly once (as `MemoryManager.load_indexes` does), or the build could
-        not take it to finish."""
-        if self._index is None and self._builder is None:
-            self._open(wait=wait)
-        if self._index is None and wait and self._builder is not None:
-            builder = self._builder
-            self._lock.release()
-            try:
-                builder.join()
-            finally:
-                self._lock.acquire()
-            if self._index is None:  # the build failed: do it here
-                self._open(wait=True)
-        if self._index is None:
-            if self._fallback is None:
-                self._fallback = self._scan_index()
-            return self._fallback
-        if self._pending:
-            self._index.add_many(self._pending)
-            self._pending = []
+        Waiting releases `lock`, however often the caller holds it, and takes it back
+        before returning. While it waits, `progress` is told how the build goes."""
+        deadline = None if wait is None else time.monotonic() + max(0.0, wait)
+        told = -math.inf
+        while self._index is None:
+            if self._builder is None:
+                if not self._build_failed:
+                    self._open()
+                elif deadline is None:
+                    # The background build failed: build here, so that an error that
+                    # happens again reaches the caller.
+                    self._build_failed = False
+                    self._open(inline=True)
+                else:
+                    self._build_failed = False  # retried by the next search
+                    return None
+                continue
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            if progress is not None and now - told >= _PROGRESS_EVERY:
+                progress(*self._progress)
+                told = now
+            pause = _PROGRESS_EVERY if deadline is None else min(_PROGRESS_EVERY, deadline - now)
+            self._built.wait(pause)
+        self._index_pending()
         return self._index
+
+    def partial(self) -> SearchIndex:
+        """What a search that could not wait answers from: the full index if it is ready,
+        else an index of the stream's newest `partial_bytes` (kept current by appends
+        until the full index is ready). Its caller must say the answer is incomplete."""
+        if self._index is not None:
+            return self._index
+        if self._partial is None:
+            self._partial = self._scan_index()
+        return self._partial
 
     def appended(self, data: bytes, docs: list[Doc]) -> None:
         """We appended `data` (holding `docs`) to the current file."""
+        if self._index is None and self._builder is None:
+            # Opened now, from the files (this append included), so that the index stays
+            # current whether or not anyone searches. An append never fails for it.
+            try:
+                self._open()
+            except Exception as exc:
+                self._log.warning("Search index not opened (the next search tries): {}", exc)
+            return
         if self._index is not None:
             self._cover.rest_bytes += len(data)
             self._cover.rest_crc = zlib.crc32(data, self._cover.rest_crc)
@@ -171,28 +215,30 @@ class FileIndex:
             self._pending.extend(docs)
             self._unsaved += len(docs)
             if len(self._pending) >= _PENDING_MAX:
-                self.current()
+                self._index_pending()
             # Saved again once a quarter more is unsaved (O(1) amortized per line); a
             # crash loses only that much, caught up from the files at the next open.
             if self._unsaved >= max(4096, len(self._index) // 4):
                 self.save()
-        elif self._fallback is not None:
-            self._fallback.add_many(docs)
+        elif self._partial is not None:
+            self._partial.add_many(docs)
 
     def invalidate(self) -> None:
         """The files were rewritten: forget the index (rebuilt on next use)."""
         self._index = None
         self._pending = []
-        self._fallback = None
+        self._partial = None
         self._builder = None
+        self._build_failed = False
         self._generation += 1
+        self._built.notify_all()
 
     def save(self) -> None:
         """Write the index if it changed and the files still hold what it covers."""
         index = self._index
         if index is None or (not self._unsaved and not self._pending and self.path.exists()):
             return
-        self.current()  # index the pending documents
+        self._index_pending()
         files = self._sources()
         archives, current = files[:-1], files[-1]
         known = {a[0] for a in self._cover.archives}
@@ -225,8 +271,9 @@ class FileIndex:
 
     # -- internals -------------------------------------------------------------------
 
-    def _open(self, *, wait: bool) -> None:
-        """Load the saved index and catch up, or (re)build it."""
+    def _open(self, *, inline: bool = False) -> None:
+        """Load the saved index and catch up, or (re)build it: here when the work is at
+        most `sync_bytes` (or `inline`), else in a background thread."""
         files = self._sources()
         try:
             index, meta = SearchIndex.load(self.path, verify=False)
@@ -245,12 +292,13 @@ class FileIndex:
                     os.replace(self.path, self.path.with_name(self.path.name + ".damaged"))
             index, cover, start = SearchIndex(), _Coverage(), 0
         todo = sum(os.path.getsize(p) for p in files[len(cover.archives) :] if p.exists()) - start
-        if wait or todo <= self.sync_bytes:
+        if inline or todo <= self.sync_bytes:
             self._install(*self._build(index, cover, start))
             if todo > self.sync_bytes:
                 self.save()  # a large build is saved at once, not by a later append
             return
         generation = self._generation
+        self._progress = (0, max(todo, 1))
         self._builder = threading.Thread(
             target=self._background,
             args=(index, cover, start, generation),
@@ -278,37 +326,55 @@ class FileIndex:
         return _Coverage(archives, covered, int(crc or 0), stamp), covered
 
     def _build(
-        self, index: SearchIndex, cover: _Coverage, start: int
+        self, index: SearchIndex, cover: _Coverage, start: int, *, report: bool = False
     ) -> tuple[SearchIndex, _Coverage, int]:
-        """Index the stream from offset `start` (after the covered archives) to its end."""
+        """Index the stream from offset `start` (after the covered archives) to its end;
+        with `report`, the running build's progress is updated as it goes."""
         # Listed now: a rotation since the last look made a new archive of the front
         # of the current file, which keeps the stream's bytes (and offsets) the same.
         rest = self._sources()[len(cover.archives) :]
         data = _read_from(rest, start)
-        docs, carry = self._parse(data.decode("utf-8", errors="replace"), cover.carry)
-        index.add_many(docs)
+        carry, done, added = cover.carry, 0, 0
+        while done < len(data):
+            # Cut at a newline: it never falls inside a UTF-8 character.
+            cut = data.find(b"\n", done + _BUILD_CHUNK)
+            end = len(data) if cut < 0 else cut + 1
+            docs, carry = self._parse(data[done:end].decode("utf-8", errors="replace"), carry)
+            index.add_many(docs)
+            added += len(docs)
+            done = end
+            if report:
+                self._progress = (done, max(len(data), 1))
         crc = zlib.crc32(data, cover.rest_crc)
-        return index, _Coverage(cover.archives, start + len(data), crc, carry), len(docs)
+        return index, _Coverage(cover.archives, start + len(data), crc, carry), added
 
     def _background(
         self, index: SearchIndex, cover: _Coverage, start: int, generation: int
     ) -> None:
         try:
-            index, cover, _ = self._build(index, cover, start)
+            index, cover, _ = self._build(index, cover, start, report=True)
             index.merge()
-        except Exception as exc:  # a failed build leaves the bounded scan in place
+        except Exception as exc:  # searches meanwhile wait, or answer as incomplete
             self._log.error("Building the search index failed: {}", exc)
             with self._lock:
                 if generation == self._generation:
                     self._builder = None
+                    self._build_failed = True
+                    self._built.notify_all()
             return
         with self._lock:
             if generation != self._generation:
                 return  # the files were rewritten meanwhile; a new build follows
-            # Lines appended while we built: read them from the files, now under lock.
-            self._install(*self._build(index, cover, cover.rest_bytes))
-            self._builder = None
-            self.save()
+            try:
+                # Lines appended while we built: read them from the files, now under lock.
+                self._install(*self._build(index, cover, cover.rest_bytes))
+                self.save()
+            except Exception as exc:
+                self._log.error("Building the search index failed: {}", exc)
+                self._build_failed = self._index is None
+            finally:
+                self._builder = None
+                self._built.notify_all()
 
     def _verify(self, index: SearchIndex, generation: int) -> None:
         """Check a loaded index's checksum off the search path; drop it if damaged."""
@@ -325,13 +391,19 @@ class FileIndex:
     def _install(self, index: SearchIndex, cover: _Coverage, added: int) -> None:
         self._index = index
         self._cover = cover
-        self._fallback = None
+        self._partial = None
         self._pending = []
         self._unsaved = added or (0 if self.path.exists() else 1)
         self._log.debug("Search index ready: {} documents", len(index))
 
+    def _index_pending(self) -> None:
+        """Index the appended documents waiting in the pending list, in one batch."""
+        if self._pending and self._index is not None:
+            self._index.add_many(self._pending)
+            self._pending = []
+
     def _scan_index(self) -> SearchIndex:
-        data = _read_tail(self._sources(), self.fallback_bytes)
+        data = _read_tail(self._sources(), self.partial_bytes)
         docs, _ = self._parse(data.decode("utf-8", errors="replace"), None)
         index = SearchIndex()
         index.add_many(docs)

@@ -11,10 +11,13 @@ Invariants:
   lines, not drop them. Archives stay searchable.
 - Searches never read the files: each index is saved next to the files it indexes
   (`MEMORY.md.index`, `HISTORY.md.index`), checked against them and caught up when a
-  scope opens, built in the background when missing or stale (searches meanwhile use
-  a bounded scan of the newest lines), and every append queues its documents for it
-  (`gateway.memory.live`). MEMORY.md is meant to be edited by people: a search
-  notices a hand edit (by the file's size and mtime) and rebuilds that index.
+  scope's first append or search opens it, built in the background when missing or
+  stale, and every append queues its documents for it (`gateway.memory.live`), so the
+  saved index stays current whether or not the scope is searched. A search answers
+  from the whole scope: it waits for a build, unless its caller bounded the wait, and
+  then it answers from the newest lines and says so (`Found.complete`). MEMORY.md is
+  meant to be edited by people: a search notices a hand edit (by the file's size and
+  mtime) and rebuilds that index.
 - Forgetting or correcting a fact (`forget_fact`, `correct_fact`) rewrites MEMORY.md
   atomically and takes the text out of the knowledge entries saying the same thing, of
   `MEMORY.md.bak` and of the saved search indexes (rebuilt without it).
@@ -28,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -73,6 +77,7 @@ from gateway.memory.format import (
 )
 from gateway.memory.knowledge import KnowledgeBase, KnowledgeEntry
 from gateway.memory.live import Doc, FileIndex
+from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import WORKSPACE_SCOPE, scope_dir
 from gateway.memory.text import one_line, tokenize
 
@@ -193,21 +198,31 @@ class MemoryManager:
         return len(bullets)
 
     def search_memory(
-        self, query: str, max_results: int = 10, category: str | None = None
-    ) -> list[str]:
+        self,
+        query: str,
+        max_results: int = 10,
+        category: str | None = None,
+        *,
+        wait: float | None = None,
+    ) -> Found:
         """MEMORY.md lines (stripped, headings excluded) ranked by BM25 for `query`.
 
         With `category`, only `- [category] ...` facts. A query without searchable
-        words returns the newest lines instead.
+        words returns the newest lines instead. The index is waited for if it is being
+        built; with `wait`, for at most that many seconds, and then the answer comes
+        from the newest lines, marked incomplete.
         """
         with self._lock:
             self._notice_memory_edits()
-            index = self._memory_index.current()
+            index = self._memory_index.current(wait=wait)
+            complete = index is not None
+            if index is None:
+                index = self._memory_index.partial()
             tag = category.strip().lower() if category else None
             hits = index.search(query, max_results, tag=tag)
             if not hits and not _has_words(query):
                 hits = index.latest(max_results, tag=tag)
-            return [hit.text for hit in hits]
+            return Found((hit.text for hit in hits), complete=complete)
 
     def compact_memory(self, similarity_threshold: float = 0.85) -> int:
         """Remove facts that another kept fact implies; return how many were removed.
@@ -280,20 +295,25 @@ class MemoryManager:
         decay_rate: float = 0.001,
         *,
         now: datetime | None = None,
-    ) -> list[str]:
+        wait: float | None = None,
+    ) -> Found:
         """History lines (archives included) by BM25 x recency, best first.
 
         The score is multiplied by `1 / (1 + age_hours * decay_rate)`, the age taken
         from the line's timestamp (`decay_rate=0` ranks by relevance alone). A query
-        without searchable words returns the newest lines.
+        without searchable words returns the newest lines. `wait` as for
+        `search_memory`.
         """
         moment = (now or self._clock()).timestamp()
         with self._lock:
-            index = self._history_index.current()
+            index = self._history_index.current(wait=wait)
+            complete = index is not None
+            if index is None:
+                index = self._history_index.partial()
             hits = index.search(query, max_results, decay_rate=decay_rate, now=moment)
             if not hits and not _has_words(query):
                 hits = index.latest(max_results)
-            return [hit.text for hit in hits]
+            return Found((hit.text for hit in hits), complete=complete)
 
     # -- consolidation -----------------------------------------------------------
 
@@ -410,12 +430,17 @@ class MemoryManager:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    def load_indexes(self) -> None:
-        """Open (or build, waiting for it) both search indexes now, not on first search."""
+    def load_indexes(self, progress: IndexProgress | None = None) -> None:
+        """Open (or build, waiting for it) both search indexes now, not on first search;
+        `progress` is told how a build that has to be waited for goes."""
         with self._lock:
             self._notice_memory_edits()
-            self._memory_index.current(wait=True)
-            self._history_index.current(wait=True)
+            for name, index in (
+                (MEMORY_FILE, self._memory_index),
+                (HISTORY_FILE, self._history_index),
+            ):
+                told = None if progress is None else functools.partial(progress, name)
+                index.current(progress=told)
 
     def flush(self) -> None:
         """Persist pending knowledge changes and save the search indexes that changed

@@ -22,6 +22,11 @@ lone surrogate; everything else is stored as given. A huge entry is stored whole
 first `MAX_INDEXED_CHARS` characters of tokens are searchable (a tsvector is at most
 1 MB).
 
+Search is complete by construction: every query reads the GIN index over all the
+scope's rows, which PostgreSQL keeps current in the transaction of each append (its
+pending list included), so there is no build to wait for and no partial answer: a
+`wait=` is accepted for the protocol and every `Found` is complete.
+
 Promises: every statement names its scope (one scope never sees another's rows); a write
 made inside a turn is behind that turn's fence (`gateway.storage.fence`: refused once
 another replica holds the session, at the cost of one round trip per write); an
@@ -67,6 +72,7 @@ from gateway.memory.knowledge import (
     searchable_text,
 )
 from gateway.memory.manager import utc_now
+from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
 from gateway.memory.text import one_line, tokenize
 from gateway.people import PeopleStore, person_scope
@@ -419,16 +425,21 @@ class PostgresMemoryScope(_Scoped):
         return len(rows)
 
     def search_memory(
-        self, query: str, max_results: int = 10, category: str | None = None
-    ) -> list[str]:
+        self,
+        query: str,
+        max_results: int = 10,
+        category: str | None = None,
+        *,
+        wait: float | None = None,
+    ) -> Found:
         if max_results <= 0:
-            return []
+            return Found()
         tag = category.strip().lower() if category else None
         with self._pool.connection() as conn:
             lines = _top(
                 conn, "gw_memory_facts", "line", self._key, query, max_results, category=tag
             )
-        return [without_fact_comment(line) for line in lines]
+        return Found(without_fact_comment(line) for line in lines)
 
     # -- seeing, correcting, forgetting facts ----------------------------------------
 
@@ -538,21 +549,27 @@ class PostgresMemoryScope(_Scoped):
         decay_rate: float = 0.001,
         *,
         now: datetime | None = None,
-    ) -> list[str]:
+        wait: float | None = None,
+    ) -> Found:
         if max_results <= 0:
-            return []
+            return Found()
         moment = (now or self._clock()).timestamp()
         decay = "1.0 / (1.0 + greatest(0.0, %s - at) / 3600.0 * %s)"
         with self._pool.connection() as conn:
-            return _top(
-                conn,
-                "gw_memory_history",
-                "line",
-                self._key,
-                query,
-                max_results,
-                weight=(decay, (moment, max(0.0, decay_rate))),
+            return Found(
+                _top(
+                    conn,
+                    "gw_memory_history",
+                    "line",
+                    self._key,
+                    query,
+                    max_results,
+                    weight=(decay, (moment, max(0.0, decay_rate))),
+                )
             )
+
+    def load_indexes(self, progress: IndexProgress | None = None) -> None:
+        """PostgreSQL keeps its indexes current itself: nothing to wait for."""
 
     # -- consolidation ---------------------------------------------------------------
 

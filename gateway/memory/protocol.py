@@ -18,20 +18,44 @@ keep the same promises, checked by one conformance suite
 - searches rank by keyword relevance (the same tokenizer, `gateway.memory.text`, for
   documents and queries), optionally filtered by category and weighted by recency
   `1 / (1 + age_hours * decay_rate)`, best `max_results` first, newer first on ties;
-  a query without searchable words returns the newest entries.
+  a query without searchable words returns the newest entries;
+- a search answers from everything the scope holds: it waits for an index still being
+  built, unless its caller bounds the wait (`wait=`), and then the answer it gives from
+  part of the scope says so (`Found.complete` is False).
 
 Every method blocks (files or network): call them from a worker thread on the loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import date, datetime
 from typing import Protocol
 
 from gateway.memory.facts import Fact, FactInput
 from gateway.memory.knowledge import KnowledgeEntry
 from gateway.memory.scopes import ScopeMode
+
+#: Told how an index build goes: (the file indexed, bytes done, bytes to do).
+IndexProgress = Callable[[str, int, int], None]
+
+
+class Found(list[str]):
+    """Search results, best first, and whether they are the answer over everything the
+    scope holds.
+
+    `complete` is False only for a search whose caller bounded its wait while the scope's
+    index was still being built: its lines then come from the newest part of the scope.
+    """
+
+    __slots__ = ("complete",)
+
+    def __init__(self, lines: Iterable[str] = (), *, complete: bool = True) -> None:
+        super().__init__(lines)
+        self.complete = complete
+
+    def __repr__(self) -> str:
+        return f"Found({list(self)!r}, complete={self.complete})"
 
 
 class Knowledge(Protocol):
@@ -93,9 +117,16 @@ class MemoryScope(Protocol):
         ...
 
     def search_memory(
-        self, query: str, max_results: int = 10, category: str | None = None
-    ) -> list[str]:
-        """Fact lines (`- [category] text`, free text as written) best first."""
+        self,
+        query: str,
+        max_results: int = 10,
+        category: str | None = None,
+        *,
+        wait: float | None = None,
+    ) -> Found:
+        """Fact lines (`- [category] text`, free text as written) best first. `wait`:
+        seconds to wait for an index being built before answering from part of the
+        scope (None: as long as the build takes)."""
         ...
 
     def append_history(self, entry: str) -> str:
@@ -109,8 +140,14 @@ class MemoryScope(Protocol):
         decay_rate: float = 0.001,
         *,
         now: datetime | None = None,
-    ) -> list[str]:
-        """History lines by relevance x recency, best first."""
+        wait: float | None = None,
+    ) -> Found:
+        """History lines by relevance x recency, best first (`wait` as for facts)."""
+        ...
+
+    def load_indexes(self, progress: IndexProgress | None = None) -> None:
+        """Have the scope's search indexes ready now, waiting for any build (told to
+        `progress` as it goes), so that searches answer at once and complete."""
         ...
 
     def list_facts(self) -> list[Fact]:
