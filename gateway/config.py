@@ -499,6 +499,21 @@ class ScheduleSettings(_Section):
         description="A job missed while the gateway was down fires once at start when at "
         "most this late; older ones are skipped (and logged).",
     )
+    min_interval_seconds: float = Field(
+        900.0,
+        ge=60,
+        le=86400,
+        description="A repeating job set from chat whose cron runs closer together than "
+        "this (anywhere: '*/5 * * * *', '0,1 * * * *', '* 3 * * *') is refused.",
+    )
+    max_runs_per_day: int = Field(
+        48,
+        ge=1,
+        le=100_000,
+        description="Runs a conversation's jobs may make in a day (in `timezone`) between "
+        "them; later runs are skipped and the person told once. A repeating job that "
+        "alone runs more often is refused when it is set. Heartbeat jobs are not counted.",
+    )
 
     @field_validator("timezone")
     @classmethod
