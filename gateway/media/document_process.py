@@ -1,17 +1,20 @@
 """PDF and DOCX files read in a child process that a memory limit and a deadline bound.
 
 The promise: reading one document takes at most `max_memory_bytes` of memory, none of
-it the gateway's, and at most `max_seconds` + 5 s, whatever the file holds.
+it the gateway's, and at most `max_seconds` + 5 s once it starts, whatever the file
+holds.
 
 Why a process, not a worker thread: the reader's budgets (gateway.media.documents) are
-checked between steps, and one step is a call into C (zlib inflating a stream, libxml2
-parsing, pypdf's decoders) that no thread can interrupt and whose allocations Python
-cannot refuse. A child process can be held by the kernel to an address-space limit
+checked between steps, and one step can be a call into C (zlib inflating a stream,
+libxml2 parsing) or a long loop inside pypdf (it skips whitespace a byte at a time: 8 s
+for 40 MB of it) that nothing outside can interrupt in a thread, and whose allocations
+Python cannot refuse. A child process can be held by the kernel to an address-space limit
 (RLIMIT_AS: an allocation past it fails, and the child answers that the document needs
 more memory than it may have) and killed at a deadline; when it dies, the gateway does
 not. A fresh interpreter costs about 0.2 s per document (pypdf and lxml load in the
 child only), small next to the model's answer. At most `concurrent` children run at
-once, so the worst case is that many times the memory limit.
+once, so the worst case is that many times the memory limit. The child gets only the
+environment it needs to start: no API key or token reaches a parser of strangers' files.
 
 The child reads one JSON line (name, type, limits) and the file's bytes from stdin, and
 writes one JSON object to stdout: the DocumentText's fields, or `error` (the reason in
@@ -110,7 +113,7 @@ async def run_reader(
     # -P: the working directory (where people's files may be) is not on its import path.
     command = [sys.executable, "-P", "-m", "gateway.media.document_process"]
     answer, errors = b"", b""
-    async with await anyio.open_process(command) as process:
+    async with await anyio.open_process(command, env=_child_env()) as process:
         stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
         assert stdin is not None and stdout is not None and stderr is not None
 
@@ -159,6 +162,15 @@ async def run_reader(
     if "error" in result:
         return ReaderOutcome(None, str(result["error"]), peak_bytes, seconds)
     return ReaderOutcome(DocumentText(**result), None, peak_bytes, seconds)
+
+
+#: What the child needs of the gateway's environment: to find Python and this package.
+#: Nothing else goes to a process that parses files strangers sent: no API key, no token.
+_CHILD_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LANG", "LC_ALL", "TMPDIR")
+
+
+def _child_env() -> dict[str, str]:
+    return {key: os.environ[key] for key in _CHILD_ENV if key in os.environ}
 
 
 def _peak_rss(pid: int) -> int | None:
