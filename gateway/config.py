@@ -195,7 +195,42 @@ class MediaSettings(_Section):
         description="Models that see images (glob patterns); others get a short note instead.",
     )
     document_max_chars: int = Field(
-        20_000, ge=100, description="Text taken from one document (PDF, DOCX, text)."
+        20_000,
+        ge=100,
+        description="Text taken from one document (PDF, DOCX, text); reading stops there.",
+    )
+    document_max_unpacked_mb: float = Field(
+        50.0,
+        gt=0,
+        le=2000,
+        description="A DOCX whose parts, or a PDF whose one stream, expand to more than "
+        "this is refused (zip and stream bombs); sizes are counted, not taken on trust.",
+    )
+    document_max_ratio: float = Field(
+        500.0,
+        ge=2,
+        description="A DOCX part over 1 MB that expands to more than this many times its "
+        "packed size is refused: a zip bomb's trait (deflate's most is about 1,000; Word's "
+        "styles part is 32, a document of one line repeated 30,000 times 307).",
+    )
+    document_max_pages: int = Field(
+        500, ge=1, description="PDF pages read at most; the model is told where reading stopped."
+    )
+    document_max_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="Reading one PDF or DOCX stops here (the text so far is used); a "
+        "reader stuck past it by 5 s is killed and the document refused.",
+    )
+    document_max_memory_mb: int = Field(
+        512,
+        ge=128,
+        description="Memory (address space) of the child process that reads one PDF or "
+        "DOCX; reading a document that needs more is refused.",
+    )
+    document_readers: int = Field(
+        2, ge=1, le=64, description="PDF and DOCX files read at once (one child process each)."
     )
     transcription_model: str = Field(
         "whisper-1", description="Model of the /audio/transcriptions endpoint for voice messages."
@@ -220,6 +255,17 @@ class MediaSettings(_Section):
         ge=0,
         description="A reply's code block longer than this goes out as a file (0: never).",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> MediaSettings:
+        # The reader holds the whole file, and a Python with pypdf and lxml takes ~60 MB.
+        if self.document_max_memory_mb < self.max_download_mb * 2 + 100:
+            raise ValueError(
+                f"document_max_memory_mb = {self.document_max_memory_mb} is too little to read "
+                f"a {self.max_download_mb:g} MB file (max_download_mb): give at least "
+                f"{self.max_download_mb * 2 + 100:.0f}"
+            )
+        return self
 
 
 class SessionSettings(_Section):
@@ -459,6 +505,21 @@ class ScheduleSettings(_Section):
         gt=0,
         description="A job missed while the gateway was down fires once at start when at "
         "most this late; older ones are skipped (and logged).",
+    )
+    min_interval_seconds: float = Field(
+        900.0,
+        ge=60,
+        le=86400,
+        description="A repeating job set from chat whose cron runs closer together than "
+        "this (anywhere: '*/5 * * * *', '0,1 * * * *', '* 3 * * *') is refused.",
+    )
+    max_runs_per_day: int = Field(
+        48,
+        ge=1,
+        le=100_000,
+        description="Runs a conversation's jobs may make in a day (in `timezone`) between "
+        "them; later runs are skipped and the person told once. A repeating job that "
+        "alone runs more often is refused when it is set. Heartbeat jobs are not counted.",
     )
 
     @field_validator("timezone")

@@ -369,6 +369,8 @@ def build_reminders(settings: Settings, agent: AgentLoop) -> Reminders | None:
             timezone=section.timezone,
             max_per_conversation=section.max_per_conversation,
             max_late=timedelta(seconds=section.max_late_seconds),
+            min_interval=timedelta(seconds=section.min_interval_seconds),
+            max_runs_per_day=section.max_runs_per_day,
         ),
     )
     for tool in reminders.tools():

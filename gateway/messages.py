@@ -35,6 +35,10 @@ META_REPLY_WANTED = "reply_wanted"
 META_POST_ID = "post_id"
 #: Metadata of an edited message: the `post_id` (or message id) of the message it changes.
 META_EDIT_OF = "edit_of"
+#: Metadata of a message the gateway itself made (a scheduled run over its conversation's
+#: daily budget) that is answered with this text, without a turn: both are stored in the
+#: session, and the answer is delivered like any reply.
+META_NOTICE = "notice"
 #: Metadata: when the person sent the message, by the platform's clock (Unix seconds);
 #: `received_at` is when the gateway got it, which after downtime can be much later.
 META_SENT_AT = "sent_at"

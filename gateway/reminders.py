@@ -16,7 +16,15 @@ The promises kept here:
   `max_late` old (a cron job fires once, not once per missed time), else it is skipped
   and logged;
 - a conversation holds at most `max_per_conversation` jobs, and sees and cancels only
-  its own; operators see and cancel all (`gateway schedules list|cancel`).
+  its own; operators see and cancel all (`gateway schedules list|cancel`);
+- a repeating job runs at most every `min_interval` (by its cron expression: the least
+  gap between two runs in a row, `gateway.schedule.cron_rhythm`) and at most
+  `max_runs_per_day` times a day, or it is refused when it is set, with a reason the
+  model can relay;
+- a conversation's jobs run at most `max_runs_per_day` times a day (a day in the
+  default zone) between them; a run past that is skipped and logged, and the first one
+  skipped in a day is answered, without the model, with a note saying so. Each run is
+  counted once by its fire id, whichever replica fires it.
 """
 
 from __future__ import annotations
@@ -29,9 +37,9 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.abc
@@ -42,8 +50,8 @@ from gateway.agent.tools import Tool, ToolContext
 from gateway.channel import Submit
 from gateway.fsutil import atomic_write_text
 from gateway.llm.types import ToolSpec
-from gateway.messages import InboundMessage, OutboundMessage, root_session_key
-from gateway.schedule import cron_next, parse_cron, parse_interval, zone
+from gateway.messages import META_NOTICE, InboundMessage, OutboundMessage, root_session_key
+from gateway.schedule import cron_next, cron_rhythm, parse_cron, parse_interval, zone
 
 #: The jobs, in the workspace folder (the file mode).
 JOBS_FILE = "schedules.json"
@@ -128,6 +136,24 @@ class ScheduledJob:
         return cron_next(self.cron, max(now, self.next_run).astimezone(tz)).astimezone(UTC)
 
 
+#: What a due run may do under its conversation's daily budget: run; be skipped with a
+#: note to the person (the first run skipped that day); be skipped quietly.
+RunGrant = Literal["run", "note", "skip"]
+
+
+def grant_run(counted: list[str], noted: str | None, fire_id: str, budget: int) -> RunGrant:
+    """The grant for run `fire_id`, given the fire ids that ran on its conversation's
+    day (`counted`) and the one answered with a note (`noted`). The same run asked
+    again (a retry, another replica) gets the same grant; the store records a new one."""
+    if fire_id in counted:
+        return "run"
+    if fire_id == noted:
+        return "note"
+    if len(counted) < budget:
+        return "run"
+    return "note" if noted is None else "skip"
+
+
 def parse_jobs(text: str) -> dict[str, ScheduledJob]:
     """The jobs of a schedules.json text by id (of a repeated id, the last); ValueError
     (saying what) when the text or any job in it cannot be read."""
@@ -144,10 +170,30 @@ def parse_jobs(text: str) -> dict[str, ScheduledJob]:
     return jobs
 
 
-def dump_jobs(jobs: Iterable[ScheduledJob]) -> str:
-    """schedules.json's text for `jobs` (soonest first)."""
+def dump_jobs(jobs: Iterable[ScheduledJob], runs: dict[str, Any] | None = None) -> str:
+    """schedules.json's text for `jobs` (soonest first) and the day's run ledgers."""
     ordered = sorted(jobs, key=lambda j: (j.next_run, j.id))
-    return json.dumps({"jobs": [j.to_dict() for j in ordered]}, indent=1) + "\n"
+    data: dict[str, Any] = {"jobs": [j.to_dict() for j in ordered]}
+    if runs:
+        data["runs"] = runs
+    return json.dumps(data, indent=1) + "\n"
+
+
+def _parse_runs(text: str) -> dict[str, dict[str, Any]]:
+    """The run ledgers of a schedules.json text: owner -> day -> {"runs", "noted"}. A
+    ledger that cannot be read is dropped (it holds a day's counts, no jobs)."""
+    raw = json.loads(text).get("runs")
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        owner: {
+            day: ledger
+            for day, ledger in days.items()
+            if isinstance(ledger, dict) and isinstance(ledger.get("runs"), list)
+        }
+        for owner, days in raw.items()
+        if isinstance(days, dict)
+    }
 
 
 class JobStore(Protocol):
@@ -158,6 +204,7 @@ class JobStore(Protocol):
     def jobs(self, owner: str | None = None) -> list[ScheduledJob]: ...
     def remove(self, job_id: str, *, owner: str | None = None) -> ScheduledJob | None: ...
     def advance(self, job_id: str, expected: datetime, new_next: datetime | None) -> bool: ...
+    def take_run(self, owner: str, day: date, fire_id: str, budget: int) -> RunGrant: ...
 
 
 class FileJobStore:
@@ -181,11 +228,13 @@ class FileJobStore:
             finally:
                 os.close(fd)  # releases the flock
 
-    def _read(self) -> dict[str, ScheduledJob]:
+    def _read(self) -> tuple[dict[str, ScheduledJob], dict[str, dict[str, Any]]]:
+        """The jobs by id, and the run ledgers (owner -> day -> counts)."""
         try:
-            return parse_jobs(self.path.read_text(encoding="utf-8"))
+            text = self.path.read_text(encoding="utf-8")
+            return parse_jobs(text), _parse_runs(text)
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except (OSError, ValueError) as exc:
             aside = self.path.with_name(
                 f"{self.path.name}.corrupt-{int(datetime.now().timestamp())}"
@@ -193,44 +242,44 @@ class FileJobStore:
             logger.error("schedules file {} unreadable ({}); moved to {}", self.path, exc, aside)
             with contextlib.suppress(OSError):
                 self.path.rename(aside)
-            return {}
+            return {}, {}
 
-    def _write(self, jobs: dict[str, ScheduledJob]) -> None:
-        atomic_write_text(self.path, dump_jobs(jobs.values()))
+    def _write(self, jobs: dict[str, ScheduledJob], runs: dict[str, dict[str, Any]]) -> None:
+        atomic_write_text(self.path, dump_jobs(jobs.values(), runs))
 
     def add(self, job: ScheduledJob, *, limit: int) -> bool:
         """Store `job`; False (nothing stored) when its owner holds `limit` jobs."""
         with self._locked():
-            jobs = self._read()
+            jobs, runs = self._read()
             if sum(j.owner == job.owner for j in jobs.values()) >= limit:
                 return False
             jobs[job.id] = job
-            self._write(jobs)
+            self._write(jobs, runs)
             return True
 
     def jobs(self, owner: str | None = None) -> list[ScheduledJob]:
         """All jobs (or `owner`'s), soonest first."""
         with self._locked():
-            jobs = self._read().values()
+            jobs = self._read()[0].values()
         found = [j for j in jobs if owner is None or j.owner == owner]
         return sorted(found, key=lambda j: (j.next_run, j.id))
 
     def remove(self, job_id: str, *, owner: str | None = None) -> ScheduledJob | None:
         """Cancel a job (only if `owner`'s, when given); the job, or None if there is none."""
         with self._locked():
-            jobs = self._read()
+            jobs, runs = self._read()
             job = jobs.get(job_id)
             if job is None or (owner is not None and job.owner != owner):
                 return None
             del jobs[job_id]
-            self._write(jobs)
+            self._write(jobs, runs)
             return job
 
     def advance(self, job_id: str, expected: datetime, new_next: datetime | None) -> bool:
         """Compare-and-set: if the job is still due at `expected`, move it to `new_next`
         (None: it is done and removed). False when it changed or went meanwhile."""
         with self._locked():
-            jobs = self._read()
+            jobs, runs = self._read()
             job = jobs.get(job_id)
             if job is None or job.next_run != expected:
                 return False
@@ -238,8 +287,29 @@ class FileJobStore:
                 del jobs[job_id]
             else:
                 jobs[job_id] = replace(job, next_run=new_next, runs=job.runs + 1)
-            self._write(jobs)
+            self._write(jobs, runs)
             return True
+
+    def take_run(self, owner: str, day: date, fire_id: str, budget: int) -> RunGrant:
+        """`grant_run` for run `fire_id` on `owner`'s `day`, recorded."""
+        with self._locked():
+            jobs, runs = self._read()
+            ledger = runs.setdefault(owner, {}).setdefault(
+                day.isoformat(), {"runs": [], "noted": None}
+            )
+            grant = grant_run(ledger["runs"], ledger.get("noted"), fire_id, budget)
+            if grant == "run" and fire_id not in ledger["runs"]:
+                ledger["runs"].append(fire_id)
+            elif grant == "note":
+                ledger["noted"] = fire_id
+            # Two days are kept: a run counts on the day it was due, and one missed for
+            # longer than that (a max_late past a day) starts a fresh count.
+            kept = (day - timedelta(days=1)).isoformat()
+            for days in runs.values():
+                for old in [d for d in days if d < kept]:
+                    del days[old]
+            self._write(jobs, {o: days for o, days in runs.items() if days})
+            return grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +319,8 @@ class ScheduleLimits:
     timezone: str = "UTC"
     max_per_conversation: int = 20
     max_late: timedelta = timedelta(hours=24)
+    min_interval: timedelta = timedelta(minutes=15)
+    max_runs_per_day: int = 48
 
 
 class ScheduleError(ValueError):
@@ -276,6 +348,35 @@ def when_from(args: dict[str, Any], timezone: str, now: datetime) -> tuple[datet
     if at <= now:
         raise ScheduleError(f"'at' {args['at']!r} is in the past ({timezone})")
     return at.astimezone(UTC), None
+
+
+def _span(delta: timedelta) -> str:
+    """A duration as a person says it, exactly: "15 minutes", "2 hours", "1 day"."""
+    minutes = int(delta.total_seconds() // 60)
+    for unit, size in (("day", 1440), ("hour", 60), ("minute", 1)):
+        if minutes >= size and minutes % size == 0:
+            count = minutes // size
+            return f"{count} {unit}{'s' if count != 1 else ''}"
+    return f"{int(delta.total_seconds())} seconds"
+
+
+def check_rhythm(cron: str, limits: ScheduleLimits) -> None:
+    """Refuse (ScheduleError, saying why and what would do) a repeating job that runs
+    more often than `min_interval` or more times a day than a conversation's jobs may."""
+    rhythm = cron_rhythm(cron)
+    if rhythm.min_gap < limits.min_interval:
+        least = _span(limits.min_interval)
+        raise ScheduleError(
+            f"cron '{cron}' runs as often as every {_span(rhythm.min_gap)}; a repeating job "
+            f"may run at most every {least} here. Use a cron whose runs are at least {least} "
+            "apart, or 'at'/'in' for a single reminder"
+        )
+    if rhythm.runs_per_day > limits.max_runs_per_day:
+        raise ScheduleError(
+            f"cron '{cron}' runs {rhythm.runs_per_day} times a day; the jobs of a conversation "
+            f"may run {limits.max_runs_per_day} times a day in all here. Use fewer times a day "
+            "(fewer hours, or a longer step)"
+        )
 
 
 def _address(context: ToolContext) -> dict[str, str | None]:
@@ -318,6 +419,9 @@ class Reminders:
         try:
             zone(timezone)
             first, cron = when_from(args, timezone, self.clock())
+            if cron is not None:
+                # Up to a few hundred ms of cron times for a rare expression: off the loop.
+                await anyio.to_thread.run_sync(check_rhythm, cron, self.limits)
         except ValueError as exc:
             return f"error: {exc}"
         owner = root_session_key(context.session_key)
@@ -444,16 +548,57 @@ class ScheduleRunner:
                     late,
                 )
                 self.skipped += 1
-            else:
-                ticket = await submit(self._message(job))
-                status = getattr(ticket, "status", None)  # the dispatcher's SubmitStatus
-                if not ticket.taken or status in ("rejected_full", "rejected_draining"):
-                    logger.error("job {} could not be queued; trying again shortly", job.id)
-                    return
-                logger.info("job {} fired ({} late)", job.id, late)
-                self.fired += 1
+            elif not await self._run_in_budget(job, submit, late):
+                return  # not queued: tried again shortly
             new_next = job.after_run(now)
             await anyio.to_thread.run_sync(lambda: store.advance(job.id, job.next_run, new_next))
+
+    async def _run_in_budget(self, job: ScheduledJob, submit: Submit, late: timedelta) -> bool:
+        """Submit the run, or its note when the conversation's daily budget is used up,
+        or nothing past that. False when the dispatcher did not take it."""
+        limits = self.reminders.limits
+        store = self.reminders.store
+        # The day the run was due on: every replica counts it on the same one.
+        day = job.next_run.astimezone(zone(limits.timezone)).date()
+        budget = limits.max_runs_per_day
+        grant = await anyio.to_thread.run_sync(
+            lambda: store.take_run(job.owner, day, job.fire_id(), budget)
+        )
+        if grant != "skip":
+            message = self._message(job) if grant == "run" else self._notice(job, budget)
+            ticket = await submit(message)
+            status = getattr(ticket, "status", None)  # the dispatcher's SubmitStatus
+            if not ticket.taken or status in ("rejected_full", "rejected_draining"):
+                logger.error("job {} could not be queued; trying again shortly", job.id)
+                return False
+        if grant == "run":
+            logger.info("job {} fired ({} late)", job.id, late)
+            self.fired += 1
+        else:
+            told = "the person is told" if grant == "note" else "the person was told before"
+            logger.warning(
+                "job {} skipped: this conversation's jobs ran {} times on {}, the daily budget; {}",
+                job.id,
+                budget,
+                day,
+                told,
+            )
+            self.skipped += 1
+        return True
+
+    def _notice(self, job: ScheduledJob, budget: int) -> InboundMessage:
+        """The run's message, answered (without the model) with the note that it and the
+        rest of the day's runs are skipped."""
+        what = job.text if len(job.text) <= 60 else job.text[:59] + "…"
+        note = (
+            f"I skipped the scheduled job {job.id} ({what}): the scheduled jobs of this "
+            f"conversation have run {budget} time{'s' if budget != 1 else ''} today, the most "
+            "a day allows here. The "
+            f"rest of today's runs are skipped too; they go on tomorrow "
+            f"({self.reminders.limits.timezone} time)."
+        )
+        message = self._message(job)
+        return replace(message, metadata={**message.metadata, META_NOTICE: note})
 
     def _message(self, job: ScheduledJob) -> InboundMessage:
         address = job.address

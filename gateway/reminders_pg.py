@@ -5,6 +5,8 @@ most `limit` jobs (adds for one owner are serialized by a transaction-level advi
 lock, so the count holds across replicas), and `advance` is a compare-and-set on the
 job's due time. Each replica's runner sees a due job; all submit its run under the same
 message id, the shared journal admits one, and one `advance` wins: the run fires once.
+The daily run budget is counted in `gw_schedule_runs`, one row per run by its fire id,
+under the same lock: every replica asking for one run gets the same grant.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import datetime
+from datetime import date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from gateway.reminders import ScheduledJob
+from gateway.reminders import RunGrant, ScheduledJob, grant_run
 from gateway.storage import fence
 from gateway.storage.postgres import StorageUnavailable
 
@@ -104,3 +106,26 @@ class PostgresJobStore:
                 (new_next, json.dumps(moved.to_dict()), job_id),
             )
         return True
+
+    def take_run(self, owner: str, day: date, fire_id: str, budget: int) -> RunGrant:
+        with self._transaction() as conn:
+            conn.execute(_OWNER_LOCK, (owner,))
+            rows = conn.execute(
+                "SELECT fire_id, noted FROM gw_schedule_runs WHERE owner = %s AND day = %s",
+                (owner, day),
+            ).fetchall()
+            counted = [str(r[0]) for r in rows if not r[1]]
+            noted = next((str(r[0]) for r in rows if r[1]), None)
+            grant = grant_run(counted, noted, fire_id, budget)
+            if grant != "skip":
+                conn.execute(
+                    "INSERT INTO gw_schedule_runs (owner, day, fire_id, noted) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                    (owner, day, fire_id, grant == "note"),
+                )
+            # Two days are kept, as in the jobs file.
+            conn.execute(
+                "DELETE FROM gw_schedule_runs WHERE owner = %s AND day < %s",
+                (owner, day - timedelta(days=1)),
+            )
+        return grant

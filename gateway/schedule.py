@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
+from itertools import pairwise
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
@@ -56,6 +57,54 @@ def cron_next(expr: str, after: datetime) -> datetime:
     the gap; a fixed time in the hour fall-back repeats runs once, while `*` and step
     fields run in both passes of that hour."""
     return next(CronSim(expr, after))
+
+
+_DAY = timedelta(days=1)
+_SECOND = timedelta(seconds=1)  # CronSim gives the times after its start: start before
+# 28 years of days: weekdays and leap days line up in every way they can (2001-2028
+# holds no century year), so a pair of days a cron runs in a row turns up here if ever.
+_CYCLE_START = datetime(2001, 1, 1, tzinfo=UTC)
+_CYCLE_END = datetime(2029, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class CronRhythm:
+    """How often a cron expression runs by its wall clock: the least time between two
+    of its runs in a row (a day at most: runs a day or more apart are reported as a
+    day), and its runs on a day it runs."""
+
+    min_gap: timedelta
+    runs_per_day: int
+
+
+def cron_rhythm(expr: str) -> CronRhythm:
+    """The rhythm of a checked 5-field cron expression (`parse_cron`). Cron runs at
+    every one of its times of day on each day it runs, so the least gap is between two
+    times of one day, or overnight from the last to the first when it runs on two days
+    in a row (31 December to 1 January, 29 February to 1 March: all are looked at). By
+    the wall clock: a daylight-saving change can bring two runs closer on its day."""
+    minute, hour, day, month, weekday = expr.split()
+    times: list[datetime] = []
+    for when in CronSim(f"{minute} {hour} * * *", _CYCLE_START - _SECOND):
+        if when >= _CYCLE_START + _DAY:
+            break
+        times.append(when)
+    gaps = [later - earlier for earlier, later in pairwise(times)]
+    overnight = times[0] + _DAY - times[-1]  # a day when there is one time of day
+    if overnight < min(gaps, default=_DAY) and _runs_two_days_in_a_row(day, month, weekday):
+        gaps.append(overnight)
+    return CronRhythm(min(gaps, default=_DAY), len(times))
+
+
+def _runs_two_days_in_a_row(day: str, month: str, weekday: str) -> bool:
+    previous = None
+    for when in CronSim(f"0 0 {day} {month} {weekday}", _CYCLE_START - _SECOND):
+        if when >= _CYCLE_END:
+            return False
+        if previous is not None and when - previous == _DAY:
+            return True
+        previous = when
+    return False
 
 
 def parse_active_hours(text: str) -> tuple[time, time]:

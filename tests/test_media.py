@@ -8,6 +8,8 @@ import io
 import json
 from collections.abc import Callable
 
+import docx
+import docx.shared
 import pytest
 from PIL import Image
 
@@ -20,7 +22,7 @@ from gateway.daemon import Gateway
 from gateway.llm.openai_provider import to_openai_message
 from gateway.llm.types import LLMMessage, ToolCall
 from gateway.media import MediaConfig, MediaError, MediaPreparer
-from gateway.media.documents import document_text
+from gateway.media.documents import DocumentLimits, document_text
 from gateway.media.images import prepare_image
 from gateway.media.outbound import code_blocks_as_files, safe_file_name
 from gateway.messages import (
@@ -33,7 +35,16 @@ from gateway.messages import (
 )
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
-from tests.media_files import docx_file, noisy_png, pdf, png, speech
+from tests.media_files import (
+    deflated,
+    docx_file,
+    docx_members,
+    noisy_png,
+    pdf,
+    png,
+    raw_zip,
+    speech,
+)
 
 MB = 1024 * 1024
 
@@ -72,20 +83,60 @@ def test_bytes_that_are_no_image_and_oversized_images_are_refused_with_a_reason(
 
 
 def test_pdf_docx_and_text_become_text_within_the_budget() -> None:
+    budget = DocumentLimits(max_chars=1000)
     found = document_text(
         pdf("Quarterly revenue grew 12 percent", "Costs fell"),
         name="q3.pdf",
         mime_type="application/pdf",
-        max_chars=1000,
+        limits=budget,
     )
     assert found.text == "Quarterly revenue grew 12 percent\n\nCosts fell"
-    assert (found.kind, found.pages, found.truncated) == ("pdf", 2, False)
+    assert (found.kind, found.pages, found.pages_read, found.truncated) == ("pdf", 2, 2, False)
     word = document_text(
-        docx_file("Dear team,", "ship it"), name="memo.docx", mime_type="", max_chars=1000
+        docx_file("Dear team,", "ship it"), name="memo.docx", mime_type="", limits=budget
     )
     assert word.text == "Dear team,\nship it" and word.kind == "docx"
-    long = document_text(b"x" * 5000, name="log.txt", mime_type="text/plain", max_chars=100)
+    long = document_text(
+        b"x" * 5000, name="log.txt", mime_type="text/plain", limits=DocumentLimits(max_chars=100)
+    )
     assert len(long.text) == 100 and long.total_chars == 5000 and long.truncated
+
+
+def test_a_docx_reads_in_document_order_with_its_tables_tabs_and_breaks() -> None:
+    document = docx.Document()
+    document.add_paragraph("Intro")
+    # A tab stop in the paragraph's properties is a w:tab too, and no character.
+    document.paragraphs[0].paragraph_format.tab_stops.add_tab_stop(docx.shared.Inches(1))
+    table = document.add_table(rows=2, cols=2)
+    for row, cells in zip(table.rows, [("a", "b"), ("c", "d\ne")], strict=True):
+        for cell, text in zip(row.cells, cells, strict=True):
+            cell.text = text
+    run = document.add_paragraph("Name").add_run()
+    run.add_tab()
+    run.add_text("Alice")
+    run.add_break()
+    run.add_text("next line")
+    out = io.BytesIO()
+    document.save(out)
+    word = document_text(out.getvalue(), name="t.docx", mime_type="", limits=DocumentLimits())
+    assert word.text == "Intro\na | b\nc | d\ne\nName\tAlice\nnext line"
+
+
+def test_a_shapes_text_kept_twice_by_word_is_read_once() -> None:
+    w = "http://schemas.openxmlformats.org/wordprocessingml/2006/main"
+    mc = "http://schemas.openxmlformats.org/markup-compatibility/2006"
+    box = "<w:txbxContent><w:p><w:r><w:t>In the box</w:t></w:r></w:p></w:txbxContent>"
+    xml = (
+        f'<w:document xmlns:w="{w}" xmlns:mc="{mc}"><w:body><w:p><w:r>'
+        f"<mc:AlternateContent><mc:Choice>{box}</mc:Choice>"
+        f"<mc:Fallback>{box}</mc:Fallback></mc:AlternateContent>"
+        "<w:t>Around it</w:t></w:r></w:p><w:p><w:del><w:r><w:delText>gone</w:delText>"
+        "</w:r></w:del></w:p></w:body></w:document>"
+    )
+    members = [m for m in docx_members() if m.name != "word/document.xml"]
+    data = raw_zip([*members, deflated("word/document.xml", xml.encode())])
+    word = document_text(data, name="box.docx", mime_type="", limits=DocumentLimits())
+    assert word.text == "In the box\nAround it"
 
 
 @pytest.mark.parametrize(
@@ -101,7 +152,7 @@ def test_damaged_and_unsupported_documents_get_a_clear_error(
     data: bytes, name: str, mime: str, error: str
 ) -> None:
     with pytest.raises(MediaError, match=error):
-        document_text(data, name=name, mime_type=mime, max_chars=1000)
+        document_text(data, name=name, mime_type=mime, limits=DocumentLimits())
 
 
 # --------------------------------------------------------------------------- the preparer

@@ -11,7 +11,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.slack_server import FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
 from tests.gateway_process import GatewayProcess, base_env, telegram_env, wait_until
-from tests.media_files import pdf, png, speech
+from tests.media_files import docx_bomb, pdf, png, speech
 
 CHAT = 4242
 GROUP = -1001234567890
@@ -39,6 +39,7 @@ def test_telegram_media_in_and_files_out_through_gateway_run(tmp_path: Path) -> 
                 ("q3.pdf", {"document": ("q3.pdf", "application/pdf", pdf("Revenue up 12%"))}),
                 ("broken.pdf", {"document": ("broken.pdf", "application/pdf", b"%PDF-1.4 x")}),
                 ("huge.png, 50 MB", {"document": ("huge.png", "image/png", bytes(50 * 2**20))}),
+                ("bomb.docx", {"document": ("bomb.docx", "", docx_bomb(200))}),
             ]
             for number, (label, media) in enumerate(steps, start=1):
                 text = "what colour is this?" if "photo" in media else ""
@@ -75,7 +76,11 @@ def test_telegram_media_in_and_files_out_through_gateway_run(tmp_path: Path) -> 
     assert replies[2] == "echo: [document: q3.pdf]\nRevenue up 12%\n[end of q3.pdf]"
     assert replies[3].startswith("I could not use broken.pdf: the PDF is damaged")
     assert replies[4] == "I could not use huge.png: it is 50.0 MB; the limit is 20.0 MB."
-    assert replies[5] == "Here is your list." and data == b"task,due\nmilk,today\n"
+    assert replies[5] == (
+        "I could not use bomb.docx: it expands to more than 50 MB when unpacked, so I did not "
+        "read it."
+    )
+    assert replies[6] == "Here is your list." and data == b"task,due\nmilk,today\n"
     assert telegram.sent_messages(GROUP)[-1]["text"] == 'echo: [from "Alice (@alice)"]\nwho am I?'
     log = "".join(gateway.log)
     assert "Traceback" not in log and telegram.token not in log

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import anyio
 import pytest
@@ -73,6 +74,17 @@ def job(owner: str = KEY, *, next_run: datetime, cron: str | None = None) -> Sch
         address={"channel": "telegram", "chat_id": str(CHAT), "sender_id": str(CHAT)},
         cron=cron,
     )
+
+
+def due_on_one_day(now: datetime, timezone: str, count: int) -> list[datetime]:
+    """`count` due times a minute apart, all past and on one day in `timezone` (the
+    daily budget's day), whatever time of day the test runs at."""
+    last = now - timedelta(seconds=5)
+    first = last - timedelta(minutes=count - 1)
+    if first.astimezone(ZoneInfo(timezone)).date() != last.astimezone(ZoneInfo(timezone)).date():
+        last = first - timedelta(minutes=1)  # before midnight, all of them
+        first = last - timedelta(minutes=count - 1)
+    return [first + timedelta(minutes=n) for n in range(count)]
 
 
 # ---------------------------------------------------------------- the tools
@@ -251,6 +263,33 @@ async def test_a_missed_cron_job_fires_once_and_a_too_old_one_is_skipped(
     assert left.id == every_minute.id and left.runs == 1
     assert left.next_run > now  # moved past the 30 missed minutes, not once per minute
     assert fired == 1 and len(fake_openai.chat_requests) == 1
+
+
+async def test_runs_past_the_daily_budget_get_one_note_and_no_model_call(
+    fake_openai: FakeOpenAI, fake_tg: FakeTelegram, make_settings: Callable[..., Settings]
+) -> None:
+    budget = {**SCHEDULES, "schedules__max_runs_per_day": 1}
+    settings = make_settings(fake_openai, **budget)
+    store = store_of(settings)
+    jobs = [job(next_run=when) for when in due_on_one_day(datetime.now(UTC), "Europe/Berlin", 3)]
+    for one in jobs:
+        store.add(one, limit=10)
+    async with gateway(make_settings, fake_openai, fake_tg, **budget) as gw:
+        runner = gw.daemon.channels["schedules"]
+        assert isinstance(runner, ScheduleRunner)
+        await wait_sent(fake_tg, CHAT, 2, seconds=30)
+        with anyio.fail_after(20):
+            while store.jobs() or runner.skipped < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+    texts = [m["text"] for m in fake_tg.sent_messages(CHAT)]
+    assert texts[0].startswith(f"echo: [reminder {jobs[0].id}, set ")
+    assert texts[1] == (
+        f"I skipped the scheduled job {jobs[1].id} (water the plants): the scheduled jobs of "
+        "this conversation have run 1 time today, the most a day allows here. The rest of "
+        "today's runs are skipped too; they go on tomorrow (Europe/Berlin time)."
+    )
+    assert len(texts) == 2 and len(fake_openai.chat_requests) == 1  # the note cost no call
+    assert user_texts(gw.settings)[1].endswith("water the plants")  # stored, with the note
 
 
 def test_operators_list_and_cancel_jobs(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from gateway.config import Settings
 from gateway.daemon import Gateway
 from gateway.dedupe_pg import PostgresDedupeStore
 from gateway.dispatch import Dispatcher
-from gateway.messages import InboundMessage, OutboundMessage, reply_for
+from gateway.messages import META_NOTICE, InboundMessage, OutboundMessage, reply_for
 from gateway.reminders import (
     JOBS_FILE,
     FileJobStore,
@@ -27,7 +27,7 @@ from gateway.reminders import (
 )
 from gateway.reminders_pg import PostgresJobStore
 from tests.fakes.openai_server import FakeOpenAI
-from tests.test_reminders import job
+from tests.test_reminders import KEY, context, due_on_one_day, job
 
 pytestmark = pytest.mark.anyio
 
@@ -64,6 +64,105 @@ def test_stores_keep_the_limit_the_owner_and_the_compare_and_set(
     assert first.id not in [j.id for j in one.jobs()]
     removed = other.remove(second.id, owner="telegram:4242")
     assert removed == second and len(one.jobs()) == 1
+
+
+@pytest.mark.parametrize(
+    ("cron", "error"),
+    [
+        ("* * * * *", "runs as often as every 1 minute; a repeating job may run at most every "),
+        ("*/5 * * * *", "runs as often as every 5 minutes"),
+        ("0,1 * * * *", "runs as often as every 1 minute"),
+        ("* 3 * * *", "runs as often as every 1 minute"),
+        ("0,59 0,23 1,31 1,12 *", "runs as often as every 1 minute"),  # at New Year only
+        ("*/15 * * * *", "runs 96 times a day; the jobs of a conversation may run 48 times"),
+        ("*/15 8-19 * * *", None),
+        ("0 9 * * mon-fri", None),
+    ],
+)
+async def test_a_repeating_job_too_close_or_too_often_is_refused_with_a_reason(
+    job_store: Callable[[], JobStore], cron: str, error: str | None
+) -> None:
+    store = job_store()
+    reminders = Reminders(store, ScheduleLimits())
+    [schedule] = [t.handler for t in reminders.tools() if t.spec.name == "schedule"]
+    said = await schedule({"text": "check the oven", "cron": cron}, context())
+    if error is None:
+        assert said.startswith("scheduled ") and [j.cron for j in store.jobs()] == [cron]
+    else:
+        assert said.startswith(f"error: cron '{cron}' {error}") and store.jobs() == []
+        assert said.endswith(("for a single reminder", "(fewer hours, or a longer step)"))
+
+
+def _runner_turns() -> tuple[list[InboundMessage], Any]:
+    """The turns a dispatcher hands its handler, and that handler."""
+    turns: list[InboundMessage] = []
+
+    async def handler(message: InboundMessage) -> OutboundMessage:
+        turns.append(message)
+        return reply_for(message, "ok")
+
+    return turns, handler
+
+
+async def _deliver(message: OutboundMessage) -> None:
+    pass
+
+
+async def test_runs_past_the_daily_budget_are_skipped_and_the_person_told_once(
+    job_store: Callable[[], JobStore],
+) -> None:
+    now = datetime.now(UTC)
+    mine = [job(next_run=when) for when in due_on_one_day(now, "UTC", 4)]
+    other = job("cli:else", next_run=mine[0].next_run - timedelta(seconds=1))  # its own id
+    store = job_store()
+    for one in [*mine, other]:
+        store.add(one, limit=10)
+    limits = ScheduleLimits(max_runs_per_day=2)
+    turns, handler = _runner_turns()
+    runner = ScheduleRunner(Reminders(job_store(), limits))
+    async with anyio.create_task_group() as tg:
+        dispatcher = Dispatcher(handler, _deliver)
+        await tg.start(dispatcher.run)
+        tg.start_soon(runner.run, dispatcher.submit)
+        with anyio.fail_after(30):
+            while store.jobs() or len(turns) < 4:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert store.jobs() == []  # a skipped one-off is done with, like a fired one
+    runs = [t for t in turns if t.session_key == KEY and META_NOTICE not in t.metadata]
+    notes = [t.metadata[META_NOTICE] for t in turns if META_NOTICE in t.metadata]
+    assert [t.metadata["schedule"] for t in runs] == [j.id for j in mine[:2]]
+    assert notes == [
+        f"I skipped the scheduled job {mine[2].id} (water the plants): the scheduled jobs of "
+        "this conversation have run 2 times today, the most a day allows here. The rest of "
+        "today's runs are skipped too; they go on tomorrow (UTC time)."
+    ]
+    assert [t.session_key for t in turns].count("cli:else") == 1  # another conversation's
+    assert (runner.fired, runner.skipped) == (3, 2)
+
+
+async def test_the_daily_budget_counts_a_run_once_among_replicas(
+    pg_pools: Callable[[], Any], replicas: list[PostgresDedupeStore]
+) -> None:
+    jobs = [job(next_run=when) for when in due_on_one_day(datetime.now(UTC), "UTC", 3)]
+    for one in jobs:
+        PostgresJobStore(pg_pools()).add(one, limit=5)
+    limits = ScheduleLimits(max_runs_per_day=2)
+    turns, handler = _runner_turns()
+    async with anyio.create_task_group() as tg:
+        for journal in replicas:
+            dispatcher = Dispatcher(handler, _deliver, dedupe=journal)
+            await tg.start(dispatcher.run)
+            runner = ScheduleRunner(Reminders(PostgresJobStore(pg_pools()), limits))
+            tg.start_soon(runner.run, dispatcher.submit)
+        with anyio.fail_after(30):
+            while PostgresJobStore(pg_pools()).jobs():  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.5)  # a replica that lost a race has nothing more to submit
+        tg.cancel_scope.cancel()
+    ran = sorted(str(t.metadata["schedule"]) for t in turns if META_NOTICE not in t.metadata)
+    assert ran == sorted(j.id for j in jobs[:2])
+    assert [t.metadata["schedule"] for t in turns if META_NOTICE in t.metadata] == [jobs[2].id]
 
 
 @pytest.fixture

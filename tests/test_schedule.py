@@ -9,13 +9,21 @@ from zoneinfo import ZoneInfo
 
 import anyio.lowlevel
 import pytest
+from cronsim import CronSim
 from hypothesis import given
 from hypothesis import strategies as st
 
 from channels.heartbeat import HeartbeatChannel, HeartbeatJob
 from gateway.dispatch import Ticket
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.schedule import Schedule, cron_next, parse_cron, parse_interval
+from gateway.schedule import (
+    CronRhythm,
+    Schedule,
+    cron_next,
+    cron_rhythm,
+    parse_cron,
+    parse_interval,
+)
 
 T0 = datetime(2026, 3, 2, 10, 0, tzinfo=UTC)  # a Monday
 
@@ -49,6 +57,43 @@ def test_cron_next_basic() -> None:
 def test_cron_rejects_bad_expressions_in_one_line(bad: str) -> None:
     with pytest.raises(ValueError, match=r"^cron .*e\.g\. '0 9 \* \* (1-5|mon-fri)'$"):
         parse_cron(bad)
+
+
+MINUTE, HOUR, DAY = timedelta(minutes=1), timedelta(hours=1), timedelta(days=1)
+
+
+@pytest.mark.parametrize(
+    ("expr", "gap", "runs"),
+    [
+        ("* * * * *", MINUTE, 1440),
+        ("*/5 * * * *", 5 * MINUTE, 288),
+        ("0,1 * * * *", MINUTE, 48),
+        ("* 3 * * *", MINUTE, 60),
+        ("*/15 8-19 * * *", 15 * MINUTE, 48),
+        ("0 */2 * * *", 2 * HOUR, 12),
+        ("0 9 * * mon-fri", DAY, 1),
+        ("0 0,23 * * 1", 23 * HOUR, 2),  # Mondays only: no midnight after the 23:00
+        ("0 0,23 * * 1,2", HOUR, 2),  # Monday 23:00, Tuesday 00:00
+        ("0,59 0,23 1,31 1,12 *", MINUTE, 4),  # 31 December 23:59, 1 January 00:00
+        ("5,55 0,23 31 12 *", 50 * MINUTE, 4),  # once a year: never two days in a row
+        ("0,59 0,23 1,29 2,3 *", MINUTE, 4),  # 29 February 23:59, 1 March (leap years)
+        ("0,59 0,23 L * *", 59 * MINUTE, 4),  # the last day, then the 1st: not run
+    ],
+)
+def test_the_rhythm_of_a_cron_is_its_least_gap_anywhere_and_its_runs_a_day(
+    expr: str, gap: timedelta, runs: int
+) -> None:
+    assert cron_rhythm(parse_cron(expr)) == CronRhythm(gap, runs)
+
+
+@given(
+    st.sampled_from(["*/7 * * * *", "0 9 * * 1-5", "10,50 */3 * * *", "0,45 0,23 1,15 * *"]),
+    st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1)),
+)
+def test_no_two_runs_in_a_row_are_closer_than_the_rhythm_says(expr: str, naive: datetime) -> None:
+    rhythm = cron_rhythm(expr)
+    runs = list(itertools.islice(CronSim(expr, naive.replace(tzinfo=UTC)), 60))
+    assert all(b - a >= rhythm.min_gap for a, b in itertools.pairwise(runs))
 
 
 @given(

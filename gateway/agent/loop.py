@@ -48,6 +48,7 @@ from gateway.media.outbound import code_blocks_as_files
 from gateway.messages import (
     META_EDIT_OF,
     META_IN_SESSION,
+    META_NOTICE,
     META_REPLAYED,
     META_SESSION_CURRENT,
     InboundMessage,
@@ -287,6 +288,12 @@ class AgentLoop:
                 if not earlier.is_latest:
                     logger.warning("replayed message: its turn cannot go on after later ones")
                     return reply_for(inbound, INTERRUPTED_TEXT, is_error=True)
+            notice = inbound.metadata.get(META_NOTICE)
+            if isinstance(notice, str) and notice:
+                logger.info("answered with the gateway's notice; the model is not called")
+                return await self._answer_without_model(
+                    session, user_message, inbound, earlier is None, notice, "notice"
+                )
             if stale:
                 age = message_age(inbound, time.time())
                 logger.info("message sent {:.0f} s ago: answered with the offline notice", age)

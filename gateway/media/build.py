@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gateway.config import Settings, reveal
 from gateway.llm.openai_provider import DEFAULT_BASE_URL
+from gateway.media.documents import DocumentLimits
 from gateway.media.prepare import MediaConfig, MediaPreparer
 from gateway.media.transcribe import Transcriber
 from gateway.usage import UsageMeter
@@ -19,7 +20,15 @@ def media_config(settings: Settings) -> MediaConfig:
         image_max_side=media.image_max_side,
         image_max_bytes=media.image_max_kb * 1024,
         image_max_pixels=int(media.image_max_megapixels * 1_000_000),
-        document_max_chars=media.document_max_chars,
+        documents=DocumentLimits(
+            max_chars=media.document_max_chars,
+            max_unpacked_bytes=int(media.document_max_unpacked_mb * _MB),
+            max_ratio=media.document_max_ratio,
+            max_pages=media.document_max_pages,
+            max_seconds=media.document_max_seconds,
+            max_memory_bytes=media.document_max_memory_mb * _MB,
+        ),
+        document_readers=media.document_readers,
         vision_models=tuple(media.vision_models),
     )
 

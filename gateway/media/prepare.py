@@ -17,7 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 from loguru import logger
 
-from gateway.media.documents import DocumentText, document_text
+from gateway.media.document_process import DocumentReaders
+from gateway.media.documents import DocumentLimits, DocumentText
 from gateway.media.errors import MediaError
 from gateway.media.images import PreparedImage, prepare_image
 from gateway.media.transcribe import Transcriber
@@ -46,7 +47,8 @@ class MediaConfig:
     image_max_side: int = 2048
     image_max_bytes: int = 2 * 1024 * 1024
     image_max_pixels: int = 50_000_000
-    document_max_chars: int = 20_000
+    documents: DocumentLimits = field(default_factory=DocumentLimits)
+    document_readers: int = 2
     vision_models: tuple[str, ...] = ("*",)
 
     def has_vision(self, model: str) -> bool:
@@ -87,12 +89,48 @@ def _megabytes(size: int) -> str:
     return f"{size / (1024 * 1024):.1f} MB"
 
 
+def _of_pages(document: DocumentText) -> str:
+    return f" of {document.pages:,}" if document.pages else ""
+
+
+def _cut_note(document: DocumentText, limits: DocumentLimits) -> str:
+    """What the model is told of the text it does not get (empty when it gets it all)."""
+    if not document.truncated:
+        return ""
+    kept = len(document.text)
+    if document.stopped is None:
+        return f"\n[... cut: {(document.total_chars or kept) - kept:,} more characters]"
+    page = ""
+    if document.pages_read is not None:
+        page = f", on page {document.pages_read:,}{_of_pages(document)}"
+    if document.stopped == "pages":
+        return (
+            f"\n[... cut: only the first {document.pages_read or 0:,} pages"
+            f"{_of_pages(document)} were read]"
+        )
+    if document.stopped == "time":
+        return f"\n[... cut: reading stopped after {limits.max_seconds:g} s{page}]"
+    return f"\n[... cut at {kept:,} characters{page}; the rest was not read]"
+
+
+def _no_text(document: DocumentText, limits: DocumentLimits) -> str:
+    """Why a document gave no text, in the line the person gets."""
+    if document.stopped == "pages":
+        return (
+            f"I found no text in its first {document.pages_read or 0:,} pages, and read no further"
+        )
+    if document.stopped == "time":
+        return f"I found no text in it in the {limits.max_seconds:g} s reading may take"
+    return "it holds no text I can read (a scan needs OCR, which I lack)"
+
+
 class MediaPreparer:
     """Reads a message's attachments (see the module docstring)."""
 
     def __init__(self, config: MediaConfig, transcriber: Transcriber | None = None) -> None:
         self.config = config
         self.transcriber = transcriber
+        self.documents = DocumentReaders(config.documents, config.document_readers)
 
     async def prepare(
         self,
@@ -188,17 +226,19 @@ class MediaPreparer:
             record.update(status="ok", transcribed_chars=len(spoken))
             got.parts.append(spoken)
         else:
-            document = await anyio.to_thread.run_sync(self._document, data, attachment)
-            record.update(status="ok", chars=document.total_chars, kept_chars=len(document.text))
+            document = await self.documents.read(
+                data, name=attachment.name, mime_type=attachment.mime_type
+            )
+            record.update(status="ok", kept_chars=len(document.text))
+            if document.total_chars is not None:
+                record["chars"] = document.total_chars
             if document.pages is not None:
                 record["pages"] = document.pages
+            if document.stopped is not None:
+                record.update(stopped=document.stopped, pages_read=document.pages_read)
             if not document.text:
-                raise MediaError("it holds no text I can read (a scan needs OCR, which I lack)")
-            cut = (
-                f"\n[... cut: {document.total_chars - len(document.text):,} more characters]"
-                if document.truncated
-                else ""
-            )
+                raise MediaError(_no_text(document, self.config.documents))
+            cut = _cut_note(document, self.config.documents)
             got.parts.append(f"[document: {name}]\n{document.text}{cut}\n[end of {name}]")
         got.usable += 1
 
@@ -209,14 +249,6 @@ class MediaPreparer:
             max_side=c.image_max_side,
             max_bytes=c.image_max_bytes,
             max_pixels=c.image_max_pixels,
-        )
-
-    def _document(self, data: bytes, attachment: Attachment) -> DocumentText:
-        return document_text(
-            data,
-            name=attachment.name,
-            mime_type=attachment.mime_type,
-            max_chars=self.config.document_max_chars,
         )
 
     async def aclose(self) -> None:
