@@ -581,10 +581,16 @@ class UsageMeter:
                 )
         return None
 
-    def today(self, session_key: str) -> tuple[int, float]:
-        """(tokens, cost) of `session_key` today, every kind included. Blocking."""
+    def today(self, session_key: str) -> tuple[int, str]:
+        """Tokens of `session_key` today, every kind included, and their cost as a person
+        reads it: ``$0.001234``, ``unpriced`` when no model used has a price (a cost of
+        $0 would pass for a real price), or ``$0.001234 + unpriced`` for a mix. Blocking."""
         rows = self.ledger.rows(since=day_of(self.clock()), session_key=session_key)
-        return sum(r.tokens for r in rows), sum(r.cost for r in rows)
+        priced = [r for r in rows if self.prices.priced(r.model)]
+        cost = f"${sum(r.cost for r in priced):.6f}"
+        if len(priced) < len(rows):
+            cost = f"{cost} + unpriced" if priced else "unpriced"
+        return sum(r.tokens for r in rows), cost
 
 
 async def count_transcription(

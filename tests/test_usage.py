@@ -394,3 +394,18 @@ def test_a_price_is_per_token_per_minute_or_both_and_never_half_given() -> None:
             prices(half)
     table = PriceTable({"whisper-1": Price(0.0, 0.0, per_minute=0.006)})
     assert table.cost("whisper-1", 0, 0, audio_seconds=30) == pytest.approx(0.003)
+
+
+async def test_status_says_unpriced_for_a_model_without_a_price(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """A local model has no price: /status says so, as `gateway usage` does, instead of
+    a cost of $0.000000 that would pass for a real one."""
+    gw = Gateway.build(make_settings(fake_openai))
+    try:
+        await gw.agent.handle(said("hello there"))
+        status = await gw.agent.handle(said("/status"))
+    finally:
+        await gw.aclose()
+    line = next(x for x in status.text.splitlines() if x.startswith("Tokens today:"))
+    assert line.endswith("(unpriced)") and "$" not in line, line

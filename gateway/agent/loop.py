@@ -412,7 +412,7 @@ class AgentLoop:
             # /status still answers; the ledger's trouble is logged for the operator.
             logger.error("usage ledger unreadable: {}", exc)
             return "Tokens today: unknown (the usage ledger cannot be read)"
-        line = f"Tokens today: {tokens:,} (${cost:.6f})"
+        line = f"Tokens today: {tokens:,} ({cost})"
         limit = self.usage.budgets.conversation_per_day
         return f"{line}, budget {limit:,} per day" if limit is not None else line
 
