@@ -174,7 +174,7 @@ async def guesses(base: str, count: int) -> tuple[dict[int, int], float, str]:
         for n in range(count):
             async with http.post(
                 f"{base}/api/chat",
-                json={"text": "hi"},
+                json={"session": "s", "text": "hi"},
                 headers={"Authorization": f"Bearer wrong-{n}"},
             ) as response:
                 statuses[response.status] = statuses.get(response.status, 0) + 1
@@ -254,7 +254,7 @@ async def main(observe: float) -> None:
                 OPERATOR,
                 "POST",
                 f"{base}/api/chat",
-                json={"text": "hi"},
+                json={"session": "s", "text": "hi"},
                 headers={"Authorization": f"Bearer {TOKEN}"},
             )
             rows.append(("then the right token from another address", str(chat)))

@@ -202,7 +202,7 @@ async def test_wrong_bearer_headers_on_the_pages_count_as_guesses(
         # One count for the chat API and the page: the API refuses this address too.
         async with admin.http.post(
             admin.url + "/api/chat",
-            json={"text": "hi"},
+            json={"session": "s", "text": "hi"},
             headers={"Authorization": f"Bearer {TOKEN}"},
         ) as r:
             assert r.status == 429 and r.headers["Retry-After"] == "60"

@@ -146,9 +146,12 @@ def test_a_good_request_becomes_an_api_inbound_message() -> None:
     assert (inbound.channel, inbound.chat_id, inbound.text) == ("api", "work", "hello")
 
 
-def test_session_defaults_and_unknown_fields_are_ignored() -> None:
-    request = parse_chat_request(b'{"text": "hi", "future_option": true}')
-    assert request.session_key == "api:default"
+def test_unknown_fields_are_ignored_and_a_session_is_required() -> None:
+    request = parse_chat_request(b'{"session": "w", "text": "hi", "future_option": true}')
+    assert request.session_key == "api:w"
+    with pytest.raises(ApiError) as refused:
+        parse_chat_request(b'{"text": "hi"}')
+    assert refused.value.status == 400 and "session: required" in refused.value.message
 
 
 @pytest.mark.parametrize(

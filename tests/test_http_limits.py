@@ -117,7 +117,9 @@ def chat(token: str = TOKEN, forwarded_for: str | None = None, text: str = "hi")
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     if forwarded_for is not None:
         headers["X-Forwarded-For"] = forwarded_for
-    return request_bytes("POST", "/api/chat", json.dumps({"text": text}).encode(), headers)
+    return request_bytes(
+        "POST", "/api/chat", json.dumps({"session": "s", "text": text}).encode(), headers
+    )
 
 
 async def ask(port: int, raw: bytes, source: str = "127.0.0.1") -> tuple[int, dict[str, str]]:

@@ -183,11 +183,13 @@ async def test_chat_error_reply_and_no_reply() -> None:
     for chat, expected in ((failing_turn, ("the model is down", True)), (silent, (None, False))):
         async with (
             serving(make_server(chat=chat)) as (url, client),
-            client.post(f"{url}/api/chat", json={"text": "hi"}, headers=AUTH) as response,
+            client.post(
+                f"{url}/api/chat", json={"session": "s", "text": "hi"}, headers=AUTH
+            ) as response,
         ):
             body = await response.json()
         assert response.status == 200
-        assert (body["session"], body["reply"], body["error"]) == ("api:default", *expected)
+        assert (body["session"], body["reply"], body["error"]) == ("api:s", *expected)
 
 
 async def test_missing_and_wrong_token_are_401() -> None:
@@ -211,7 +213,9 @@ async def test_missing_and_wrong_token_are_401() -> None:
 async def test_no_token_configured_turns_the_api_off() -> None:
     async with (
         serving(make_server(token=None)) as (url, client),
-        client.post(f"{url}/api/chat", json={"text": "hi"}, headers=AUTH) as response,
+        client.post(
+            f"{url}/api/chat", json={"session": "s", "text": "hi"}, headers=AUTH
+        ) as response,
     ):
         assert response.status == 503
         assert "GATEWAY_HTTP__TOKEN" in (await response.json())["error"]
@@ -220,7 +224,9 @@ async def test_no_token_configured_turns_the_api_off() -> None:
 async def test_no_chat_attached_is_503() -> None:
     async with (
         serving(make_server(chat=None)) as (url, client),
-        client.post(f"{url}/api/chat", json={"text": "hi"}, headers=AUTH) as response,
+        client.post(
+            f"{url}/api/chat", json={"session": "s", "text": "hi"}, headers=AUTH
+        ) as response,
     ):
         assert response.status == 503
         assert "no agent" in (await response.json())["error"]
@@ -261,7 +267,7 @@ async def test_bad_requests_are_400_json(body: bytes, fragment: str) -> None:
 async def test_body_over_the_limit_is_413_with_and_without_content_length() -> None:
     limit = 1024
     async with serving(make_server(max_body_bytes=limit)) as (url, client):
-        big = json.dumps({"text": "x" * (limit * 4)}).encode()
+        big = json.dumps({"session": "s", "text": "x" * (limit * 4)}).encode()
         headers = {**AUTH, "Content-Type": "application/json"}
         async with client.post(f"{url}/api/chat", data=big, headers=headers) as response:
             assert response.status == 413
@@ -274,7 +280,9 @@ async def test_body_over_the_limit_is_413_with_and_without_content_length() -> N
         async with client.post(f"{url}/api/chat", data=chunks(), headers=headers) as response:
             assert response.status == 413
             assert "limit" in (await response.json())["error"]
-        exact = json.dumps({"text": "y"}).encode().ljust(limit)  # at the limit is fine
+        exact = (
+            json.dumps({"session": "s", "text": "y"}).encode().ljust(limit)
+        )  # at the limit is fine
         async with client.post(f"{url}/api/chat", data=exact, headers=headers) as response:
             assert response.status == 200
 
@@ -288,7 +296,7 @@ async def test_wrong_content_type_is_415() -> None:
         ):
             async with client.post(
                 f"{url}/api/chat",
-                data=b'{"text": "hi"}',
+                data=b'{"session": "s", "text": "hi"}',
                 headers={**AUTH, "Content-Type": content_type},
             ) as response:
                 assert response.status == 415, content_type
@@ -317,7 +325,7 @@ async def test_chat_is_refused_while_starting_or_draining() -> None:
         ):
             move()
             async with client.post(
-                f"{url}/api/chat", json={"text": "hi"}, headers=AUTH
+                f"{url}/api/chat", json={"session": "s", "text": "hi"}, headers=AUTH
             ) as response:
                 assert response.status == 503
                 assert response.headers["Retry-After"] == "5"
@@ -331,7 +339,9 @@ async def test_a_crashing_chat_is_500_and_logged_without_secrets() -> None:
     async with (
         captured_logs() as lines,
         serving(make_server(chat=broken)) as (url, client),
-        client.post(f"{url}/api/chat?token={TOKEN}", json={"text": "hi"}, headers=AUTH) as response,
+        client.post(
+            f"{url}/api/chat?token={TOKEN}", json={"session": "s", "text": "hi"}, headers=AUTH
+        ) as response,
     ):
         assert response.status == 500
         body = await response.json()
@@ -345,7 +355,9 @@ async def test_a_crashing_chat_is_500_and_logged_without_secrets() -> None:
 async def test_access_log_has_no_secrets_or_query_strings() -> None:
     async with captured_logs() as lines, serving(make_server()) as (url, client):
         async with client.post(
-            f"{url}/api/chat?key=hidden-query-value", json={"text": "hi"}, headers=AUTH
+            f"{url}/api/chat?key=hidden-query-value",
+            json={"session": "s", "text": "hi"},
+            headers=AUTH,
         ) as response:
             assert response.status == 200
         async with client.get(f"{url}/%0Aforged%20line") as response:

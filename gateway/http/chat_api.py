@@ -11,6 +11,8 @@ Invariants (tested in tests/test_http_chat_api.py):
   short enough for its session's file name (`MAX_NAME_CHARS` letters, digits, `.`, `_`
   or `-`; any other character takes 3 per UTF-8 byte). A name that could not be stored
   is refused here, before a turn runs.
+- A request names its session: there is no default conversation that clients sharing a
+  token would share by accident.
 - Whatever the body holds, parsing ends in a `ChatRequest` or an `ApiError` with a 400
   message saying what to fix; never in another exception.
 """
@@ -28,7 +30,6 @@ from gateway.sessions.keys import MAX_STEM_BYTES, encode_key
 
 API_CHANNEL = "api"
 API_SENDER = "api"
-DEFAULT_SESSION = "default"
 # Unicode categories refused in a session name: control, format (e.g. U+202E), surrogate,
 # private use, unassigned, line and paragraph separators.
 _HOSTILE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
@@ -111,10 +112,8 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         raise ApiError(400, 'body is not valid JSON; send {"session": ..., "text": ...}') from None
     if not isinstance(data, dict):
         raise ApiError(400, 'body must be a JSON object with "session" and "text"')
-    session = data.get("session", DEFAULT_SESSION)
+    session = data.get("session")
     text = data.get("text")
-    if not isinstance(session, str):
-        raise ApiError(400, "session: must be a string")
     if text is None:
         raise ApiError(400, "text: required")
     if not isinstance(text, str):
@@ -123,6 +122,11 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         raise ApiError(400, "text: is empty")
     if _has_surrogates(text):
         raise ApiError(400, "text: holds an unpaired surrogate; send valid Unicode")
+    if session is None:
+        # Required: two clients sharing a token would otherwise share one conversation.
+        raise ApiError(400, 'session: required; name the conversation, e.g. "session": "work"')
+    if not isinstance(session, str):
+        raise ApiError(400, "session: must be a string")
     message_id = data.get("id")
     if message_id is not None and (
         not isinstance(message_id, str)
