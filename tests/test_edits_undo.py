@@ -158,6 +158,27 @@ async def test_undo_moves_the_leaf_back_one_exchange_and_keeps_it_on_disk(
     ]
 
 
+async def test_undo_of_a_message_that_got_no_answer_does_not_claim_one(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The model failed, so the message has no answer: /undo takes back the message and
+    says only that (it must not say "and my answer")."""
+    gw = Gateway.build(make_settings(fake_openai))
+    try:
+        answered = await gw.agent.handle(said("first", 1))
+        assert not answered.is_error
+        fake_openai.add_error(500)
+        failed = await gw.agent.handle(said("lost one", 2))
+        assert failed.is_error
+        undone = await gw.agent.handle(said("/undo", 3))
+        assert '"lost one"' in undone.text and "no answer" in undone.text
+        assert "my answer" not in undone.text
+        again = await gw.agent.handle(said("/undo", 4))
+        assert '"first"' in again.text and "and my answer" in again.text
+    finally:
+        await gw.aclose()
+
+
 # --------------------------------------------------------------------------- stores
 
 

@@ -815,11 +815,17 @@ class AgentLoop:
             quoted = " ".join((undone.message.content or "").split())
             if len(quoted) > 60:
                 quoted = quoted[:57] + "..."
-            return reply_for(
-                inbound,
-                f'Undone: your message "{quoted}" and my answer. I will answer as if '
-                "they had not been sent (they stay in the history).",
-            )
+            if undone.answered:
+                text = (
+                    f'Undone: your message "{quoted}" and my answer. I will answer as if '
+                    "they had not been sent (they stay in the history)."
+                )
+            else:  # its turn failed or was stopped: there was no answer to take back
+                text = (
+                    f'Undone: your message "{quoted}" (it had no answer). I will answer as '
+                    "if it had not been sent (it stays in the history)."
+                )
+            return reply_for(inbound, text)
         if command.name == "compact":
             if self.consolidator is None:
                 return reply_for(inbound, "Memory is turned off here.", is_error=True)

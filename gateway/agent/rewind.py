@@ -24,6 +24,7 @@ from gateway.messages import MERGED_IDS_KEY, META_POST_ID
 from gateway.sessions.entries import Entry, MessageEntry
 
 if TYPE_CHECKING:
+    from gateway.llm.types import LLMMessage
     from gateway.sessions import Session
 
 OLD_EDIT_TEXT = (
@@ -93,12 +94,35 @@ def branch_for_edit(session: Session, post_id: str) -> EditPlan:
     return plan
 
 
-def undo_last_exchange(session: Session) -> MessageEntry | None:
+@dataclass(frozen=True, slots=True)
+class Undone:
+    """What `/undo` took back: the person's message, and whether an answer to it was
+    taken back too (a message that never got one, its turn failed or stopped, has none)."""
+
+    entry: MessageEntry
+    answered: bool
+
+    @property
+    def id(self) -> str:
+        return self.entry.id
+
+    @property
+    def message(self) -> LLMMessage:
+        return self.entry.message
+
+
+def undo_last_exchange(session: Session) -> Undone | None:
     """Move the leaf back to just before the branch's latest user message (the
     message, the answer and any tool calls between leave the model's view); returns
-    that message, or None when there is nothing to undo (blocking)."""
-    latest = last_user_entry(session.get_branch())
+    what was undone, or None when there is nothing to undo (blocking)."""
+    branch = session.get_branch()
+    latest = last_user_entry(branch)
     if latest is None:
         return None
+    after = branch[branch.index(latest) + 1 :]
+    answered = any(
+        isinstance(e, MessageEntry) and e.message.role == "assistant" and e.message.content
+        for e in after
+    )
     session.branch(latest.parent_id)
-    return latest
+    return Undone(latest, answered)
