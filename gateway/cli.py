@@ -392,10 +392,12 @@ def _message_line(message: Any) -> str:
 
 
 def _entry_summary(entry: Any) -> str:
+    """One line for `sessions tree`: a message's line breaks and runs of spaces become
+    one space each, so the tree's indentation holds."""
     data = entry.to_dict()
     kind = data.get("type", "?")
     if kind == "message":
-        text = _message_line(entry.message)
+        text = " ".join(_message_line(entry.message).split())
         return text if len(text) <= 80 else text[:77] + "..."
     detail = {k: v for k, v in data.items() if k not in ("type", "id", "parent_id", "timestamp")}
     text = json.dumps(detail, ensure_ascii=False)

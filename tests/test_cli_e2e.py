@@ -288,3 +288,19 @@ def test_cache_commands_with_redis_down_say_so_in_one_line(tmp_path: Path) -> No
         )
         assert f":{port}: ConnectionError" in line
         assert "start Redis, or point cache.url (GATEWAY_CACHE__URL) at a running one" in line
+
+
+def test_sessions_tree_keeps_its_shape_with_multi_line_messages(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    """A message of several lines is one line of the tree: every line of the output is
+    an entry, under its parent's indentation."""
+    env = gateway_env(tmp_path / "ws", fake_openai_thread)
+    said = "first line\nsecond line\n\n   third"
+    assert run_gateway(["chat", "--session", "lines", "-m", said], env, tmp_path).returncode == 0
+    tree = run_gateway(["sessions", "tree", "lines"], env, tmp_path)
+    assert tree.returncode == 0, tree.stderr
+    lines = tree.stdout.splitlines()
+    assert len(lines) == 2, tree.stdout  # the message and its answer
+    assert "[user] first line second line third" in lines[0]
+    assert lines[1].startswith("`-- ") and "[assistant] echo: first line" in lines[1]
