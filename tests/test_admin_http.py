@@ -664,3 +664,35 @@ def test_message_lines_keep_their_role() -> None:
     )
     view = entry_view(entry)
     assert (view.role, view.text, view.cache_key) == ("assistant", "hi", "k1")
+
+
+async def test_every_page_names_its_icon_and_fits_its_placeholders(
+    settings_for: Callable[..., Settings],
+) -> None:
+    """A browser asks for the page's icon (a 404 in its console without one), and a
+    placeholder wider than its input is cut off mid-word."""
+    async with running(settings_for()) as admin:
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        _, login = await admin.get("/admin/login")
+        pages = [login]
+        for path in (
+            "/admin",
+            "/admin/sessions",
+            "/admin/memory",
+            "/admin/pairing",
+            "/admin/cache",
+        ):
+            status, page = await admin.get(path, headers=bearer)
+            assert status == 200, path
+            pages.append(page)
+        for page in pages:
+            icon = re.search(r'<link rel="icon" href="([^"]+)"', page)
+            assert icon is not None
+            async with admin.http.get(admin.url + icon.group(1)) as r:
+                assert r.status == 200 and r.content_type == "image/svg+xml"
+                assert (await r.text()).startswith("<svg")
+            for tag in re.findall(r"<input [^>]*placeholder=[^>]*>", page):
+                placeholder = re.search(r'placeholder="([^"]*)"', tag)
+                size = re.search(r'size="(\d+)"', tag)
+                assert placeholder is not None and size is not None, tag
+                assert int(size.group(1)) > len(placeholder.group(1)), tag

@@ -74,7 +74,12 @@ MAX_TRANSCRIPT = 200
 #: The message a sender gets on their channel when the operator approves their code.
 APPROVED_TEXT = "Your pairing request was approved: you can write to the assistant now."
 _OFF = f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
-_STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
+_STATIC_TYPES = {
+    ".js": "text/javascript",
+    ".css": "text/css",
+    ".txt": "text/plain",
+    ".svg": "image/svg+xml",
+}
 _SECURITY_HEADERS = {
     # Only this page's own files may run or style it; no frames, no foreign forms.
     "Content-Security-Policy": (
