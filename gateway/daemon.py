@@ -555,6 +555,9 @@ class Daemon:
     CHANNEL_WAIT = 30.0
     #: Seconds between two checks that sessions can be written and the cache answers.
     STORAGE_CHECK_INTERVAL = 5.0
+    #: Seconds between two checks that the model server answers, and each one's bound.
+    MODEL_CHECK_INTERVAL = 30.0
+    MODEL_CHECK_TIMEOUT = 3.0
 
     def __init__(
         self,
@@ -909,6 +912,7 @@ class Daemon:
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
                 await tg.start(self._check_storage)
+                tg.start_soon(self._check_model)
                 beats = getattr(self.dedupe, "run_beats", None)
                 if beats is not None:  # a replica tells the others it is alive
                     tg.start_soon(beats)
@@ -938,6 +942,45 @@ class Daemon:
             with anyio.CancelScope(shield=True):
                 await self.dedupe.aclose()
                 await self.gateway.aclose()
+
+    async def _check_model(self) -> None:
+        """Report on /readyz, every `MODEL_CHECK_INTERVAL` seconds, whether the model
+        server answers at all (``GET <base URL>/models``): shown under `degraded`, not
+        fatal, as the cache is (a replica leaving the load balancer does not bring the
+        model back; the turns meanwhile answer that the model is unreachable). Any HTTP
+        answer counts as answering; a refused connection, a time-out or a 5xx does not."""
+        import aiohttp
+
+        from gateway.llm.openai_provider import display_url
+
+        llm = self.gateway.settings.llm
+        base = (llm.base_url or "https://api.openai.com/v1").rstrip("/")
+        where = display_url(base)
+        key = llm.resolved_api_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        component = self.health.component("model", required=False)
+        timeout = aiohttp.ClientTimeout(total=self.MODEL_CHECK_TIMEOUT)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while True:
+                problem = ""
+                try:
+                    async with http.get(f"{base}/models", headers=headers) as response:
+                        if response.status >= 500:
+                            problem = f"answers HTTP {response.status}"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    problem = f"does not answer ({type(exc).__name__}: {exc})".replace(
+                        " ()", ""
+                    )
+                if problem:
+                    component.healthy(
+                        False,
+                        f"the model server at {where} {problem}",
+                        fix="start it, or fix OPENAI_BASE_URL; `gateway doctor` checks it",
+                    )
+                else:
+                    component.healthy(True, where)
+                self.metrics.component_healthy.labels("model").set(0 if problem else 1)
+                await anyio.sleep(self.MODEL_CHECK_INTERVAL)
 
     async def _check_storage(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

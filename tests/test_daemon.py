@@ -245,6 +245,45 @@ async def test_a_redis_outage_is_shown_on_readyz_but_answers_still_come(
     )
 
 
+async def test_readyz_shows_a_model_server_that_does_not_answer_as_degraded(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The gateway stays ready (the load balancer keeps it: another replica would not
+    bring the model back) but /readyz and /metrics say the model server is down; one
+    that answers is shown healthy."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = daemon_settings(
+        make_settings, fake_openai, llm__base_url=f"http://127.0.0.1:{port}/v1"
+    )
+    assert settings.llm.base_url == f"http://127.0.0.1:{port}/v1"
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.MODEL_CHECK_INTERVAL = 0.2
+    async with running(daemon) as url, aiohttp.ClientSession() as http:
+        with anyio.fail_after(10):
+            while True:
+                body = await readiness(http, url, ready=True)
+                if body["degraded"]:
+                    break
+                await anyio.sleep(0.05)
+        assert body["degraded"] == [
+            f"model: the model server at http://127.0.0.1:{port}/v1 does not answer "
+            f"({body['components']['model']['detail'].split('(', 1)[1]}"
+        ]
+        assert body["components"]["model"]["detail"].endswith(
+            "start it, or fix OPENAI_BASE_URL; `gateway doctor` checks it"
+        )
+        async with http.get(f"{url}/metrics") as resp:
+            assert 'gateway_component_healthy{component="model"} 0.0' in await resp.text()
+    daemon = Daemon(Gateway.build(daemon_settings(make_settings, fake_openai)), interactive=False)
+    async with running(daemon) as url, aiohttp.ClientSession() as http:
+        with anyio.fail_after(10):
+            while "model" not in (body := await readiness(http, url, ready=True))["components"]:
+                await anyio.sleep(0.05)
+        assert body["degraded"] == [] and body["components"]["model"]["healthy"]
+
+
 async def test_readyz_flips_while_draining_and_the_turn_finishes(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
