@@ -719,11 +719,12 @@ class FakeOpenAI(LocalServer):
         return False
 
     def reset(self) -> None:
-        """Forget queued replies, model failure rules and the request log."""
+        """Forget queued replies, model failure rules, the request log and Ollama's cuts."""
         with self._lock:
             self._queue.clear()
             self._model_failures.clear()
             self._requests.clear()
+            self.truncations.clear()
 
     @property
     def queued(self) -> int:
