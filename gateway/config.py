@@ -108,8 +108,13 @@ class LLMSettings(_Section):
     max_tokens: int | None = Field(
         None, gt=0, description="Upper bound on reply tokens.", examples=[1024]
     )
-    context_window: int = Field(
-        32_768, gt=256, description="The model's context window, in tokens."
+    context_window: int | None = Field(
+        None,
+        gt=256,
+        description="The model's context window, in tokens: an upper bound. Unset: the "
+        "size the model's server says (llama.cpp /props, Ollama /api/ps or /api/show, vLLM "
+        "/v1/models, or its overflow error), else 32768.",
+        examples=[32768],
     )
     stream: bool = Field(False, description="Stream replies token by token where possible.")
     tool_choice: Literal["auto", "none", "required"] | None = Field(

@@ -22,13 +22,14 @@ from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.memory_tools import memory_tools
 from gateway.agent.subagents import SubagentLimits, Subagents
 from gateway.agent.toolset import build_mcp, build_tools
+from gateway.agent.windows import ContextWindows, window_probe
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket, enrich_for_turn
 from gateway.config import AccessSection, ConfigError, Settings
 from gateway.dedupe import dedupe_key
 from gateway.gcpolicy import GCPolicy
 from gateway.llm.openai_provider import OpenAIProvider, check_credentials
-from gateway.llm.types import LLMProvider
+from gateway.llm.types import DEFAULT_CONTEXT_WINDOW, LLMProvider
 from gateway.media import FileSource
 from gateway.media.build import build_media
 from gateway.memory import MemoryStore
@@ -297,9 +298,13 @@ def build_people_store(settings: Settings) -> PeopleStore:
 
 
 def build_memory(
-    settings: Settings, sessions: SessionManager, provider: LLMProvider
+    settings: Settings,
+    sessions: SessionManager,
+    provider: LLMProvider,
+    windows: ContextWindows | None = None,
 ) -> tuple[MemoryBackend | None, Consolidator | None]:
-    """The memory store and, with auto_consolidate, its background consolidator."""
+    """The memory store and, with auto_consolidate, its background consolidator (its
+    requests fitted to `windows`, the agent's context windows)."""
     section = settings.memory
     if not section.enabled:
         return None, None
@@ -319,12 +324,13 @@ def build_memory(
         model=settings.llm.model,
         consolidation_model=section.consolidation_model,
         memory_window=settings.agent.memory_window,
-        context_window=settings.llm.context_window,
+        context_window=settings.llm.context_window or DEFAULT_CONTEXT_WINDOW,
         token_share=section.token_share,
         timeout=section.consolidation_timeout,
         retry_base=section.retry_base_seconds,
         retry_max=section.retry_max_seconds,
         guard=guard,
+        windows=windows,
     )
     return memory, consolidator
 
@@ -418,8 +424,12 @@ class Gateway:
         usage = build_usage_meter(settings)
         # Every model call (turns, heartbeats, consolidation) is counted at this one seam.
         provider: LLMProvider = MeteredProvider(build_provider(settings), usage)
+        # Which context window each model is used with: one view for turns and upkeep.
+        windows = ContextWindows(
+            configured=settings.llm.context_window, probe=window_probe(provider)
+        )
         cache = build_cache(settings)
-        memory, consolidator = build_memory(settings, sessions, provider)
+        memory, consolidator = build_memory(settings, sessions, provider, windows)
         if memory is not None:
             for tool in memory_tools(memory, cache):
                 tools.register(tool)
@@ -434,6 +444,7 @@ class Gateway:
             usage=usage,
             people=build_people_store(settings) if settings.memory.scope == "person" else None,
             media=build_media(settings, usage),
+            windows=windows,
         )
         return cls(
             settings=settings,
@@ -446,8 +457,11 @@ class Gateway:
     async def run_services(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Background work every mode needs (memory consolidation), until cancelled."""
+        """Background work every mode needs (memory consolidation), until cancelled.
+        The model's server is asked its context window meanwhile, so the first turn
+        rarely waits for it (it never fails start-up)."""
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self.agent.windows.ensure, self.settings.llm.model)
             if self.consolidator is not None:
                 await tg.start(self.consolidator.run)
             if self.subagents is not None:

@@ -119,6 +119,8 @@ def _strings(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, s
 
 
 async def check_llm(settings: Settings) -> list[Finding]:
+    """The endpoint answers with the key, lists the model, and the context window the
+    model will be used with, and where that size came from (`gateway.agent.windows`)."""
     from openai import APIConnectionError, APIStatusError, APITimeoutError, AsyncOpenAI
 
     from gateway.llm.openai_provider import check_credentials, display_url
@@ -136,46 +138,92 @@ async def check_llm(settings: Settings) -> list[Finding]:
         base_url=url, api_key=key or "not-needed", timeout=min(llm.timeout, 10.0), max_retries=0
     )
     try:
-        models = [m.id async for m in client.models.list()]
-    except APIStatusError as exc:
-        if exc.status_code in (401, 403):
+        try:
+            models = [m.id async for m in client.models.list()]
+        except APIStatusError as exc:
+            return [await _llm_refusal(client, exc, url, where)]
+        except (APIConnectionError, APITimeoutError):
             return [
                 Finding(
                     "fail",
-                    f"LLM endpoint {where} rejected the API key",
-                    "check OPENAI_API_KEY (or llm.api_key_file)",
+                    f"LLM endpoint {where} is not reachable",
+                    "start the server or fix OPENAI_BASE_URL / llm.base_url",
                 )
             ]
-        if exc.status_code == 404:
-            return [Finding("warn", f"LLM endpoint {where} answers but has no /models listing")]
-        return [
-            Finding(
-                "fail",
-                f"LLM endpoint {where} answered HTTP {exc.status_code}",
-                "check llm.base_url / OPENAI_BASE_URL",
-            )
-        ]
-    except (APIConnectionError, APITimeoutError):
-        return [
-            Finding(
-                "fail",
-                f"LLM endpoint {where} is not reachable",
-                "start the server or fix OPENAI_BASE_URL / llm.base_url",
-            )
-        ]
-    finally:
-        await client.close()
-    wanted = [llm.model, *llm.fallback_models]
-    missing = [m for m in wanted if models and m not in models]
-    if missing:
-        return [
-            Finding(
+        wanted = [llm.model, *llm.fallback_models]
+        missing = [m for m in wanted if models and m not in models]
+        if missing:
+            found = Finding(
                 "warn",
                 f"LLM endpoint {where} answers; it does not list {', '.join(missing)}",
                 f"pick a model from: {', '.join(sorted(models)[:10])}",
             )
-        ]
-    return [Finding("ok", f"LLM endpoint {where} answers; model {llm.model} is available")]
+        else:
+            found = Finding("ok", f"LLM endpoint {where} answers; model {llm.model} is available")
+        return [found, await _window_finding(client, url, settings)]
+    finally:
+        await client.close()
+
+
+async def _llm_refusal(client: Any, exc: Any, url: str, where: str) -> Finding:
+    """What an error status from the endpoint's /models means. A 404 that names no
+    model, from a base URL without /v1 whose /v1 answers, is the missing /v1."""
+    from openai import APIError
+
+    from gateway.llm.window import ends_in_version, names_a_model, wrong_path_detail
+
+    if exc.status_code in (401, 403):
+        return Finding(
+            "fail",
+            f"LLM endpoint {where} rejected the API key",
+            "check OPENAI_API_KEY (or llm.api_key_file)",
+        )
+    if exc.status_code == 404:
+        if not names_a_model(exc.body, exc.message) and not ends_in_version(url):
+            with_v1 = f"{where.rstrip('/')}/v1"
+            try:
+                await client.get(f"{url.rstrip('/')}/v1/models", cast_to=bytes)
+            except APIError:
+                pass
+            else:
+                return Finding(
+                    "fail",
+                    f"LLM endpoint: {wrong_path_detail(where, '/models')}; {with_v1} answers",
+                    f"set llm.base_url (or OPENAI_BASE_URL) to {with_v1}",
+                )
+        return Finding("warn", f"LLM endpoint {where} answers but has no /models listing")
+    return Finding(
+        "fail",
+        f"LLM endpoint {where} answered HTTP {exc.status_code}",
+        "check llm.base_url / OPENAI_BASE_URL",
+    )
+
+
+async def _window_finding(client: Any, url: str, settings: Settings) -> Finding:
+    """The context window the configured model is used with and where it came from;
+    a warning when `[llm] context_window` is larger than what the server holds."""
+    from gateway.agent.windows import choose_window
+    from gateway.llm.openai_provider import api_key_required
+    from gateway.llm.types import WindowUnknown
+    from gateway.llm.window import WINDOW_SETTINGS, probe_server_window
+
+    llm = settings.llm
+    said = None
+    if not api_key_required(url):  # the hosted APIs state it nowhere
+        try:
+            said = await probe_server_window(client, url, llm.model)
+        except WindowUnknown:
+            pass
+    chosen = choose_window(llm.context_window, said)
+    if said is not None and llm.context_window is not None and llm.context_window > said.tokens:
+        return Finding(
+            "warn",
+            f"[llm] context_window is {llm.context_window:,} but {said.source} says "
+            f"{said.tokens:,}: {llm.model} is used with {said.tokens:,} tokens",
+            f"set [llm] context_window = {said.tokens} (or leave it unset), or "
+            f"{WINDOW_SETTINGS[said.server]}",
+        )
+    return Finding("ok", f"context window for {llm.model}: {chosen.describe()}")
 
 
 async def check_http(settings: Settings) -> list[Finding]:

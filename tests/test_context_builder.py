@@ -277,7 +277,18 @@ def test_builder_learns_the_ratio_per_session() -> None:
     assert second.raw_tokens < other.raw_tokens == first.raw_tokens
     builder.observe("k", first.messages, None)  # nothing reported: nothing learned
     with pytest.raises(ValueError):
-        ContextBuilder(context_window=100, reply_reserve=100, max_messages=0)
+        ContextBuilder(context_window=0, reply_reserve=0, max_messages=0)
+
+
+def test_the_reserves_take_at_most_a_quarter_of_the_window_each() -> None:
+    # [llm] context_window = 1024 with the default 1,024-token reply reserve used to
+    # stop Gateway.build with a ValueError; a small server's window leaves room too.
+    builder = ContextBuilder(context_window=1024, reply_reserve=1024, max_messages=0)
+    history = [user("hello")]
+    assert builder.build(system_prompt="s", history=history).budget_tokens == 768
+    assert builder.build(system_prompt="s", history=history, fixed_tokens=600).budget_tokens == 512
+    large = builder.build(system_prompt="s", history=history, context_window=32768)
+    assert large.budget_tokens == 32768 - 1024
 
 
 def test_branch_tokens_prefer_the_reported_usage() -> None:

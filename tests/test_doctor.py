@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.openai_server import FakeOpenAI, Flavor
 from tests.gateway_process import GatewayProcess
 from tests.local_redis import REDIS_URL, require_redis
 from tests.unwritable import unprivileged
@@ -94,6 +94,51 @@ def test_rejected_key_is_reported(tmp_path: Path, fake_openai_thread: FakeOpenAI
     out = doctor(env, tmp_path)
     assert out.returncode == 1 and "rejected the API key" in out.stdout
     assert "sk-wrong-key-000" not in out.stdout
+
+
+def test_the_context_window_in_use_and_its_source_are_shown(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    hosted_like = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+    }
+    out = doctor(hosted_like, tmp_path)
+    assert (
+        "ok    context window for gpt-4o-mini: 32,768 tokens (from the default; the server "
+        "does not say)"
+    ) in out.stdout
+    with FakeOpenAI.in_thread(
+        api_key=None, flavor="llama.cpp", context_window=2048, models=("gpt-4o-mini",)
+    ) as llama:
+        env = base_env(tmp_path) | {"OPENAI_BASE_URL": llama.base_url}
+        fitted = doctor(env, tmp_path)
+        larger = doctor(env | {"GATEWAY_LLM__CONTEXT_WINDOW": "32768"}, tmp_path)
+    assert (
+        "ok    context window for gpt-4o-mini: 2,048 tokens (from llama.cpp /props n_ctx)"
+    ) in fitted.stdout
+    assert (
+        "warn  [llm] context_window is 32,768 but llama.cpp /props n_ctx says 2,048: "
+        "gpt-4o-mini is used with 2,048 tokens\n"
+        "      fix: set [llm] context_window = 2048 (or leave it unset), or start "
+        "llama-server with a larger --ctx-size (-c)"
+    ) in larger.stdout
+
+
+@pytest.mark.parametrize("flavor", ["ollama", "vllm"])
+def test_a_base_url_without_v1_gets_the_corrected_url(tmp_path: Path, flavor: Flavor) -> None:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    with FakeOpenAI.in_thread(api_key=None, flavor=flavor, models=("gpt-4o-mini",)) as local:
+        out = doctor(base_env(tmp_path) | {"OPENAI_BASE_URL": local.url}, tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert (
+        f"FAIL  LLM endpoint: the server at {local.url} answered 404 for /models; "
+        f"OpenAI-compatible base URLs usually end in /v1 (try {local.url}/v1); "
+        f"{local.url}/v1 answers\n"
+        f"      fix: set llm.base_url (or OPENAI_BASE_URL) to {local.url}/v1"
+    ) in out.stdout
+    assert "Traceback" not in out.stderr
 
 
 def test_the_cache_backend_is_checked(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:

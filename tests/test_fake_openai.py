@@ -12,7 +12,13 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
-from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply, validate_chat_request
+from tests.fakes.openai_server import (
+    FakeOpenAI,
+    FakeToolCall,
+    Reply,
+    estimate_prompt_tokens,
+    validate_chat_request,
+)
 
 USER_HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi there"}]
 WEATHER_TOOL: ChatCompletionFunctionToolParam = {
@@ -383,3 +389,151 @@ async def test_a_held_request_waits_for_release_and_others_go_on(
         assert answers == ["echo: not me", "echo: hold me"]
         fake.release()
     assert answers == ["echo: not me", "echo: hold me", "echo: hold me"]
+
+
+# -- flavours: llama.cpp, llama-cpp-python, Ollama and vLLM where it matters --------------
+
+
+def words(tokens: int) -> str:
+    """Text the fake counts as `tokens` tokens (four characters each)."""
+    return "abc " * tokens
+
+
+async def get_json(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """The status and body of a plain HTTP request, as a client that is not OpenAI's makes
+    it (the JSON decoded where it is JSON, else the text)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        method = http.get(url) if body is None else http.post(url, json=body)
+        async with method as response:
+            text = await response.text()
+            try:
+                return response.status, json.loads(text)
+            except ValueError:
+                return response.status, text
+
+
+@pytest.mark.anyio
+async def test_llama_cpp_flavour_says_n_ctx_and_refuses_a_prompt_that_fills_it() -> None:
+    async with FakeOpenAI(api_key=None, flavor="llama.cpp", context_window=2048) as fake:
+        status, props = await get_json(f"{fake.url}/props")
+        assert status == 200 and props["default_generation_settings"]["n_ctx"] == 2048
+        client = openai.AsyncOpenAI(base_url=fake.base_url, api_key="x", max_retries=0)
+        async with client:
+            fits = [{"role": "user", "content": words(2000)}]
+            answer = await client.chat.completions.create(model="m", messages=fits)
+            assert answer.usage is not None and answer.usage.prompt_tokens < 2048
+            too_long = [{"role": "user", "content": words(2045)}]  # 2045 + 3 + 3 = 2051
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="m", messages=too_long)
+        error = caught.value.body
+        assert isinstance(error, dict)
+        assert error["type"] == "exceed_context_size_error" and error["code"] == 400
+        assert (error["n_prompt_tokens"], error["n_ctx"]) == (2051, 2048)
+        assert error["message"] == (
+            "request (2051 tokens) exceeds the available context size (2048 tokens), "
+            "try increasing it"
+        )
+        # llama-server routes the OpenAI paths without /v1 too.
+        bare = openai.AsyncOpenAI(base_url=fake.url, api_key="x", max_retries=0)
+        async with bare:
+            assert (await bare.chat.completions.create(model="m", messages=USER_HI)).choices
+
+
+@pytest.mark.anyio
+async def test_llama_cpp_python_flavour_says_its_window_only_in_the_overflow_error() -> None:
+    async with FakeOpenAI(api_key=None, flavor="llama-cpp-python", context_window=512) as fake:
+        assert await get_json(f"{fake.url}/props") == (404, {"detail": "Not Found"})
+        listed = (await get_json(f"{fake.base_url}/models"))[1]["data"][0]
+        assert listed["owned_by"] == "me" and "max_model_len" not in listed
+        client = openai.AsyncOpenAI(base_url=fake.base_url, api_key="x", max_retries=0)
+        async with client:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": words(600)}], max_tokens=48
+                )
+    assert caught.value.code == "context_length_exceeded"
+    assert caught.value.message.endswith(
+        "This model's maximum context length is 512 tokens. However, you requested 654 tokens "
+        "(606 in the messages, 48 in the completion). Please reduce the length of the "
+        "messages or completion."
+    )
+
+
+@pytest.mark.anyio
+async def test_vllm_flavour_lists_max_model_len_and_refuses_what_does_not_fit() -> None:
+    async with FakeOpenAI(api_key=None, flavor="vllm", context_window=2048) as fake:
+        listed = (await get_json(f"{fake.base_url}/models"))[1]["data"][0]
+        assert listed["max_model_len"] == 2048 and listed["owned_by"] == "vllm"
+        assert await get_json(f"{fake.url}/chat/completions", {}) == (
+            404,
+            {"detail": "Not Found"},
+        )
+        client = openai.AsyncOpenAI(base_url=fake.base_url, api_key="x", max_retries=0)
+        async with client:
+            long = [{"role": "user", "content": words(2100)}]
+            with pytest.raises(openai.BadRequestError) as no_cap:
+                await client.chat.completions.create(model="m", messages=long)
+            short = [{"role": "user", "content": words(1000)}]
+            with pytest.raises(openai.BadRequestError) as capped:
+                await client.chat.completions.create(model="m", messages=short, max_tokens=1500)
+            assert (await client.chat.completions.create(model="m", messages=short)).choices
+    assert no_cap.value.type == "BadRequestError" and no_cap.value.code == "400"
+    assert "maximum context length is 2048 tokens. However, your request has 2106 input " in (
+        no_cap.value.message
+    )
+    assert "'max_tokens' or 'max_completion_tokens' is too large: 1500." in capped.value.message
+    assert "(1500 > 2048 - 1006)" in capped.value.message
+
+
+@pytest.mark.anyio
+async def test_ollama_flavour_cuts_silently_and_tells_num_ctx_where_it_does() -> None:
+    async with FakeOpenAI(
+        api_key=None, models=("llama3.2:latest",), flavor="ollama", context_window=1024
+    ) as fake:
+        status, shown = await get_json(f"{fake.url}/api/show", {"model": "llama3.2"})
+        assert status == 200 and "num_ctx" not in shown["parameters"]
+        assert shown["model_info"]["llama.context_length"] == 131072
+        assert (await get_json(f"{fake.url}/api/show", {"model": "nope"}))[0] == 404
+        assert await get_json(f"{fake.url}/api/ps") == (200, {"models": []})
+        assert await get_json(f"{fake.url}/chat/completions", {}) == (404, "404 page not found")
+        client = openai.AsyncOpenAI(base_url=fake.base_url, api_key="x", max_retries=0)
+        history = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "first " + words(900)},
+            {"role": "assistant", "content": words(300)},
+            {"role": "user", "content": "last question"},
+        ]
+        asked = estimate_prompt_tokens({"messages": history})
+        seen = estimate_prompt_tokens({"messages": [history[0], *history[2:]]})
+        assert asked > 1024 >= seen
+        async with client:
+            answer = await client.chat.completions.create(model="llama3.2", messages=history)
+        # No error: the oldest message went, and the model saw the system one and the rest.
+        assert answer.choices[0].message.content == "echo: last question"
+        assert answer.usage is not None and answer.usage.prompt_tokens == seen
+        assert fake.truncations == [(asked, seen)]
+        running = (await get_json(f"{fake.url}/api/ps"))[1]["models"]
+        assert [(m["name"], m["context_length"]) for m in running] == [("llama3.2:latest", 1024)]
+    async with FakeOpenAI(
+        models=("llama3.2",), flavor="ollama", context_window=8192, ollama_modelfile_num_ctx=True
+    ) as fake:
+        shown = (await get_json(f"{fake.url}/api/show", {"model": "llama3.2"}))[1]
+        assert shown["parameters"].splitlines()[0].split() == ["num_ctx", "8192"]
+
+
+@pytest.mark.anyio
+async def test_an_unknown_path_is_a_404_without_a_model_code(
+    fake: FakeOpenAI, client: openai.AsyncOpenAI
+) -> None:
+    bare = openai.AsyncOpenAI(base_url=fake.url, api_key=fake.api_key, max_retries=0)
+    async with bare:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await bare.chat.completions.create(model="m", messages=USER_HI)
+    assert caught.value.code is None
+    assert caught.value.message.endswith("Invalid URL (POST /chat/completions)")
+    fake.fail_model("gone")
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(model="gone", messages=USER_HI)
+    assert missing.value.code == "model_not_found" and "`gone`" in missing.value.message

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.llm import (
+    ContextOverflow,
     LLMConfigError,
     LLMError,
     LLMMessage,
@@ -429,10 +430,13 @@ async def test_bad_request_is_not_retried_on_other_models(
         400, "This model's maximum context length is 8192 tokens.", code=("context_length_exceeded")
     )
 
-    with pytest.raises(LLMError) as caught:
+    with pytest.raises(ContextOverflow) as caught:
         await provider.chat(HELLO)
 
-    assert "/new" in caught.value.user_message
+    # What the server said of its window goes to the agent loop, which knows whether
+    # the conversation or the message is too long: the provider does not guess "/new".
+    assert caught.value.context_tokens == 8192 and caught.value.prompt_tokens is None
+    assert "/new" not in caught.value.user_message
     assert len(fake.chat_requests) == 1
 
 

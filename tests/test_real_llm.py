@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gateway.llm.openai_provider import OpenAIProvider
-from gateway.llm.types import LLMMessage, ToolSpec
+from gateway.llm.types import ContextOverflow, LLMMessage, ToolSpec
 from tests.llama_server import LlamaServer
 from tests.test_cli_e2e import base_env, run_gateway
 
@@ -185,6 +185,44 @@ def test_a_conversation_larger_than_the_window_is_kept_within_it(
         usage = reply["usage"]
         # ...but every request did, with room left for the whole reply.
         assert usage["prompt_tokens"] + MAX_TOKENS <= llama_small.n_ctx, usage
+
+
+@pytest.mark.anyio
+async def test_the_real_servers_window_is_read_from_its_overflow_error(
+    llama_small: LlamaServer,
+) -> None:
+    """llama-cpp-python's server says its n_ctx nowhere (no /props, nothing in /v1/models):
+    the probe finds nothing, and the server's own 400 names it."""
+    provider = provider_for(llama_small)
+    text = " ".join(LONG_TURNS * 2)  # about twice the window
+    try:
+        assert await provider.server_window(llama_small.model) is None
+        with pytest.raises(ContextOverflow) as caught:
+            await provider.chat([LLMMessage(role="user", content=text)])
+    finally:
+        await provider.aclose()
+    assert caught.value.context_tokens == llama_small.n_ctx
+    assert caught.value.server == "llama-cpp-python"
+    assert caught.value.prompt_tokens is not None
+    assert caught.value.prompt_tokens >= llama_small.count_tokens(text) > llama_small.n_ctx
+
+
+def test_without_a_configured_window_the_conversation_is_fitted_to_the_servers(
+    tmp_path: Path, llama_small: LlamaServer
+) -> None:
+    env = llm_env(tmp_path, llama_small)
+    del env["GATEWAY_LLM__CONTEXT_WINDOW"]  # the first hour: nothing set, 32,768 assumed
+    for text in LONG_TURNS:
+        out = run_gateway(["chat", "-m", text], env, tmp_path, timeout=COMMAND_TIMEOUT)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() and "Traceback" not in out.stderr
+
+    messages = stored_messages(env, tmp_path)
+    assert [m["content"] for m in messages[0::2]] == LONG_TURNS
+    whole = sum(llama_small.count_tokens(m["content"]) for m in messages)
+    assert whole > llama_small.n_ctx  # the conversation outgrew the window, and yet
+    for reply in messages[1::2]:  # each turn was answered within it
+        assert reply["usage"]["prompt_tokens"] < llama_small.n_ctx, reply["usage"]
 
 
 def test_a_generation_slower_than_the_timeout_fails_in_one_line_and_keeps_the_message(

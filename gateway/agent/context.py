@@ -685,11 +685,22 @@ def _near_duplicates(
 TOOL_GROUP_SLACK = 8
 
 
-class ContextBuilder:
-    """Builds each turn's request with `fit_context` under fixed limits, and learns from
-    the provider's reported prompt tokens how far the estimates run low, per session.
+def reply_reserve_for(context_window: int, reserve: int, fixed_tokens: int = 0) -> int:
+    """The tokens of `context_window` kept free of messages: `reserve` for the reply and
+    `fixed_tokens` for what every request carries besides them (the tools' definitions),
+    each at most a quarter of the window. A reserve sized for a large window would leave
+    a small one, such as llama.cpp's 4,096 or Ollama's 2,048, little room for the prompt;
+    and a server whose chat template leaves the tools out does not count them at all."""
+    quarter = context_window // 4
+    return max(0, min(reserve, quarter)) + max(0, min(fixed_tokens, quarter))
 
-    The loop calls `build` once per turn and `observe` after each completion.
+
+class ContextBuilder:
+    """Builds each turn's request with `fit_context`, and learns from the provider's
+    reported prompt tokens how far the estimates run low, per session.
+
+    The loop calls `build` once per turn (with the window the model is used with, see
+    `gateway.agent.windows`) and `observe` after each completion.
     """
 
     def __init__(
@@ -701,8 +712,8 @@ class ContextBuilder:
         policy: PruningPolicy | None = None,
         max_tracked: int = 1024,
     ) -> None:
-        if context_window <= reply_reserve:
-            raise ValueError("context_window must be larger than reply_reserve")
+        if context_window < 1 or reply_reserve < 0:
+            raise ValueError("need context_window >= 1 and reply_reserve >= 0")
         self.context_window = context_window
         self.reply_reserve = reply_reserve
         self.max_messages = max_messages
@@ -720,9 +731,13 @@ class ContextBuilder:
         query: str | None = None,
         session_key: str | None = None,
         usage: UsageHint | None = None,
+        context_window: int | None = None,
+        fixed_tokens: int = 0,
     ) -> ContextPlan:
         """The plan for one request; `usage` defaults to what `observe` last learned
-        for `session_key`.
+        for `session_key`, `context_window` to the builder's. `fixed_tokens` are sent
+        with every request besides the messages (the tools' definitions): room is kept
+        for them as for the reply (`reply_reserve_for`).
 
         Only the tail of `history` that the window could hold is considered (twice
         `max_messages`, plus room for a tool call's results), so a turn costs the same
@@ -732,26 +747,32 @@ class ContextBuilder:
             usage = self._hints.get(session_key)
         if self.max_messages:
             history = history[-(2 * self.max_messages + TOOL_GROUP_SLACK) :]
+        window = context_window or self.context_window
         return fit_context(
             system_prompt=system_prompt,
             history=history,
             summary=summary,
             memory_texts=memory_texts,
             query=query,
-            context_window=self.context_window,
-            reply_reserve=self.reply_reserve,
+            context_window=window,
+            reply_reserve=reply_reserve_for(window, self.reply_reserve, fixed_tokens),
             max_messages=self.max_messages,
             usage=usage,
             policy=self.policy,
         )
 
     def observe(
-        self, session_key: str, sent: Sequence[LLMMessage], usage: TokenUsage | None
+        self,
+        session_key: str,
+        sent: Sequence[LLMMessage],
+        usage: TokenUsage | None,
+        fixed_tokens: int = 0,
     ) -> UsageHint | None:
-        """Remember the provider's prompt count for the messages just sent."""
+        """Remember the provider's prompt count for the messages just sent (less the
+        `fixed_tokens` estimated for what went with them, which `build` keeps apart)."""
         if usage is None or usage.prompt_tokens <= 0:
             return None
-        hint = UsageHint(usage.prompt_tokens, estimate_messages_tokens(sent))
+        hint = UsageHint(usage.prompt_tokens - fixed_tokens, estimate_messages_tokens(sent))
         self._hints[session_key] = hint
         self._hints.move_to_end(session_key)
         while len(self._hints) > self._max_tracked:

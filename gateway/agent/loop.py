@@ -7,6 +7,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import operator
 import re
 import time
 import weakref
@@ -38,11 +39,22 @@ from gateway.agent.rewind import (
     branch_for_edit,
     undo_last_exchange,
 )
-from gateway.agent.tokens import estimate_messages_tokens
+from gateway.agent.tokens import estimate_messages_tokens, estimate_tools_tokens
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.agent.turns import EarlierTurn, find_turn, user_entry_meta
+from gateway.agent.windows import ContextWindows, window_probe
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
-from gateway.llm.types import LLMError, LLMMessage, LLMProvider, LLMResponse, ToolSpec
+from gateway.llm.types import (
+    DEFAULT_CONTEXT_WINDOW,
+    ContextOverflow,
+    LLMError,
+    LLMMessage,
+    LLMProvider,
+    LLMResponse,
+    TokenUsage,
+    ToolSpec,
+)
+from gateway.llm.window import WINDOW_SETTINGS
 from gateway.media import FileSource, MediaPreparer
 from gateway.media.outbound import code_blocks_as_files
 from gateway.messages import (
@@ -104,7 +116,9 @@ class AgentConfig:
     system_prompt: str = "You are a helpful assistant."
     memory_window: int = 10
     max_tool_iterations: int = 8
-    context_window: int = 32_768
+    #: `[llm] context_window`: an upper bound the operator set; None fits each model to
+    #: what its server says (`gateway.agent.windows`), else `DEFAULT_CONTEXT_WINDOW`.
+    context_window: int | None = None
     reply_reserve_tokens: int = 1024
     max_message_chars: int = 100_000
     temperature: float | None = None
@@ -171,6 +185,7 @@ class AgentLoop:
         usage: UsageMeter | None = None,
         people: PeopleStore | None = None,
         media: MediaPreparer | None = None,
+        windows: ContextWindows | None = None,
     ) -> None:
         self.sessions = sessions
         self.usage = usage
@@ -185,8 +200,15 @@ class AgentLoop:
         self.memory = memory
         self.consolidator = consolidator
         self.media = media
+        #: The tools' definitions last offered and their estimated tokens (the same
+        #: specs turn after turn: estimating them is a JSON dump each).
+        self._offered: tuple[tuple[ToolSpec, ...], int] = ((), 0)
+        #: The window each model's requests are fitted to (shared with consolidation).
+        self.windows = windows or ContextWindows(
+            configured=config.context_window, probe=window_probe(provider)
+        )
         self.context = ContextBuilder(
-            context_window=config.context_window,
+            context_window=config.context_window or DEFAULT_CONTEXT_WINDOW,
             reply_reserve=config.reply_reserve_tokens,
             max_messages=config.memory_window + 1,
         )
@@ -536,6 +558,9 @@ class AgentLoop:
     ) -> _TurnResult:
         model = ctx.model or self.config.model
         query = ctx.messages[-1].content or "" if ctx.messages else ""
+        specs = self.tools.specs()
+        tool_tokens = self._tools_tokens(specs)
+        await self.windows.ensure(model)  # asks the server once per model, bounded
 
         def fit(history: Sequence[LLMMessage]) -> ContextPlan:
             plan = self.context.build(
@@ -545,6 +570,8 @@ class AgentLoop:
                 memory_texts=texts,
                 query=query,
                 session_key=session.key,
+                context_window=self.windows.known(model).tokens,
+                fixed_tokens=tool_tokens,
             )
             if not images:
                 return plan
@@ -553,7 +580,18 @@ class AgentLoop:
 
         plan = fit(ctx.messages)
         messages = list(plan.messages)
-        specs = self.tools.specs()
+        said = self.windows.known(model).server
+        cut = said is not None and said.server == "ollama" and plan.over_budget
+        if cut and said is not None and plan.estimated_tokens > said.tokens:
+            # Ollama would cut the message silently and answer what is left of it.
+            refused = ContextOverflow(
+                f"the message alone is about {plan.estimated_tokens:,} tokens; "
+                f"{said.source} is {said.tokens:,}: not sent",
+                context_tokens=said.tokens,
+                prompt_tokens=None,
+                server="ollama",
+            )
+            raise self._too_long(model, messages, refused)
         cache_ctx = self._cache_context(
             inbound, session, model, messages, specs, on_delta, nocache, plan.memory_injected
         )
@@ -630,10 +668,17 @@ class AgentLoop:
         turn: list[LLMMessage] = []  # what this turn added after the user's message
         reply: str | None = None
         spent = 0
+        tool_tokens = self._tools_tokens(specs)
+
+        def refit() -> list[LLMMessage]:
+            return list(fit([*ctx.messages, *turn]).messages)
+
         for _ in range(self.config.max_tool_iterations):
             progress.said.clear()
-            response = await self._complete(messages, model, specs, streamed)
-            self.context.observe(session.key, messages, response.usage)
+            response, messages = await self._complete_fitted(
+                session.key, messages, refit, model, specs, streamed
+            )
+            self.context.observe(session.key, messages, response.usage, tool_tokens)
             assistant = response.message
             with anyio.CancelScope(shield=True):
                 await session.aadd_message(assistant)
@@ -659,12 +704,19 @@ class AgentLoop:
                     progress.pending.remove(call)
                 turn.append(tool_message)
             # Re-fit: tool results can be large, and the request must stay in the window.
-            messages = list(fit([*ctx.messages, *turn]).messages)
+            messages = refit()
         if reply is None:
             # Out of tool rounds: ask once more without tools, so the user gets an answer.
             logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
             progress.said.clear()
-            response = await self._complete(repair_tool_pairs(messages), model, [], streamed)
+            response, _ = await self._complete_fitted(
+                session.key,
+                repair_tool_pairs(messages),
+                lambda: repair_tool_pairs(refit()),
+                model,
+                [],
+                streamed,
+            )
             with anyio.CancelScope(shield=True):
                 await session.aadd_message(response.message)
             reply = response.message.content or ""
@@ -741,6 +793,98 @@ class AgentLoop:
             memory_injected=memory_injected,
             streaming=self.config.stream and on_delta is not None,
             nocache=nocache or inbound.channel in self.config.cache_disabled_channels,
+        )
+
+    async def _complete_fitted(
+        self,
+        key: str,
+        messages: list[LLMMessage],
+        refit: Callable[[], list[LLMMessage]],
+        model: str,
+        specs: list[ToolSpec],
+        on_delta: DeltaCallback | None,
+    ) -> tuple[LLMResponse, list[LLMMessage]]:
+        """One model call, and the messages it was made with.
+
+        When the server refuses the request as longer than the model's context window,
+        what its error says (the window, the prompt's real size) is remembered, the
+        request is fitted again (`refit`) and sent once more. When that cannot help or
+        fails too, the error says what is too long and what to change: "/new" only when
+        earlier turns of the conversation were in the request."""
+        try:
+            response = await self._complete(messages, model, specs, on_delta)
+        except ContextOverflow as exc:
+            logger.warning("the model's server refused the request as too long: {}", exc)
+            self._learn_overflow(key, model, messages, specs, exc)
+            again = refit()
+            if again == messages:  # nothing the window and the count change: no use
+                raise self._too_long(model, messages, exc) from None
+            try:
+                response = await self._complete(again, model, specs, on_delta)
+            except ContextOverflow as still:
+                logger.warning("still too long after fitting it again: {}", still)
+                self._learn_overflow(key, model, again, specs, still)
+                raise self._too_long(model, again, still) from None
+            messages = again
+        self.windows.answered(model)
+        return response, messages
+
+    def _learn_overflow(
+        self,
+        key: str,
+        model: str,
+        sent: Sequence[LLMMessage],
+        specs: Sequence[ToolSpec],
+        exc: ContextOverflow,
+    ) -> None:
+        """Remember what an overflow error said: the window it named (for the model), and
+        the prompt tokens it counted (the session's estimates scale up to it)."""
+        if exc.context_tokens:
+            self.windows.learn(model, exc.context_tokens, exc.server)
+        if exc.prompt_tokens:
+            counted = TokenUsage(prompt_tokens=exc.prompt_tokens)
+            self.context.observe(key, sent, counted, self._tools_tokens(specs))
+
+    def _tools_tokens(self, specs: Sequence[ToolSpec]) -> int:
+        """`estimate_tools_tokens(specs)`, estimated again only when the tools change."""
+        offered, tokens = self._offered
+        same = len(offered) == len(specs) and all(map(operator.is_, offered, specs))
+        if not same:
+            tokens = estimate_tools_tokens(specs)
+            self._offered = (tuple(specs), tokens)
+        return tokens
+
+    def _too_long(self, model: str, sent: Sequence[LLMMessage], exc: ContextOverflow) -> LLMError:
+        """The error of a request the model's context window cannot hold, saying what
+        is too long (the conversation, or the message itself) and what to change."""
+        window = self.windows.known(model)
+        said = window.server
+        if said is None and not exc.context_tokens:
+            return LLMError(
+                str(exc),
+                user_message="The model's server refused the request as longer than its "
+                "context window, and did not say its size. The operator should set "
+                "[llm] context_window to the server's context size.",
+            )
+        users = [i for i, m in enumerate(sent) if m.role == "user"]
+        earlier = [m for m in sent[: users[-1] if users else 0] if m.role != "system"]
+        holds = f"{window.tokens:,} tokens ({window.source})"
+        if earlier:
+            text = f"This conversation is too long for the model's context window of {holds}."
+            return LLMError(str(exc), user_message=f"{text} Start a new one with /new.")
+        if window.source.startswith("[llm] context_window"):
+            change = "raise [llm] context_window"
+        else:
+            change = WINDOW_SETTINGS[(said.server if said is not None else None) or exc.server]
+        counted = (
+            f"the request came to {exc.prompt_tokens:,} tokens"
+            if exc.prompt_tokens
+            else f"the request came to about {estimate_messages_tokens(sent):,} tokens"
+        )
+        return LLMError(
+            str(exc),
+            user_message=f"Your message is too long for the model: {counted}, and its context "
+            f"window holds {holds}. Shorten the message, or the operator can {change}.",
         )
 
     async def _complete(
@@ -833,13 +977,16 @@ class AgentLoop:
             return reply_for(inbound, outcome.describe(), is_error=not outcome.ok)
         if command.name == "status":
             ctx = await anyio.to_thread.run_sync(session.build_context)
+            model = ctx.model or self.config.model
+            window = await self.windows.ensure(model)
             used = estimate_messages_tokens(ctx.messages[-(self.config.memory_window + 1) :])
-            share = 100 * used / self.config.context_window
+            share = 100 * used / window.tokens
             lines = [
                 f"Session: {key}",
                 f"Messages: {session.message_count}",
-                f"Model: {ctx.model or self.config.model}",
-                f"Context: ~{used:,} of {self.config.context_window:,} tokens ({share:.0f}%)",
+                f"Model: {model}",
+                f"Context: ~{used:,} of {window.tokens:,} tokens "
+                f"({share:.0f}%; from {window.source})",
             ]
             if ctx.summary:
                 lines.append("Summary: yes (older turns are summarized)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from gateway.llm.types import LLMMessage
+from gateway.llm.types import LLMMessage, ToolSpec
 
 # ~4 characters per token for English prose under BPE tokenizers; CJK and code run denser,
 # so the estimate leans high by counting non-ASCII characters as a token each.
@@ -30,3 +30,15 @@ def estimate_message_tokens(message: LLMMessage) -> int:
 
 def estimate_messages_tokens(messages: Iterable[LLMMessage]) -> int:
     return sum(estimate_message_tokens(m) for m in messages)
+
+
+def estimate_tools_tokens(specs: Iterable[ToolSpec]) -> int:
+    """The tools' definitions as a request carries them (servers count them in the
+    prompt: a chat template writes them out)."""
+    return sum(
+        MESSAGE_OVERHEAD
+        + estimate_text_tokens(spec.name)
+        + estimate_text_tokens(spec.description)
+        + estimate_text_tokens(json.dumps(spec.parameters, ensure_ascii=False))
+        for spec in specs
+    )

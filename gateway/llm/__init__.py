@@ -1,6 +1,7 @@
 """LLM providers: the provider protocol and the OpenAI-compatible implementation."""
 
 from gateway.llm.types import (
+    ContextOverflow,
     LLMConfigError,
     LLMError,
     LLMMessage,
@@ -13,6 +14,7 @@ from gateway.llm.types import (
 )
 
 __all__ = [
+    "ContextOverflow",
     "LLMConfigError",
     "LLMError",
     "LLMMessage",

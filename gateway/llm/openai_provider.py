@@ -22,14 +22,23 @@ from openai.types.chat import (
 from openai.types.completion_usage import CompletionUsage
 
 from gateway.llm.types import (
+    ContextOverflow,
     LLMConfigError,
     LLMError,
     LLMMessage,
     LLMResponse,
+    ServerWindow,
     StreamDelta,
     TokenUsage,
     ToolCall,
     ToolSpec,
+)
+from gateway.llm.window import (
+    Overflow,
+    names_a_model,
+    probe_server_window,
+    read_overflow,
+    wrong_path_detail,
 )
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -345,8 +354,18 @@ class StreamAssembly:
 # -- failures -----------------------------------------------------------------------------
 
 FailureKind = Literal[
-    "auth", "denied", "bad_request", "not_found", "rate_limited", "timeout", "unavailable"
+    "auth",
+    "denied",
+    "bad_request",
+    "not_found",
+    "wrong_path",
+    "rate_limited",
+    "timeout",
+    "unavailable",
 ]
+
+#: The path of every chat request under the base URL.
+CHAT_PATH = "/chat/completions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,11 +377,14 @@ class ModelFailure:
     detail: str
     status: int | None = None
     code: str | None = None
+    #: What the server said when it refused the request as too long for the model.
+    overflow: Overflow | None = None
 
     @property
     def try_next_model(self) -> bool:
-        # A rejected key or a malformed request fails the same way on every model.
-        return self.kind not in ("auth", "denied", "bad_request")
+        # A rejected key, a malformed request or a wrong URL fails the same way on
+        # every model.
+        return self.kind not in ("auth", "denied", "bad_request", "wrong_path")
 
 
 def _refused_connection(exc: BaseException) -> OSError | None:
@@ -380,7 +402,12 @@ def _refused_connection(exc: BaseException) -> OSError | None:
 
 
 def classify_failure(exc: openai.APIError, model: str, base_url: str) -> ModelFailure:
-    """A `ModelFailure` for an error the openai client raised after its own retries."""
+    """A `ModelFailure` for an error the openai client raised after its own retries.
+
+    A 404 that does not name the model is the chat path missing, as a base URL without
+    its /v1 gets from Ollama, vLLM and OpenAI ("wrong_path"), not a model that does not
+    exist ("not_found"); a 400 saying the request is longer than the model's context
+    window carries what the server said of its size (`overflow`)."""
     refused = _refused_connection(exc)
     if isinstance(exc, openai.APITimeoutError) and refused is None:
         return ModelFailure(model, "timeout", f"model {model!r}: no answer in time ({base_url})")
@@ -401,16 +428,20 @@ def classify_failure(exc: openai.APIError, model: str, base_url: str) -> ModelFa
             kind = "auth"
         elif status == 403:
             kind = "denied"
+        elif status == 404 and not names_a_model(exc.body, exc.message):
+            detail = f"model {model!r}: " + wrong_path_detail(base_url, CHAT_PATH)
+            return ModelFailure(model, "wrong_path", detail, status=status, code=code)
         elif status == 404:
             kind = "not_found"
-            detail += " (check the model name, and that the base URL ends in /v1)"
+            detail += " (check the model name)"
         elif status == 429:
             kind = "rate_limited"
         elif status in (408, 409) or status >= 500:
             kind = "unavailable"
         else:
             kind = "bad_request"
-        return ModelFailure(model, kind, detail, status=status, code=code)
+        overflow = read_overflow(status, exc.body, exc.message)
+        return ModelFailure(model, kind, detail, status=status, code=code, overflow=overflow)
     # An error event inside a stream, or an unparseable response.
     return ModelFailure(model, "unavailable", f"model {model!r}: {exc.message}")
 
@@ -429,26 +460,39 @@ _USER_MESSAGES: dict[FailureKind, str] = {
         "The configured model does not exist on the model server. "
         "The operator should check the model name."
     ),
+    "wrong_path": (
+        f"The model server answered 404 for {CHAT_PATH}: its address is probably "
+        "missing /v1 (OpenAI-compatible base URLs usually end in /v1). The operator "
+        "should check llm.base_url (OPENAI_BASE_URL); gateway doctor prints the fix."
+    ),
     "rate_limited": "The model is busy right now. Please try again in a minute.",
     "timeout": "The model took too long to answer. Please try again.",
     "unavailable": "The model is not answering right now. Please try again.",
 }
-_CONTEXT_TOO_LONG = "This conversation is too long for the model. Start a new one with /new."
 
 
 def error_for_failures(failures: Sequence[ModelFailure]) -> LLMError:
     """The `LLMError` to raise once no model is left to try.
 
-    The user message names the common cause when every model failed the same way.
+    The user message names the common cause when every model failed the same way. A
+    request refused as too long is a `ContextOverflow` with what the server said, for
+    the agent loop to fit the request to it (only it knows what the request held).
     """
     detail = "LLM request failed: " + "; ".join(f.detail for f in failures)
     kinds = {f.kind for f in failures}
     kind: FailureKind = kinds.pop() if len(kinds) == 1 else "unavailable"
-    user_message = _USER_MESSAGES[kind]
-    if kind == "bad_request" and any(f.code == "context_length_exceeded" for f in failures):
-        user_message = _CONTEXT_TOO_LONG
-    error_class = LLMConfigError if kind in ("auth", "denied", "not_found") else LLMError
-    return error_class(detail, user_message=user_message)
+    overflow = failures[-1].overflow
+    if overflow is not None:
+        return ContextOverflow(
+            detail,
+            context_tokens=overflow.context_tokens,
+            prompt_tokens=overflow.prompt_tokens,
+            server=overflow.server,
+        )
+    error_class = (
+        LLMConfigError if kind in ("auth", "denied", "not_found", "wrong_path") else LLMError
+    )
+    return error_class(detail, user_message=_USER_MESSAGES[kind])
 
 
 # -- the provider -------------------------------------------------------------------------
@@ -505,6 +549,14 @@ class OpenAIProvider:
             # third of the client's CPU per call; aiohttp is a dependency anyway.
             http_client=openai.DefaultAioHttpClient(timeout=timeout),
         )
+
+    async def server_window(self, model: str) -> ServerWindow | None:
+        """The context window the server states for `model` (`probe_server_window`),
+        asked with this provider's client and a short timeout. The hosted OpenAI APIs
+        are not asked: they state it nowhere (their overflow error does)."""
+        if api_key_required(self.base_url):
+            return None
+        return await probe_server_window(self._client, self.base_url, model)
 
     def candidate_models(self, model: str | None = None) -> list[str]:
         """The models to try in order: the requested (or configured) one, then fallbacks."""

@@ -8,6 +8,13 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 Role = Literal["system", "user", "assistant", "tool"]
 
+#: The context window assumed when neither the operator nor the model's server says one.
+DEFAULT_CONTEXT_WINDOW = 32_768
+
+#: The kinds of model server whose context window the gateway can learn, each with the
+#: setting that makes it larger (`gateway.llm.window.WINDOW_SETTINGS`).
+ServerKind = Literal["llama.cpp", "llama-cpp-python", "ollama", "vllm", "openai"]
+
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
@@ -152,6 +159,61 @@ class LLMError(Exception):
 
 class LLMConfigError(LLMError):
     """The provider is not configured well enough to make any call (e.g. no API key)."""
+
+
+class ContextOverflow(LLMError):
+    """The model's server refused a request as longer than the model's context window.
+
+    `context_tokens` is the window the server named (None: it did not say), and
+    `prompt_tokens` what it counted of the refused request (None: not said); `server` is
+    the kind of server that answered, when its error shows it."""
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        context_tokens: int | None,
+        prompt_tokens: int | None,
+        server: ServerKind | None,
+        user_message: str | None = None,
+    ) -> None:
+        window = f" ({context_tokens:,} tokens)" if context_tokens else ""
+        super().__init__(
+            detail,
+            user_message=user_message
+            or f"The request was longer than the model's context window{window}.",
+        )
+        self.context_tokens = context_tokens
+        self.prompt_tokens = prompt_tokens
+        self.server = server
+
+
+@dataclass(frozen=True, slots=True)
+class ServerWindow:
+    """A model's context window as its server states it.
+
+    `source` says where it said so (e.g. "llama.cpp /props n_ctx"), `server` which kind of
+    server it is. `settled` is False for a size assumed, not read (Ollama's default before
+    the model is loaded): it is asked again once the model has answered."""
+
+    tokens: int
+    source: str
+    server: ServerKind | None = None
+    settled: bool = True
+
+
+@runtime_checkable
+class ServerWindowProbe(Protocol):
+    """A provider that can ask its server for a model's context window."""
+
+    async def server_window(self, model: str) -> ServerWindow | None:
+        """The window the server states for `model`, or None when it states none.
+        Raises `WindowUnknown` when the server could not be asked (down, too slow)."""
+        ...
+
+
+class WindowUnknown(Exception):
+    """The model's server could not be asked for its context window (it did not answer)."""
 
 
 @runtime_checkable

@@ -34,7 +34,8 @@ from loguru import logger
 
 from gateway.agent.context import estimate_branch_tokens, trim_middle
 from gateway.agent.tokens import estimate_messages_tokens, estimate_text_tokens
-from gateway.llm.types import LLMError, LLMMessage, LLMProvider, ToolSpec
+from gateway.agent.windows import ContextWindows
+from gateway.llm.types import ContextOverflow, LLMError, LLMMessage, LLMProvider, ToolSpec
 from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import CATEGORIES, normalize_category
 from gateway.memory.protocol import MemoryBackend
@@ -516,7 +517,10 @@ class Consolidator:
         clock: Callable[[], float] = time.monotonic,
         max_concurrent: int = 2,
         guard: ConsolidationGuard | None = None,
+        windows: ContextWindows | None = None,
     ) -> None:
+        """`context_window` is the size used until `windows` (the agent's) knows the
+        model's own (`gateway.agent.windows`)."""
         if memory_window < 1:
             raise ValueError("memory_window must be at least 1")
         if not 0 < token_share <= 1:
@@ -528,7 +532,8 @@ class Consolidator:
         self.provider = provider
         self.model = consolidation_model or model
         self.memory_window = memory_window
-        self.context_window = context_window
+        self._configured_window = context_window
+        self.windows = windows
         self.token_share = token_share
         self.timeout = timeout
         self.retry_base = retry_base
@@ -552,6 +557,14 @@ class Consolidator:
         self._last_error: str | None = None
 
     # -- policy --------------------------------------------------------------------
+
+    @property
+    def context_window(self) -> int:
+        """The consolidation model's context window as the agent uses it: what its
+        server said where known (a summary request must fit a small local window too)."""
+        if self.windows is None:
+            return self._configured_window
+        return self.windows.known(self.model).tokens
 
     def should_consolidate(self, ctx: SessionContext) -> bool:
         return needs_consolidation(
@@ -762,6 +775,8 @@ class Consolidator:
         started = time.monotonic()
         try:
             with anyio.fail_after(self.timeout):
+                if self.windows is not None:
+                    await self.windows.ensure(self.model)  # the plan's sizes depend on it
                 snapshot = await anyio.to_thread.run_sync(self._snapshot, key, force, lease)
                 if isinstance(snapshot, ConsolidationOutcome):
                     self._skipped += 1
@@ -782,6 +797,9 @@ class Consolidator:
             with anyio.CancelScope(shield=True):
                 outcome = await anyio.to_thread.run_sync(self._commit, key, snapshot, result)
         except Exception as exc:
+            if isinstance(exc, ContextOverflow) and exc.context_tokens and self.windows:
+                # The retry's plan is cut to the size the server named.
+                self.windows.learn(self.model, exc.context_tokens, exc.server)
             return self._record_failure(key, exc, retry)
         self._failures.pop(key, None)
         if outcome.status == "compacted":

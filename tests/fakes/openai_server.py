@@ -59,6 +59,35 @@ models billed by the minute (whisper-1), ``{"type": "tokens", "input_tokens", ..
 duration is the one given to ``add_transcription``, else the text spoken at 2.5 words a
 second (at least 1 s). ``transcription_usage = False`` leaves ``usage`` out, as many
 local Whisper servers do.
+
+Flavours: ``FakeOpenAI(flavor=...)`` answers where it matters as each local server does
+(read in their sources; ``tests/test_fake_openai.py`` holds the fake to it), with
+``context_window`` the server's size in tokens (counted as the usage estimate counts,
+tools included). Where each says its window; what a prompt over it gets; what an
+unknown path (a base URL without /v1) gets:
+
+- ``openai`` (the default): nowhere; 400 ``context_length_exceeded`` "This model's
+  maximum context length is N tokens. However, your messages resulted in P tokens...";
+  404 JSON "Invalid URL (POST /chat/completions)" with a null code.
+- ``llama.cpp`` (llama-server): ``GET /props`` ``default_generation_settings.n_ctx``;
+  at prompt >= n_ctx 400 ``exceed_context_size_error`` "request (P tokens) exceeds the
+  available context size (N tokens), try increasing it" with ``n_prompt_tokens`` and
+  ``n_ctx``; it serves ``/chat/completions`` and ``/models`` without /v1 too.
+- ``llama-cpp-python``: nowhere; at prompt >= n_ctx 400 ``context_length_exceeded``
+  "This model's maximum context length is N tokens. However, you requested M tokens
+  (P in the messages, C in the completion)..."; 404 ``{"detail": "Not Found"}``.
+- ``ollama``: ``GET /api/ps`` ``context_length`` once the model is loaded (by its first
+  chat request), ``POST /api/show`` ``num_ctx`` in ``parameters`` only with
+  ``ollama_modelfile_num_ctx`` (a Modelfile that sets it) and always
+  ``model_info["llama.context_length"]`` (``trained_context``); a prompt over it is cut
+  silently, the oldest messages after the system ones first (each cut in
+  ``truncations``); 404 text ``404 page not found``.
+- ``vllm``: ``GET /v1/models`` ``max_model_len``; 400 ``BadRequestError`` "This model's
+  maximum context length is N tokens. However, your request has P input tokens..." (or
+  "'max_tokens' or 'max_completion_tokens' is too large: ..." when P + max_tokens > N);
+  404 ``{"detail": "Not Found"}``.
+
+A model that does not exist is a 404 that names it (OpenAI, vLLM, Ollama: ``fail_model``).
 """
 
 from __future__ import annotations
@@ -75,7 +104,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from PIL import Image, UnidentifiedImageError
@@ -83,6 +112,17 @@ from PIL import Image, UnidentifiedImageError
 from tests.fakes._serving import LocalServer, at_least
 
 DEFAULT_API_KEY = "sk-fake-test-key"
+
+Flavor = Literal["openai", "llama.cpp", "llama-cpp-python", "ollama", "vllm"]
+#: Each flavour's window when none is given: llama-server's -c default, llama-cpp-python's
+#: and older Ollama's n_ctx default, a typical vLLM max_model_len; OpenAI's: no limit.
+DEFAULT_WINDOWS: dict[Flavor, int | None] = {
+    "openai": None,
+    "llama.cpp": 4096,
+    "llama-cpp-python": 2048,
+    "ollama": 2048,
+    "vllm": 32768,
+}
 
 Responder = Callable[[dict[str, Any]], "Reply | str"]
 
@@ -216,10 +256,13 @@ def message_text(message: Mapping[str, Any]) -> str:
 
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     """The fake's prompt_tokens for a chat request: each message's text estimate plus its
-    framing, plus the reply's priming."""
+    framing, plus the reply's priming, plus the tools' definitions (a chat template
+    writes them into the prompt, and servers count them)."""
     messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
     framing = TOKENS_PER_MESSAGE * len(messages) + REPLY_PRIMING_TOKENS
-    return framing + sum(estimate_tokens(message_text(m)) for m in messages)
+    tools = body.get("tools")
+    offered = estimate_tokens(json.dumps(tools)) if tools else 0
+    return framing + offered + sum(estimate_tokens(message_text(m)) for m in messages)
 
 
 def echo_responder(body: dict[str, Any]) -> Reply | str:
@@ -404,19 +447,24 @@ _ERROR_DEFAULTS: dict[int, tuple[str, str | None, str]] = {
 }
 
 
+#: `error_body`'s code for "no code at all" (None means the status's default code).
+_NO_CODE = ""
+
+
 def error_body(
     status: int, message: str | None = None, error_type: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    """OpenAI's error JSON for a status, with realistic defaults."""
+    """OpenAI's error JSON for a status, with realistic defaults (`code=""`: null)."""
     default_type, default_code, default_message = _ERROR_DEFAULTS.get(
         status, ("server_error" if status >= 500 else "invalid_request_error", None, "Error.")
     )
+    chosen = default_code if code is None else code or None
     return {
         "error": {
             "message": message or default_message,
             "type": error_type or default_type,
             "param": None,
-            "code": code if code is not None else default_code,
+            "code": chosen,
         }
     }
 
@@ -448,11 +496,26 @@ class FakeOpenAI(LocalServer):
         responder: Responder | None = None,
         validate: bool = True,
         text_only_models: Sequence[str] = (),
+        flavor: Flavor = "openai",
+        context_window: int | None = None,
+        trained_context: int = 131072,
+        ollama_modelfile_num_ctx: bool = False,
     ) -> None:
         """`api_key=None` accepts any or no Authorization header (like a local server);
         `validate=False` skips the request checks of `validate_chat_request`;
-        `text_only_models` refuse image parts, as models without vision do."""
+        `text_only_models` refuse image parts, as models without vision do. `flavor`
+        answers as that server does (the module docstring's table), with
+        `context_window` its size (default: the flavour's, `DEFAULT_WINDOWS`) and
+        `trained_context` the model's own; `ollama_modelfile_num_ctx` makes Ollama's
+        /api/show list ``num_ctx`` (a Modelfile that sets it)."""
         super().__init__()
+        self.flavor: Flavor = flavor
+        self.context_window = context_window if context_window else DEFAULT_WINDOWS[flavor]
+        self.trained_context = trained_context
+        self.ollama_modelfile_num_ctx = ollama_modelfile_num_ctx
+        #: Ollama's silent cuts: (prompt tokens asked, tokens kept), one per cut request.
+        self.truncations: list[tuple[int, int]] = []
+        self._loaded: set[str] = set()  # Ollama: models a chat request has loaded
         self.text_only_models = set(text_only_models)
         self._transcripts: list[tuple[str, float | None]] = []
         self.transcription_usage = True
@@ -482,6 +545,15 @@ class FakeOpenAI(LocalServer):
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/v1/models/{model_id}", self._get_model)
         app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
+        if self.flavor == "llama.cpp":
+            # llama-server routes the OpenAI paths with and without /v1.
+            app.router.add_post("/chat/completions", self._chat_completions)
+            app.router.add_get("/models", self._list_models)
+            app.router.add_get("/props", self._props)
+        if self.flavor == "ollama":
+            app.router.add_get("/", self._ollama_root)
+            app.router.add_get("/api/ps", self._ollama_ps)
+            app.router.add_post("/api/show", self._ollama_show)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         return app
 
@@ -586,12 +658,24 @@ class FakeOpenAI(LocalServer):
         *,
         retry_after: float | None = None,
     ) -> None:
-        """Make every request for `model` fail with `status` until `reset()`."""
+        """Make every request for `model` fail with `status` until `reset()`. A 404 is
+        worded as the flavour's server words a model it does not have."""
+        error_type = code = None
         if status == 404 and message is None:
             message = f"The model `{model}` does not exist or you do not have access to it."
+            if self.flavor == "ollama":
+                message = f'model "{model}" not found, try pulling it first'
+                error_type, code = "api_error", _NO_CODE
+            elif self.flavor == "vllm":
+                message = f"The model `{model}` does not exist."
+                error_type, code = "NotFoundError", "404"
         with self._lock:
             self._model_failures[model] = Reply(
-                status=status, error_message=message, retry_after=retry_after
+                status=status,
+                error_message=message,
+                error_type=error_type,
+                error_code=code,
+                retry_after=retry_after,
             )
 
     def hold(self, matches: Callable[[dict[str, Any]], bool], count: int = 1) -> None:
@@ -635,11 +719,12 @@ class FakeOpenAI(LocalServer):
         return False
 
     def reset(self) -> None:
-        """Forget queued replies, model failure rules and the request log."""
+        """Forget queued replies, model failure rules, the request log and Ollama's cuts."""
         with self._lock:
             self._queue.clear()
             self._model_failures.clear()
             self._requests.clear()
+            self.truncations.clear()
 
     @property
     def queued(self) -> int:
@@ -667,20 +752,23 @@ class FakeOpenAI(LocalServer):
             return self._requests[-1]
 
     def wait_for_requests(self, count: int, timeout: float = 5.0) -> list[RecordedRequest]:
-        """Block until at least `count` requests arrived (for thread mode)."""
+        """Block until at least `count` chat requests arrived (for thread mode): the
+        gateway's other requests (its probe of the context window) do not count."""
         return self._wait_blocking(
-            at_least(count, lambda: self.requests),
+            at_least(count, lambda: self.chat_requests),
             timeout,
             async_method="wait_for_requests_async",
-            describe_timeout=lambda: f"{len(self._requests)} of {count} requests after {timeout}s",
+            describe_timeout=lambda: (
+                f"{len(self.chat_requests)} of {count} chat requests after {timeout}s"
+            ),
         )
 
     async def wait_for_requests_async(self, count: int) -> list[RecordedRequest]:
-        """Wait, without blocking the event loop, until at least `count` requests arrived.
-        Bound it with ``anyio.fail_after(...)``. For the event-loop mode only."""
+        """Wait, without blocking the event loop, until at least `count` chat requests
+        arrived. Bound it with ``anyio.fail_after(...)``. For the event-loop mode only."""
         if self._loop is None or asyncio.get_running_loop() is not self._loop:
             raise RuntimeError("the fake is not serving in this event loop; use wait_for_requests")
-        return await self._until(at_least(count, lambda: self.requests))
+        return await self._until(at_least(count, lambda: self.chat_requests))
 
     # -- handlers ---------------------------------------------------------------------
 
@@ -722,15 +810,229 @@ class FakeOpenAI(LocalServer):
 
     async def _not_found(self, request: web.Request) -> web.Response:
         await self._record(request)
+        if self.flavor == "ollama":  # Go's gin router
+            return web.Response(status=404, text="404 page not found")
+        if self.flavor in ("vllm", "llama-cpp-python"):  # FastAPI
+            return web.json_response({"detail": "Not Found"}, status=404)
+        if self.flavor == "llama.cpp":
+            return web.Response(status=404, text="File Not Found")
         message = f"Invalid URL ({request.method} {request.path})"
-        return _error_response(404, error_body(404, message))
+        return _error_response(404, error_body(404, message, code=_NO_CODE))
 
     async def _list_models(self, request: web.Request) -> web.Response:
         recorded = await self._record(request)
         if (denied := self._auth_error(recorded)) is not None:
             return denied
-        data = [_model_object(m) for m in self.models]
+        data = [self._model_object(m) for m in self.models]
         return web.json_response({"object": "list", "data": data})
+
+    def _model_object(self, model: str) -> dict[str, Any]:
+        """A /v1/models entry as the flavour's server writes it."""
+        if self.flavor == "vllm":
+            return {
+                "id": model,
+                "object": "model",
+                "created": 1700000000,
+                "owned_by": "vllm",
+                "root": model,
+                "parent": None,
+                "max_model_len": self.context_window,
+                "permission": [],
+            }
+        if self.flavor == "llama.cpp":
+            meta = {"vocab_type": 2, "n_ctx_train": self.trained_context, "n_params": 135000000}
+            return {
+                "id": model,
+                "object": "model",
+                "created": 1700000000,
+                "owned_by": "llamacpp",
+                "meta": meta,
+            }
+        if self.flavor == "llama-cpp-python":
+            return {"id": model, "object": "model", "owned_by": "me", "permissions": []}
+        if self.flavor == "ollama":
+            return {"id": model, "object": "model", "created": 1700000000, "owned_by": "library"}
+        return _model_object(model)
+
+    async def _props(self, request: web.Request) -> web.Response:
+        """llama-server's GET /props (the parts clients read)."""
+        recorded = await self._record(request)
+        if (denied := self._auth_error(recorded)) is not None:
+            return denied
+        model = self.models[0] if self.models else "model"
+        return web.json_response(
+            {
+                "default_generation_settings": {
+                    "id": 0,
+                    "n_ctx": self.context_window,
+                    "speculative": False,
+                    "is_processing": False,
+                    "params": {"n_predict": -1, "temperature": 0.8, "top_k": 40},
+                },
+                "total_slots": 1,
+                "model_alias": model,
+                "model_path": f"/models/{model}.gguf",
+                "modalities": {"vision": False, "audio": False},
+                "chat_template": "{% for message in messages %}...{% endfor %}",
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "build_info": "b6000-fake",
+            }
+        )
+
+    async def _ollama_root(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        return web.Response(text="Ollama is running")
+
+    def _ollama_details(self) -> dict[str, Any]:
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": "llama",
+            "families": ["llama"],
+            "parameter_size": "1.2B",
+            "quantization_level": "Q4_K_M",
+        }
+
+    async def _ollama_ps(self, request: web.Request) -> web.Response:
+        """Ollama's GET /api/ps: the models loaded, with the context each was loaded with."""
+        await self._record(request)
+        with self._lock:
+            loaded = sorted(self._loaded)
+        models = [
+            {
+                "name": name,
+                "model": name,
+                "size": 1_300_000_000,
+                "digest": "a80c4f17acd55265feec403c7aef86be0c25983ab279d83f3bcd3abbcb5b8b72",
+                "details": self._ollama_details(),
+                "expires_at": "2030-01-01T00:05:00Z",
+                "size_vram": 1_300_000_000,
+                "context_length": self.context_window,
+            }
+            for name in loaded
+        ]
+        return web.json_response({"models": models})
+
+    async def _ollama_show(self, request: web.Request) -> web.Response:
+        """Ollama's POST /api/show {"model": name} (older clients send "name")."""
+        recorded = await self._record(request)
+        body = recorded.body if isinstance(recorded.body, dict) else {}
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or self._ollama_name(name) is None:
+            return web.json_response({"error": f"model '{name}' not found"}, status=404)
+        parameters = 'stop                           "<|eot_id|>"'
+        if self.ollama_modelfile_num_ctx:
+            parameters = f"num_ctx                        {self.context_window}\n{parameters}"
+        return web.json_response(
+            {
+                "license": "...",
+                "modelfile": f"FROM {name}\n",
+                "parameters": parameters,
+                "template": "{{ .Prompt }}",
+                "details": self._ollama_details(),
+                "model_info": {
+                    "general.architecture": "llama",
+                    "general.parameter_count": 1235814432,
+                    "llama.context_length": self.trained_context,
+                    "llama.embedding_length": 2048,
+                },
+                "capabilities": ["completion", "tools"],
+                "modified_at": "2025-01-01T00:00:00Z",
+            }
+        )
+
+    def _ollama_name(self, name: str) -> str | None:
+        """The listed model `name` means ("llama3.2" is "llama3.2:latest"), or None."""
+        for model in self.models:
+            if name in (model, f"{model}:latest") or model == f"{name}:latest":
+                return model
+        return None
+
+    def _overflow(self, body: dict[str, Any]) -> web.Response | None:
+        """The flavour's refusal of a prompt longer than its window (None: it fits, or
+        the flavour cuts it instead)."""
+        window = self.context_window
+        if window is None or self.flavor == "ollama":
+            return None
+        prompt = estimate_prompt_tokens(body)
+        max_tokens = body.get("max_tokens")
+        if self.flavor == "llama.cpp":
+            if prompt < window:
+                return None
+            message = (
+                f"request ({prompt} tokens) exceeds the available context size "
+                f"({window} tokens), try increasing it"
+            )
+            error = {
+                "code": 400,
+                "message": message,
+                "type": "exceed_context_size_error",
+                "n_prompt_tokens": prompt,
+                "n_ctx": window,
+            }
+            return _error_response(400, {"error": error})
+        if self.flavor == "llama-cpp-python":
+            if prompt < window:
+                return None
+            message = (
+                f"This model's maximum context length is {window} tokens. However, you "
+                f"requested {prompt + (max_tokens or 0)} tokens ({prompt} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion."
+            )
+            return _error_response(
+                400, error_body(400, message, "invalid_request_error", "context_length_exceeded")
+            )
+        if self.flavor == "vllm":
+            if isinstance(max_tokens, int) and prompt + max_tokens > window:
+                message = (
+                    f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
+                    f"This model's maximum context length is {window} tokens and your request "
+                    f"has {prompt} input tokens ({max_tokens} > {window} - {prompt})."
+                )
+            elif prompt >= window:
+                message = (
+                    f"This model's maximum context length is {window} tokens. However, your "
+                    f"request has {prompt} input tokens. Please reduce the length of the input "
+                    "messages."
+                )
+            else:
+                return None
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return _error_response(400, {"error": error})
+        if prompt <= window:
+            return None
+        message = (
+            f"This model's maximum context length is {window} tokens. However, your messages "
+            f"resulted in {prompt} tokens. Please reduce the length of the messages."
+        )
+        return _error_response(
+            400, error_body(400, message, "invalid_request_error", "context_length_exceeded")
+        )
+
+    def _ollama_cut(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` as Ollama's model sees it: while the prompt is longer than num_ctx, the
+        oldest message after the system ones is dropped (the last one stays), silently."""
+        window = self.context_window
+        messages = list(body["messages"])
+        asked = estimate_prompt_tokens(body)
+        if window is None or asked <= window:
+            return body
+        cut = dict(body)
+        while estimate_prompt_tokens(cut) > window:
+            droppable = [
+                i
+                for i, m in enumerate(messages[:-1])
+                if not (isinstance(m, dict) and m.get("role") == "system")
+            ]
+            if not droppable:
+                break
+            del messages[droppable[0]]
+            cut["messages"] = list(messages)
+        with self._lock:
+            self.truncations.append((asked, estimate_prompt_tokens(cut)))
+        return cut
 
     async def _get_model(self, request: web.Request) -> web.Response:
         recorded = await self._record(request)
@@ -756,6 +1058,12 @@ class FakeOpenAI(LocalServer):
             image_urls(m.get("content")) for m in body["messages"] if isinstance(m, dict)
         ):
             return _error_response(400, error_body(400, NO_VISION))
+        if (refused := self._overflow(body)) is not None:
+            return refused
+        if self.flavor == "ollama":
+            body = self._ollama_cut(body)
+            with self._lock:
+                self._loaded.add(self._ollama_name(str(body.get("model"))) or str(body["model"]))
         if self._to_hold(body):
             with self._lock:
                 self._held.append(recorded)
