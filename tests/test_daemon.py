@@ -262,10 +262,7 @@ async def test_readyz_shows_a_model_server_that_does_not_answer_as_degraded(
     daemon.MODEL_CHECK_INTERVAL = 0.2
     async with running(daemon) as url, aiohttp.ClientSession() as http:
         with anyio.fail_after(10):
-            while True:
-                body = await readiness(http, url, ready=True)
-                if body["degraded"]:
-                    break
+            while not (body := await readiness(http, url, ready=True))["degraded"]:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
         assert body["degraded"] == [
             f"model: the model server at http://127.0.0.1:{port}/v1 does not answer "
@@ -279,7 +276,7 @@ async def test_readyz_shows_a_model_server_that_does_not_answer_as_degraded(
     daemon = Daemon(Gateway.build(daemon_settings(make_settings, fake_openai)), interactive=False)
     async with running(daemon) as url, aiohttp.ClientSession() as http:
         with anyio.fail_after(10):
-            while "model" not in (body := await readiness(http, url, ready=True))["components"]:
+            while "model" not in (body := await readiness(http, url, ready=True))["components"]:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
         assert body["degraded"] == [] and body["components"]["model"]["healthy"]
 

@@ -1,4 +1,4 @@
-"""Fencing tokens on real PostgreSQL (`gateway.storage.fence`, migration 0010_lease_epochs): a session's
+"""Fencing tokens on real PostgreSQL (`gateway.storage.fence`, migration 0010): a session's
 lease gets a new epoch whenever its owner changes, and every kind of write a turn makes
 in the shared mode is refused, writing nothing, once the lease has moved on from the
 epoch the turn started under; the same write under the current epoch goes through. A
