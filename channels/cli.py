@@ -68,6 +68,8 @@ class CLIChannel:
         #: A person at a terminal (not a pipe): prompt, line editing, Ctrl-C handling.
         self.terminal = self.stdin is sys.stdin and sys.stdin.isatty()
         self._prompt: PromptSession[str] | None = None
+        #: In the daemon: where its HTTP port and admin page are, said at the start.
+        self.serving: str | None = None
         try:
             self.user = getpass.getuser()
         except (KeyError, OSError):
@@ -101,6 +103,8 @@ class CLIChannel:
         """Daemon mode: each line goes to the dispatcher; the reply arrives via `send`.
         Returns at end of input, /quit or Ctrl-C at the prompt: for the daemon, whose
         terminal chat ends the gateway, Ctrl-C keeps its usual meaning (stop)."""
+        if self.serving:
+            self._print(self.serving)
         self._print(
             f"Chatting in session {self.session_key}. /help for commands, /quit or Ctrl-D to stop."
         )

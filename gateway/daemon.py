@@ -708,6 +708,22 @@ class Daemon:
         self.channels[channel.name] = channel
         self.health.component(channel.name)
 
+    def _say_where(self, port: int) -> None:
+        """The terminal chat's first line: where the HTTP port and the admin page are (a
+        person at `gateway run` sees no INFO log)."""
+        from channels.cli import CLIChannel
+
+        cli = self.channels.get("cli")
+        if not isinstance(cli, CLIChannel):
+            return
+        url = f"http://{self.gateway.settings.http.host}:{port}"
+        admin = (
+            f"{url}/admin"
+            if self.admin.keys is not None
+            else "off until GATEWAY_HTTP__TOKEN (or GATEWAY_HTTP__ADMIN_TOKEN) is set"
+        )
+        cli.serving = f"HTTP: {url} (health, metrics, chat API); admin page: {admin}"
+
     def _admin_page(self) -> AdminPage:
         """The operator's page under /admin, on the stores this daemon runs on."""
         from gateway.http.admin import AdminPage, AdminSources, TurnWindow
@@ -923,6 +939,7 @@ class Daemon:
         try:
             async with anyio.create_task_group() as tg:
                 port = await tg.start(self.http.run)
+                self._say_where(port)
                 await tg.start(self.dispatcher.run)
                 await tg.start(self.gateway.run_services)
                 await tg.start(self._check_storage)
@@ -982,9 +999,7 @@ class Daemon:
                         if response.status >= 500:
                             problem = f"answers HTTP {response.status}"
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    problem = f"does not answer ({type(exc).__name__}: {exc})".replace(
-                        " ()", ""
-                    )
+                    problem = f"does not answer ({type(exc).__name__}: {exc})".replace(" ()", "")
                 if problem:
                     component.healthy(
                         False,

@@ -102,3 +102,29 @@ def test_gateway_run_on_a_terminal_chats_and_ctrl_c_stops_it(
         assert run.wait() == 0
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("token", [None, "terminal-test-token-0123456789"])
+def test_gateway_run_on_a_terminal_says_where_its_http_port_and_admin_page_are(
+    tmp_path: Path, env: dict[str, str], token: str | None
+) -> None:
+    """A person at `gateway run` sees no INFO log: the first line says where to point a
+    browser (or that the admin page needs a token), with the port actually bound."""
+    extra = {"GATEWAY_HTTP__PORT": "0"} | ({"GATEWAY_HTTP__TOKEN": token} if token else {})
+    run = Terminal([sys.executable, "-m", "gateway.cli", "run"], env | extra, tmp_path)
+    try:
+        at = run.expect("HTTP: http://127.0.0.1:")
+        run.expect("you> ", after=at)
+        line = next(x for x in run.screen.splitlines() if x.startswith("HTTP: "))
+        port = line.split("http://127.0.0.1:", 1)[1].split()[0]
+        assert port.isdigit() and port != "0", line
+        if token:
+            assert line.endswith(f"admin page: http://127.0.0.1:{port}/admin"), line
+        else:
+            assert line.endswith(
+                "admin page: off until GATEWAY_HTTP__TOKEN (or GATEWAY_HTTP__ADMIN_TOKEN) is set"
+            ), line
+        run.type(CTRL_D)
+        assert run.wait() == 0
+    finally:
+        run.close()
