@@ -1104,7 +1104,8 @@ _EXPECTED = {
 }
 
 
-def _describe(error: Mapping[str, Any]) -> str:
+def _describe(error: Mapping[str, Any], config_file: str = "gateway.toml") -> str:
+    """One line for a validation error; `config_file` names the file the user gave."""
     loc = tuple(error.get("loc", ()))
     dotted = ".".join(str(p) for p in loc) or "(top level)"
     kind = error.get("type", "")
@@ -1113,7 +1114,7 @@ def _describe(error: Mapping[str, Any]) -> str:
         hint = f"did you mean {near}?" if near else "check its spelling against `gateway init`"
         return f"{dotted}: unknown key; {hint}"
     if kind == "missing":
-        return f"{dotted}: required; set it in gateway.toml or as {_env_name(loc)}"
+        return f"{dotted}: required; set it in {config_file} or as {_env_name(loc)}"
     given = error.get("input")
     if isinstance(given, str) and "://" in given:  # a URL may carry a password
         from gateway.storage.postgres import redact_url
@@ -1123,11 +1124,11 @@ def _describe(error: Mapping[str, Any]) -> str:
         unquote = " (write it without quotes)" if isinstance(given, str) else ""
         return (
             f"{dotted}: {_EXPECTED[kind]}, got {given!r}{unquote}; "
-            f"fix it in gateway.toml or {_env_name(loc)}"
+            f"fix it in {config_file} or {_env_name(loc)}"
         )
     return (
         f"{dotted}: {error.get('msg', 'invalid value')} (got {given!r}); "
-        f"fix it in gateway.toml or {_env_name(loc)}"
+        f"fix it in {config_file} or {_env_name(loc)}"
     )
 
 
@@ -1154,10 +1155,15 @@ def _closest(name: str, candidates: list[str]) -> str | None:
     """The candidate `name` most likely misspells: the same but for underscores (and
     case), else a close spelling; None if nothing is close."""
     squeezed = name.replace("_", "").lower()
+    # A misspelt section (`htpp`) is near a section's name, not a key's full path.
+    sections = {c.rsplit(".", 1)[0] for c in candidates if "." in c}
+    candidates = [*candidates, *sorted(sections)]
     for candidate in candidates:
         if candidate.replace("_", "").lower() == squeezed:
             return candidate
-    near = difflib.get_close_matches(name, candidates, n=1, cutoff=0.85)
+    # One slip in a short word is a larger share of it: `htpp` is 0.75 like `http`.
+    cutoff = 0.85 if len(name) > 6 else 0.74
+    near = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
     return near[0] if near else None
 
 
@@ -1256,7 +1262,8 @@ def load_settings(
         # strings still become paths and secrets (JSON has no such types).
         return Settings.model_validate_json(json.dumps(data, default=str), strict=True)
     except ValidationError as exc:
-        lines = [_describe(err) for err in exc.errors()]
+        named = str(path) if path is not None else "gateway.toml"
+        lines = [_describe(err, named) for err in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
 
 

@@ -313,3 +313,29 @@ def test_a_variable_that_looks_like_ours_is_named_with_the_closest_key() -> None
 def test_an_unknown_key_names_the_closest_one() -> None:
     with pytest.raises(ConfigError, match=r"http.prot: unknown key; did you mean http.port\?"):
         load_settings(None, environ={"GATEWAY_HTTP__PROT": "1"})
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("[htpp]\nport = 1\n", "htpp: unknown key; did you mean http?"),
+        ("[sesions]\nfsync = 'never'\n", "sesions: unknown key; did you mean sessions?"),
+        ("[foo]\nx = 1\n", "foo: unknown key; check its spelling against `gateway init`"),
+    ],
+)
+def test_a_misspelt_section_names_the_closest_one(tmp_path: Path, toml: str, expected: str) -> None:
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg, environ={})
+    assert str(info.value) == expected
+
+
+def test_an_error_names_the_config_file_that_was_given(tmp_path: Path) -> None:
+    """`--config other.toml`: the fix is in that file, not in a gateway.toml."""
+    cfg = tmp_path / "other.toml"
+    cfg.write_text("[http]\nport = 'abc'\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg, environ={})
+    assert f"fix it in {cfg} or GATEWAY_HTTP__PORT" in str(info.value)
+    assert "gateway.toml" not in str(info.value)
