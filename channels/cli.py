@@ -117,6 +117,10 @@ class CLIChannel:
                 ticket = await submit(self._inbound(line))
                 await ticket.reply()  # the prompt comes back once the reply is printed
 
+    async def notice(self, message: InboundMessage, text: str) -> None:
+        """A line about the turn in progress (the model server still busy, say)."""
+        self._print("... " + text)
+
     async def send(self, message: OutboundMessage) -> None:
         prefix = "error> " if message.is_error else "bot> "
         self._print(prefix + message.text)
@@ -204,7 +208,11 @@ class CLIChannel:
                 self.stdout.write(text)
                 self.stdout.flush()
 
-            reply = await self._until_ctrl_c(agent.handle(self._inbound(line), on_delta=on_delta))
+            async def on_notice(text: str) -> None:
+                self._print("... " + text)
+
+            turn = agent.handle(self._inbound(line), on_delta=on_delta, on_notice=on_notice)
+            reply = await self._until_ctrl_c(turn)
             if streamed:
                 self._print()
             if reply is None:

@@ -834,14 +834,21 @@ class Daemon:
         channel = self.channels.get(message.channel)
         files = channel if isinstance(channel, FileSource) else None
         message = await enrich_for_turn(channel, message)
+        shown = getattr(channel, "notice", None)
+        on_notice = None
+        if shown is not None:
+
+            async def on_notice(text: str) -> None:
+                await shown(message, text)
+
         stream_delta = getattr(channel, "stream_delta", None)
         if stream_delta is None or not agent.config.stream:
-            return await agent.handle(message, files=files)
+            return await agent.handle(message, files=files, on_notice=on_notice)
 
         async def on_delta(text: str) -> None:
             await stream_delta(message, text)
 
-        return await agent.handle(message, on_delta=on_delta, files=files)
+        return await agent.handle(message, on_delta=on_delta, files=files, on_notice=on_notice)
 
     def _turn_done(self, reply: OutboundMessage, seconds: float) -> None:
         self.metrics.observe_turn(reply, seconds)

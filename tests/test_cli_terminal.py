@@ -128,3 +128,33 @@ def test_gateway_run_on_a_terminal_says_where_its_http_port_and_admin_page_are(
         assert run.wait() == 0
     finally:
         run.close()
+
+
+def test_after_ctrl_c_the_terminal_says_the_model_is_still_busy_with_it(
+    tmp_path: Path,
+) -> None:
+    """llama-cpp-python's server finishes an answer whose client went away before the
+    next (one at a time): the next question waits, and the terminal says why, once."""
+    from gateway.agent.loop import MODEL_BUSY_TEXT
+    from tests.fakes.openai_server import Reply
+
+    with FakeOpenAI.in_thread(one_at_a_time=True) as llm:
+        llm.add(Reply(text="too late", delay=6.0))
+        chat = Terminal(
+            [sys.executable, "-m", "gateway.cli", "chat"], base_env(tmp_path / "ws", llm), tmp_path
+        )
+        try:
+            at = chat.expect("you> ")
+            chat.type(b"a slow question\r")
+            llm.wait_for_requests(1, timeout=20)
+            chat.type(CTRL_C)
+            at = chat.expect("you> ", after=chat.expect("interrupted", after=at, timeout=5))
+            chat.type(b"and now?\r")
+            at = chat.expect("... " + MODEL_BUSY_TEXT, after=at, timeout=10)
+            at = chat.expect("bot> echo: and now?", after=at, timeout=20)
+            assert chat.screen.count(MODEL_BUSY_TEXT) == 1
+            chat.expect("you> ", after=at)
+            chat.type(CTRL_D)
+            assert chat.wait() == 0
+        finally:
+            chat.close()

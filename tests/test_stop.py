@@ -177,3 +177,55 @@ async def test_a_stranger_cannot_stop_someone_elses_turn(
         assert gw.daemon.gateway.agent.stop(f"telegram:{group}")  # the turn still runs
         await wait_sent(fake_tg, group, 1)
     assert STOP_DONE_TEXT not in [m["text"] for m in fake_tg.sent_messages(group)]
+
+
+# -- a model server still busy with what was stopped -------------------------------------
+
+
+async def test_stop_closes_the_model_request_and_the_next_turn_says_the_server_is_busy(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """A server that works one request at a time and finishes one whose client went away
+    (llama-cpp-python's, docs/real-llm.md row 9) keeps the next turn waiting after /stop:
+    the stopped request's connection is closed (a server that stops on disconnect
+    stops), and the person is told once why the next answer is slow; a turn with the
+    server free again is told nothing."""
+    from gateway.agent.loop import MODEL_BUSY_TEXT
+    from gateway.daemon import Gateway
+    from gateway.messages import InboundMessage
+
+    async with FakeOpenAI(one_at_a_time=True) as fake:
+        gw = Gateway.build(make_settings(fake))
+        gw.agent.busy_notice_after = 0.3
+        notices: list[str] = []
+
+        async def note(text: str) -> None:
+            notices.append(text)
+
+        def said(text: str) -> InboundMessage:
+            return InboundMessage(channel="cli", chat_id="direct", sender_id="me", text=text)
+
+        try:
+            fake.add(Reply(text="a long answer", delay=2.0))
+            replies = []
+            async with anyio.create_task_group() as tg:
+
+                async def first() -> None:
+                    replies.append(await gw.agent.handle(said("tell me everything")))
+
+                tg.start_soon(first)
+                with anyio.fail_after(5):
+                    await fake.wait_for_requests_async(1)
+                assert gw.agent.stop("cli:direct")
+            assert replies[0].metadata.get("stopped")
+            with anyio.fail_after(2):
+                await fake.wait_disconnected_async(1)  # the connection was closed
+            started = anyio.current_time()
+            second = await gw.agent.handle(said("and now?"), on_notice=note)
+            assert second.text == "echo: and now?"
+            assert anyio.current_time() - started >= 1.0  # it waited for the long one
+            assert notices == [MODEL_BUSY_TEXT]
+            third = await gw.agent.handle(said("quick one"), on_notice=note)
+            assert third.text == "echo: quick one" and notices == [MODEL_BUSY_TEXT]
+        finally:
+            await gw.aclose()

@@ -11,8 +11,9 @@ import operator
 import re
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,8 @@ if TYPE_CHECKING:
     from gateway.sessions import Session, SessionContext, SessionManager
 
 DeltaCallback = Callable[[str], Awaitable[None]]
+#: Tells the person something while their turn runs (a line in the terminal).
+NoticeCallback = Callable[[str], Awaitable[None]]
 
 #: The reply of a turn /stop ended before the model said anything.
 STOPPED_EMPTY_TEXT = "(stopped before I answered)"
@@ -97,6 +100,16 @@ STOPPED_TOOL_RESULT = "error: stopped by the user (/stop) before this tool finis
 INTERRUPTED_TEXT = (
     "I was restarting while answering an earlier message and lost my place. Please send it again."
 )
+#: Said once when a model call waits while the server may still be busy with an answer
+#: that was stopped (local servers such as llama.cpp's work one request at a time and
+#: some finish an abandoned one first).
+MODEL_BUSY_TEXT = (
+    "The model is still finishing an answer that was stopped; yours comes right after it."
+)
+#: Seconds a stopped model call may keep its server busy, for `MODEL_BUSY_TEXT`.
+ABANDONED_BUSY_FOR = 600.0
+
+_notice: ContextVar[NoticeCallback | None] = ContextVar("gateway_turn_notice", default=None)
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
@@ -222,6 +235,12 @@ class AgentLoop:
         #: The shared mode's /stop for a session another replica runs: passes the stop
         #: on (`SessionRouter.stop_elsewhere`); True when a replica holds the session.
         self.stop_elsewhere: Callable[[str], Awaitable[bool]] | None = None
+        #: When a model call was last abandoned (stopped, cancelled) before its answer:
+        #: its server may still be working on it (`_complete`).
+        self._abandoned_at: float | None = None
+
+    #: Seconds a model call waits before `MODEL_BUSY_TEXT` is said (see `_complete`).
+    busy_notice_after = 3.0
 
     def _lock_for(self, key: str) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -237,11 +256,26 @@ class AgentLoop:
         on_delta: DeltaCallback | None = None,
         token_budget: int | None = None,
         files: FileSource | None = None,
+        on_notice: NoticeCallback | None = None,
     ) -> OutboundMessage:
         """Answer one inbound message. Never raises for user or model problems: the
         reply then says what went wrong (`is_error=True`). With `token_budget`, the
         turn's model calls stop once they have used that many tokens (a subagent's).
-        `files` fetches the message's attachments (its channel)."""
+        `files` fetches the message's attachments (its channel). `on_notice` tells the
+        person, while the turn runs, what keeps it waiting (`MODEL_BUSY_TEXT`)."""
+        token = _notice.set(on_notice)
+        try:
+            return await self._handle(inbound, on_delta, token_budget, files)
+        finally:
+            _notice.reset(token)
+
+    async def _handle(
+        self,
+        inbound: InboundMessage,
+        on_delta: DeltaCallback | None,
+        token_budget: int | None,
+        files: FileSource | None,
+    ) -> OutboundMessage:
         key = inbound.session_key
         with logger.contextualize(session=key), usage_scope(key):
             if is_stop_command(clean_user_text(inbound.text)):
@@ -894,6 +928,54 @@ class AgentLoop:
         specs: list[ToolSpec],
         on_delta: DeltaCallback | None,
     ) -> LLMResponse:
+        """One model call. A call cut short (/stop, Ctrl-C) closes its connection, so a
+        server that stops on disconnect stops; one that finishes the abandoned answer
+        first keeps the next call waiting, and after `busy_notice_after` seconds without
+        an answer the person is told so, once (`MODEL_BUSY_TEXT`)."""
+        try:
+            async with self._busy_notice() as answered:
+                response = await self._call_model(messages, model, specs, on_delta, answered)
+        except anyio.get_cancelled_exc_class():
+            self._abandoned_at = time.monotonic()
+            raise
+        self._abandoned_at = None  # answered: nothing abandoned holds the server now
+        return response
+
+    @contextlib.asynccontextmanager
+    async def _busy_notice(self) -> AsyncIterator[Callable[[], None]]:
+        """While the body runs: say `MODEL_BUSY_TEXT` after `busy_notice_after` seconds
+        if a model call was abandoned lately and nothing has come back yet. Yields what
+        to call at the first sign of an answer (a streamed delta)."""
+        notice = _notice.get()
+        abandoned = self._abandoned_at
+        if notice is None or abandoned is None or time.monotonic() - abandoned > ABANDONED_BUSY_FOR:
+            yield lambda: None
+            return
+
+        async def tell() -> None:
+            await anyio.sleep(self.busy_notice_after)
+            self._abandoned_at = None  # said once, not at every call of this turn
+            logger.info("the model server is still busy with a stopped answer: person told")
+            try:
+                await notice(MODEL_BUSY_TEXT)
+            except Exception as exc:  # the notice is a courtesy; the turn goes on
+                logger.warning("the busy notice could not be shown: {}", exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tell)
+            try:
+                yield tg.cancel_scope.cancel
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _call_model(
+        self,
+        messages: list[LLMMessage],
+        model: str,
+        specs: list[ToolSpec],
+        on_delta: DeltaCallback | None,
+        answered: Callable[[], None],
+    ) -> LLMResponse:
         if self.config.stream and on_delta is not None:
             final: LLMResponse | None = None
             async for delta in self.provider.stream(
@@ -903,6 +985,7 @@ class AgentLoop:
                 temperature=self.config.temperature,
                 max_tokens=self.config.max_tokens,
             ):
+                answered()
                 if delta.text:
                     await on_delta(delta.text)
                 if delta.response is not None:

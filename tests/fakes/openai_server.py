@@ -500,6 +500,7 @@ class FakeOpenAI(LocalServer):
         context_window: int | None = None,
         trained_context: int = 131072,
         ollama_modelfile_num_ctx: bool = False,
+        one_at_a_time: bool = False,
     ) -> None:
         """`api_key=None` accepts any or no Authorization header (like a local server);
         `validate=False` skips the request checks of `validate_chat_request`;
@@ -507,7 +508,9 @@ class FakeOpenAI(LocalServer):
         answers as that server does (the module docstring's table), with
         `context_window` its size (default: the flavour's, `DEFAULT_WINDOWS`) and
         `trained_context` the model's own; `ollama_modelfile_num_ctx` makes Ollama's
-        /api/show list ``num_ctx`` (a Modelfile that sets it)."""
+        /api/show list ``num_ctx`` (a Modelfile that sets it). `one_at_a_time` answers
+        one chat request at a time and finishes a request whose client went away before
+        taking the next, as llama-cpp-python's server does (docs/real-llm.md, row 9)."""
         super().__init__()
         self.flavor: Flavor = flavor
         self.context_window = context_window if context_window else DEFAULT_WINDOWS[flavor]
@@ -527,6 +530,9 @@ class FakeOpenAI(LocalServer):
         # Requests to hold unanswered (`hold`): the rule, and how many it still takes.
         self._holds: list[tuple[Callable[[dict[str, Any]], bool], list[int]]] = []
         self._held: list[RecordedRequest] = []
+        self._disconnected: list[RecordedRequest] = []
+        self.one_at_a_time = one_at_a_time
+        self._slot: asyncio.Lock | None = None
         self._released = False
         self._model_failures: dict[str, Reply] = {}
         self._requests: list[RecordedRequest] = []
@@ -717,6 +723,15 @@ class FakeOpenAI(LocalServer):
                     left[0] -= 1
                     return True
         return False
+
+    @property
+    def disconnected(self) -> list[RecordedRequest]:
+        """Chat requests whose client closed the connection before the answer."""
+        with self._lock:
+            return list(self._disconnected)
+
+    async def wait_disconnected_async(self, count: int = 1) -> list[RecordedRequest]:
+        return await self._until(at_least(count, lambda: self.disconnected))
 
     def reset(self) -> None:
         """Forget queued replies, model failure rules, the request log and Ollama's cuts."""
@@ -1046,6 +1061,33 @@ class FakeOpenAI(LocalServer):
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         recorded = await self._record(request)
+        try:
+            if not self.one_at_a_time:
+                return await self._answer_chat(request, recorded)
+            if self._slot is None:
+                self._slot = asyncio.Lock()
+            slot = self._slot
+
+            async def in_the_slot() -> web.StreamResponse:
+                async with slot:
+                    return await self._answer_chat(request, recorded)
+
+            # Shielded: a request whose client went away is still worked to its end,
+            # holding the slot, as llama-cpp-python's server does.
+            work = asyncio.ensure_future(in_the_slot())
+            work.add_done_callback(lambda done: done.cancelled() or done.exception())
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The client closed the connection before the answer (aiohttp cancels the
+            # handler): a server that stops on disconnect stops here.
+            with self._lock:
+                self._disconnected.append(recorded)
+            self._notify()
+            raise
+
+    async def _answer_chat(
+        self, request: web.Request, recorded: RecordedRequest
+    ) -> web.StreamResponse:
         if (denied := self._auth_error(recorded)) is not None:
             return denied
         body = recorded.body
