@@ -10,45 +10,22 @@ lock), 1 for a failed operation.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anyio
-from loguru import logger
-
 from gateway import __version__
-from gateway.config import (
-    EXIT_CONFIG,
-    ConfigError,
-    Settings,
-    env_warnings,
-    find_config_path,
-    load_settings,
-    write_starter_config,
-)
-from gateway.llm.types import LLMConfigError
-from gateway.logs import setup_logging
-from gateway.messages import session_key_from_name
-from gateway.workspace import (
-    EXIT_BUSY,
-    WorkspaceBusy,
-    WorkspaceError,
-    WorkspaceLock,
-    cannot_write,
-    check_workspace,
-    write_denied,
-)
 
+# Only what parsing the arguments needs is imported here; each command imports what it
+# uses, so `gateway --help` does not load pydantic and `gateway sessions list` does not
+# load the LLM client, numpy or the platforms' libraries (tests/test_startup_imports.py).
 if TYPE_CHECKING:
+    from gateway.config import Settings
     from gateway.memory.protocol import MemoryScope
     from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
+    from gateway.workspace import WorkspaceLock
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -101,13 +78,24 @@ def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
         )
 
 
-def _with_global_options(parser: argparse.ArgumentParser) -> None:
-    """Add the global options to every subcommand below `parser`, at every depth."""
+def _with_global_options(
+    parser: argparse.ArgumentParser, shared: Sequence[argparse.Action] = ()
+) -> None:
+    """Add the global options to every subcommand below `parser`, at every depth. The
+    subcommands share one set of option objects, as argparse's `parents=` does: making
+    them anew for each of the 42 took half the time of building the parser."""
+    if not shared:
+        template = argparse.ArgumentParser(add_help=False)
+        _add_global_options(template, top=False)
+        shared = template._actions
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in dict.fromkeys(action.choices.values()):
-                _add_global_options(child, top=False)
-                _with_global_options(child)
+                taken = {s for known in child._actions for s in known.option_strings}
+                for option in shared:
+                    if not taken.intersection(option.option_strings):
+                        child._add_action(option)
+                _with_global_options(child, shared)
 
 
 def _positive(text: str) -> int:
@@ -250,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    from gateway.config import load_settings
+
     overrides: dict[str, Any] = {"workspace": args.workspace, "llm.model": args.model}
     if args.log_level:
         overrides["log.level"] = args.log_level
@@ -260,6 +250,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    from gateway.config import write_starter_config
+
     path = Path(args.path)
     try:
         write_starter_config(path)
@@ -279,15 +271,18 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
-    from channels.cli import CLIChannel, render_file
-    from gateway.daemon import Gateway
-
     key = args.session or settings.channels.cli.session
     _lock_workspace(
         settings,
         "gateway chat",
         fix="chat in its terminal, through its chat API (/api/chat), or stop it first",
     )
+    _check_llm(settings)  # before loading the gateway's parts: it would refuse to start
+    import anyio
+
+    from channels.cli import CLIChannel, render_file
+    from gateway.daemon import Gateway
+
     gateway = Gateway.build(settings)
 
     async def main() -> int:
@@ -319,8 +314,6 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.daemon import Gateway, run_daemon, wait_for_shared_storage
-
     # One gateway per workspace: a second one would interleave the same session files.
     lock = _lock_workspace(
         settings,
@@ -328,6 +321,12 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         fix="stop it first, or give this one its own workspace (--workspace or GATEWAY_WORKSPACE)",
         always=True,
     )
+    _check_llm(settings)  # before waiting for PostgreSQL for a gateway that would not start
+    import anyio
+    from loguru import logger
+
+    from gateway.daemon import Gateway, run_daemon, wait_for_shared_storage
+
     # Both runs on the same kind of loop: the wait's PostgreSQL connection outlives it.
     options = {"use_uvloop": settings.use_uvloop}
     if settings.storage.url and not anyio.run(
@@ -337,6 +336,14 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     gateway = Gateway.build(settings)
     logger.info("event loop: {}", "uvloop" if settings.use_uvloop else "asyncio")
     return anyio.run(run_daemon, gateway, lock, backend_options=options)
+
+
+def _check_llm(settings: Settings) -> None:
+    """Raise `LLMConfigError` (one line: what to set) when no model call could succeed,
+    as building the gateway would, but without loading the LLM client first."""
+    from gateway.llm.credentials import check_credentials
+
+    check_credentials(settings.llm.base_url, settings.llm.resolved_api_key())
 
 
 #: The workspace lock a command holds until the process ends (the kernel lets go).
@@ -354,6 +361,8 @@ def _lock_workspace(
     """Hold the workspace's one-writer lock for `command` until this process ends, or
     raise `WorkspaceBusy` (one line: who holds it, and `fix`). Only in the file mode
     unless `always`: with `storage.url` the shared state is PostgreSQL's to guard."""
+    from gateway.workspace import WorkspaceLock
+
     if settings.storage.url and not always:
         return None
     lock = WorkspaceLock(folder or settings.workspace_path)
@@ -363,7 +372,7 @@ def _lock_workspace(
 
 
 def _manager(settings: Settings) -> SessionManager:
-    from gateway.daemon import build_session_manager
+    from gateway.storage.stores import build_session_manager
 
     return build_session_manager(settings)
 
@@ -376,10 +385,14 @@ def _existing(manager: SessionManager, key: str) -> Session:
 
 
 def _when(ts: float) -> str:
+    from datetime import datetime
+
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _message_line(message: Any) -> str:
+    import json
+
     if message.role == "assistant" and message.tool_calls:
         calls = ", ".join(
             f"{c.function_name}({json.dumps(c.arguments)})" for c in message.tool_calls
@@ -394,6 +407,8 @@ def _message_line(message: Any) -> str:
 def _entry_summary(entry: Any) -> str:
     """One line for `sessions tree`: a message's line breaks and runs of spaces become
     one space each, so the tree's indentation holds."""
+    import json
+
     data = entry.to_dict()
     kind = data.get("type", "?")
     if kind == "message":
@@ -458,6 +473,8 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
 def _list_sessions(manager: SessionManager, *, include_archived: bool, as_json: bool) -> None:
     """Current sessions, most recently active first; with `include_archived`, each
     key's archived sessions follow it (most recent first)."""
+    import json
+
     current = manager.list_sessions()
     archived: dict[str, list[ArchivedSessionInfo]] = {}
     for info in manager.list_archived() if include_archived else []:
@@ -638,6 +655,8 @@ def _memory_facts(memory: MemoryScope, args: argparse.Namespace) -> str:
 
 
 def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:
+    import anyio
+
     from gateway.daemon import Gateway
 
     gateway = Gateway.build(settings)
@@ -663,6 +682,11 @@ def _memory_compact(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    from functools import partial
+
+    import anyio
+
+    from gateway.config import find_config_path
     from gateway.doctor import run_checks
 
     config_path = find_config_path(args.config, os.environ)
@@ -675,8 +699,9 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_people(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.daemon import build_people_store, build_session_manager
+    from gateway.daemon import build_people_store
     from gateway.people import PeopleError, cli_link, cli_list, cli_unlink
+    from gateway.storage.stores import build_session_manager
 
     build_session_manager(settings).close()  # creates the private workspace if needed
     store = build_people_store(settings)
@@ -695,9 +720,11 @@ def cmd_people(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
+    import json
     import time
 
     from gateway.daemon import build_usage_meter
+    from gateway.messages import session_key_from_name
     from gateway.usage import day_of, usage_table
 
     key = session_key_from_name(args.session) if args.session else None
@@ -722,7 +749,8 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
         cli_pairing_list,
         cli_pairing_revoke,
     )
-    from gateway.daemon import access_policies, build_pairing_store, build_session_manager
+    from gateway.daemon import access_policies, build_pairing_store
+    from gateway.storage.stores import build_session_manager
 
     channels = sorted(access_policies(settings))  # the platforms that pair senders
     if args.channel is not None and args.channel not in channels:
@@ -745,6 +773,11 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
+    import dataclasses
+    import json
+
+    import anyio
+
     from gateway.cache import CacheUnavailable
     from gateway.daemon import build_cache
 
@@ -787,6 +820,8 @@ def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
 def _resolve_session_names(args: argparse.Namespace) -> None:
     """Every session a command names, as a key: `work` is `cli:work` here as in `chat
     --session work`, and a full key (`telegram:123`) stays as it is."""
+    from gateway.messages import session_key_from_name
+
     if args.command in ("sessions", "memory") and getattr(args, "key", None) is not None:
         args.key = session_key_from_name(args.key)
     if getattr(args, "new_key", None) is not None:
@@ -808,7 +843,7 @@ def cmd_db(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.storage.commands import storage_transfer
-    from gateway.workspace import holder
+    from gateway.workspace import WorkspaceBusy, holder
 
     # A workspace a gateway writes to is neither copied (its newest appends would be
     # missed) nor written into: checked without leaving a lock file in a folder that
@@ -826,6 +861,8 @@ def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+
     from gateway.daemon import build_job_store
 
     store = build_job_store(settings)
@@ -849,6 +886,12 @@ def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
+    from loguru import logger
+
+    from gateway.config import env_warnings
+    from gateway.logs import setup_logging
+    from gateway.workspace import check_workspace
+
     _resolve_session_names(args)
     settings = _settings(args)
     setup_logging(_log_level(args, settings), settings.log.format, settings.secrets())
@@ -894,9 +937,17 @@ def _log_level(args: argparse.Namespace, settings: Settings) -> str:
 def _user_error_code(exc: BaseException) -> int | None:
     """Print a user-caused error as one line and return its exit code; None if `exc` is
     a bug (then it propagates with its traceback)."""
-    from gateway.http import HttpBindError
+    from gateway.config import EXIT_CONFIG, ConfigError
+    from gateway.llm.types import LLMConfigError
     from gateway.sessions.errors import SessionError
     from gateway.storage.postgres import StorageError, StorageUnavailable
+    from gateway.workspace import (
+        EXIT_BUSY,
+        WorkspaceBusy,
+        WorkspaceError,
+        cannot_write,
+        write_denied,
+    )
 
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
@@ -921,7 +972,7 @@ def _user_error_code(exc: BaseException) -> int | None:
         # operator's to fix, like an unwritable workspace.
         print(f"gateway: {cannot_write(exc.filename, exc)}", file=sys.stderr)
         return EXIT_CONFIG
-    if isinstance(exc, HttpBindError):
+    if _is_bind_error(exc):
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if isinstance(exc, ValueError):  # e.g. a session key that cannot be stored
@@ -939,6 +990,16 @@ def _user_error_code(exc: BaseException) -> int | None:
     if isinstance(exc, KeyboardInterrupt):
         return 130
     return None
+
+
+def _is_bind_error(exc: BaseException) -> bool:
+    """Could the HTTP server not listen? Asked without importing the server (aiohttp):
+    when its module was never loaded, none of its errors was raised."""
+    if "gateway.http.server" not in sys.modules:
+        return False
+    from gateway.http.server import HttpBindError
+
+    return isinstance(exc, HttpBindError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

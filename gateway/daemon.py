@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import signal
@@ -28,7 +27,8 @@ from gateway.channel import Channel, Ticket, enrich_for_turn
 from gateway.config import AccessSection, ConfigError, Settings
 from gateway.dedupe import dedupe_key
 from gateway.gcpolicy import GCPolicy
-from gateway.llm.openai_provider import OpenAIProvider, check_credentials
+from gateway.llm.credentials import check_credentials
+from gateway.llm.openai_provider import OpenAIProvider
 from gateway.llm.types import DEFAULT_CONTEXT_WINDOW, LLMProvider
 from gateway.media import FileSource
 from gateway.media.build import build_media
@@ -38,8 +38,9 @@ from gateway.memory.protocol import MemoryBackend
 from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
 from gateway.reminders import JOBS_FILE, FileJobStore, JobStore, Reminders, ScheduleLimits
 from gateway.sessions import SessionManager
+from gateway.storage.stores import build_session_manager, shared_storage, shared_storage_open
 from gateway.usage import MeteredProvider, UsageMeter
-from gateway.workspace import cannot_write, prepare_workspace, write_denied
+from gateway.workspace import cannot_write, write_denied
 
 if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy, PairingBackend
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
     from gateway.http.admin import AdminPage
     from gateway.people import PeopleStore
     from gateway.replicas import SessionRouter
-    from gateway.storage.postgres import SharedStorage
     from gateway.workspace import WorkspaceLock
 
 
@@ -75,28 +75,6 @@ def build_provider(settings: Settings) -> LLMProvider:
 SPARE_FILES = 64
 
 
-_shared_storage: dict[str, SharedStorage] = {}
-
-
-def shared_storage(settings: Settings) -> SharedStorage | None:
-    """The process's connections to `storage.url` (opened on first use, closed at exit),
-    or None in the file mode."""
-    url = settings.storage.url
-    if not url:
-        return None
-    storage = _shared_storage.get(url)
-    if storage is None:
-        from gateway.storage.postgres import SharedStorage
-
-        storage = SharedStorage(
-            url, pool_size=settings.storage.pool_size, migrate_mode=settings.storage.migrate
-        )
-        storage.open()
-        _shared_storage[url] = storage
-        atexit.register(storage.close)
-    return storage
-
-
 async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30.0) -> bool:
     """Before a shared-mode gateway starts: connect to PostgreSQL (and migrate), retrying
     with backoff while it does not answer, with one log line saying what it waits for.
@@ -109,7 +87,7 @@ async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30
 
     url = settings.storage.url
     assert url
-    if url in _shared_storage:
+    if shared_storage_open(url):
         return True
     reason = ["starting"]
 
@@ -168,30 +146,6 @@ async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30
     if reason[0] != "starting":
         logger.info("storage: PostgreSQL at {} answers; starting", redact_url(url))
     return True
-
-
-def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:
-    """The sessions of the workspace (or of PostgreSQL, `storage.url`), once the
-    workspace's folders are made and writable (WorkspaceError otherwise); a long-running
-    gateway passes `spare_files` (see `gateway.sessions.spares`), one-shot commands do not."""
-    prepare_workspace(settings)  # also in the shared mode: per-process files (the SQLite cache)
-    shared = shared_storage(settings)
-    if shared is not None:
-        from gateway.sessions.pg_store import PostgresSessions
-
-        return SessionManager.shared(
-            PostgresSessions(shared.sync),
-            max_cache_size=settings.sessions.max_cache_size,
-            max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
-        )
-    return SessionManager(
-        settings.sessions_dir,
-        max_cache_size=settings.sessions.max_cache_size,
-        max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
-        fsync=settings.sessions.fsync,
-        spare_files=spare_files,
-        io_on_loop=settings.io_on_loop,
-    )
 
 
 def build_usage_meter(settings: Settings) -> UsageMeter:

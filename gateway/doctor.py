@@ -123,7 +123,8 @@ async def check_llm(settings: Settings) -> list[Finding]:
     model will be used with, and where that size came from (`gateway.agent.windows`)."""
     from openai import APIConnectionError, APIStatusError, APITimeoutError, AsyncOpenAI
 
-    from gateway.llm.openai_provider import check_credentials, display_url
+    from gateway.llm.credentials import check_credentials
+    from gateway.llm.openai_provider import display_url
     from gateway.llm.types import LLMConfigError
 
     llm = settings.llm
@@ -203,7 +204,7 @@ async def _window_finding(client: Any, url: str, settings: Settings) -> Finding:
     """The context window the configured model is used with and where it came from;
     a warning when `[llm] context_window` is larger than what the server holds."""
     from gateway.agent.windows import choose_window
-    from gateway.llm.openai_provider import api_key_required
+    from gateway.llm.credentials import api_key_required
     from gateway.llm.types import WindowUnknown
     from gateway.llm.window import WINDOW_SETTINGS, probe_server_window
 

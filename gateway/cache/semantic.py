@@ -310,10 +310,11 @@ def backend_from_url(
 ) -> CacheBackend:
     """`redis://`, `rediss://` or `unix://` URLs give a Redis backend; anything else a
     SQLite file: a path, or `sqlite:///relative/path`, `sqlite:////absolute/path`."""
-    from gateway.cache.redis_backend import DEFAULT_NAMESPACE, RedisCacheBackend
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from gateway.cache.redis_backend import DEFAULT_NAMESPACE, RedisCacheBackend
+
+        return RedisCacheBackend(url, namespace=namespace or DEFAULT_NAMESPACE)
     from gateway.cache.sqlite_backend import SqliteCacheBackend
 
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisCacheBackend(url, namespace=namespace or DEFAULT_NAMESPACE)
     path = url.removeprefix("sqlite:///")
     return SqliteCacheBackend(Path(path), io_on_loop=io_on_loop)

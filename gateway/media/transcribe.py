@@ -4,14 +4,21 @@ usage ledger (kind "transcription") before its text is handed back."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import openai
+import anyio.to_thread
 from loguru import logger
-from openai.types.audio.transcription import Transcription, UsageDuration, UsageTokens
 
 from gateway.media.errors import MediaError
 from gateway.usage import UsageMeter, count_transcription
+
+# The openai client is imported and made at the first voice note: most turns have none,
+# and a one-shot `gateway chat -m` should not pay for loading it.
+if TYPE_CHECKING:
+    import openai
+    from openai.types.audio.transcription import Transcription
 
 #: Placeholder key for servers that want none (a local Whisper); the client needs one.
 NO_KEY = "no-key"
@@ -30,6 +37,8 @@ class Transcript:
 
 
 def transcript_of(result: Transcription) -> Transcript:
+    from openai.types.audio.transcription import UsageDuration, UsageTokens
+
     usage = result.usage
     text = result.text.strip()
     if isinstance(usage, UsageDuration):
@@ -53,14 +62,35 @@ class Transcriber:
     ) -> None:
         self.model = model
         self.meter = meter
-        self._client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key or NO_KEY, timeout=timeout, max_retries=2
-        )
+        self._base_url = base_url
+        self._api_key = api_key or NO_KEY
+        self._timeout = timeout
+        self._client: openai.AsyncOpenAI | None = None
+        self._connecting = threading.Lock()
+
+    def _connect(self) -> openai.AsyncOpenAI:
+        """The client, made once (in a worker thread: it reads the CA certificates)."""
+        with self._connecting:
+            if self._client is None:
+                import openai
+
+                self._client = openai.AsyncOpenAI(
+                    base_url=self._base_url,
+                    api_key=self._api_key,
+                    timeout=self._timeout,
+                    max_retries=2,
+                )
+            return self._client
 
     async def transcribe(self, data: bytes, *, name: str, mime_type: str) -> Transcript:
         """The spoken text. Raises MediaError when the server refuses or fails."""
+        client = self._client
+        if client is None:
+            client = await anyio.to_thread.run_sync(self._connect)
+        import openai  # loaded by now (by the provider, or by _connect in its thread)
+
         try:
-            result = await self._client.audio.transcriptions.create(
+            result = await client.audio.transcriptions.create(
                 model=self.model, file=(name, data, mime_type or "application/octet-stream")
             )
         except openai.APIStatusError as exc:
@@ -83,4 +113,5 @@ class Transcriber:
         return transcript
 
     async def aclose(self) -> None:
-        await self._client.close()
+        if self._client is not None:
+            await self._client.close()
