@@ -312,3 +312,44 @@ async def test_a_tool_call_from_the_real_server_round_trips(llama_tools: LlamaSe
         assert second.usage is not None and second.usage.prompt_tokens > 0
     finally:
         await provider.aclose()
+
+
+def test_the_documented_llama_cpp_commands_reach_a_working_chat(tmp_path: Path) -> None:
+    """docs/real-llm.md's llama.cpp block, run as written (the install lines aside, which
+    `.ci/run` runs; another port, and the chat's one message given with -m): the server
+    starts, the gateway reaches it without an API key, and the model answers."""
+    import os
+    import re
+    import subprocess
+
+    from tests.fakes._serving import free_port
+    from tests.llama_server import _missing_reason, unavailable
+
+    if (reason := _missing_reason()) is not None:
+        unavailable(reason)
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "real-llm.md").read_text(encoding="utf-8")
+    block = doc.split("**llama.cpp**", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if "pip install" not in line]
+    assert lines[-1] == ".venv/bin/gateway --model smollm2 chat"
+    port = str(free_port())
+    script = "\n".join(lines[:-1]).replace("8000", port)
+    script += '\n.venv/bin/gateway --model smollm2 chat -m "Say hello."\nstatus=$?\nkill %1\n'
+    script += "exit $status\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
+    env |= {"GATEWAY_WORKSPACE": str(tmp_path / "ws"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        ["bash", "-c", script],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"\w", done.stdout), done.stdout  # the model said something
+    stored = entries(env, tmp_path)
+    assert [e["message"]["role"] for e in stored if e["type"] == "message"] == [
+        "user",
+        "assistant",
+    ]
