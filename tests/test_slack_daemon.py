@@ -14,7 +14,7 @@ import pytest
 from loguru import logger
 
 from channels.slack import RetryPolicy, SlackChannel
-from channels.slack_format import markdown_to_mrkdwn, split_mrkdwn
+from channels.slack.format import markdown_to_mrkdwn, split_mrkdwn
 from gateway.access import PairingStore, cli_pairing_approve
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway, pairing_path

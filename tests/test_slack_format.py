@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from channels.slack_format import (
+from channels.slack.format import (
     FENCE,
     MIN_PART_CHARS,
     markdown_to_mrkdwn,

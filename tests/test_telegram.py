@@ -29,7 +29,7 @@ from channels.telegram import (
     telegram_message_id,
     translate_update,
 )
-from channels.telegram_format import markdown_to_html, split_markdown
+from channels.telegram.format import markdown_to_html, split_markdown
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.config import ConfigError, TelegramSettings
 from gateway.messages import META_EDIT_OF, META_SENT_AT, InboundMessage, OutboundMessage

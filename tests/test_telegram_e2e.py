@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from channels.telegram import TelegramChannel
-from channels.telegram_format import markdown_to_html, split_markdown
+from channels.telegram.format import markdown_to_html, split_markdown
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
 from gateway.http import TELEGRAM_WEBHOOK_PATH

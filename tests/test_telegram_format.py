@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from channels.telegram_format import (
+from channels.telegram.format import (
     MIN_LIMIT,
     TELEGRAM_LIMIT,
     find_code_blocks,

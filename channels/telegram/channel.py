@@ -8,7 +8,7 @@ handler that turns a message into an `InboundMessage` (session key `telegram:<ch
 or `telegram:<chat>:topic:<thread>` in a forum topic; message id `<chat>:<message>`;
 group metadata for the access policy, which the daemon applies) and submits it.
 Outbound: `send` converts the reply's Markdown to Telegram HTML, splits it under the
-length limit and sends the pieces in order (see `channels.telegram_format`).
+length limit and sends the pieces in order (see `channels.telegram.format`).
 
 Promises (each one tested in tests/test_telegram*.py and tests/test_kill_delivery.py):
 - Journal before confirm: an update is confirmed to Telegram (the `getUpdates` offset
@@ -85,7 +85,7 @@ from telegram.error import (
 from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning
 
-from channels.telegram_format import html_to_text, markdown_to_html, split_markdown
+from channels.telegram.format import html_to_text, markdown_to_html, split_markdown
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.agent.commands import COMMANDS
 from gateway.channel import Submit, Ticket

@@ -35,7 +35,7 @@ Promises (tested in tests/test_slack*.py):
   agent re-runs the latest turn from it. Unfurls (same text) and edits elsewhere are
   ignored (an edit of a channel mention arrives without a new app_mention).
 - A reply is posted in order, in parts of at most `part_chars` characters (see
-  `channels.slack_format`), each part at most once: a part Slack confirmed is never
+  `channels.slack.format`), each part at most once: a part Slack confirmed is never
   sent again; rate-limited calls wait for `Retry-After`; failures Slack did not act on
   are retried with backoff; after a failure that may have posted the part (a 5xx, a
   timeout) the conversation is read back and the part is re-sent only if it is not
@@ -74,7 +74,7 @@ from slack_sdk.errors import SlackApiError, SlackClientError
 from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
-from channels.slack_format import (
+from channels.slack.format import (
     DEFAULT_PART_CHARS,
     markdown_to_mrkdwn,
     preview,
