@@ -478,6 +478,7 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
         "slack": settings.channels.slack,
+        "discord": settings.channels.discord,
     }
     return {
         name: ChannelAccessPolicy(
@@ -653,6 +654,8 @@ class Daemon:
             slack = SlackChannel.from_settings(settings.channels.slack)
             slack.mount(self.http)
             self.add_channel(slack)
+        if settings.channels.discord.enabled:
+            self.add_channel(self._discord_channel())
 
     # ----------------------------------------------------------------- assembly
 
@@ -703,6 +706,33 @@ class Daemon:
         page = AdminPage(token, sources)
         page.mount(self.http)
         return page
+
+    def _discord_channel(self) -> Channel:
+        """The Discord channel, its read positions in the storage mode's store; in the
+        shared mode one replica holds the Gateway connection (and reads back), every
+        replica sends replies."""
+        from channels.discord import DiscordChannel
+        from gateway.cursors import CURSORS_FILE, CursorStore, FileCursorStore
+
+        settings = self.gateway.settings
+        cursors: CursorStore
+        if self.router is not None:
+            from gateway.cursors import PostgresCursorStore
+            from gateway.replicas import run_as_leader
+
+            cursors = PostgresCursorStore(self.router.store.connection)
+        else:
+            cursors = FileCursorStore(
+                settings.workspace_path / CURSORS_FILE,
+                io_on_loop=settings.io_on_loop,
+                durable=settings.sessions.fsync != "never",
+            )
+        section = settings.channels.discord
+        discord = DiscordChannel(section, token=section.resolved_token() or "", cursors=cursors)
+        if self.router is not None:
+            url = self.router.store.url
+            discord.gateway_leader = functools.partial(run_as_leader, url, "discord gateway")
+        return discord
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
