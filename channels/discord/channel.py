@@ -33,7 +33,9 @@ and tests/test_discord_kill.py):
   dispatcher like live ones: a stale one gets the offline notice, not an answer.
 - The positions are saved at most once per `Pacing.cursor_interval` and when the
   channel stops; a position saved late only means reading back messages the journal's
-  dedupe drops. Nothing is confirmed to Discord (there is nothing to confirm).
+  dedupe drops. A conversation's first position (just before its first message) is
+  saved before that message is submitted: a DM is only found again through it.
+  Nothing is confirmed to Discord (there is nothing to confirm).
 - A DM from someone who never wrote to the bot before, sent while the gateway was
   down, cannot be found (Discord gives bots no list of their DM channels): it is
   answered when they write again. Edits are taken live only.
@@ -565,12 +567,15 @@ class DiscordChannel:
                 try:
                     await self._login(client)
                     self._client = client
-                    task_status.started()
                     if self.gateway_leader is None:
-                        await self._hold_gateway(client)
+                        # Live (ready) once the session is up and what was written
+                        # while away has been read back.
+                        await self._hold_gateway(client, task_status.started)
                     else:
                         # Several replicas: one holds the Gateway connection (Discord
-                        # would send every event to each), the others stand by.
+                        # would send every event to each), the others stand by; every
+                        # one sends replies.
+                        task_status.started()
                         await self.gateway_leader(lambda: self._hold_gateway(client))
                 except Exception as exc:
                     failure = exc  # raised below as itself, not inside an exception group
@@ -612,9 +617,12 @@ class DiscordChannel:
         Replies still go out until the channel stops."""
         self._paused = True
 
-    async def _hold_gateway(self, client: _Client) -> None:
+    async def _hold_gateway(
+        self, client: _Client, on_live: Callable[[], None] | None = None
+    ) -> None:
         """The Gateway connection and the intake behind it: positions loaded, messages
-        taken in order, positions saved; until the connection ends or is cancelled."""
+        taken in order, positions saved; until the connection ends or is cancelled.
+        `on_live` is called once the first session is up and read back."""
         await self._load_positions()
         send, receive = anyio.create_memory_object_stream[_Item](math.inf)
         self._inbox = send
@@ -623,6 +631,8 @@ class DiscordChannel:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._intake, receive)
                 tg.start_soon(self._keep_positions)
+                if on_live is not None:
+                    tg.start_soon(self._report_live, on_live)
                 try:
                     await client.connect(reconnect=True)
                 except Exception as exc:
@@ -640,6 +650,10 @@ class DiscordChannel:
         if failure is not None:
             raise failure
         logger.warning("discord: the Gateway connection ended")
+
+    async def _report_live(self, on_live: Callable[[], None]) -> None:
+        await self.live.wait()
+        on_live()
 
     def _connection_failure(self, exc: Exception) -> Exception:
         if isinstance(exc, discord.PrivilegedIntentsRequired):
@@ -786,6 +800,8 @@ class DiscordChannel:
             self._spawn(self._send_notice, result)
         elif self._submit is not None:
             with logger.contextualize(session=result.session_key):
+                if not edited and not await self._known(conversation, message.id):
+                    return False
                 ticket = await self._submit(result)
                 if not ticket.taken:
                     logger.warning(
@@ -835,6 +851,23 @@ class DiscordChannel:
         return place
 
     # ----------------------------------------------------------------- positions
+
+    async def _known(self, conversation: int, message_id: int) -> bool:
+        """Before a conversation's first message is submitted, its position (just before
+        the message) is saved: a DM is found again after a crash only through it, and
+        a crash right after the journal must not leave the conversation unknown. False
+        (the conversation stops, retried) when it could not be saved."""
+        if conversation in self._positions:
+            return True
+        try:
+            await self.cursors.save(CHANNEL, {str(conversation): str(message_id - 1)})
+        except Exception as exc:
+            logger.warning("discord: a new conversation's position not saved ({})", exc)
+            self._block(conversation, start=message_id - 1)
+            return False
+        self._positions[conversation] = message_id - 1
+        self._updated[conversation] = time.time()
+        return True
 
     def _settled(self, conversation: int, message_id: int) -> None:
         if message_id > self._positions.get(conversation, 0):
