@@ -218,9 +218,7 @@ def test_discord_traffic_survives_kills_and_downtime_while_it_flows(
         run.start()
         started = time.monotonic()
         intro = introduce(world, run, users)
-        traffic = [
-            Message(m.user, m.number + users) for m in plan_messages(count, users, rng)
-        ]
+        traffic = [Message(m.user, m.number + users) for m in plan_messages(count, users, rng)]
         with pushing(traffic, rate, world.send) as seconds:
             for offset in kill_schedule(kills, seconds, rng):
                 run.sleep_until_due(started + offset, min_up=2.0)
