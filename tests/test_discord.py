@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import discord
 import pytest
+from loguru import logger
 
 from channels.discord import (
     DiscordChannel,
@@ -633,6 +634,8 @@ async def test_a_send_whose_answer_was_lost_is_repeated_without_a_second_message
 
 
 async def test_rate_limits_are_waited_out_and_nothing_is_lost(fake: FakeDiscord) -> None:
+    logged: list[str] = []
+    sink = logger.add(lambda m: logged.append(str(m)), level="WARNING")
     async with FakeDiscord(message_limit=2, message_window=0.5) as limited:
         alice = limited.add_user("alice")
         dm = limited.dm_channel(alice)
@@ -650,6 +653,9 @@ async def test_rate_limits_are_waited_out_and_nothing_is_lost(fake: FakeDiscord)
         assert took >= 0.4 + 0.5  # the 429's retry_after, then the bucket's window
         # Waited out before a 429 where the headers said the bucket was empty.
         assert len(limited.rate_limited) <= 2
+    logger.remove(sink)
+    # discord.py's own warning reaches the gateway's log (its format, its redaction).
+    assert any("discord.py: We are being rate limited" in line for line in logged)
 
 
 async def test_a_global_rate_limit_holds_every_request(fake: FakeDiscord) -> None:

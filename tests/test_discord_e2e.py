@@ -336,3 +336,17 @@ async def test_a_heartbeat_job_delivers_into_a_discord_channel(
         await wait_bot(fake_dc, thread, 1, seconds=15)
     assert fake_dc.bot_messages(thread)[0]["content"] == "Good morning!"
     assert time.monotonic() - started < 20
+
+
+async def test_a_file_sent_in_a_dm_reaches_the_model_as_text(
+    fake_openai: FakeOpenAI, fake_dc: FakeDiscord, make_settings: Callable[..., Settings]
+) -> None:
+    alice = fake_dc.add_user("alice")
+    dm = fake_dc.dm_channel(alice)
+    notes = fake_dc.add_attachment("notes.txt", b"The launch is on Tuesday.", "text/plain")
+    async with gateway(make_settings, fake_openai, fake_dc):
+        fake_dc.user_message(dm, alice, "what day?", attachments=[notes])
+        await wait_bot(fake_dc, dm, 1)
+    said = fake_openai.chat_requests[-1].last_user_text or ""
+    assert "[document: notes.txt]" in said and "The launch is on Tuesday." in said
+    assert "what day?" in said

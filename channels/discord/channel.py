@@ -416,6 +416,23 @@ def intents_for(settings: DiscordSettings) -> discord.Intents:
     return intents
 
 
+class _ToLoguru(logging.Handler):
+    """discord.py logs through the standard library: its warnings and errors (rate
+    limits waited out, a connection it could not resume) go to the gateway's own log,
+    with its format and redaction, instead of bare lines on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level: str | int = logger.level(record.levelname).name
+        except ValueError:
+            level = record.levelno
+        logger.opt(exception=record.exc_info).log(level, "discord.py: {}", record.getMessage())
+
+
+_library_log = logging.getLogger("discord")
+_library_log.addHandler(_ToLoguru())
+_library_log.setLevel(logging.WARNING)
+_library_log.propagate = False
 # discord.py warns at every client that voice is unavailable: the bot has no voice.
 logging.getLogger("discord.client").setLevel(logging.ERROR)
 
