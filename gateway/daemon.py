@@ -478,6 +478,7 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
         "slack": settings.channels.slack,
+        "whatsapp": settings.channels.whatsapp,
     }
     return {
         name: ChannelAccessPolicy(
@@ -653,6 +654,8 @@ class Daemon:
             slack = SlackChannel.from_settings(settings.channels.slack)
             slack.mount(self.http)
             self.add_channel(slack)
+        if settings.channels.whatsapp.enabled:
+            self.add_channel(self._whatsapp_channel())
 
     # ----------------------------------------------------------------- assembly
 
@@ -703,6 +706,45 @@ class Daemon:
         page = AdminPage(token, sources)
         page.mount(self.http)
         return page
+
+    def _whatsapp_channel(self) -> Channel:
+        """The WhatsApp channel: its webhook on this server (in the shared mode every
+        replica takes deliveries), its windows, statuses and held replies in the
+        workspace or PostgreSQL; counted on /metrics, held replies on the admin page."""
+        from channels.whatsapp import (
+            STORE_FILE,
+            FileWhatsAppStore,
+            PostgresWhatsAppStore,
+            WhatsAppChannel,
+            WhatsAppStore,
+        )
+        from channels.whatsapp.channel import FAILURE_NAMES, STATUSES
+
+        settings = self.gateway.settings
+        shared = shared_storage(settings)
+        store: WhatsAppStore = (
+            PostgresWhatsAppStore(shared.sync)
+            if shared is not None
+            else FileWhatsAppStore(
+                settings.workspace_path / STORE_FILE, io_on_loop=settings.io_on_loop
+            )
+        )
+        channel = WhatsAppChannel.from_settings(settings.channels.whatsapp, store)
+        channel.mount(self.http)
+        self.admin.sources.undeliverable = store.held
+        metrics, stats = self.metrics, channel.stats
+
+        async def refresh() -> None:
+            for status in STATUSES:
+                metrics.whatsapp_statuses.set_total(stats.statuses[status], status)
+            for name in FAILURE_NAMES:
+                metrics.whatsapp_failures.set_total(stats.failures[name], name)
+            metrics.whatsapp_templates.set_total(stats.templates)
+            metrics.whatsapp_bad_signatures.set_total(stats.bad_signatures)
+            metrics.whatsapp_held.set(await store.held_count())
+
+        metrics.on_scrape("whatsapp", refresh)
+        return channel
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
