@@ -12,7 +12,8 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
 
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
 before the user's message is stored, before the reply is recorded in the outbox, before
-it is sent, and before the message is marked answered.
+it is sent, and before the message is marked answered; and where a kill is worst for a
+webhook: a WhatsApp message journaled, its delivery not yet answered 200.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ POINTS = frozenset(
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",
+        "whatsapp.before_ack",
     }
 )
 ENV = "GATEWAY_FAILPOINTS"

@@ -59,6 +59,7 @@ from loguru import logger
 
 from channels.whatsapp.format import markdown_to_whatsapp, plain_line, split_whatsapp
 from channels.whatsapp.store import HeldReply, SentMessage, WhatsAppStore
+from gateway import failpoints
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, WhatsAppSettings
@@ -761,6 +762,8 @@ class WhatsAppChannel:
                 ticket = await submit(message)
                 if not ticket.taken:
                     return False
+                # A kill here leaves the message journaled and Meta without its 200.
+                await failpoints.reach("whatsapp.before_ack", message.session_key)
                 if self.settings.read_receipts and str(getattr(ticket, "status", "")) in (
                     "accepted",
                     "",
@@ -799,15 +802,18 @@ class WhatsAppChannel:
                 item.error or "no reason given",
             )
             if row.recorded:
-                await self._failed_later(row)
+                # Before the 200 the part is kept; a template goes later, not delaying it.
+                await self._failed_later(row, template_later=True)
 
-    async def _failed_later(self, row: SentMessage) -> None:
+    async def _failed_later(self, row: SentMessage, *, template_later: bool = False) -> None:
         """A message Meta accepted and later reported failed: keep what it said."""
         reply = _Reply(row.chat, *parse_chat(row.chat), row.session_key, row.reply_id)
         text = row.body or f"[{row.kind}]"
         reason = f"WhatsApp reported it failed: {row.error}"
         try_template = row.error_code == RE_ENGAGEMENT and row.kind != "template"
-        await self._keep(reply, [text], row.part, reason, try_template=try_template)
+        await self._keep(
+            reply, [text], row.part, reason, try_template=try_template, later=template_later
+        )
 
     # ----------------------------------------------------------------- read receipts
 
@@ -1043,11 +1049,18 @@ class WhatsAppChannel:
     # ----------------------------------------------------------------- undeliverable
 
     async def _keep(
-        self, reply: _Reply, texts: list[str], first: int, reason: str, *, try_template: bool
+        self,
+        reply: _Reply,
+        texts: list[str],
+        first: int,
+        reason: str,
+        *,
+        try_template: bool,
+        later: bool = False,
     ) -> None:
         """Keep what could not be delivered, with why (the admin page lists it); then, if
         a template is configured and the window is the reason, send the template once
-        per reply instead."""
+        per reply instead (`later`: in the background)."""
         now = self._clock()
         try:
             for offset, text in enumerate(texts):
@@ -1081,6 +1094,15 @@ class WhatsAppChannel:
                 else " and no template is set (channels.whatsapp.template)",
             )
             return
+        if later:
+            self._spawn(self._template_instead, reply, texts, reason)
+        else:
+            await self._template_instead(reply, texts, reason)
+
+    async def _template_instead(self, reply: _Reply, texts: list[str], reason: str) -> None:
+        """Send the configured template for a kept reply, once per reply; the reply is
+        held again when the template fails."""
+        template = self.settings.template
         if not await self.store.claim_template(reply.reply_id):
             return  # another part of this reply already sent (or is sending) it
         why = await self._send_template(reply, "\n".join(texts))

@@ -289,7 +289,7 @@ class FakeWhatsApp(LocalApiServer[ApiCall]):
         self._faults: list[tuple[int, int | None]] = []  # (code, HTTP status)
         self._sends_at: list[float] = []
         self._deliveries: list[Delivery] = []
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()  # statuses due, deliveries retrying
 
     def now(self) -> float:
         return time.time() + self.clock_offset
@@ -539,6 +539,9 @@ class FakeWhatsApp(LocalApiServer[ApiCall]):
             self._deliveries.append(Delivery(number, payload, time.time()))
         self._notify()
         body, headers = self.signed(payload)
+        task = asyncio.current_task()
+        if task is not None and asyncio.get_running_loop() is self._loop:
+            self._tasks.add(task)  # cancelled by `stop`, not left to the loop's close
         try:
             for attempt_number in itertools.count():
                 attempt = await self._attempt(target, body, headers)
@@ -548,6 +551,8 @@ class FakeWhatsApp(LocalApiServer[ApiCall]):
                 await asyncio.sleep(self.retry_delays[attempt_number])
         finally:
             self._update(number, None)
+            if task is not None:
+                self._tasks.discard(task)
         return self.deliveries[number]
 
     def deliver_soon(self, payload: Mapping[str, Any]) -> concurrent.futures.Future[Delivery]:
@@ -607,8 +612,11 @@ class FakeWhatsApp(LocalApiServer[ApiCall]):
         return await self._on_server_loop(self._until(at_least(count, lambda: self.sent)))
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        """Stop serving; deliveries still retrying and statuses still due are cancelled."""
+        pending = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await super().stop()
 
     # -- the Graph API ----------------------------------------------------------------
