@@ -555,12 +555,14 @@ class FakeWhatsApp(LocalApiServer[ApiCall]):
                 self._tasks.discard(task)
         return self.deliveries[number]
 
-    def deliver_soon(self, payload: Mapping[str, Any]) -> concurrent.futures.Future[Delivery]:
+    def deliver_soon(
+        self, payload: Mapping[str, Any], url: str | None = None
+    ) -> concurrent.futures.Future[Delivery]:
         """Start `deliver` in the fake's own loop, from any thread."""
         loop = self._loop
         if loop is None:
             raise RuntimeError("FakeWhatsApp is not running")
-        return asyncio.run_coroutine_threadsafe(self.deliver(payload), loop)
+        return asyncio.run_coroutine_threadsafe(self.deliver(payload, url), loop)
 
     async def _attempt(self, url: str, body: bytes, headers: Mapping[str, str]) -> Attempt:
         sent_at = time.time()
