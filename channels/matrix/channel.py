@@ -744,7 +744,8 @@ class MatrixChannel:
                 break
             found.extend(answer.chunk)
             start = answer.end
-        logger.info("matrix: fetched {} events /sync left out in {}", len(found), room_id)
+        if found:
+            logger.info("matrix: fetched {} events /sync left out in {}", len(found), room_id)
         return list(reversed(found))
 
     def _first_sighting(self, event_id: str) -> bool:
