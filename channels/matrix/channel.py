@@ -62,6 +62,7 @@ from channels.matrix.format import (
     strip_reply_fallback,
     text_content,
 )
+from gateway import failpoints
 from gateway.access import (
     META_IS_GROUP,
     META_MENTIONED,
@@ -626,6 +627,7 @@ class MatrixChannel:
         self.since = since
         first = True
         failures = 0
+        taken: int | None = 0
         sync_filter = _sync_filter(self.pacing.timeline_limit)
         while not self._paused:
             response: Any = None
@@ -662,15 +664,21 @@ class MatrixChannel:
                         len(response.rooms.join),
                     )
                 await self._take_invites(client, response)
-            elif not await self._take_batch(client, response, since):
-                failures += 1
-                await anyio.sleep(self._backoff(failures))
-                continue
+            else:
+                taken = await self._take_batch(client, response, since)
+                if taken is None:
+                    failures += 1
+                    await anyio.sleep(self._backoff(failures))
+                    continue
+                if taken:
+                    await failpoints.reach("matrix.before_cursor", self.cursor_name)
             failures = 0
             first = False
             if response.next_batch != since:
                 await store.save(self.cursor_name, response.next_batch)
                 since = self.since = response.next_batch
+                if taken:
+                    await failpoints.reach("matrix.after_cursor", self.cursor_name)
 
     def _backoff(self, failures: int) -> float:
         delay = self.pacing.retry_backoff * 2 ** min(failures - 1, 10)
@@ -690,13 +698,15 @@ class MatrixChannel:
 
     # ----------------------------------------------------------------- inbound
 
-    async def _take_batch(self, client: AsyncClient, response: Any, since: str) -> bool:
-        """Take one /sync batch: invites, then each joined room's timeline in order. True
-        when every message of it is journaled (or settled)."""
+    async def _take_batch(self, client: AsyncClient, response: Any, since: str) -> int | None:
+        """Take one /sync batch: invites, then each joined room's timeline in order. The
+        number of messages submitted once every message of it is journaled (or settled);
+        None when one was not taken."""
         await self._take_invites(client, response)
+        submitted = 0
         for room_id, info in response.rooms.join.items():
             if self._paused:
-                return False
+                return None
             room = client.rooms.get(room_id)
             if room is not None and room.encrypted:
                 await self._refuse_encrypted(client, room_id)
@@ -705,19 +715,18 @@ class MatrixChannel:
             if info.timeline.limited and info.timeline.prev_batch:
                 gap = await self._fill_gap(client, room_id, info.timeline.prev_batch, since)
                 if gap is None:
-                    return False
+                    return None
                 events = gap + events
             last_read: str | None = None
             for event in events:
-                taken, read = await self._take_event(
-                    client, room_id, getattr(event, "source", {})
-                )
+                taken, read = await self._take_event(client, room_id, getattr(event, "source", {}))
                 if not taken:
-                    return False
+                    return None
+                submitted += read is not None
                 last_read = read or last_read
             if last_read is not None:
                 self._spawn(self._read_receipt, room_id, last_read)
-        return True
+        return submitted
 
     async def _fill_gap(
         self, client: AsyncClient, room_id: str, prev_batch: str, since: str
