@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.openai_server import FakeOpenAI
-from tests.gateway_process import base_env
+from tests.gateway_process import GatewayProcess, base_env, wait_until
 from tests.synapse_server import MatrixUser, Synapse
 from tests.test_kill_delivery import (
     SEED,
@@ -228,3 +228,77 @@ def test_matrix_kills_just_before_and_just_after_the_token_is_stored(
     with capsys.disabled():
         print(f"\n{tally.summary()}")
     tally.check_promise()
+
+
+@pytest.mark.timeout(180)
+def test_one_replica_syncs_and_a_standby_takes_over_from_the_stored_token(
+    migrated_pg_url: str, tmp_path: Path, synapse: Synapse
+) -> None:
+    """Shared mode: two replicas, one holds the "matrix sync" role and syncs (two would
+    answer every message twice); when it is SIGKILLed, the standby takes the role, starts
+    from the since token the first one stored in PostgreSQL, and answers what was sent
+    meanwhile, each message once. (A second conversation: the first one's session lease
+    stays with the dead replica for the lease time, docs/scaling.md.)"""
+    import psycopg
+
+    bot = synapse.register()
+    alice, bob = synapse.register(), synapse.register()
+    with FakeOpenAI.in_thread() as llm:
+        env = matrix_env(tmp_path / "unused", llm, synapse, bot) | {
+            "GATEWAY_STORAGE__URL": migrated_pg_url
+        }
+        replicas = []
+        for i in range(2):
+            proc = GatewayProcess(env | {"GATEWAY_WORKSPACE": str(tmp_path / f"ws{i}")}, tmp_path)
+            proc.wait_readyz(proc.wait_ready())
+            replicas.append(proc)
+        try:
+            room = synapse.create_room(alice, invite=[bot.user_id], direct=True)
+            other = synapse.create_room(bob, invite=[bot.user_id], direct=True)
+            synapse.wait_for(lambda: synapse.members(alice, room).get(bot.user_id) == "join")
+            synapse.wait_for(lambda: synapse.members(bob, other).get(bot.user_id) == "join")
+
+            def said() -> list[str]:
+                return [
+                    e["content"].get("body")
+                    for user, where in ((alice, room), (bob, other))
+                    for e in synapse.messages(user, where)
+                    if e["sender"] == bot.user_id
+                ]
+
+            def answered(texts: list[str]) -> bool:
+                replies = said()
+                return all(f"echo: {t}" in replies for t in texts)
+
+            first = [f"before {n}" for n in range(5)]
+            for text in first:
+                synapse.send(alice, room, text)
+            wait_until(lambda: answered(first), 30, "the first messages answered")
+            leaders = [p for p in replicas if any("is now the matrix sync" in x for x in p.log)]
+            assert len(leaders) == 1
+            leader = leaders[0]
+            standby = replicas[1 - replicas.index(leader)]
+            assert any("standing by" in line for line in standby.log)
+            with psycopg.connect(migrated_pg_url) as conn:
+                row = conn.execute(
+                    "SELECT value FROM gw_channel_cursors WHERE name = %s",
+                    (f"matrix:{bot.user_id}",),
+                ).fetchone()
+            assert row is not None and row[0].startswith("s")
+
+            leader.kill()
+            killed_at = time.monotonic()
+            second = [f"after {n}" for n in range(5)]
+            for text in second:
+                synapse.send(bob, other, text)
+            wait_until(lambda: answered(second), 30, "the standby to take over")
+            took = time.monotonic() - killed_at
+            standby.wait_for_line("is now the matrix sync", timeout=1)
+            assert took < 10, f"takeover took {took:.1f}s"
+            replies = said()
+            for text in first + second:
+                assert replies.count(f"echo: {text}") == 1, (text, replies)
+            assert standby.terminate() == 0
+        finally:
+            for proc in replicas:
+                proc.stop()
