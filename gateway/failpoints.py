@@ -12,7 +12,8 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
 
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
 before the user's message is stored, before the reply is recorded in the outbox, before
-it is sent, and before the message is marked answered.
+it is sent, and before the message is marked answered; and, for the Matrix channel, just
+before and just after a batch's since token is stored (the kill test's worst moments).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ POINTS = frozenset(
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",
+        # Matrix's sync loop, around storing a batch's since token (its confirmation).
+        "matrix.before_cursor",
+        "matrix.after_cursor",
     }
 )
 ENV = "GATEWAY_FAILPOINTS"
