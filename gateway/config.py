@@ -758,6 +758,38 @@ class SlackSettings(AccessSection):
     )
 
 
+class MatrixSettings(AccessSection):
+    """A Matrix account the gateway answers as (channels/matrix, docs/matrix.md)."""
+
+    enabled: bool = Field(False, description="Serve a Matrix account.")
+    homeserver: str | None = Field(
+        None,
+        description="The homeserver's client-server API URL.",
+        examples=["https://matrix.example.org"],
+    )
+    user_id: str | None = Field(
+        None, description="The bot account's full Matrix id.", examples=["@gateway:example.org"]
+    )
+    access_token: SecretStr | None = _secret(
+        "the account's access token", "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN"
+    )
+    access_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN", "matrix-access-token"
+    )
+    sync_timeout: int = Field(30, ge=0, le=120, description="Long-poll seconds per /sync.")
+
+    @field_validator("user_id")
+    @classmethod
+    def _matrix_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"@[^:\s]+:\S+", value):
+            raise ValueError("a Matrix user id looks like @gateway:example.org")
+        return value
+
+    def resolved_token(self) -> str | None:
+        """The access token (from the environment or `access_token_file`), if any."""
+        return reveal(self.access_token)
+
+
 class WhatsAppSettings(AccessSection):
     """A WhatsApp Business number through the Cloud API (channels/whatsapp, docs/whatsapp.md)."""
 
@@ -924,6 +956,7 @@ class ChannelsSettings(_Section):
     cli: CLIChannelSettings = Field(default_factory=CLIChannelSettings)
     telegram: TelegramSettings = Field(default_factory=TelegramSettings)
     slack: SlackSettings = Field(default_factory=SlackSettings)
+    matrix: MatrixSettings = Field(default_factory=MatrixSettings)
     whatsapp: WhatsAppSettings = Field(default_factory=WhatsAppSettings)
 
 
@@ -1001,6 +1034,7 @@ class Settings(_Section):
                 ("cli", self.channels.cli.enabled),
                 ("telegram", self.channels.telegram.enabled),
                 ("slack", self.channels.slack.enabled),
+                ("matrix", self.channels.matrix.enabled),
                 ("whatsapp", self.channels.whatsapp.enabled),
             )
             if on

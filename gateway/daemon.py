@@ -478,6 +478,7 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
         "slack": settings.channels.slack,
+        "matrix": settings.channels.matrix,
         "whatsapp": settings.channels.whatsapp,
     }
     return {
@@ -654,6 +655,8 @@ class Daemon:
             slack = SlackChannel.from_settings(settings.channels.slack)
             slack.mount(self.http)
             self.add_channel(slack)
+        if settings.channels.matrix.enabled:
+            self.add_channel(self._matrix_channel())
         if settings.channels.whatsapp.enabled:
             self.add_channel(self._whatsapp_channel())
 
@@ -706,6 +709,25 @@ class Daemon:
         page = AdminPage(token, sources)
         page.mount(self.http)
         return page
+
+    def _matrix_channel(self) -> Channel:
+        """The Matrix channel: its sync token in the workspace, or in PostgreSQL under the
+        "matrix sync" role that one replica holds (Matrix allows one sync per device)."""
+        from channels.matrix import MatrixChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
+
+        settings = self.gateway.settings
+        matrix = MatrixChannel(
+            settings.channels.matrix, token=settings.channels.matrix.resolved_token() or ""
+        )
+        matrix.invite_check = self.access.check
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            matrix.lead = lead_as(self.router.store.url, "matrix sync")
+        else:
+            matrix.lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        return matrix
 
     def _whatsapp_channel(self) -> Channel:
         """The WhatsApp channel: its webhook on this server (in the shared mode every

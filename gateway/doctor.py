@@ -337,6 +337,9 @@ async def check_channels(settings: Settings) -> list[Finding]:
                     "set GATEWAY_CHANNELS__SLACK__SIGNING_SECRET",
                 )
             )
+    matrix = settings.channels.matrix
+    if matrix.enabled:
+        findings.extend(await _matrix_findings(settings))
     if settings.channels.whatsapp.enabled:
         findings.extend(await _whatsapp_findings(settings))
     for job, target in settings.undeliverable_heartbeats():
@@ -366,6 +369,37 @@ async def _slack_identity(settings: Settings, token: str, app_token: str | None)
     return await check_credentials(
         settings.channels.slack, token, app_token=app_token if socket else None
     )
+
+
+async def _matrix_findings(settings: Settings) -> list[Finding]:
+    """The Matrix account: settings present, the homeserver reachable, the token logged in
+    as `user_id`."""
+    matrix = settings.channels.matrix
+    missing = [
+        (what, fix)
+        for what, fix, present in (
+            (
+                "homeserver",
+                "set channels.matrix.homeserver (e.g. https://matrix.example.org)",
+                matrix.homeserver,
+            ),
+            ("user_id", "set channels.matrix.user_id (e.g. @gateway:example.org)", matrix.user_id),
+            (
+                "access token",
+                "set GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN (docs/matrix.md)",
+                matrix.resolved_token(),
+            ),
+        )
+        if not present
+    ]
+    if missing:
+        return [
+            Finding("fail", f"matrix is enabled without its {what}", fix) for what, fix in missing
+        ]
+    from channels.matrix import check_credentials
+
+    token = matrix.resolved_token() or ""
+    return [await _remote_check("matrix", check_credentials(matrix, token))]
 
 
 async def _whatsapp_findings(settings: Settings) -> list[Finding]:
