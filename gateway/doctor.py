@@ -340,6 +340,8 @@ async def check_channels(settings: Settings) -> list[Finding]:
     matrix = settings.channels.matrix
     if matrix.enabled:
         findings.extend(await _matrix_findings(settings))
+    if settings.channels.whatsapp.enabled:
+        findings.extend(await _whatsapp_findings(settings))
     for job, target in settings.undeliverable_heartbeats():
         channel = target.partition(":")[0]
         findings.append(
@@ -398,6 +400,45 @@ async def _matrix_findings(settings: Settings) -> list[Finding]:
 
     token = matrix.resolved_token() or ""
     return [await _remote_check("matrix", check_credentials(matrix, token))]
+
+
+async def _whatsapp_findings(settings: Settings) -> list[Finding]:
+    """WhatsApp: the numbers, the webhook's verify token and app secret set, and the
+    Graph API token valid for every number."""
+    wa = settings.channels.whatsapp
+    prefix = "GATEWAY_CHANNELS__WHATSAPP__"
+    missing = [
+        Finding("fail", f"whatsapp is enabled without {what}", fix)
+        for what, fix, present in (
+            (
+                "phone_number_ids",
+                'set channels.whatsapp.phone_number_ids = ["<id>"] (WhatsApp Manager > API Setup)',
+                wa.phone_number_ids,
+            ),
+            (
+                "the webhook's verify token",
+                f"set {prefix}VERIFY_TOKEN to the token typed in the App Dashboard",
+                wa.verify_token and wa.verify_token.get_secret_value(),
+            ),
+            (
+                "the app secret",
+                f"set {prefix}APP_SECRET (App Dashboard > App settings > Basic); every "
+                "delivery is checked against it",
+                wa.app_secret and wa.app_secret.get_secret_value(),
+            ),
+            (
+                "an access token",
+                f"set {prefix}ACCESS_TOKEN to a system user's token (docs/whatsapp.md)",
+                wa.resolved_token(),
+            ),
+        )
+        if not present
+    ]
+    if missing:
+        return missing
+    from channels.whatsapp import check_credentials
+
+    return [await _remote_check("whatsapp", check_credentials(wa, wa.resolved_token() or ""))]
 
 
 async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:
