@@ -5,9 +5,12 @@ dispatcher."""
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,11 +28,11 @@ from channels.discord import (
     target_channel,
     translate_message,
 )
-from channels.discord.channel import NO_PINGS, reply_nonce, snowflake_at, snowflake_time
+from channels.discord.channel import NO_PINGS, Positions, reply_nonce, snowflake_at, snowflake_time
 from channels.discord.format import discord_messages
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.config import ConfigError, DiscordSettings
-from gateway.cursors import MemoryCursorStore
+from gateway.cursors import FileCursorStore, Lead, run_with
 from gateway.messages import (
     META_EDIT_OF,
     META_QUOTED_SENDER,
@@ -281,7 +284,7 @@ def test_targets_nonces_and_snowflakes() -> None:
 
 def test_a_missing_token_is_a_configuration_error() -> None:
     with pytest.raises(ConfigError, match="GATEWAY_CHANNELS__DISCORD__TOKEN"):
-        DiscordChannel(DiscordSettings(enabled=True), token="")
+        DiscordChannel(DiscordSettings(enabled=True), token="", lead=Saved.fresh().lead())
 
 
 # -- the channel against the fake -----------------------------------------------------------
@@ -340,16 +343,39 @@ def settings_for(fake: FakeDiscord, **overrides: Any) -> DiscordSettings:
     return DiscordSettings(**(options | overrides))
 
 
+class Saved:
+    """Where a channel saves its read positions (a cursor file), and what is there."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def fresh(cls) -> Saved:
+        return cls(Path(tempfile.mkdtemp(prefix="discord-cursors-")) / "channel-cursors.json")
+
+    def lead(self) -> Lead:
+        return run_with(FileCursorStore(self.path))
+
+    def positions(self, fake: FakeDiscord) -> Positions | None:
+        if not self.path.exists():
+            return None
+        raw = json.loads(self.path.read_text()).get(f"discord:{fake.bot_id}")
+        return Positions.from_json(raw) if raw is not None else None
+
+
 @asynccontextmanager
 async def running(
     fake: FakeDiscord,
     recorder: Recorder | None = None,
-    cursors: MemoryCursorStore | None = None,
+    cursors: Saved | None = None,
     pacing: Pacing = FAST,
     **overrides: Any,
 ) -> AsyncIterator[DiscordChannel]:
     channel = DiscordChannel(
-        settings_for(fake, **overrides), token=fake.token, cursors=cursors, pacing=pacing
+        settings_for(fake, **overrides),
+        token=fake.token,
+        lead=(cursors or Saved.fresh()).lead(),
+        pacing=pacing,
     )
     submit = (recorder or Recorder()).submit
     async with anyio.create_task_group() as tg:
@@ -416,12 +442,12 @@ async def test_what_was_written_while_away_is_read_back_oldest_first_before_new_
     guild = fake.add_guild(members=[alice])
     general = fake.add_text_channel(guild)
     dm = fake.dm_channel(alice)
-    cursors = MemoryCursorStore()
+    cursors = Saved.fresh()
     first = Recorder()
     async with running(fake, first, cursors) as channel:
         fake.user_message(dm, alice, "before")
         await first.wait(1)
-        await until(lambda: ("discord", "*") in cursors.rows)
+        await until(lambda: (p := cursors.positions(fake)) is not None and p.watermark)
         assert channel.backfilled == 0
     # Away: the connection closed with 1000, the session is over; nothing replays it.
     fake.user_message(dm, alice, "away 1")
@@ -443,10 +469,10 @@ async def test_what_was_written_while_away_is_read_back_oldest_first_before_new_
 async def test_the_backfill_is_bounded_by_age_and_count(fake: FakeDiscord) -> None:
     alice = fake.add_user("alice")
     dm = fake.dm_channel(alice)
-    cursors = MemoryCursorStore()
+    cursors = Saved.fresh()
     async with running(fake, Recorder(), cursors) as channel:
         fake.user_message(dm, alice, "seen")
-        await until(lambda: ("discord", str(dm)) in cursors.rows)
+        await until(lambda: (p := cursors.positions(fake)) is not None and dm in p.conversations)
         del channel
     fake.user_message(dm, alice, "too old")
     await anyio.sleep(1.2)
@@ -549,7 +575,7 @@ async def test_a_zombie_connection_is_noticed_and_resumed() -> None:
 async def test_paused_intake_leaves_messages_for_the_next_start(fake: FakeDiscord) -> None:
     alice = fake.add_user("alice")
     dm = fake.dm_channel(alice)
-    cursors = MemoryCursorStore()
+    cursors = Saved.fresh()
     first = Recorder()
     async with running(fake, first, cursors) as channel:
         fake.user_message(dm, alice, "one")
@@ -750,14 +776,18 @@ async def test_files_in_are_fetched_and_files_out_follow_the_text(fake: FakeDisc
 
 
 async def test_a_refused_token_fails_run_with_what_to_fix(fake: FakeDiscord) -> None:
-    channel = DiscordChannel(settings_for(fake), token="nope", pacing=FAST)
+    channel = DiscordChannel(
+        settings_for(fake), token="nope", lead=Saved.fresh().lead(), pacing=FAST
+    )
     with pytest.raises(DiscordSetupError, match="GATEWAY_CHANNELS__DISCORD__TOKEN"):
         await channel.run(Recorder().submit)
 
 
 async def test_a_message_content_intent_not_enabled_says_where_to_enable_it() -> None:
     async with FakeDiscord(application_flags=0) as fake:
-        channel = DiscordChannel(settings_for(fake), token=fake.token, pacing=FAST)
+        channel = DiscordChannel(
+            settings_for(fake), token=fake.token, lead=Saved.fresh().lead(), pacing=FAST
+        )
         with pytest.raises(DiscordSetupError, match="Message Content Intent"):
             with anyio.fail_after(10):
                 await channel.run(Recorder().submit)

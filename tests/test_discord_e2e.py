@@ -17,7 +17,9 @@ import anyio
 import pytest
 
 from channels.discord import DiscordChannel
+from channels.discord.channel import Positions
 from gateway.config import Settings
+from gateway.cursors import CURSOR_FILE
 from gateway.daemon import Daemon, Gateway
 from gateway.sessions.keys import encode_key
 from tests.fakes.discord_server import FakeDiscord
@@ -79,6 +81,15 @@ async def wait_bot(fake: FakeDiscord, channel: int, count: int, seconds: float =
         while len(fake.bot_messages(channel)) < count:  # noqa: ASYNC110 (polling the fake)
             await anyio.sleep(0.02)
     return fake.bot_messages(channel)
+
+
+def saved_positions(settings: Settings, fake: FakeDiscord) -> Positions | None:
+    """The channel's read positions as saved in the workspace's cursor file."""
+    path = settings.workspace_path / CURSOR_FILE
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text()).get(f"discord:{fake.bot_id}")
+    return Positions.from_json(raw) if raw is not None else None
 
 
 def session_file(settings: Settings, key: str) -> str:
@@ -182,7 +193,7 @@ async def test_messages_written_while_the_gateway_was_down_are_answered_once_aft
     fake_dc.user_message(dm_b, bob, "old news")
     await anyio.sleep(5)  # older than offline_after_seconds by the restart
     fake_dc.user_message(dm_a, alice, "while down 1")
-    fake_dc.user_message(dm_a, alice, "while down 2")
+    last = int(fake_dc.user_message(dm_a, alice, "while down 2")["id"])
     async with gateway(make_settings, fake_openai, fake_dc, **overrides) as gw:
         await wait_bot(fake_dc, dm_a, 3)
         await wait_bot(fake_dc, dm_b, 2)
@@ -198,16 +209,17 @@ async def test_messages_written_while_the_gateway_was_down_are_answered_once_aft
     requests = [r.last_user_text for r in fake_openai.chat_requests]
     assert requests.count("before") == 1 and "old news" not in requests
     assert "old news" in session_file(gw.settings, f"discord:{dm_b}")  # kept, not answered
-    with sqlite3.connect(gw.settings.workspace_path / "cursors.sqlite") as conn:
-        rows = dict(conn.execute("SELECT conversation, position FROM cursors").fetchall())
-    assert int(rows[str(dm_a)]) >= int(fake_dc.bot_messages(dm_a)[-1]["id"]) - 1
+    saved = saved_positions(gw.settings, fake_dc)
+    assert saved is not None  # the channel's read positions, saved as it stopped
+    assert saved.conversations[dm_a][0] >= last
 
 
 async def test_a_message_is_journaled_before_its_position_moves_on(
     fake_openai: FakeOpenAI, fake_dc: FakeDiscord, make_settings: Callable[..., Settings]
 ) -> None:
     """While the model still works on it, the message is in the journal (dedupe.sqlite),
-    and its conversation's position (cursors.sqlite) is moved past it only after that."""
+    and its conversation's position (channel-cursors.json) is moved past it only after
+    that."""
     fake_openai.add_delay(4.0, "slow answer")
     alice = fake_dc.add_user("alice")
     dm = fake_dc.dm_channel(alice)
@@ -218,14 +230,9 @@ async def test_a_message_is_journaled_before_its_position_moves_on(
             return [json.loads(r[0])["text"] for r in conn.execute("SELECT message FROM inbox")]
 
     def position() -> int | None:
-        path = workspace / "cursors.sqlite"
-        if not path.exists():
-            return None
-        with sqlite3.connect(path) as conn:
-            rows = conn.execute(
-                "SELECT position FROM cursors WHERE conversation = ?", (str(dm),)
-            ).fetchall()
-        return int(rows[0][0]) if rows else None
+        saved = saved_positions(make_settings(fake_openai), fake_dc)
+        found = saved.conversations.get(dm) if saved is not None else None
+        return found[0] if found is not None else None
 
     async with gateway(make_settings, fake_openai, fake_dc):
         asked = int(fake_dc.user_message(dm, alice, "keep me")["id"])

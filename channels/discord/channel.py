@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import json
 import logging
 import math
 import re
@@ -89,7 +90,7 @@ from channels.discord.format import DISCORD_LIMIT, discord_messages, split_disco
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, DiscordSettings
-from gateway.cursors import CursorStore, MemoryCursorStore
+from gateway.cursors import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
@@ -109,8 +110,8 @@ DEFAULT_API_URL = "https://discord.com/api/v10"
 DEFAULT_GATEWAY_URL = "wss://gateway.discord.gg/"
 ENV_TOKEN = "GATEWAY_CHANNELS__DISCORD__TOKEN"
 DISCORD_EPOCH = 1420070400.0  # 2015-01-01, the zero of snowflake timestamps
-#: The position row of the last moment everything the bot can read had been read.
-WATERMARK = "*"
+#: The version of the read positions' document (one cursor per bot, see `Positions`).
+POSITIONS_VERSION = 1
 #: Discord's default upload limit per file.
 UPLOAD_LIMIT = 10 * 1024 * 1024
 NONCE_CHARS = 25
@@ -148,6 +149,44 @@ class Pacing:
     retry_max: float = 60.0  # the longest wait before reading a stopped conversation again
     guild_ready_timeout: float = 2.0  # discord.py's wait for the last GUILD_CREATE
     stop_timeout: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """The bot's read positions, saved as one cursor (`gateway.cursors`) named
+    `discord:<bot id>`: each conversation's last settled message id with when it moved,
+    and the watermark (a snowflake: the last moment, less a margin, at which everything
+    the bot can read had been read; None before the first)."""
+
+    watermark: int | None
+    conversations: dict[int, tuple[int, float]]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": POSITIONS_VERSION,
+                "watermark": str(self.watermark) if self.watermark is not None else None,
+                "conversations": {
+                    str(c): [str(p), round(t, 3)] for c, (p, t) in self.conversations.items()
+                },
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: str) -> Positions:
+        """Raises ValueError for a document this version cannot read."""
+        try:
+            data = json.loads(raw)
+            if data.get("version") != POSITIONS_VERSION:
+                raise ValueError(f"version {data.get('version')!r}")
+            mark = data["watermark"]
+            conversations = {
+                int(c): (int(p), float(t)) for c, (p, t) in data["conversations"].items()
+            }
+            return cls(int(mark) if mark is not None else None, conversations)
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"{type(exc).__name__}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- inbound
@@ -511,7 +550,8 @@ class DiscordChannel:
         settings: DiscordSettings,
         *,
         token: str,
-        cursors: CursorStore | None = None,
+        lead: Lead,
+        replicas: bool = False,
         pacing: Pacing | None = None,
     ) -> None:
         if not token:
@@ -521,13 +561,15 @@ class DiscordChannel:
             )
         self.settings = settings
         self.pacing = pacing or Pacing()
-        self.cursors: CursorStore = cursors or MemoryCursorStore()
-        #: Shared mode (`gateway.replicas.run_as_leader`): runs the Gateway connection once
-        #: this replica is the one that holds it; None connects at once. Every replica
-        #: logs in for the HTTP API (replies, typing, files).
-        self.gateway_leader: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = (
-            None
-        )
+        #: Runs the Gateway connection with the store of read positions: at once (one
+        #: process, `gateway.cursors.run_with`), or once this replica holds the "discord
+        #: gateway" role (`gateway.cursors_pg.lead_as`), its positions written on the
+        #: connection that holds it.
+        self.lead = lead
+        #: Several replicas share the bot: every one logs in for the HTTP API (replies,
+        #: typing, files) and is ready then; one holds the Gateway connection.
+        self.replicas = replicas
+        self._store: CursorStore | None = None
         self._token = token
         self._client: _Client | None = None
         self._submit: Submit | None = None
@@ -541,7 +583,7 @@ class DiscordChannel:
         self._places: dict[int, Place] = {}
         self._positions: dict[int, int] = {}  # conversation -> last settled message id
         self._updated: dict[int, float] = {}  # conversation -> when its position moved
-        self._dirty: dict[int, int] = {}
+        self._dirty = False
         self._watermark: int | None = None
         self._blocked: dict[int, float] = {}  # conversation -> when to read it again
         self._backoff: dict[int, float] = {}
@@ -584,16 +626,18 @@ class DiscordChannel:
                 try:
                     await self._login(client)
                     self._client = client
-                    if self.gateway_leader is None:
+                    if self.replicas:
+                        # One replica holds the Gateway connection (Discord would send
+                        # every event to each), the others stand by; every one sends
+                        # replies.
+                        task_status.started()
+                        await self.lead(lambda store: self._hold_gateway(client, store))
+                    else:
                         # Live (ready) once the session is up and what was written
                         # while away has been read back.
-                        await self._hold_gateway(client, task_status.started)
-                    else:
-                        # Several replicas: one holds the Gateway connection (Discord
-                        # would send every event to each), the others stand by; every
-                        # one sends replies.
-                        task_status.started()
-                        await self.gateway_leader(lambda: self._hold_gateway(client))
+                        await self.lead(
+                            lambda store: self._hold_gateway(client, store, task_status.started)
+                        )
                 except Exception as exc:
                     failure = exc  # raised below as itself, not inside an exception group
                 finally:
@@ -635,11 +679,12 @@ class DiscordChannel:
         self._paused = True
 
     async def _hold_gateway(
-        self, client: _Client, on_live: Callable[[], None] | None = None
+        self, client: _Client, store: CursorStore, on_live: Callable[[], None] | None = None
     ) -> None:
-        """The Gateway connection and the intake behind it: positions loaded, messages
-        taken in order, positions saved; until the connection ends or is cancelled.
-        `on_live` is called once the first session is up and read back."""
+        """The Gateway connection and the intake behind it: positions loaded from
+        `store`, messages taken in order, positions saved; until the connection ends or
+        is cancelled. `on_live` is called once the first session is up and read back."""
+        self._store = store
         await self._load_positions()
         send, receive = anyio.create_memory_object_stream[_Item](math.inf)
         self._inbox = send
@@ -660,10 +705,8 @@ class DiscordChannel:
             self._inbox = None
             self._connected = False
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.pacing.stop_timeout):
-                try:
-                    await self._save_positions()
-                finally:
-                    await self.cursors.aclose()  # opened again on first use
+                await self._save_positions()
+            self._store = None
         if failure is not None:
             raise failure
         logger.warning("discord: the Gateway connection ended")
@@ -876,21 +919,22 @@ class DiscordChannel:
         (the conversation stops, retried) when it could not be saved."""
         if conversation in self._positions:
             return True
+        self._positions[conversation] = message_id - 1
+        self._updated[conversation] = time.time()
+        self._dirty = True
         try:
-            await self.cursors.save(CHANNEL, {str(conversation): str(message_id - 1)})
+            await self._save_positions()
         except Exception as exc:
             logger.warning("discord: a new conversation's position not saved ({})", exc)
             self._block(conversation, start=message_id - 1)
             return False
-        self._positions[conversation] = message_id - 1
-        self._updated[conversation] = time.time()
         return True
 
     def _settled(self, conversation: int, message_id: int) -> None:
         if message_id > self._positions.get(conversation, 0):
             self._positions[conversation] = message_id
             self._updated[conversation] = time.time()
-            self._dirty[conversation] = message_id
+            self._dirty = True
 
     def _block(self, conversation: int, *, start: int) -> None:
         """Stop a conversation at a message that could not be settled; it is read back
@@ -901,22 +945,35 @@ class DiscordChannel:
         self._backoff[conversation] = delay
         self._blocked[conversation] = time.monotonic() + delay
 
+    @property
+    def cursor_name(self) -> str:
+        """The name of this bot's read positions in the cursor store."""
+        return f"{CHANNEL}:{self._bot_id}"
+
     async def _load_positions(self) -> None:
-        rows = await self.cursors.load(CHANNEL)
-        horizon = time.time() - FORGET_AFTER
-        old = []
+        """The positions as last saved (a damaged document is reported and the channel
+        starts as on a first run); conversations silent past `FORGET_AFTER` dropped."""
+        assert self._store is not None
         self._positions.clear()
         self._updated.clear()
-        for conversation, cursor in rows.items():
-            if conversation == WATERMARK:
-                self._watermark = int(cursor.position)
-            elif cursor.updated_at < horizon or not conversation.isdigit():
-                old.append(conversation)  # nothing this old is read back
-            else:
-                self._positions[int(conversation)] = int(cursor.position)
-                self._updated[int(conversation)] = cursor.updated_at
-        if old:
-            await self.cursors.forget(CHANNEL, old)
+        self._watermark = None
+        raw = await self._store.load(self.cursor_name)
+        if raw is None:
+            return
+        try:
+            positions = Positions.from_json(raw)
+        except ValueError as exc:
+            logger.error(
+                "discord: the saved read positions are unreadable ({}); starting as on a first run",
+                exc,
+            )
+            return
+        horizon = time.time() - FORGET_AFTER
+        self._watermark = positions.watermark
+        for conversation, (position, updated) in positions.conversations.items():
+            if updated >= horizon:
+                self._positions[conversation] = position
+                self._updated[conversation] = updated
 
     async def _keep_positions(self) -> None:
         """Save moved positions every `cursor_interval`; move the watermark while
@@ -935,7 +992,7 @@ class DiscordChannel:
                 mark = snowflake_at(time.time() - self.pacing.watermark_margin)
                 if self._watermark is None or mark > self._watermark:
                     self._watermark = mark
-                    self._dirty[0] = mark  # 0 stands for the watermark until saved
+                    self._dirty = True
             due = frozenset(c for c, at in self._blocked.items() if at <= time.monotonic())
             if due and self._inbox is not None:
                 for conversation in due:
@@ -947,14 +1004,19 @@ class DiscordChannel:
                 logger.warning("discord: read positions not saved ({}); retrying", exc)
 
     async def _save_positions(self) -> None:
-        if not self._dirty:
+        """Save every position (one document, see `Positions`) when one moved."""
+        store = self._store
+        if not self._dirty or store is None:
             return
-        dirty, self._dirty = self._dirty, {}
-        rows = {(WATERMARK if c == 0 else str(c)): str(p) for c, p in dirty.items()}
+        self._dirty = False
+        document = Positions(
+            self._watermark,
+            {c: (p, self._updated.get(c, 0.0)) for c, p in self._positions.items()},
+        )
         try:
-            await self.cursors.save(CHANNEL, rows)
+            await store.save(self.cursor_name, document.to_json())
         except BaseException:
-            self._dirty = {**dirty, **self._dirty}
+            self._dirty = True
             raise
 
     # ----------------------------------------------------------------- backfill
@@ -1063,7 +1125,7 @@ class DiscordChannel:
                 exc.text or exc.status,
             )
             self._positions.pop(conversation, None)
-            await self.cursors.forget(CHANNEL, [str(conversation)])
+            self._dirty = True
             return count
         except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
             logger.warning(

@@ -1,10 +1,8 @@
--- Where each conversation of a platform that keeps nothing for an absent bot (Discord's
--- Gateway) was read up to: the channel's backfill after a (re)connect starts after it
--- (gateway.cursors). Written by the replica holding the platform's connection.
+-- Read positions a channel confirms to its platform itself (gateway.cursors_pg): Matrix's
+-- /sync `since` token. Written only by the replica holding the channel's leader role, on
+-- the connection that holds it, after the batch it confirms is journaled.
 CREATE TABLE gw_channel_cursors (
-    channel      text NOT NULL,
-    conversation text NOT NULL,
-    position     text NOT NULL,
-    updated_at   double precision NOT NULL,
-    PRIMARY KEY (channel, conversation)
+    name       text PRIMARY KEY,
+    value      text NOT NULL,
+    updated_at double precision NOT NULL
 );
