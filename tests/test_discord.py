@@ -797,3 +797,32 @@ async def test_a_message_content_intent_not_enabled_says_where_to_enable_it() ->
         async with running(fake, recorder, message_content=False):
             fake.user_message(dm, alice, "DMs still come with their text")
             await recorder.wait(1)
+
+
+def test_the_read_positions_document_round_trips_and_refuses_what_it_cannot_read() -> None:
+    positions = Positions(sf(5), {sf(1): (sf(2), 1700000000.5), sf(3): (sf(4), 1700000001.0)})
+    assert Positions.from_json(positions.to_json()) == positions
+    assert Positions.from_json(Positions(None, {}).to_json()) == Positions(None, {})
+    for damaged in ("{", "[]", '{"version": 99}', '{"version": 1, "watermark": null}'):
+        with pytest.raises(ValueError):
+            Positions.from_json(damaged)
+
+
+async def test_unreadable_positions_are_reported_and_the_channel_starts_afresh(
+    fake: FakeDiscord,
+) -> None:
+    saved = Saved.fresh()
+    saved.path.write_text(json.dumps({f"discord:{fake.bot_id}": "not json"}))
+    logged: list[str] = []
+    sink = logger.add(lambda m: logged.append(str(m)), level="ERROR")
+    alice = fake.add_user("alice")
+    dm = fake.dm_channel(alice)
+    recorder = Recorder()
+    try:
+        async with running(fake, recorder, saved):
+            fake.user_message(dm, alice, "hello")
+            await recorder.wait(1)
+            await until(lambda: (p := saved.positions(fake)) is not None and dm in p.conversations)
+    finally:
+        logger.remove(sink)
+    assert any("saved read positions are unreadable" in line for line in logged)
