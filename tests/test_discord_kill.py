@@ -109,6 +109,14 @@ def progress_of(world: World, sent: Sequence[Message]) -> Callable[[], tuple[boo
     return progress
 
 
+def say_repeats(world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    """How many replies the restarts sent again that Discord recognized by their nonce
+    (and so did not post twice): printed after the scenario's summary."""
+    with capsys.disabled():
+        repeats = world.fake.nonce_repeats
+        print(f"KILL-DELIVERY discord: nonce_repeats={repeats} (replies sent again, not posted)")
+
+
 def tally_of(
     scenario: str,
     world: World,
@@ -160,6 +168,7 @@ def test_discord_backlog_written_while_down_survives_kills_right_after_start(
     tmp_path: Path,
     gateways: Callable[[dict[str, str]], Gateways],  # noqa: F811 (the imported fixture)
     report: Callable[[Tally], None],  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """30 people have talked to the bot; the gateway is SIGKILLed, and 300 messages
     arrive while it is down (no session will ever replay them). It is then started and
@@ -193,6 +202,7 @@ def test_discord_backlog_written_while_down_survives_kills_right_after_start(
         run.terminate()
         tally = tally_of("discord-backlog", world, sent, workspace, run, started)
     report(tally)
+    say_repeats(world, capsys)
     tally.check_promise()
 
 
@@ -201,6 +211,7 @@ def test_discord_traffic_survives_kills_and_downtime_while_it_flows(
     tmp_path: Path,
     gateways: Callable[[dict[str, str]], Gateways],  # noqa: F811 (the imported fixture)
     report: Callable[[Tally], None],  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """60 people write about 12 messages a second while the gateway is SIGKILLed four
     times at random moments (turns in flight, messages on their way from the Gateway,
@@ -230,4 +241,5 @@ def test_discord_traffic_survives_kills_and_downtime_while_it_flows(
         run.terminate()
         tally = tally_of("discord-traffic", world, sent, workspace, run, started)
     report(tally)
+    say_repeats(world, capsys)
     tally.check_promise()

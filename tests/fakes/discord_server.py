@@ -314,6 +314,8 @@ class FakeDiscord(LocalApiServer[Call]):
         self.rate_limited: list[Call] = []  # every 429 the fake gave
         self._nonces: dict[tuple[int, str], tuple[float, Payload]] = {}
         self.pings: dict[int, Payload] = {}  # message id -> what it pinged
+        #: Messages sent again with a nonce already used (enforce_nonce): none was made.
+        self.nonce_repeats = 0
 
     # -- ids and payloads -------------------------------------------------------------
 
@@ -1362,6 +1364,8 @@ class FakeDiscord(LocalApiServer[Call]):
             with self._lock:
                 earlier = self._nonces.get((channel_id, str(nonce)))
             if earlier is not None and now - earlier[0] < self.nonce_window:
+                with self._lock:
+                    self.nonce_repeats += 1
                 return earlier[1]
         reply_to: int | None = None
         reference = body.get("message_reference")
