@@ -54,6 +54,7 @@ FAST = Pacing(
     stream_interval=0.05,
     cursor_interval=0.05,
     guild_ready_timeout=0.1,
+    heartbeat_timeout=2.0,
     stop_timeout=5,
 )
 

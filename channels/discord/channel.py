@@ -148,6 +148,9 @@ class Pacing:
     watermark_margin: float = 300.0  # messages still on their way; clocks apart
     retry_max: float = 60.0  # the longest wait before reading a stopped conversation again
     guild_ready_timeout: float = 2.0  # discord.py's wait for the last GUILD_CREATE
+    # Nothing heard from the Gateway this long (no event, no heartbeat ACK): the
+    # connection is taken for a zombie, closed and resumed (discord.py's default).
+    heartbeat_timeout: float = 60.0
     stop_timeout: float = 10.0
 
 
@@ -618,6 +621,7 @@ class DiscordChannel:
             allowed_mentions=NO_PINGS,
             max_ratelimit_timeout=max(30.0, self.pacing.rate_limit_wait),
             guild_ready_timeout=self.pacing.guild_ready_timeout,
+            heartbeat_timeout=self.pacing.heartbeat_timeout,
         )
         failure: Exception | None = None
         try:
