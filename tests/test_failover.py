@@ -630,3 +630,20 @@ async def test_each_providers_server_is_asked_its_own_window(tmp_path: Path) -> 
     assert (mine.tokens, mine.source) == (4096, "llama.cpp /props n_ctx")
     assert (theirs.tokens, theirs.source) == (8192, "vLLM /v1/models max_model_len")
     assert "of 4,096 tokens" in status.text
+
+
+def test_the_documented_configuration_is_valid(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "failover.md").read_text()
+    example = doc.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "gateway.toml").write_text(example)
+    key = tmp_path / "openrouter-key"
+    key.write_text("sk-or-0123456789\n")
+    settings = load_settings(
+        tmp_path / "gateway.toml",
+        environ={"OPENAI_API_KEY": "sk-0123456789", "GATEWAY_WORKSPACE": str(tmp_path)},
+        overrides={"llm.providers.backup.api_key_file": str(key)},
+    )
+    assert list(settings.llm.used_providers()) == ["default", "backup"]
+    assert settings.llm.alias_routes() == {
+        "smart": [("default", "gpt-4o"), ("backup", "openai/gpt-4o")]
+    }
