@@ -146,9 +146,9 @@ class FailoverSettings(_Section):
         10.0,
         gt=0,
         le=120,
-        description="A 429 asking to wait at least this long is not waited out when "
-        "another provider can answer: that one is asked, and this one is skipped for "
-        "as long as it asked. Shorter waits are waited out.",
+        description="With more than one provider, a 429 asking to wait at least this long "
+        "is not waited out: the next provider is asked, and this one is skipped for as "
+        "long as it asked. Shorter waits are waited out.",
     )
 
 
