@@ -56,6 +56,9 @@ SECRET_KEYS = frozenset(
         "signing_secret",
         "webhook_secret",
         "admin_token",
+        "access_token",
+        "app_secret",
+        "verify_token",
     }
 )
 
@@ -928,6 +931,105 @@ class SlackSettings(AccessSection):
     )
 
 
+class MatrixSettings(AccessSection):
+    """A Matrix account the gateway answers as (channels/matrix, docs/matrix.md)."""
+
+    enabled: bool = Field(False, description="Serve a Matrix account.")
+    homeserver: str | None = Field(
+        None,
+        description="The homeserver's client-server API URL.",
+        examples=["https://matrix.example.org"],
+    )
+    user_id: str | None = Field(
+        None, description="The bot account's full Matrix id.", examples=["@gateway:example.org"]
+    )
+    access_token: SecretStr | None = _secret(
+        "the account's access token", "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN"
+    )
+    access_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN", "matrix-access-token"
+    )
+    sync_timeout: int = Field(30, ge=0, le=120, description="Long-poll seconds per /sync.")
+
+    @field_validator("user_id")
+    @classmethod
+    def _matrix_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"@[^:\s]+:\S+", value):
+            raise ValueError("a Matrix user id looks like @gateway:example.org")
+        return value
+
+    def resolved_token(self) -> str | None:
+        """The access token (from the environment or `access_token_file`), if any."""
+        return reveal(self.access_token)
+
+
+class WhatsAppSettings(AccessSection):
+    """A WhatsApp Business number through the Cloud API (channels/whatsapp, docs/whatsapp.md)."""
+
+    enabled: bool = Field(False, description="Serve WhatsApp Business numbers (Cloud API).")
+    phone_number_ids: list[str] = Field(
+        default_factory=list,
+        description="The business numbers' phone number ids (WhatsApp Manager > API Setup); "
+        "messages to other numbers are acknowledged and ignored.",
+    )
+    access_token: SecretStr | None = _secret(
+        "a system user's token with whatsapp_business_messaging",
+        "GATEWAY_CHANNELS__WHATSAPP__ACCESS_TOKEN",
+    )
+    access_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__WHATSAPP__ACCESS_TOKEN", "whatsapp-access-token"
+    )
+    app_secret: SecretStr | None = _secret(
+        "the Meta app's secret, which signs every webhook (X-Hub-Signature-256)",
+        "GATEWAY_CHANNELS__WHATSAPP__APP_SECRET",
+    )
+    app_secret_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__WHATSAPP__APP_SECRET", "whatsapp-app-secret"
+    )
+    verify_token: SecretStr | None = _secret(
+        "the webhook's verify token, as typed in the App Dashboard",
+        "GATEWAY_CHANNELS__WHATSAPP__VERIFY_TOKEN",
+    )
+    verify_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__WHATSAPP__VERIFY_TOKEN", "whatsapp-verify-token"
+    )
+    api_url: str = Field(
+        "https://graph.facebook.com", description="The Graph API's root (no version)."
+    )
+    api_version: str = Field("v26.0", description="The Graph API version the requests name.")
+    template: str | None = Field(
+        None,
+        description="An approved template sent instead of a reply that falls outside the "
+        "24-hour customer-service window; unset: such a reply is kept as undeliverable.",
+        examples=["pending_reply"],
+    )
+    template_language: str = Field("en", description="The template's language code.")
+    template_parameter: bool = Field(
+        True,
+        description="Pass the start of the reply as the template body's {{1}} parameter.",
+    )
+    quote_replies: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Quote the person's message in the reply: auto = only when they wrote "
+        "again meanwhile.",
+    )
+    read_receipts: bool = Field(
+        True, description="Mark messages read and show the typing indicator while answering."
+    )
+
+    @field_validator("phone_number_ids")
+    @classmethod
+    def _digits(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not item.isdigit():
+                raise ValueError(f"{item!r}: a phone number id is digits only (not the number)")
+        return value
+
+    def resolved_token(self) -> str | None:
+        """The Graph API token (from the environment or `access_token_file`), if any."""
+        return reveal(self.access_token)
+
+
 # ----------------------------------------------------------------- tools and MCP servers
 
 _MCP_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_))*")
@@ -1027,6 +1129,8 @@ class ChannelsSettings(_Section):
     cli: CLIChannelSettings = Field(default_factory=CLIChannelSettings)
     telegram: TelegramSettings = Field(default_factory=TelegramSettings)
     slack: SlackSettings = Field(default_factory=SlackSettings)
+    matrix: MatrixSettings = Field(default_factory=MatrixSettings)
+    whatsapp: WhatsAppSettings = Field(default_factory=WhatsAppSettings)
 
 
 class Settings(_Section):
@@ -1103,6 +1207,8 @@ class Settings(_Section):
                 ("cli", self.channels.cli.enabled),
                 ("telegram", self.channels.telegram.enabled),
                 ("slack", self.channels.slack.enabled),
+                ("matrix", self.channels.matrix.enabled),
+                ("whatsapp", self.channels.whatsapp.enabled),
             )
             if on
         }

@@ -529,6 +529,8 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
         "slack": settings.channels.slack,
+        "matrix": settings.channels.matrix,
+        "whatsapp": settings.channels.whatsapp,
     }
     return {
         name: ChannelAccessPolicy(
@@ -704,6 +706,10 @@ class Daemon:
             slack = SlackChannel.from_settings(settings.channels.slack)
             slack.mount(self.http)
             self.add_channel(slack)
+        if settings.channels.matrix.enabled:
+            self.add_channel(self._matrix_channel())
+        if settings.channels.whatsapp.enabled:
+            self.add_channel(self._whatsapp_channel())
 
     # ----------------------------------------------------------------- assembly
 
@@ -755,6 +761,64 @@ class Daemon:
         page = AdminPage(token, sources)
         page.mount(self.http)
         return page
+
+    def _matrix_channel(self) -> Channel:
+        """The Matrix channel: its sync token in the workspace, or in PostgreSQL under the
+        "matrix sync" role that one replica holds (Matrix allows one sync per device)."""
+        from channels.matrix import MatrixChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
+
+        settings = self.gateway.settings
+        matrix = MatrixChannel(
+            settings.channels.matrix, token=settings.channels.matrix.resolved_token() or ""
+        )
+        matrix.invite_check = self.access.check
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            matrix.lead = lead_as(self.router.store.url, "matrix sync")
+        else:
+            matrix.lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        return matrix
+
+    def _whatsapp_channel(self) -> Channel:
+        """The WhatsApp channel: its webhook on this server (in the shared mode every
+        replica takes deliveries), its windows, statuses and held replies in the
+        workspace or PostgreSQL; counted on /metrics, held replies on the admin page."""
+        from channels.whatsapp import (
+            STORE_FILE,
+            FileWhatsAppStore,
+            PostgresWhatsAppStore,
+            WhatsAppChannel,
+            WhatsAppStore,
+        )
+        from channels.whatsapp.channel import FAILURE_NAMES, STATUSES
+
+        settings = self.gateway.settings
+        shared = shared_storage(settings)
+        store: WhatsAppStore = (
+            PostgresWhatsAppStore(shared.sync)
+            if shared is not None
+            else FileWhatsAppStore(
+                settings.workspace_path / STORE_FILE, io_on_loop=settings.io_on_loop
+            )
+        )
+        channel = WhatsAppChannel.from_settings(settings.channels.whatsapp, store)
+        channel.mount(self.http)
+        self.admin.sources.undeliverable = store.held
+        metrics, stats = self.metrics, channel.stats
+
+        async def refresh() -> None:
+            for status in STATUSES:
+                metrics.whatsapp_statuses.set_total(stats.statuses[status], status)
+            for name in FAILURE_NAMES:
+                metrics.whatsapp_failures.set_total(stats.failures[name], name)
+            metrics.whatsapp_templates.set_total(stats.templates)
+            metrics.whatsapp_bad_signatures.set_total(stats.bad_signatures)
+            metrics.whatsapp_held.set(await store.held_count())
+
+        metrics.on_scrape("whatsapp", refresh)
+        return channel
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob

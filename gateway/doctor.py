@@ -411,6 +411,11 @@ async def check_channels(settings: Settings) -> list[Finding]:
                     "set GATEWAY_CHANNELS__SLACK__SIGNING_SECRET",
                 )
             )
+    matrix = settings.channels.matrix
+    if matrix.enabled:
+        findings.extend(await _matrix_findings(settings))
+    if settings.channels.whatsapp.enabled:
+        findings.extend(await _whatsapp_findings(settings))
     for job, target in settings.undeliverable_heartbeats():
         channel = target.partition(":")[0]
         findings.append(
@@ -438,6 +443,76 @@ async def _slack_identity(settings: Settings, token: str, app_token: str | None)
     return await check_credentials(
         settings.channels.slack, token, app_token=app_token if socket else None
     )
+
+
+async def _matrix_findings(settings: Settings) -> list[Finding]:
+    """The Matrix account: settings present, the homeserver reachable, the token logged in
+    as `user_id`."""
+    matrix = settings.channels.matrix
+    missing = [
+        (what, fix)
+        for what, fix, present in (
+            (
+                "homeserver",
+                "set channels.matrix.homeserver (e.g. https://matrix.example.org)",
+                matrix.homeserver,
+            ),
+            ("user_id", "set channels.matrix.user_id (e.g. @gateway:example.org)", matrix.user_id),
+            (
+                "access token",
+                "set GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN (docs/matrix.md)",
+                matrix.resolved_token(),
+            ),
+        )
+        if not present
+    ]
+    if missing:
+        return [
+            Finding("fail", f"matrix is enabled without its {what}", fix) for what, fix in missing
+        ]
+    from channels.matrix import check_credentials
+
+    token = matrix.resolved_token() or ""
+    return [await _remote_check("matrix", check_credentials(matrix, token))]
+
+
+async def _whatsapp_findings(settings: Settings) -> list[Finding]:
+    """WhatsApp: the numbers, the webhook's verify token and app secret set, and the
+    Graph API token valid for every number."""
+    wa = settings.channels.whatsapp
+    prefix = "GATEWAY_CHANNELS__WHATSAPP__"
+    missing = [
+        Finding("fail", f"whatsapp is enabled without {what}", fix)
+        for what, fix, present in (
+            (
+                "phone_number_ids",
+                'set channels.whatsapp.phone_number_ids = ["<id>"] (WhatsApp Manager > API Setup)',
+                wa.phone_number_ids,
+            ),
+            (
+                "the webhook's verify token",
+                f"set {prefix}VERIFY_TOKEN to the token typed in the App Dashboard",
+                wa.verify_token and wa.verify_token.get_secret_value(),
+            ),
+            (
+                "the app secret",
+                f"set {prefix}APP_SECRET (App Dashboard > App settings > Basic); every "
+                "delivery is checked against it",
+                wa.app_secret and wa.app_secret.get_secret_value(),
+            ),
+            (
+                "an access token",
+                f"set {prefix}ACCESS_TOKEN to a system user's token (docs/whatsapp.md)",
+                wa.resolved_token(),
+            ),
+        )
+        if not present
+    ]
+    if missing:
+        return missing
+    from channels.whatsapp import check_credentials
+
+    return [await _remote_check("whatsapp", check_credentials(wa, wa.resolved_token() or ""))]
 
 
 async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:

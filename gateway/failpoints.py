@@ -12,7 +12,9 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
 
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
 before the user's message is stored, before the reply is recorded in the outbox, before
-it is sent, and before the message is marked answered.
+it is sent, and before the message is marked answered; and, for the Matrix channel, just
+before and just after a batch's since token is stored (the kill test's worst moments);
+and, for WhatsApp's webhook, a message journaled, its delivery not yet answered 200.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ POINTS = frozenset(
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",
+        # Matrix's sync loop, around storing a batch's since token (its confirmation).
+        "matrix.before_cursor",
+        "matrix.after_cursor",
+        # A WhatsApp message journaled, its webhook delivery not yet answered 200.
+        "whatsapp.before_ack",
     }
 )
 ENV = "GATEWAY_FAILPOINTS"

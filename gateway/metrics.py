@@ -18,6 +18,8 @@ the start (at 0), so a rate or an alert has a series before the first event. The
 - llm error kind: LLMError | LLMConfigError
 - consolidation outcome: ok | failed | skipped
 - connection drop reason: header_timeout | body_timeout | over_limit | idle_evicted
+- WhatsApp status: sent | delivered | read | failed; WhatsApp failure: re_engagement
+  (131047) | undeliverable (131026) | throughput (130429, 131056, 80007, 4) | other
 
 Token usage (`gateway_llm_calls_total`, `gateway_llm_tokens_total`,
 `gateway_llm_cost_usd_total`) appears per channel and model once used: its `kind` is
@@ -296,6 +298,30 @@ class Metrics:
             "A model provider's circuit breaker in this process: 0 closed, 1 half-open "
             "(one request tries it), 2 open (skipped).",
             ("provider",),
+            registry=registry,
+        )
+        self.whatsapp_statuses = self._mirror(
+            "gateway_whatsapp_statuses_total",
+            "WhatsApp status callbacks that moved a sent message on, by status.",
+            ("status",),
+        )
+        self.whatsapp_failures = self._mirror(
+            "gateway_whatsapp_failures_total",
+            "WhatsApp messages that failed (refused when sent, or a failed status), by error.",
+            ("error",),
+        )
+        self.whatsapp_templates = self._mirror(
+            "gateway_whatsapp_template_sends_total",
+            "Replies outside WhatsApp's 24-hour window sent as the configured template.",
+        )
+        self.whatsapp_bad_signatures = self._mirror(
+            "gateway_whatsapp_bad_signatures_total",
+            "WhatsApp webhook deliveries refused for a missing or wrong X-Hub-Signature-256.",
+        )
+        self.whatsapp_held = Gauge(
+            "gateway_whatsapp_held_replies",
+            "WhatsApp replies kept as undeliverable (outside the window without a template, "
+            "or refused); the admin page lists them.",
             registry=registry,
         )
         self.build_info = Gauge(

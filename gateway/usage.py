@@ -419,7 +419,7 @@ def _merged(a: UsageRow, b: UsageRow) -> UsageRow:
 
 
 class PostgresUsageLedger:
-    """The shared mode's ledger (`gw_usage`, migrations 0007 and 0012): replicas add to
+    """The shared mode's ledger (`gw_usage`, migrations 0007 and 0014): replicas add to
     the same totals, so a budget holds across them."""
 
     def __init__(self, pool: Any) -> None:

@@ -103,7 +103,7 @@ class AdminSources:
     health: HealthState
     sessions: SessionManager
     pairing: PairingBackend
-    pairing_channels: tuple[str, ...] = ("telegram", "slack")
+    pairing_channels: tuple[str, ...] = ("telegram", "slack", "matrix")
     memory: MemoryBackend | None = None
     cache: SemanticCache | None = None
     #: Sends a message to a channel (the daemon's `deliver`), for approval notices.
@@ -115,6 +115,9 @@ class AdminSources:
     providers: Callable[[], Sequence[BreakerStatus]] | None = None
     #: Where the state lives, for the header ("workspace files", a redacted URL).
     storage: str = "workspace files"
+    #: Replies a channel keeps as undeliverable (WhatsApp outside its 24-hour window),
+    #: newest first; the overview lists them under a marker.
+    undeliverable: Callable[[], Awaitable[Sequence[Any]]] | None = None
 
 
 def _templates() -> jinja2.Environment:
@@ -373,11 +376,18 @@ class AdminPage:
 
     # ------------------------------------------------------------------ overview
 
-    def _live_context(self) -> dict[str, Any]:
+    async def _live_context(self) -> dict[str, Any]:
         src = self.sources
         readiness = src.health.readiness()
         stats = src.dispatcher_stats() if src.dispatcher_stats is not None else None
+        undeliverable: Sequence[Any] = []
+        if src.undeliverable is not None:
+            try:
+                undeliverable = await src.undeliverable()
+            except Exception as exc:  # a page that shows the rest beats an error page
+                logger.warning("admin: undeliverable replies not read: {!r}", exc)
         return {
+            "undeliverable": undeliverable,
             "readiness": readiness,
             "live": src.turns.snapshot(),
             "queued": stats.queued_total if stats is not None else 0,
@@ -387,10 +397,10 @@ class AdminPage:
         }
 
     async def overview(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
-        return await self._render("overview.html", request, login, **self._live_context())
+        return await self._render("overview.html", request, login, **await self._live_context())
 
     async def live(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
-        return await self._render("live.html", request, login, **self._live_context())
+        return await self._render("live.html", request, login, **await self._live_context())
 
     # ------------------------------------------------------------------ sessions
 
