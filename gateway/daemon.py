@@ -21,14 +21,16 @@ from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.memory_tools import memory_tools
 from gateway.agent.subagents import SubagentLimits, Subagents
 from gateway.agent.toolset import build_mcp, build_tools
-from gateway.agent.windows import ContextWindows, window_probe
+from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket, enrich_for_turn
 from gateway.config import AccessSection, ConfigError, Settings
 from gateway.dedupe import dedupe_key
 from gateway.gcpolicy import GCPolicy
-from gateway.llm.credentials import check_credentials
-from gateway.llm.openai_provider import OpenAIProvider
+from gateway.llm.breaker import CircuitBreaker
+from gateway.llm.credentials import check_provider_credentials
+from gateway.llm.failover import FailoverProvider, Route, RouteTable
+from gateway.llm.openai_provider import OpenAIProvider, display_url
 from gateway.llm.types import DEFAULT_CONTEXT_WINDOW, LLMProvider
 from gateway.media import FileSource
 from gateway.media.build import build_media
@@ -43,6 +45,8 @@ from gateway.usage import MeteredProvider, UsageMeter
 from gateway.workspace import cannot_write, write_denied
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from gateway.access import ChannelAccessPolicy, PairingBackend
     from gateway.agent.mcp import MCPServers, ServerState
     from gateway.dedupe import DedupeStore
@@ -52,21 +56,61 @@ if TYPE_CHECKING:
     from gateway.workspace import WorkspaceLock
 
 
-def build_provider(settings: Settings) -> LLMProvider:
-    """The OpenAI-compatible provider; raises LLMConfigError saying what to set."""
+def route_table(settings: Settings) -> RouteTable:
+    """Which (provider, model) routes answer each model name (`[llm] chain`, aliases)."""
     llm = settings.llm
-    api_key = llm.resolved_api_key()
-    check_credentials(llm.base_url, api_key)
-    return OpenAIProvider(
-        base_url=llm.base_url,
-        api_key=api_key,
+    aliases = {
+        alias: [Route(provider, model) for provider, model in routes]
+        for alias, routes in llm.alias_routes().items()
+    }
+    serves = {name: p.models for name, p in llm.used_providers().items()}
+    return RouteTable(llm.chain, aliases=aliases, serves=serves)
+
+
+def build_provider(settings: Settings) -> FailoverProvider:
+    """Every configured OpenAI-compatible server, each behind its circuit breaker, in
+    the failover of `[llm]` (one provider, "default", when nothing more is configured);
+    raises LLMConfigError saying what to set."""
+    llm = settings.llm
+    table = route_table(settings)
+    used = llm.used_providers()
+    several = len(used) > 1
+    providers: dict[str, LLMProvider] = {}
+    breakers: dict[str, CircuitBreaker] = {}
+    for name, section in used.items():
+        api_key = section.resolved_api_key()
+        check_provider_credentials(name, section.base_url, api_key)
+        # What this provider calls the default model (its fallback after a /model one).
+        mine = [r.model for r in table.routes(llm.model) if r.provider == name]
+        provider = OpenAIProvider(
+            base_url=section.base_url,
+            api_key=api_key,
+            model=mine[0] if mine else llm.model,
+            fallback_models=section.fallback_models,
+            timeout=section.timeout or llm.timeout,
+            connect_timeout=section.connect_timeout,
+            max_retries=llm.max_retries if section.max_retries is None else section.max_retries,
+            # Alone, a provider's long Retry-After is waited out as it always was.
+            long_retry_after=llm.failover.long_retry_after_seconds if several else None,
+            default_temperature=llm.temperature,
+            default_max_tokens=llm.max_tokens,
+            default_tool_choice=llm.tool_choice,
+            # With others to ask, the chain says what comes after a model, not this.
+            falls_back_to_model=not several,
+        )
+        providers[name] = provider
+        breakers[name] = CircuitBreaker(
+            name,
+            where=display_url(provider.base_url),
+            failures_to_open=llm.failover.failures_to_open,
+            cooldown=llm.failover.cooldown_seconds,
+        )
+    return FailoverProvider(
+        providers,
+        table,
         model=llm.model,
-        fallback_models=llm.fallback_models,
-        timeout=llm.timeout,
-        max_retries=llm.max_retries,
-        default_temperature=llm.temperature,
-        default_max_tokens=llm.max_tokens,
-        default_tool_choice=llm.tool_choice,
+        breakers=breakers,
+        long_retry_after=llm.failover.long_retry_after_seconds,
     )
 
 
@@ -171,8 +215,13 @@ def build_usage_meter(settings: Settings) -> UsageMeter:
     prices = {
         name: Price(p.prompt, p.completion, p.per_minute) for name, p in section.prices.items()
     }
+    by_provider = {
+        provider: {name: Price(p.prompt, p.completion, p.per_minute) for name, p in own.items()}
+        for provider, own in ((n, s.prices) for n, s in settings.llm.providers.items())
+        if own
+    }
     budgets = Budgets(section.conversation_tokens_per_day, section.tokens_per_day)
-    return UsageMeter(ledger, PriceTable(prices), budgets)
+    return UsageMeter(ledger, PriceTable(prices, by_provider), budgets)
 
 
 def agent_config(settings: Settings) -> AgentConfig:
@@ -380,7 +429,9 @@ class Gateway:
         provider: LLMProvider = MeteredProvider(build_provider(settings), usage)
         # Which context window each model is used with: one view for turns and upkeep.
         windows = ContextWindows(
-            configured=settings.llm.context_window, probe=window_probe(provider)
+            configured=settings.llm.context_window,
+            probe=window_probe(provider),
+            routes=window_routes(provider),
         )
         cache = build_cache(settings)
         memory, consolidator = build_memory(settings, sessions, provider, windows)
@@ -706,6 +757,7 @@ class Daemon:
             turns=TurnWindow(),
             dispatcher_stats=self.dispatcher.stats,
             llm_errors=self.gateway.agent.llm_errors,
+            providers=getattr(self.gateway.provider, "statuses", None),
             storage=f"shared, {redact_url(url)}" if url else "workspace files",
         )
         token = secret_value(settings.http.admin_token) or secret_value(settings.http.token)
@@ -848,6 +900,9 @@ class Daemon:
             metrics.watch_cache(self.gateway.cache)
         metrics.queue_depth.set_function(lambda: self.dispatcher.stats().queued_total)
         metrics.inflight_turns.set_function(lambda: self.dispatcher.stats().in_flight)
+        statuses = getattr(self.gateway.provider, "statuses", None)  # the failover's
+        if statuses is not None:
+            metrics.mirror_providers(statuses())
 
         async def refresh_counters() -> None:
             stats = self.dispatcher.stats()
@@ -863,6 +918,8 @@ class Daemon:
             for kind, count in self.gateway.agent.llm_errors.items():
                 metrics.llm_errors.set_total(count, kind)
             metrics.memory_search_incomplete.set_total(self.gateway.agent.incomplete_recalls)
+            if statuses is not None:
+                metrics.mirror_providers(statuses())
             consolidator = self.gateway.consolidator
             if consolidator is not None:
                 done = consolidator.stats
@@ -1026,41 +1083,61 @@ class Daemon:
                 await self.gateway.aclose()
 
     async def _check_model(self) -> None:
-        """Report on /readyz, every `MODEL_CHECK_INTERVAL` seconds, whether the model
+        """Report on /readyz, every `MODEL_CHECK_INTERVAL` seconds, whether each model
         server answers at all (``GET <base URL>/models``): shown under `degraded`, not
         fatal, as the cache is (a replica leaving the load balancer does not bring the
-        model back; the turns meanwhile answer that the model is unreachable). Any HTTP
-        answer counts as answering; a refused connection, a time-out or a 5xx does not."""
+        model back; the turns meanwhile answer that the model is unreachable, or go to
+        the next provider). Any HTTP answer counts as answering; a refused connection, a
+        time-out or a 5xx does not. One provider is the component "model", as before
+        failover; several are "model:NAME" each."""
         import aiohttp
 
         from gateway.llm.openai_provider import display_url
 
-        llm = self.gateway.settings.llm
-        base = (llm.base_url or "https://api.openai.com/v1").rstrip("/")
-        where = display_url(base)
-        key = llm.resolved_api_key()
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        component = self.health.component("model", required=False)
+        used = self.gateway.settings.llm.used_providers()
         timeout = aiohttp.ClientTimeout(total=self.MODEL_CHECK_TIMEOUT)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            while True:
-                problem = ""
-                try:
-                    async with http.get(f"{base}/models", headers=headers) as response:
-                        if response.status >= 500:
-                            problem = f"answers HTTP {response.status}"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    problem = f"does not answer ({type(exc).__name__}: {exc})".replace(" ()", "")
-                if problem:
-                    component.healthy(
-                        False,
-                        f"the model server at {where} {problem}",
-                        fix="start it, or fix OPENAI_BASE_URL; `gateway doctor` checks it",
-                    )
-                else:
-                    component.healthy(True, where)
-                self.metrics.component_healthy.labels("model").set(0 if problem else 1)
-                await anyio.sleep(self.MODEL_CHECK_INTERVAL)
+        async with aiohttp.ClientSession(timeout=timeout) as http, anyio.create_task_group() as tg:
+            for name, provider in used.items():
+                base = (provider.base_url or "https://api.openai.com/v1").rstrip("/")
+                key = provider.resolved_api_key()
+                component = "model" if len(used) == 1 else f"model:{name}"
+                fix = (
+                    "start it, or fix OPENAI_BASE_URL; `gateway doctor` checks it"
+                    if name == "default"
+                    else f"start it, or fix llm.providers.{name}.base_url; `gateway doctor` "
+                    "checks it"
+                )
+                tg.start_soon(
+                    self._check_one_model, http, component, base, display_url(base), key, fix
+                )
+
+    async def _check_one_model(
+        self,
+        http: aiohttp.ClientSession,
+        name: str,
+        base: str,
+        where: str,
+        key: str | None,
+        fix: str,
+    ) -> None:
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        component = self.health.component(name, required=False)
+        while True:
+            problem = ""
+            try:
+                async with http.get(f"{base}/models", headers=headers) as response:
+                    if response.status >= 500:
+                        problem = f"answers HTTP {response.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                problem = f"does not answer ({type(exc).__name__}: {exc})".replace(" ()", "")
+            if problem:
+                component.healthy(False, f"the model server at {where} {problem}", fix=fix)
+            else:
+                component.healthy(True, where)
+            self.metrics.component_healthy.labels(name).set(0 if problem else 1)
+            await anyio.sleep(self.MODEL_CHECK_INTERVAL)
 
     async def _check_storage(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

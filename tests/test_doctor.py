@@ -321,6 +321,58 @@ def test_a_config_readable_by_others_in_the_workspace_is_fine(
     assert "hunter2secret" not in leaky.stdout
 
 
+def test_each_provider_of_the_chain_is_checked(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+    env = base_env(tmp_path) | {
+        "GATEWAY_LLM__CHAIN": '["primary", "backup"]',
+        "GATEWAY_LLM__PROVIDERS__PRIMARY__BASE_URL": dead,
+        "GATEWAY_LLM__PROVIDERS__BACKUP__BASE_URL": fake_openai_thread.base_url,
+        "GATEWAY_LLM__PROVIDERS__BACKUP__API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_LLM__PROVIDERS__SPARE__BASE_URL": fake_openai_thread.base_url,
+    }
+    out = doctor(env, tmp_path)
+    assert out.returncode == 1
+    assert (
+        f"FAIL  provider primary: LLM endpoint {dead} is not reachable\n"
+        "      fix: start the server or fix llm.providers.primary.base_url"
+    ) in out.stdout
+    assert (
+        f"ok    provider backup: LLM endpoint {fake_openai_thread.base_url} answers; "
+        "model gpt-4o-mini is available"
+    ) in out.stdout
+    assert "ok    provider backup: context window for gpt-4o-mini: 32,768 tokens" in out.stdout
+    assert "warn  llm.providers.spare is configured but never asked" in out.stdout
+    # [llm]'s own server is not in the chain: it is neither needed nor checked.
+    assert "api.openai.com" not in out.stdout and "OPENAI_API_KEY" not in out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_a_provider_without_its_key_is_named_before_anything_starts(tmp_path: Path) -> None:
+    env = base_env(tmp_path) | {
+        "GATEWAY_LLM__CHAIN": '["primary"]',
+        "GATEWAY_LLM__PROVIDERS__PRIMARY__BASE_URL": "https://api.openai.com/v1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "chat", "-m", "hi"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 78
+    assert (
+        "llm.providers.primary: no API key; set GATEWAY_LLM__PROVIDERS__PRIMARY__API_KEY, "
+        "or api_key_file"
+    ) in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def discord_env(tmp_path: Path, llm: FakeOpenAI, fake: FakeDiscord, token: str) -> dict[str, str]:
     return base_env(tmp_path) | {
         "OPENAI_BASE_URL": llm.base_url,

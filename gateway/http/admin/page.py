@@ -1,11 +1,12 @@
 """The operator's web page under `/admin` on the daemon's HTTP port.
 
-Pages: the overview (channel health and a live view of turns, refreshed by htmx
-without a reload), sessions (search, sort, counts), one session (its tree and the
-transcript of its current branch), the memory of a scope, pairing requests (approve,
-revoke) and the response cache (statistics, invalidate). Everything is read through the
-stores the daemon runs on (`SessionManager`, `MemoryBackend`, `PairingBackend`,
-`SemanticCache`), so in the shared mode every replica shows the same.
+Pages: the overview (channel health, each model provider's circuit breaker and a live
+view of turns, refreshed by htmx without a reload), sessions (search, sort, counts), one
+session (its tree and the transcript of its current branch), the memory of a scope,
+pairing requests (approve, revoke) and the response cache (statistics, invalidate).
+Everything is read through the stores the daemon runs on (`SessionManager`,
+`MemoryBackend`, `PairingBackend`, `SemanticCache`), so in the shared mode every replica
+shows the same; the breakers are this replica's own.
 
 Invariants (tested in tests/test_admin_http.py and tests/test_admin_browser.py):
 - Every page needs a login (the cookie of the login form, or the bearer header);
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from gateway.cache import SemanticCache
     from gateway.dispatch import DispatcherStats
     from gateway.http.server import HttpServer
+    from gateway.llm.breaker import BreakerStatus
     from gateway.memory.protocol import MemoryBackend
     from gateway.sessions import SessionManager
 
@@ -109,6 +111,8 @@ class AdminSources:
     turns: TurnWindow = field(default_factory=TurnWindow)
     dispatcher_stats: Callable[[], DispatcherStats] | None = None
     llm_errors: Mapping[str, int] = field(default_factory=dict)
+    #: Each model provider's circuit breaker (the failover's `statuses`), this replica's.
+    providers: Callable[[], Sequence[BreakerStatus]] | None = None
     #: Where the state lives, for the header ("workspace files", a redacted URL).
     storage: str = "workspace files"
     #: Replies a channel keeps as undeliverable (WhatsApp outside its 24-hour window),
@@ -389,6 +393,7 @@ class AdminPage:
             "queued": stats.queued_total if stats is not None else 0,
             "in_flight": stats.in_flight if stats is not None else 0,
             "llm_errors": dict(src.llm_errors),
+            "providers": list(src.providers()) if src.providers is not None else [],
         }
 
     async def overview(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
