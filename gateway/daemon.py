@@ -531,6 +531,7 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
         "slack": settings.channels.slack,
         "matrix": settings.channels.matrix,
         "whatsapp": settings.channels.whatsapp,
+        "discord": settings.channels.discord,
     }
     return {
         name: ChannelAccessPolicy(
@@ -710,6 +711,8 @@ class Daemon:
             self.add_channel(self._matrix_channel())
         if settings.channels.whatsapp.enabled:
             self.add_channel(self._whatsapp_channel())
+        if settings.channels.discord.enabled:
+            self.add_channel(self._discord_channel())
 
     # ----------------------------------------------------------------- assembly
 
@@ -819,6 +822,29 @@ class Daemon:
 
         metrics.on_scrape("whatsapp", refresh)
         return channel
+
+    def _discord_channel(self) -> Channel:
+        """The Discord channel, its read positions a cursor in the workspace, or in
+        PostgreSQL under the "discord gateway" role that one replica holds (it holds the
+        Gateway connection and reads back; every replica sends replies)."""
+        from channels.discord import DiscordChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
+
+        settings = self.gateway.settings
+        lead: Lead
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            lead = lead_as(self.router.store.url, "discord gateway")
+        else:
+            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        section = settings.channels.discord
+        return DiscordChannel(
+            section,
+            token=section.resolved_token() or "",
+            lead=lead,
+            replicas=self.router is not None,
+        )
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob

@@ -81,6 +81,7 @@ def check_workspace(
 _SECRET_SHAPES = re.compile(
     r"\bsk-[A-Za-z0-9_-]{16,}|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bxapp-[A-Za-z0-9-]{10,}"
     r"|\b\d{6,}:[A-Za-z0-9_-]{30,}|://[^/\s:@]+:[^/\s@]+@"
+    r"|\b[MNO][A-Za-z0-9_-]{22,27}\.[A-Za-z0-9_-]{6,7}\.[A-Za-z0-9_-]{27,}"
 )
 
 
@@ -416,6 +417,8 @@ async def check_channels(settings: Settings) -> list[Finding]:
         findings.extend(await _matrix_findings(settings))
     if settings.channels.whatsapp.enabled:
         findings.extend(await _whatsapp_findings(settings))
+    if settings.channels.discord.enabled:
+        findings += await check_discord(settings)
     for job, target in settings.undeliverable_heartbeats():
         channel = target.partition(":")[0]
         findings.append(
@@ -513,6 +516,53 @@ async def _whatsapp_findings(settings: Settings) -> list[Finding]:
     from channels.whatsapp import check_credentials
 
     return [await _remote_check("whatsapp", check_credentials(wa, wa.resolved_token() or ""))]
+
+
+async def check_discord(settings: Settings) -> list[Finding]:
+    """The bot token (logged in through the HTTP API), the Message Content intent
+    enabled for the app when the bot asks for it, and the Gateway answering."""
+    section = settings.channels.discord
+    token = section.resolved_token()
+    if not token:
+        return [
+            Finding(
+                "fail",
+                "discord is enabled without a bot token",
+                "set GATEWAY_CHANNELS__DISCORD__TOKEN (Developer Portal > Bot > Reset Token)",
+            )
+        ]
+    from channels.discord import check_credentials
+
+    try:
+        with anyio.fail_after(30):
+            found = await check_credentials(section, token)
+    except Exception as exc:
+        return [Finding("fail", f"discord credentials were not accepted: {exc}")]
+    findings = [Finding("ok", f"discord credentials work: {found.identity}")]
+    if section.message_content and not found.message_content_enabled:
+        findings.append(
+            Finding(
+                "fail",
+                "discord: the Message Content intent is not enabled for the app; the "
+                "Gateway would refuse the bot (close code 4014)",
+                "Developer Portal > your app > Bot > Privileged Gateway Intents > Message "
+                "Content Intent, or set channels.discord.message_content = false (the bot "
+                "then reads only DMs and messages that mention it)",
+            )
+        )
+    elif section.message_content:
+        findings.append(Finding("ok", "discord: the Message Content intent is enabled"))
+    if found.gateway_problem:
+        findings.append(
+            Finding(
+                "fail",
+                f"discord: {found.gateway_problem}",
+                "check the network, or channels.discord.gateway_url",
+            )
+        )
+    else:
+        findings.append(Finding("ok", "discord: the Gateway answers"))
+    return findings
 
 
 async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:
