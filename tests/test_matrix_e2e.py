@@ -1,0 +1,334 @@
+"""End-to-end encrypted Matrix rooms: the real daemon with encryption on (matrix-nio over
+vodozemac), a real Synapse, and people whose own encrypting clients (tests/matrix_peer.py:
+nio with a device and crypto store of their own) write to the bot and read its replies
+by decrypting them."""
+
+from __future__ import annotations
+
+import functools
+import stat
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from channels.matrix import MatrixChannel, Pacing
+from channels.matrix.channel import UNREADABLE_NOTICE
+from gateway.config import Settings
+from gateway.cursors import STATE_DIR
+from tests.fakes.openai_server import FakeOpenAI
+from tests.matrix_peer import Peer, start_peer
+from tests.synapse_server import Synapse
+from tests.test_matrix import dm_room, gateway, wait_bot_messages
+
+pytestmark = pytest.mark.anyio
+
+
+async def call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await anyio.to_thread.run_sync(functools.partial(func, *args, **kwargs))
+
+
+@pytest.fixture
+async def peers(synapse: Synapse, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    made: list[Peer] = []
+
+    async def make() -> Peer:
+        user = synapse.register()
+        peer = await start_peer(synapse, user, tmp_path / "peers" / user.user_id)
+        made.append(peer)
+        return peer
+
+    try:
+        yield make
+    finally:
+        for peer in made:
+            await peer.stop()
+
+
+def raw_events(synapse: Synapse, peer: Peer, room: str) -> list[dict[str, Any]]:
+    """What the homeserver holds of the room's messages (encrypted or not)."""
+    import json
+    import urllib.parse
+
+    query = urllib.parse.urlencode(
+        {
+            "dir": "b",
+            "limit": 1000,
+            "filter": json.dumps({"types": ["m.room.message", "m.room.encrypted"]}),
+        }
+    )
+    answer = synapse.request(
+        "GET",
+        f"/_matrix/client/v3/rooms/{urllib.parse.quote(room)}/messages?{query}",
+        token=peer.user.access_token,
+    )
+    return list(reversed(answer.get("chunk") or []))
+
+
+async def test_an_encrypted_direct_room_is_answered_in_encrypted_formatted_replies(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    bot = synapse.register()
+    alice = await peers()
+    fake_openai.add_reply("Hello **Alice**!")
+    async with gateway(make_settings, fake_openai, synapse, bot) as gw:
+        room = await alice.encrypted_room([bot.user_id])
+        await alice.wait_member(room, bot.user_id)
+        asked = await alice.send(room, "hi, secretly")
+        [reply] = await alice.wait_messages(room, bot.user_id, 1)
+    assert reply.encrypted
+    assert reply.content["body"] == "Hello **Alice**!"
+    assert reply.content["formatted_body"] == "Hello <strong>Alice</strong>!"
+    assert reply.content["m.relates_to"] == {"m.in_reply_to": {"event_id": asked}}
+    assert fake_openai.last_request.last_user_text == "hi, secretly"
+    # Nothing the bot said went out in clear; the relation stays readable outside.
+    held = [e for e in await call(raw_events, synapse, alice, room) if e["sender"] == bot.user_id]
+    assert [e["type"] for e in held] == ["m.room.encrypted"]
+    assert held[0]["content"]["m.relates_to"] == {"m.in_reply_to": {"event_id": asked}}
+    assert "Alice" not in str(held[0]["content"])
+    # The device's crypto store is a private file of the workspace.
+    channel = gw.channel
+    assert isinstance(channel, MatrixChannel)
+    [state] = list((gw.settings.workspace_path / STATE_DIR).iterdir())
+    assert "matrix-crypto" in state.name
+    assert stat.S_IMODE(state.stat().st_mode) == 0o600
+    assert stat.S_IMODE(state.parent.stat().st_mode) == 0o700
+
+
+async def test_a_message_whose_key_comes_late_waits_for_it_in_order_and_others_go_on(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    """The room key of two messages reaches the bot seconds after them (a slow client,
+    federation): they wait for it, in order, and are answered once it comes; the stored
+    since token does not pass them meanwhile, and another room is answered at once."""
+    bot, bob = synapse.register(), synapse.register()
+    alice = await peers()
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, channels__matrix__room_key_wait=60
+    ) as gw:
+        room = await alice.encrypted_room([bot.user_id])
+        await alice.wait_member(room, bot.user_id)
+        plain = await dm_room(synapse, bob, bot)
+        await alice.send(room, "before")
+        await alice.wait_messages(room, bot.user_id, 1)
+        first, key = await alice.send_without_key(room, "first, key late")
+        second = await alice.send(room, "second, same session")
+        await anyio.sleep(1.5)  # several /syncs: the key is not there
+        held = gw.channel.since
+        await call(synapse.send, bob, plain, "meanwhile elsewhere")
+        await wait_bot_messages(synapse, bob, plain, bot, 1)
+        await anyio.sleep(1.5)
+        assert len(alice.messages(room, bot.user_id)) == 1  # nothing answered yet
+        assert gw.channel.since == held  # the stored token waits for them
+        await alice.release(key)
+        replies = await alice.wait_messages(room, bot.user_id, 3)
+        await anyio.sleep(1.0)
+        replies = alice.messages(room, bot.user_id)
+        assert gw.channel.since != held
+    assert [r.body for r in replies] == [
+        "echo: before",
+        "echo: first, key late",
+        "echo: second, same session",
+    ]
+    assert replies[1].content["m.relates_to"] == {"m.in_reply_to": {"event_id": first}}
+    assert replies[2].content["m.relates_to"] == {"m.in_reply_to": {"event_id": second}}
+
+
+async def test_a_message_whose_key_never_comes_is_answered_once_with_why(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    bot = synapse.register()
+    alice = await peers()
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, channels__matrix__room_key_wait=2
+    ) as gw:
+        room = await alice.encrypted_room([bot.user_id])
+        await alice.wait_member(room, bot.user_id)
+        lost, _ = await alice.send_without_key(room, "you will never read this")
+        await alice.send(room, "nor this (same session)")
+        [notice] = await alice.wait_messages(room, bot.user_id, 1, seconds=20)
+        alice.forget_session(room)  # a new session, shared as usual
+        await alice.send(room, "but this")
+        replies = await alice.wait_messages(room, bot.user_id, 2)
+        await anyio.sleep(1.5)
+        replies = alice.messages(room, bot.user_id)
+        stored = session_file(gw.settings, f"matrix:{room}")
+    assert [r.body for r in replies] == [UNREADABLE_NOTICE, "echo: but this"]  # told once
+    assert notice.content["msgtype"] == "m.notice" and notice.encrypted
+    assert notice.content["m.relates_to"] == {"m.in_reply_to": {"event_id": lost}}
+    assert "never read" not in stored and "but this" in stored
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["but this"]
+
+
+async def test_the_device_and_its_keys_survive_a_restart(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    """What the device learnt (its account, the room keys people shared with it) is in
+    the workspace: after a restart the same device decrypts the same session's next
+    messages, including one sent while it was down, and makes no new keys."""
+    bot = synapse.register()
+    alice = await peers()
+    async with gateway(make_settings, fake_openai, synapse, bot) as gw:
+        room = await alice.encrypted_room([bot.user_id])
+        await alice.wait_member(room, bot.user_id)
+        await alice.send(room, "one")
+        await alice.wait_messages(room, bot.user_id, 1)
+        crypto = gw.channel._crypto
+        assert crypto is not None
+        identity = crypto.olm.account.identity_keys
+    await alice.send(room, "two, while it is down")
+    async with gateway(make_settings, fake_openai, synapse, bot) as gw:
+        await alice.send(room, "three")
+        replies = await alice.wait_messages(room, bot.user_id, 3)
+        crypto = gw.channel._crypto
+        assert crypto is not None and crypto.olm.account.identity_keys == identity
+    assert [r.body for r in replies] == ["echo: one", "echo: two, while it is down", "echo: three"]
+    assert alice.undecryptable == []
+
+
+def session_file(settings: Settings, key: str) -> str:
+    from gateway.sessions.keys import encode_key
+
+    return (settings.sessions_dir / f"{encode_key(key)}.jsonl").read_text()
+
+
+async def test_streamed_replies_and_edits_in_an_encrypted_room(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    """Streaming previews and their replacements go out encrypted (the replacement's
+    relation readable outside, as the spec wants); the person's edits are decrypted: an
+    edit of the latest message re-runs the turn, one of an older message is told so."""
+    from gateway.agent.rewind import OLD_EDIT_TEXT
+    from tests.test_matrix import edit_content
+
+    bot = synapse.register()
+    alice = await peers()
+    words = " ".join(f"word{i}" for i in range(40))
+    fake_openai.add_reply(words, chunk_delay=0.04)
+    async with gateway(
+        make_settings,
+        fake_openai,
+        synapse,
+        bot,
+        pacing=Pacing(stream_interval=0.3),
+        llm__stream=True,
+        channels__matrix__streaming=True,
+    ):
+        room = await alice.encrypted_room([bot.user_id])
+        await alice.wait_member(room, bot.user_id)
+        first = await alice.send(room, "stream it")
+        await alice.wait(
+            lambda: any(
+                m.content.get("m.new_content", {}).get("body") == words
+                for m in alice.messages(room, bot.user_id)
+            )
+        )
+        streamed = alice.messages(room, bot.user_id)
+        second = await alice.send(room, "whats 2+3")
+        count = len(streamed) + 1
+        await alice.wait_messages(room, bot.user_id, count)
+        await alice.send(room, edit_content(second, "what's 2+2"))
+        await alice.wait_messages(room, bot.user_id, count + 1)
+        await alice.send(room, edit_content(first, "stream it again"))
+        await alice.wait_messages(room, bot.user_id, count + 2)
+        await anyio.sleep(0.5)
+        said = alice.messages(room, bot.user_id)
+        held = await call(raw_events, synapse, alice, room)
+        raw = [e for e in held if e["sender"] == bot.user_id]
+    shown = streamed[0]
+    assert shown.content["m.relates_to"] == {"m.in_reply_to": {"event_id": first}}
+    edits = streamed[1:]
+    assert len(edits) >= 2
+    assert all(
+        e.content["m.relates_to"] == {"rel_type": "m.replace", "event_id": shown.event_id}
+        for e in edits
+    )
+    assert edits[-1].content["m.new_content"]["body"] == words
+    assert [m.body for m in said[len(streamed) :]] == [
+        "echo: whats 2+3",
+        "echo: what's 2+2",
+        OLD_EDIT_TEXT,
+    ]
+    assert said[-2].content["m.relates_to"] == {"m.in_reply_to": {"event_id": second}}
+    assert all(m.encrypted for m in said)
+    assert {e["type"] for e in raw} == {"m.room.encrypted"}
+    replaced = [e for e in raw if e["content"].get("m.relates_to", {}).get("rel_type")]
+    assert len(replaced) == len(edits)  # the edits' relation is outside the ciphertext
+
+
+async def test_files_in_and_out_of_an_encrypted_room_and_typing_and_receipts(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    """A file someone sends is encrypted in the content repository: the bot decrypts it
+    for the model. A file the bot sends is encrypted before it is uploaded, and the
+    person's client decrypts it. Typing and read receipts are shown as in any room."""
+    import io
+
+    from nio import UploadResponse
+
+    from tests.test_matrix import Ephemeral, download
+
+    bot = synapse.register()
+    alice = await peers()
+    note = b"The secret word is PLUM."
+    csv = "city,temp\nParis,21\n"
+    fake_openai.add_delay(2.5, "reading it")
+    fake_openai.add_tool_call("send_file", {"name": "weather.csv", "content": csv})
+    fake_openai.add_reply("Here it is.")
+    async with gateway(make_settings, fake_openai, synapse, bot, agent__tools='["send_file"]'):
+        room = await alice.encrypted_room([bot.user_id])
+        await alice.wait_member(room, bot.user_id)
+        uploaded, keys = await alice.client.upload(
+            io.BytesIO(note), "text/plain", "note.txt", encrypt=True, filesize=len(note)
+        )
+        assert isinstance(uploaded, UploadResponse) and keys is not None
+        assert await call(download, synapse, alice.user, uploaded.content_uri) != note
+        seen = await call(Ephemeral(synapse, alice.user, room).poll)
+        sent = await alice.send(
+            room,
+            {
+                "msgtype": "m.file",
+                "body": "what does it say?",
+                "filename": "note.txt",
+                "info": {"mimetype": "text/plain", "size": len(note)},
+                "file": {"url": uploaded.content_uri, **keys},
+            },
+        )
+        with anyio.fail_after(10):
+            while bot.user_id not in (await call(seen.poll)).typing:  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+        assert seen.receipts.get(bot.user_id) == sent
+        await alice.wait_messages(room, bot.user_id, 1)
+        asked = fake_openai.last_request.last_user_text or ""
+        await alice.send(room, "weather as csv please")
+        text, sheet = (await alice.wait_messages(room, bot.user_id, 3))[1:]
+        file = sheet.content["file"]
+        ciphertext = await call(download, synapse, alice.user, file["url"])
+    assert "PLUM" in asked and "what does it say?" in asked
+    assert text.body == "Here it is."
+    assert "url" not in sheet.content and sheet.content["filename"] == "weather.csv"
+    assert ciphertext != csv.encode()
+    from nio.crypto.attachments import decrypt_attachment
+
+    plain = decrypt_attachment(ciphertext, file["key"]["k"], file["hashes"]["sha256"], file["iv"])
+    assert plain == csv.encode()
