@@ -259,6 +259,7 @@ class PeerThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self.peers: list[Peer] = []  # closed with the loop
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 

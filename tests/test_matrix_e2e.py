@@ -16,8 +16,11 @@ import pytest
 
 from channels.matrix import MatrixChannel, Pacing
 from channels.matrix.channel import UNREADABLE_NOTICE
-from gateway.config import Settings
+from gateway.access import Allow, Decision
+from gateway.config import MatrixSettings, Settings
 from gateway.cursors import STATE_DIR
+from gateway.dispatch import Ticket
+from gateway.messages import InboundMessage
 from tests.fakes.openai_server import FakeOpenAI
 from tests.matrix_peer import Peer, start_peer
 from tests.synapse_server import Synapse
@@ -332,3 +335,117 @@ async def test_files_in_and_out_of_an_encrypted_room_and_typing_and_receipts(
 
     plain = decrypt_attachment(ciphertext, file["key"]["k"], file["hashes"]["sha256"], file["iv"])
     assert plain == csv.encode()
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+class Replica:
+    """One replica's Matrix channel in the shared mode: the "matrix sync" role through
+    PostgreSQL, the relay, and a dispatcher stand-in that records what it took."""
+
+    def __init__(self, settings: MatrixSettings, token: str, url: str) -> None:
+        from gateway.cursors_pg import lead_as
+        from gateway.dedupe_pg import PostgresDedupeStore
+        from gateway.relay_pg import PostgresRelay
+
+        self.store = PostgresDedupeStore(url)
+        self.channel = MatrixChannel(settings, token=token)
+        self.channel.lead = lead_as(url, "matrix sync")
+        self.relay = PostgresRelay(self.store, "matrix sync")
+        self.channel.relay = self.relay
+        self.channel.invite_check = self._allow
+        self.took: list[InboundMessage] = []
+        self.scope = anyio.CancelScope()
+
+    async def _allow(self, message: InboundMessage) -> Decision:
+        return Allow()
+
+    async def submit(self, message: InboundMessage) -> Ticket:
+        self.took.append(message)
+        ticket = Ticket(message)
+        ticket._resolve(None)
+        return ticket
+
+    async def run(self) -> None:
+        with self.scope:
+            await self.channel.run(self.submit)
+
+    async def wait_took(self, count: int, seconds: float = 30) -> list[str]:
+        with anyio.fail_after(seconds):
+            while len(self.took) < count:  # noqa: ASYNC110 (polling a test recorder)
+                await anyio.sleep(0.05)
+        return [m.text for m in self.took]
+
+
+async def test_a_standby_replicas_reply_is_encrypted_by_the_leader_and_the_keys_fail_over(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+    migrated_pg_url: str,
+) -> None:
+    """Two replicas share one bot device. The leader holds its keys; a reply the standby
+    sends to an encrypted room is encrypted and sent by the leader (never in clear).
+    When the leader dies, the standby takes the role and the device's keys from
+    PostgreSQL: it reads the same Megolm session's next message and replies itself."""
+    import psycopg
+
+    from gateway.messages import OutboundMessage
+
+    bot = synapse.register()
+    alice = await peers()
+    settings = make_settings(
+        fake_openai,
+        channels__matrix__homeserver=synapse.url,
+        channels__matrix__user_id=bot.user_id,
+        channels__matrix__sync_timeout=1,
+    ).channels.matrix
+    first, second = (Replica(settings, bot.access_token, migrated_pg_url) for _ in range(2))
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first.run)
+            with anyio.fail_after(30):
+                await first.channel._crypto_ready.wait()  # it is the leader
+            tg.start_soon(second.run)
+            with anyio.fail_after(30):
+                await second.channel.live.wait()
+                await second.relay.listening.wait()
+            room = await alice.encrypted_room([bot.user_id])
+            await alice.wait_member(room, bot.user_id)
+            asked = await alice.send(room, "hello replicas")
+            assert await first.wait_took(1) == ["hello replicas"]
+            await second.channel.send(
+                OutboundMessage(
+                    "matrix", room, "from the standby", f"matrix:{room}", reply_to=asked
+                )
+            )
+            [reply] = await alice.wait_messages(room, bot.user_id, 1)
+            assert first.relay.served == 1 and second.channel._crypto is None
+            held = [
+                e
+                for e in await call(raw_events, synapse, alice, room)
+                if e["sender"] == bot.user_id
+            ]
+            with psycopg.connect(migrated_pg_url) as conn:
+                blobs = conn.execute("SELECT name FROM gw_channel_blobs").fetchall()
+            first.scope.cancel()  # the leader dies (its lock's connection closes)
+            await alice.send(room, "after the failover")
+            assert await second.wait_took(1) == ["after the failover"]
+            crypto = second.channel._crypto
+            assert crypto is not None and crypto.device_id == bot.device_id
+            await second.channel.send(
+                OutboundMessage("matrix", room, "the new leader", f"matrix:{room}")
+            )
+            replies = await alice.wait_messages(room, bot.user_id, 2)
+            assert second.relay.served == 0  # it encrypted that itself
+            second.scope.cancel()
+    finally:
+        for replica in (first, second):
+            await replica.store.aclose()
+    assert reply.body == "from the standby" and reply.encrypted
+    assert reply.content["m.relates_to"] == {"m.in_reply_to": {"event_id": asked}}
+    assert [e["type"] for e in held] == ["m.room.encrypted"]
+    assert blobs == [(f"matrix-crypto:{bot.user_id}:{bot.device_id}",)]
+    assert [r.body for r in replies] == ["from the standby", "the new leader"]
+    assert alice.undecryptable == []

@@ -730,8 +730,7 @@ class MatrixChannel:
             self.me.user_id,
             crypto.olm.account.identity_keys["ed25519"],
         )
-        self._crypto = crypto
-        self._crypto_ready.set()
+        self._crypto = crypto  # ready once the first /sync told the rooms and members
         return crypto
 
     async def _sync_loop(self, client: AsyncClient, store: CursorStore) -> None:
@@ -752,8 +751,7 @@ class MatrixChannel:
         try:
             async with anyio.create_task_group() as tg:
                 if crypto is not None and self.relay is not None:
-                    # The other replicas' replies to encrypted rooms are encrypted here.
-                    tg.start_soon(self.relay.serve, self._relayed_send)
+                    tg.start_soon(self._serve_relay, self.relay)
                 await self._sync_batches(client, store, since)
                 if crypto is not None and self.relay is not None:
                     # Draining: a standby takes the device over once this returns; it
@@ -767,6 +765,12 @@ class MatrixChannel:
             self._crypto = None  # the role is lost, or the channel stops: no keys here
             self._crypto_ready = anyio.Event()
             raise
+
+    async def _serve_relay(self, relay: PostgresRelay) -> None:
+        """Encrypt and send the other replicas' events for encrypted rooms, once the
+        rooms are known here."""
+        await self._crypto_ready.wait()
+        await relay.serve(self._relayed_send)
 
     async def _sync_batches(
         self, client: AsyncClient, store: CursorStore, since: str | None
@@ -810,6 +814,8 @@ class MatrixChannel:
                     await self._crypto.after_sync()
                 except (RequestFailed, CryptoFailed) as exc:
                     logger.warning("matrix: encryption upkeep failed ({}); retrying", exc)
+                # Rooms and members are known now: replies may be encrypted.
+                self._crypto_ready.set()
             if since is None:
                 # The very first run of this account here: what it missed before it
                 # existed for the gateway is not answered (it may be weeks old).
@@ -1320,18 +1326,24 @@ class MatrixChannel:
                 retryable=False,
             )
         until = deadline if deadline is not None else time.monotonic() + self.pacing.reply_deadline
-        if self._crypto is None and self.relay is None:
-            # One process: the /sync loop loads the keys as it starts.
+        if self._crypto is not None or self.relay is None:
+            # The keys are (or, in one process, will be) here: ready after the first
+            # /sync of the run, which tells the rooms' members.
             with anyio.move_on_after(max(0.0, until - time.monotonic())):
                 await self._crypto_ready.wait()
-        crypto = self._crypto
-        if crypto is not None:
+        attempt = 0
+        while (crypto := self._crypto) is not None and self._crypto_ready.is_set():
             try:
                 payload = await crypto.encrypt(room_id, event_type, content)
             except CryptoClosed:
-                crypto = None  # handed over meanwhile: the new holder encrypts it
+                break  # handed over meanwhile: the new holder encrypts it
             except CryptoFailed as exc:
-                raise RequestFailed(f"encrypt for {room_id}: {exc}", retryable=True) from None
+                attempt += 1
+                delay = min(self.pacing.retry_backoff * 2 ** (attempt - 1), 4.0)
+                if attempt >= self.pacing.retry_attempts or time.monotonic() + delay > until:
+                    raise RequestFailed(f"encrypt for {room_id}: {exc}", retryable=True) from None
+                logger.warning("matrix: encrypt for {} failed ({}); retrying", room_id, exc)
+                await anyio.sleep(delay)
             else:
                 return await self._put_event(room_id, "m.room.encrypted", payload, txn, until)
         if self.relay is None:
