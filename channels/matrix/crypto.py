@@ -28,6 +28,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import anyio
 from loguru import logger
 
@@ -44,6 +45,8 @@ E2E_FRAGMENT = "e2e="
 
 #: One client-server API request with the channel's retries: (method, path, body, what).
 Request = Callable[..., Awaitable[dict[str, Any]]]
+#: What nio's own requests raise when the homeserver is not reachable or answers garbage.
+_TRANSPORT_ERRORS = (OSError, TimeoutError, ValueError, aiohttp.ClientError)
 
 
 class CryptoUnavailable(Exception):
@@ -226,6 +229,8 @@ class MatrixCrypto:
             await self.persist()
             for message in list(self.client.outgoing_to_device_messages):
                 await self.client.to_device(message)
+        except _TRANSPORT_ERRORS as exc:  # tried again after the next batch
+            raise CryptoFailed(f"{type(exc).__name__}: {exc}") from None
         finally:
             await self.persist()
 
@@ -293,15 +298,18 @@ class MatrixCrypto:
 
         room = self.client.rooms[room_id]
         self.olm.update_tracked_users(room)
-        if self.client.should_query_keys:
-            queried: Any = await self.client.keys_query()
-            if not isinstance(queried, KeysQueryResponse):
-                raise CryptoFailed(f"device keys of {room_id}'s members not known: {queried}")
-        missing = self.client.get_missing_sessions(room_id)
-        if missing:
-            claimed: Any = await self.client.keys_claim(missing)
-            if not isinstance(claimed, KeysClaimResponse):
-                raise CryptoFailed(f"one-time keys not claimed: {claimed}")
+        try:
+            if self.client.should_query_keys:
+                queried: Any = await self.client.keys_query()
+                if not isinstance(queried, KeysQueryResponse):
+                    raise CryptoFailed(f"device keys of {room_id}'s members unknown: {queried}")
+            missing = self.client.get_missing_sessions(room_id)
+            if missing:
+                claimed: Any = await self.client.keys_claim(missing)
+                if not isinstance(claimed, KeysClaimResponse):
+                    raise CryptoFailed(f"one-time keys not claimed: {claimed}")
+        except _TRANSPORT_ERRORS as exc:
+            raise CryptoFailed(f"{type(exc).__name__}: {exc}") from None
         batches = list(
             self.olm.share_group_session_parallel(
                 room_id, list(room.users), ignore_unverified_devices=True
