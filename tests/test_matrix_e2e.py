@@ -449,3 +449,50 @@ async def test_a_standby_replicas_reply_is_encrypted_by_the_leader_and_the_keys_
     assert blobs == [(f"matrix-crypto:{bot.user_id}:{bot.device_id}",)]
     assert [r.body for r in replies] == ["from the standby", "the new leader"]
     assert alice.undecryptable == []
+
+
+async def test_a_room_key_is_kept_even_when_its_message_got_no_answer(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    """In a group the bot reads everything but answers only when addressed: the room key
+    of a message it did not answer must be durable all the same (the homeserver deletes
+    the to-device message that brought it at the next /sync), or the same session's
+    later message, addressed to it after a restart, could never be read."""
+    bot, bob = synapse.register(), synapse.register()
+    alice = await peers()
+    async with gateway(make_settings, fake_openai, synapse, bot) as gw:
+        room = await alice.encrypted_room([bot.user_id, bob.user_id], direct=False)
+        await call(synapse.join, bob, room)
+        await alice.wait_member(room, bot.user_id)
+        await alice.wait_member(room, bob.user_id)
+        crypto = gw.channel._crypto
+        assert crypto is not None
+
+        async def keys_held(count: int) -> None:
+            with anyio.fail_after(15):
+                while len(list(crypto.olm.inbound_group_store)) < count:  # noqa: ASYNC110
+                    await anyio.sleep(0.1)
+
+        await alice.send(room, "hello everyone")
+        await keys_held(1)
+        # A new session whose key comes over the Olm session alice has with the bot now:
+        # no one-time key is claimed, so no key upload saves the state by the way.
+        alice.forget_session(room)
+        await alice.send(room, "just chatting")
+        await keys_held(2)
+        await anyio.sleep(2.5)  # more /syncs: the key's to-device message is gone
+    async with gateway(make_settings, fake_openai, synapse, bot, channels__matrix__room_key_wait=3):
+        await alice.send(
+            room,
+            {
+                "msgtype": "m.text",
+                "body": f"{bot.user_id}: what now?",
+                "m.mentions": {"user_ids": [bot.user_id]},
+            },
+        )
+        [reply] = await alice.wait_messages(room, bot.user_id, 1, seconds=20)
+    assert reply.body.startswith("echo: ") and "what now?" in reply.body
+    assert [r.last_user_text for r in fake_openai.chat_requests][-1].endswith("what now?")
