@@ -378,7 +378,7 @@ class Replica:
         return [m.text for m in self.took]
 
 
-async def test_a_standby_replicas_reply_is_encrypted_by_the_leader_and_the_keys_fail_over(
+async def test_a_standby_replicas_reply_is_encrypted_by_the_leader_and_the_keys_hand_over(
     fake_openai: FakeOpenAI,
     synapse: Synapse,
     make_settings: Callable[..., Settings],
@@ -387,8 +387,10 @@ async def test_a_standby_replicas_reply_is_encrypted_by_the_leader_and_the_keys_
 ) -> None:
     """Two replicas share one bot device. The leader holds its keys; a reply the standby
     sends to an encrypted room is encrypted and sent by the leader (never in clear).
-    When the leader dies, the standby takes the role and the device's keys from
-    PostgreSQL: it reads the same Megolm session's next message and replies itself."""
+    When the leader drains, it saves the keys and lets the role go: the standby takes
+    the role and the device's keys from PostgreSQL, reads the same Megolm session's next
+    message, replies itself, and encrypts the draining replica's last replies. (A leader
+    SIGKILLed: tests/test_matrix_kill.py.)"""
     import psycopg
 
     from gateway.messages import OutboundMessage
@@ -429,16 +431,23 @@ async def test_a_standby_replicas_reply_is_encrypted_by_the_leader_and_the_keys_
             ]
             with psycopg.connect(migrated_pg_url) as conn:
                 blobs = conn.execute("SELECT name FROM gw_channel_blobs").fetchall()
-            first.scope.cancel()  # the leader dies (its lock's connection closes)
-            await alice.send(room, "after the failover")
-            assert await second.wait_took(1) == ["after the failover"]
+            # The leader drains: it saves the keys, stops using them and lets the role go.
+            first.channel.pause_intake()
+            await alice.send(room, "after the handover")
+            assert await second.wait_took(1) == ["after the handover"]
             crypto = second.channel._crypto
             assert crypto is not None and crypto.device_id == bot.device_id
+            assert first.channel._crypto is None
             await second.channel.send(
                 OutboundMessage("matrix", room, "the new leader", f"matrix:{room}")
             )
-            replies = await alice.wait_messages(room, bot.user_id, 2)
-            assert second.relay.served == 0  # it encrypted that itself
+            # The draining replica's last replies go through the new holder.
+            await first.channel.send(
+                OutboundMessage("matrix", room, "the old one, draining", f"matrix:{room}")
+            )
+            replies = await alice.wait_messages(room, bot.user_id, 3)
+            assert second.relay.served == 1 and first.relay.served == 1
+            first.scope.cancel()
             second.scope.cancel()
     finally:
         for replica in (first, second):
@@ -447,7 +456,11 @@ async def test_a_standby_replicas_reply_is_encrypted_by_the_leader_and_the_keys_
     assert reply.content["m.relates_to"] == {"m.in_reply_to": {"event_id": asked}}
     assert [e["type"] for e in held] == ["m.room.encrypted"]
     assert blobs == [(f"matrix-crypto:{bot.user_id}:{bot.device_id}",)]
-    assert [r.body for r in replies] == ["from the standby", "the new leader"]
+    assert [r.body for r in replies] == [
+        "from the standby",
+        "the new leader",
+        "the old one, draining",
+    ]
     assert alice.undecryptable == []
 
 
