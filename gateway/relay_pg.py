@@ -192,6 +192,8 @@ class PostgresRelay:
                     if now - swept > 60:
                         await self._sweep()
                         swept = now
+                        for key in [k for k, until in not_before.items() if until <= now]:
+                            del not_before[key]  # done elsewhere, or swept
                 except Exception as exc:  # the database is away: try again shortly
                     logger.warning("relay: cannot read the {} requests ({})", self.role, exc)
                     rows = []
