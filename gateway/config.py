@@ -950,6 +950,18 @@ class MatrixSettings(AccessSection):
         "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN", "matrix-access-token"
     )
     sync_timeout: int = Field(30, ge=0, le=120, description="Long-poll seconds per /sync.")
+    encryption: bool = Field(
+        True,
+        description="Take part in end-to-end encrypted rooms (docs/matrix.md, section 7); "
+        "false declines them with a reason.",
+    )
+    room_key_wait: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds an encrypted message waits for its room key before its sender "
+        "is told it could not be read (later messages of its room wait behind it).",
+    )
 
     @field_validator("user_id")
     @classmethod

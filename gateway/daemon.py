@@ -766,8 +766,10 @@ class Daemon:
         return page
 
     def _matrix_channel(self) -> Channel:
-        """The Matrix channel: its sync token in the workspace, or in PostgreSQL under the
-        "matrix sync" role that one replica holds (Matrix allows one sync per device)."""
+        """The Matrix channel: its sync token and its device's crypto store in the
+        workspace, or in PostgreSQL under the "matrix sync" role that one replica holds
+        (Matrix allows one sync per device, and one user of its keys); the other replicas'
+        replies to encrypted rooms go through that one (`gateway.relay_pg`)."""
         from channels.matrix import MatrixChannel
         from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
 
@@ -778,8 +780,11 @@ class Daemon:
         matrix.invite_check = self.access.check
         if self.router is not None:
             from gateway.cursors_pg import lead_as
+            from gateway.relay_pg import PostgresRelay
 
             matrix.lead = lead_as(self.router.store.url, "matrix sync")
+            if settings.channels.matrix.encryption:
+                matrix.relay = PostgresRelay(self.router.store, "matrix sync")
         else:
             matrix.lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
         return matrix
