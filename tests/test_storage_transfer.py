@@ -319,6 +319,25 @@ def test_export_never_overwrites_a_different_file(
     assert os.listdir(path.parent) == [path.name]  # no temp file left behind
 
 
+def test_a_tool_output_that_differs_is_a_conflict_left_alone_both_ways(
+    migrated_pg_url: str, shared_manager: SessionManager, tmp_path: Path
+) -> None:
+    session = shared_manager.get_or_create("telegram:1")
+    session.add_message(user("fetch it"))
+    handle = shared_manager.outputs.put("telegram:1", session.session_id, PAGE)
+    target = tmp_path / "out"
+    assert storage(["export", str(target)], migrated_pg_url, tmp_path).returncode == 0
+    (path,) = (target / "sessions" / "outputs").rglob(f"{handle}.txt")
+    assert path.read_bytes() == PAGE.encode()
+    path.write_bytes(b"edited by hand")
+    clash = storage(["export", str(target)], migrated_pg_url, tmp_path)
+    assert clash.returncode == 1 and f"CONFLICT telegram:1 {handle}" in clash.stderr
+    assert path.read_bytes() == b"edited by hand"
+    back = storage(["import", str(target)], migrated_pg_url, tmp_path)
+    assert back.returncode == 1 and f"CONFLICT telegram:1 {handle}" in back.stderr
+    assert shared_manager.outputs.get("telegram:1", handle) == PAGE  # the row as it was
+
+
 def test_exported_files_keep_the_last_activity_order(
     migrated_pg_url: str, shared_manager: SessionManager, tmp_path: Path
 ) -> None:

@@ -499,3 +499,24 @@ async def test_an_output_is_in_place_before_the_entry_that_names_it(
     assert "out_" not in session_then and "big_dump" in session_then  # ...before the entry
     session_now = (settings.sessions_dir / f"{encode_key('cli:test')}.jsonl").read_text()
     assert '"tool_output":{"handle":"out_' in session_now
+
+
+def test_the_delete_command_takes_the_outputs_of_the_deleted_session(tmp_path: Path) -> None:
+    from tests.test_cli_e2e import base_env, run_gateway
+
+    sessions_dir = tmp_path / "ws" / "sessions"
+    manager = SessionManager(sessions_dir)
+    session = manager.get_or_create(KEY)
+    session.add_message(user("old conversation"))
+    kept = manager.outputs.put(KEY, session.session_id, "archived " * 2000)
+    manager.reset(KEY)
+    session.add_message(user("new conversation"))
+    gone = manager.outputs.put(KEY, session.session_id, "current " * 2000)
+    manager.close()
+    deleted = run_gateway(["sessions", "delete", KEY, "--yes"], base_env(tmp_path), tmp_path)
+    assert deleted.returncode == 0, deleted.stderr
+    again = SessionManager(sessions_dir)
+    assert again.outputs.get(KEY, gone) is None
+    assert again.outputs.get(KEY, kept) == "archived " * 2000
+    folder = sessions_dir / OUTPUTS_DIR / encode_key(KEY)
+    assert [p.name for p in folder.iterdir()] == [again.list_archived(KEY)[0].session_id]
