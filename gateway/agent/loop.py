@@ -181,6 +181,8 @@ class AgentLoop:
     - turns of one session run one at a time, in the order `handle` was called;
     - every tool call persisted is followed by its persisted tool result, and the
       history sent to the model never holds an orphaned result or an unanswered call;
+    - a tool result too big for the context is stored whole before the entry that
+      shows its preview is appended (`gateway.agent.tool_outputs`);
     - a cached answer is looked up only after the context is built, because the key
       covers everything the answer depended on, and it is persisted like any other
       reply (marked `cached` in the entry's meta).
