@@ -341,6 +341,41 @@ class AgentSettings(_Section):
         "gateway was down, or replayed after a crash) gets a short 'I was offline' notice "
         "instead of an answer; 0 answers every message however old.",
     )
+    tool_output_inline_chars: int = Field(
+        6_000,
+        ge=0,
+        description="A tool result longer than this (characters) is stored whole beside "
+        "the session and the model sees a preview with a handle, reading the rest with "
+        "read_tool_output and search_tool_output; 0 turns this off (long results are cut "
+        "in the middle at 16,000 characters).",
+    )
+    tool_output_preview_chars: int = Field(
+        2_000,
+        ge=100,
+        description="Characters of a stored tool result shown in its preview (two thirds "
+        "from its start, one third from its end).",
+    )
+    tool_output_read_chars: int = Field(
+        8_000,
+        ge=500,
+        description="Most characters one read_tool_output call returns (lower it with a "
+        "small context window: a read must fit in the context).",
+    )
+    tool_output_max_chars: int = Field(
+        5_000_000,
+        ge=10_000,
+        description="Longest tool result stored; the middle of a longer one is cut.",
+    )
+
+    @model_validator(mode="after")
+    def _tool_output_sizes(self) -> AgentSettings:
+        inline = self.tool_output_inline_chars
+        if inline and self.tool_output_preview_chars >= inline:
+            raise ValueError(
+                f"tool_output_preview_chars ({self.tool_output_preview_chars}) must be below "
+                f"tool_output_inline_chars ({inline}): a preview shorter than the result"
+            )
+        return self
 
 
 class MediaSettings(_Section):
@@ -1099,7 +1134,12 @@ class WebFetchSettings(_Section):
     max_bytes: int = Field(
         2_000_000, ge=1024, description="Bytes of a page read at most; the rest is cut."
     )
-    max_chars: int = Field(12_000, ge=100, description="Characters of text given to the model.")
+    max_chars: int = Field(
+        200_000,
+        ge=100,
+        description="Characters of a page's text kept; past [agent] "
+        "tool_output_inline_chars the model sees a preview and reads the rest on demand.",
+    )
     max_redirects: int = Field(5, ge=0, le=20, description="Redirects followed, each checked.")
     allow_networks: list[str] = Field(
         default_factory=list,

@@ -20,6 +20,8 @@ from gateway import __version__
 from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.memory_tools import memory_tools
 from gateway.agent.subagents import SubagentLimits, Subagents
+from gateway.agent.tool_outputs import OutputLimits, ToolOutputs
+from gateway.agent.tools import ToolRegistry
 from gateway.agent.toolset import build_mcp, build_tools
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
@@ -245,6 +247,31 @@ def agent_config(settings: Settings) -> AgentConfig:
     )
 
 
+def build_tool_outputs(
+    settings: Settings, sessions: SessionManager, tools: ToolRegistry
+) -> ToolOutputs | None:
+    """Big tool results stored whole beside the sessions (`[agent] tool_output_*`), or
+    None when that is off or the model is offered no tool at all: a gateway set up for a
+    model without tool calling is not offered the two tools that read them."""
+    section = settings.agent
+    if not section.tool_output_inline_chars:
+        return None
+    if not (
+        tools.names()
+        or settings.mcp.servers
+        or settings.subagents.enabled
+        or settings.schedules.enabled
+    ):
+        return None
+    limits = OutputLimits(
+        inline_chars=section.tool_output_inline_chars,
+        preview_chars=section.tool_output_preview_chars,
+        read_chars=section.tool_output_read_chars,
+        max_chars=section.tool_output_max_chars,
+    )
+    return ToolOutputs(sessions.outputs, limits)
+
+
 def build_cache(settings: Settings) -> SemanticCache | None:
     """The response cache, or None when disabled. SQLite in the workspace by default."""
     section = settings.cache
@@ -450,6 +477,7 @@ class Gateway:
             people=build_people_store(settings) if settings.memory.scope == "person" else None,
             media=build_media(settings, usage),
             windows=windows,
+            outputs=build_tool_outputs(settings, sessions, tools),
         )
         return cls(
             settings=settings,
