@@ -478,8 +478,9 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
         "slack": settings.channels.slack,
+        "email": settings.channels.email,
     }
-    return {
+    policies = {
         name: ChannelAccessPolicy(
             dm_policy=section.dm_policy,
             allow_from=frozenset(section.allow_from),
@@ -489,6 +490,17 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
         )
         for name, section in sections.items()
     }
+    email = settings.channels.email
+    # Email lists addresses and whole domains, compared in lower case; a refusal is
+    # silent unless asked for (most refused mail is spam with a forged sender).
+    entries = [entry.strip().lower() for entry in email.allow_from]
+    policies["email"] = replace(
+        policies["email"],
+        allow_from=frozenset(e for e in entries if "@" in e[1:] or e == "*"),
+        allow_domains=frozenset(e.lstrip("@") for e in entries if "@" not in e[1:] and e != "*"),
+        silent_refusals=not email.refusal_replies,
+    )
+    return policies
 
 
 def _is_stop(message: InboundMessage) -> bool:
@@ -653,6 +665,8 @@ class Daemon:
             slack = SlackChannel.from_settings(settings.channels.slack)
             slack.mount(self.http)
             self.add_channel(slack)
+        if settings.channels.email.enabled:
+            self.add_channel(self._email_channel())
 
     # ----------------------------------------------------------------- assembly
 
@@ -703,6 +717,26 @@ class Daemon:
         page = AdminPage(token, sources)
         page.mount(self.http)
         return page
+
+    def _email_channel(self) -> Channel:
+        """The mailbox's channel, with its read mark in the workspace or, shared by the
+        replicas, in PostgreSQL; in the shared mode one replica watches the mailbox."""
+        from channels.email import EmailChannel, FileMailboxState, PostgresMailboxState
+        from channels.email.state import STATE_FILE, MailboxState
+
+        settings = self.gateway.settings
+        state: MailboxState
+        if self.router is not None:
+            state = PostgresMailboxState(self.router.store.connection)
+        else:
+            state = FileMailboxState(settings.workspace_path / STATE_FILE)
+        email = EmailChannel(settings.channels.email, state=state)
+        if self.router is not None:
+            from gateway.replicas import run_as_leader
+
+            url = self.router.store.url
+            email.watch_leader = functools.partial(run_as_leader, url, "email watcher")
+        return email
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
