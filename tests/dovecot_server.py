@@ -142,7 +142,11 @@ class Dovecot:
             if not uids:
                 return []
             data = client.fetch(uids, ["FLAGS", "BODY.PEEK[]"])  # type: ignore[attr-defined]
-            return [(uid, set(data[uid][b"FLAGS"]), data[uid][b"BODY[]"]) for uid in sorted(data)]
+            # \Recent is the server's note about this session, not a flag of the message.
+            return [
+                (uid, set(data[uid][b"FLAGS"]) - {b"\\Recent"}, data[uid][b"BODY[]"])
+                for uid in sorted(data)
+            ]
         finally:
             client.logout()  # type: ignore[attr-defined]
 

@@ -109,7 +109,8 @@ def running_smtp(users: dict[str, str], *, dovecot: Dovecot) -> Iterator[SmtpSer
         login, password = data.login.decode(), data.password.decode()
         ok = server.users.get(login) == password
         server.logins.append((login, ok))
-        return AuthResult(success=ok)
+        # handled=False: aiosmtpd answers a failure with its 535 itself.
+        return AuthResult(success=ok, handled=False)
 
     controller = Controller(
         _Handler(server),

@@ -619,7 +619,6 @@ class EmailChannel:
             uids = await anyio.to_thread.run_sync(session.uids_after, mark.last_uid)
             top = None
         max_bytes = int(self.settings.max_message_mb * 2**20)
-        done = mark.last_uid if mark is not None and not catch_up else 0
         for start in range(0, len(uids), self.pacing.batch):
             batch = uids[start : start + self.pacing.batch]
             fetch = functools.partial(session.fetch, batch, max_bytes=max_bytes)
@@ -627,22 +626,18 @@ class EmailChannel:
             for mail in fetched:
                 if self._paused:
                     return True
-                if not await self._take(session, mail):
-                    if not catch_up and done:
-                        await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, done))
+                if not await self._take(session, mail, mark=not catch_up):
                     return False
-                done = max(done, mail.uid)
-            if not catch_up and done:
-                await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, done))
         if catch_up:
             # Every unseen message is settled: from now on, what comes after `top`.
             assert top is not None
             await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, max(top, 0)))
         return True
 
-    async def _take(self, session: ImapSession, mail: Fetched) -> bool:
-        """Translate and submit one message, and confirm it once the journal has it.
-        True when the message is settled (journaled, skipped, or a duplicate)."""
+    async def _take(self, session: ImapSession, mail: Fetched, *, mark: bool) -> bool:
+        """Translate and submit one message, and confirm it once the journal has it
+        (then raise the mark past it, with `mark`). True when the message is settled
+        (journaled, skipped, or a duplicate)."""
         result = translate_mail(
             mail.raw,
             uidvalidity=session.uidvalidity,
@@ -654,6 +649,8 @@ class EmailChannel:
         if isinstance(result, Skip):
             self.skipped += 1
             logger.info("email: message {} not answered: {}", mail.uid, result.reason)
+            if mark:
+                await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, mail.uid))
             return True
         if self._submit is None:
             return False
@@ -662,9 +659,14 @@ class EmailChannel:
             if not ticket.taken:
                 logger.warning("email: message {} was not taken; reading it again", mail.uid)
                 return False
-            # Journaled: now the server may learn we have it.
-            await anyio.to_thread.run_sync(session.confirm, mail.uid)
-            self.taken += 1
+            # Journaled: now the server may learn we have it. Shielded: a stop right now
+            # would only make the next start fetch it again for the journal to drop (the
+            # connection's timeout bounds it).
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(session.confirm, mail.uid)
+                if mark:
+                    await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, mail.uid))
+                self.taken += 1
         return True
 
     # ----------------------------------------------------------------- outbound

@@ -174,7 +174,7 @@ def _squeeze(text: str) -> str:
 _ATTRIBUTION = re.compile(
     r"^\s*(on|am|le|el|il|op|em|den|på|w dniu|dne)\b.{0,300}?"
     r"(wrote|schrieb|a écrit|escribió|ha scritto|schreef|escreveu|skrev|napisał|napsal)"
-    r"\s*:\s*$",
+    r"(\s.{0,120}?)?\s*:\s*$",
     re.I | re.S,
 )
 _ORIGINAL = re.compile(
