@@ -102,8 +102,8 @@ class Recorder:
             return Ticket(False)
         return Ticket(True)
 
-    async def wait(self, count: int, timeout: float = 10) -> list[InboundMessage]:
-        with anyio.fail_after(timeout):
+    async def wait(self, count: int) -> list[InboundMessage]:
+        with anyio.fail_after(10):
             while len(self.messages) < count:  # noqa: ASYNC110 (polling a test recorder)
                 await anyio.sleep(0.02)
         return self.messages
@@ -128,8 +128,8 @@ async def run_channel(
         tg.cancel_scope.cancel()
 
 
-async def until(predicate: Any, timeout: float = 10) -> None:
-    with anyio.fail_after(timeout):
+async def until(predicate: Any) -> None:
+    with anyio.fail_after(10):
         while not predicate():  # noqa: ASYNC110 (polling the channel's counters)
             await anyio.sleep(0.02)
 

@@ -133,7 +133,9 @@ def test_pre_keeps_its_lines() -> None:
 
 
 def test_markdown_renders_and_escapes_raw_html() -> None:
-    out = markdown_to_html("**bold** and <script>alert(1)</script>\n\n| a | b |\n|---|---|\n| 1 | 2 |")
+    out = markdown_to_html(
+        "**bold** and <script>alert(1)</script>\n\n| a | b |\n|---|---|\n| 1 | 2 |"
+    )
     assert "<strong>bold</strong>" in out
     assert "<script>" not in out and "&lt;script&gt;" in out
     assert "<table>" in out

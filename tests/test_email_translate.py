@@ -237,7 +237,9 @@ def test_a_delivery_report_is_not_answered() -> None:
 
 # -- authentication --------------------------------------------------------------------
 
-AUTH = SETTINGS.model_copy(update={"require_auth": ["dmarc", "dkim"], "authserv_id": "mx.example.org"})
+AUTH = SETTINGS.model_copy(
+    update={"require_auth": ["dmarc", "dkim"], "authserv_id": "mx.example.org"}
+)
 
 
 def test_passing_aligned_results_of_our_server_are_accepted() -> None:
@@ -267,14 +269,16 @@ def test_a_signature_of_another_domain_does_not_prove_the_sender() -> None:
 def test_failing_dmarc_is_refused_and_a_parent_domain_signature_aligns() -> None:
     failing = "mx.example.org; dkim=pass header.d=example.com; dmarc=fail header.from=example.com"
     assert "dmarc did not pass" in skipped(mail(headers={"Authentication-Results": failing}), AUTH)
-    parent = "mx.example.org; dkim=pass header.d=example.com; dmarc=pass header.from=mail.example.com"
+    parent = (
+        "mx.example.org; dkim=pass header.d=example.com; dmarc=pass header.from=mail.example.com"
+    )
     sub = mail(sender="alice@mail.example.com", headers={"Authentication-Results": parent})
     assert translate(sub, AUTH).sender_id == "alice@mail.example.com"
 
 
 def test_authentication_results_parsing_handles_comments_and_quotes() -> None:
     serv, results = parse_authentication_results(
-        'mx.example.org 1; spf=pass (sender ip is 1.2.3.4 (nested)) smtp.mailfrom=a@b.c; '
+        "mx.example.org 1; spf=pass (sender ip is 1.2.3.4 (nested)) smtp.mailfrom=a@b.c; "
         'dkim=fail reason="bad; sig" header.d=b.c'
     )
     assert serv == "mx.example.org"
@@ -344,7 +348,9 @@ def test_allow_from_takes_addresses_and_domains_and_refuses_silently(tmp_path: A
     settings = load_settings(
         environ={
             "GATEWAY_WORKSPACE": str(tmp_path),
-            "GATEWAY_CHANNELS__EMAIL__ALLOW_FROM": '["Boss@Corp.example", "example.com", "@team.example"]',
+            "GATEWAY_CHANNELS__EMAIL__ALLOW_FROM": (
+                '["Boss@Corp.example", "example.com", "@team.example"]'
+            ),
         }
     )
     policy_ = access_policies(settings)["email"]
