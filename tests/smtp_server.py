@@ -58,7 +58,8 @@ class SmtpServer:
         out = []
         for item in list(self.accepted):
             body = item.message.get_body(preferencelist=("plain",))
-            out.append(body.get_content().strip() if body is not None else "")
+            text = body.get_content() if body is not None else ""
+            out.append(text.replace("\r\n", "\n").strip())
         return out
 
 
