@@ -10,6 +10,7 @@ transactions answer DATA with a given code (a 451 "try again later", a 554 refus
 from __future__ import annotations
 
 import contextlib
+import logging
 import ssl
 import threading
 from collections.abc import Iterator
@@ -101,6 +102,8 @@ def running_smtp(users: dict[str, str], *, dovecot: Dovecot) -> Iterator[SmtpSer
     from aiosmtpd.smtp import AuthResult, LoginPassword
 
     server = SmtpServer(port=free_port(), users=dict(users), dovecot=dovecot)
+    # aiosmtpd warns of its own deprecated attribute at every login: not ours to fix.
+    logging.getLogger("mail.log").setLevel(logging.ERROR)
 
     def authenticate(
         smtp: Any, session: Any, envelope: Any, mechanism: str, data: Any
