@@ -757,8 +757,9 @@ class SlackSettings(AccessSection):
     )
 
 
-class EmailSettings(AccessSection):
-    """One mailbox: mail in over IMAP, replies out over SMTP (docs/email.md)."""
+class EmailSettings(_Section):
+    """One mailbox: mail in over IMAP, replies out over SMTP (docs/email.md). Mail has no
+    groups: who may write is `dm_policy` and `allow_from` alone."""
 
     enabled: bool = Field(False, description="Answer the mail of one mailbox.")
     address: str | None = Field(
@@ -843,14 +844,15 @@ class EmailSettings(AccessSection):
     )
     dm_policy: Literal["open", "allowlist", "pairing"] = Field(
         "allowlist",
-        description="allowlist = only allow_from; pairing = strangers get a code by reply "
-        "for `gateway pairing approve email CODE`; open = anyone (not advised: spam).",
+        description="Who is answered: allowlist (allow_from only), pairing (strangers get a "
+        "code by reply, for `gateway pairing approve email CODE`) or open (anyone; spam too).",
     )
     allow_from: list[str] = Field(
         default_factory=list,
         description="Addresses (alice@example.com) and domains (example.com) always "
         'answered; "*" = anyone.',
     )
+    pairing_ttl_seconds: float = Field(3600.0, gt=0, description="How long a code is valid.")
 
     @model_validator(mode="after")
     def _complete(self) -> EmailSettings:

@@ -478,7 +478,6 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
         "slack": settings.channels.slack,
-        "email": settings.channels.email,
     }
     policies = {
         name: ChannelAccessPolicy(
@@ -494,10 +493,12 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     # Email lists addresses and whole domains, compared in lower case; a refusal is
     # silent unless asked for (most refused mail is spam with a forged sender).
     entries = [entry.strip().lower() for entry in email.allow_from]
-    policies["email"] = replace(
-        policies["email"],
+    policies["email"] = ChannelAccessPolicy(
+        dm_policy=email.dm_policy,
         allow_from=frozenset(e for e in entries if "@" in e[1:] or e == "*"),
         allow_domains=frozenset(e.lstrip("@") for e in entries if "@" not in e[1:] and e != "*"),
+        group_policy="disabled",
+        pairing_ttl=email.pairing_ttl_seconds,
         silent_refusals=not email.refusal_replies,
     )
     return policies
@@ -736,6 +737,12 @@ class Daemon:
 
             url = self.router.store.url
             email.watch_leader = functools.partial(run_as_leader, url, "email watcher")
+        metrics = self.metrics
+
+        async def count_mail() -> None:
+            metrics.mirror_email({"taken": email.taken, "not_answered": email.skipped})
+
+        metrics.on_scrape("email", count_mail)
         return email
 
     def _heartbeat_channel(self) -> Channel:

@@ -51,6 +51,7 @@ def person_mail(
     subject: str = "note",
     in_reply_to: str | None = None,
     references: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> bytes:
     msg = EmailMessage()
     msg["From"] = sender
@@ -62,5 +63,7 @@ def person_mail(
         msg["In-Reply-To"] = in_reply_to
     if references:
         msg["References"] = references
+    for name, value in (headers or {}).items():
+        msg[name] = value
     msg.set_content(text)
     return msg.as_bytes()

@@ -6,6 +6,7 @@ and a folder the server renumbered is not answered again."""
 from __future__ import annotations
 
 import time
+import urllib.request
 from email import policy
 from email.message import EmailMessage
 from email.parser import BytesParser
@@ -51,7 +52,8 @@ def test_a_conversation_by_mail_end_to_end(tmp_path: Path) -> None:
         env = email_env(workspace, llm, dovecot, smtp, allow_from=["example.org"])
         gateway = GatewayProcess(env, tmp_path)
         try:
-            gateway.wait_readyz(gateway.wait_ready())
+            port = gateway.wait_ready()
+            gateway.wait_readyz(port)
             dovecot.append(
                 BOT, person_mail(ALICE, "What is on today?", message_id="<e1@example.org>")
             )
@@ -74,8 +76,16 @@ def test_a_conversation_by_mail_end_to_end(tmp_path: Path) -> None:
                     references=f"<e1@example.org> {first['Message-ID']}",
                 ),
             )
-            # A stranger is refused without a word (the allowlist holds example.org).
+            # A stranger is refused without a word (the allowlist holds example.org), and
+            # an auto-reply is not even taken in.
             dovecot.append(BOT, person_mail(CAROL, "hello?", message_id="<c1@stranger.example>"))
+            vacation = person_mail(
+                ALICE,
+                "I am away",
+                message_id="<v1@example.org>",
+                headers={"Auto-Submitted": "auto-replied"},
+            )
+            dovecot.append(BOT, vacation)
             wait_until(lambda: len(inbox(dovecot, ALICE)) == 2, 30, "the second reply")
             second = inbox(dovecot, ALICE)[1]
             assert plain(second) == "echo: And tomorrow?"
@@ -84,6 +94,11 @@ def test_a_conversation_by_mail_end_to_end(tmp_path: Path) -> None:
             )
             time.sleep(1.0)
             assert inbox(dovecot, CAROL) == []
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                scrape = r.read().decode()
+            assert 'gateway_email_mail_total{outcome="taken"} 3.0' in scrape
+            assert 'gateway_email_mail_total{outcome="not_answered"} 1.0' in scrape
+            assert 'gateway_channel_up{channel="email"} 1.0' in scrape
             assert gateway.terminate() == 0
         finally:
             gateway.stop()

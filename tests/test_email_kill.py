@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,12 +69,30 @@ def replies(smtp: SmtpServer) -> tuple[list[str], list[str]]:
     return answered, other
 
 
-def progress(smtp: SmtpServer, sent: Sequence[Message]) -> Callable[[], tuple[bool, int, bool]]:
+def progress(
+    smtp: SmtpServer, sent: Sequence[Message], dovecot: Dovecot
+) -> Callable[[], tuple[bool, int, bool]]:
+    """For `settle`: everything answered; replies so far; and whether mail is still
+    unseen in the mailbox (the gateway has not taken it yet: IDLE reports new mail after
+    a second or so, longer on a busy machine), asked of Dovecot at most once a second."""
     wanted = {m.text for m in sent}
+    unseen = [0, 0.0]  # last answer, when
+
+    def pending() -> bool:
+        if time.monotonic() - unseen[1] >= 1.0:
+            client: Any = dovecot.client(BOT, folder=None)
+            try:
+                status = client.folder_status("INBOX", [b"UNSEEN"])
+            finally:
+                client.logout()
+            unseen[:] = [int(status[b"UNSEEN"]), time.monotonic()]
+        return unseen[0] > 0
 
     def check() -> tuple[bool, int, bool]:
         answered, _ = replies(smtp)
-        return wanted <= set(answered), len(smtp.accepted), False
+        if wanted <= set(answered):
+            return True, len(smtp.accepted), False
+        return False, len(smtp.accepted), pending()
 
     return check
 
@@ -171,7 +190,7 @@ def test_email_backlog_survives_kills_right_after_start(
                 time.sleep(rng.uniform(0.0, 0.5))
                 run.kill()
             run.start()
-            settle(progress(smtp, sent))
+            settle(progress(smtp, sent, dovecot))
             run.terminate()
         finally:
             run.stop()
@@ -205,7 +224,7 @@ def test_email_traffic_survives_kills_while_it_flows(
                     run.sleep_until_due(started + offset, min_up=1.0)
                     run.kill()
                     run.start()
-            settle(progress(smtp, sent))
+            settle(progress(smtp, sent, dovecot))
             run.terminate()
         finally:
             run.stop()
@@ -247,7 +266,7 @@ def test_one_replica_reads_the_mailbox_and_a_standby_takes_over(
             first, second = sent[: len(sent) // 2], sent[len(sent) // 2 :]
             for message in first:
                 push_mail(dovecot, message)
-            settle(progress(smtp, first), timeout=60)
+            settle(progress(smtp, first, dovecot), timeout=60)
             leaders = [p for p in procs if any("is now the email watcher" in x for x in p.log)]
             assert len(leaders) == 1
             leader = leaders[0]
@@ -261,7 +280,7 @@ def test_one_replica_reads_the_mailbox_and_a_standby_takes_over(
                 killed_at = time.monotonic()
                 standby.wait_for_line("is now the email watcher", timeout=15)
                 took = time.monotonic() - killed_at
-            settle(progress(smtp, sent))
+            settle(progress(smtp, sent, dovecot))
             exit_code = standby.terminate()
         finally:
             for proc in procs:

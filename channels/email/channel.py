@@ -113,7 +113,7 @@ class Pacing:
     """How patiently the channel talks to its servers (seconds)."""
 
     idle_check: float = 1.0  # one blocking IDLE wait; a stop waits at most this long
-    idle_renew: float = 600.0  # IDLE is re-issued this often (servers drop it at 30 min)
+    idle_renew: float = 300.0  # IDLE is re-issued (and the folder read) this often
     retry_backoff: float = 1.0
     retry_backoff_max: float = 30.0
     send_attempts: int = 4
