@@ -188,6 +188,41 @@ async def test_polling_without_idle_takes_new_mail(
     assert recorder.texts() == ["Subject: Hello\n\npolled"]
 
 
+async def test_mail_that_comes_while_other_mail_is_handled_is_not_left_waiting(
+    servers: tuple[Dovecot, SmtpServer], tmp_path: Path
+) -> None:
+    """Mail that arrives while the channel handles earlier mail is announced in the
+    answers to its FETCH and STORE commands, and IDLE never announces it again: the
+    channel reads until a round finds nothing before it idles (it used to wait for the
+    next mail, or for IDLE's renewal minutes later)."""
+    dovecot, smtp = servers
+    dovecot.append(BOT, raw_mail("first", message_id="<b1@example.org>"))
+    recorder = Recorder()
+    channel = EmailChannel(
+        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
+    )
+    arrived = False
+
+    async def slow_submit(message: InboundMessage) -> Ticket:
+        nonlocal arrived
+        if not arrived:
+            arrived = True
+            for n in (2, 3):
+                raw = raw_mail(f"burst {n}", message_id=f"<b{n}@example.org>")
+                await in_thread(lambda raw=raw: dovecot.append(BOT, raw))
+        return await recorder.submit(message)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(channel.run, slow_submit)
+        await until(lambda: channel.taken == 3)
+        tg.cancel_scope.cancel()
+    assert [m.message_id for m in recorder.messages] == [
+        "<b1@example.org>",
+        "<b2@example.org>",
+        "<b3@example.org>",
+    ]
+
+
 async def test_mail_the_journal_did_not_take_stays_unseen_and_comes_again(
     servers: tuple[Dovecot, SmtpServer], tmp_path: Path
 ) -> None:

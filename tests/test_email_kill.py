@@ -70,11 +70,16 @@ def replies(smtp: SmtpServer) -> tuple[list[str], list[str]]:
 
 
 def progress(
-    smtp: SmtpServer, sent: Sequence[Message], dovecot: Dovecot
+    smtp: SmtpServer,
+    sent: Sequence[Message],
+    dovecot: Dovecot,
+    *,
+    journaled: Callable[[], bool] = lambda: False,
 ) -> Callable[[], tuple[bool, int, bool]]:
     """For `settle`: everything answered; replies so far; and whether mail is still
     unseen in the mailbox (the gateway has not taken it yet: IDLE reports new mail after
-    a second or so, longer on a busy machine), asked of Dovecot at most once a second."""
+    a second or so, longer on a busy machine), asked of Dovecot at most once a second,
+    or (`journaled`) taken in and not answered yet."""
     wanted = {m.text for m in sent}
     unseen = [0, 0.0]  # last answer, when
 
@@ -92,7 +97,20 @@ def progress(
         answered, _ = replies(smtp)
         if wanted <= set(answered):
             return True, len(smtp.accepted), False
-        return False, len(smtp.accepted), pending()
+        return False, len(smtp.accepted), journaled() or pending()
+
+    return check
+
+
+def unanswered_in(url: str) -> Callable[[], bool]:
+    """Whether the shared journal holds messages not answered yet (a session whose
+    lease the killed replica held waits for it to run out)."""
+    import psycopg
+
+    def check() -> bool:
+        with psycopg.connect(url) as conn:
+            row = conn.execute("SELECT count(*) FROM gw_inbound WHERE state <> 'done'").fetchone()
+        return bool(row and row[0])
 
     return check
 
@@ -250,7 +268,9 @@ def test_one_replica_reads_the_mailbox_and_a_standby_takes_over(
     workspaces = [tmp_path / "ws0", tmp_path / "ws1"]
     with FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm:
         env = email_env(workspaces[0], llm, dovecot, smtp, threads=False) | {
-            "GATEWAY_STORAGE__URL": migrated_pg_url
+            "GATEWAY_STORAGE__URL": migrated_pg_url,
+            # The killed replica's conversations wait this long for their leases.
+            "GATEWAY_STORAGE__LEASE_TTL_SECONDS": "3",
         }
         procs = []
         try:
@@ -280,11 +300,13 @@ def test_one_replica_reads_the_mailbox_and_a_standby_takes_over(
                 killed_at = time.monotonic()
                 standby.wait_for_line("is now the email watcher", timeout=15)
                 took = time.monotonic() - killed_at
-            settle(progress(smtp, sent, dovecot))
+            settle(progress(smtp, sent, dovecot, journaled=unanswered_in(migrated_pg_url)))
             exit_code = standby.terminate()
         finally:
             for proc in procs:
                 proc.stop()
+            for n, proc in enumerate(procs):
+                (tmp_path / f"replica-{n}.log").write_text("".join(proc.log))
     run = Gateways({}, tmp_path)
     run.processes = procs
     run.kills = 1

@@ -551,12 +551,18 @@ class EmailChannel:
                         "IDLE" if session.can_idle and self.settings.idle else "polling",
                     )
                     while not self._paused:
-                        if not await self._read_new(session):
+                        found = await self._read_new(session)
+                        if found is None:
                             failures += 1
                             await anyio.sleep(self._backoff(failures))
                             continue
                         failures = 0
                         self.live.set()
+                        if found:
+                            # Mail that came while these were handled was announced in
+                            # the answers to those commands, and IDLE would not announce
+                            # it again: read until a round finds nothing, then wait.
+                            continue
                         await self._wait(session)
                 except EmailSetupError:
                     raise
@@ -595,9 +601,10 @@ class EmailChannel:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(session.idle_done)
 
-    async def _read_new(self, session: ImapSession) -> bool:
-        """Take in the mail that arrived since the mark, in UID order. False when the
-        journal did not take a message (it is fetched again after a pause)."""
+    async def _read_new(self, session: ImapSession) -> int | None:
+        """Take in the mail that arrived since the mark, in UID order; how many messages
+        there were. None when the journal did not take one (it is fetched again after a
+        pause)."""
         await anyio.to_thread.run_sync(session.select)
         mark = await self.state.load(self.mailbox)
         catch_up = mark is None or mark.uidvalidity != session.uidvalidity
@@ -625,14 +632,14 @@ class EmailChannel:
             fetched = await anyio.to_thread.run_sync(fetch)
             for mail in fetched:
                 if self._paused:
-                    return True
+                    return 0
                 if not await self._take(session, mail, mark=not catch_up):
-                    return False
+                    return None
         if catch_up:
             # Every unseen message is settled: from now on, what comes after `top`.
             assert top is not None
             await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, max(top, 0)))
-        return True
+        return len(uids)
 
     async def _take(self, session: ImapSession, mail: Fetched, *, mark: bool) -> bool:
         """Translate and submit one message, and confirm it once the journal has it
