@@ -12,7 +12,8 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
 
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
 before the user's message is stored, before the reply is recorded in the outbox, before
-it is sent, and before the message is marked answered.
+it is sent, and before the message is marked answered; and, on email, between the
+journal and the `\\Seen` flag that confirms a mail to the server.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ POINTS = frozenset(
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",
+        # A mail is journaled and not yet flagged \Seen on the IMAP server (channels.email).
+        "email.before_confirm",
     }
 )
 ENV = "GATEWAY_FAILPOINTS"

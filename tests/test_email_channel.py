@@ -508,3 +508,37 @@ async def test_doctor_logs_in_to_both_servers_and_names_what_is_wrong(
         await check_mailbox(settings_for(dovecot, smtp, processed_folder="Done"))
     with pytest.raises(EmailSetupError, match="refused the SMTP login"):
         await check_mailbox(settings_for(dovecot, smtp, smtp_password="wrong"))
+
+
+async def test_doctor_warns_when_nobody_or_anybody_may_write(
+    servers: tuple[Dovecot, SmtpServer], tmp_path: Path
+) -> None:
+    from gateway.config import load_settings
+    from gateway.doctor import check_email
+
+    dovecot, smtp = servers
+    prefix = "GATEWAY_CHANNELS__EMAIL__"
+    environ = {
+        "GATEWAY_WORKSPACE": str(tmp_path),
+        f"{prefix}ENABLED": "true",
+        f"{prefix}ADDRESS": BOT,
+        f"{prefix}IMAP_HOST": dovecot.host,
+        f"{prefix}IMAP_PORT": str(dovecot.imaps_port),
+        f"{prefix}SMTP_HOST": "127.0.0.1",
+        f"{prefix}SMTP_PORT": str(smtp.port),
+        f"{prefix}TLS_CA_FILE": str(dovecot.ca_file),
+        f"{prefix}PASSWORD": USERS[BOT],
+    }
+    nobody = await check_email(load_settings(environ=environ))
+    assert [f.status for f in nobody] == ["ok", "warn"]
+    assert nobody[0].what.startswith("email works: IMAP bot@example.org@127.0.0.1: INBOX")
+    assert "answers nobody" in nobody[1].what
+    anybody = await check_email(load_settings(environ=environ | {f"{prefix}DM_POLICY": "open"}))
+    assert [f.status for f in anybody] == ["ok", "warn"]
+    assert "require_auth" in anybody[1].fix
+    broken = await check_email(load_settings(environ=environ | {f"{prefix}PASSWORD": "no"}))
+    assert broken[0].status == "fail" and "refused the login" in broken[0].what
+    incomplete = await check_email(
+        load_settings(environ={k: v for k, v in environ.items() if "SMTP_HOST" not in k})
+    )
+    assert incomplete[0].status == "fail" and "channels.email.smtp_host" in incomplete[0].what

@@ -154,3 +154,56 @@ def test_a_renumbered_mailbox_is_not_answered_again(tmp_path: Path) -> None:
             "echo: Subject: note\n\nquestion 3",
         ]
         assert all(b"\\Seen" in flags for _, flags, _ in dovecot.messages(BOT))
+
+
+@pytest.mark.timeout(180)
+def test_a_stranger_pairs_by_a_code_sent_by_mail(tmp_path: Path) -> None:
+    """`dm_policy = "pairing"`: a stranger's first mail is answered with a pairing code
+    (threaded under it, like any reply); once the operator approves the code, their mail
+    reaches the assistant."""
+    import re
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "ws"
+    with (
+        running_dovecot(USERS) as dovecot,
+        running_smtp(USERS, dovecot=dovecot) as smtp,
+        FakeOpenAI.in_thread() as llm,
+    ):
+        env = email_env(workspace, llm, dovecot, smtp, allow_from=[]) | {
+            "GATEWAY_CHANNELS__EMAIL__DM_POLICY": "pairing"
+        }
+        gateway = GatewayProcess(env, tmp_path)
+        try:
+            gateway.wait_readyz(gateway.wait_ready())
+            dovecot.append(BOT, person_mail(CAROL, "hello?", message_id="<p1@stranger.example>"))
+            wait_until(lambda: len(inbox(dovecot, CAROL)) == 1, 30, "the pairing code")
+            (challenge,) = inbox(dovecot, CAROL)
+            assert challenge["In-Reply-To"] == "<p1@stranger.example>"
+            found = re.search(r"pairing code is ([A-Z0-9]{8})", plain(challenge))
+            assert found, plain(challenge)
+            approve = subprocess.run(
+                [sys.executable, "-m", "gateway.cli", "pairing", "approve", "email", found[1]],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert approve.returncode == 0, approve.stderr
+            assert f"Approved {CAROL}" in approve.stdout
+            dovecot.append(
+                BOT,
+                person_mail(
+                    CAROL,
+                    "hello again",
+                    message_id="<p2@stranger.example>",
+                    references="<p1@stranger.example>",
+                ),
+            )
+            wait_until(lambda: len(inbox(dovecot, CAROL)) == 2, 30, "the answer")
+            assert plain(inbox(dovecot, CAROL)[1]) == "echo: hello again"
+            assert gateway.terminate() == 0
+        finally:
+            gateway.stop()

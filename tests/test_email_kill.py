@@ -184,6 +184,50 @@ def report(capsys: pytest.CaptureFixture[str]) -> Callable[[Tally], None]:
     return show
 
 
+@pytest.mark.timeout(180)
+def test_a_kill_between_the_journal_and_the_seen_flag_answers_once(
+    tmp_path: Path, mail_servers: tuple[Dovecot, SmtpServer]
+) -> None:
+    """The worst moment, made to happen: the gateway stops itself right after a mail is
+    journaled and before it is flagged (failpoint `email.before_confirm`), and is
+    SIGKILLed there. The mail is still unseen on the server; after the restart it is
+    answered once (the journal's replay), and the mail read again is a duplicate."""
+    dovecot, smtp = mail_servers
+    workspace = tmp_path / "ws"
+    # The model answers slowly: the turn cannot finish before the stop.
+    with FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED), 1.0, 1.5)) as llm:
+        env = email_env(workspace, llm, dovecot, smtp, threads=False)
+        first = GatewayProcess(
+            env | {"GATEWAY_FAILPOINTS": "email.before_confirm=sigstop"}, tmp_path
+        )
+        try:
+            first.wait_readyz(first.wait_ready())
+            raw = person_mail(address(1), "u001 m0000", message_id="<w1@example.org>")
+            dovecot.append(BOT, raw)
+            first.wait_for_line("failpoint email.before_confirm reached", timeout=30)
+            time.sleep(0.3)  # the SIGSTOP follows the log line
+            assert [flags for _, flags, _ in dovecot.messages(BOT)] == [set()]
+            first.kill()
+        finally:
+            first.stop()
+        second = GatewayProcess(env, tmp_path)
+        try:
+            second.wait_readyz(second.wait_ready())
+            wait_until(lambda: len(smtp.accepted) == 1, 30, "the answer")
+            wait_until(
+                lambda: [flags for _, flags, _ in dovecot.messages(BOT)] == [{b"\\Seen"}],
+                10,
+                "the mail flagged",
+            )
+            time.sleep(2.0)  # room for a second answer, if one were coming
+            assert second.terminate() == 0
+        finally:
+            second.stop()
+    assert replies(smtp) == (["u001 m0000"], [])
+    user, assistant = session_entries(workspace / "sessions")
+    assert (user["u001 m0000"], assistant["u001 m0000"]) == (1, 1)
+
+
 @pytest.mark.timeout(300)
 def test_email_backlog_survives_kills_right_after_start(
     tmp_path: Path,

@@ -113,6 +113,10 @@ def test_a_reply_joins_the_thread_of_its_root_without_the_subject() -> None:
     ]
 
 
+def test_a_command_stays_first_without_the_subject() -> None:
+    assert translate(mail("/new\n\n-- \nAlice")).text == "/new"
+
+
 def test_without_threads_one_conversation_per_correspondent() -> None:
     settings = SETTINGS.model_copy(update={"threads": False})
     assert translate(mail(), settings).session_key == "email:alice@example.com"

@@ -73,6 +73,7 @@ from channels.email.headers import (
 )
 from channels.email.mailbox import Fetched, ImapOptions, ImapSession, MailboxError, network_errors
 from channels.email.state import MailboxMark, MailboxState
+from gateway import failpoints
 from gateway.access import META_IS_GROUP, META_SENDER_NAME
 from gateway.channel import Submit
 from gateway.config import ConfigError, EmailSettings
@@ -296,8 +297,10 @@ def translate_mail(
             f"[This email is {megabytes:.1f} MB, over the limit of "
             f"{settings.max_message_mb:g} MB: only its subject was read.]"
         )
-    if subject and (not chain or not text.strip()):
-        # The subject says what a new conversation is about; in a thread it repeats.
+    command = text.lstrip().startswith("/")
+    if subject and not command and (not chain or not text.strip()):
+        # The subject says what a new conversation is about; in a thread it repeats. A
+        # command (/new, /status) stays first, where the agent looks for it.
         text = f"Subject: {subject}\n\n{text}".rstrip()
     if not text.strip() and not files:
         return Skip("an empty mail")
@@ -645,7 +648,9 @@ class EmailChannel:
         """Translate and submit one message, and confirm it once the journal has it
         (then raise the mark past it, with `mark`). True when the message is settled
         (journaled, skipped, or a duplicate)."""
-        result = translate_mail(
+        # Parsing a large mail takes a while: in a worker thread, off the event loop.
+        translate = functools.partial(
+            translate_mail,
             mail.raw,
             uidvalidity=session.uidvalidity,
             uid=mail.uid,
@@ -653,6 +658,7 @@ class EmailChannel:
             whole=mail.whole,
             size=mail.size,
         )
+        result = await anyio.to_thread.run_sync(translate)
         if isinstance(result, Skip):
             self.skipped += 1
             logger.info("email: message {} not answered: {}", mail.uid, result.reason)
@@ -666,6 +672,7 @@ class EmailChannel:
             if not ticket.taken:
                 logger.warning("email: message {} was not taken; reading it again", mail.uid)
                 return False
+            await failpoints.reach("email.before_confirm", result.session_key)
             # Journaled: now the server may learn we have it. Shielded: a stop right now
             # would only make the next start fetch it again for the journal to drop (the
             # connection's timeout bounds it).
@@ -681,7 +688,10 @@ class EmailChannel:
     async def send(self, message: OutboundMessage) -> None:
         """Send a reply as one mail; retried only while it certainly did not go out.
         Raises SendFailure when it could not be sent."""
-        mail = compose_reply(message, self.settings, now=datetime.now(UTC).timestamp())
+        compose = functools.partial(
+            compose_reply, message, self.settings, now=datetime.now(UTC).timestamp()
+        )
+        mail = await anyio.to_thread.run_sync(compose)  # files are encoded: off the loop
         with logger.contextualize(session=message.session_key):
             attempt = 0
             while True:
@@ -784,8 +794,14 @@ class EmailChannel:
                     session.close()
             raise MediaError("the mail is no longer in the mailbox")
 
+        def extract() -> bytes | None:
+            msg = _PARSER.parsebytes(read())
+            assert isinstance(msg, EmailMessage)
+            parts = attachment_parts(msg)
+            return attachment_bytes(parts[index]) if index < len(parts) else None
+
         try:
-            raw = await anyio.to_thread.run_sync(read)
+            data = await anyio.to_thread.run_sync(extract)  # parsing too: off the loop
         except MailboxError as exc:
             raise MediaError(str(exc)) from None
         except network_errors() as exc:
@@ -793,12 +809,8 @@ class EmailChannel:
             raise MediaError(
                 "the mail server did not hand over the file; please try again"
             ) from None
-        msg = _PARSER.parsebytes(raw)
-        assert isinstance(msg, EmailMessage)
-        parts = attachment_parts(msg)
-        if index >= len(parts):
+        if data is None:
             raise MediaError("the mail no longer has that file")
-        data = attachment_bytes(parts[index])
         if len(data) > max_bytes:
             raise MediaError(
                 f"it is {len(data) / 2**20:.1f} MB; the limit is {max_bytes / 2**20:.0f} MB"
