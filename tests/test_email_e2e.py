@@ -5,6 +5,7 @@ and a folder the server renumbered is not answered again."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from email import policy
@@ -204,6 +205,47 @@ def test_a_stranger_pairs_by_a_code_sent_by_mail(tmp_path: Path) -> None:
             )
             wait_until(lambda: len(inbox(dovecot, CAROL)) == 2, 30, "the answer")
             assert plain(inbox(dovecot, CAROL)[1]) == "echo: hello again"
+            assert gateway.terminate() == 0
+        finally:
+            gateway.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_photo_and_a_pdf_by_mail_reach_the_model(tmp_path: Path) -> None:
+    """Attachments are the message's media: the image goes to the (vision) model as an
+    image, the PDF as its text; both fetched from the mailbox when the turn starts."""
+    from tests.media_files import pdf, png
+
+    workspace = tmp_path / "ws"
+    with (
+        running_dovecot(USERS) as dovecot,
+        running_smtp(USERS, dovecot=dovecot) as smtp,
+        FakeOpenAI.in_thread() as llm,
+    ):
+        env = email_env(workspace, llm, dovecot, smtp)
+        gateway = GatewayProcess(env, tmp_path)
+        try:
+            gateway.wait_readyz(gateway.wait_ready())
+            msg = EmailMessage()
+            msg["From"] = ALICE
+            msg["To"] = BOT
+            msg["Subject"] = "files"
+            msg["Message-ID"] = "<f1@example.org>"
+            msg.set_content("What is in these?")
+            msg.add_attachment(png(64, 48), maintype="image", subtype="png", filename="a.png")
+            msg.add_attachment(
+                pdf("The quarterly figures are up."),
+                maintype="application",
+                subtype="pdf",
+                filename="report.pdf",
+            )
+            dovecot.append(BOT, msg.as_bytes())
+            wait_until(lambda: len(smtp.accepted) == 1, 60, "the answer")
+            answer = plain(smtp.accepted[0].message)
+            assert answer.startswith("echo: Subject: files\n\nWhat is in these?")
+            assert "[image 64x48 png]" in answer
+            (request,) = llm.chat_requests
+            assert "The quarterly figures are up." in json.dumps(request.body)
             assert gateway.terminate() == 0
         finally:
             gateway.stop()
