@@ -203,6 +203,7 @@ class Metrics:
             "moved), not_answered (machines, lists, bounces, unauthenticated, empty).",
             ("outcome",),
         )
+        self.mirror_email({})  # every outcome at 0 from the start
         self.channel_up = Gauge(
             "gateway_channel_up",
             "1 while a channel is connected, else 0.",

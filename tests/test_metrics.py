@@ -350,6 +350,7 @@ DOCUMENTED = {
     "llm error kind": ("gateway_llm_errors_total", "kind"),
     "consolidation outcome": ("gateway_consolidations_total", "outcome"),
     "connection drop reason": ("gateway_http_connections_dropped_total", "reason"),
+    "email mail outcome": ("gateway_email_mail_total", "outcome"),
 }
 
 
