@@ -16,6 +16,7 @@ import grp
 import os
 import pwd
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -179,6 +180,18 @@ class Dovecot:
         self.proc = _launch(self.root, self.log_path)
         _wait_up(self)
 
+    def restart(self, *, down_for: float = 0.0) -> None:
+        """Crash the server (SIGKILL to it and every process it started, whose
+        connections go with them), wait `down_for` seconds, start it again (same ports,
+        same mail): clients see their connections drop and the port refuse meanwhile."""
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(15)
+        time.sleep(down_for)
+        self.proc = _launch(self.root, self.log_path)
+        _wait_up(self)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -193,6 +206,24 @@ class Dovecot:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc), deepest last."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
 
 
 def _launch(root: Path, log_path: Path) -> subprocess.Popen[bytes]:

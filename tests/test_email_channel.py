@@ -231,8 +231,10 @@ async def test_mail_the_journal_did_not_take_stays_unseen_and_comes_again(
     dovecot.append(BOT, raw_mail("second", message_id="<f2@example.org>"))
     recorder = Recorder()
     recorder.refuse = 1
+    # The next round comes after a second: time to look at the flags meanwhile.
+    patient = Pacing(idle_check=0.2, retry_backoff=1.0, timeout=10)
     channel = EmailChannel(
-        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
+        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=patient
     )
     seen_after_refusal: list[list[set[bytes]]] = []
 
@@ -330,6 +332,26 @@ async def test_a_renumbered_folder_is_read_by_message_id_not_answered_again(
     after = await state.load(channel.mailbox)
     assert before is not None and after is not None
     assert after.uidvalidity != before.uidvalidity and after.last_uid == 3
+
+
+async def test_a_server_restart_is_waited_out_and_reading_goes_on(
+    servers: tuple[Dovecot, SmtpServer], tmp_path: Path
+) -> None:
+    """The IMAP server goes away while the channel idles: the channel reconnects with
+    backoff until it is back (it does not stop, as it does for a refused login)."""
+    dovecot, smtp = servers
+    recorder = Recorder()
+    channel = EmailChannel(
+        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
+    )
+
+    async def body() -> None:
+        await in_thread(lambda: dovecot.restart(down_for=1.0))
+        await in_thread(lambda: dovecot.append(BOT, raw_mail("after the restart")))
+        await until(lambda: channel.taken == 1)
+
+    await run_channel(channel, recorder, body)
+    assert recorder.texts() == ["Subject: Hello\n\nafter the restart"]
 
 
 async def test_machines_mail_is_not_submitted_nor_flagged(

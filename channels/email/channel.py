@@ -547,7 +547,12 @@ class EmailChannel:
             while not self._paused:
                 session: ImapSession | None = None
                 try:
-                    session = await self._open()
+                    # A network failure here is retried with backoff (below); a refused
+                    # login or a missing folder stops the channel with what to fix.
+                    try:
+                        session = await anyio.to_thread.run_sync(ImapSession.open, self.imap)
+                    except MailboxError as exc:
+                        raise EmailSetupError(str(exc)) from None
                     logger.info(
                         "email: watching {} ({})",
                         self.mailbox,
@@ -601,8 +606,10 @@ class EmailChannel:
                     if await anyio.to_thread.run_sync(session.idle_check, self.pacing.idle_check):
                         return
         finally:
+            # Also when stopping: a server in IDLE answers nothing else (not even LOGOUT)
+            # until it gets DONE.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(session.idle_done)
+                await anyio.to_thread.run_sync(session.end_idle)
 
     async def _read_new(self, session: ImapSession) -> int | None:
         """Take in the mail that arrived since the mark, in UID order; how many messages

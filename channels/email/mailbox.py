@@ -11,6 +11,7 @@ from __future__ import annotations
 import imaplib
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date
@@ -88,6 +89,7 @@ class ImapSession:
         self.can_move = b"MOVE" in caps
         self.can_uidplus = b"UIDPLUS" in caps
         self._idling = False
+        self._empty_wakes = 0
 
     @classmethod
     def open(cls, options: ImapOptions, *, readonly: bool = False) -> ImapSession:
@@ -208,14 +210,31 @@ class ImapSession:
         self._idling = True
 
     def idle_check(self, seconds: float) -> bool:
-        """Wait up to `seconds` in IDLE; True when the server told of new mail."""
+        """Wait up to `seconds` in IDLE; True when the server told of new mail. Raises
+        ConnectionResetError when the server has gone (IMAPClient then returns nothing
+        at once, again and again, instead of waiting)."""
+        started = time.monotonic()
         responses = self.client.idle_check(timeout=seconds)
+        if not responses and time.monotonic() - started < seconds / 2:
+            self._empty_wakes += 1
+            if self._empty_wakes >= 3:
+                raise ConnectionResetError("the IMAP server closed the connection")
+        else:
+            self._empty_wakes = 0
         return any(isinstance(r, tuple) and len(r) > 1 and r[1] in _NEWS for r in responses)
 
     def idle_done(self) -> None:
         if self._idling:
             self._idling = False
             self.client.idle_done()
+
+    def end_idle(self) -> None:
+        """Leave IDLE if the connection still lets us; a dead one fails at once, and
+        the caller closes it anyway."""
+        try:
+            self.idle_done()
+        except network_errors():
+            pass
 
     def noop(self) -> None:
         self.client.noop()
