@@ -10,6 +10,8 @@ from email.parser import BytesParser
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from channels.email.channel import (
     Skip,
@@ -178,6 +180,42 @@ def test_an_empty_reply_is_not_answered() -> None:
     assert translate(raw).text == "> only a quote"
     empty = mail("", headers={"In-Reply-To": "<m0@example.com>"}, subject="")
     assert skipped(empty) == "an empty mail"
+
+
+def test_an_unknown_charset_is_read_as_utf8() -> None:
+    raw = (
+        b"From: alice@example.com\nMessage-ID: <u@example.com>\nSubject: s\n"
+        b'Content-Type: text/plain; charset="unknown-8bit"\n\nGr\xc3\xbc\xc3\x9fe\n'
+    )
+    assert translate(raw).text == "Subject: s\n\nGrüße"
+
+
+def test_an_encoded_subject_and_sender_name_are_decoded() -> None:
+    raw = mail(subject="Grüße aus Köln", sender="Jörg Müller <joerg@example.com>")
+    assert b"=?utf-8?" in raw
+    msg = translate(raw)
+    assert msg.text.startswith("Subject: Grüße aus Köln\n\n")
+    assert msg.metadata["sender_name"] == "Jörg Müller <joerg@example.com>"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_no_mail_makes_translation_raise(data: st.DataObject) -> None:
+    """Whatever bytes arrive, the mail is answered or skipped with a reason: a mail that
+    raised would stop the mailbox at every start."""
+    raw = bytearray(
+        mail(
+            "Hi",
+            html="<p>Hi</p>",
+            files=[("a.txt", "text/plain", b"x")],
+            headers={"References": "<a@b> <c@d>"},
+        )
+    )
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw[at : at + 1] = data.draw(st.binary(min_size=0, max_size=3))
+    result = translate_mail(bytes(raw), uidvalidity=7, uid=42, settings=SETTINGS)
+    assert isinstance(result, InboundMessage | Skip)
 
 
 # -- never answered --------------------------------------------------------------------

@@ -38,6 +38,7 @@ Promises (tested in tests/test_email*.py, the kill test in tests/test_email_kill
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 from collections.abc import Awaitable, Callable
@@ -141,9 +142,14 @@ def _text_of(part: Message) -> str:
     except (LookupError, ValueError, AssertionError):
         pass
     payload = part.get_payload(decode=True)
-    if isinstance(payload, bytes):
-        return payload.decode(part.get_content_charset() or "utf-8", errors="replace")
-    return ""
+    if not isinstance(payload, bytes):
+        return ""
+    charset = part.get_content_charset() or "utf-8"
+    try:
+        codecs.lookup(charset)
+    except LookupError:  # a charset Python does not know: read it as UTF-8
+        charset = "utf-8"
+    return payload.decode(charset, errors="replace")
 
 
 def body_parts(msg: EmailMessage) -> tuple[Message | None, Message | None]:
@@ -665,7 +671,13 @@ class EmailChannel:
             whole=mail.whole,
             size=mail.size,
         )
-        result = await anyio.to_thread.run_sync(translate)
+        try:
+            result: InboundMessage | Skip = await anyio.to_thread.run_sync(translate)
+        except Exception as exc:
+            # A mail nothing here can read must not stop the mailbox (it would come
+            # first again at every start): it is left unanswered, and said so.
+            logger.opt(exception=exc).error("email: message {} is unreadable", mail.uid)
+            result = Skip(f"unreadable ({type(exc).__name__}: {exc})")
         if isinstance(result, Skip):
             self.skipped += 1
             logger.info("email: message {} not answered: {}", mail.uid, result.reason)
