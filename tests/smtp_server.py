@@ -96,8 +96,11 @@ def _context(cert: Path, key: Path) -> ssl.SSLContext:
 
 
 @contextlib.contextmanager
-def running_smtp(users: dict[str, str], *, dovecot: Dovecot) -> Iterator[SmtpServer]:
-    """aiosmtpd on a free port, with Dovecot's certificate and STARTTLS + AUTH required."""
+def running_smtp(
+    users: dict[str, str], *, dovecot: Dovecot, implicit_tls: bool = False
+) -> Iterator[SmtpServer]:
+    """aiosmtpd on a free port, with Dovecot's certificate and STARTTLS + AUTH required
+    (with `implicit_tls`: TLS from the first byte, as on port 465)."""
     from aiosmtpd.controller import Controller
     from aiosmtpd.smtp import AuthResult, LoginPassword
 
@@ -116,15 +119,21 @@ def running_smtp(users: dict[str, str], *, dovecot: Dovecot) -> Iterator[SmtpSer
         # handled=False: aiosmtpd answers a failure with its 535 itself.
         return AuthResult(success=ok, handled=False)
 
+    context = _context(dovecot.ca_file, dovecot.root / "key.pem")
+    # aiosmtpd does not count TLS from the first byte as TLS for auth_require_tls (it
+    # would hide AUTH): there the whole connection is TLS anyway.
+    tls: dict[str, Any] = (
+        {"ssl_context": context, "auth_require_tls": False}
+        if implicit_tls
+        else {"tls_context": context, "require_starttls": True, "auth_require_tls": True}
+    )
     controller = Controller(
         _Handler(server),
         hostname="127.0.0.1",
         port=server.port,
-        tls_context=_context(dovecot.ca_file, dovecot.root / "key.pem"),
-        require_starttls=True,
         authenticator=authenticate,
         auth_required=True,
-        auth_require_tls=True,
+        **tls,
     )
     controller.start()
     server.controller = controller

@@ -515,6 +515,22 @@ async def test_a_temporary_refusal_is_retried_and_a_final_one_is_not(
     assert len([ok for _, ok in smtp.logins if not ok]) == 2
 
 
+# aiosmtpd's own warning: it takes a connection that is TLS from the first byte for one
+# without TLS (see tests/smtp_server.py).
+@pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS")
+async def test_smtp_over_tls_from_the_first_byte(tmp_path: Path) -> None:
+    with (
+        running_dovecot(USERS) as dovecot,
+        running_smtp(USERS, dovecot=dovecot, implicit_tls=True) as smtp,
+    ):
+        settings = settings_for(dovecot, smtp, smtp_security="tls")
+        channel = EmailChannel(settings, state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST)
+        out = OutboundMessage("email", ALICE, "over TLS", "email:alice@example.org")
+        await channel.send(out)
+        assert smtp.texts() == ["over TLS"]
+        assert smtp.logins == [(BOT, True)]
+
+
 # -- doctor ----------------------------------------------------------------------------
 
 

@@ -769,6 +769,12 @@ class EmailChannel:
         except aiosmtplib.SMTPResponseException as exc:
             # An answer: the server did not take the message (4xx: not now; 5xx: never).
             raise SendFailure(f"{exc.code} {exc.message}", retry=exc.code < 500) from None
+        except aiosmtplib.SMTPNotSupported as exc:
+            raise SendFailure(
+                f"{settings.smtp_host}:{port} does not offer it ({exc}); check "
+                "channels.email.smtp_security and smtp_port",
+                retry=False,
+            ) from None
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             if data_sent:
                 raise SendFailure(
