@@ -337,7 +337,11 @@ protocol imap {{
         log_path=log_path,
         internal_user=internal,
     )
-    _wait_up(server)
+    try:
+        _wait_up(server)
+    except BaseException:  # skipped or failed: its log tail is in the message
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     return server
 
 
