@@ -32,8 +32,9 @@ import anyio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
 
-from channels.email import EmailChannel, FileMailboxState, Pacing, translate_mail  # noqa: E402
+from channels.email import EmailChannel, Pacing, translate_mail  # noqa: E402
 from gateway.config import EmailSettings  # noqa: E402
+from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with  # noqa: E402
 from gateway.messages import InboundMessage, OutboundMessage  # noqa: E402
 from tests.dovecot_server import running_dovecot  # noqa: E402
 
@@ -108,8 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return Ticket()
 
         async def measure() -> None:
-            state = FileMailboxState(Path(tmp) / "state.json")
-            channel = EmailChannel(settings, state=state, pacing=Pacing(idle_check=0.05))
+            lead = run_with(FileCursorStore(Path(tmp) / CURSOR_FILE))
+            channel = EmailChannel(settings, lead=lead, pacing=Pacing(idle_check=0.05))
             async with anyio.create_task_group() as tg:
                 started = time.perf_counter()
                 await tg.start(channel.run, submit)

@@ -341,9 +341,10 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 def _check_llm(settings: Settings) -> None:
     """Raise `LLMConfigError` (one line: what to set) when no model call could succeed,
     as building the gateway would, but without loading the LLM client first."""
-    from gateway.llm.credentials import check_credentials
+    from gateway.llm.credentials import check_provider_credentials
 
-    check_credentials(settings.llm.base_url, settings.llm.resolved_api_key())
+    for name, provider in settings.llm.used_providers().items():
+        check_provider_credentials(name, provider.base_url, provider.resolved_api_key())
 
 
 #: The workspace lock a command holds until the process ends (the kernel lets go).

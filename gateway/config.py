@@ -58,6 +58,9 @@ SECRET_KEYS = frozenset(
         "admin_token",
         "password",
         "smtp_password",
+        "access_token",
+        "app_secret",
+        "verify_token",
     }
 )
 
@@ -85,6 +88,75 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+#: What a provider's name may be (it appears in `model@provider` and `provider:model`).
+_PROVIDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+#: The provider `[llm]` itself describes (base_url, api_key, ...).
+DEFAULT_PROVIDER = "default"
+
+
+class LLMProviderSettings(_Section):
+    """One OpenAI-compatible server the failover may ask (`[llm.providers.NAME]`)."""
+
+    base_url: str | None = Field(
+        None,
+        description="Its OpenAI-compatible endpoint. Unset means api.openai.com.",
+        examples=["https://openrouter.ai/api/v1"],
+    )
+    api_key: SecretStr | None = _secret("its API key", "GATEWAY_LLM__PROVIDERS__NAME__API_KEY")
+    api_key_file: Path | None = _secret_file(
+        "GATEWAY_LLM__PROVIDERS__NAME__API_KEY", "provider-api-key"
+    )
+    models: list[str] = Field(
+        default_factory=list,
+        description="The model names it serves; a name it does not list is not asked of "
+        "it. Empty: any name.",
+    )
+    fallback_models: list[str] = Field(
+        default_factory=list,
+        description="Models of its own tried in order when the asked one fails.",
+    )
+    timeout: float | None = Field(None, gt=0, description="Seconds per request; unset: [llm]'s.")
+    connect_timeout: float | None = Field(
+        None, gt=0, description="Seconds to connect; unset: [llm]'s."
+    )
+    max_retries: int | None = Field(
+        None, ge=0, le=10, description="Retries on 429/5xx/timeouts; unset: [llm]'s."
+    )
+    prices: dict[str, ModelPriceSettings] = Field(
+        default_factory=dict,
+        description="Its price per model name as it answers, like usage.prices, which "
+        "covers the models it does not list.",
+    )
+
+    def resolved_api_key(self) -> str | None:
+        return reveal(self.api_key)
+
+
+class FailoverSettings(_Section):
+    failures_to_open: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="Provider failures in a row (connection errors, time-outs, 5xx, 429, "
+        "refused keys, no credit) after which that provider is skipped.",
+    )
+    cooldown_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a failing provider is skipped before one request tries it "
+        "again (a success puts it back in use).",
+    )
+    long_retry_after_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=120,
+        description="With more than one provider, a 429 asking to wait at least this long "
+        "is not waited out: the next provider is asked, and this one is skipped for as "
+        "long as it asked. Shorter waits are waited out.",
+    )
+
+
 class LLMSettings(_Section):
     model: str = Field("gpt-4o-mini", description="Model name sent to the server.")
     base_url: str | None = Field(
@@ -99,6 +171,13 @@ class LLMSettings(_Section):
         default_factory=list, description="Models tried in order when the main one fails."
     )
     timeout: float = Field(60.0, gt=0, description="Seconds per request before giving up.")
+    connect_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds to connect to the server; unset: timeout. A short one skips "
+        "a provider that does not answer at all sooner.",
+        examples=[5.0],
+    )
     max_retries: int = Field(2, ge=0, le=10, description="Retries on 429/5xx/timeouts.")
     temperature: float | None = Field(
         0.3,
@@ -126,10 +205,107 @@ class LLMSettings(_Section):
         'offers the tools only with "auto".',
         examples=["auto"],
     )
+    chain: list[str] = Field(
+        default_factory=lambda: [DEFAULT_PROVIDER],
+        description='Providers asked in order for a model name without an alias: "default" '
+        "is the server above (base_url, api_key), any other a [llm.providers.NAME]. The "
+        "next one is asked when one fails, before any of the answer was shown.",
+    )
+    providers: dict[str, LLMProviderSettings] = Field(
+        default_factory=dict,
+        description="More OpenAI-compatible servers to fail over to, one [llm.providers.NAME] "
+        "table each (base_url, api_key_file or GATEWAY_LLM__PROVIDERS__NAME__API_KEY, "
+        "models, timeout, connect_timeout, max_retries, prices).",
+    )
+    aliases: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='Model names with their own chain, "provider:model" each, in order; '
+        "/model NAME picks one.",
+    )
+    failover: FailoverSettings = Field(default_factory=FailoverSettings)
 
     def resolved_api_key(self) -> str | None:
         """The API key (from the environment or `api_key_file`), if any."""
         return reveal(self.api_key)
+
+    @model_validator(mode="after")
+    def _check_providers(self) -> LLMSettings:
+        for name in self.providers:
+            if name == DEFAULT_PROVIDER:
+                raise ValueError(
+                    'providers.default: "default" is the server [llm] itself describes '
+                    "(base_url, api_key); give this provider another name"
+                )
+            if not _PROVIDER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"providers: {name!r} cannot name a provider; use up to 32 letters, "
+                    "digits, - and _"
+                )
+        known = {DEFAULT_PROVIDER, *self.providers}
+        if len(set(self.chain)) != len(self.chain):
+            raise ValueError("chain: a provider is named twice; name each once, in order")
+        for name in self.chain:
+            if name not in known:
+                raise ValueError(f"chain: no provider {name!r}; add [llm.providers.{name}]")
+        for alias, entries in self.aliases.items():
+            if not alias.strip() or not entries:
+                raise ValueError(f"aliases.{alias}: give it a name and at least one provider")
+            for entry in entries:
+                provider, _, model = entry.partition(":")
+                if provider not in known:
+                    raise ValueError(
+                        f"aliases.{alias}: no provider {provider!r} in {entry!r}; write "
+                        '"provider:model" with a provider of [llm.providers] or "default"'
+                    )
+                served = self.providers[provider].models if provider in self.providers else []
+                if served and (model or alias) not in served:
+                    raise ValueError(
+                        f"aliases.{alias}: {provider} does not list {model or alias!r} in its "
+                        "models; add it there or fix the name"
+                    )
+        return self
+
+    def unused_providers(self) -> list[str]:
+        """Providers no chain or alias names (`gateway doctor` warns of them)."""
+        used = set(self.used_providers())
+        return [name for name in self.providers if name not in used]
+
+    def alias_routes(self) -> dict[str, list[tuple[str, str]]]:
+        """Each alias's (provider, model) routes; "provider" alone asks it for the
+        alias's own name."""
+        return {
+            alias: [(e.partition(":")[0], e.partition(":")[2] or alias) for e in entries]
+            for alias, entries in self.aliases.items()
+        }
+
+    def used_providers(self) -> dict[str, LLMProviderSettings]:
+        """Every provider a model name may go to, in the order first named (chain, then
+        aliases), with what it leaves unset taken from [llm]; "default" is [llm]'s own."""
+        names = [*self.chain, *(p for rs in self.alias_routes().values() for p, _ in rs)]
+        used: dict[str, LLMProviderSettings] = {}
+        for name in dict.fromkeys(names):
+            if name == DEFAULT_PROVIDER:
+                used[name] = LLMProviderSettings.model_construct(
+                    base_url=self.base_url,
+                    api_key=self.api_key,
+                    api_key_file=None,
+                    models=[],
+                    fallback_models=self.fallback_models,
+                    timeout=self.timeout,
+                    connect_timeout=self.connect_timeout,
+                    max_retries=self.max_retries,
+                    prices={},
+                )
+                continue
+            own = self.providers[name]
+            used[name] = own.model_copy(
+                update={
+                    "timeout": own.timeout or self.timeout,
+                    "connect_timeout": own.connect_timeout or self.connect_timeout,
+                    "max_retries": self.max_retries if own.max_retries is None else own.max_retries,
+                }
+            )
+        return used
 
 
 class AgentSettings(_Section):
@@ -872,6 +1048,150 @@ class EmailSettings(_Section):
         return reveal(self.smtp_password) or self.resolved_password()
 
 
+class MatrixSettings(AccessSection):
+    """A Matrix account the gateway answers as (channels/matrix, docs/matrix.md)."""
+
+    enabled: bool = Field(False, description="Serve a Matrix account.")
+    homeserver: str | None = Field(
+        None,
+        description="The homeserver's client-server API URL.",
+        examples=["https://matrix.example.org"],
+    )
+    user_id: str | None = Field(
+        None, description="The bot account's full Matrix id.", examples=["@gateway:example.org"]
+    )
+    access_token: SecretStr | None = _secret(
+        "the account's access token", "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN"
+    )
+    access_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN", "matrix-access-token"
+    )
+    sync_timeout: int = Field(30, ge=0, le=120, description="Long-poll seconds per /sync.")
+
+    @field_validator("user_id")
+    @classmethod
+    def _matrix_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"@[^:\s]+:\S+", value):
+            raise ValueError("a Matrix user id looks like @gateway:example.org")
+        return value
+
+    def resolved_token(self) -> str | None:
+        """The access token (from the environment or `access_token_file`), if any."""
+        return reveal(self.access_token)
+
+
+class WhatsAppSettings(AccessSection):
+    """A WhatsApp Business number through the Cloud API (channels/whatsapp, docs/whatsapp.md)."""
+
+    enabled: bool = Field(False, description="Serve WhatsApp Business numbers (Cloud API).")
+    phone_number_ids: list[str] = Field(
+        default_factory=list,
+        description="The business numbers' phone number ids (WhatsApp Manager > API Setup); "
+        "messages to other numbers are acknowledged and ignored.",
+    )
+    access_token: SecretStr | None = _secret(
+        "a system user's token with whatsapp_business_messaging",
+        "GATEWAY_CHANNELS__WHATSAPP__ACCESS_TOKEN",
+    )
+    access_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__WHATSAPP__ACCESS_TOKEN", "whatsapp-access-token"
+    )
+    app_secret: SecretStr | None = _secret(
+        "the Meta app's secret, which signs every webhook (X-Hub-Signature-256)",
+        "GATEWAY_CHANNELS__WHATSAPP__APP_SECRET",
+    )
+    app_secret_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__WHATSAPP__APP_SECRET", "whatsapp-app-secret"
+    )
+    verify_token: SecretStr | None = _secret(
+        "the webhook's verify token, as typed in the App Dashboard",
+        "GATEWAY_CHANNELS__WHATSAPP__VERIFY_TOKEN",
+    )
+    verify_token_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__WHATSAPP__VERIFY_TOKEN", "whatsapp-verify-token"
+    )
+    api_url: str = Field(
+        "https://graph.facebook.com", description="The Graph API's root (no version)."
+    )
+    api_version: str = Field("v26.0", description="The Graph API version the requests name.")
+    template: str | None = Field(
+        None,
+        description="An approved template sent instead of a reply that falls outside the "
+        "24-hour customer-service window; unset: such a reply is kept as undeliverable.",
+        examples=["pending_reply"],
+    )
+    template_language: str = Field("en", description="The template's language code.")
+    template_parameter: bool = Field(
+        True,
+        description="Pass the start of the reply as the template body's {{1}} parameter.",
+    )
+    quote_replies: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Quote the person's message in the reply: auto = only when they wrote "
+        "again meanwhile.",
+    )
+    read_receipts: bool = Field(
+        True, description="Mark messages read and show the typing indicator while answering."
+    )
+
+    @field_validator("phone_number_ids")
+    @classmethod
+    def _digits(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not item.isdigit():
+                raise ValueError(f"{item!r}: a phone number id is digits only (not the number)")
+        return value
+
+    def resolved_token(self) -> str | None:
+        """The Graph API token (from the environment or `access_token_file`), if any."""
+        return reveal(self.access_token)
+
+
+class DiscordSettings(AccessSection):
+    enabled: bool = Field(False, description="Serve a Discord bot.")
+    token: SecretStr | None = _secret(
+        "the bot token (Developer Portal > Bot > Reset Token)", "GATEWAY_CHANNELS__DISCORD__TOKEN"
+    )
+    token_file: Path | None = _secret_file("GATEWAY_CHANNELS__DISCORD__TOKEN", "discord-token")
+    api_url: str | None = Field(
+        None,
+        description="HTTP API base URL, for an egress proxy or tests (default "
+        "https://discord.com/api/v10).",
+        examples=["https://discord-proxy.internal/api/v10"],
+    )
+    gateway_url: str | None = Field(
+        None,
+        description="Gateway WebSocket URL; when set, resumes go there too (default "
+        "wss://gateway.discord.gg/).",
+        examples=["wss://discord-proxy.internal/gateway/"],
+    )
+    message_content: bool = Field(
+        True,
+        description="Ask for the privileged Message Content intent (enable it on the "
+        "Developer Portal's Bot page); without it the bot reads only DMs and messages "
+        "that mention it.",
+    )
+    backfill_max_age_seconds: float = Field(
+        86400.0,
+        gt=0,
+        description="After a (re)connect, read back what was written while away up to "
+        "this old; older messages are not answered.",
+    )
+    backfill_max_messages: int = Field(
+        500, ge=1, le=10_000, description="At most this many messages read back per conversation."
+    )
+    backfill_max_conversations: int = Field(
+        1000,
+        ge=1,
+        description="At most this many conversations read back (the most recently active; "
+        "each costs one request, DMs always, server channels only when they have news).",
+    )
+
+    def resolved_token(self) -> str | None:
+        """The bot token (from the environment or `token_file`), if any."""
+        return reveal(self.token)
+
+
 # ----------------------------------------------------------------- tools and MCP servers
 
 _MCP_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_))*")
@@ -972,6 +1292,9 @@ class ChannelsSettings(_Section):
     telegram: TelegramSettings = Field(default_factory=TelegramSettings)
     slack: SlackSettings = Field(default_factory=SlackSettings)
     email: EmailSettings = Field(default_factory=EmailSettings)
+    matrix: MatrixSettings = Field(default_factory=MatrixSettings)
+    whatsapp: WhatsAppSettings = Field(default_factory=WhatsAppSettings)
+    discord: DiscordSettings = Field(default_factory=DiscordSettings)
 
 
 class Settings(_Section):
@@ -1049,6 +1372,9 @@ class Settings(_Section):
                 ("telegram", self.channels.telegram.enabled),
                 ("slack", self.channels.slack.enabled),
                 ("email", self.channels.email.enabled),
+                ("matrix", self.channels.matrix.enabled),
+                ("whatsapp", self.channels.whatsapp.enabled),
+                ("discord", self.channels.discord.enabled),
             )
             if on
         }
@@ -1067,6 +1393,10 @@ class Settings(_Section):
                 value = getattr(section, name)
                 if isinstance(value, BaseModel):
                     collect(value)
+                elif isinstance(value, dict):  # [llm.providers.NAME] and the like
+                    for item in value.values():
+                        if isinstance(item, BaseModel):
+                            collect(item)
                 elif isinstance(value, SecretStr) and value.get_secret_value():
                     found.append(value.get_secret_value())
 
@@ -1245,10 +1575,16 @@ def _describe(error: Mapping[str, Any], config_file: str = "gateway.toml") -> st
             f"{dotted}: {_EXPECTED[kind]}, got {given!r}{unquote}; "
             f"fix it in {config_file} or {_env_name(loc)}"
         )
-    return (
-        f"{dotted}: {error.get('msg', 'invalid value')} (got {given!r}); "
-        f"fix it in {config_file} or {_env_name(loc)}"
-    )
+    message = str(error.get("msg", "invalid value"))
+    if isinstance(given, dict):
+        # A section's check: its whole table is no help to read (and may hold a secret);
+        # a message that starts with the key it is about names that key.
+        message = message.removeprefix("Value error, ")
+        key, colon, rest = message.partition(": ")
+        if colon and re.fullmatch(r"[\w.-]+", key):
+            dotted, message = f"{dotted}.{key}", rest
+        return f"{dotted}: {message}; fix it in {config_file}"
+    return f"{dotted}: {message} (got {given!r}); fix it in {config_file} or {_env_name(loc)}"
 
 
 def all_keys() -> list[str]:
@@ -1433,6 +1769,13 @@ _EXAMPLES: dict[str, list[str]] = {
     "heartbeat.jobs": [
         '# jobs.morning = { cron = "0 8 * * 1-5", timezone = "Europe/Berlin", '
         'prompt = "Anything on my calendar today?" }',
+    ],
+    "llm.providers": [
+        '# providers.backup = { base_url = "https://openrouter.ai/api/v1", '
+        'api_key_file = "/run/secrets/openrouter-key", connect_timeout = 5.0 }',
+    ],
+    "llm.aliases": [
+        '# aliases.smart = ["default:gpt-4o", "default:gpt-4o-mini"]',
     ],
     "usage.prices": [
         '# prices."gpt-4o-mini" = { prompt = 0.15, completion = 0.6 }',

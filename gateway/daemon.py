@@ -21,14 +21,16 @@ from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.memory_tools import memory_tools
 from gateway.agent.subagents import SubagentLimits, Subagents
 from gateway.agent.toolset import build_mcp, build_tools
-from gateway.agent.windows import ContextWindows, window_probe
+from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket, enrich_for_turn
 from gateway.config import AccessSection, ConfigError, Settings
 from gateway.dedupe import dedupe_key
 from gateway.gcpolicy import GCPolicy
-from gateway.llm.credentials import check_credentials
-from gateway.llm.openai_provider import OpenAIProvider
+from gateway.llm.breaker import CircuitBreaker
+from gateway.llm.credentials import check_provider_credentials
+from gateway.llm.failover import FailoverProvider, Route, RouteTable
+from gateway.llm.openai_provider import OpenAIProvider, display_url
 from gateway.llm.types import DEFAULT_CONTEXT_WINDOW, LLMProvider
 from gateway.media import FileSource
 from gateway.media.build import build_media
@@ -43,6 +45,8 @@ from gateway.usage import MeteredProvider, UsageMeter
 from gateway.workspace import cannot_write, write_denied
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from gateway.access import ChannelAccessPolicy, PairingBackend
     from gateway.agent.mcp import MCPServers, ServerState
     from gateway.dedupe import DedupeStore
@@ -52,21 +56,61 @@ if TYPE_CHECKING:
     from gateway.workspace import WorkspaceLock
 
 
-def build_provider(settings: Settings) -> LLMProvider:
-    """The OpenAI-compatible provider; raises LLMConfigError saying what to set."""
+def route_table(settings: Settings) -> RouteTable:
+    """Which (provider, model) routes answer each model name (`[llm] chain`, aliases)."""
     llm = settings.llm
-    api_key = llm.resolved_api_key()
-    check_credentials(llm.base_url, api_key)
-    return OpenAIProvider(
-        base_url=llm.base_url,
-        api_key=api_key,
+    aliases = {
+        alias: [Route(provider, model) for provider, model in routes]
+        for alias, routes in llm.alias_routes().items()
+    }
+    serves = {name: p.models for name, p in llm.used_providers().items()}
+    return RouteTable(llm.chain, aliases=aliases, serves=serves)
+
+
+def build_provider(settings: Settings) -> FailoverProvider:
+    """Every configured OpenAI-compatible server, each behind its circuit breaker, in
+    the failover of `[llm]` (one provider, "default", when nothing more is configured);
+    raises LLMConfigError saying what to set."""
+    llm = settings.llm
+    table = route_table(settings)
+    used = llm.used_providers()
+    several = len(used) > 1
+    providers: dict[str, LLMProvider] = {}
+    breakers: dict[str, CircuitBreaker] = {}
+    for name, section in used.items():
+        api_key = section.resolved_api_key()
+        check_provider_credentials(name, section.base_url, api_key)
+        # What this provider calls the default model (its fallback after a /model one).
+        mine = [r.model for r in table.routes(llm.model) if r.provider == name]
+        provider = OpenAIProvider(
+            base_url=section.base_url,
+            api_key=api_key,
+            model=mine[0] if mine else llm.model,
+            fallback_models=section.fallback_models,
+            timeout=section.timeout or llm.timeout,
+            connect_timeout=section.connect_timeout,
+            max_retries=llm.max_retries if section.max_retries is None else section.max_retries,
+            # Alone, a provider's long Retry-After is waited out as it always was.
+            long_retry_after=llm.failover.long_retry_after_seconds if several else None,
+            default_temperature=llm.temperature,
+            default_max_tokens=llm.max_tokens,
+            default_tool_choice=llm.tool_choice,
+            # With others to ask, the chain says what comes after a model, not this.
+            falls_back_to_model=not several,
+        )
+        providers[name] = provider
+        breakers[name] = CircuitBreaker(
+            name,
+            where=display_url(provider.base_url),
+            failures_to_open=llm.failover.failures_to_open,
+            cooldown=llm.failover.cooldown_seconds,
+        )
+    return FailoverProvider(
+        providers,
+        table,
         model=llm.model,
-        fallback_models=llm.fallback_models,
-        timeout=llm.timeout,
-        max_retries=llm.max_retries,
-        default_temperature=llm.temperature,
-        default_max_tokens=llm.max_tokens,
-        default_tool_choice=llm.tool_choice,
+        breakers=breakers,
+        long_retry_after=llm.failover.long_retry_after_seconds,
     )
 
 
@@ -171,8 +215,13 @@ def build_usage_meter(settings: Settings) -> UsageMeter:
     prices = {
         name: Price(p.prompt, p.completion, p.per_minute) for name, p in section.prices.items()
     }
+    by_provider = {
+        provider: {name: Price(p.prompt, p.completion, p.per_minute) for name, p in own.items()}
+        for provider, own in ((n, s.prices) for n, s in settings.llm.providers.items())
+        if own
+    }
     budgets = Budgets(section.conversation_tokens_per_day, section.tokens_per_day)
-    return UsageMeter(ledger, PriceTable(prices), budgets)
+    return UsageMeter(ledger, PriceTable(prices, by_provider), budgets)
 
 
 def agent_config(settings: Settings) -> AgentConfig:
@@ -380,7 +429,9 @@ class Gateway:
         provider: LLMProvider = MeteredProvider(build_provider(settings), usage)
         # Which context window each model is used with: one view for turns and upkeep.
         windows = ContextWindows(
-            configured=settings.llm.context_window, probe=window_probe(provider)
+            configured=settings.llm.context_window,
+            probe=window_probe(provider),
+            routes=window_routes(provider),
         )
         cache = build_cache(settings)
         memory, consolidator = build_memory(settings, sessions, provider, windows)
@@ -478,6 +529,9 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
         "slack": settings.channels.slack,
+        "matrix": settings.channels.matrix,
+        "whatsapp": settings.channels.whatsapp,
+        "discord": settings.channels.discord,
     }
     policies = {
         name: ChannelAccessPolicy(
@@ -668,6 +722,12 @@ class Daemon:
             self.add_channel(slack)
         if settings.channels.email.enabled:
             self.add_channel(self._email_channel())
+        if settings.channels.matrix.enabled:
+            self.add_channel(self._matrix_channel())
+        if settings.channels.whatsapp.enabled:
+            self.add_channel(self._whatsapp_channel())
+        if settings.channels.discord.enabled:
+            self.add_channel(self._discord_channel())
 
     # ----------------------------------------------------------------- assembly
 
@@ -712,6 +772,7 @@ class Daemon:
             turns=TurnWindow(),
             dispatcher_stats=self.dispatcher.stats,
             llm_errors=self.gateway.agent.llm_errors,
+            providers=getattr(self.gateway.provider, "statuses", None),
             storage=f"shared, {redact_url(url)}" if url else "workspace files",
         )
         token = secret_value(settings.http.admin_token) or secret_value(settings.http.token)
@@ -720,23 +781,21 @@ class Daemon:
         return page
 
     def _email_channel(self) -> Channel:
-        """The mailbox's channel, with its read mark in the workspace or, shared by the
-        replicas, in PostgreSQL; in the shared mode one replica watches the mailbox."""
-        from channels.email import EmailChannel, FileMailboxState, PostgresMailboxState
-        from channels.email.state import STATE_FILE, MailboxState
+        """The mailbox's channel: its read mark a cursor in the workspace, or in
+        PostgreSQL under the "email watcher" role that one replica holds (it holds the
+        IMAP connection; every replica sends replies)."""
+        from channels.email import EmailChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
 
         settings = self.gateway.settings
-        state: MailboxState
+        lead: Lead
         if self.router is not None:
-            state = PostgresMailboxState(self.router.store.connection)
-        else:
-            state = FileMailboxState(settings.workspace_path / STATE_FILE)
-        email = EmailChannel(settings.channels.email, state=state)
-        if self.router is not None:
-            from gateway.replicas import run_as_leader
+            from gateway.cursors_pg import lead_as
 
-            url = self.router.store.url
-            email.watch_leader = functools.partial(run_as_leader, url, "email watcher")
+            lead = lead_as(self.router.store.url, "email watcher")
+        else:
+            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        email = EmailChannel(settings.channels.email, lead=lead)
         metrics = self.metrics
 
         async def count_mail() -> None:
@@ -744,6 +803,87 @@ class Daemon:
 
         metrics.on_scrape("email", count_mail)
         return email
+
+    def _matrix_channel(self) -> Channel:
+        """The Matrix channel: its sync token in the workspace, or in PostgreSQL under the
+        "matrix sync" role that one replica holds (Matrix allows one sync per device)."""
+        from channels.matrix import MatrixChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
+
+        settings = self.gateway.settings
+        matrix = MatrixChannel(
+            settings.channels.matrix, token=settings.channels.matrix.resolved_token() or ""
+        )
+        matrix.invite_check = self.access.check
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            matrix.lead = lead_as(self.router.store.url, "matrix sync")
+        else:
+            matrix.lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        return matrix
+
+    def _whatsapp_channel(self) -> Channel:
+        """The WhatsApp channel: its webhook on this server (in the shared mode every
+        replica takes deliveries), its windows, statuses and held replies in the
+        workspace or PostgreSQL; counted on /metrics, held replies on the admin page."""
+        from channels.whatsapp import (
+            STORE_FILE,
+            FileWhatsAppStore,
+            PostgresWhatsAppStore,
+            WhatsAppChannel,
+            WhatsAppStore,
+        )
+        from channels.whatsapp.channel import FAILURE_NAMES, STATUSES
+
+        settings = self.gateway.settings
+        shared = shared_storage(settings)
+        store: WhatsAppStore = (
+            PostgresWhatsAppStore(shared.sync)
+            if shared is not None
+            else FileWhatsAppStore(
+                settings.workspace_path / STORE_FILE, io_on_loop=settings.io_on_loop
+            )
+        )
+        channel = WhatsAppChannel.from_settings(settings.channels.whatsapp, store)
+        channel.mount(self.http)
+        self.admin.sources.undeliverable = store.held
+        metrics, stats = self.metrics, channel.stats
+
+        async def refresh() -> None:
+            for status in STATUSES:
+                metrics.whatsapp_statuses.set_total(stats.statuses[status], status)
+            for name in FAILURE_NAMES:
+                metrics.whatsapp_failures.set_total(stats.failures[name], name)
+            metrics.whatsapp_templates.set_total(stats.templates)
+            metrics.whatsapp_bad_signatures.set_total(stats.bad_signatures)
+            metrics.whatsapp_held.set(await store.held_count())
+
+        metrics.on_scrape("whatsapp", refresh)
+        return channel
+
+    def _discord_channel(self) -> Channel:
+        """The Discord channel, its read positions a cursor in the workspace, or in
+        PostgreSQL under the "discord gateway" role that one replica holds (it holds the
+        Gateway connection and reads back; every replica sends replies)."""
+        from channels.discord import DiscordChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
+
+        settings = self.gateway.settings
+        lead: Lead
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            lead = lead_as(self.router.store.url, "discord gateway")
+        else:
+            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        section = settings.channels.discord
+        return DiscordChannel(
+            section,
+            token=section.resolved_token() or "",
+            lead=lead,
+            replicas=self.router is not None,
+        )
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
@@ -799,6 +939,9 @@ class Daemon:
             metrics.watch_cache(self.gateway.cache)
         metrics.queue_depth.set_function(lambda: self.dispatcher.stats().queued_total)
         metrics.inflight_turns.set_function(lambda: self.dispatcher.stats().in_flight)
+        statuses = getattr(self.gateway.provider, "statuses", None)  # the failover's
+        if statuses is not None:
+            metrics.mirror_providers(statuses())
 
         async def refresh_counters() -> None:
             stats = self.dispatcher.stats()
@@ -814,6 +957,8 @@ class Daemon:
             for kind, count in self.gateway.agent.llm_errors.items():
                 metrics.llm_errors.set_total(count, kind)
             metrics.memory_search_incomplete.set_total(self.gateway.agent.incomplete_recalls)
+            if statuses is not None:
+                metrics.mirror_providers(statuses())
             consolidator = self.gateway.consolidator
             if consolidator is not None:
                 done = consolidator.stats
@@ -977,41 +1122,61 @@ class Daemon:
                 await self.gateway.aclose()
 
     async def _check_model(self) -> None:
-        """Report on /readyz, every `MODEL_CHECK_INTERVAL` seconds, whether the model
+        """Report on /readyz, every `MODEL_CHECK_INTERVAL` seconds, whether each model
         server answers at all (``GET <base URL>/models``): shown under `degraded`, not
         fatal, as the cache is (a replica leaving the load balancer does not bring the
-        model back; the turns meanwhile answer that the model is unreachable). Any HTTP
-        answer counts as answering; a refused connection, a time-out or a 5xx does not."""
+        model back; the turns meanwhile answer that the model is unreachable, or go to
+        the next provider). Any HTTP answer counts as answering; a refused connection, a
+        time-out or a 5xx does not. One provider is the component "model", as before
+        failover; several are "model:NAME" each."""
         import aiohttp
 
         from gateway.llm.openai_provider import display_url
 
-        llm = self.gateway.settings.llm
-        base = (llm.base_url or "https://api.openai.com/v1").rstrip("/")
-        where = display_url(base)
-        key = llm.resolved_api_key()
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        component = self.health.component("model", required=False)
+        used = self.gateway.settings.llm.used_providers()
         timeout = aiohttp.ClientTimeout(total=self.MODEL_CHECK_TIMEOUT)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            while True:
-                problem = ""
-                try:
-                    async with http.get(f"{base}/models", headers=headers) as response:
-                        if response.status >= 500:
-                            problem = f"answers HTTP {response.status}"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    problem = f"does not answer ({type(exc).__name__}: {exc})".replace(" ()", "")
-                if problem:
-                    component.healthy(
-                        False,
-                        f"the model server at {where} {problem}",
-                        fix="start it, or fix OPENAI_BASE_URL; `gateway doctor` checks it",
-                    )
-                else:
-                    component.healthy(True, where)
-                self.metrics.component_healthy.labels("model").set(0 if problem else 1)
-                await anyio.sleep(self.MODEL_CHECK_INTERVAL)
+        async with aiohttp.ClientSession(timeout=timeout) as http, anyio.create_task_group() as tg:
+            for name, provider in used.items():
+                base = (provider.base_url or "https://api.openai.com/v1").rstrip("/")
+                key = provider.resolved_api_key()
+                component = "model" if len(used) == 1 else f"model:{name}"
+                fix = (
+                    "start it, or fix OPENAI_BASE_URL; `gateway doctor` checks it"
+                    if name == "default"
+                    else f"start it, or fix llm.providers.{name}.base_url; `gateway doctor` "
+                    "checks it"
+                )
+                tg.start_soon(
+                    self._check_one_model, http, component, base, display_url(base), key, fix
+                )
+
+    async def _check_one_model(
+        self,
+        http: aiohttp.ClientSession,
+        name: str,
+        base: str,
+        where: str,
+        key: str | None,
+        fix: str,
+    ) -> None:
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        component = self.health.component(name, required=False)
+        while True:
+            problem = ""
+            try:
+                async with http.get(f"{base}/models", headers=headers) as response:
+                    if response.status >= 500:
+                        problem = f"answers HTTP {response.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                problem = f"does not answer ({type(exc).__name__}: {exc})".replace(" ()", "")
+            if problem:
+                component.healthy(False, f"the model server at {where} {problem}", fix=fix)
+            else:
+                component.healthy(True, where)
+            self.metrics.component_healthy.labels(name).set(0 if problem else 1)
+            await anyio.sleep(self.MODEL_CHECK_INTERVAL)
 
     async def _check_storage(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

@@ -81,6 +81,7 @@ def check_workspace(
 _SECRET_SHAPES = re.compile(
     r"\bsk-[A-Za-z0-9_-]{16,}|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bxapp-[A-Za-z0-9-]{10,}"
     r"|\b\d{6,}:[A-Za-z0-9_-]{30,}|://[^/\s:@]+:[^/\s@]+@"
+    r"|\b[MNO][A-Za-z0-9_-]{22,27}\.[A-Za-z0-9_-]{6,7}\.[A-Za-z0-9_-]{27,}"
 )
 
 
@@ -118,55 +119,131 @@ def _strings(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, s
             yield from ((dotted, item) for item in value if isinstance(item, str))
 
 
-async def check_llm(settings: Settings) -> list[Finding]:
-    """The endpoint answers with the key, lists the model, and the context window the
-    model will be used with, and where that size came from (`gateway.agent.windows`)."""
-    from openai import APIConnectionError, APIStatusError, APITimeoutError, AsyncOpenAI
+@dataclass(frozen=True, slots=True)
+class _Endpoint:
+    """One model provider as the doctor checks it, with what its findings say."""
 
-    from gateway.llm.credentials import check_credentials
-    from gateway.llm.openai_provider import display_url
-    from gateway.llm.types import LLMConfigError
+    name: str
+    url: str
+    key: str | None
+    timeout: float
+    #: The models it will be asked for, the first the one a turn asks first.
+    wanted: list[str]
+    #: Put before each finding ("" for `[llm]`'s own server alone, as before failover).
+    prefix: str
+    #: The setting of its base URL, and what holds its key, for the fixes.
+    url_setting: str
+    key_setting: str
+
+
+def _endpoints(settings: Settings) -> list[_Endpoint]:
+    """Every provider a model name may go to (`[llm] chain`, aliases)."""
+    from gateway.daemon import route_table
 
     llm = settings.llm
+    used = llm.used_providers()
+    table = route_table(settings)
+    names = [llm.model, *table.aliases]
+    endpoints = []
+    for name, provider in used.items():
+        routed = [r.model for n in names for r in table.routes(n) if r.provider == name]
+        wanted = list(dict.fromkeys([*routed, *provider.fallback_models, *provider.models]))
+        default = name == "default"
+        env = f"GATEWAY_LLM__PROVIDERS__{name.upper()}__API_KEY"
+        endpoints.append(
+            _Endpoint(
+                name=name,
+                url=provider.base_url or "https://api.openai.com/v1",
+                key=provider.resolved_api_key(),
+                timeout=provider.timeout or llm.timeout,
+                wanted=wanted or [llm.model],
+                prefix="" if len(used) == 1 and default else f"provider {name}: ",
+                url_setting="llm.base_url (or OPENAI_BASE_URL)"
+                if default
+                else f"llm.providers.{name}.base_url",
+                key_setting="OPENAI_API_KEY (or llm.api_key_file)"
+                if default
+                else f"{env} (or llm.providers.{name}.api_key_file)",
+            )
+        )
+    return endpoints
+
+
+async def check_llm(settings: Settings) -> list[Finding]:
+    """Each model provider: the endpoint answers with the key, lists the models it will
+    be asked for, and the context window the first of them will be used with, and
+    where that size came from (`gateway.agent.windows`)."""
+    from gateway.llm.credentials import check_provider_credentials
+    from gateway.llm.types import LLMConfigError
+
     try:
-        key = llm.resolved_api_key()
-        check_credentials(llm.base_url, key)
+        endpoints = _endpoints(settings)
+        for endpoint in endpoints:
+            check_provider_credentials(endpoint.name, endpoint.url, endpoint.key)
     except (ConfigError, LLMConfigError) as exc:
         return [Finding("fail", "LLM credentials", str(exc))]
-    url = llm.base_url or "https://api.openai.com/v1"
+    findings = [
+        Finding(
+            "warn",
+            f"llm.providers.{name} is configured but never asked",
+            f'name it in [llm] chain (e.g. chain = ["default", "{name}"]) or in an alias',
+        )
+        for name in settings.llm.unused_providers()
+    ]
+    for endpoint in endpoints:
+        findings += await _check_endpoint(settings, endpoint)
+    return findings
+
+
+async def _check_endpoint(settings: Settings, endpoint: _Endpoint) -> list[Finding]:
+    from openai import APIConnectionError, APIStatusError, APITimeoutError, AsyncOpenAI
+
+    from gateway.llm.openai_provider import display_url
+
+    url, prefix = endpoint.url, endpoint.prefix
     where = display_url(url)  # a password in the URL stays out of the report
     client = AsyncOpenAI(
-        base_url=url, api_key=key or "not-needed", timeout=min(llm.timeout, 10.0), max_retries=0
+        base_url=url,
+        api_key=endpoint.key or "not-needed",
+        timeout=min(endpoint.timeout, 10.0),
+        max_retries=0,
     )
     try:
         try:
             models = [m.id async for m in client.models.list()]
         except APIStatusError as exc:
-            return [await _llm_refusal(client, exc, url, where)]
+            return [_prefixed(prefix, await _llm_refusal(client, exc, url, where, endpoint))]
         except (APIConnectionError, APITimeoutError):
             return [
                 Finding(
                     "fail",
-                    f"LLM endpoint {where} is not reachable",
-                    "start the server or fix OPENAI_BASE_URL / llm.base_url",
+                    f"{prefix}LLM endpoint {where} is not reachable",
+                    f"start the server or fix {endpoint.url_setting}",
                 )
             ]
-        wanted = [llm.model, *llm.fallback_models]
-        missing = [m for m in wanted if models and m not in models]
+        model = endpoint.wanted[0]
+        missing = [m for m in endpoint.wanted if models and m not in models]
         if missing:
             found = Finding(
                 "warn",
-                f"LLM endpoint {where} answers; it does not list {', '.join(missing)}",
+                f"{prefix}LLM endpoint {where} answers; it does not list {', '.join(missing)}",
                 f"pick a model from: {', '.join(sorted(models)[:10])}",
             )
         else:
-            found = Finding("ok", f"LLM endpoint {where} answers; model {llm.model} is available")
-        return [found, await _window_finding(client, url, settings)]
+            found = Finding(
+                "ok", f"{prefix}LLM endpoint {where} answers; model {model} is available"
+            )
+        window = await _window_finding(client, url, settings, model)
+        return [found, _prefixed(prefix, window)]
     finally:
         await client.close()
 
 
-async def _llm_refusal(client: Any, exc: Any, url: str, where: str) -> Finding:
+def _prefixed(prefix: str, finding: Finding) -> Finding:
+    return Finding(finding.status, prefix + finding.what, finding.fix) if prefix else finding
+
+
+async def _llm_refusal(client: Any, exc: Any, url: str, where: str, endpoint: _Endpoint) -> Finding:
     """What an error status from the endpoint's /models means. A 404 that names no
     model, from a base URL without /v1 whose /v1 answers, is the missing /v1."""
     from openai import APIError
@@ -175,9 +252,7 @@ async def _llm_refusal(client: Any, exc: Any, url: str, where: str) -> Finding:
 
     if exc.status_code in (401, 403):
         return Finding(
-            "fail",
-            f"LLM endpoint {where} rejected the API key",
-            "check OPENAI_API_KEY (or llm.api_key_file)",
+            "fail", f"LLM endpoint {where} rejected the API key", f"check {endpoint.key_setting}"
         )
     if exc.status_code == 404:
         if not names_a_model(exc.body, exc.message) and not ends_in_version(url):
@@ -190,19 +265,19 @@ async def _llm_refusal(client: Any, exc: Any, url: str, where: str) -> Finding:
                 return Finding(
                     "fail",
                     f"LLM endpoint: {wrong_path_detail(where, '/models')}; {with_v1} answers",
-                    f"set llm.base_url (or OPENAI_BASE_URL) to {with_v1}",
+                    f"set {endpoint.url_setting} to {with_v1}",
                 )
         return Finding("warn", f"LLM endpoint {where} answers but has no /models listing")
     return Finding(
         "fail",
         f"LLM endpoint {where} answered HTTP {exc.status_code}",
-        "check llm.base_url / OPENAI_BASE_URL",
+        f"check {endpoint.url_setting}",
     )
 
 
-async def _window_finding(client: Any, url: str, settings: Settings) -> Finding:
-    """The context window the configured model is used with and where it came from;
-    a warning when `[llm] context_window` is larger than what the server holds."""
+async def _window_finding(client: Any, url: str, settings: Settings, model: str) -> Finding:
+    """The context window `model` is used with on this endpoint and where it came
+    from; a warning when `[llm] context_window` is larger than what the server holds."""
     from gateway.agent.windows import choose_window
     from gateway.llm.credentials import api_key_required
     from gateway.llm.types import WindowUnknown
@@ -212,7 +287,7 @@ async def _window_finding(client: Any, url: str, settings: Settings) -> Finding:
     said = None
     if not api_key_required(url):  # the hosted APIs state it nowhere
         try:
-            said = await probe_server_window(client, url, llm.model)
+            said = await probe_server_window(client, url, model)
         except WindowUnknown:
             pass
     chosen = choose_window(llm.context_window, said)
@@ -220,11 +295,11 @@ async def _window_finding(client: Any, url: str, settings: Settings) -> Finding:
         return Finding(
             "warn",
             f"[llm] context_window is {llm.context_window:,} but {said.source} says "
-            f"{said.tokens:,}: {llm.model} is used with {said.tokens:,} tokens",
+            f"{said.tokens:,}: {model} is used with {said.tokens:,} tokens",
             f"set [llm] context_window = {said.tokens} (or leave it unset), or "
             f"{WINDOW_SETTINGS[said.server]}",
         )
-    return Finding("ok", f"context window for {llm.model}: {chosen.describe()}")
+    return Finding("ok", f"context window for {model}: {chosen.describe()}")
 
 
 async def check_http(settings: Settings) -> list[Finding]:
@@ -339,6 +414,13 @@ async def check_channels(settings: Settings) -> list[Finding]:
             )
     if settings.channels.email.enabled:
         findings += await check_email(settings)
+    matrix = settings.channels.matrix
+    if matrix.enabled:
+        findings.extend(await _matrix_findings(settings))
+    if settings.channels.whatsapp.enabled:
+        findings.extend(await _whatsapp_findings(settings))
+    if settings.channels.discord.enabled:
+        findings += await check_discord(settings)
     for job, target in settings.undeliverable_heartbeats():
         channel = target.partition(":")[0]
         findings.append(
@@ -406,6 +488,123 @@ async def _slack_identity(settings: Settings, token: str, app_token: str | None)
     return await check_credentials(
         settings.channels.slack, token, app_token=app_token if socket else None
     )
+
+
+async def _matrix_findings(settings: Settings) -> list[Finding]:
+    """The Matrix account: settings present, the homeserver reachable, the token logged in
+    as `user_id`."""
+    matrix = settings.channels.matrix
+    missing = [
+        (what, fix)
+        for what, fix, present in (
+            (
+                "homeserver",
+                "set channels.matrix.homeserver (e.g. https://matrix.example.org)",
+                matrix.homeserver,
+            ),
+            ("user_id", "set channels.matrix.user_id (e.g. @gateway:example.org)", matrix.user_id),
+            (
+                "access token",
+                "set GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN (docs/matrix.md)",
+                matrix.resolved_token(),
+            ),
+        )
+        if not present
+    ]
+    if missing:
+        return [
+            Finding("fail", f"matrix is enabled without its {what}", fix) for what, fix in missing
+        ]
+    from channels.matrix import check_credentials
+
+    token = matrix.resolved_token() or ""
+    return [await _remote_check("matrix", check_credentials(matrix, token))]
+
+
+async def _whatsapp_findings(settings: Settings) -> list[Finding]:
+    """WhatsApp: the numbers, the webhook's verify token and app secret set, and the
+    Graph API token valid for every number."""
+    wa = settings.channels.whatsapp
+    prefix = "GATEWAY_CHANNELS__WHATSAPP__"
+    missing = [
+        Finding("fail", f"whatsapp is enabled without {what}", fix)
+        for what, fix, present in (
+            (
+                "phone_number_ids",
+                'set channels.whatsapp.phone_number_ids = ["<id>"] (WhatsApp Manager > API Setup)',
+                wa.phone_number_ids,
+            ),
+            (
+                "the webhook's verify token",
+                f"set {prefix}VERIFY_TOKEN to the token typed in the App Dashboard",
+                wa.verify_token and wa.verify_token.get_secret_value(),
+            ),
+            (
+                "the app secret",
+                f"set {prefix}APP_SECRET (App Dashboard > App settings > Basic); every "
+                "delivery is checked against it",
+                wa.app_secret and wa.app_secret.get_secret_value(),
+            ),
+            (
+                "an access token",
+                f"set {prefix}ACCESS_TOKEN to a system user's token (docs/whatsapp.md)",
+                wa.resolved_token(),
+            ),
+        )
+        if not present
+    ]
+    if missing:
+        return missing
+    from channels.whatsapp import check_credentials
+
+    return [await _remote_check("whatsapp", check_credentials(wa, wa.resolved_token() or ""))]
+
+
+async def check_discord(settings: Settings) -> list[Finding]:
+    """The bot token (logged in through the HTTP API), the Message Content intent
+    enabled for the app when the bot asks for it, and the Gateway answering."""
+    section = settings.channels.discord
+    token = section.resolved_token()
+    if not token:
+        return [
+            Finding(
+                "fail",
+                "discord is enabled without a bot token",
+                "set GATEWAY_CHANNELS__DISCORD__TOKEN (Developer Portal > Bot > Reset Token)",
+            )
+        ]
+    from channels.discord import check_credentials
+
+    try:
+        with anyio.fail_after(30):
+            found = await check_credentials(section, token)
+    except Exception as exc:
+        return [Finding("fail", f"discord credentials were not accepted: {exc}")]
+    findings = [Finding("ok", f"discord credentials work: {found.identity}")]
+    if section.message_content and not found.message_content_enabled:
+        findings.append(
+            Finding(
+                "fail",
+                "discord: the Message Content intent is not enabled for the app; the "
+                "Gateway would refuse the bot (close code 4014)",
+                "Developer Portal > your app > Bot > Privileged Gateway Intents > Message "
+                "Content Intent, or set channels.discord.message_content = false (the bot "
+                "then reads only DMs and messages that mention it)",
+            )
+        )
+    elif section.message_content:
+        findings.append(Finding("ok", "discord: the Message Content intent is enabled"))
+    if found.gateway_problem:
+        findings.append(
+            Finding(
+                "fail",
+                f"discord: {found.gateway_problem}",
+                "check the network, or channels.discord.gateway_url",
+            )
+        )
+    else:
+        findings.append(Finding("ok", "discord: the Gateway answers"))
+    return findings
 
 
 async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:

@@ -19,12 +19,21 @@ the start (at 0), so a rate or an alert has a series before the first event. The
 - consolidation outcome: ok | failed | skipped
 - connection drop reason: header_timeout | body_timeout | over_limit | idle_evicted
 - email mail outcome: taken | not_answered
+- WhatsApp status: sent | delivered | read | failed; WhatsApp failure: re_engagement
+  (131047) | undeliverable (131026) | throughput (130429, 131056, 80007, 4) | other
 
 Token usage (`gateway_llm_calls_total`, `gateway_llm_tokens_total`,
 `gateway_llm_cost_usd_total`) appears per channel and model once used: its `kind` is
 turn, heartbeat, consolidation or transcription (voice notes), its `type` prompt or
 completion, and `model` a configured model name (or one an owner set with /model).
 Transcribed audio is `gateway_transcription_audio_seconds_total` per channel and model.
+
+Model providers (`gateway.llm.failover`), one series each per configured provider from
+the start: `gateway_llm_provider_requests_total` (requests sent to it),
+`gateway_llm_provider_failures_total` (failures that count against it),
+`gateway_llm_provider_skipped_total` (requests not sent while its breaker was open),
+`gateway_llm_breaker_opens_total` and `gateway_llm_breaker_state` (0 closed, 1
+half-open, 2 open). Each replica has its own breakers: compare them per instance.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.llm.breaker import STATE_VALUES, BreakerStatus
 from gateway.messages import OutboundMessage
 from gateway.usage import UsageRow
 
@@ -273,6 +283,58 @@ class Metrics:
             ("channel", "model"),
             registry=registry,
         )
+        self.provider_requests = self._mirror(
+            "gateway_llm_provider_requests_total",
+            "Requests sent to each model provider (the client's own retries not counted).",
+            ("provider",),
+        )
+        self.provider_failures = self._mirror(
+            "gateway_llm_provider_failures_total",
+            "Failures that count against a model provider: connection errors, time-outs, "
+            "5xx, 429, refused keys, no credit.",
+            ("provider",),
+        )
+        self.provider_skipped = self._mirror(
+            "gateway_llm_provider_skipped_total",
+            "Requests not sent to a model provider because its breaker was open.",
+            ("provider",),
+        )
+        self.breaker_opens = self._mirror(
+            "gateway_llm_breaker_opens_total",
+            "Times a model provider's circuit breaker opened.",
+            ("provider",),
+        )
+        self.breaker_state = Gauge(
+            "gateway_llm_breaker_state",
+            "A model provider's circuit breaker in this process: 0 closed, 1 half-open "
+            "(one request tries it), 2 open (skipped).",
+            ("provider",),
+            registry=registry,
+        )
+        self.whatsapp_statuses = self._mirror(
+            "gateway_whatsapp_statuses_total",
+            "WhatsApp status callbacks that moved a sent message on, by status.",
+            ("status",),
+        )
+        self.whatsapp_failures = self._mirror(
+            "gateway_whatsapp_failures_total",
+            "WhatsApp messages that failed (refused when sent, or a failed status), by error.",
+            ("error",),
+        )
+        self.whatsapp_templates = self._mirror(
+            "gateway_whatsapp_template_sends_total",
+            "Replies outside WhatsApp's 24-hour window sent as the configured template.",
+        )
+        self.whatsapp_bad_signatures = self._mirror(
+            "gateway_whatsapp_bad_signatures_total",
+            "WhatsApp webhook deliveries refused for a missing or wrong X-Hub-Signature-256.",
+        )
+        self.whatsapp_held = Gauge(
+            "gateway_whatsapp_held_replies",
+            "WhatsApp replies kept as undeliverable (outside the window without a template, "
+            "or refused); the admin page lists them.",
+            registry=registry,
+        )
         self.build_info = Gauge(
             "gateway_build_info",
             "Always 1; the gateway's version as a label.",
@@ -322,6 +384,17 @@ class Metrics:
     def mirror_email(self, by_outcome: Mapping[str, int]) -> None:
         for outcome in EMAIL_OUTCOMES:
             self.email_mail.set_total(by_outcome.get(outcome, 0), outcome)
+
+    def mirror_providers(self, statuses: Iterable[BreakerStatus]) -> None:
+        """Copy each provider's breaker counts and state (before a scrape, and once at
+        start so every provider has its series)."""
+        for status in statuses:
+            name = status.provider
+            self.provider_requests.set_total(status.requests, name)
+            self.provider_failures.set_total(status.failures, name)
+            self.provider_skipped.set_total(status.skipped, name)
+            self.breaker_opens.set_total(status.opened, name)
+            self.breaker_state.labels(name).set(STATE_VALUES[status.state])
 
     def mirror_drops(self, channel: str, by_reason: Mapping[str, int]) -> None:
         for reason in DROP_REASONS:

@@ -28,7 +28,7 @@ from gateway.fsutil import atomic_write_text, ensure_private_dir, file_lock
 
 PEOPLE_FILE = "people.json"
 #: Channels whose direct conversations can belong to a person.
-DM_CHANNELS = frozenset({"telegram", "slack"})
+DM_CHANNELS = frozenset({"telegram", "slack", "matrix", "discord"})
 #: The prefix of a person's memory scope (a sender id cannot start with it).
 PERSON_SCOPE_PREFIX = "person:"
 
@@ -39,6 +39,14 @@ _ID_PATTERNS = {
         "a Telegram user id is a number, e.g. telegram:42",
     ),
     "slack": (re.compile(r"[UW][A-Z0-9]{2,20}"), "a Slack user id looks like slack:U0123ABC"),
+    "matrix": (
+        re.compile(r"@[a-z0-9._=/+-]+:[A-Za-z0-9.-]+(:[0-9]{1,5})?"),
+        "a Matrix user id looks like matrix:@alice:example.org",
+    ),
+    "discord": (
+        re.compile(r"[1-9][0-9]{15,19}"),
+        "a Discord user id is a number of 16 to 20 digits, e.g. discord:80351110224678912",
+    ),
 }
 
 

@@ -53,6 +53,8 @@ from gateway.storage import fence as fencing
 from gateway.storage.fence import Fence
 
 if TYPE_CHECKING:
+    import psycopg
+
     from gateway.dedupe_pg import PostgresDedupeStore
     from gateway.dispatch import Dispatcher, Ticket
 
@@ -794,6 +796,23 @@ async def run_as_leader(
     seconds. Losing the connection while holding it stops `work` (by raising), since
     another replica may be about to take over.
     """
+
+    async def run(_conn: psycopg.AsyncConnection[Any]) -> None:
+        await work()
+
+    await run_as_leader_on(url, role, run, retry=retry, check=check)
+
+
+async def run_as_leader_on(
+    url: str,
+    role: str,
+    work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]],
+    *,
+    retry: float = 1.0,
+    check: float = 2.0,
+) -> None:
+    """`run_as_leader`, handing `work` the connection that holds the lock: a write made
+    on it commits only while this replica still holds the role (a fenced write)."""
     import psycopg
 
     logged = False
@@ -830,7 +849,7 @@ async def run_as_leader(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
-            await work()
+            await work(held)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):

@@ -1,6 +1,7 @@
 """Token usage and its cost: every model call counted by day, conversation, channel,
-model and kind (turn, heartbeat, consolidation, transcription), priced, and held to
-optional budgets.
+model, kind (turn, heartbeat, consolidation, transcription) and the provider that
+answered (`[llm.providers.NAME]`, "default" for `[llm]`'s own server), priced, and held
+to optional budgets.
 
 One seam per model server: `MeteredProvider` wraps the LLM provider, so every call the
 gateway makes (a turn's, a tool round's, a heartbeat's, a consolidation's) is counted
@@ -64,7 +65,7 @@ class _Riding:
     """The rows a turn counted and has not written yet (`UsageMeter.riding`)."""
 
     meter: UsageMeter
-    rows: dict[tuple[str, str, str, str, str], UsageRow]
+    rows: dict[tuple[str, str, str, str, str, str], UsageRow]
 
     def hold(self, row: UsageRow) -> None:
         """Keep `row` for the next append, merged with what is held for its key."""
@@ -86,7 +87,7 @@ def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[bool], None]] | None:
         return None
     rows = list(riding.rows.values())
     riding.rows.clear()  # taken: a call counted meanwhile waits for the next append
-    values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(rows))
+    values = ", ".join([_PG_ROW] * len(rows))
     params = tuple(value for row in rows for value in _pg_params(row))
 
     def settle(committed: bool) -> None:
@@ -99,8 +100,8 @@ def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[bool], None]] | None:
     return _PG_INSERT + values + _PG_UPSERT, params, settle
 
 
-def _row_key(row: UsageRow) -> tuple[str, str, str, str, str]:
-    return (row.day, row.session_key, row.channel, row.model, row.kind)
+def _row_key(row: UsageRow) -> tuple[str, str, str, str, str, str]:
+    return (row.day, row.session_key, row.channel, row.model, row.kind, row.provider)
 
 
 def kind_for_channel(channel: str) -> UsageKind:
@@ -142,19 +143,34 @@ class Price:
 
 
 class PriceTable:
-    """Cost of a call from `usage.prices`; a model without a price costs 0 (and
-    `priced` says so, so a report never passes 0 off as a real price)."""
+    """Cost of a call from `usage.prices`, or from the answering provider's own prices
+    first (`by_provider`, its `[llm.providers.NAME] prices`); a model without a price
+    costs 0 (and `priced` says so, so a report never passes 0 off as a real price)."""
 
-    def __init__(self, prices: Mapping[str, Price]) -> None:
+    def __init__(
+        self,
+        prices: Mapping[str, Price],
+        by_provider: Mapping[str, Mapping[str, Price]] | None = None,
+    ) -> None:
         self._prices = dict(prices)
+        self._by_provider = {name: dict(table) for name, table in (by_provider or {}).items()}
 
-    def priced(self, model: str) -> bool:
-        return model in self._prices
+    def price(self, model: str, provider: str = "") -> Price | None:
+        own = self._by_provider.get(provider, {}).get(model)
+        return own if own is not None else self._prices.get(model)
+
+    def priced(self, model: str, provider: str = "") -> bool:
+        return self.price(model, provider) is not None
 
     def cost(
-        self, model: str, prompt_tokens: int, completion_tokens: int, audio_seconds: float = 0.0
+        self,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        audio_seconds: float = 0.0,
+        provider: str = "",
     ) -> float:
-        price = self._prices.get(model)
+        price = self.price(model, provider)
         if price is None:
             return 0.0
         tokens = (prompt_tokens * price.prompt + completion_tokens * price.completion) / 1_000_000
@@ -163,11 +179,13 @@ class PriceTable:
 
 @dataclass(frozen=True, slots=True)
 class UsageRow:
-    """Totals of one (day, conversation, channel, model, kind).
+    """Totals of one (day, conversation, channel, model, kind, provider).
 
     `audio_seconds` is the audio a transcription call reported; it reaches the
     `UsageMeter.on_record` listeners (metrics) and its cost is in `cost`, but neither
-    ledger keeps it (``gw_usage`` has no column for it): rows read back hold 0."""
+    ledger keeps it (``gw_usage`` has no column for it): rows read back hold 0.
+    `provider` is the provider that answered ("" for calls counted before providers
+    were: rows of older ledgers, and transcriptions)."""
 
     day: str
     session_key: str
@@ -179,6 +197,7 @@ class UsageRow:
     completion_tokens: int
     cost: float
     audio_seconds: float = 0.0
+    provider: str = ""
 
     @property
     def tokens(self) -> int:
@@ -191,6 +210,7 @@ class UsageRow:
             "channel": self.channel,
             "model": self.model,
             "kind": self.kind,
+            "provider": self.provider,
             "calls": self.calls,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -203,7 +223,8 @@ class UsageLedger(Protocol):
     """Durable usage totals (blocking calls: run them in a worker thread)."""
 
     def add(self, row: UsageRow) -> None:
-        """Add one call's counts to its (day, conversation, channel, model, kind) totals."""
+        """Add one call's counts to its (day, conversation, channel, model, kind,
+        provider) totals."""
 
     def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
         """Totals from day `since` on (all days without), of one conversation or all."""
@@ -216,6 +237,13 @@ class UsageLedger(Protocol):
     def close(self) -> None: ...
 
 
+USAGE_COLUMNS = (
+    "day, session_key, channel, model, kind, calls, prompt_tokens, completion_tokens, cost, "
+    "provider"
+)
+#: The columns of a total's key, in the order of `UsageRow`'s.
+USAGE_KEY = "day, session_key, channel, model, kind, provider"
+
 _SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
     day TEXT NOT NULL,
@@ -227,12 +255,13 @@ CREATE TABLE IF NOT EXISTS usage (
     prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL,
     cost REAL NOT NULL,
-    PRIMARY KEY (day, session_key, channel, model, kind)
+    provider TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (day, session_key, channel, model, kind, provider)
 )
 """
 _UPSERT = (
-    "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-    "ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
+    f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    f"ON CONFLICT ({USAGE_KEY}) DO UPDATE SET "
     "calls = calls + excluded.calls, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
     "completion_tokens = completion_tokens + excluded.completion_tokens, "
     "cost = cost + excluded.cost"
@@ -243,22 +272,24 @@ _BUSY_TIMEOUT_MS = 5000  # open_sqlite's default
 def _upsert_values(row: UsageRow) -> tuple[object, ...]:
     return (
         row.day, row.session_key, row.channel, row.model, row.kind,
-        row.calls, row.prompt_tokens, row.completion_tokens, row.cost,
+        row.calls, row.prompt_tokens, row.completion_tokens, row.cost, row.provider,
     )  # fmt: skip
-
-
-USAGE_COLUMNS = (
-    "day, session_key, channel, model, kind, calls, prompt_tokens, completion_tokens, cost"
-)
 
 
 def usage_row(values: Sequence[Any]) -> UsageRow:
     """A row of `USAGE_COLUMNS` as read from either ledger."""
-    day, key, channel, model, kind, calls, prompt, completion, cost = values
+    day, key, channel, model, kind, calls, prompt, completion, cost, provider = values
     return UsageRow(
         str(day), str(key), str(channel), str(model), str(kind),
-        int(calls), int(prompt), int(completion), float(cost),
+        int(calls), int(prompt), int(completion), float(cost), provider=str(provider),
     )  # fmt: skip
+
+
+def has_provider_column(conn: sqlite3.Connection) -> bool:
+    """Whether a usage.sqlite's table has the provider column (files written before
+    providers were counted have not)."""
+    columns = conn.execute("SELECT name FROM pragma_table_info('usage')").fetchall()
+    return ("provider",) in columns
 
 
 def _where(since: str | None, session_key: str | None, mark: str) -> tuple[str, list[Any]]:
@@ -283,7 +314,27 @@ def _budget_sql(table: str, day: str, session_key: str | None, mark: str) -> tup
 
 
 def _create_usage_table(conn: sqlite3.Connection) -> None:
-    conn.execute(_SQLITE_SCHEMA)
+    """The ledger's table, made or brought up to date: a file of an older version gets
+    the provider column (its totals under provider "") in one transaction, as a new
+    table, since the column joins the key."""
+    exists = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage'").fetchone()
+    if exists is None or has_provider_column(conn):
+        conn.execute(_SQLITE_SCHEMA)
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if not has_provider_column(conn):  # another process may have done it meanwhile
+            conn.execute("ALTER TABLE usage RENAME TO usage_before_providers")
+            conn.execute(_SQLITE_SCHEMA)
+            old = USAGE_COLUMNS.removesuffix(", provider")
+            conn.execute(
+                f"INSERT INTO usage ({USAGE_COLUMNS}) SELECT {old}, '' FROM usage_before_providers"
+            )
+            conn.execute("DROP TABLE usage_before_providers")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 class SqliteUsageLedger:
@@ -321,7 +372,10 @@ class SqliteUsageLedger:
 
     def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
         where, params = _where(since, session_key, "?")
-        sql = f"SELECT {USAGE_COLUMNS} FROM usage{where} ORDER BY day, session_key, kind, model"
+        sql = (
+            f"SELECT {USAGE_COLUMNS} FROM usage{where} "
+            "ORDER BY day, session_key, kind, model, provider"
+        )
         with self._lock:
             return [usage_row(values) for values in self._db.execute(sql, params)]
 
@@ -336,22 +390,20 @@ class SqliteUsageLedger:
             self._db.close()
 
 
-_PG_INSERT = "INSERT INTO gw_usage VALUES "
+_PG_INSERT = f"INSERT INTO gw_usage ({USAGE_COLUMNS}) VALUES "
+_PG_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 _PG_UPSERT = (
-    " ON CONFLICT (day, session_key, channel, model, kind) DO UPDATE SET "
+    f" ON CONFLICT ({USAGE_KEY}) DO UPDATE SET "
     "calls = gw_usage.calls + excluded.calls, "
     "prompt_tokens = gw_usage.prompt_tokens + excluded.prompt_tokens, "
     "completion_tokens = gw_usage.completion_tokens + excluded.completion_tokens, "
     "cost = gw_usage.cost + excluded.cost"
 )
-_PG_ADD = _PG_INSERT + "(%s, %s, %s, %s, %s, %s, %s, %s, %s)" + _PG_UPSERT
+_PG_ADD = _PG_INSERT + _PG_ROW + _PG_UPSERT
 
 
 def _pg_params(row: UsageRow) -> tuple[Any, ...]:
-    return (
-        row.day, row.session_key, row.channel, row.model, row.kind,
-        row.calls, row.prompt_tokens, row.completion_tokens, row.cost,
-    )  # fmt: skip
+    return _upsert_values(row)
 
 
 def _merged(a: UsageRow, b: UsageRow) -> UsageRow:
@@ -367,8 +419,8 @@ def _merged(a: UsageRow, b: UsageRow) -> UsageRow:
 
 
 class PostgresUsageLedger:
-    """The shared mode's ledger (`gw_usage`, migration 0007): replicas add to the same
-    totals, so a budget holds across them."""
+    """The shared mode's ledger (`gw_usage`, migrations 0007 and 0014): replicas add to
+    the same totals, so a budget holds across them."""
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -393,7 +445,10 @@ class PostgresUsageLedger:
 
     def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
         where, params = _where(since, session_key, "%s")
-        sql = f"SELECT {USAGE_COLUMNS} FROM gw_usage{where} ORDER BY day, session_key, kind, model"
+        sql = (
+            f"SELECT {USAGE_COLUMNS} FROM gw_usage{where} "
+            "ORDER BY day, session_key, kind, model, provider"
+        )
         with self._pool.connection() as conn:
             return [usage_row(values) for values in conn.execute(sql, params).fetchall()]
 
@@ -454,22 +509,28 @@ class UsageMeter:
         *,
         kind: UsageKind | None = None,
         audio_seconds: float = 0.0,
+        provider: str = "",
     ) -> UsageRow:
         """Add one call to the ledger (blocking), as `kind` (default: the scope's)."""
-        row = self._row(scope, model, prompt, completion, kind, audio_seconds)
+        row = self._row(scope, model, prompt, completion, kind, audio_seconds, provider)
         self.ledger.add(row)
         self._recorded(row)
         return row
 
     def try_record_nowait(
-        self, scope: UsageScope | None, model: str, prompt: int, completion: int
+        self,
+        scope: UsageScope | None,
+        model: str,
+        prompt: int,
+        completion: int,
+        provider: str = "",
     ) -> bool:
         """`record` on the event loop when the ledger can add without waiting (the
         file mode's, mostly); False, nothing recorded, when it would block."""
         add = getattr(self.ledger, "try_add_nowait", None)
         if add is None:
             return False
-        row = self._row(scope, model, prompt, completion, None, 0.0)
+        row = self._row(scope, model, prompt, completion, None, 0.0, provider)
         if not add(row):
             return False
         self._recorded(row)
@@ -504,7 +565,12 @@ class UsageMeter:
             logger.error("usage of a model call could not be recorded: {}", exc)
 
     async def arecord(
-        self, scope: UsageScope | None, model: str, prompt: int, completion: int
+        self,
+        scope: UsageScope | None,
+        model: str,
+        prompt: int,
+        completion: int,
+        provider: str = "",
     ) -> None:
         """`record` for the event loop: in a turn of the shared mode it rides with the
         turn's next session append (`riding`); else on the loop when the ledger can (the
@@ -512,17 +578,18 @@ class UsageMeter:
         else in a worker thread."""
         riding = _riding.get()
         if riding is not None and riding.meter is self:
-            riding.hold(self._row(scope, model, prompt, completion, None, 0.0))
+            riding.hold(self._row(scope, model, prompt, completion, None, 0.0, provider))
             return
-        if self.try_record_nowait(scope, model, prompt, completion):
+        if self.try_record_nowait(scope, model, prompt, completion, provider):
             return
         aadd = getattr(self.ledger, "aadd", None)
         if aadd is not None:
-            row = self._row(scope, model, prompt, completion, None, 0.0)
+            row = self._row(scope, model, prompt, completion, None, 0.0, provider)
             if await aadd(row):
                 self._recorded(row)
                 return
-        await anyio.to_thread.run_sync(self.record, scope, model, prompt, completion)
+        record = functools.partial(self.record, provider=provider)
+        await anyio.to_thread.run_sync(record, scope, model, prompt, completion)
 
     def _row(
         self,
@@ -532,6 +599,7 @@ class UsageMeter:
         completion: int,
         kind: UsageKind | None,
         audio_seconds: float,
+        provider: str = "",
     ) -> UsageRow:
         scope = scope or UsageScope(UNSCOPED, "none", "turn")
         return UsageRow(
@@ -543,8 +611,9 @@ class UsageMeter:
             calls=1,
             prompt_tokens=prompt,
             completion_tokens=completion,
-            cost=self.prices.cost(model, prompt, completion, audio_seconds),
+            cost=self.prices.cost(model, prompt, completion, audio_seconds, provider),
             audio_seconds=audio_seconds,
+            provider=provider,
         )
 
     def _recorded(self, row: UsageRow) -> None:
@@ -586,7 +655,7 @@ class UsageMeter:
         reads it: ``$0.001234``, ``unpriced`` when no model used has a price (a cost of
         $0 would pass for a real price), or ``$0.001234 + unpriced`` for a mix. Blocking."""
         rows = self.ledger.rows(since=day_of(self.clock()), session_key=session_key)
-        priced = [r for r in rows if self.prices.priced(r.model)]
+        priced = [r for r in rows if self.prices.priced(r.model, r.provider)]
         cost = f"${sum(r.cost for r in priced):.6f}"
         if len(priced) < len(rows):
             cost = f"{cost} + unpriced" if priced else "unpriced"
@@ -625,7 +694,8 @@ async def count_transcription(
 
 class MeteredProvider:
     """An `LLMProvider` that counts every call's usage in `meter` under the current
-    `usage_scope` before handing the answer back (see the module docstring)."""
+    `usage_scope`, with the provider that answered, before handing the answer back (see
+    the module docstring)."""
 
     def __init__(self, inner: LLMProvider, meter: UsageMeter) -> None:
         self.inner = inner
@@ -643,7 +713,8 @@ class MeteredProvider:
         scope = _scope.get()
         try:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
-            await self.meter.arecord(scope, name, prompt, completion)
+            provider = response.provider or ""
+            await self.meter.arecord(scope, name, prompt, completion, provider)
         except Exception as exc:
             # Counting must not cost the person their answer; the loss is logged.
             logger.error("usage of a model call could not be recorded: {}", exc)
@@ -690,17 +761,21 @@ class MeteredProvider:
 
 
 def usage_table(rows: Sequence[UsageRow], prices: PriceTable, *, since: str) -> str:
-    """`gateway usage` as a person reads it: a line per day, conversation, kind and
-    model, then the totals per day and of everything; unpriced models are marked."""
+    """`gateway usage` as a person reads it: a line per day, conversation, kind, model
+    and provider ("-": counted before providers were, or a transcription), then the
+    totals per day and of everything; unpriced models are marked."""
     if not rows:
         return f"No model usage recorded since {since}."
-    header = ("day", "conversation", "kind", "model", "calls", "prompt", "completion", "cost")
+    header = (
+        "day", "conversation", "kind", "model", "provider", "calls", "prompt", "completion",
+        "cost",
+    )  # fmt: skip
     lines: list[tuple[str, ...]] = [header]
     for r in rows:
-        cost = f"${r.cost:.6f}" if prices.priced(r.model) else "unpriced"
+        cost = f"${r.cost:.6f}" if prices.priced(r.model, r.provider) else "unpriced"
         lines.append(
             (
-                r.day, r.session_key, r.kind, r.model, str(r.calls),
+                r.day, r.session_key, r.kind, r.model, r.provider or "-", str(r.calls),
                 f"{r.prompt_tokens:,}", f"{r.completion_tokens:,}", cost,
             )
         )  # fmt: skip
@@ -720,7 +795,7 @@ def usage_table(rows: Sequence[UsageRow], prices: PriceTable, *, since: str) -> 
 
 def _total_line(day: str, what: str, rows: Sequence[UsageRow]) -> tuple[str, ...]:
     return (
-        day, what, "", "", str(sum(r.calls for r in rows)),
+        day, what, "", "", "", str(sum(r.calls for r in rows)),
         f"{sum(r.prompt_tokens for r in rows):,}",
         f"{sum(r.completion_tokens for r in rows):,}",
         f"${sum(r.cost for r in rows):.6f}",

@@ -12,8 +12,9 @@ from gateway.config import Settings, load_settings
 from gateway.llm.openai_provider import OpenAIProvider
 from tests.fakes.openai_server import FakeOpenAI
 
-# PostgreSQL fixtures (a schema per test) for every test module; llama.cpp's server.
-pytest_plugins = ["tests.local_pg", "tests.llama_server"]
+# PostgreSQL fixtures (a schema per test) for every test module; llama.cpp's server;
+# Synapse (the Matrix tests).
+pytest_plugins = ["tests.local_pg", "tests.llama_server", "tests.synapse_server"]
 
 
 @pytest.fixture

@@ -67,6 +67,7 @@ SECRET_FILES = [
     ("channels.slack", "bot_token"),
     ("channels.slack", "app_token"),
     ("channels.slack", "signing_secret"),
+    ("channels.discord", "token"),
 ]
 
 
@@ -339,3 +340,77 @@ def test_an_error_names_the_config_file_that_was_given(tmp_path: Path) -> None:
         load_settings(cfg, environ={})
     assert f"fix it in {cfg} or GATEWAY_HTTP__PORT" in str(info.value)
     assert "gateway.toml" not in str(info.value)
+
+
+# ------------------------------------------------------------------ failover providers
+
+
+def test_providers_take_their_keys_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "backup-key"
+    key_file.write_text("sk-backup-from-file-0001\n")
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(
+        '[llm]\nchain = ["primary", "backup"]\n'
+        '[llm.providers.primary]\nbase_url = "https://api.openai.com/v1"\n'
+        'models = ["gpt-4o-mini"]\n'
+        f'[llm.providers.backup]\nbase_url = "https://openrouter.ai/api/v1"\n'
+        f'api_key_file = "{key_file}"\ntimeout = 20\n'
+    )
+    settings = load_settings(
+        cfg,
+        environ={
+            "GATEWAY_LLM__PROVIDERS__PRIMARY__API_KEY": "sk-primary-from-env-0001",
+            "GATEWAY_LLM__TIMEOUT": "45",
+        },
+    )
+    used = settings.llm.used_providers()
+    assert list(used) == ["primary", "backup"]
+    assert used["primary"].resolved_api_key() == "sk-primary-from-env-0001"
+    assert used["backup"].resolved_api_key() == "sk-backup-from-file-0001"
+    assert (used["primary"].timeout, used["backup"].timeout) == (45.0, 20.0)
+    assert {"sk-primary-from-env-0001", "sk-backup-from-file-0001"} <= set(settings.secrets())
+    assert env_warnings({"GATEWAY_LLM__PROVIDERS__BACKUP__API_KEY": "x"}) == []
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        (
+            '[llm]\nchain = ["default", "nope"]\n',
+            "llm.chain: no provider 'nope'; add [llm.providers.nope]",
+        ),
+        ('[llm]\nchain = ["default", "default"]\n', "llm.chain: a provider is named twice"),
+        (
+            '[llm.providers.default]\nbase_url = "http://127.0.0.1:1/v1"\n',
+            'llm.providers.default: "default" is the server [llm] itself describes',
+        ),
+        (
+            '[llm.providers."a b"]\nbase_url = "http://x/v1"\n',
+            "llm.providers: 'a b' cannot name a provider",
+        ),
+        (
+            '[llm.aliases]\nfast = ["nope:gpt-4o-mini"]\n',
+            "llm.aliases.fast: no provider 'nope' in 'nope:gpt-4o-mini'",
+        ),
+        (
+            '[llm]\nchain = ["default", "b"]\n[llm.aliases]\nfast = ["b:gpt-5"]\n'
+            '[llm.providers.b]\nmodels = ["gpt-4o-mini"]\n',
+            "llm.aliases.fast: b does not list 'gpt-5' in its models",
+        ),
+        (
+            '[llm.providers.b]\napi_key = "sk-oops"\n',
+            "llm.providers.b.api_key: secrets do not belong",
+        ),
+        ("[llm.failover]\ncooldown_seconds = 0\n", "llm.failover.cooldown_seconds: "),
+    ],
+)
+def test_a_failover_mistake_is_one_line_naming_the_key(
+    tmp_path: Path, toml: str, message: str
+) -> None:
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(toml)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(cfg, environ={"OPENAI_API_KEY": "sk-never-shown-0001"})
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "sk-never-shown-0001" not in str(caught.value)
+    assert len(str(caught.value).splitlines()) == 1

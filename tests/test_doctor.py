@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeOpenAI, Flavor
 from tests.gateway_process import GatewayProcess
 from tests.local_redis import REDIS_URL, require_redis
@@ -318,3 +319,93 @@ def test_a_config_readable_by_others_in_the_workspace_is_fine(
     assert f"warn  {config} holds what looks like a credential in llm.base_url" in leaky.stdout
     assert "other users can read it" in leaky.stdout
     assert "hunter2secret" not in leaky.stdout
+
+
+def test_each_provider_of_the_chain_is_checked(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+    env = base_env(tmp_path) | {
+        "GATEWAY_LLM__CHAIN": '["primary", "backup"]',
+        "GATEWAY_LLM__PROVIDERS__PRIMARY__BASE_URL": dead,
+        "GATEWAY_LLM__PROVIDERS__BACKUP__BASE_URL": fake_openai_thread.base_url,
+        "GATEWAY_LLM__PROVIDERS__BACKUP__API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_LLM__PROVIDERS__SPARE__BASE_URL": fake_openai_thread.base_url,
+    }
+    out = doctor(env, tmp_path)
+    assert out.returncode == 1
+    assert (
+        f"FAIL  provider primary: LLM endpoint {dead} is not reachable\n"
+        "      fix: start the server or fix llm.providers.primary.base_url"
+    ) in out.stdout
+    assert (
+        f"ok    provider backup: LLM endpoint {fake_openai_thread.base_url} answers; "
+        "model gpt-4o-mini is available"
+    ) in out.stdout
+    assert "ok    provider backup: context window for gpt-4o-mini: 32,768 tokens" in out.stdout
+    assert "warn  llm.providers.spare is configured but never asked" in out.stdout
+    # [llm]'s own server is not in the chain: it is neither needed nor checked.
+    assert "api.openai.com" not in out.stdout and "OPENAI_API_KEY" not in out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_a_provider_without_its_key_is_named_before_anything_starts(tmp_path: Path) -> None:
+    env = base_env(tmp_path) | {
+        "GATEWAY_LLM__CHAIN": '["primary"]',
+        "GATEWAY_LLM__PROVIDERS__PRIMARY__BASE_URL": "https://api.openai.com/v1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "chat", "-m", "hi"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 78
+    assert (
+        "llm.providers.primary: no API key; set GATEWAY_LLM__PROVIDERS__PRIMARY__API_KEY, "
+        "or api_key_file"
+    ) in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def discord_env(tmp_path: Path, llm: FakeOpenAI, fake: FakeDiscord, token: str) -> dict[str, str]:
+    return base_env(tmp_path) | {
+        "OPENAI_BASE_URL": llm.base_url,
+        "OPENAI_API_KEY": llm.api_key or "",
+        "GATEWAY_HTTP__TOKEN": "tok-123456",
+        "GATEWAY_CHANNELS__DISCORD__ENABLED": "true",
+        "GATEWAY_CHANNELS__DISCORD__TOKEN": token,
+        "GATEWAY_CHANNELS__DISCORD__API_URL": fake.api_url,
+        "GATEWAY_CHANNELS__DISCORD__GATEWAY_URL": fake.gateway_url,
+    }
+
+
+def test_discord_is_checked_token_intent_and_gateway(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    with FakeDiscord.in_thread() as fake:
+        good = doctor(discord_env(tmp_path, fake_openai_thread, fake, fake.token), tmp_path)
+        assert good.returncode == 0, good.stdout + good.stderr
+        assert f"ok    discord credentials work: @gateway ({fake.bot_id})" in good.stdout
+        assert "ok    discord: the Message Content intent is enabled" in good.stdout
+        assert "ok    discord: the Gateway answers" in good.stdout
+        # The doctor opened the Gateway without identifying (no session made).
+        assert fake.connections and not fake.identified_connections()
+        wrong = doctor(discord_env(tmp_path, fake_openai_thread, fake, "wrong-token"), tmp_path)
+        assert wrong.returncode == 1 and "refused the bot token" in wrong.stdout
+        assert "wrong-token" not in wrong.stdout
+        fake.application_flags = 0  # the Message Content intent switched off
+        off = doctor(discord_env(tmp_path, fake_openai_thread, fake, fake.token), tmp_path)
+        assert off.returncode == 1
+        assert "the Message Content intent is not enabled" in off.stdout
+        assert "message_content = false" in off.stdout
+        env = discord_env(tmp_path, fake_openai_thread, fake, fake.token)
+        fine = doctor(env | {"GATEWAY_CHANNELS__DISCORD__MESSAGE_CONTENT": "false"}, tmp_path)
+        assert fine.returncode == 0, fine.stdout
+    assert "Traceback" not in good.stderr + wrong.stderr + off.stderr

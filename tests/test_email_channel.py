@@ -13,10 +13,11 @@ from typing import Any
 import anyio
 import pytest
 
-from channels.email import EmailChannel, EmailSetupError, FileMailboxState, Pacing, check_mailbox
+from channels.email import EmailChannel, EmailSetupError, Pacing, check_mailbox
 from channels.email.channel import SendFailure
-from channels.email.state import STATE_FILE, MailboxMark
+from channels.email.state import MailboxMark, MailboxMarks
 from gateway.config import EmailSettings
+from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
 from gateway.media import MediaError
 from gateway.messages import InboundMessage, OutboundMessage, reply_for
 from tests.dovecot_server import Dovecot, running_dovecot
@@ -39,6 +40,11 @@ def anyio_backend() -> str:
 def servers() -> Iterator[tuple[Dovecot, SmtpServer]]:
     with running_dovecot(USERS) as dovecot, running_smtp(USERS, dovecot=dovecot) as smtp:
         yield dovecot, smtp
+
+
+def file_lead(folder: Path) -> Lead:
+    """The one-process `Lead`, with the mark in the cursor file of `folder`."""
+    return run_with(FileCursorStore(folder / CURSOR_FILE))
 
 
 def settings_for(dovecot: Dovecot, smtp: SmtpServer, **overrides: Any) -> EmailSettings:
@@ -150,8 +156,8 @@ async def test_unseen_mail_from_before_the_start_is_taken_and_then_flagged_seen(
     dovecot.append(BOT, raw_mail("already read by a person"), flags=(SEEN,))
     dovecot.append(BOT, raw_mail("waiting since yesterday"))
     recorder = Recorder()
-    state = FileMailboxState(tmp_path / STATE_FILE)
-    channel = EmailChannel(settings_for(dovecot, smtp), state=state, pacing=FAST)
+    state = MailboxMarks(FileCursorStore(tmp_path / CURSOR_FILE))
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=run_with(state.store), pacing=FAST)
 
     async def body() -> None:
         await recorder.wait(1)
@@ -178,7 +184,7 @@ async def test_polling_without_idle_takes_new_mail(
     dovecot, smtp = servers
     settings = settings_for(dovecot, smtp, idle=False, poll_interval_seconds=0.2)
     recorder = Recorder()
-    channel = EmailChannel(settings, state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST)
+    channel = EmailChannel(settings, lead=file_lead(tmp_path), pacing=FAST)
 
     async def body() -> None:
         await in_thread(lambda: dovecot.append(BOT, raw_mail("polled")))
@@ -198,9 +204,7 @@ async def test_mail_that_comes_while_other_mail_is_handled_is_not_left_waiting(
     dovecot, smtp = servers
     dovecot.append(BOT, raw_mail("first", message_id="<b1@example.org>"))
     recorder = Recorder()
-    channel = EmailChannel(
-        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
-    )
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=FAST)
     arrived = False
 
     async def slow_submit(message: InboundMessage) -> Ticket:
@@ -233,9 +237,7 @@ async def test_mail_the_journal_did_not_take_stays_unseen_and_comes_again(
     recorder.refuse = 1
     # The next round comes after a second: time to look at the flags meanwhile.
     patient = Pacing(idle_check=0.2, retry_backoff=1.0, timeout=10)
-    channel = EmailChannel(
-        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=patient
-    )
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=patient)
     seen_after_refusal: list[list[set[bytes]]] = []
 
     async def body() -> None:
@@ -261,7 +263,7 @@ async def test_a_killed_reader_leaves_unconfirmed_mail_unseen_and_takes_it_after
     message stays unseen and the mark stays below it; the next start takes it."""
     dovecot, smtp = servers
     dovecot.append(BOT, raw_mail("slow journal", message_id="<s1@example.org>"))
-    state = FileMailboxState(tmp_path / STATE_FILE)
+    state = MailboxMarks(FileCursorStore(tmp_path / CURSOR_FILE))
     await state.save(
         f"{BOT}@{dovecot.host}/INBOX", MailboxMark(await in_thread(_uidvalidity, dovecot), 0)
     )
@@ -272,14 +274,14 @@ async def test_a_killed_reader_leaves_unconfirmed_mail_unseen_and_takes_it_after
         await anyio.sleep_forever()
         raise AssertionError
 
-    channel = EmailChannel(settings_for(dovecot, smtp), state=state, pacing=FAST)
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=run_with(state.store), pacing=FAST)
     async with anyio.create_task_group() as tg:
         await tg.start(channel.run, stuck)
         await entered.wait()
         tg.cancel_scope.cancel()
     assert flags_of(dovecot) == [set()]
     recorder = Recorder()
-    again = EmailChannel(settings_for(dovecot, smtp), state=state, pacing=FAST)
+    again = EmailChannel(settings_for(dovecot, smtp), lead=run_with(state.store), pacing=FAST)
 
     async def body() -> None:
         await until(lambda: again.taken == 1)
@@ -306,9 +308,9 @@ async def test_a_renumbered_folder_is_read_by_message_id_not_answered_again(
     dovecot, smtp = servers
     dovecot.append(BOT, raw_mail("one", message_id="<r1@example.org>"))
     dovecot.append(BOT, raw_mail("two", message_id="<r2@example.org>"))
-    state = FileMailboxState(tmp_path / STATE_FILE)
+    state = MailboxMarks(FileCursorStore(tmp_path / CURSOR_FILE))
     recorder = Recorder()
-    channel = EmailChannel(settings_for(dovecot, smtp), state=state, pacing=FAST)
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=run_with(state.store), pacing=FAST)
 
     async def body() -> None:
         await until(lambda: channel.taken == 2)
@@ -322,7 +324,7 @@ async def test_a_renumbered_folder_is_read_by_message_id_not_answered_again(
     dovecot.renumber(BOT)
     dovecot.append(BOT, raw_mail("three", message_id="<r3@example.org>"))
     again = Recorder()
-    channel = EmailChannel(settings_for(dovecot, smtp), state=state, pacing=FAST)
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=run_with(state.store), pacing=FAST)
 
     async def body2() -> None:
         await until(lambda: channel.taken == 2)
@@ -341,9 +343,7 @@ async def test_a_server_restart_is_waited_out_and_reading_goes_on(
     backoff until it is back (it does not stop, as it does for a refused login)."""
     dovecot, smtp = servers
     recorder = Recorder()
-    channel = EmailChannel(
-        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
-    )
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=FAST)
 
     async def body() -> None:
         await in_thread(lambda: dovecot.restart(down_for=1.0))
@@ -363,9 +363,7 @@ async def test_machines_mail_is_not_submitted_nor_flagged(
     dovecot.append(BOT, raw_mail("from myself", sender=BOT))
     dovecot.append(BOT, raw_mail("a person"))
     recorder = Recorder()
-    channel = EmailChannel(
-        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
-    )
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=FAST)
 
     async def body() -> None:
         await until(lambda: channel.taken == 1)
@@ -389,7 +387,7 @@ async def test_processed_mail_is_moved_and_its_files_are_still_found(
     )
     settings = settings_for(dovecot, smtp, processed_folder="Processed")
     recorder = Recorder()
-    channel = EmailChannel(settings, state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST)
+    channel = EmailChannel(settings, lead=file_lead(tmp_path), pacing=FAST)
 
     async def body() -> None:
         (message,) = await recorder.wait(1)
@@ -409,7 +407,7 @@ async def test_imap_over_starttls(servers: tuple[Dovecot, SmtpServer], tmp_path:
     dovecot.append(BOT, raw_mail("over starttls"))
     settings = settings_for(dovecot, smtp, imap_security="starttls", imap_port=dovecot.imap_port)
     recorder = Recorder()
-    channel = EmailChannel(settings, state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST)
+    channel = EmailChannel(settings, lead=file_lead(tmp_path), pacing=FAST)
 
     async def body() -> None:
         await recorder.wait(1)
@@ -422,12 +420,14 @@ async def test_a_refused_login_or_a_missing_folder_stops_the_channel_with_what_t
     servers: tuple[Dovecot, SmtpServer], tmp_path: Path
 ) -> None:
     dovecot, smtp = servers
-    state = FileMailboxState(tmp_path / STATE_FILE)
+    state = MailboxMarks(FileCursorStore(tmp_path / CURSOR_FILE))
     for overrides, expected in (
         ({"password": "wrong"}, "refused the login of bot@example.org"),
         ({"folder": "Nope"}, "has no folder 'Nope'"),
     ):
-        channel = EmailChannel(settings_for(dovecot, smtp, **overrides), state=state, pacing=FAST)
+        channel = EmailChannel(
+            settings_for(dovecot, smtp, **overrides), lead=run_with(state.store), pacing=FAST
+        )
         with pytest.raises(EmailSetupError, match=expected) as caught:
             await channel.run(Recorder().submit)
         assert "wrong" not in str(caught.value) or "password" in overrides
@@ -438,9 +438,7 @@ async def test_pause_leaves_new_mail_on_the_server(
 ) -> None:
     dovecot, smtp = servers
     recorder = Recorder()
-    channel = EmailChannel(
-        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
-    )
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=FAST)
 
     async def body() -> None:
         channel.pause_intake()
@@ -464,7 +462,7 @@ async def test_a_reply_lands_in_the_correspondents_mailbox_threaded(
     recorder = Recorder()
     channel = EmailChannel(
         settings_for(dovecot, smtp, from_name="Assistant"),
-        state=FileMailboxState(tmp_path / STATE_FILE),
+        lead=file_lead(tmp_path),
         pacing=FAST,
     )
 
@@ -492,9 +490,7 @@ async def test_a_temporary_refusal_is_retried_and_a_final_one_is_not(
     servers: tuple[Dovecot, SmtpServer], tmp_path: Path
 ) -> None:
     dovecot, smtp = servers
-    channel = EmailChannel(
-        settings_for(dovecot, smtp), state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST
-    )
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=FAST)
     out = OutboundMessage("email", ALICE, "hi", "email:alice@example.org", reply_to="<x@y>")
     smtp.refuse_next = ["451 4.3.0 try again later"]
     await channel.send(out)
@@ -505,7 +501,7 @@ async def test_a_temporary_refusal_is_retried_and_a_final_one_is_not(
     assert len(smtp.accepted) == 1 and smtp.refuse_next == []
     wrong = EmailChannel(
         settings_for(dovecot, smtp, smtp_password="nope"),
-        state=FileMailboxState(tmp_path / STATE_FILE),
+        lead=file_lead(tmp_path),
         pacing=FAST,
     )
     with pytest.raises(SendFailure, match="refused the SMTP login"):
@@ -524,7 +520,7 @@ async def test_smtp_over_tls_from_the_first_byte(tmp_path: Path) -> None:
         running_smtp(USERS, dovecot=dovecot, implicit_tls=True) as smtp,
     ):
         settings = settings_for(dovecot, smtp, smtp_security="tls")
-        channel = EmailChannel(settings, state=FileMailboxState(tmp_path / STATE_FILE), pacing=FAST)
+        channel = EmailChannel(settings, lead=file_lead(tmp_path), pacing=FAST)
         out = OutboundMessage("email", ALICE, "over TLS", "email:alice@example.org")
         await channel.send(out)
         assert smtp.texts() == ["over TLS"]

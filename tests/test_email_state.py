@@ -1,16 +1,15 @@
-"""How far each mailbox was read (channels.email.state), in both storage modes: the
-workspace file and PostgreSQL shared by replicas."""
+"""How far each mailbox was read (channels.email.state): a mark per mailbox, kept as a
+channel cursor (gateway.cursors; the shared mode's store is exercised by the failover
+kill test, tests/test_email_kill.py)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from channels.email.state import FileMailboxState, MailboxMark, PostgresMailboxState
+from channels.email.state import MailboxMark, MailboxMarks
+from gateway.cursors import CURSOR_FILE, FileCursorStore
 
 pytestmark = pytest.mark.anyio
 
@@ -20,42 +19,23 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_the_file_keeps_a_mark_per_mailbox(tmp_path: Path) -> None:
-    state = FileMailboxState(tmp_path / "email-state.json")
-    assert await state.load("a@x/INBOX") is None
-    await state.save("a@x/INBOX", MailboxMark(5, 10))
-    await state.save("b@x/INBOX", MailboxMark(7, 3))
-    again = FileMailboxState(tmp_path / "email-state.json")
+async def test_a_mark_per_mailbox_beside_other_channels_cursors(tmp_path: Path) -> None:
+    store = FileCursorStore(tmp_path / CURSOR_FILE)
+    await store.save("matrix:@bot:example.org", "s72594_4483_1934")
+    marks = MailboxMarks(store)
+    assert await marks.load("a@x/INBOX") is None
+    await marks.save("a@x/INBOX", MailboxMark(5, 10))
+    await marks.save("b@x/INBOX", MailboxMark(7, 3))
+    again = MailboxMarks(FileCursorStore(tmp_path / CURSOR_FILE))
     assert await again.load("a@x/INBOX") == MailboxMark(5, 10)
     assert await again.load("b@x/INBOX") == MailboxMark(7, 3)
-    assert (tmp_path / "email-state.json").stat().st_mode & 0o777 == 0o600
+    assert await store.load("email:a@x/INBOX") == "5:10"
+    assert await store.load("matrix:@bot:example.org") == "s72594_4483_1934"
 
 
-async def test_an_unreadable_file_starts_over_and_is_replaced(tmp_path: Path) -> None:
-    path = tmp_path / "email-state.json"
-    path.write_text("{not json")
-    state = FileMailboxState(path)
-    assert await state.load("a@x/INBOX") is None  # read as at a first start
-    await state.save("a@x/INBOX", MailboxMark(5, 1))
-    assert await state.load("a@x/INBOX") == MailboxMark(5, 1)
-
-
-async def test_postgres_shares_the_mark_and_never_moves_it_back(migrated_pg_url: str) -> None:
-    import psycopg
-
-    @contextlib.asynccontextmanager
-    async def connection() -> AsyncIterator[Any]:
-        conn = await psycopg.AsyncConnection.connect(migrated_pg_url, autocommit=True)
-        async with conn:
-            yield conn
-
-    one, other = PostgresMailboxState(connection), PostgresMailboxState(connection)
-    assert await one.load("a@x/INBOX") is None
-    await one.save("a@x/INBOX", MailboxMark(5, 10))
-    assert await other.load("a@x/INBOX") == MailboxMark(5, 10)
-    # A replica paused past its role wakes up and saves an older mark: refused.
-    await other.save("a@x/INBOX", MailboxMark(5, 7))
-    assert await one.load("a@x/INBOX") == MailboxMark(5, 10)
-    # A renumbered folder starts a new count.
-    await other.save("a@x/INBOX", MailboxMark(6, 2))
-    assert await one.load("a@x/INBOX") == MailboxMark(6, 2)
+def test_a_mark_this_build_cannot_read_is_no_mark() -> None:
+    """The channel then reads the folder as at a first start: unseen mail only, and the
+    journal drops what it has answered."""
+    assert MailboxMark.decode("5:10") == MailboxMark(5, 10)
+    for value in (None, "", "5", "5:", "x:1", "5:-1", "5:10:2"):
+        assert MailboxMark.decode(value) is None, value

@@ -680,3 +680,90 @@ async def test_odd_bookkeeping_fields_do_not_cost_the_answer(
     assert response.message.content == "fine"
     assert response.model == "primary" and response.finish_reason is None
     assert response.usage == TokenUsage(12, 0, 0)
+
+
+# -- what a failure says, for the failover -----------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "code"), [(402, None), (429, "insufficient_quota")], ids=["402", "429-quota"]
+)
+async def test_an_account_out_of_credit_is_said_as_such_without_trying_fallbacks(
+    fake: FakeOpenAI, make_provider: MakeProvider, status: int, code: str | None
+) -> None:
+    provider = make_provider(fallback_models=["backup"])
+    fake.add_error(status, "You exceeded your current quota.", code=code)
+
+    with pytest.raises(LLMConfigError) as caught:
+        await provider.chat(HELLO)
+
+    assert caught.value.kinds == ("quota",)
+    assert "out of credit" in caught.value.user_message
+    assert [r.model for r in fake.chat_requests] == ["primary"]
+
+
+@pytest.mark.anyio
+async def test_a_rate_limit_says_the_retry_after_it_was_given(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider()
+    fake.add_error(429, retry_after=0.25)
+
+    with pytest.raises(LLMError) as caught:
+        await provider.chat(HELLO)
+
+    assert caught.value.kinds == ("rate_limited",) and caught.value.retry_after == 0.25
+
+
+@pytest.mark.anyio
+async def test_a_retry_after_past_the_bound_is_not_waited_out_by_the_client(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(max_retries=2, long_retry_after=10.0)
+    fake.add_error(429, retry_after=30)
+    fake.add_error(429, retry_after=2)  # under the bound: waited out
+    fake.add_reply("after two seconds")
+
+    started = time.monotonic()
+    with pytest.raises(LLMError) as caught:
+        await provider.chat(HELLO)
+    assert time.monotonic() - started < 1
+    assert caught.value.retry_after == 30 and len(fake.chat_requests) == 1
+    answer = await provider.chat(HELLO)
+    assert answer.message.content == "after two seconds"
+    assert [r.retry_count for r in fake.chat_requests[1:]] == [0, 1]
+
+
+@pytest.mark.anyio
+async def test_a_server_that_cannot_be_reached_is_not_asked_for_other_models() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    provider = OpenAIProvider(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key=None,
+        model="m",
+        fallback_models=["other", "third"],
+        max_retries=0,
+    )
+    try:
+        with pytest.raises(LLMError) as caught:
+            await provider.chat(HELLO)
+    finally:
+        await provider.aclose()
+    assert "'m'" in str(caught.value) and "'other'" not in str(caught.value)
+    assert caught.value.kinds == ("unavailable",)
+
+
+@pytest.mark.anyio
+async def test_without_falling_back_to_its_model_a_provider_tries_only_what_was_asked(
+    fake: FakeOpenAI, make_provider: MakeProvider
+) -> None:
+    provider = make_provider(falls_back_to_model=False, fallback_models=["backup"])
+    fake.fail_model("chosen", 500)
+
+    answer = await provider.chat(HELLO, model="chosen")
+
+    assert [r.model for r in fake.chat_requests] == ["chosen", "backup"]
+    assert answer.model == "backup"

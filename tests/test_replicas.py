@@ -79,22 +79,28 @@ class Replicas:
         proc.wait_readyz(port)
         self.procs[i], self.ports[i] = proc, port
 
-    def freeze(self, i: int, seconds: float) -> None:
-        """SIGSTOP replica `i` for `seconds`, then SIGCONT: the balancer keeps sending to
-        it (its health checks would time out, not fail), its requests wait meanwhile.
-        Frozen at a moment it runs turns (its /metrics say so), as a pause that matters
-        would find it."""
+    def freeze(self, seconds: float) -> int:
+        """SIGSTOP a replica for `seconds`, then SIGCONT: the balancer keeps sending to it
+        (its health checks would time out, not fail), its requests wait meanwhile. The
+        first replica seen running turns (its /metrics say so) is the one frozen, as a
+        pause that matters would find it. Returns which."""
+        deadline = time.monotonic() + 10.0
+        i = 0
+        while time.monotonic() < deadline:
+            counts = [self.inflight(n) for n in range(len(self.procs))]
+            i = max(range(len(counts)), key=counts.__getitem__)
+            if counts[i] >= 1:
+                break
+            time.sleep(0.01)
         proc = self.procs[i]
         assert proc is not None
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and self.inflight(i) < 1:
-            time.sleep(0.01)
         self.frozen_inflight = self.inflight(i)
         proc.proc.send_signal(signal.SIGSTOP)
         try:
             time.sleep(seconds)
         finally:
             proc.proc.send_signal(signal.SIGCONT)
+        return i
 
     def inflight(self, i: int) -> float:
         """`gateway_inflight_turns` of replica `i` (0 when it does not answer)."""
@@ -157,8 +163,12 @@ async def _send_all(
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as http:
 
-        async def deliver(attempt_body: Any, path: str, headers: dict[str, str], text: str) -> Any:
-            turn = 0
+        async def deliver(
+            attempt_body: Any, path: str, headers: dict[str, str], text: str, first: int
+        ) -> Any:
+            # Users are spread over the replicas (each starts at its own), and a failed
+            # attempt goes to the next one, as a round-robin balancer's retries would.
+            turn = first
             while True:
                 urls = replicas.urls()
                 if urls:
@@ -183,14 +193,14 @@ async def _send_all(
                 if u % API_SHARE == 0:
                     body = {"session": session, "text": text, "id": f"{u}-{n}"}
                     headers = {"Authorization": f"Bearer {HTTP_TOKEN}"}
-                    answer = await deliver(body, "/api/chat", headers, text)
+                    answer = await deliver(body, "/api/chat", headers, text, u)
                     api_replies[text].append(answer.get("reply"))
                 else:
                     chat = FIRST_CHAT + u
                     update = telegram.user_message(chat, text, user_id=chat)
                     update = telegram.with_update_id(update)
                     headers = {"X-Telegram-Bot-Api-Secret-Token": SECRET}
-                    await deliver(update, "/telegram/webhook", headers, text)
+                    await deliver(update, "/telegram/webhook", headers, text, u)
                 acked[session].append(text)
                 await asyncio.sleep(rng.uniform(0, SPREAD * 0.4 / PER_USER))
 
@@ -240,7 +250,7 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
             # Mid-load: one replica frozen past its leases, then (another, or the same
             # once it is back) one killed and restarted.
             time.sleep(SPREAD * rng.uniform(0.25, 0.35))
-            replicas.freeze(rng.randrange(3), FREEZE)
+            replicas.freeze(FREEZE)
             time.sleep(1.0)
             victim = rng.randrange(3)
             replicas.kill(victim)

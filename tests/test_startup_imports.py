@@ -34,6 +34,7 @@ with open(sys.argv[1], "w") as out:
 #: workspace uses, `gateway chat -m` included.
 UNUSED_BY_CHAT = (
     "telegram",
+    "discord",
     "slack_bolt",
     "slack_sdk",
     "jinja2",

@@ -408,10 +408,12 @@ def state_workspace(tmp_path: Path) -> Path:
 
 
 USAGE_ROWS = (
-    UsageRow("2024-03-01", "telegram:1", "telegram", "gpt-4o-mini", "turn", 1, 120, 30, 0.0000375),
-    UsageRow("2024-03-01", "telegram:1", "telegram", "cheap", "consolidation", 2, 900, 80, 0.1),
+    UsageRow("2024-03-01", "telegram:1", "telegram", "gpt-4o-mini", "turn", 1, 120, 30, 0.0000375,
+             provider="primary"),
+    UsageRow("2024-03-01", "telegram:1", "telegram", "cheap", "consolidation", 2, 900, 80, 0.1,
+             provider="default"),
     UsageRow("2024-03-02", "system:heartbeat:daily", "system", "gpt-4o-mini", "heartbeat", 1, 50,
-             5, 1 / 3),
+             5, 1 / 3, provider="backup"),
     UsageRow("2024-03-02", HOSTILE_KEY, "slack", "modèle-ü", "turn", 3, 7, 0, 0.0),
     UsageRow("2024-03-02", "-", "none", "unknown", "turn", 1, 1, 1, 0.0),
 )  # fmt: skip
@@ -462,7 +464,7 @@ def dump_state_rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
         "approved": "SELECT * FROM gw_pairing_approved ORDER BY channel, sender_id",
         "pending": "SELECT * FROM gw_pairing_pending ORDER BY channel, sender_id",
         "heartbeat": "SELECT * FROM gw_heartbeat_runs ORDER BY job",
-        "usage": "SELECT * FROM gw_usage ORDER BY day, session_key, channel, model, kind",
+        "usage": "SELECT * FROM gw_usage ORDER BY day, session_key, channel, model, kind, provider",
         "schedules": "SELECT id, owner, next_run, job::text FROM gw_schedules ORDER BY id",
         "people": "SELECT * FROM gw_people ORDER BY sender_id",
         "dms": "SELECT * FROM gw_people_dms ORDER BY session_key",
@@ -810,6 +812,36 @@ def test_usage_still_in_the_write_ahead_log_is_imported(
     assert "usage: 5 imported, 0 already there" in result.stdout
     assert dump_state_rows(migrated_pg_url)["usage"] == sorted(
         (r.day, r.session_key, r.channel, r.model, r.kind, r.calls, r.prompt_tokens,
-         r.completion_tokens, r.cost)
+         r.completion_tokens, r.cost, r.provider)
         for r in USAGE_ROWS
     )  # fmt: skip
+
+
+def test_a_usage_ledger_of_an_older_version_is_imported_and_exported_with_its_totals(
+    migrated_pg_url: str, tmp_path: Path
+) -> None:
+    """A usage.sqlite written before providers were counted (no provider column) is
+    read as it is, its totals under provider "" (and the file is left untouched); the
+    export writes today's ledger with the same totals."""
+    from tests.test_usage import write_old_ledger
+
+    source = tmp_path / "source"
+    write_old_ledger(source / "usage.sqlite")
+    before = (source / "usage.sqlite").read_bytes()
+    imported = storage(["import", str(source)], migrated_pg_url, tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert "usage: 1 imported" in imported.stdout
+    assert (source / "usage.sqlite").read_bytes() == before
+    assert dump_state_rows(migrated_pg_url)["usage"] == [
+        ("2026-11-20", "telegram:1", "telegram", "m", "turn", 4, 400, 40, 0.5, "")
+    ]
+    back = tmp_path / "back"
+    exported = storage(["export", str(back)], migrated_pg_url, tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    ledger = SqliteUsageLedger(back / "usage.sqlite")
+    try:
+        assert ledger.rows() == [
+            UsageRow("2026-11-20", "telegram:1", "telegram", "m", "turn", 4, 400, 40, 0.5)
+        ]
+    finally:
+        ledger.close()

@@ -89,6 +89,82 @@ def test_the_ledger_adds_up_per_day_conversation_and_kind(ledger: UsageLedger) -
     assert len(ledger.rows()) == 4
 
 
+def test_each_provider_that_answered_has_its_own_totals(ledger: UsageLedger) -> None:
+    """The provider is part of a total's key in both ledgers: the same conversation,
+    model and kind answered by two providers are two rows, each adding up on its own."""
+    for provider in ("primary", "backup", "backup"):
+        ledger.add(
+            UsageRow("2026-11-23", "telegram:1", "telegram", "m", "turn", 1, 10, 1, 0.0,
+                     provider=provider)
+        )  # fmt: skip
+    rows = {r.provider: r for r in ledger.rows()}
+    assert set(rows) == {"primary", "backup"}
+    assert (rows["primary"].calls, rows["backup"].calls, rows["backup"].prompt_tokens) == (1, 2, 20)
+    assert ledger.tokens("2026-11-23", "telegram:1") == 33  # budgets count every provider
+
+
+#: usage.sqlite as the gateway wrote it before providers were counted.
+OLD_USAGE_SCHEMA = """
+CREATE TABLE usage (
+    day TEXT NOT NULL, session_key TEXT NOT NULL, channel TEXT NOT NULL,
+    model TEXT NOT NULL, kind TEXT NOT NULL, calls INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, cost REAL NOT NULL,
+    PRIMARY KEY (day, session_key, channel, model, kind)
+)
+"""
+
+
+def write_old_ledger(path: Path) -> None:
+    import sqlite3
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.execute(OLD_USAGE_SCHEMA)
+    conn.execute(
+        "INSERT INTO usage VALUES ('2026-11-20', 'telegram:1', 'telegram', 'm', 'turn', "
+        "4, 400, 40, 0.5)"
+    )
+    conn.commit()
+    conn.close()
+    path.chmod(0o600)
+
+
+def test_a_ledger_of_an_older_version_keeps_its_totals_and_gains_the_provider(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ws" / "usage.sqlite"
+    write_old_ledger(path)
+    ledger = SqliteUsageLedger(path)
+    try:
+        ledger.add(row("2026-11-20", "telegram:1", "turn", 100))  # not recorded by whom
+        ledger.add(
+            UsageRow("2026-11-20", "telegram:1", "telegram", "m", "turn", 1, 7, 0, 0.0,
+                     provider="backup")
+        )  # fmt: skip
+        rows = sorted(ledger.rows(), key=lambda r: r.provider)
+    finally:
+        ledger.close()
+    assert [(r.provider, r.calls, r.prompt_tokens) for r in rows] == [
+        ("", 5, 500),
+        ("backup", 1, 7),
+    ]
+    again = SqliteUsageLedger(path)  # opened again: nothing to change any more
+    try:
+        assert len(again.rows()) == 2
+    finally:
+        again.close()
+
+
+def test_a_providers_own_price_comes_before_the_general_one() -> None:
+    prices = PriceTable(
+        {"gpt-4o-mini": Price(0.15, 0.6)}, by_provider={"backup": {"gpt-4o-mini": Price(1, 2)}}
+    )
+    assert prices.cost("gpt-4o-mini", 1_000_000, 0) == pytest.approx(0.15)
+    assert prices.cost("gpt-4o-mini", 1_000_000, 0, provider="primary") == pytest.approx(0.15)
+    assert prices.cost("gpt-4o-mini", 1_000_000, 0, provider="backup") == pytest.approx(1.0)
+    assert not prices.priced("other") and not prices.priced("other", "backup")
+
+
 async def test_every_call_is_counted_by_conversation_kind_and_model_with_its_cost(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
@@ -204,14 +280,16 @@ def test_gateway_usage_prints_per_conversation_and_day(
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split() == [
-        "day", "conversation", "kind", "model", "calls", "prompt", "completion", "cost",
+        "day", "conversation", "kind", "model", "provider", "calls", "prompt", "completion",
+        "cost",
     ]  # fmt: skip
     [cli] = [line for line in lines if "cli:direct" in line]
-    assert cli.split()[2:5] == ["turn", "gpt-4o-mini", "2"]
+    assert cli.split()[2:6] == ["turn", "gpt-4o-mini", "default", "2"]
     assert "all conversations" in lines[-1]
     as_json = run_gateway(["usage", "--json", "--session", "direct"], env, tmp_path)
     [record] = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert record["session_key"] == "cli:direct" and record["calls"] == 2
+    assert record["provider"] == "default"
     assert record["cost_usd"] > 0
     bad = run_gateway(["usage", "--days", "0"], env, tmp_path)
     assert bad.returncode == 2 and "not a number from 1 up" in bad.stderr
@@ -379,7 +457,7 @@ async def test_a_voice_note_is_counted_as_a_transcription_in_the_ledger_and_metr
     table = await anyio.to_thread.run_sync(lambda: run_gateway(["usage"], env, tmp_path))
     assert table.returncode == 0, table.stderr
     [voice] = [line for line in table.stdout.splitlines() if "transcription" in line]
-    assert voice.split()[1:5] == ["telegram:4242", "transcription", model, "1"]
+    assert voice.split()[1:6] == ["telegram:4242", "transcription", model, "-", "1"]
     assert voice.split()[-1] == f"${cost:.6f}"
 
 

@@ -11,15 +11,14 @@ from channels.email.channel import (
     compose_reply,
     translate_mail,
 )
-from channels.email.state import FileMailboxState, MailboxMark, PostgresMailboxState
+from channels.email.state import MailboxMark, MailboxMarks
 
 __all__ = [
     "EmailChannel",
     "EmailSetupError",
-    "FileMailboxState",
     "MailboxMark",
+    "MailboxMarks",
     "Pacing",
-    "PostgresMailboxState",
     "Skip",
     "check_mailbox",
     "compose_reply",

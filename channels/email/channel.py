@@ -41,7 +41,6 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from email import policy
@@ -73,11 +72,12 @@ from channels.email.headers import (
     thread_root,
 )
 from channels.email.mailbox import Fetched, ImapOptions, ImapSession, MailboxError, network_errors
-from channels.email.state import MailboxMark, MailboxState
+from channels.email.state import MailboxMark, MailboxMarks
 from gateway import failpoints
 from gateway.access import META_IS_GROUP, META_SENDER_NAME
 from gateway.channel import Submit
 from gateway.config import ConfigError, EmailSettings
+from gateway.cursors import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.messages import (
     META_REPLY_CONTEXT,
@@ -470,25 +470,25 @@ def check_settings(settings: EmailSettings) -> None:
 class EmailChannel:
     """The email adapter; see the module docstring for what it promises.
 
-    `state` keeps the mark of the mailbox (a workspace file, or PostgreSQL shared by the
-    replicas). In the shared mode the daemon sets `watch_leader`, so exactly one replica
-    holds the IMAP connection that watches the folder; every replica sends replies.
+    `lead` runs the watch loop with the cursor store that keeps the mailbox's mark: at
+    once with the workspace's cursor file (`gateway.cursors.run_with`), or in the shared
+    mode once this replica holds the "email watcher" role (`gateway.cursors_pg.lead_as`),
+    so exactly one replica holds the IMAP connection that watches the folder; every
+    replica sends replies.
     """
 
     name = CHANNEL
 
     def __init__(
-        self, settings: EmailSettings, *, state: MailboxState, pacing: Pacing | None = None
+        self, settings: EmailSettings, *, lead: Lead, pacing: Pacing | None = None
     ) -> None:
         check_settings(settings)
         self.settings = settings
-        self.state = state
+        self.lead = lead
+        self.state: MailboxMarks | None = None  # while watching: the marks' store
         self.pacing = pacing or Pacing()
         password = settings.resolved_password() or ""
         self.imap = imap_options(settings, password, timeout=self.pacing.timeout)
-        #: Shared mode (`gateway.replicas.run_as_leader`): runs the watch loop once this
-        #: replica is the one that reads the mailbox; None reads at once.
-        self.watch_leader: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None
         self._submit: Submit | None = None
         self._paused = False
         self._watch_scope: anyio.CancelScope | None = None
@@ -517,11 +517,8 @@ class EmailChannel:
         await anyio.to_thread.run_sync(session.close)
         logger.info("email: {} is reachable", self.mailbox)
         task_status.started()
-        if self.watch_leader is None:
-            await self._watch()
-        else:
-            # Several replicas: one holds the IMAP connection; the others stand by.
-            await self.watch_leader(self._watch)
+        # Several replicas: one holds the IMAP connection; the others stand by.
+        await self.lead(self._watch)
         await anyio.sleep_forever()
 
     def pause_intake(self) -> None:
@@ -544,9 +541,11 @@ class EmailChannel:
                 "channels.email.imap_host, imap_port and imap_security"
             ) from None
 
-    async def _watch(self) -> None:
+    async def _watch(self, store: CursorStore) -> None:
         """Read the folder, then wait for mail (IDLE, or a poll interval) and read it
-        again; reconnect with backoff after a network failure."""
+        again; reconnect with backoff after a network failure. The mark lives in
+        `store`."""
+        self.state = MailboxMarks(store)
         failures = 0
         with anyio.CancelScope() as scope:
             self._watch_scope = scope
@@ -596,6 +595,10 @@ class EmailChannel:
                             await anyio.to_thread.run_sync(session.close)
         self._watch_scope = None
 
+    def _marks(self) -> MailboxMarks:
+        assert self.state is not None, "the marks are there while the channel watches"
+        return self.state
+
     def _backoff(self, failures: int) -> float:
         delay = self.pacing.retry_backoff * 2 ** min(failures - 1, 10)
         return float(min(delay, self.pacing.retry_backoff_max))
@@ -622,7 +625,7 @@ class EmailChannel:
         there were. None when the journal did not take one (it is fetched again after a
         pause)."""
         await anyio.to_thread.run_sync(session.select)
-        mark = await self.state.load(self.mailbox)
+        mark = await self._marks().load(self.mailbox)
         catch_up = mark is None or mark.uidvalidity != session.uidvalidity
         if catch_up:
             if mark is not None:
@@ -654,7 +657,7 @@ class EmailChannel:
         if catch_up:
             # Every unseen message is settled: from now on, what comes after `top`.
             assert top is not None
-            await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, max(top, 0)))
+            await self._marks().save(self.mailbox, MailboxMark(session.uidvalidity, max(top, 0)))
         return len(uids)
 
     async def _take(self, session: ImapSession, mail: Fetched, *, mark: bool) -> bool:
@@ -682,7 +685,7 @@ class EmailChannel:
             self.skipped += 1
             logger.info("email: message {} not answered: {}", mail.uid, result.reason)
             if mark:
-                await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, mail.uid))
+                await self._marks().save(self.mailbox, MailboxMark(session.uidvalidity, mail.uid))
             return True
         if self._submit is None:
             return False
@@ -698,7 +701,9 @@ class EmailChannel:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(session.confirm, mail.uid)
                 if mark:
-                    await self.state.save(self.mailbox, MailboxMark(session.uidvalidity, mail.uid))
+                    await self._marks().save(
+                        self.mailbox, MailboxMark(session.uidvalidity, mail.uid)
+                    )
                 self.taken += 1
         return True
 

@@ -1,8 +1,8 @@
-"""Where the email channel keeps how far it has read each mailbox: the folder's
-UIDVALIDITY and the highest UID it has taken in. A file in the workspace
-(`email-state.json`, replaced atomically), or a PostgreSQL row per mailbox in the shared
-mode (`gw_email_mailboxes`), so a replica that takes over the mailbox goes on where the
-previous one stopped.
+"""How far the email channel has read each mailbox: the folder's UIDVALIDITY and the
+highest UID it has taken in, kept as a channel cursor (`gateway.cursors`): the
+workspace's cursor file, or in the shared mode `gw_channel_cursors`, written on the
+connection that holds the "email watcher" role, so a replica that lost the role cannot
+write it any more and the one that took over goes on from it.
 
 The mark is only ever raised, and only for mail that is journaled (or settled): losing a
 write of it costs a few messages fetched again, which the journal drops as duplicates.
@@ -10,20 +10,12 @@ write of it costs a few messages fetched again, which the journal drops as dupli
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
 
-import anyio.to_thread
-from loguru import logger
+from gateway.cursors import CursorStore
 
-from gateway.fsutil import atomic_write_text
-
-STATE_FILE = "email-state.json"
-FILE_VERSION = 1
+#: Cursor names of the email channel: `email:<user>@<host>/<folder>`.
+CURSOR_PREFIX = "email:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,82 +26,30 @@ class MailboxMark:
     uidvalidity: int
     last_uid: int
 
+    def encode(self) -> str:
+        return f"{self.uidvalidity}:{self.last_uid}"
 
-class MailboxState(Protocol):
-    """The marks of the mailboxes the channel reads, by mailbox name (user@host/folder)."""
+    @classmethod
+    def decode(cls, value: str | None) -> MailboxMark | None:
+        """The mark a cursor holds; None for none, or one this build cannot read (the
+        channel then starts as at a first start: unseen mail, the journal drops what it
+        answered)."""
+        if value is None:
+            return None
+        validity, sep, uid = value.partition(":")
+        if not sep or not validity.isdigit() or not uid.isdigit():
+            return None
+        return cls(int(validity), int(uid))
 
-    async def load(self, mailbox: str) -> MailboxMark | None: ...
 
-    async def save(self, mailbox: str, mark: MailboxMark) -> None: ...
+class MailboxMarks:
+    """The marks of the mailboxes the channel reads, in a cursor store."""
 
-
-class FileMailboxState:
-    """Marks in a JSON file in the workspace; one gateway per workspace writes it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            # Unreadable: start as at the first start (unseen mail; the journal drops
-            # what it has already answered). Replaced by the next save.
-            logger.error("email: {} is unreadable ({}); reading unseen mail again", self.path, exc)
-            return {}
-        boxes = data.get("mailboxes") if isinstance(data, dict) else None
-        return boxes if isinstance(boxes, dict) else {}
+    def __init__(self, store: CursorStore) -> None:
+        self.store = store
 
     async def load(self, mailbox: str) -> MailboxMark | None:
-        boxes = await anyio.to_thread.run_sync(self._read)
-        entry = boxes.get(mailbox)
-        if not isinstance(entry, dict):
-            return None
-        try:
-            return MailboxMark(int(entry["uidvalidity"]), int(entry["last_uid"]))
-        except (TypeError, KeyError, ValueError):
-            return None
+        return MailboxMark.decode(await self.store.load(CURSOR_PREFIX + mailbox))
 
     async def save(self, mailbox: str, mark: MailboxMark) -> None:
-        def write() -> None:
-            boxes = self._read()
-            boxes[mailbox] = {"uidvalidity": mark.uidvalidity, "last_uid": mark.last_uid}
-            text = json.dumps({"version": FILE_VERSION, "mailboxes": boxes}, indent=1)
-            atomic_write_text(self.path, text + "\n")
-
-        await anyio.to_thread.run_sync(write)
-
-
-Connect = Callable[[], AbstractAsyncContextManager[Any]]
-
-
-class PostgresMailboxState:
-    """Marks in `gw_email_mailboxes`, shared by the replicas (one of which reads the
-    mailbox at a time). A save never lowers a mark of the same UIDVALIDITY: a replica
-    that was paused past its role cannot move another one's mark back."""
-
-    def __init__(self, connection: Connect) -> None:
-        self._connection = connection
-
-    async def load(self, mailbox: str) -> MailboxMark | None:
-        async with self._connection() as conn:
-            cur = await conn.execute(
-                "SELECT uidvalidity, last_uid FROM gw_email_mailboxes WHERE mailbox = %s",
-                (mailbox,),
-            )
-            row = await cur.fetchone()
-        return None if row is None else MailboxMark(int(row[0]), int(row[1]))
-
-    async def save(self, mailbox: str, mark: MailboxMark) -> None:
-        async with self._connection() as conn:
-            await conn.execute(
-                "INSERT INTO gw_email_mailboxes (mailbox, uidvalidity, last_uid) "
-                "VALUES (%s, %s, %s) ON CONFLICT (mailbox) DO UPDATE SET "
-                "uidvalidity = EXCLUDED.uidvalidity, last_uid = CASE "
-                "WHEN gw_email_mailboxes.uidvalidity = EXCLUDED.uidvalidity "
-                "THEN GREATEST(gw_email_mailboxes.last_uid, EXCLUDED.last_uid) "
-                "ELSE EXCLUDED.last_uid END, updated_at = now()",
-                (mailbox, mark.uidvalidity, mark.last_uid),
-            )
+        await self.store.save(CURSOR_PREFIX + mailbox, mark.encode())

@@ -10,7 +10,7 @@ COMMANDS: dict[str, str] = {
     "new": "start a fresh conversation (the old one stays on disk)",
     "reset": "same as /new",
     "status": "session key, message count, model and context use",
-    "model": "/model NAME switches this conversation's model; /model alone shows it",
+    "model": "/model NAME switches this conversation's model or alias; /model alone shows it",
     "compact": "summarize older turns into memory now",
     "memory": "the facts I remember here, with their ids and where each came from",
     "facts": "same as /memory",

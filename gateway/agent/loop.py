@@ -43,7 +43,7 @@ from gateway.agent.rewind import (
 from gateway.agent.tokens import estimate_messages_tokens, estimate_tools_tokens
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.agent.turns import EarlierTurn, find_turn, user_entry_meta
-from gateway.agent.windows import ContextWindows, window_probe
+from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
 from gateway.llm.types import (
     DEFAULT_CONTEXT_WINDOW,
@@ -218,7 +218,9 @@ class AgentLoop:
         self._offered: tuple[tuple[ToolSpec, ...], int] = ((), 0)
         #: The window each model's requests are fitted to (shared with consolidation).
         self.windows = windows or ContextWindows(
-            configured=config.context_window, probe=window_probe(provider)
+            configured=config.context_window,
+            probe=window_probe(provider),
+            routes=window_routes(provider),
         )
         self.context = ContextBuilder(
             context_window=config.context_window or DEFAULT_CONTEXT_WINDOW,
@@ -596,7 +598,8 @@ class AgentLoop:
         tool_tokens = self._tools_tokens(specs)
         await self.windows.ensure(model)  # asks the server once per model, bounded
 
-        def fit(history: Sequence[LLMMessage]) -> ContextPlan:
+        def fit(history: Sequence[LLMMessage], cap: int | None = None) -> ContextPlan:
+            window = self.windows.known(model).tokens
             plan = self.context.build(
                 system_prompt=self.config.system_prompt,
                 history=history,
@@ -604,7 +607,7 @@ class AgentLoop:
                 memory_texts=texts,
                 query=query,
                 session_key=session.key,
-                context_window=self.windows.known(model).tokens,
+                context_window=min(window, cap) if cap else window,
                 fixed_tokens=tool_tokens,
             )
             if not images:
@@ -679,7 +682,7 @@ class AgentLoop:
         self,
         session: Session,
         ctx: SessionContext,
-        fit: Callable[[Sequence[LLMMessage]], ContextPlan],
+        fit: Callable[[Sequence[LLMMessage], int | None], ContextPlan],
         messages: list[LLMMessage],
         model: str,
         specs: list[ToolSpec],
@@ -704,8 +707,11 @@ class AgentLoop:
         spent = 0
         tool_tokens = self._tools_tokens(specs)
 
-        def refit() -> list[LLMMessage]:
-            return list(fit([*ctx.messages, *turn]).messages)
+        def refit(cap: int | None = None) -> list[LLMMessage]:
+            return list(fit([*ctx.messages, *turn], cap).messages)
+
+        def refit_repaired(cap: int | None = None) -> list[LLMMessage]:
+            return repair_tool_pairs(refit(cap))
 
         for _ in range(self.config.max_tool_iterations):
             progress.said.clear()
@@ -744,12 +750,7 @@ class AgentLoop:
             logger.warning("tool loop hit {} iterations", self.config.max_tool_iterations)
             progress.said.clear()
             response, _ = await self._complete_fitted(
-                session.key,
-                repair_tool_pairs(messages),
-                lambda: repair_tool_pairs(refit()),
-                model,
-                [],
-                streamed,
+                session.key, repair_tool_pairs(messages), refit_repaired, model, [], streamed
             )
             with anyio.CancelScope(shield=True):
                 await session.aadd_message(response.message)
@@ -833,7 +834,7 @@ class AgentLoop:
         self,
         key: str,
         messages: list[LLMMessage],
-        refit: Callable[[], list[LLMMessage]],
+        refit: Callable[[int | None], list[LLMMessage]],
         model: str,
         specs: list[ToolSpec],
         on_delta: DeltaCallback | None,
@@ -844,13 +845,15 @@ class AgentLoop:
         what its error says (the window, the prompt's real size) is remembered, the
         request is fitted again (`refit`) and sent once more. When that cannot help or
         fails too, the error says what is too long and what to change: "/new" only when
-        earlier turns of the conversation were in the request."""
+        earlier turns of the conversation were in the request. A request that another
+        provider than the first refused (failover) is fitted again to the smaller of the
+        two windows, so that either can take it."""
         try:
             response = await self._complete(messages, model, specs, on_delta)
         except ContextOverflow as exc:
             logger.warning("the model's server refused the request as too long: {}", exc)
             self._learn_overflow(key, model, messages, specs, exc)
-            again = refit()
+            again = refit(self.windows.known(model, exc.provider).tokens)
             if again == messages:  # nothing the window and the count change: no use
                 raise self._too_long(model, messages, exc) from None
             try:
@@ -860,7 +863,7 @@ class AgentLoop:
                 self._learn_overflow(key, model, again, specs, still)
                 raise self._too_long(model, again, still) from None
             messages = again
-        self.windows.answered(model)
+        self.windows.answered(model, response.provider)
         return response, messages
 
     def _learn_overflow(
@@ -874,7 +877,7 @@ class AgentLoop:
         """Remember what an overflow error said: the window it named (for the model), and
         the prompt tokens it counted (the session's estimates scale up to it)."""
         if exc.context_tokens:
-            self.windows.learn(model, exc.context_tokens, exc.server)
+            self.windows.learn(model, exc.context_tokens, exc.server, exc.provider)
         if exc.prompt_tokens:
             counted = TokenUsage(prompt_tokens=exc.prompt_tokens)
             self.context.observe(key, sent, counted, self._tools_tokens(specs))
@@ -891,7 +894,7 @@ class AgentLoop:
     def _too_long(self, model: str, sent: Sequence[LLMMessage], exc: ContextOverflow) -> LLMError:
         """The error of a request the model's context window cannot hold, saying what
         is too long (the conversation, or the message itself) and what to change."""
-        window = self.windows.known(model)
+        window = self.windows.known(model, exc.provider)
         said = window.server
         if said is None and not exc.context_tokens:
             return LLMError(
@@ -1027,10 +1030,18 @@ class AgentLoop:
             return reply_for(inbound, "Started a new conversation. The old one is kept.")
         session = await anyio.to_thread.run_sync(self.sessions.get_or_create, key)
         if command.name == "model":
+            aliases: tuple[str, ...] = getattr(self.provider, "aliases", ())
+            offered = f" (aliases: {', '.join(aliases)})" if aliases else ""
             if not command.argument:
                 model = await anyio.to_thread.run_sync(self._model_for, session)
-                return reply_for(inbound, f"Model: {model}")
+                return reply_for(inbound, f"Model: {model}{offered}")
             name = command.argument.split()[0]
+            serves = getattr(self.provider, "serves", None)
+            if serves is not None and not serves(name):
+                text = f"No configured model provider offers {name}; the model is unchanged."
+                if aliases:
+                    text += f" The aliases are {', '.join(aliases)}."
+                return reply_for(inbound, text, is_error=True)
             await anyio.to_thread.run_sync(session.append_model_change, name)
             logger.info("model switched to {}", name)
             return reply_for(inbound, f"Model for this conversation: {name}")
@@ -1071,6 +1082,9 @@ class AgentLoop:
                 f"Context: ~{used:,} of {window.tokens:,} tokens "
                 f"({share:.0f}%; from {window.source})",
             ]
+            statuses = getattr(self.provider, "statuses", None)
+            if statuses is not None:  # each provider's breaker (`gateway.llm.failover`)
+                lines += [f"Provider {status.describe()}" for status in statuses()]
             if ctx.summary:
                 lines.append("Summary: yes (older turns are summarized)")
             if self.usage is not None:

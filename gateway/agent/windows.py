@@ -1,5 +1,9 @@
 """The context window each model is used with: the operator's bound, fitted to what the
-model's server says (asked once per model, or read from its overflow error)."""
+model's server says (asked once per model, or read from its overflow error).
+
+With several providers (`gateway.llm.failover`) each provider's window is its own: a
+model's window is known per provider (``model@provider``), and a request is fitted to
+the window of the provider it goes to first."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from gateway.llm.types import (
     ServerKind,
     ServerWindow,
     ServerWindowProbe,
+    WindowRoutes,
 )
 
 #: Where a window read from an overflow error came from, as /status shows it.
@@ -58,6 +63,14 @@ def window_probe(provider: LLMProvider) -> Callable[[str], Awaitable[ServerWindo
     return provider.server_window if isinstance(provider, ServerWindowProbe) else None
 
 
+Router = Callable[[str, str | None], str]
+
+
+def window_routes(provider: LLMProvider) -> Router | None:
+    """The provider's names for a model's window per provider, if it has several."""
+    return provider.window_key if isinstance(provider, WindowRoutes) else None
+
+
 class ContextWindows:
     """Which window each model is used with (`choose_window`), per model.
 
@@ -67,19 +80,25 @@ class ContextWindows:
     model's server is asked once, unless what it said was an assumption (Ollama's
     default), which is asked again after the model has answered; what an overflow error
     says replaces what was asked; a configured size larger than the server's is logged
-    once per model."""
+    once per model.
+
+    With `routes` (several providers), "a model" is a model on one provider: each method
+    takes the model name and, where it is known, the provider (None: the one a request
+    goes to first now)."""
 
     def __init__(
         self,
         *,
         configured: int | None,
         probe: Callable[[str], Awaitable[ServerWindow | None]] | None,
+        routes: Router | None = None,
         timeout: float = 5.0,
         retry_after: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.configured = configured
         self._probe = probe
+        self._routes = routes
         self.timeout = timeout
         self.retry_after = retry_after
         self._clock = clock
@@ -89,8 +108,16 @@ class ContextWindows:
         self._locks: dict[str, anyio.Lock] = {}
         self._warned: set[str] = set()
 
-    def known(self, model: str) -> WindowInUse:
+    def key(self, model: str, provider: str | None = None) -> str:
+        """The name `model`'s window on `provider` is known by (the model's own name
+        with a single provider)."""
+        return model if self._routes is None else self._routes(model, provider)
+
+    def known(self, model: str, provider: str | None = None) -> WindowInUse:
         """The window for `model` from what is known now (no I/O)."""
+        return self._known(self.key(model, provider))
+
+    def _known(self, model: str) -> WindowInUse:
         chosen = choose_window(self.configured, self._said.get(model))
         server = chosen.server
         smaller = server is not None and server.tokens < (self.configured or 0)
@@ -106,29 +133,34 @@ class ContextWindows:
             )
         return chosen
 
-    async def ensure(self, model: str) -> WindowInUse:
+    async def ensure(self, model: str, provider: str | None = None) -> WindowInUse:
         """The window for `model`, asking its server first if it was not asked yet (at
         most `timeout` seconds; never raises)."""
+        model = self.key(model, provider)
         if self._probe is None or not self._due(model):
-            return self.known(model)
+            return self._known(model)
         lock = self._locks.setdefault(model, anyio.Lock())
         async with lock:
             if self._due(model):  # another turn may have asked while this one waited
                 await self._ask(model, self._probe)
-        return self.known(model)
+        return self._known(model)
 
-    def learn(self, model: str, tokens: int, server: ServerKind | None) -> WindowInUse:
-        """Remember the window an overflow error named for `model`."""
+    def learn(
+        self, model: str, tokens: int, server: ServerKind | None, provider: str | None = None
+    ) -> WindowInUse:
+        """Remember the window an overflow error named for `model` (on `provider`)."""
+        model = self.key(model, provider)
         said = self._said.get(model)
         kind = server or (said.server if said is not None else None)
         self._said[model] = ServerWindow(tokens, OVERFLOW_SOURCE, kind)
         self._ask_again.discard(model)
         logger.info("{}'s context window is {:,} tokens (from {})", model, tokens, OVERFLOW_SOURCE)
-        return self.known(model)
+        return self._known(model)
 
-    def answered(self, model: str) -> None:
-        """`model` answered: an assumed window (the model was not loaded yet) is asked
-        again at the next `ensure`."""
+    def answered(self, model: str, provider: str | None = None) -> None:
+        """`model` answered (on `provider`): an assumed window (the model was not loaded
+        yet) is asked again at the next `ensure`."""
+        model = self.key(model, provider)
         said = self._said.get(model)
         if said is not None and not said.settled:
             self._ask_again.add(model)
@@ -151,7 +183,7 @@ class ContextWindows:
                 "{}'s context window could not be asked of its server ({}); using {}",
                 model,
                 str(exc) or type(exc).__name__,
-                self.known(model).describe(),
+                self._known(model).describe(),
             )
             return
         self._ask_again.discard(model)
@@ -160,4 +192,4 @@ class ContextWindows:
         if learned and said is not None and not said.settled:
             return  # an assumption does not replace what the server's error said
         self._said[model] = said if said is not None else previous
-        logger.info("{}'s context window: {}", model, self.known(model).describe())
+        logger.info("{}'s context window: {}", model, self._known(model).describe())

@@ -6,6 +6,7 @@ Routes:
   GET  /readyz    200 when ready, else 503 with {"status", "reasons", "components"}
   GET  /metrics   Prometheus text format 0.0.4
   POST /api/chat  {"session", "text"} -> {"session", "reply", "error"}; bearer token
+  GET|POST /whatsapp/webhook  Meta's handshake and deliveries (when WhatsApp is on)
   anything mounted with `mount()` before `run()`
 
 Invariants (tested in tests/test_http_server.py):
@@ -61,6 +62,7 @@ RETRY_AFTER_SECONDS = "5"
 # Documented mount points for channel adapters (`server.mount("POST", PATH, handler)`).
 TELEGRAM_WEBHOOK_PATH = "/telegram/webhook"
 SLACK_EVENTS_PATH = "/slack/events"
+WHATSAPP_WEBHOOK_PATH = "/whatsapp/webhook"
 
 _BUILTIN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/api/chat"})
 _MOUNTABLE_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})

@@ -1,4 +1,5 @@
-"""LLM providers: the provider protocol and the OpenAI-compatible implementation."""
+"""LLM providers: the provider protocol, the OpenAI-compatible implementation, and the
+failover across providers (`gateway.llm.failover`, `gateway.llm.breaker`)."""
 
 from gateway.llm.types import (
     ContextOverflow,

@@ -44,3 +44,20 @@ def check_credentials(base_url: str | None, api_key: str | None) -> None:
             MISSING_KEY_MESSAGE,
             user_message="The gateway has no API key for its language model yet.",
         )
+
+
+def check_provider_credentials(name: str, base_url: str | None, api_key: str | None) -> None:
+    """`check_credentials` for the provider `name` of the failover chain: "default" is
+    `[llm]`'s own server; another's error names its `[llm.providers.NAME]` section."""
+    if name == "default":
+        check_credentials(base_url, api_key)
+        return
+    try:
+        check_credentials(base_url, api_key)
+    except LLMConfigError as exc:
+        if str(exc) == MISSING_KEY_MESSAGE:
+            env = f"GATEWAY_LLM__PROVIDERS__{name.upper()}__API_KEY"
+            detail = f"llm.providers.{name}: no API key; set {env}, or api_key_file"
+        else:
+            detail = f"llm.providers.{name}.base_url must be an http(s) URL ending in /v1"
+        raise LLMConfigError(detail, user_message=exc.user_message) from None

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import json
+import math
 import re
 import socket
+import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -317,6 +320,7 @@ class StreamAssembly:
 FailureKind = Literal[
     "auth",
     "denied",
+    "quota",
     "bad_request",
     "not_found",
     "wrong_path",
@@ -340,12 +344,18 @@ class ModelFailure:
     code: str | None = None
     #: What the server said when it refused the request as too long for the model.
     overflow: Overflow | None = None
+    #: Seconds a rate-limited server asked to wait (its Retry-After), if it said.
+    retry_after: float | None = None
+    #: The server could not be connected to at all (refused, no such host).
+    unreachable: bool = False
 
     @property
     def try_next_model(self) -> bool:
-        # A rejected key, a malformed request or a wrong URL fails the same way on
-        # every model.
-        return self.kind not in ("auth", "denied", "bad_request", "wrong_path")
+        # A rejected key, an account out of credit, a malformed request, a wrong URL or
+        # a server that cannot be reached fails the same way on every model.
+        if self.unreachable:
+            return False
+        return self.kind not in ("auth", "denied", "quota", "bad_request", "wrong_path")
 
 
 def _refused_connection(exc: BaseException) -> OSError | None:
@@ -362,20 +372,50 @@ def _refused_connection(exc: BaseException) -> OSError | None:
     return None
 
 
+def retry_after_seconds(headers: Any) -> float | None:
+    """The wait a response's headers ask for, in seconds: ``retry-after-ms``, else
+    ``retry-after`` as seconds or as an HTTP date, as the openai client reads them; None
+    when they say nothing readable."""
+    if headers is None:
+        return None
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) / divisor
+        except ValueError:
+            continue
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
 def classify_failure(exc: openai.APIError, model: str, base_url: str) -> ModelFailure:
     """A `ModelFailure` for an error the openai client raised after its own retries.
 
     A 404 that does not name the model is the chat path missing, as a base URL without
     its /v1 gets from Ollama, vLLM and OpenAI ("wrong_path"), not a model that does not
     exist ("not_found"); a 400 saying the request is longer than the model's context
-    window carries what the server said of its size (`overflow`)."""
+    window carries what the server said of its size (`overflow`). An account out of
+    credit is "quota": HTTP 402 (OpenRouter, several others) or OpenAI's 429
+    ``insufficient_quota``. A 429 carries the Retry-After it was given."""
     refused = _refused_connection(exc)
     if isinstance(exc, openai.APITimeoutError) and refused is None:
         return ModelFailure(model, "timeout", f"model {model!r}: no answer in time ({base_url})")
     if isinstance(exc, openai.APIConnectionError):
         cause = refused or exc.__cause__ or exc
         return ModelFailure(
-            model, "unavailable", f"model {model!r}: cannot reach {base_url}: {cause}"
+            model,
+            "unavailable",
+            f"model {model!r}: cannot reach {base_url}: {cause}",
+            unreachable=refused is not None,
         )
     if isinstance(exc, openai.APIStatusError):
         status = exc.status_code
@@ -385,8 +425,11 @@ def classify_failure(exc: openai.APIError, model: str, base_url: str) -> ModelFa
             detail += f" ({code})"
         detail += f": {exc.message}"
         kind: FailureKind
+        retry_after = None
         if status == 401:
             kind = "auth"
+        elif status == 402 or (status == 429 and code == "insufficient_quota"):
+            kind = "quota"
         elif status == 403:
             kind = "denied"
         elif status == 404 and not names_a_model(exc.body, exc.message):
@@ -397,12 +440,21 @@ def classify_failure(exc: openai.APIError, model: str, base_url: str) -> ModelFa
             detail += " (check the model name)"
         elif status == 429:
             kind = "rate_limited"
+            retry_after = retry_after_seconds(exc.response.headers)
         elif status in (408, 409) or status >= 500:
             kind = "unavailable"
         else:
             kind = "bad_request"
         overflow = read_overflow(status, exc.body, exc.message)
-        return ModelFailure(model, kind, detail, status=status, code=code, overflow=overflow)
+        return ModelFailure(
+            model,
+            kind,
+            detail,
+            status=status,
+            code=code,
+            overflow=overflow,
+            retry_after=retry_after,
+        )
     # An error event inside a stream, or an unparseable response.
     return ModelFailure(model, "unavailable", f"model {model!r}: {exc.message}")
 
@@ -415,6 +467,10 @@ _USER_MESSAGES: dict[FailureKind, str] = {
     "denied": (
         "The gateway's API key is not allowed to use this model. "
         "The operator should check the model name and the account's access."
+    ),
+    "quota": (
+        "The gateway's account with the model provider is out of credit. "
+        "The operator should check its billing."
     ),
     "bad_request": "The model could not process this request. The operator can see why in the log.",
     "not_found": (
@@ -440,8 +496,8 @@ def error_for_failures(failures: Sequence[ModelFailure]) -> LLMError:
     the agent loop to fit the request to it (only it knows what the request held).
     """
     detail = "LLM request failed: " + "; ".join(f.detail for f in failures)
-    kinds = {f.kind for f in failures}
-    kind: FailureKind = kinds.pop() if len(kinds) == 1 else "unavailable"
+    each = tuple(dict.fromkeys(f.kind for f in failures))
+    kind: FailureKind = each[0] if len(each) == 1 else "unavailable"
     overflow = failures[-1].overflow
     if overflow is not None:
         return ContextOverflow(
@@ -450,13 +506,34 @@ def error_for_failures(failures: Sequence[ModelFailure]) -> LLMError:
             prompt_tokens=overflow.prompt_tokens,
             server=overflow.server,
         )
+    waits = [f.retry_after for f in failures if f.retry_after is not None]
     error_class = (
-        LLMConfigError if kind in ("auth", "denied", "not_found", "wrong_path") else LLMError
+        LLMConfigError
+        if kind in ("auth", "denied", "quota", "not_found", "wrong_path")
+        else LLMError
     )
-    return error_class(detail, user_message=_USER_MESSAGES[kind])
+    return error_class(
+        detail,
+        user_message=_USER_MESSAGES[kind],
+        kinds=each,
+        retry_after=max(waits) if waits else None,
+    )
 
 
 # -- the provider -------------------------------------------------------------------------
+
+
+def _not_waited_out(seconds: float) -> Callable[[Any], Awaitable[None]]:
+    """An HTTP client response hook: an answer asking to wait at least `seconds`
+    (Retry-After) is marked ``x-should-retry: false``, the openai client's own switch,
+    so it fails at once instead of being retried after the wait."""
+
+    async def mark(response: Any) -> None:
+        wait = retry_after_seconds(response.headers)
+        if wait is not None and wait >= seconds:
+            response.headers["x-should-retry"] = "false"
+
+    return mark
 
 
 class OpenAIProvider:
@@ -476,13 +553,22 @@ class OpenAIProvider:
         model: str,
         fallback_models: Sequence[str] = (),
         timeout: float = 60.0,
+        connect_timeout: float | None = None,
         max_retries: int = 2,
+        long_retry_after: float | None = None,
         default_temperature: float | None = None,
         default_max_tokens: int | None = None,
         default_tool_choice: str | None = None,
+        falls_back_to_model: bool = True,
     ) -> None:
         """`default_tool_choice` goes with every `chat` that offers tools and names no
-        tool_choice of its own (None: the server's default)."""
+        tool_choice of its own (None: the server's default). `falls_back_to_model`
+        False: a request for another model never falls back to `model` (in a failover
+        chain the next provider comes first). `connect_timeout` bounds
+        the connect alone (None: `timeout`). An answer whose Retry-After is at least
+        `long_retry_after` seconds is not retried by the client (None: the client waits
+        up to its own bound of two minutes): the failover asks another provider instead
+        of keeping the person waiting."""
         check_credentials(base_url, api_key)
         if not model.strip():
             raise LLMConfigError(
@@ -496,19 +582,26 @@ class OpenAIProvider:
         self.default_temperature = default_temperature
         self.default_max_tokens = default_max_tokens
         self.default_tool_choice = default_tool_choice
+        self.falls_back_to_model = falls_back_to_model
         key = api_key.strip() if api_key and api_key.strip() else PLACEHOLDER_API_KEY
         self._secret = key
+        limits: openai.Timeout | float = timeout
+        if connect_timeout is not None:
+            limits = openai.Timeout(timeout, connect=min(connect_timeout, timeout))
+        hooks: dict[str, list[Any]] = {}
+        if long_retry_after is not None:
+            hooks["response"] = [_not_waited_out(long_retry_after)]
         # base_url is always passed, so OPENAI_BASE_URL in the environment cannot make the
         # client talk to a server other than the one check_credentials approved.
         self._client = openai.AsyncOpenAI(
             base_url=self.base_url,
             api_key=key,
-            timeout=timeout,
+            timeout=limits,
             max_retries=max_retries,
             # The SDK's documented aiohttp transport: httpcore's connection pool (a
             # health check of the socket before each request, its pool bookkeeping) was a
             # third of the client's CPU per call; aiohttp is a dependency anyway.
-            http_client=openai.DefaultAioHttpClient(timeout=timeout),
+            http_client=openai.DefaultAioHttpClient(timeout=limits, event_hooks=hooks),
         )
 
     async def server_window(self, model: str) -> ServerWindow | None:
@@ -520,8 +613,10 @@ class OpenAIProvider:
         return await probe_server_window(self._client, self.base_url, model)
 
     def candidate_models(self, model: str | None = None) -> list[str]:
-        """The models to try in order: the requested (or configured) one, then fallbacks."""
-        return list(dict.fromkeys((model or self.model, self.model, *self.fallback_models)))
+        """The models to try in order: the requested (or configured) one, the configured
+        one (unless `falls_back_to_model` is off), then fallbacks."""
+        default = (self.model,) if self.falls_back_to_model else ()
+        return list(dict.fromkeys((model or self.model, *default, *self.fallback_models)))
 
     async def chat(
         self,
@@ -615,6 +710,7 @@ class OpenAIProvider:
                     raise LLMError(
                         self._redact(f"LLM stream broke off: {failure.detail}"),
                         user_message="The model's answer was cut off. Please try again.",
+                        kinds=(failure.kind,),
                     ) from None
                 failures.append(failure)
                 if not failure.try_next_model:

@@ -126,11 +126,15 @@ class ToolSpec:
 
 @dataclass(frozen=True, slots=True)
 class LLMResponse:
-    """The result of one completion: the assistant message and why it stopped."""
+    """The result of one completion: the assistant message and why it stopped.
+
+    `provider` names the configured provider that answered (`[llm.providers.NAME]`, or
+    "default" for `[llm]`'s own server), when the answer came through the failover."""
 
     message: LLMMessage
     model: str
     finish_reason: str | None = None
+    provider: str | None = None
 
     @property
     def usage(self) -> TokenUsage | None:
@@ -148,13 +152,28 @@ class StreamDelta:
 
 class LLMError(Exception):
     """The model could not answer (after retries and fallbacks). `user_message` is safe
-    to show to a chat user; `str(exc)` is for operators and may carry more detail."""
+    to show to a chat user; `str(exc)` is for operators and may carry more detail.
 
-    def __init__(self, detail: str, *, user_message: str | None = None) -> None:
+    `kinds` says what failed, as the provider classified it ("unavailable", "timeout",
+    "rate_limited", "auth", "denied", "quota", "wrong_path", "not_found", "bad_request";
+    empty: not said), and `retry_after` the seconds a rate-limited server asked to wait
+    (None: it did not say): the failover (`gateway.llm.failover`) reads both to tell a
+    provider that is down from a request no provider could answer."""
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        user_message: str | None = None,
+        kinds: tuple[str, ...] = (),
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(detail)
         self.user_message = (
             user_message or "The model is not answering right now. Please try again."
         )
+        self.kinds = kinds
+        self.retry_after = retry_after
 
 
 class LLMConfigError(LLMError):
@@ -166,7 +185,8 @@ class ContextOverflow(LLMError):
 
     `context_tokens` is the window the server named (None: it did not say), and
     `prompt_tokens` what it counted of the refused request (None: not said); `server` is
-    the kind of server that answered, when its error shows it."""
+    the kind of server that answered, when its error shows it; `provider` the configured
+    provider that refused it (set by the failover; None: not through it)."""
 
     def __init__(
         self,
@@ -182,10 +202,12 @@ class ContextOverflow(LLMError):
             detail,
             user_message=user_message
             or f"The request was longer than the model's context window{window}.",
+            kinds=("bad_request",),
         )
         self.context_tokens = context_tokens
         self.prompt_tokens = prompt_tokens
         self.server = server
+        self.provider: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +231,17 @@ class ServerWindowProbe(Protocol):
     async def server_window(self, model: str) -> ServerWindow | None:
         """The window the server states for `model`, or None when it states none.
         Raises `WindowUnknown` when the server could not be asked (down, too slow)."""
+        ...
+
+
+@runtime_checkable
+class WindowRoutes(Protocol):
+    """A provider that answers one model name from several servers (the failover), each
+    with its own context window."""
+
+    def window_key(self, model: str, provider: str | None = None) -> str:
+        """The name `model`'s window is known by on `provider` (None: on the server a
+        request for it goes to first now); a `ServerWindowProbe` takes that name."""
         ...
 
 

@@ -799,7 +799,7 @@ class Consolidator:
         except Exception as exc:
             if isinstance(exc, ContextOverflow) and exc.context_tokens and self.windows:
                 # The retry's plan is cut to the size the server named.
-                self.windows.learn(self.model, exc.context_tokens, exc.server)
+                self.windows.learn(self.model, exc.context_tokens, exc.server, exc.provider)
             return self._record_failure(key, exc, retry)
         self._failures.pop(key, None)
         if outcome.status == "compacted":

@@ -3,7 +3,7 @@
 Each kind of state has one import function and one export function, registered in
 `IMPORTS` and `EXPORTS`: sessions, memory (one item per scope: facts, history and
 knowledge), pairing (one item per approval or pending code), heartbeat runs (one item
-per job), usage totals (one per day, conversation, channel, model and kind), schedules
+per job), usage totals (one per day, conversation, channel, model, kind and provider), schedules
 (one per job) and people (one per person with all its ids, one per direct
 conversation's owner). A function gets the open connection, the workspace folder and a `Transfer` to
 report to, and keeps these promises for every item it moves:
@@ -98,7 +98,14 @@ from gateway.sessions.manager import list_archived_files, list_session_files
 from gateway.sessions.pg_store import session_lines
 from gateway.sessions.store import ARCHIVE_DIR, archive_name
 from gateway.storage.postgres import StorageError, StorageUnavailable, redact_url, schema_status
-from gateway.usage import USAGE_COLUMNS, USAGE_FILE, SqliteUsageLedger, UsageRow, usage_row
+from gateway.usage import (
+    USAGE_COLUMNS,
+    USAGE_FILE,
+    SqliteUsageLedger,
+    UsageRow,
+    has_provider_column,
+    usage_row,
+)
 
 if TYPE_CHECKING:
     import psycopg
@@ -954,12 +961,14 @@ def export_heartbeat(conn: psycopg.Connection[Any], workspace: Path, transfer: T
 
 # ----------------------------------------------------------------------------- usage
 
-UsageKey = tuple[str, str, str, str, str]
+#: (day, session_key, channel, model, kind, provider): the provider is "" in a ledger
+#: written before providers were counted, whose file is read as it is.
+UsageKey = tuple[str, str, str, str, str, str]
 UsageCounts = tuple[int, int, int, float]
 
 
 def _usage_item(row: UsageRow) -> tuple[UsageKey, UsageCounts]:
-    key = (row.day, row.session_key, row.channel, row.model, row.kind)
+    key = (row.day, row.session_key, row.channel, row.model, row.kind, row.provider)
     return key, (row.calls, row.prompt_tokens, row.completion_tokens, row.cost)
 
 
@@ -983,7 +992,10 @@ def _read_usage_file(path: Path) -> dict[UsageKey, UsageCounts] | None:
                 tables = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
                 if ("usage",) not in tables.fetchall():
                     return {}
-                raw = conn.execute(f"SELECT {USAGE_COLUMNS} FROM usage").fetchall()
+                columns = USAGE_COLUMNS
+                if not has_provider_column(conn):  # an older ledger: provider unknown
+                    columns = USAGE_COLUMNS.removesuffix("provider") + "''"
+                raw = conn.execute(f"SELECT {columns} FROM usage").fetchall()
             finally:
                 conn.close()
             rows = dict(_usage_item(usage_row(values)) for values in raw)
@@ -995,11 +1007,12 @@ def _read_usage_file(path: Path) -> dict[UsageKey, UsageCounts] | None:
 
 
 def _describe_usage(key: UsageKey, counts: UsageCounts) -> tuple[str, str]:
-    day, session_key, channel, model, kind = key
+    day, session_key, channel, model, kind, provider = key
     calls, prompt, completion, cost = counts
     where = session_key if session_key.startswith(channel + ":") else f"{session_key} ({channel})"
+    by = f" via {provider}" if provider else ""
     return (
-        f"{day} {where} {kind} {model}",
+        f"{day} {where} {kind} {model}{by}",
         f"{calls} calls, {prompt + completion} tokens, ${cost:.6f}",
     )
 
@@ -1023,15 +1036,17 @@ def import_usage(conn: psycopg.Connection[Any], workspace: Path, transfer: Trans
         outcome: Outcome = "moved"
         with conn.transaction():
             created = conn.execute(
-                "INSERT INTO gw_usage (day, session_key, channel, model, kind, calls, "
-                "prompt_tokens, completion_tokens, cost) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING day",
+                "INSERT INTO gw_usage (day, session_key, channel, model, kind, provider, "
+                "calls, prompt_tokens, completion_tokens, cost) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING RETURNING day",
                 (*key, *counts),
             ).fetchone()
             if created is None:
                 row = conn.execute(
                     "SELECT calls, prompt_tokens, completion_tokens, cost FROM gw_usage WHERE "
-                    "day = %s AND session_key = %s AND channel = %s AND model = %s AND kind = %s",
+                    "day = %s AND session_key = %s AND channel = %s AND model = %s AND "
+                    "kind = %s AND provider = %s",
                     key,
                 ).fetchone()
                 assert row is not None  # totals are never deleted
@@ -1060,7 +1075,7 @@ def _usage_file_bytes(rows: dict[UsageKey, UsageCounts]) -> bytes:
         ledger = SqliteUsageLedger(path)
         try:
             for key, counts in rows.items():
-                ledger.add(UsageRow(*key, *counts))
+                ledger.add(UsageRow(*key[:5], *counts, provider=key[5]))
         finally:
             ledger.close()  # the last connection checkpoints the WAL into the file
         return path.read_bytes()
@@ -1070,7 +1085,8 @@ def export_usage(conn: psycopg.Connection[Any], workspace: Path, transfer: Trans
     """Every usage total as the workspace's usage.sqlite."""
     path = workspace / USAGE_FILE
     raw = conn.execute(
-        f"SELECT {USAGE_COLUMNS} FROM gw_usage ORDER BY day, session_key, channel, model, kind"
+        f"SELECT {USAGE_COLUMNS} FROM gw_usage "
+        "ORDER BY day, session_key, channel, model, kind, provider"
     ).fetchall()
     rows = dict(_usage_item(usage_row(values)) for values in raw)
     transfer.start("usage", len(rows), path)

@@ -1,11 +1,12 @@
 """The operator's web page under `/admin` on the daemon's HTTP port.
 
-Pages: the overview (channel health and a live view of turns, refreshed by htmx
-without a reload), sessions (search, sort, counts), one session (its tree and the
-transcript of its current branch), the memory of a scope, pairing requests (approve,
-revoke) and the response cache (statistics, invalidate). Everything is read through the
-stores the daemon runs on (`SessionManager`, `MemoryBackend`, `PairingBackend`,
-`SemanticCache`), so in the shared mode every replica shows the same.
+Pages: the overview (channel health, each model provider's circuit breaker and a live
+view of turns, refreshed by htmx without a reload), sessions (search, sort, counts), one
+session (its tree and the transcript of its current branch), the memory of a scope,
+pairing requests (approve, revoke) and the response cache (statistics, invalidate).
+Everything is read through the stores the daemon runs on (`SessionManager`,
+`MemoryBackend`, `PairingBackend`, `SemanticCache`), so in the shared mode every replica
+shows the same; the breakers are this replica's own.
 
 Invariants (tested in tests/test_admin_http.py and tests/test_admin_browser.py):
 - Every page needs a login (the cookie of the login form, or the bearer header);
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from gateway.cache import SemanticCache
     from gateway.dispatch import DispatcherStats
     from gateway.http.server import HttpServer
+    from gateway.llm.breaker import BreakerStatus
     from gateway.memory.protocol import MemoryBackend
     from gateway.sessions import SessionManager
 
@@ -101,7 +103,7 @@ class AdminSources:
     health: HealthState
     sessions: SessionManager
     pairing: PairingBackend
-    pairing_channels: tuple[str, ...] = ("telegram", "slack")
+    pairing_channels: tuple[str, ...] = ("telegram", "slack", "matrix")
     memory: MemoryBackend | None = None
     cache: SemanticCache | None = None
     #: Sends a message to a channel (the daemon's `deliver`), for approval notices.
@@ -109,8 +111,13 @@ class AdminSources:
     turns: TurnWindow = field(default_factory=TurnWindow)
     dispatcher_stats: Callable[[], DispatcherStats] | None = None
     llm_errors: Mapping[str, int] = field(default_factory=dict)
+    #: Each model provider's circuit breaker (the failover's `statuses`), this replica's.
+    providers: Callable[[], Sequence[BreakerStatus]] | None = None
     #: Where the state lives, for the header ("workspace files", a redacted URL).
     storage: str = "workspace files"
+    #: Replies a channel keeps as undeliverable (WhatsApp outside its 24-hour window),
+    #: newest first; the overview lists them under a marker.
+    undeliverable: Callable[[], Awaitable[Sequence[Any]]] | None = None
 
 
 def _templates() -> jinja2.Environment:
@@ -369,23 +376,31 @@ class AdminPage:
 
     # ------------------------------------------------------------------ overview
 
-    def _live_context(self) -> dict[str, Any]:
+    async def _live_context(self) -> dict[str, Any]:
         src = self.sources
         readiness = src.health.readiness()
         stats = src.dispatcher_stats() if src.dispatcher_stats is not None else None
+        undeliverable: Sequence[Any] = []
+        if src.undeliverable is not None:
+            try:
+                undeliverable = await src.undeliverable()
+            except Exception as exc:  # a page that shows the rest beats an error page
+                logger.warning("admin: undeliverable replies not read: {!r}", exc)
         return {
+            "undeliverable": undeliverable,
             "readiness": readiness,
             "live": src.turns.snapshot(),
             "queued": stats.queued_total if stats is not None else 0,
             "in_flight": stats.in_flight if stats is not None else 0,
             "llm_errors": dict(src.llm_errors),
+            "providers": list(src.providers()) if src.providers is not None else [],
         }
 
     async def overview(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
-        return await self._render("overview.html", request, login, **self._live_context())
+        return await self._render("overview.html", request, login, **await self._live_context())
 
     async def live(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
-        return await self._render("live.html", request, login, **self._live_context())
+        return await self._render("live.html", request, login, **await self._live_context())
 
     # ------------------------------------------------------------------ sessions
 

@@ -1,0 +1,1331 @@
+"""The Matrix channel: a matrix-nio adapter that drives `/sync` itself, inside the
+daemon's event loop.
+
+Inbound: the channel calls `/sync` with the `since` token it stored, submits every
+message of the batch in order (one room after another, each room's timeline in order),
+and stores the batch's `next_batch` only after all of them are journaled. Session keys:
+`matrix:<room_id>`, and `matrix:<room_id>:thread:<root event id>` inside a thread;
+message id: the event id. A room with more than two members is a group (mention gating);
+the sender's display name, the replied-to text (in groups) and the files of a message
+travel with it. Outbound: `send` writes the model's Markdown as the plain `body` and as
+HTML in `formatted_body`, split under the event size limit (`channels.matrix.format`), as
+a reply to the message (a thread reply inside a thread).
+
+Promises (each one tested in tests/test_matrix*.py against Synapse, and by the kill test):
+- Journal before confirm: `/sync`'s `since` token is Matrix's confirmation. The token
+  after a batch is stored (`gateway.cursors`) only once `submit` returned for every
+  message of the batch; a kill at any moment leaves every event either in the journal or
+  still after the stored token, where the next `/sync` finds it again. A timeline the
+  homeserver cut short (`limited`) is filled from `/messages` back to the stored token
+  before the batch is taken, so a long downtime loses nothing either. A message that is
+  not taken (the journal failed) stops the batch; the same token is asked again later.
+- Dedupe: an event id seen twice in this process is submitted once, and the dispatcher
+  drops a message id (the event id) it has journaled before, across restarts too.
+- The bot never answers itself, nor `m.notice` messages (what bots write).
+- An edit (`m.replace`) is submitted as a message of its own naming the event it changes
+  (`META_EDIT_OF`); the core decides whether it re-runs a turn (docs/delivery.md).
+- A reply is sent at most once: every event goes out with a transaction id derived from
+  the message it answers and its own text, so a retry, or a re-send after a crash, is
+  the same transaction, which the homeserver keeps once (the spec's idempotent send).
+- Invites from people who may talk to the bot (allowlisted, paired, or anyone under an
+  open policy) are accepted; others are declined with the reason (a stranger's reason
+  holds their pairing code under `dm_policy = "pairing"`).
+- End-to-end encrypted rooms are refused: an invite to one is declined, and in a room
+  that turns encryption on the bot says once that it cannot read it, then leaves. Both
+  are logged (docs/matrix.md says why).
+- Media: images, audio and files become the message's attachments (`mxc://` references
+  fetched through the authenticated content repository at turn time); a reply's files
+  are uploaded to the content repository and sent after its text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import secrets
+import time
+import urllib.parse
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+from loguru import logger
+
+from channels.matrix.format import (
+    edit_content,
+    notice_content,
+    split_reply,
+    strip_reply_fallback,
+    text_content,
+)
+from gateway import failpoints
+from gateway.access import (
+    META_IS_GROUP,
+    META_MENTIONED,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
+    Allow,
+    Challenge,
+    Decision,
+    Deny,
+)
+from gateway.channel import Submit, Ticket
+from gateway.config import ConfigError, MatrixSettings
+from gateway.cursors import CursorStore, Lead
+from gateway.media import MediaError
+from gateway.media.download import download_capped
+from gateway.messages import (
+    META_EDIT_OF,
+    META_QUOTED_SENDER,
+    META_QUOTED_TEXT,
+    META_SENT_AT,
+    Attachment,
+    InboundMessage,
+    OutboundFile,
+    OutboundMessage,
+)
+
+if TYPE_CHECKING:
+    from nio import AsyncClient
+
+CHANNEL = "matrix"
+THREAD = "thread"
+ENV_PREFIX = "GATEWAY_CHANNELS__MATRIX__"
+#: Said in a room (and logged) before leaving it, and given as the reason an invite to
+#: an encrypted room is declined.
+ENCRYPTED_REFUSAL = (
+    "I can't take part in end-to-end encrypted rooms: this gateway does not support "
+    "encryption. Invite me to an unencrypted room instead."
+)
+_SEEN_EVENTS = 10_000
+#: Message types that are a person writing or sending a file.
+_FILE_TYPES = frozenset({"m.image", "m.file", "m.audio"})
+_UNSUPPORTED = {
+    "m.video": "a video",
+    "m.location": "a location",
+    "m.sticker": "a sticker",
+}
+
+#: Event types the sync filter asks for; everything else stays on the homeserver.
+_TIMELINE_TYPES = ["m.room.message", "m.sticker", "m.room.member", "m.room.encryption"]
+
+
+class MatrixSetupError(Exception):
+    """The account cannot be used (or `gateway doctor` cannot reach it); says what to
+    fix. Never carries the token."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """How often and how patiently the channel talks to the homeserver (seconds)."""
+
+    retry_attempts: int = 5  # per request, for failures that may be retried
+    retry_backoff: float = 0.5  # doubled per attempt
+    retry_backoff_max: float = 8.0
+    reply_deadline: float = 50.0  # under the dispatcher's 60 s cap on one delivery
+    typing_timeout: float = 30.0  # how long one typing notification lasts
+    typing_grace: float = 0.3  # no indicator for replies faster than this
+    turn_limit: float = 600.0  # the longest a turn is shown as typing (or streaming)
+    stream_interval: float = 1.0  # at most one streaming edit per this
+    notice_cooldown: float = 60.0  # per room, for "not supported" notices
+    timeline_limit: int = 50  # events per room per /sync (more are fetched by /messages)
+    request_timeout: float = 30.0  # one request (besides /sync's long poll)
+    stop_timeout: float = 10.0
+
+
+# --------------------------------------------------------------------------- inbound
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Answer `event_id` in `room_id` with `text` without asking the agent."""
+
+    room_id: str
+    event_id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """Nothing to do for this event (logged at debug level with `reason`)."""
+
+    reason: str
+
+
+Translation = InboundMessage | Notice | Skip
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFacts:
+    """What the channel knows about a room when it translates one of its events."""
+
+    member_count: int
+    names: Mapping[str, str] = field(default_factory=dict)  # user id -> display name
+
+    @property
+    def is_group(self) -> bool:
+        """More than two members: the bot answers only when addressed (mention gating)."""
+        return self.member_count > 2
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who the bot is: its user id and display name."""
+
+    user_id: str
+    display_name: str = ""
+
+    @property
+    def localpart(self) -> str:
+        return self.user_id[1:].split(":", 1)[0]
+
+
+def _relation(content: Mapping[str, Any]) -> Mapping[str, Any]:
+    relates = content.get("m.relates_to")
+    return relates if isinstance(relates, Mapping) else {}
+
+
+def thread_root(content: Mapping[str, Any]) -> str | None:
+    """The thread an event belongs to (its root's event id), if any."""
+    relates = _relation(content)
+    if relates.get("rel_type") == "m.thread" and isinstance(relates.get("event_id"), str):
+        return str(relates["event_id"])
+    return None
+
+
+def replied_event_id(content: Mapping[str, Any]) -> str | None:
+    """The event a message really replies to; a thread message's fallback reply to the
+    thread's latest event (`is_falling_back`) is not one."""
+    relates = _relation(content)
+    if relates.get("rel_type") == "m.thread" and relates.get("is_falling_back"):
+        return None
+    reply = relates.get("m.in_reply_to")
+    if isinstance(reply, Mapping) and isinstance(reply.get("event_id"), str):
+        return str(reply["event_id"])
+    return None
+
+
+def edited_event_id(content: Mapping[str, Any]) -> str | None:
+    """The event an `m.replace` edit changes, if this is one."""
+    relates = _relation(content)
+    if relates.get("rel_type") == "m.replace" and isinstance(relates.get("event_id"), str):
+        return str(relates["event_id"])
+    return None
+
+
+def read_mention(content: Mapping[str, Any], body: str, me: Identity) -> tuple[bool, str]:
+    """(is the bot mentioned, the text without the mention). A mention is the bot in
+    `m.mentions` (intentional mentions), a link to the bot (a pill), its user id in the
+    text, or a message starting with its display name or localpart and ':' or ','."""
+    mentioned = False
+    mentions = content.get("m.mentions")
+    if isinstance(mentions, Mapping) and me.user_id in (mentions.get("user_ids") or ()):
+        mentioned = True
+    html = content.get("formatted_body")
+    if isinstance(html, str) and (
+        f"matrix.to/#/{me.user_id}" in html
+        or f"matrix.to/#/{urllib.parse.quote(me.user_id)}" in html
+    ):
+        mentioned = True
+    text = body
+    if me.user_id in text:
+        mentioned = True
+        text = text.replace(me.user_id, "")
+    names = [name for name in (me.display_name, me.localpart) if name]
+    for name in names:
+        match = re.match(rf"\s*@?{re.escape(name)}\s*[:,]\s*", text, re.IGNORECASE)
+        if match:
+            mentioned = True
+            text = text[match.end() :]
+            break
+    if mentioned:
+        text = re.sub(r"^[\s:,]+", "", text)
+    stripped = text.strip()
+    return mentioned, stripped or body.strip()
+
+
+def file_attachment(content: Mapping[str, Any]) -> Attachment | None:
+    """The file of an m.image / m.audio / m.file message, as a reference (its mxc URI)."""
+    url = content.get("url")
+    if not isinstance(url, str) or not url.startswith("mxc://"):
+        return None  # an encrypted file ("file" instead of "url"), or malformed
+    info = content.get("info")
+    info = info if isinstance(info, Mapping) else {}
+    mime = str(info.get("mimetype") or "")
+    msgtype = content.get("msgtype")
+    if msgtype == "m.image" or (msgtype == "m.file" and mime.startswith("image/")):
+        kind = "image"
+    elif msgtype == "m.audio" or mime.startswith("audio/"):
+        kind = "voice"
+    else:
+        kind = "document"
+    name = content.get("filename") or content.get("body") or "file"
+    size = info.get("size")
+    return Attachment(
+        kind, url, str(name), mime, size if isinstance(size, int) and size >= 0 else None
+    )
+
+
+def caption_of(content: Mapping[str, Any]) -> str:
+    """A file message's caption: its body when a separate `filename` is given (Matrix
+    1.10); otherwise the body is only the file's name."""
+    body = content.get("body")
+    filename = content.get("filename")
+    if isinstance(body, str) and isinstance(filename, str) and body != filename:
+        return body
+    return ""
+
+
+def unsupported_notice(kind: str) -> str:
+    return (
+        f"Sorry, I can't open {kind} yet: I can read text, images, audio and files. "
+        "Please write what you'd like me to know."
+    )
+
+
+def _sender_label(facts: RoomFacts, sender: str) -> str:
+    name = facts.names.get(sender, "")
+    return f"{name} ({sender})" if name and name != sender else sender
+
+
+def translate_event(
+    room_id: str,
+    event: Mapping[str, Any],
+    *,
+    me: Identity,
+    facts: RoomFacts,
+    related: Mapping[str, Any] | None = None,
+) -> Translation:
+    """The inbound message (or notice, or nothing) for one timeline event. Pure.
+
+    `related` is the event this one refers to, when the channel could fetch it: the
+    message an edit changes (for its thread), or the message a reply answers (is it the
+    bot's? its text travels with a group's message).
+    """
+    kind = event.get("type")
+    sender = event.get("sender")
+    event_id = event.get("event_id")
+    if not isinstance(sender, str) or not isinstance(event_id, str):
+        return Skip("an event without a sender or id")
+    if sender == me.user_id:
+        return Skip("the bot's own event")
+    content = event.get("content")
+    if not isinstance(content, Mapping) or not content:
+        return Skip("a redacted or empty event")
+    is_group = facts.is_group
+    if kind == "m.sticker":
+        if is_group:
+            return Skip("a sticker in a group")
+        return Notice(room_id, event_id, unsupported_notice("a sticker"))
+    if kind != "m.room.message":
+        return Skip(f"{kind} is not a message")
+    edit_of = edited_event_id(content)
+    thread = thread_root(content)
+    if edit_of is not None:
+        new = content.get("m.new_content")
+        if not isinstance(new, Mapping):
+            return Skip("an edit without m.new_content")
+        if related is not None:
+            original = related.get("content")
+            if isinstance(original, Mapping):
+                thread = thread_root(original)
+        content = new
+    msgtype = content.get("msgtype")
+    if msgtype == "m.notice":
+        return Skip("an m.notice (bots write those)")
+    reply_to = replied_event_id(content) if edit_of is None else None
+    reply_to_bot = bool(
+        reply_to is not None and related is not None and related.get("sender") == me.user_id
+    )
+    raw_body = content.get("body")
+    body = raw_body if isinstance(raw_body, str) else ""
+    if reply_to is not None:
+        body = strip_reply_fallback(body)
+    files: tuple[Attachment, ...] = ()
+    if msgtype in _FILE_TYPES:
+        attachment = file_attachment(content)
+        if attachment is None:
+            return Skip("a file without an mxc:// url (encrypted or malformed)")
+        files = (attachment,)
+        body = caption_of(content)
+    elif msgtype in _UNSUPPORTED:
+        if is_group and not reply_to_bot:
+            return Skip(f"{_UNSUPPORTED[str(msgtype)]} in a group, not addressed to the bot")
+        return Notice(room_id, event_id, unsupported_notice(_UNSUPPORTED[str(msgtype)]))
+    elif msgtype not in ("m.text", "m.emote"):
+        return Skip(f"message type {msgtype!r} is not handled")
+    mentioned, text = read_mention(content, body, me)
+    if not text and not files:
+        return Skip("no text")
+    if files and not text and is_group and not (mentioned or reply_to_bot):
+        return Skip("a file in a group, not addressed to the bot")
+    if msgtype == "m.emote":
+        text = f"* {facts.names.get(sender) or sender} {text}"
+    metadata: dict[str, Any] = {
+        META_IS_GROUP: is_group,
+        META_MENTIONED: mentioned,
+        META_REPLY_TO_BOT: reply_to_bot,
+        META_SENDER_NAME: _sender_label(facts, sender),
+    }
+    sent = event.get("origin_server_ts")
+    if isinstance(sent, int | float):
+        metadata[META_SENT_AT] = sent / 1000
+    if is_group and related is not None and reply_to is not None:
+        quoted = related.get("content")
+        if isinstance(quoted, Mapping) and isinstance(quoted.get("body"), str):
+            quoted_text = strip_reply_fallback(str(quoted["body"])).strip()
+            if quoted_text:
+                metadata[META_QUOTED_TEXT] = quoted_text
+                metadata[META_QUOTED_SENDER] = _sender_label(facts, str(related.get("sender")))
+    if edit_of is not None:
+        metadata[META_EDIT_OF] = edit_of
+    return InboundMessage(
+        channel=CHANNEL,
+        chat_id=room_id,
+        text=text,
+        sender_id=sender,
+        message_id=event_id,
+        thread_kind=THREAD if thread else None,
+        thread_id=thread,
+        metadata=metadata,
+        attachments=files,
+    )
+
+
+def parse_target(chat_id: str, thread_id: str | None = None) -> tuple[str, str | None]:
+    """(room id, thread root or None) of a reply. A heartbeat's `deliver_to` may name a
+    thread in the chat id: `!room:example.org:thread:$event`."""
+    room, sep, thread = chat_id.partition(f":{THREAD}:")
+    if sep and thread_id is None:
+        thread_id = thread or None
+    return room, thread_id
+
+
+def transaction_id(*parts: str) -> str:
+    """A transaction id made from what identifies one outgoing event: the same event
+    sent again (a retry, a re-send after a crash) is the same transaction, which the
+    homeserver keeps once."""
+    digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:32]
+    return f"gw{digest}"
+
+
+def reply_relation(reply_to: str | None, thread: str | None) -> dict[str, Any]:
+    """`m.relates_to` of a reply: a rich reply, or inside a thread a thread reply that
+    quotes the message (not a fallback)."""
+    if thread is not None:
+        relation: dict[str, Any] = {"rel_type": "m.thread", "event_id": thread}
+        if reply_to is not None:
+            relation["m.in_reply_to"] = {"event_id": reply_to}
+        else:
+            relation["is_falling_back"] = True
+            relation["m.in_reply_to"] = {"event_id": thread}
+        return {"m.relates_to": relation}
+    if reply_to is not None:
+        return {"m.relates_to": {"m.in_reply_to": {"event_id": reply_to}}}
+    return {}
+
+
+def _sync_filter(timeline_limit: int) -> dict[str, Any]:
+    return {
+        "presence": {"types": []},
+        "account_data": {"types": []},
+        "room": {
+            "timeline": {"limit": timeline_limit, "types": _TIMELINE_TYPES},
+            "ephemeral": {"types": []},
+            "account_data": {"types": []},
+        },
+    }
+
+
+# --------------------------------------------------------------------------- channel
+
+
+@dataclass
+class _Typing:
+    waiting: int = 0
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
+@dataclass
+class _Stream:
+    """A reply shown while it is written: one event, edited as text arrives."""
+
+    reply_to: str | None
+    room_id: str
+    thread: str | None
+    next_edit: float
+    text: str = ""
+    shown: str = ""
+    event_id: str | None = None
+    flushing: bool = False
+    closed: bool = False
+    idle: anyio.Event = field(default_factory=anyio.Event)
+    started: float = field(default_factory=time.monotonic)
+
+
+class RequestFailed(Exception):
+    """A homeserver request that did not succeed; `retryable` when repeating it may help
+    (a 429, a 5xx, a connection failure), `retry_after` what a 429 asked for."""
+
+    def __init__(self, what: str, *, retryable: bool, retry_after: float | None = None) -> None:
+        super().__init__(what)
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+
+InviteCheck = Callable[[InboundMessage], Awaitable[Decision]]
+
+
+class MatrixChannel:
+    """The Matrix adapter; see the module docstring for what it promises.
+
+    Build it from `settings.channels.matrix` and the resolved token; the daemon sets
+    `lead` (where the since token is kept, and on which replica the sync loop runs) and
+    `invite_check` (the access gate) before running it.
+    """
+
+    name = CHANNEL
+
+    def __init__(
+        self, settings: MatrixSettings, *, token: str, pacing: Pacing | None = None
+    ) -> None:
+        if not settings.homeserver:
+            raise ConfigError(
+                "channels.matrix.homeserver: set the homeserver's URL "
+                f"(e.g. https://matrix.example.org) in gateway.toml or {ENV_PREFIX}HOMESERVER"
+            )
+        if not settings.user_id:
+            raise ConfigError(
+                "channels.matrix.user_id: set the bot account's Matrix id "
+                f"(e.g. @gateway:example.org) in gateway.toml or {ENV_PREFIX}USER_ID"
+            )
+        if not token:
+            raise ConfigError(
+                f"channels.matrix.access_token: set {ENV_PREFIX}ACCESS_TOKEN (docs/matrix.md "
+                "says how to get one) or channels.matrix.access_token_file"
+            )
+        self.settings = settings
+        self.pacing = pacing or Pacing()
+        self.homeserver = settings.homeserver.rstrip("/")
+        self.me = Identity(settings.user_id)
+        self._token = token
+        #: Where the since token is kept and where the sync loop runs (set by the daemon;
+        #: None keeps it in memory only, for tests of a single process).
+        self.lead: Lead | None = None
+        #: The access decision for an inviter (the daemon's access gate); None declines
+        #: every invite.
+        self.invite_check: InviteCheck | None = None
+        self._client: AsyncClient | None = None
+        self._submit: Submit | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._paused = False
+        self._sync_scope: anyio.CancelScope | None = None
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._invites_done: set[str] = set()
+        self._refused: set[str] = set()
+        self._noticed: dict[str, float] = {}
+        self._typing: dict[str, _Typing] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._edits: OrderedDict[str, str] = OrderedDict()  # edit event -> original
+        self.live = anyio.Event()  # set once events flow (for tests and probes)
+        self.since: str | None = None  # the last token stored
+
+    # ----------------------------------------------------------------- wiring
+
+    def _build_client(self) -> AsyncClient:
+        from nio import AsyncClient, AsyncClientConfig
+
+        # nio's own retries are off: this channel decides what may be repeated.
+        config = AsyncClientConfig(
+            max_limit_exceeded=0,
+            max_timeouts=0,
+            request_timeout=self.pacing.request_timeout,
+            store_sync_tokens=False,
+        )
+        client = AsyncClient(self.homeserver, self.me.user_id, config=config)
+        client.access_token = self._token
+        client.user_id = self.me.user_id
+        return client
+
+    # ----------------------------------------------------------------- running
+
+    async def run(
+        self,
+        submit: Submit,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Sync until cancelled. Raises MatrixSetupError when the token is refused (the
+        daemon restarts the channel)."""
+        self._submit = submit
+        self._paused = False
+        client = self._build_client()
+        failure: Exception | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                try:
+                    await self._serve(client, task_status)
+                except Exception as exc:
+                    failure = exc  # raised below as itself, not inside an exception group
+                finally:
+                    tg.cancel_scope.cancel()  # typing notifications, streaming edits
+        finally:
+            self._tg = None
+            self._client = None
+            self.live = anyio.Event()
+            with anyio.CancelScope(shield=True):
+                await client.close()
+        if failure is not None:
+            raise failure
+
+    def pause_intake(self) -> None:
+        """Take no more events (the daemon is draining): the sync loop stops, and what
+        comes after the stored token stays on the homeserver for the next start. Replies
+        still go out until the channel stops."""
+        self._paused = True
+        if self._sync_scope is not None:
+            self._sync_scope.cancel()
+
+    async def _serve(self, client: AsyncClient, task_status: anyio.abc.TaskStatus[None]) -> None:
+        self.me = await who_am_i(client, self.homeserver, self.me.user_id)
+        self._client = client
+        logger.info("matrix: {} is live on {}", self.me.user_id, self.homeserver)
+        self.live.set()
+        task_status.started()
+        lead = self.lead
+        if lead is None:
+            store = _MemoryCursors()
+            await self._sync_loop(client, store)
+        else:
+            # Several replicas: one syncs (two would answer every message twice), the
+            # others stand by to take over; the token is written under that role.
+            await lead(lambda store: self._sync_loop(client, store))
+        await anyio.sleep_forever()
+
+    @property
+    def cursor_name(self) -> str:
+        return f"{CHANNEL}:{self.me.user_id}"
+
+    async def _sync_loop(self, client: AsyncClient, store: CursorStore) -> None:
+        """Long-polling `/sync` that confirms only what the journal holds.
+
+        The homeserver keeps every event after the `since` token the gateway hands it.
+        This loop owns that token: it stores a batch's `next_batch` only once every
+        message of the batch was submitted (journaled, or settled), so a crash at any
+        moment leaves every event either in the journal or after the stored token. The
+        first sync of each run asks for the rooms' full state (members, names,
+        encryption), which a new process does not know.
+        """
+        from nio import SyncResponse
+
+        since = await store.load(self.cursor_name)
+        self.since = since
+        first = True
+        failures = 0
+        taken: int | None = 0
+        sync_filter = _sync_filter(self.pacing.timeline_limit)
+        while not self._paused:
+            response: Any = None
+            with anyio.CancelScope() as scope:
+                self._sync_scope = scope
+                try:
+                    response = await client.sync(
+                        timeout=self.settings.sync_timeout * 1000 if not first else 0,
+                        sync_filter=sync_filter,
+                        since=since,
+                        full_state=first,
+                    )
+                except (TimeoutError, OSError) as exc:
+                    response = exc
+                except Exception as exc:  # aiohttp's errors and nio's parse errors
+                    response = exc
+                finally:
+                    self._sync_scope = None
+            if scope.cancelled_caught:
+                return  # paused: that batch stays after the stored token
+            if not isinstance(response, SyncResponse):
+                failures += 1
+                self._on_sync_error(response)
+                await anyio.sleep(self._backoff(failures))
+                continue
+            if since is None:
+                # The very first run of this account here: what it missed before it
+                # existed for the gateway is not answered (it may be weeks old).
+                skipped = sum(len(r.timeline.events) for r in response.rooms.join.values())
+                if skipped:
+                    logger.info(
+                        "matrix: first sync; {} earlier events in {} rooms are not answered",
+                        skipped,
+                        len(response.rooms.join),
+                    )
+                await self._take_invites(client, response)
+            else:
+                taken = await self._take_batch(client, response, since)
+                if taken is None:
+                    failures += 1
+                    await anyio.sleep(self._backoff(failures))
+                    continue
+                if taken:
+                    await failpoints.reach("matrix.before_cursor", self.cursor_name)
+            failures = 0
+            first = False
+            if response.next_batch != since:
+                await store.save(self.cursor_name, response.next_batch)
+                since = self.since = response.next_batch
+                if taken:
+                    await failpoints.reach("matrix.after_cursor", self.cursor_name)
+
+    def _backoff(self, failures: int) -> float:
+        delay = self.pacing.retry_backoff * 2 ** min(failures - 1, 10)
+        return float(min(delay, self.pacing.retry_backoff_max))
+
+    def _on_sync_error(self, response: object) -> None:
+        status = getattr(response, "status_code", None)
+        if status == "M_UNKNOWN_TOKEN":
+            raise self._token_refused()
+        logger.warning("matrix: /sync failed ({}); retrying", _describe(response))
+
+    def _token_refused(self) -> MatrixSetupError:
+        return MatrixSetupError(
+            f"matrix: {self.homeserver} refused the access token of {self.me.user_id}; "
+            f"log in again and put the new token in {ENV_PREFIX}ACCESS_TOKEN"
+        )
+
+    # ----------------------------------------------------------------- inbound
+
+    async def _take_batch(self, client: AsyncClient, response: Any, since: str) -> int | None:
+        """Take one /sync batch: invites, then each joined room's timeline in order. The
+        number of messages submitted once every message of it is journaled (or settled);
+        None when one was not taken."""
+        await self._take_invites(client, response)
+        submitted = 0
+        for room_id, info in response.rooms.join.items():
+            if self._paused:
+                return None
+            room = client.rooms.get(room_id)
+            if room is not None and room.encrypted:
+                await self._refuse_encrypted(client, room_id)
+                continue
+            events = list(info.timeline.events)
+            if info.timeline.limited and info.timeline.prev_batch:
+                gap = await self._fill_gap(client, room_id, info.timeline.prev_batch, since)
+                if gap is None:
+                    return None
+                events = gap + events
+            last_read: str | None = None
+            for event in events:
+                taken, read = await self._take_event(client, room_id, getattr(event, "source", {}))
+                if not taken:
+                    return None
+                submitted += read is not None
+                last_read = read or last_read
+            if last_read is not None:
+                self._spawn(self._read_receipt, room_id, last_read)
+        return submitted
+
+    async def _fill_gap(
+        self, client: AsyncClient, room_id: str, prev_batch: str, since: str
+    ) -> list[Any] | None:
+        """The events the homeserver left out of a `limited` timeline: `/messages`
+        backwards from `prev_batch` to the stored token, oldest first. None when they
+        cannot be had now (the batch is then not confirmed)."""
+        from nio import MessageDirection, RoomMessagesResponse
+
+        found: list[Any] = []
+        start: str | None = prev_batch
+        while start:
+            answer = await client.room_messages(
+                room_id, start=start, end=since, direction=MessageDirection.back, limit=100
+            )
+            if not isinstance(answer, RoomMessagesResponse):
+                logger.warning(
+                    "matrix: events missed in {} cannot be fetched ({}); retrying",
+                    room_id,
+                    _describe(answer),
+                )
+                return None
+            if not answer.chunk:
+                break
+            found.extend(answer.chunk)
+            start = answer.end
+        if found:
+            logger.info("matrix: fetched {} events /sync left out in {}", len(found), room_id)
+        return list(reversed(found))
+
+    def _first_sighting(self, event_id: str) -> bool:
+        if event_id in self._seen:
+            return False
+        self._seen[event_id] = None
+        if len(self._seen) > _SEEN_EVENTS:
+            self._seen.popitem(last=False)
+        return True
+
+    async def _take_event(
+        self, client: AsyncClient, room_id: str, event: Mapping[str, Any]
+    ) -> tuple[bool, str | None]:
+        """Translate and submit one event. (False, None) when it was not taken (the batch
+        stops and is fetched again); else (True, the event id to mark read, if any)."""
+        event_id = event.get("event_id")
+        if not isinstance(event_id, str) or not self._first_sighting(event_id):
+            return True, None
+        if event.get("type") not in ("m.room.message", "m.sticker"):
+            return True, None
+        if event.get("sender") == self.me.user_id:
+            return True, None
+        facts = self._facts(client, room_id)
+        related = await self._related(client, room_id, event)
+        result = translate_event(room_id, event, me=self.me, facts=facts, related=related)
+        if isinstance(result, Skip):
+            logger.debug("matrix: event {} skipped: {}", event_id, result.reason)
+            return True, None
+        if isinstance(result, Notice):
+            self._spawn(self._send_notice, result)
+            return True, event_id
+        if self._submit is None:
+            return True, None
+        edit_of = result.metadata.get(META_EDIT_OF)
+        if isinstance(edit_of, str):
+            self._remember_edit(event_id, edit_of)
+        ticket = await self._submit(result)
+        if not ticket.taken:
+            self._seen.pop(event_id, None)  # taken when it comes again
+            return False, None
+        self._spawn(self._typing_while_pending, ticket, room_id)
+        return True, event_id
+
+    def _facts(self, client: AsyncClient, room_id: str) -> RoomFacts:
+        room = client.rooms.get(room_id)
+        if room is None:
+            return RoomFacts(member_count=2)
+        names = {user_id: user.display_name or "" for user_id, user in room.users.items()}
+        count = room.joined_count + room.invited_count
+        return RoomFacts(member_count=max(count, len(room.users)), names=names)
+
+    async def _related(
+        self, client: AsyncClient, room_id: str, event: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        """The event this one refers to (the message an edit changes, or the one a reply
+        answers), when the homeserver hands it over within a few seconds."""
+        from nio import RoomGetEventResponse
+
+        content = event.get("content")
+        if not isinstance(content, Mapping):
+            return None
+        wanted = edited_event_id(content) or replied_event_id(content)
+        if wanted is None:
+            return None
+        with anyio.move_on_after(5):
+            try:
+                answer = await client.room_get_event(room_id, wanted)
+            except Exception as exc:  # a context nicety: never a reason to lose the message
+                logger.debug("matrix: event {} not fetched: {!r}", wanted, exc)
+                return None
+            if isinstance(answer, RoomGetEventResponse):
+                source = getattr(answer.event, "source", None)
+                return source if isinstance(source, Mapping) else None
+        return None
+
+    # ----------------------------------------------------------------- invites, rooms
+
+    async def _take_invites(self, client: AsyncClient, response: Any) -> None:
+        for room_id, info in response.rooms.invite.items():
+            if room_id in self._invites_done:
+                continue
+            self._invites_done.add(room_id)
+            try:
+                await self._answer_invite(client, room_id, info)
+            except Exception as exc:  # one bad invite must not stop the sync loop
+                self._invites_done.discard(room_id)
+                logger.warning("matrix: invite to {} not answered: {!r}", room_id, exc)
+
+    async def _answer_invite(self, client: AsyncClient, room_id: str, info: Any) -> None:
+        """Join when the inviter may talk to the bot; decline otherwise, with the reason
+        (a stranger's pairing code, under `dm_policy = "pairing"`)."""
+        inviter = ""
+        encrypted = False
+        members = 0
+        for item in info.invite_state:
+            source = getattr(item, "source", None)
+            if not isinstance(source, Mapping):
+                continue
+            if source.get("type") == "m.room.encryption":
+                encrypted = True
+            if source.get("type") == "m.room.member":
+                if source.get("state_key") == self.me.user_id:
+                    inviter = str(source.get("sender") or "")
+                else:
+                    members += 1
+        with logger.contextualize(session=f"{CHANNEL}:{room_id}"):
+            if encrypted:
+                logger.warning(
+                    "matrix: invite from {} to encrypted room {} declined: encrypted rooms "
+                    "are not supported",
+                    inviter,
+                    room_id,
+                )
+                await self._leave(room_id, ENCRYPTED_REFUSAL)
+                return
+            decision: Decision | None = None
+            if self.invite_check is not None and inviter:
+                probe = InboundMessage(
+                    channel=CHANNEL,
+                    chat_id=room_id,
+                    text="",
+                    sender_id=inviter,
+                    metadata={META_IS_GROUP: False, META_SENDER_NAME: inviter},
+                )
+                decision = await self.invite_check(probe)
+            if isinstance(decision, Allow):
+                await self._join(client, room_id)
+                logger.info("matrix: joined {} on the invite of {}", room_id, inviter)
+                return
+            reason = decision.reply if isinstance(decision, Challenge | Deny) else None
+            logger.info(
+                "matrix: invite from {} to {} declined (not paired or allowlisted)",
+                inviter or "someone",
+                room_id,
+            )
+            await self._leave(room_id, reason)
+
+    async def _join(self, client: AsyncClient, room_id: str) -> None:
+        from nio import JoinResponse
+
+        answer = await client.join(room_id)
+        if not isinstance(answer, JoinResponse):
+            raise RequestFailed(f"join {room_id}: {_describe(answer)}", retryable=True)
+
+    async def _leave(self, room_id: str, reason: str | None) -> None:
+        """Leave a room, or decline an invite, saying why (the reason shows in the room)."""
+        body: dict[str, Any] = {"reason": reason} if reason else {}
+        path = f"/_matrix/client/v3/rooms/{_quote(room_id)}/leave"
+        await self._request("POST", path, body, what=f"leave {room_id}")
+
+    async def _refuse_encrypted(self, client: AsyncClient, room_id: str) -> None:
+        """Say once that encrypted rooms are not supported, then leave the room."""
+        if room_id in self._refused:
+            return
+        self._refused.add(room_id)
+        logger.warning(
+            "matrix: room {} is end-to-end encrypted; encrypted rooms are not supported, "
+            "leaving it",
+            room_id,
+        )
+        try:
+            content = notice_content(ENCRYPTED_REFUSAL)
+            await self._send_event(room_id, content, transaction_id("refusal", room_id))
+            await self._leave(room_id, ENCRYPTED_REFUSAL)
+        except RequestFailed as exc:
+            self._refused.discard(room_id)
+            logger.warning("matrix: could not leave encrypted room {}: {}", room_id, exc)
+
+    # ----------------------------------------------------------------- requests
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        what: str,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """One client-server API request, repeated while that may help (429s wait for
+        `retry_after_ms`, 5xx and connection failures back off) and before `deadline`.
+        Only idempotent requests come here (a send carries its transaction id)."""
+        import json as jsonlib
+
+        client = self._client
+        if client is None:
+            raise RequestFailed(f"{what}: the channel is not running", retryable=False)
+        attempt = 0
+        until = deadline if deadline is not None else time.monotonic() + self.pacing.reply_deadline
+        data = jsonlib.dumps(body) if body is not None else None
+        headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
+        while True:
+            attempt += 1
+            try:
+                with anyio.fail_after(self.pacing.request_timeout):
+                    answer = await client.send(method, path, data, headers)
+                    raw = await answer.read()
+                payload = jsonlib.loads(raw) if raw else {}
+                status = answer.status
+                if status < 300:
+                    return payload if isinstance(payload, dict) else {}
+                error = payload.get("errcode") if isinstance(payload, dict) else None
+                message = payload.get("error") if isinstance(payload, dict) else None
+                failure = RequestFailed(
+                    f"{what}: HTTP {status} {error or ''} {message or ''}".strip(),
+                    retryable=status == 429 or status >= 500,
+                    retry_after=(payload.get("retry_after_ms") or 1000) / 1000
+                    if status == 429 and isinstance(payload, dict)
+                    else None,
+                )
+                if error == "M_UNKNOWN_TOKEN":
+                    raise self._token_refused()
+            except (TimeoutError, OSError) as exc:
+                failure = RequestFailed(f"{what}: {exc!r}", retryable=True)
+            except Exception as exc:
+                if isinstance(exc, MatrixSetupError):
+                    raise
+                failure = RequestFailed(f"{what}: {exc!r}", retryable=True)
+            if not failure.retryable or attempt >= self.pacing.retry_attempts:
+                raise failure
+            delay = failure.retry_after or min(
+                self.pacing.retry_backoff * 2 ** (attempt - 1), self.pacing.retry_backoff_max
+            )
+            if time.monotonic() + delay > until:
+                raise failure
+            logger.warning("matrix: {}; retry {} in {:g}s", failure, attempt, delay)
+            await anyio.sleep(delay)
+
+    async def _send_event(
+        self,
+        room_id: str,
+        content: Mapping[str, Any],
+        txn: str,
+        *,
+        event_type: str = "m.room.message",
+        deadline: float | None = None,
+    ) -> str:
+        """Send one event with transaction id `txn` (repeating it is harmless: the
+        homeserver keeps one event per transaction); its event id."""
+        path = f"/_matrix/client/v3/rooms/{_quote(room_id)}/send/{_quote(event_type)}/{_quote(txn)}"
+        answer = await self._request(
+            "PUT", path, content, what=f"send to {room_id}", deadline=deadline
+        )
+        return str(answer.get("event_id") or "")
+
+    # ----------------------------------------------------------------- typing, receipts
+
+    def _spawn(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        if self._tg is not None:
+            self._tg.start_soon(func, *args)
+
+    async def _typing_while_pending(self, ticket: Ticket, room_id: str) -> None:
+        """Show "typing" in the room until the ticket's reply is ready."""
+        with anyio.move_on_after(self.pacing.typing_grace):
+            await ticket.reply()
+            return  # refused, ignored, a duplicate, or simply fast
+        state = self._typing.get(room_id)
+        if state is None:
+            state = self._typing[room_id] = _Typing()
+            self._spawn(self._typing_loop, room_id, state)
+        state.waiting += 1
+        try:
+            with anyio.move_on_after(self.pacing.turn_limit):
+                await ticket.reply()
+        finally:
+            state.waiting -= 1
+            if state.waiting == 0:
+                state.scope.cancel()
+                if self._typing.get(room_id) is state:
+                    del self._typing[room_id]
+
+    async def _typing_loop(self, room_id: str, state: _Typing) -> None:
+        try:
+            with state.scope:
+                while True:
+                    await self._set_typing(room_id, True)
+                    await anyio.sleep(self.pacing.typing_timeout * 2 / 3)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await self._set_typing(room_id, False)
+
+    async def _set_typing(self, room_id: str, typing: bool) -> None:
+        client = self._client
+        if client is None:
+            return
+        try:
+            await client.room_typing(
+                room_id, typing_state=typing, timeout=int(self.pacing.typing_timeout * 1000)
+            )
+        except Exception as exc:  # an indicator only
+            logger.debug("matrix: typing notification failed: {!r}", exc)
+
+    async def _read_receipt(self, room_id: str, event_id: str) -> None:
+        """Mark the room read up to `event_id` once its messages are journaled."""
+        path = f"/_matrix/client/v3/rooms/{_quote(room_id)}/receipt/m.read/{_quote(event_id)}"
+        try:
+            await self._request("POST", path, {}, what=f"read receipt in {room_id}")
+        except RequestFailed as exc:
+            logger.debug("matrix: read receipt skipped: {}", exc)
+
+    async def _send_notice(self, notice: Notice) -> None:
+        now = time.monotonic()
+        last = self._noticed.get(notice.room_id)
+        if last is not None and now - last < self.pacing.notice_cooldown:
+            return
+        if len(self._noticed) > 10_000:
+            self._noticed.clear()
+        self._noticed[notice.room_id] = now
+        content = notice_content(notice.text) | reply_relation(notice.event_id, None)
+        try:
+            await self._send_event(
+                notice.room_id, content, transaction_id("notice", notice.event_id)
+            )
+        except RequestFailed as exc:
+            logger.warning("matrix: a notice to {} was not sent: {}", notice.room_id, exc)
+
+    # ----------------------------------------------------------------- outbound
+
+    def _remember_edit(self, edit: str, original: str) -> None:
+        self._edits[edit] = original
+        if len(self._edits) > _SEEN_EVENTS:
+            self._edits.popitem(last=False)
+
+    async def send(self, message: OutboundMessage) -> None:
+        """Deliver a reply: Markdown as `body` and HTML as `formatted_body`, split under
+        the event size limit, in order, as a reply (a thread reply in a thread); then its
+        files. Raises RequestFailed when a piece cannot be delivered, and sends none of
+        the pieces after it (they would read out of context)."""
+        room_id, thread = parse_target(message.chat_id, message.thread_id)
+        reply_to = message.reply_to
+        if reply_to is not None:
+            reply_to = self._edits.get(reply_to, reply_to)
+        pieces = split_reply(message.text) if message.text.strip() else []
+        stream = await self._finish_stream(message)
+        deadline = time.monotonic() + self.pacing.reply_deadline
+        # Without the message it answers, a reply has nothing that makes it the same
+        # transaction when sent again: each send is its own.
+        key = message.reply_to or f"unanswered:{secrets.token_hex(8)}"
+        with logger.contextualize(session=message.session_key):
+            if not pieces and not message.files:
+                logger.warning("matrix: empty reply not sent")
+                return
+            first = 0
+            if pieces and stream is not None and stream.event_id is not None:
+                edit = edit_content(stream.event_id, text_content(pieces[0]))
+                try:
+                    await self._send_event(
+                        room_id, edit, transaction_id(key, "final", pieces[0]), deadline=deadline
+                    )
+                    first = 1
+                except RequestFailed as exc:
+                    logger.warning("matrix: streamed message not edited ({}); sending it", exc)
+            for index in range(first, len(pieces)):
+                content = text_content(pieces[index])
+                if index == 0:
+                    content |= reply_relation(reply_to, thread)
+                elif thread is not None:
+                    content |= reply_relation(None, thread)
+                txn = transaction_id(key, "part", str(index), pieces[index])
+                await self._send_event(room_id, content, txn, deadline=deadline)
+            for index, file in enumerate(message.files):
+                await self._send_file(room_id, thread, file, key, index, deadline)
+
+    async def _send_file(
+        self,
+        room_id: str,
+        thread: str | None,
+        file: OutboundFile,
+        key: str,
+        index: int,
+        deadline: float,
+    ) -> None:
+        """Upload one file to the content repository and send it (m.image or m.file)."""
+        from nio import UploadResponse
+
+        client = self._client
+        if client is None:
+            raise RequestFailed("upload: the channel is not running", retryable=False)
+        digest = hashlib.sha256(file.data).hexdigest()
+        uploaded, _ = await client.upload(
+            io.BytesIO(file.data),
+            content_type=file.mime_type,
+            filename=file.name,
+            filesize=len(file.data),
+        )
+        if not isinstance(uploaded, UploadResponse):
+            raise RequestFailed(f"upload of {file.name}: {_describe(uploaded)}", retryable=False)
+        content: dict[str, Any] = {
+            "msgtype": "m.image" if file.is_image else "m.file",
+            "body": file.caption or file.name,
+            "filename": file.name,
+            "url": uploaded.content_uri,
+            "info": {"mimetype": file.mime_type, "size": len(file.data)},
+        }
+        content |= reply_relation(None, thread) if thread is not None else {}
+        txn = transaction_id(key, "file", str(index), file.name, digest)
+        await self._send_event(room_id, content, txn, deadline=deadline)
+
+    # ----------------------------------------------------------------- files in
+
+    async def fetch_file(self, attachment: Attachment, *, max_bytes: int) -> bytes:
+        """A file someone sent: its mxc:// URI through the authenticated content
+        repository (`/_matrix/client/v1/media/download`), at most `max_bytes`."""
+        if attachment.size is not None and attachment.size > max_bytes:
+            raise MediaError(
+                f"it is {attachment.size / 2**20:.1f} MB; the limit is {max_bytes / 2**20:.0f} MB"
+            )
+        parsed = urllib.parse.urlparse(attachment.file_id)
+        if parsed.scheme != "mxc" or not parsed.netloc or not parsed.path.strip("/"):
+            raise MediaError("the file's address is not an mxc:// URI")
+        url = (
+            f"{self.homeserver}/_matrix/client/v1/media/download/"
+            f"{_quote(parsed.netloc)}/{_quote(parsed.path.strip('/'))}"
+        )
+        headers = {"Authorization": f"Bearer {self._token}"}
+        return await download_capped(url, max_bytes, headers=headers)
+
+    # ----------------------------------------------------------------- streaming
+
+    async def stream_delta(self, inbound: InboundMessage, delta: str) -> None:
+        """Show the reply to `inbound` while it is written: the first text after
+        `Pacing.stream_interval` becomes an event, replaced (`m.replace`) at most once
+        per interval; `send` with the whole reply replaces it a last time. Does nothing
+        unless `channels.matrix.streaming` is on."""
+        if not self.settings.streaming or not delta:
+            return
+        key = inbound.session_key
+        now = time.monotonic()
+        stream = self._streams.get(key)
+        if stream is None or stream.reply_to != inbound.message_id or stream.closed:
+            self._forget_stale_streams(now)
+            room_id, thread = parse_target(inbound.chat_id, inbound.thread_id)
+            stream = _Stream(
+                reply_to=inbound.message_id,
+                room_id=room_id,
+                thread=thread,
+                next_edit=now + self.pacing.stream_interval,
+            )
+            stream.idle.set()
+            self._streams[key] = stream
+        stream.text += delta
+        if stream.flushing or now < stream.next_edit or self._tg is None:
+            return
+        stream.flushing = True
+        stream.idle = anyio.Event()
+        self._tg.start_soon(self._flush_stream, stream)
+
+    def _forget_stale_streams(self, now: float) -> None:
+        for key, stream in list(self._streams.items()):
+            if now - stream.started > self.pacing.turn_limit:
+                del self._streams[key]
+
+    async def _flush_stream(self, stream: _Stream) -> None:
+        """One streaming update: best effort (the final `send` corrects what is shown).
+        The first update's transaction id comes from the message it answers, so a turn
+        run again after a crash shows its preview in the same event."""
+        try:
+            pieces = split_reply(stream.text)
+            if stream.closed or not pieces or pieces[0] == stream.shown:
+                return
+            preview = pieces[0]
+            deadline = time.monotonic() + self.pacing.stream_interval * 5
+            key = stream.reply_to or f"stream:{secrets.token_hex(8)}"
+            if stream.event_id is None:
+                content = text_content(preview) | reply_relation(stream.reply_to, stream.thread)
+                stream.event_id = await self._send_event(
+                    stream.room_id, content, transaction_id(key, "stream"), deadline=deadline
+                )
+            else:
+                edit = edit_content(stream.event_id, text_content(preview))
+                await self._send_event(
+                    stream.room_id, edit, transaction_id(key, "edit", preview), deadline=deadline
+                )
+            stream.shown = preview
+        except (RequestFailed, MatrixSetupError) as exc:
+            logger.debug("matrix: streaming update skipped: {}", exc)
+        finally:
+            stream.next_edit = max(stream.next_edit, time.monotonic() + self.pacing.stream_interval)
+            stream.flushing = False
+            stream.idle.set()
+
+    async def _finish_stream(self, message: OutboundMessage) -> _Stream | None:
+        """The stream showing this reply, once no update of it is in flight."""
+        stream = self._streams.get(message.session_key)
+        if stream is None or stream.reply_to != message.reply_to:
+            return None
+        del self._streams[message.session_key]
+        stream.closed = True
+        with anyio.move_on_after(self.pacing.stop_timeout):
+            await stream.idle.wait()
+        return stream
+
+
+class _MemoryCursors:
+    """The since token in memory only (a channel run without `lead`, in tests)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, str] = {}
+
+    async def load(self, name: str) -> str | None:
+        return self._values.get(name)
+
+    async def save(self, name: str, value: str) -> None:
+        self._values[name] = value
+
+
+def _quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+def _describe(response: object) -> str:
+    """A failed nio response or exception, in a few words (never the token)."""
+    if isinstance(response, BaseException):
+        return f"{type(response).__name__}: {response}"
+    status = getattr(response, "status_code", None)
+    message = getattr(response, "message", None)
+    return f"{status or ''} {message or type(response).__name__}".strip()
+
+
+async def who_am_i(client: AsyncClient, homeserver: str, expected: str) -> Identity:
+    """The account behind the token (`/account/whoami`) and its display name. Raises
+    MatrixSetupError saying what to fix."""
+    from nio import ProfileGetDisplayNameResponse, WhoamiResponse
+
+    try:
+        answer = await client.whoami()
+    except Exception as exc:
+        raise MatrixSetupError(
+            f"matrix: cannot reach the homeserver at {homeserver} ({type(exc).__name__}); "
+            "check channels.matrix.homeserver and the network"
+        ) from None
+    if not isinstance(answer, WhoamiResponse):
+        if getattr(answer, "status_code", None) == "M_UNKNOWN_TOKEN":
+            raise MatrixSetupError(
+                f"matrix: {homeserver} refused the access token; log in again and put the "
+                f"new token in {ENV_PREFIX}ACCESS_TOKEN (docs/matrix.md)"
+            )
+        raise MatrixSetupError(
+            f"matrix: {homeserver} did not say who the token belongs to ({_describe(answer)}); "
+            "check channels.matrix.homeserver (the client-server API's URL)"
+        )
+    if answer.user_id != expected:
+        raise MatrixSetupError(
+            f"matrix: the access token belongs to {answer.user_id}, not to {expected}; "
+            "fix channels.matrix.user_id or the token"
+        )
+    name = ""
+    try:
+        profile = await client.get_displayname(expected)
+        if isinstance(profile, ProfileGetDisplayNameResponse):
+            name = profile.displayname or ""
+    except Exception as exc:  # a display name is a nicety for mentions
+        logger.debug("matrix: display name not read: {!r}", exc)
+    return Identity(expected, name)
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+async def check_credentials(settings: MatrixSettings, token: str) -> str:
+    """`gateway doctor`: is the homeserver reachable, and is the account logged in?
+    Returns "@user:server on <homeserver>"; raises MatrixSetupError saying what to fix."""
+    if not token:
+        raise MatrixSetupError(
+            f"matrix: no access token; set {ENV_PREFIX}ACCESS_TOKEN (docs/matrix.md)"
+        )
+    channel = MatrixChannel(settings, token=token)
+    client = channel._build_client()
+    try:
+        me = await who_am_i(client, channel.homeserver, channel.me.user_id)
+    finally:
+        await client.close()
+    shown = f"{me.user_id} ({me.display_name})" if me.display_name else me.user_id
+    return f"{shown} on {channel.homeserver}"

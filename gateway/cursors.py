@@ -1,0 +1,91 @@
+"""Channel cursors: the read position a channel confirms to its platform itself (Matrix's
+/sync `since` token), kept where the next start (or the next replica) finds it.
+
+A channel saves a cursor only after everything before it is in the journal, so the
+cursor never runs ahead of what the gateway holds. Promises kept here:
+- `save` returns once the new value is durable (file mode: temp file, fsync, rename; a
+  crash leaves the old value or the new one, never a torn file).
+- A damaged cursor file is moved aside and reported, never overwritten in silence; the
+  channel then starts as on a first run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+import anyio.to_thread
+from loguru import logger
+
+from gateway.fsutil import atomic_write_text, ensure_private_dir
+
+#: The cursor file, in the workspace folder.
+CURSOR_FILE = "channel-cursors.json"
+
+
+class CursorStore(Protocol):
+    """Named cursors (`matrix:@bot:example.org` -> a since token)."""
+
+    async def load(self, name: str) -> str | None: ...
+
+    async def save(self, name: str, value: str) -> None: ...
+
+
+#: How a channel runs its intake loop with a store: at once (one process), or once this
+#: replica holds the channel's leader role, with a store that writes under it.
+Lead = Callable[[Callable[[CursorStore], Awaitable[None]]], Awaitable[None]]
+
+
+class FileCursorStore:
+    """Cursors in one small JSON file of the workspace (`CursorStore`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    async def load(self, name: str) -> str | None:
+        return (await anyio.to_thread.run_sync(self._read)).get(name)
+
+    async def save(self, name: str, value: str) -> None:
+        await anyio.to_thread.run_sync(self._write, name, value)
+
+    def _read(self) -> dict[str, str]:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+                raise ValueError("not an object of strings")
+        except ValueError as exc:
+            aside = self.path.with_name(f"{self.path.name}.damaged.{int(time.time())}")
+            self.path.replace(aside)
+            logger.error(
+                "cursors: {} is damaged ({}); moved to {}, channels start as on a first run",
+                self.path,
+                exc,
+                aside.name,
+            )
+            return {}
+        return data
+
+    def _write(self, name: str, value: str) -> None:
+        with self._lock:
+            data = self._read()
+            data[name] = value
+            ensure_private_dir(self.path.parent)
+            atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def run_with(store: CursorStore) -> Lead:
+    """The one-process `Lead`: run the intake loop at once, with `store`."""
+
+    async def lead(work: Callable[[CursorStore], Awaitable[None]]) -> None:
+        await work(store)
+
+    return lead

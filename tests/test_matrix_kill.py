@@ -1,0 +1,304 @@
+"""The Matrix kill test of the delivery promise (docs/delivery.md): the real `gateway run`
+syncs from a real Synapse (tests/synapse_server.py) while test users write to it, and is
+SIGKILLed at random instants while messages flow, each time left down for a moment (what
+users send meanwhile waits after the stored since token) and restarted.
+
+Counted from the outside, as tests/test_kill_delivery.py counts Telegram and Slack: the
+user and assistant entries in the session files, and the bot's messages in every room as
+Synapse holds them (`/messages`). The summary line (``KILL-DELIVERY matrix-traffic: ...``)
+prints past pytest's capture with lost / stored twice / answered twice / order.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_process import GatewayProcess, base_env, wait_until
+from tests.synapse_server import MatrixUser, Synapse
+from tests.test_kill_delivery import (
+    SEED,
+    Gateways,
+    Message,
+    Tally,
+    echoed,
+    kill_schedule,
+    plan_messages,
+    pushing,
+    scaled,
+    session_entries,
+    settle,
+    slow_echo,
+)
+
+pytestmark = pytest.mark.kill
+
+
+def matrix_env(
+    workspace: Path, llm: FakeOpenAI, synapse: Synapse, bot: MatrixUser
+) -> dict[str, str]:
+    return base_env(workspace, llm) | {
+        "GATEWAY_HTTP__PORT": "0",
+        "GATEWAY_CHANNELS__MATRIX__ENABLED": "true",
+        "GATEWAY_CHANNELS__MATRIX__HOMESERVER": synapse.url,
+        "GATEWAY_CHANNELS__MATRIX__USER_ID": bot.user_id,
+        "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN": bot.access_token,
+        "GATEWAY_CHANNELS__MATRIX__SYNC_TIMEOUT": "1",
+        "GATEWAY_CHANNELS__MATRIX__DM_POLICY": "open",
+    }
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Gateways]]:
+    made: list[Gateways] = []
+
+    def make(env: dict[str, str]) -> Gateways:
+        made.append(Gateways(env, tmp_path))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for each in made:
+            each.stop()
+
+
+class Rooms:
+    """One DM room per test user with the bot, and what the bot said in each."""
+
+    def __init__(self, synapse: Synapse, bot: MatrixUser, users: list[MatrixUser]) -> None:
+        self.synapse = synapse
+        self.bot = bot
+        self.users = users
+        self.rooms = [synapse.create_room(u, invite=[bot.user_id], direct=True) for u in users]
+        self._last_poll = 0.0
+        self._last: tuple[bool, int, bool] = (False, -1, True)
+
+    def wait_joined(self, timeout: float = 60) -> None:
+        for user, room in zip(self.users, self.rooms, strict=True):
+            self.synapse.wait_for(
+                lambda u=user, r=room: self.synapse.members(u, r).get(self.bot.user_id) == "join",
+                timeout,
+            )
+
+    def send(self, message: Message) -> None:
+        self.synapse.send(self.users[message.user], self.rooms[message.user], message.text)
+
+    def bot_texts(self) -> list[str]:
+        """The bot's messages, room by room, each room's in the order Synapse keeps."""
+        texts: list[str] = []
+        for user, room in zip(self.users, self.rooms, strict=True):
+            for event in self.synapse.messages(user, room):
+                if event["sender"] == self.bot.user_id:
+                    texts.append(str(event["content"].get("body", "")))
+        return texts
+
+    def progress(self, sent: list[Message]) -> Callable[[], tuple[bool, int, bool]]:
+        wanted = {m.text for m in sent}
+
+        def check() -> tuple[bool, int, bool]:
+            # Reading every room costs a request each: at most once a second.
+            if time.monotonic() - self._last_poll >= 1.0:
+                self._last_poll = time.monotonic()
+                texts = self.bot_texts()
+                answered, _ = echoed(texts)
+                self._last = (wanted <= set(answered), len(texts), False)
+            return self._last
+
+        return check
+
+
+@pytest.mark.timeout(420)
+def test_matrix_traffic_survives_kills_while_it_flows(
+    tmp_path: Path,
+    synapse: Synapse,
+    runs: Callable[[dict[str, str]], Gateways],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """300 messages from 20 users at about 20 a second; the gateway is SIGKILLed three
+    times at random instants in the flow, stays down for 0.5-1.5 s each time (messages
+    pile up after the stored token), and is restarted; then left to finish."""
+    rng = random.Random(SEED)
+    workspace = tmp_path / "ws"
+    count, rate, kills = scaled(300), 20.0, 3
+    bot = synapse.register()
+    users = [synapse.register() for _ in range(scaled(20))]
+    sent = plan_messages(count, len(users), rng)
+    with FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm:
+        run = runs(matrix_env(workspace, llm, synapse, bot))
+        run.start()
+        rooms = Rooms(synapse, bot, users)
+        rooms.wait_joined()
+        started = time.monotonic()
+        with pushing(sent, rate, rooms.send) as seconds:
+            for offset in kill_schedule(kills, seconds, rng):
+                run.sleep_until_due(started + offset, min_up=1.0)
+                run.kill()
+                time.sleep(rng.uniform(0.5, 1.5))
+                run.start()
+        settle(rooms.progress(sent))
+        run.terminate()
+        user_entries, assistant_entries = session_entries(workspace / "sessions")
+        answered, other = echoed(rooms.bot_texts())
+        tally = Tally(
+            scenario="matrix-traffic",
+            logs=run.save_logs(tmp_path / "logs", []),
+            sent=sent,
+            user_entries=user_entries,
+            assistant_entries=assistant_entries,
+            reply_order=answered,
+            other_replies=other,
+            kills=run.kills,
+            seconds=time.monotonic() - started,
+            exit_code=run.exit_code,
+        )
+    with capsys.disabled():
+        print(f"\n{tally.summary()}")
+    tally.check_promise()
+
+
+def stopped(pid: int) -> bool:
+    """Has process `pid` stopped itself (SIGSTOP at a failpoint)?"""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state == "T"
+
+
+@pytest.mark.timeout(420)
+def test_matrix_kills_just_before_and_just_after_the_token_is_stored(
+    tmp_path: Path,
+    synapse: Synapse,
+    runs: Callable[[dict[str, str]], Gateways],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The worst moments, made deterministic with failpoints: the gateway stops itself
+    right after a batch's messages are journaled but before its since token is stored
+    (the batch comes again: nothing may be stored twice), or right after the token is
+    stored (nothing of the batch may be lost), and is SIGKILLed there; six times,
+    alternating, while 120 messages from 10 users flow."""
+    rng = random.Random(SEED)
+    workspace = tmp_path / "ws"
+    count, rate = scaled(120), 10.0
+    bot = synapse.register()
+    users = [synapse.register() for _ in range(scaled(10))]
+    sent = plan_messages(count, len(users), rng)
+    points = ["matrix.before_cursor", "matrix.after_cursor"] * 3
+    with FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm:
+        env = matrix_env(workspace, llm, synapse, bot)
+        run = runs(env | {"GATEWAY_FAILPOINTS": f"{points[0]}=sigstop"})
+        process = run.start()  # joining the rooms takes no message: no failpoint yet
+        rooms = Rooms(synapse, bot, users)
+        rooms.wait_joined()
+        started = time.monotonic()
+        with pushing(sent, rate, rooms.send):
+            for n, point in enumerate(points):
+                if n:
+                    run.env = env | {"GATEWAY_FAILPOINTS": f"{point}=sigstop"}
+                    process = run.launch()  # it may stop itself before /readyz answers
+                deadline = time.monotonic() + 40
+                while not stopped(process.proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert stopped(process.proc.pid), f"{point} was never reached"
+                run.kill()
+            run.env = env
+            run.start()
+        settle(rooms.progress(sent))
+        run.terminate()
+        user_entries, assistant_entries = session_entries(workspace / "sessions")
+        answered, other = echoed(rooms.bot_texts())
+        tally = Tally(
+            scenario="matrix-confirm",
+            logs=run.save_logs(tmp_path / "logs", []),
+            sent=sent,
+            user_entries=user_entries,
+            assistant_entries=assistant_entries,
+            reply_order=answered,
+            other_replies=other,
+            kills=run.kills,
+            seconds=time.monotonic() - started,
+            exit_code=run.exit_code,
+        )
+    with capsys.disabled():
+        print(f"\n{tally.summary()}")
+    tally.check_promise()
+
+
+@pytest.mark.timeout(180)
+def test_one_replica_syncs_and_a_standby_takes_over_from_the_stored_token(
+    migrated_pg_url: str, tmp_path: Path, synapse: Synapse
+) -> None:
+    """Shared mode: two replicas, one holds the "matrix sync" role and syncs (two would
+    answer every message twice); when it is SIGKILLed, the standby takes the role, starts
+    from the since token the first one stored in PostgreSQL, and answers what was sent
+    meanwhile, each message once. (A second conversation: the first one's session lease
+    stays with the dead replica for the lease time, docs/scaling.md.)"""
+    import psycopg
+
+    bot = synapse.register()
+    alice, bob = synapse.register(), synapse.register()
+    with FakeOpenAI.in_thread() as llm:
+        env = matrix_env(tmp_path / "unused", llm, synapse, bot) | {
+            "GATEWAY_STORAGE__URL": migrated_pg_url
+        }
+        replicas = []
+        for i in range(2):
+            proc = GatewayProcess(env | {"GATEWAY_WORKSPACE": str(tmp_path / f"ws{i}")}, tmp_path)
+            proc.wait_readyz(proc.wait_ready())
+            replicas.append(proc)
+        try:
+            room = synapse.create_room(alice, invite=[bot.user_id], direct=True)
+            other = synapse.create_room(bob, invite=[bot.user_id], direct=True)
+            synapse.wait_for(lambda: synapse.members(alice, room).get(bot.user_id) == "join")
+            synapse.wait_for(lambda: synapse.members(bob, other).get(bot.user_id) == "join")
+
+            def said() -> list[str]:
+                return [
+                    e["content"].get("body")
+                    for user, where in ((alice, room), (bob, other))
+                    for e in synapse.messages(user, where)
+                    if e["sender"] == bot.user_id
+                ]
+
+            def answered(texts: list[str]) -> bool:
+                replies = said()
+                return all(f"echo: {t}" in replies for t in texts)
+
+            first = [f"before {n}" for n in range(5)]
+            for text in first:
+                synapse.send(alice, room, text)
+            wait_until(lambda: answered(first), 30, "the first messages answered")
+            leaders = [p for p in replicas if any("is now the matrix sync" in x for x in p.log)]
+            assert len(leaders) == 1
+            leader = leaders[0]
+            standby = replicas[1 - replicas.index(leader)]
+            assert any("standing by" in line for line in standby.log)
+            with psycopg.connect(migrated_pg_url) as conn:
+                row = conn.execute(
+                    "SELECT value FROM gw_channel_cursors WHERE name = %s",
+                    (f"matrix:{bot.user_id}",),
+                ).fetchone()
+            assert row is not None and row[0].startswith("s")
+
+            leader.kill()
+            killed_at = time.monotonic()
+            second = [f"after {n}" for n in range(5)]
+            for text in second:
+                synapse.send(bob, other, text)
+            wait_until(lambda: answered(second), 30, "the standby to take over")
+            took = time.monotonic() - killed_at
+            standby.wait_for_line("is now the matrix sync", timeout=1)
+            assert took < 10, f"takeover took {took:.1f}s"
+            replies = said()
+            for text in first + second:
+                assert replies.count(f"echo: {text}") == 1, (text, replies)
+            assert standby.terminate() == 0
+        finally:
+            for proc in replicas:
+                proc.stop()
