@@ -561,7 +561,7 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
         "whatsapp": settings.channels.whatsapp,
         "discord": settings.channels.discord,
     }
-    return {
+    policies = {
         name: ChannelAccessPolicy(
             dm_policy=section.dm_policy,
             allow_from=frozenset(section.allow_from),
@@ -571,6 +571,19 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
         )
         for name, section in sections.items()
     }
+    email = settings.channels.email
+    # Email lists addresses and whole domains, compared in lower case; a refusal is
+    # silent unless asked for (most refused mail is spam with a forged sender).
+    entries = [entry.strip().lower() for entry in email.allow_from]
+    policies["email"] = ChannelAccessPolicy(
+        dm_policy=email.dm_policy,
+        allow_from=frozenset(e for e in entries if "@" in e[1:] or e == "*"),
+        allow_domains=frozenset(e.lstrip("@") for e in entries if "@" not in e[1:] and e != "*"),
+        group_policy="disabled",
+        pairing_ttl=email.pairing_ttl_seconds,
+        silent_refusals=not email.refusal_replies,
+    )
+    return policies
 
 
 def _is_stop(message: InboundMessage) -> bool:
@@ -735,6 +748,8 @@ class Daemon:
             slack = SlackChannel.from_settings(settings.channels.slack)
             slack.mount(self.http)
             self.add_channel(slack)
+        if settings.channels.email.enabled:
+            self.add_channel(self._email_channel())
         if settings.channels.matrix.enabled:
             self.add_channel(self._matrix_channel())
         if settings.channels.whatsapp.enabled:
@@ -792,6 +807,30 @@ class Daemon:
         page = AdminPage(token, sources)
         page.mount(self.http)
         return page
+
+    def _email_channel(self) -> Channel:
+        """The mailbox's channel: its read mark a cursor in the workspace, or in
+        PostgreSQL under the "email watcher" role that one replica holds (it holds the
+        IMAP connection; every replica sends replies)."""
+        from channels.email import EmailChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
+
+        settings = self.gateway.settings
+        lead: Lead
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            lead = lead_as(self.router.store.url, "email watcher")
+        else:
+            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        email = EmailChannel(settings.channels.email, lead=lead)
+        metrics = self.metrics
+
+        async def count_mail() -> None:
+            metrics.mirror_email({"taken": email.taken, "not_answered": email.skipped})
+
+        metrics.on_scrape("email", count_mail)
+        return email
 
     def _matrix_channel(self) -> Channel:
         """The Matrix channel: its sync token and its device's crypto store in the

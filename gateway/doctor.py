@@ -412,6 +412,8 @@ async def check_channels(settings: Settings) -> list[Finding]:
                     "set GATEWAY_CHANNELS__SLACK__SIGNING_SECRET",
                 )
             )
+    if settings.channels.email.enabled:
+        findings += await check_email(settings)
     matrix = settings.channels.matrix
     if matrix.enabled:
         findings.extend(await _matrix_findings(settings))
@@ -430,6 +432,46 @@ async def check_channels(settings: Settings) -> list[Finding]:
         )
     if not findings:
         findings.append(Finding("ok", "no chat platform enabled (terminal and HTTP API only)"))
+    return findings
+
+
+async def check_email(settings: Settings) -> list[Finding]:
+    """The mailbox: IMAP login and its folders, SMTP login, and who may write."""
+    from channels.email import EmailSetupError, check_mailbox
+
+    email = settings.channels.email
+    findings = []
+    try:
+        with anyio.fail_after(40):
+            found = await check_mailbox(email)
+        findings.append(Finding("ok", f"email works: {found}"))
+    except ConfigError as exc:
+        findings.append(Finding("fail", f"email is enabled but incomplete: {exc}"))
+    except (EmailSetupError, TimeoutError) as exc:
+        findings.append(
+            Finding(
+                "fail",
+                f"email: {exc}".replace("email: email: ", "email: "),
+                "fix the [channels.email] settings or the password; docs/email.md",
+            )
+        )
+    if email.dm_policy == "allowlist" and not email.allow_from:
+        findings.append(
+            Finding(
+                "warn",
+                "email answers nobody: dm_policy is allowlist and allow_from is empty",
+                'list addresses or domains in channels.email.allow_from (e.g. ["example.com"])',
+            )
+        )
+    if email.dm_policy != "allowlist" and not email.require_auth:
+        findings.append(
+            Finding(
+                "warn",
+                f"email answers unknown senders (dm_policy = {email.dm_policy!r}) without "
+                "checking who sent the mail: a forged sender gets the reply",
+                'set channels.email.require_auth = ["dmarc"] and authserv_id',
+            )
+        )
     return findings
 
 
