@@ -758,7 +758,8 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
     channels = sorted(access_policies(settings))  # the platforms that pair senders
     if args.channel is not None and args.channel not in channels:
         raise CommandError(
-            f"unknown channel {args.channel!r}; pairing is for {' and '.join(channels)}",
+            f"unknown channel {args.channel!r}; pairing is for "
+            f"{', '.join(channels[:-1])} or {channels[-1]}",
             EXIT_USAGE,
         )
     build_session_manager(settings).close()  # creates the private workspace if needed

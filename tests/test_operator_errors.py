@@ -182,6 +182,10 @@ def test_pairing_refuses_an_unknown_channel(tmp_path: Path) -> None:
     for args in (["approve", "foo", "CODE"], ["list", "foo"], ["revoke", "foo", "123"]):
         out = run_gateway(["pairing", *args], env, tmp_path)
         assert out.returncode == 2, out.stderr
-        assert_one_line(out.stderr, "unknown channel 'foo'; pairing is for slack and telegram")
+        assert_one_line(
+            out.stderr,
+            "unknown channel 'foo'; pairing is for discord, email, matrix, slack, telegram or "
+            "whatsapp",
+        )
     known = run_gateway(["pairing", "approve", "telegram", "CODE"], env, tmp_path)
     assert known.returncode == 1 and "no pending request on telegram" in known.stderr

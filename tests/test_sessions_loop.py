@@ -160,9 +160,11 @@ async def test_a_spare_never_replaces_an_existing_session(tmp_path: Path) -> Non
     before = other.path.read_bytes()
     store = ours._store
     assert isinstance(store, FileSessionStore)
+    held = {spare.path for spare in pool._spares}
     assert store._create_file(b"{}\n", wait=False) is False
     assert other.path.read_bytes() == before
-    assert len(pool._spares) == 2  # the spare came back
+    # The spare it took came back (the pool may have topped up meanwhile, too).
+    assert held <= {spare.path for spare in pool._spares}
     await ours.aadd_message(user("second, here"))  # adopts the other's file
     contents = [r["message"]["content"] for r in message_lines(other.path)]
     assert contents == ["first, elsewhere", "second, here"]
