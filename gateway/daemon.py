@@ -38,6 +38,7 @@ from gateway.memory import MemoryStore
 from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
 from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
+from gateway.queue_modes import QueueModes
 from gateway.reminders import JOBS_FILE, FileJobStore, JobStore, Reminders, ScheduleLimits
 from gateway.sessions import SessionManager
 from gateway.storage.stores import build_session_manager, shared_storage, shared_storage_open
@@ -242,6 +243,7 @@ def agent_config(settings: Settings) -> AgentConfig:
         memory_recall_wait=settings.memory.recall_wait_seconds,
         offline_after=settings.agent.offline_after_seconds,
         code_block_file_chars=settings.media.code_block_file_chars,
+        queue_modes=QueueModes(settings.dispatch.mode, dict(settings.dispatch.channel_modes)),
     )
 
 
@@ -636,6 +638,8 @@ class Daemon:
             max_queue_per_lane=settings.dispatch.max_queue_per_lane,
             max_queued_total=settings.dispatch.max_queued_total,
             mode=settings.dispatch.mode,
+            mode_for=gateway.agent.queue_mode,
+            joinable=gateway.agent.may_join,
             dedupe=self.dedupe,
             access=self.access,
             on_turn_done=self._turn_done,
