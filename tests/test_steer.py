@@ -17,9 +17,12 @@ against the fake OpenAI server), a slow model or a slow tool keeping the turn bu
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
 
@@ -450,3 +453,213 @@ async def test_undo_after_a_steered_turn_takes_back_the_whole_turn(
         await gw.aclose()
     assert undone.text.startswith('Undone: your message "look it up" and my answer')
     assert leaf == kept
+
+
+# -- the shared mode: two replicas over one PostgreSQL ---------------------------------------
+
+API_TOKEN = "shared-api-token-0123456789abcdef"
+
+
+@asynccontextmanager
+async def two_replicas(
+    make_settings: Callable[..., Settings],
+    fake_openai: FakeOpenAI,
+    pg_url: str,
+    tmp_path: Path,
+    **overrides: Any,
+) -> AsyncIterator[tuple[Callable[[str, str, str], Awaitable[str]], Daemon, Daemon]]:
+    """Replicas a and b sharing `pg_url`, and `ask(replica, session, text)`: a message
+    to `/api/chat` of replica "a" or "b", returning its reply."""
+    common = {"http__port": 0, "http__token": API_TOKEN, "storage__url": pg_url} | overrides
+    a = Daemon(Gateway.build(make_settings(fake_openai, **common)), interactive=False)
+    b_settings = make_settings(fake_openai, workspace=tmp_path / "ws-b", **common)
+    b = Daemon(Gateway.build(b_settings), interactive=False)
+    headers = {"Authorization": f"Bearer {API_TOKEN}"}
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+        urls = {
+            "a": f"http://127.0.0.1:{await tg.start(a.run)}/api/chat",
+            "b": f"http://127.0.0.1:{await tg.start(b.run)}/api/chat",
+        }
+
+        async def ask(replica: str, session: str, text: str) -> str:
+            body = {"session": session, "text": text}
+            async with http.post(urls[replica], json=body, headers=headers) as resp:
+                answer = await resp.json()
+            assert resp.status == 200, answer
+            return str(answer["reply"])
+
+        try:
+            yield ask, a, b
+        finally:
+            a.stop()
+            b.stop()
+
+
+def shared_entries(pg_url: str, key: str) -> list[tuple[str, str | None, dict[str, Any]]]:
+    """(role, content, meta) of `key`'s message entries in PostgreSQL, in order."""
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        rows = conn.execute(
+            "SELECT e.body::text FROM gw_session_entries e JOIN gw_sessions s USING "
+            "(session_id) WHERE s.key = %s AND e.type = 'message' ORDER BY e.seq",
+            (key,),
+        ).fetchall()
+    bodies = [json.loads(row[0]) for row in rows]
+    return [
+        (body["message"]["role"], body["message"].get("content"), body.get("meta") or {})
+        for body in bodies
+    ]
+
+
+def journal_states(pg_url: str) -> list[tuple[str, int]]:
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        rows = conn.execute("SELECT state, count(*) FROM gw_inbound GROUP BY 1").fetchall()
+    return [(str(state), int(n)) for state, n in rows]
+
+
+async def test_shared_a_message_taken_in_by_another_replica_joins_the_turn_where_it_runs(
+    make_settings: Callable[..., Settings],
+    fake_openai: FakeOpenAI,
+    migrated_pg_url: str,
+    tmp_path: Path,
+) -> None:
+    """Replica a runs a conversation's turn (its tool still running); the next message
+    reaches b, which journals it; a, holding the session's lease, is fed it and its
+    turn takes it in: stored once (behind a's fence), and both requests get the turn's
+    one reply."""
+    slow = GatedTool()
+    fake_openai.add_tool_call("slow_lookup", {})
+    async with two_replicas(
+        make_settings, fake_openai, migrated_pg_url, tmp_path, dispatch__mode="steer"
+    ) as (ask, a, b):
+        for replica in (a, b):
+            replica.gateway.agent.tools.register(slow.tool)
+        answers: dict[str, str] = {}
+
+        async def first() -> None:
+            answers["first"] = await ask("a", "trip", "look it up")
+
+        async def second() -> None:
+            answers["second"] = await ask("b", "trip", "and in Paris too")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            with anyio.fail_after(20):
+                await slow.started.wait()
+            tg.start_soon(second)
+            await wait_queued(a)  # fed to a, the lease holder, behind its running turn
+            slow.release.set()
+        stats = a.dispatcher.stats(), b.dispatcher.stats()
+    assert answers == {"first": "echo: and in Paris too", "second": "echo: and in Paris too"}
+    assert stats[0].steered_messages == 1 and stats[1].turns_started == 0
+    entries = shared_entries(migrated_pg_url, "api:trip")
+    assert [role for role, _, _ in entries] == ["user", "assistant", "tool", "user", "assistant"]
+    assert entries[3][1] == "and in Paris too" and entries[3][2]["steered"] is True
+    assert journal_states(migrated_pg_url) == [("done", 2)]
+
+
+async def test_shared_interrupt_stops_the_turn_on_the_replica_that_runs_it(
+    make_settings: Callable[..., Settings],
+    fake_openai: FakeOpenAI,
+    migrated_pg_url: str,
+    tmp_path: Path,
+) -> None:
+    fake_openai.add(Reply(text="a long answer", delay=30.0))
+    async with two_replicas(
+        make_settings, fake_openai, migrated_pg_url, tmp_path, dispatch__mode="interrupt"
+    ) as (ask, a, _b):
+        answers: dict[str, str] = {}
+
+        async def first() -> None:
+            answers["first"] = await ask("a", "talk", "tell me everything")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            with anyio.fail_after(10):
+                await fake_openai.wait_for_requests_async(1)
+            started = anyio.current_time()
+            answers["second"] = await ask("b", "talk", "shorter please")
+        took = anyio.current_time() - started
+        stats = a.dispatcher.stats()
+    assert took < 10  # long before the model's 30 s answer
+    assert answers == {"first": STOPPED_EMPTY_TEXT, "second": "echo: shorter please"}
+    assert stats.interrupted_turns == 1
+    contents = [content for _, content, _ in shared_entries(migrated_pg_url, "api:talk")]
+    said = ["tell me everything", STOPPED_EMPTY_TEXT, "shorter please", "echo: shorter please"]
+    assert contents == said
+
+
+async def test_shared_a_joined_message_is_stored_behind_the_turns_fence(
+    make_settings: Callable[..., Settings],
+    fake_openai: FakeOpenAI,
+    migrated_pg_url: str,
+    tmp_path: Path,
+) -> None:
+    """The lease moves on (a replica paused past it) just as a's turn is about to store
+    the message that joined it: the write is refused, a stores and sends nothing more,
+    and both messages stay journaled. Once the lease is free, a replica takes the
+    conversation up: the first message's turn goes on, the joined one (never stored)
+    gets a turn of its own; each is answered once and stored once."""
+    from gateway import failpoints
+    from tests.test_fencing import expire, take_lease
+
+    slow = GatedTool()
+    fake_openai.add_tool_call("slow_lookup", {})
+    stolen = anyio.Event()
+
+    async def steal(name: str, key: str) -> None:
+        def move() -> None:
+            expire(migrated_pg_url, key)
+            assert take_lease(migrated_pg_url, "paused-replica", key, ttl=1.0) is not None
+
+        await anyio.to_thread.run_sync(move)
+        stolen.set()
+
+    failpoints.arm("turn.before_steered_append", steal, "api:trip")
+    try:
+        async with two_replicas(
+            make_settings, fake_openai, migrated_pg_url, tmp_path, dispatch__mode="steer"
+        ) as (ask, a, b):
+            for replica in (a, b):
+                replica.gateway.agent.tools.register(slow.tool)
+            answers: dict[str, str] = {}
+
+            async def first() -> None:
+                answers["first"] = await ask("a", "trip", "look it up")
+
+            async def second() -> None:
+                answers["second"] = await ask("b", "trip", "and in Paris too")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(first)
+                with anyio.fail_after(20):
+                    await slow.started.wait()
+                tg.start_soon(second)
+                await wait_queued(a)
+                slow.release.set()
+                with anyio.fail_after(10):
+                    await stolen.wait()
+                await anyio.sleep(0.3)
+                # Refused: nothing of the joined message is stored, nothing was sent.
+                assert not answers
+                contents = [c for _, c, _ in shared_entries(migrated_pg_url, "api:trip")]
+                assert "and in Paris too" not in contents
+                assert journal_states(migrated_pg_url) == [("journaled", 2)]
+    finally:
+        failpoints.disarm_all()
+    assert answers == {"first": "echo: look it up", "second": "echo: and in Paris too"}
+    entries = shared_entries(migrated_pg_url, "api:trip")
+    contents = [content for _, content, _ in entries]
+    assert contents.count("look it up") == 1 and contents.count("and in Paris too") == 1
+    assert [role for role, _, _ in entries] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert journal_states(migrated_pg_url) == [("done", 2)]
