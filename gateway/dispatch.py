@@ -851,9 +851,9 @@ class Dispatcher:
         message is never merged: its turn is its own, or ran already)."""
         head = lane.queue.popleft()
         batch = [head]
-        if not head.is_new or not self._may_join(head, head):
+        if not lane.queue or self._mode(head.message) not in ("collect", "interrupt"):
             return batch
-        if self._mode(head.message) not in ("collect", "interrupt"):
+        if not self._may_join(head, head):
             return batch
         while lane.queue:
             item = lane.queue[0]

@@ -663,3 +663,60 @@ async def test_shared_a_joined_message_is_stored_behind_the_turns_fence(
         "assistant",
     ]
     assert journal_states(migrated_pg_url) == [("done", 2)]
+
+
+async def test_a_message_the_gateway_made_is_a_turn_of_its_own(
+    fake_openai: FakeOpenAI, fake_tg: FakeTelegram, make_settings: Callable[..., Settings]
+) -> None:
+    """A reminder firing (or a subagent's result) while a steered turn runs does not join
+    it: it is the gateway's, not something the person added."""
+    from gateway.access import META_MENTIONED
+    from gateway.reminders import META_SCHEDULE
+
+    slow = GatedTool()
+    fake_openai.add_tool_call("slow_lookup", {})
+    async with gateway(make_settings, fake_openai, fake_tg, dispatch__mode="steer") as gw:
+        gw.daemon.gateway.agent.tools.register(slow.tool)
+        fake_tg.push_update(fake_tg.user_message(CHAT, "look it up"))
+        with anyio.fail_after(20):
+            await slow.started.wait()
+        reminder = InboundMessage(
+            channel="telegram",
+            chat_id=str(CHAT),
+            sender_id=str(CHAT),
+            text="[reminder r1] water the plants",
+            message_id="schedule:r1:1",
+            metadata={META_SCHEDULE: "r1", META_MENTIONED: True},
+        )
+        await gw.daemon.submit(reminder)
+        await wait_queued(gw.daemon)
+        slow.release.set()
+        sent = await wait_sent(fake_tg, CHAT, 2, seconds=20)
+        stats = gw.daemon.dispatcher.stats()
+    assert [m["text"] for m in sent] == ["echo: look it up", "echo: [reminder r1] water the plants"]
+    assert stats.steered_messages == 0
+
+
+async def test_a_turn_asked_to_stop_before_its_model_call_stops_there(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The interrupt mode can ask a turn to stop before it reaches its model call (it
+    was still building its context): it stops there, as /stop would have, and the model
+    is not asked."""
+    from gateway.queue_modes import TurnInbox, receiving
+
+    settings = make_settings(fake_openai, memory__auto_consolidate=False)
+    gw = Gateway.build(settings)
+    inbox = TurnInbox(KEY, lambda accept: [])
+    assert inbox.stop() and not inbox.stop()  # asked once
+    try:
+        with receiving(inbox):
+            reply = await gw.agent.handle(_said("tell me everything", 1))
+    finally:
+        await gw.aclose()
+    assert reply.text == STOPPED_EMPTY_TEXT and reply.metadata["stopped"] is True
+    assert fake_openai.chat_requests == []
+    assert [e["message"]["content"] for e in stored(settings)] == [
+        "tell me everything",
+        STOPPED_EMPTY_TEXT,
+    ]

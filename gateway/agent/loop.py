@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 from loguru import logger
 
 from gateway import failpoints
@@ -723,11 +724,13 @@ class AgentLoop:
             self._running[session.key] = scope
             if inbox is not None:
                 # The interrupt mode stops the turn as /stop does, also one that was
-                # asked to stop before it got here.
+                # asked to stop before it got here (then before its first model call).
                 inbox.on_stop = scope.cancel
                 if inbox.stopping:
                     scope.cancel()
             try:
+                if scope.cancel_called:
+                    await anyio.lowlevel.checkpoint()  # raises: the scope is cancelled
                 reply, used_tools = await self._tool_loop(
                     session,
                     ctx,
