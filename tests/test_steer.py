@@ -720,3 +720,26 @@ async def test_a_turn_asked_to_stop_before_its_model_call_stops_there(
         "tell me everything",
         STOPPED_EMPTY_TEXT,
     ]
+
+
+async def test_shared_a_conversations_queue_mode_holds_on_every_replica(
+    make_settings: Callable[..., Settings],
+    fake_openai: FakeOpenAI,
+    migrated_pg_url: str,
+    tmp_path: Path,
+) -> None:
+    """/queue steer taken in and run by replica a is kept in the session in PostgreSQL:
+    once b runs the conversation (a's lease let go), b reads it there."""
+    async with two_replicas(make_settings, fake_openai, migrated_pg_url, tmp_path) as (
+        ask,
+        a,
+        b,
+    ):
+        set_here = await ask("a", "prefs", "/queue steer")
+        assert a.dispatcher.stats().turns_started == 1
+        await anyio.sleep(a.router.linger + 1)  # a lets the session's lease go
+        said = await ask("b", "prefs", "/queue")
+        ran = a.dispatcher.stats().turns_started, b.dispatcher.stats().turns_started
+    assert ran == (1, 1)
+    assert set_here.startswith("Queue mode for this conversation: steer")
+    assert said.startswith("Queue mode: steer (set here with /queue)")
