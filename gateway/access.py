@@ -99,6 +99,13 @@ class ChannelAccessPolicy:
     pairing_ttl: float = 3600.0
     max_pending: int = 100
     pairing_resend_interval: float = PAIRING_RESEND_INTERVAL
+    #: Domains whose every sender is listed (email: `example.com` lets in
+    #: `*@example.com`, not `*@sub.example.com`); matched on the sender id's part after
+    #: its last "@".
+    allow_domains: frozenset[str] = frozenset()
+    #: Refuse unlisted senders without a reply (`Ignore` instead of `Deny`): on email most
+    #: of them are spam with a forged sender, whom a refusal would only reach as backscatter.
+    silent_refusals: bool = False
 
     def __post_init__(self) -> None:
         if self.dm_policy not in ("open", "allowlist", "pairing"):
@@ -111,6 +118,8 @@ class ChannelAccessPolicy:
             )
         if not isinstance(self.allow_from, frozenset):
             object.__setattr__(self, "allow_from", frozenset(self.allow_from))
+        if not isinstance(self.allow_domains, frozenset):
+            object.__setattr__(self, "allow_domains", frozenset(self.allow_domains))
         if self.pairing_ttl <= 0 or self.max_pending < 1:
             raise ValueError("pairing_ttl and max_pending must be positive")
         if self.pairing_resend_interval < 0:
@@ -119,7 +128,10 @@ class ChannelAccessPolicy:
     def lists(self, msg: InboundMessage) -> bool:
         """Is the sender or the chat in `allow_from`?"""
         allowed = self.allow_from
-        return WILDCARD in allowed or msg.sender_id in allowed or msg.chat_id in allowed
+        if WILDCARD in allowed or msg.sender_id in allowed or msg.chat_id in allowed:
+            return True
+        _, at, domain = msg.sender_id.rpartition("@")
+        return bool(at and self.allow_domains and domain in self.allow_domains)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +254,8 @@ def decide(
     if not msg.sender_id:
         return Ignore("a direct message without a sender id")
     if policy.dm_policy == "allowlist":
+        if policy.silent_refusals:
+            return Ignore("sender not in allow_from (refused without a reply)")
         return Deny(
             "This assistant is private. Ask its operator to add your id "
             f"({msg.sender_id}) to the allow list.",

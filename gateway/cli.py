@@ -142,7 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     fork.add_argument("key")
     fork.add_argument("--at", metavar="ENTRY_ID", help="fork at this entry instead of the leaf")
     fork.add_argument("--as", dest="new_key", metavar="NEW_KEY", help="key of the new session")
-    delete = ssub.add_parser("delete", help="delete a session's current file")
+    delete = ssub.add_parser(
+        "delete", help="delete a session's current file and its stored tool outputs"
+    )
     delete.add_argument("key")
     delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     export = ssub.add_parser("export", help="print a session (JSONL entries or Markdown)")

@@ -56,6 +56,8 @@ SECRET_KEYS = frozenset(
         "signing_secret",
         "webhook_secret",
         "admin_token",
+        "password",
+        "smtp_password",
         "access_token",
         "app_secret",
         "verify_token",
@@ -341,6 +343,41 @@ class AgentSettings(_Section):
         "gateway was down, or replayed after a crash) gets a short 'I was offline' notice "
         "instead of an answer; 0 answers every message however old.",
     )
+    tool_output_inline_chars: int = Field(
+        6_000,
+        ge=0,
+        description="A tool result longer than this (characters) is stored whole beside "
+        "the session and the model sees a preview with a handle, reading the rest with "
+        "read_tool_output and search_tool_output; 0 turns this off (long results are cut "
+        "in the middle at 16,000 characters).",
+    )
+    tool_output_preview_chars: int = Field(
+        2_000,
+        ge=100,
+        description="Characters of a stored tool result shown in its preview (two thirds "
+        "from its start, one third from its end).",
+    )
+    tool_output_read_chars: int = Field(
+        8_000,
+        ge=500,
+        description="Most characters one read_tool_output call returns (lower it with a "
+        "small context window: a read must fit in the context).",
+    )
+    tool_output_max_chars: int = Field(
+        5_000_000,
+        ge=10_000,
+        description="Longest tool result stored; the middle of a longer one is cut.",
+    )
+
+    @model_validator(mode="after")
+    def _tool_output_sizes(self) -> AgentSettings:
+        inline = self.tool_output_inline_chars
+        if inline and self.tool_output_preview_chars >= inline:
+            raise ValueError(
+                f"tool_output_preview_chars ({self.tool_output_preview_chars}) must be below "
+                f"tool_output_inline_chars ({inline}): a preview shorter than the result"
+            )
+        return self
 
 
 class MediaSettings(_Section):
@@ -947,6 +984,121 @@ class SlackSettings(AccessSection):
     )
 
 
+class EmailSettings(_Section):
+    """One mailbox: mail in over IMAP, replies out over SMTP (docs/email.md). Mail has no
+    groups: who may write is `dm_policy` and `allow_from` alone."""
+
+    enabled: bool = Field(False, description="Answer the mail of one mailbox.")
+    address: str | None = Field(
+        None,
+        description="The mailbox's address: replies come from it, mail from it is never answered.",
+        examples=["assistant@example.com"],
+    )
+    from_name: str = Field("", description="Display name on replies, e.g. Assistant.")
+    imap_host: str | None = Field(None, description="IMAP server.", examples=["imap.example.com"])
+    imap_port: int | None = Field(
+        None, ge=1, le=65535, description="Default: 993 with tls, 143 with starttls."
+    )
+    imap_security: Literal["tls", "starttls"] = Field(
+        "tls", description="tls (IMAPS) or starttls; never without TLS."
+    )
+    username: str | None = Field(None, description="IMAP (and SMTP) login; default: address.")
+    password: SecretStr | None = _secret(
+        "the mailbox password", "GATEWAY_CHANNELS__EMAIL__PASSWORD"
+    )
+    password_file: Path | None = _secret_file("GATEWAY_CHANNELS__EMAIL__PASSWORD", "email-password")
+    folder: str = Field("INBOX", description="The folder watched for new mail.")
+    processed_folder: str | None = Field(
+        None,
+        description="Move mail here once it is in the journal, instead of flagging it \\Seen.",
+        examples=["Processed"],
+    )
+    idle: bool = Field(True, description="Wait for mail with IMAP IDLE where the server has it.")
+    poll_interval_seconds: float = Field(
+        60.0, gt=0, le=3600, description="Without IDLE: seconds between two looks at the folder."
+    )
+    catch_up_days: int = Field(
+        7,
+        ge=0,
+        description="At the first start (and after the server renumbered the folder): unseen "
+        "mail of the last N days is answered; 0 = all unseen mail.",
+    )
+    smtp_host: str | None = Field(None, description="SMTP server.", examples=["smtp.example.com"])
+    smtp_port: int | None = Field(
+        None, ge=1, le=65535, description="Default: 587 with starttls, 465 with tls."
+    )
+    smtp_security: Literal["starttls", "tls"] = Field(
+        "starttls", description="starttls (submission) or tls (SMTPS); never without TLS."
+    )
+    smtp_username: str | None = Field(None, description="SMTP login; default: username.")
+    smtp_password: SecretStr | None = _secret(
+        "the SMTP password when it differs", "GATEWAY_CHANNELS__EMAIL__SMTP_PASSWORD"
+    )
+    smtp_password_file: Path | None = _secret_file(
+        "GATEWAY_CHANNELS__EMAIL__SMTP_PASSWORD", "email-smtp-password"
+    )
+    tls_ca_file: Path | None = Field(
+        None,
+        description="CA certificates for servers with a private CA (PEM).",
+        examples=["/etc/ssl/private-ca.pem"],
+    )
+    threads: bool = Field(
+        True,
+        description="A conversation per email thread (email:ADDRESS:thread:ROOT); false: one "
+        "per correspondent (email:ADDRESS).",
+    )
+    own_addresses: list[str] = Field(
+        default_factory=list,
+        description="Other addresses of the gateway (aliases): mail from them is never answered.",
+    )
+    require_auth: list[Literal["spf", "dkim", "dmarc"]] = Field(
+        default_factory=list,
+        description="Answer only mail whose Authentication-Results (from authserv_id) show "
+        'these passed for the sender\'s domain, e.g. ["dmarc"].',
+    )
+    authserv_id: str | None = Field(
+        None,
+        description="Your receiving server's id in Authentication-Results (with require_auth).",
+        examples=["mx.example.com"],
+    )
+    refusal_replies: bool = Field(
+        False,
+        description="Answer mail the allowlist refuses with a one-line refusal (off: such "
+        "mail, mostly spam with a forged sender, is ignored).",
+    )
+    max_message_mb: float = Field(
+        25.0, gt=0, description="Larger mail is answered without its body being read."
+    )
+    dm_policy: Literal["open", "allowlist", "pairing"] = Field(
+        "allowlist",
+        description="Who is answered: allowlist (allow_from only), pairing (strangers get a "
+        "code by reply, for `gateway pairing approve email CODE`) or open (anyone; spam too).",
+    )
+    allow_from: list[str] = Field(
+        default_factory=list,
+        description="Addresses (alice@example.com) and domains (example.com) always "
+        'answered; "*" = anyone.',
+    )
+    pairing_ttl_seconds: float = Field(3600.0, gt=0, description="How long a code is valid.")
+
+    @model_validator(mode="after")
+    def _complete(self) -> EmailSettings:
+        if self.require_auth and not self.authserv_id:
+            raise ValueError(
+                "require_auth needs authserv_id: the id your receiving server writes in "
+                "Authentication-Results (others can be forged by the sender)"
+            )
+        return self
+
+    def resolved_password(self) -> str | None:
+        """The IMAP password (from the environment or `password_file`), if any."""
+        return reveal(self.password)
+
+    def resolved_smtp_password(self) -> str | None:
+        """The SMTP password: its own, else the IMAP one."""
+        return reveal(self.smtp_password) or self.resolved_password()
+
+
 class MatrixSettings(AccessSection):
     """A Matrix account the gateway answers as (channels/matrix, docs/matrix.md)."""
 
@@ -966,6 +1118,18 @@ class MatrixSettings(AccessSection):
         "GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN", "matrix-access-token"
     )
     sync_timeout: int = Field(30, ge=0, le=120, description="Long-poll seconds per /sync.")
+    encryption: bool = Field(
+        True,
+        description="Take part in end-to-end encrypted rooms (docs/matrix.md, section 7); "
+        "false declines them with a reason.",
+    )
+    room_key_wait: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds an encrypted message waits for its room key before its sender "
+        "is told it could not be read (later messages of its room wait behind it).",
+    )
 
     @field_validator("user_id")
     @classmethod
@@ -1046,6 +1210,51 @@ class WhatsAppSettings(AccessSection):
         return reveal(self.access_token)
 
 
+class DiscordSettings(AccessSection):
+    enabled: bool = Field(False, description="Serve a Discord bot.")
+    token: SecretStr | None = _secret(
+        "the bot token (Developer Portal > Bot > Reset Token)", "GATEWAY_CHANNELS__DISCORD__TOKEN"
+    )
+    token_file: Path | None = _secret_file("GATEWAY_CHANNELS__DISCORD__TOKEN", "discord-token")
+    api_url: str | None = Field(
+        None,
+        description="HTTP API base URL, for an egress proxy or tests (default "
+        "https://discord.com/api/v10).",
+        examples=["https://discord-proxy.internal/api/v10"],
+    )
+    gateway_url: str | None = Field(
+        None,
+        description="Gateway WebSocket URL; when set, resumes go there too (default "
+        "wss://gateway.discord.gg/).",
+        examples=["wss://discord-proxy.internal/gateway/"],
+    )
+    message_content: bool = Field(
+        True,
+        description="Ask for the privileged Message Content intent (enable it on the "
+        "Developer Portal's Bot page); without it the bot reads only DMs and messages "
+        "that mention it.",
+    )
+    backfill_max_age_seconds: float = Field(
+        86400.0,
+        gt=0,
+        description="After a (re)connect, read back what was written while away up to "
+        "this old; older messages are not answered.",
+    )
+    backfill_max_messages: int = Field(
+        500, ge=1, le=10_000, description="At most this many messages read back per conversation."
+    )
+    backfill_max_conversations: int = Field(
+        1000,
+        ge=1,
+        description="At most this many conversations read back (the most recently active; "
+        "each costs one request, DMs always, server channels only when they have news).",
+    )
+
+    def resolved_token(self) -> str | None:
+        """The bot token (from the environment or `token_file`), if any."""
+        return reveal(self.token)
+
+
 # ----------------------------------------------------------------- tools and MCP servers
 
 _MCP_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_))*")
@@ -1058,7 +1267,12 @@ class WebFetchSettings(_Section):
     max_bytes: int = Field(
         2_000_000, ge=1024, description="Bytes of a page read at most; the rest is cut."
     )
-    max_chars: int = Field(12_000, ge=100, description="Characters of text given to the model.")
+    max_chars: int = Field(
+        200_000,
+        ge=100,
+        description="Characters of a page's text kept; past [agent] "
+        "tool_output_inline_chars the model sees a preview and reads the rest on demand.",
+    )
     max_redirects: int = Field(5, ge=0, le=20, description="Redirects followed, each checked.")
     allow_networks: list[str] = Field(
         default_factory=list,
@@ -1145,8 +1359,10 @@ class ChannelsSettings(_Section):
     cli: CLIChannelSettings = Field(default_factory=CLIChannelSettings)
     telegram: TelegramSettings = Field(default_factory=TelegramSettings)
     slack: SlackSettings = Field(default_factory=SlackSettings)
+    email: EmailSettings = Field(default_factory=EmailSettings)
     matrix: MatrixSettings = Field(default_factory=MatrixSettings)
     whatsapp: WhatsAppSettings = Field(default_factory=WhatsAppSettings)
+    discord: DiscordSettings = Field(default_factory=DiscordSettings)
 
 
 class Settings(_Section):
@@ -1223,8 +1439,10 @@ class Settings(_Section):
                 ("cli", self.channels.cli.enabled),
                 ("telegram", self.channels.telegram.enabled),
                 ("slack", self.channels.slack.enabled),
+                ("email", self.channels.email.enabled),
                 ("matrix", self.channels.matrix.enabled),
                 ("whatsapp", self.channels.whatsapp.enabled),
+                ("discord", self.channels.discord.enabled),
             )
             if on
         }

@@ -1,4 +1,5 @@
-"""Channel cursors in PostgreSQL for the shared mode (`gateway.cursors.CursorStore`).
+"""Channel cursors and state blobs in PostgreSQL for the shared mode
+(`gateway.cursors.CursorStore`): `gw_channel_cursors` and `gw_channel_blobs`.
 
 Written only by the replica holding the channel's leader role, and on the very connection
 that holds its advisory lock (`gateway.replicas.run_as_leader_on`): a replica that lost the
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 
 class PostgresCursorStore:
-    """Cursors in `gw_channel_cursors`, over one connection (autocommit)."""
+    """Cursors in `gw_channel_cursors` and blobs in `gw_channel_blobs`, over one
+    connection (autocommit)."""
 
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self._conn = conn
@@ -37,6 +39,19 @@ class PostgresCursorStore:
             "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value, "
             "updated_at = EXCLUDED.updated_at",
             (name, value, time.time()),
+        )
+
+    async def load_blob(self, name: str) -> bytes | None:
+        cur = await self._conn.execute("SELECT data FROM gw_channel_blobs WHERE name = %s", (name,))
+        row = await cur.fetchone()
+        return bytes(row[0]) if row is not None else None
+
+    async def save_blob(self, name: str, data: bytes) -> None:
+        await self._conn.execute(
+            "INSERT INTO gw_channel_blobs (name, data, updated_at) VALUES (%s, %s, %s) "
+            "ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data, "
+            "updated_at = EXCLUDED.updated_at",
+            (name, data, time.time()),
         )
 
 

@@ -21,6 +21,8 @@ from gateway import __version__
 from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.memory_tools import memory_tools
 from gateway.agent.subagents import META_SUBAGENT, SubagentLimits, Subagents
+from gateway.agent.tool_outputs import OutputLimits, ToolOutputs
+from gateway.agent.tools import ToolRegistry
 from gateway.agent.toolset import build_mcp, build_tools
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
@@ -255,6 +257,31 @@ def agent_config(settings: Settings) -> AgentConfig:
     )
 
 
+def build_tool_outputs(
+    settings: Settings, sessions: SessionManager, tools: ToolRegistry
+) -> ToolOutputs | None:
+    """Big tool results stored whole beside the sessions (`[agent] tool_output_*`), or
+    None when that is off or the model is offered no tool at all: a gateway set up for a
+    model without tool calling is not offered the two tools that read them."""
+    section = settings.agent
+    if not section.tool_output_inline_chars:
+        return None
+    if not (
+        tools.names()
+        or settings.mcp.servers
+        or settings.subagents.enabled
+        or settings.schedules.enabled
+    ):
+        return None
+    limits = OutputLimits(
+        inline_chars=section.tool_output_inline_chars,
+        preview_chars=section.tool_output_preview_chars,
+        read_chars=section.tool_output_read_chars,
+        max_chars=section.tool_output_max_chars,
+    )
+    return ToolOutputs(sessions.outputs, limits)
+
+
 def build_cache(settings: Settings) -> SemanticCache | None:
     """The response cache, or None when disabled. SQLite in the workspace by default."""
     section = settings.cache
@@ -460,6 +487,7 @@ class Gateway:
             people=build_people_store(settings) if settings.memory.scope == "person" else None,
             media=build_media(settings, usage),
             windows=windows,
+            outputs=build_tool_outputs(settings, sessions, tools),
         )
         return cls(
             settings=settings,
@@ -541,8 +569,9 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
         "slack": settings.channels.slack,
         "matrix": settings.channels.matrix,
         "whatsapp": settings.channels.whatsapp,
+        "discord": settings.channels.discord,
     }
-    return {
+    policies = {
         name: ChannelAccessPolicy(
             dm_policy=section.dm_policy,
             allow_from=frozenset(section.allow_from),
@@ -552,6 +581,19 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
         )
         for name, section in sections.items()
     }
+    email = settings.channels.email
+    # Email lists addresses and whole domains, compared in lower case; a refusal is
+    # silent unless asked for (most refused mail is spam with a forged sender).
+    entries = [entry.strip().lower() for entry in email.allow_from]
+    policies["email"] = ChannelAccessPolicy(
+        dm_policy=email.dm_policy,
+        allow_from=frozenset(e for e in entries if "@" in e[1:] or e == "*"),
+        allow_domains=frozenset(e.lstrip("@") for e in entries if "@" not in e[1:] and e != "*"),
+        group_policy="disabled",
+        pairing_ttl=email.pairing_ttl_seconds,
+        silent_refusals=not email.refusal_replies,
+    )
+    return policies
 
 
 def _joins_turns(agent: AgentLoop) -> Callable[[InboundMessage], bool]:
@@ -730,10 +772,14 @@ class Daemon:
             slack = SlackChannel.from_settings(settings.channels.slack)
             slack.mount(self.http)
             self.add_channel(slack)
+        if settings.channels.email.enabled:
+            self.add_channel(self._email_channel())
         if settings.channels.matrix.enabled:
             self.add_channel(self._matrix_channel())
         if settings.channels.whatsapp.enabled:
             self.add_channel(self._whatsapp_channel())
+        if settings.channels.discord.enabled:
+            self.add_channel(self._discord_channel())
 
     # ----------------------------------------------------------------- assembly
 
@@ -786,9 +832,35 @@ class Daemon:
         page.mount(self.http)
         return page
 
+    def _email_channel(self) -> Channel:
+        """The mailbox's channel: its read mark a cursor in the workspace, or in
+        PostgreSQL under the "email watcher" role that one replica holds (it holds the
+        IMAP connection; every replica sends replies)."""
+        from channels.email import EmailChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
+
+        settings = self.gateway.settings
+        lead: Lead
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            lead = lead_as(self.router.store.url, "email watcher")
+        else:
+            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        email = EmailChannel(settings.channels.email, lead=lead)
+        metrics = self.metrics
+
+        async def count_mail() -> None:
+            metrics.mirror_email({"taken": email.taken, "not_answered": email.skipped})
+
+        metrics.on_scrape("email", count_mail)
+        return email
+
     def _matrix_channel(self) -> Channel:
-        """The Matrix channel: its sync token in the workspace, or in PostgreSQL under the
-        "matrix sync" role that one replica holds (Matrix allows one sync per device)."""
+        """The Matrix channel: its sync token and its device's crypto store in the
+        workspace, or in PostgreSQL under the "matrix sync" role that one replica holds
+        (Matrix allows one sync per device, and one user of its keys); the other replicas'
+        replies to encrypted rooms go through that one (`gateway.relay_pg`)."""
         from channels.matrix import MatrixChannel
         from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
 
@@ -799,8 +871,11 @@ class Daemon:
         matrix.invite_check = self.access.check
         if self.router is not None:
             from gateway.cursors_pg import lead_as
+            from gateway.relay_pg import PostgresRelay
 
             matrix.lead = lead_as(self.router.store.url, "matrix sync")
+            if settings.channels.matrix.encryption:
+                matrix.relay = PostgresRelay(self.router.store, "matrix sync")
         else:
             matrix.lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
         return matrix
@@ -843,6 +918,29 @@ class Daemon:
 
         metrics.on_scrape("whatsapp", refresh)
         return channel
+
+    def _discord_channel(self) -> Channel:
+        """The Discord channel, its read positions a cursor in the workspace, or in
+        PostgreSQL under the "discord gateway" role that one replica holds (it holds the
+        Gateway connection and reads back; every replica sends replies)."""
+        from channels.discord import DiscordChannel
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
+
+        settings = self.gateway.settings
+        lead: Lead
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            lead = lead_as(self.router.store.url, "discord gateway")
+        else:
+            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+        section = settings.channels.discord
+        return DiscordChannel(
+            section,
+            token=section.resolved_token() or "",
+            lead=lead,
+            replicas=self.router is not None,
+        )
 
     def _heartbeat_channel(self) -> Channel:
         from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob

@@ -81,6 +81,7 @@ def check_workspace(
 _SECRET_SHAPES = re.compile(
     r"\bsk-[A-Za-z0-9_-]{16,}|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bxapp-[A-Za-z0-9-]{10,}"
     r"|\b\d{6,}:[A-Za-z0-9_-]{30,}|://[^/\s:@]+:[^/\s@]+@"
+    r"|\b[MNO][A-Za-z0-9_-]{22,27}\.[A-Za-z0-9_-]{6,7}\.[A-Za-z0-9_-]{27,}"
 )
 
 
@@ -411,11 +412,15 @@ async def check_channels(settings: Settings) -> list[Finding]:
                     "set GATEWAY_CHANNELS__SLACK__SIGNING_SECRET",
                 )
             )
+    if settings.channels.email.enabled:
+        findings += await check_email(settings)
     matrix = settings.channels.matrix
     if matrix.enabled:
         findings.extend(await _matrix_findings(settings))
     if settings.channels.whatsapp.enabled:
         findings.extend(await _whatsapp_findings(settings))
+    if settings.channels.discord.enabled:
+        findings += await check_discord(settings)
     for job, target in settings.undeliverable_heartbeats():
         channel = target.partition(":")[0]
         findings.append(
@@ -427,6 +432,46 @@ async def check_channels(settings: Settings) -> list[Finding]:
         )
     if not findings:
         findings.append(Finding("ok", "no chat platform enabled (terminal and HTTP API only)"))
+    return findings
+
+
+async def check_email(settings: Settings) -> list[Finding]:
+    """The mailbox: IMAP login and its folders, SMTP login, and who may write."""
+    from channels.email import EmailSetupError, check_mailbox
+
+    email = settings.channels.email
+    findings = []
+    try:
+        with anyio.fail_after(40):
+            found = await check_mailbox(email)
+        findings.append(Finding("ok", f"email works: {found}"))
+    except ConfigError as exc:
+        findings.append(Finding("fail", f"email is enabled but incomplete: {exc}"))
+    except (EmailSetupError, TimeoutError) as exc:
+        findings.append(
+            Finding(
+                "fail",
+                f"email: {exc}".replace("email: email: ", "email: "),
+                "fix the [channels.email] settings or the password; docs/email.md",
+            )
+        )
+    if email.dm_policy == "allowlist" and not email.allow_from:
+        findings.append(
+            Finding(
+                "warn",
+                "email answers nobody: dm_policy is allowlist and allow_from is empty",
+                'list addresses or domains in channels.email.allow_from (e.g. ["example.com"])',
+            )
+        )
+    if email.dm_policy != "allowlist" and not email.require_auth:
+        findings.append(
+            Finding(
+                "warn",
+                f"email answers unknown senders (dm_policy = {email.dm_policy!r}) without "
+                "checking who sent the mail: a forged sender gets the reply",
+                'set channels.email.require_auth = ["dmarc"] and authserv_id',
+            )
+        )
     return findings
 
 
@@ -513,6 +558,53 @@ async def _whatsapp_findings(settings: Settings) -> list[Finding]:
     from channels.whatsapp import check_credentials
 
     return [await _remote_check("whatsapp", check_credentials(wa, wa.resolved_token() or ""))]
+
+
+async def check_discord(settings: Settings) -> list[Finding]:
+    """The bot token (logged in through the HTTP API), the Message Content intent
+    enabled for the app when the bot asks for it, and the Gateway answering."""
+    section = settings.channels.discord
+    token = section.resolved_token()
+    if not token:
+        return [
+            Finding(
+                "fail",
+                "discord is enabled without a bot token",
+                "set GATEWAY_CHANNELS__DISCORD__TOKEN (Developer Portal > Bot > Reset Token)",
+            )
+        ]
+    from channels.discord import check_credentials
+
+    try:
+        with anyio.fail_after(30):
+            found = await check_credentials(section, token)
+    except Exception as exc:
+        return [Finding("fail", f"discord credentials were not accepted: {exc}")]
+    findings = [Finding("ok", f"discord credentials work: {found.identity}")]
+    if section.message_content and not found.message_content_enabled:
+        findings.append(
+            Finding(
+                "fail",
+                "discord: the Message Content intent is not enabled for the app; the "
+                "Gateway would refuse the bot (close code 4014)",
+                "Developer Portal > your app > Bot > Privileged Gateway Intents > Message "
+                "Content Intent, or set channels.discord.message_content = false (the bot "
+                "then reads only DMs and messages that mention it)",
+            )
+        )
+    elif section.message_content:
+        findings.append(Finding("ok", "discord: the Message Content intent is enabled"))
+    if found.gateway_problem:
+        findings.append(
+            Finding(
+                "fail",
+                f"discord: {found.gateway_problem}",
+                "check the network, or channels.discord.gateway_url",
+            )
+        )
+    else:
+        findings.append(Finding("ok", "discord: the Gateway answers"))
+    return findings
 
 
 async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:

@@ -13,9 +13,10 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
 before the user's message is stored (or one that joined the running turn), before the
 reply is recorded in the outbox, before it is sent, and before the message is marked
-answered; and, for the Matrix channel, just before and just after a batch's since
-token is stored (the kill test's worst moments); and, for WhatsApp's webhook, a message
-journaled, its delivery not yet answered 200.
+answered; and, for the Matrix channel, just before and just after a batch's since token
+is stored (the kill test's worst moments); for WhatsApp's webhook, a message journaled,
+its delivery not yet answered 200; and, on email, between the journal and the `\\Seen`
+flag that confirms a mail to the server.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ POINTS = frozenset(
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",
+        # A mail is journaled and not yet flagged \Seen on the IMAP server (channels.email).
+        "email.before_confirm",
         # Matrix's sync loop, around storing a batch's since token (its confirmation).
         "matrix.before_cursor",
         "matrix.after_cursor",

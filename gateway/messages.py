@@ -43,6 +43,10 @@ META_EDIT_OF = "edit_of"
 #: daily budget) that is answered with this text, without a turn: both are stored in the
 #: session, and the answer is delivered like any reply.
 META_NOTICE = "notice"
+#: Metadata of an inbound message: what its platform needs to answer it in place (email:
+#: the subject and the References chain), opaque to the core. `reply_for` copies it onto
+#: the reply, so a reply sent from the outbox after a restart still has it.
+META_REPLY_CONTEXT = "reply_context"
 #: Metadata: when the person sent the message, by the platform's clock (Unix seconds);
 #: `received_at` is when the gateway got it, which after downtime can be much later.
 META_SENT_AT = "sent_at"
@@ -306,7 +310,11 @@ def reply_for(
     metadata: dict[str, Any] | None = None,
     files: tuple[OutboundFile, ...] = (),
 ) -> OutboundMessage:
-    """A reply addressed back to where `inbound` came from: same chat, thread, session."""
+    """A reply addressed back to where `inbound` came from: same chat, thread, session
+    (and the platform's reply context, `META_REPLY_CONTEXT`, when the message has one)."""
+    context = inbound.metadata.get(META_REPLY_CONTEXT)
+    if context is not None:
+        metadata = {META_REPLY_CONTEXT: context, **(metadata or {})}
     return OutboundMessage(
         channel=inbound.channel,
         chat_id=inbound.chat_id,

@@ -18,6 +18,7 @@ the start (at 0), so a rate or an alert has a series before the first event. The
 - llm error kind: LLMError | LLMConfigError
 - consolidation outcome: ok | failed | skipped
 - connection drop reason: header_timeout | body_timeout | over_limit | idle_evicted
+- email mail outcome: taken | not_answered
 - WhatsApp status: sent | delivered | read | failed; WhatsApp failure: re_engagement
   (131047) | undeliverable (131026) | throughput (130429, 131056, 80007, 4) | other
 
@@ -81,6 +82,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 TURN_OUTCOMES = ("ok", "error", "cached", "command")
 DROP_REASONS = ("lane_full", "draining", "access_denied")
+#: What became of a mail the email channel read (channels.email): journaled then
+#: confirmed, or not answered (machines, lists, bounces, unauthenticated or empty mail).
+EMAIL_OUTCOMES = ("taken", "not_answered")
 LLM_ERROR_KINDS = ("LLMError", "LLMConfigError")
 CONSOLIDATION_OUTCOMES = ("ok", "failed", "skipped")
 
@@ -203,6 +207,13 @@ class Metrics:
             "Inbound messages ignored as platform redeliveries.",
             ("channel",),
         )
+        self.email_mail = self._mirror(
+            "gateway_email_mail_total",
+            "Mail the email channel read, by outcome: taken (journaled, then flagged or "
+            "moved), not_answered (machines, lists, bounces, unauthenticated, empty).",
+            ("outcome",),
+        )
+        self.mirror_email({})  # every outcome at 0 from the start
         self.channel_up = Gauge(
             "gateway_channel_up",
             "1 while a channel is connected, else 0.",
@@ -369,6 +380,10 @@ class Metrics:
         self.llm_cost.labels(*labels).inc(row.cost)
         if row.kind == "transcription":
             self.transcribed_audio.labels(row.channel, row.model).inc(row.audio_seconds)
+
+    def mirror_email(self, by_outcome: Mapping[str, int]) -> None:
+        for outcome in EMAIL_OUTCOMES:
+            self.email_mail.set_total(by_outcome.get(outcome, 0), outcome)
 
     def mirror_providers(self, statuses: Iterable[BreakerStatus]) -> None:
         """Copy each provider's breaker counts and state (before a scrape, and once at

@@ -28,7 +28,7 @@ from gateway.fsutil import atomic_write_text, ensure_private_dir, file_lock
 
 PEOPLE_FILE = "people.json"
 #: Channels whose direct conversations can belong to a person.
-DM_CHANNELS = frozenset({"telegram", "slack", "matrix"})
+DM_CHANNELS = frozenset({"telegram", "slack", "matrix", "discord"})
 #: The prefix of a person's memory scope (a sender id cannot start with it).
 PERSON_SCOPE_PREFIX = "person:"
 
@@ -42,6 +42,10 @@ _ID_PATTERNS = {
     "matrix": (
         re.compile(r"@[a-z0-9._=/+-]+:[A-Za-z0-9.-]+(:[0-9]{1,5})?"),
         "a Matrix user id looks like matrix:@alice:example.org",
+    ),
+    "discord": (
+        re.compile(r"[1-9][0-9]{15,19}"),
+        "a Discord user id is a number of 16 to 20 digits, e.g. discord:80351110224678912",
     ),
 }
 

@@ -67,6 +67,7 @@ SECRET_FILES = [
     ("channels.slack", "bot_token"),
     ("channels.slack", "app_token"),
     ("channels.slack", "signing_secret"),
+    ("channels.discord", "token"),
 ]
 
 

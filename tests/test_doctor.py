@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeOpenAI, Flavor
 from tests.gateway_process import GatewayProcess
 from tests.local_redis import REDIS_URL, require_redis
@@ -370,3 +371,41 @@ def test_a_provider_without_its_key_is_named_before_anything_starts(tmp_path: Pa
         "or api_key_file"
     ) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def discord_env(tmp_path: Path, llm: FakeOpenAI, fake: FakeDiscord, token: str) -> dict[str, str]:
+    return base_env(tmp_path) | {
+        "OPENAI_BASE_URL": llm.base_url,
+        "OPENAI_API_KEY": llm.api_key or "",
+        "GATEWAY_HTTP__TOKEN": "tok-123456",
+        "GATEWAY_CHANNELS__DISCORD__ENABLED": "true",
+        "GATEWAY_CHANNELS__DISCORD__TOKEN": token,
+        "GATEWAY_CHANNELS__DISCORD__API_URL": fake.api_url,
+        "GATEWAY_CHANNELS__DISCORD__GATEWAY_URL": fake.gateway_url,
+    }
+
+
+def test_discord_is_checked_token_intent_and_gateway(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    (tmp_path / "ws").mkdir(mode=0o700)
+    with FakeDiscord.in_thread() as fake:
+        good = doctor(discord_env(tmp_path, fake_openai_thread, fake, fake.token), tmp_path)
+        assert good.returncode == 0, good.stdout + good.stderr
+        assert f"ok    discord credentials work: @gateway ({fake.bot_id})" in good.stdout
+        assert "ok    discord: the Message Content intent is enabled" in good.stdout
+        assert "ok    discord: the Gateway answers" in good.stdout
+        # The doctor opened the Gateway without identifying (no session made).
+        assert fake.connections and not fake.identified_connections()
+        wrong = doctor(discord_env(tmp_path, fake_openai_thread, fake, "wrong-token"), tmp_path)
+        assert wrong.returncode == 1 and "refused the bot token" in wrong.stdout
+        assert "wrong-token" not in wrong.stdout
+        fake.application_flags = 0  # the Message Content intent switched off
+        off = doctor(discord_env(tmp_path, fake_openai_thread, fake, fake.token), tmp_path)
+        assert off.returncode == 1
+        assert "the Message Content intent is not enabled" in off.stdout
+        assert "message_content = false" in off.stdout
+        env = discord_env(tmp_path, fake_openai_thread, fake, fake.token)
+        fine = doctor(env | {"GATEWAY_CHANNELS__DISCORD__MESSAGE_CONTENT": "false"}, tmp_path)
+        assert fine.returncode == 0, fine.stdout
+    assert "Traceback" not in good.stderr + wrong.stderr + off.stderr

@@ -260,7 +260,7 @@ async def test_invites_from_strangers_are_declined_with_their_pairing_code_then_
     assert reply["content"]["body"] == "echo: hello now"
 
 
-async def test_encrypted_rooms_are_refused_with_the_reason_in_the_room_and_the_log(
+async def test_with_encryption_off_encrypted_rooms_are_refused_with_the_reason_in_the_room(
     fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
 ) -> None:
     bot, alice = synapse.register(), synapse.register()
@@ -269,7 +269,9 @@ async def test_encrypted_rooms_are_refused_with_the_reason_in_the_room_and_the_l
         "state_key": "",
         "content": {"algorithm": "m.megolm.v1.aes-sha2"},
     }
-    async with gateway(make_settings, fake_openai, synapse, bot):
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, channels__matrix__encryption=False
+    ):
         room = await call(
             synapse.create_room, alice, invite=[bot.user_id], initial_state=[encryption]
         )
@@ -378,3 +380,194 @@ async def test_a_refused_token_stops_the_channel_with_what_to_do(
     with pytest.raises(MatrixSetupError, match="cannot reach the homeserver"):
         unreachable = settings.model_copy(update={"homeserver": "http://127.0.0.1:9"})
         await check_credentials(unreachable, bot.access_token)
+
+
+# --------------------------------------------------------------------------- replies shown
+
+
+def edit_of(event: dict[str, Any]) -> str | None:
+    relation = event["content"].get("m.relates_to") or {}
+    return relation.get("event_id") if relation.get("rel_type") == "m.replace" else None
+
+
+async def test_a_streamed_reply_is_one_message_replaced_as_it_is_written(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    bot, alice = synapse.register(), synapse.register()
+    words = " ".join(f"word{i}" for i in range(60))
+    fake_openai.add_reply(words, chunk_delay=0.04)  # about 2.5 s of streaming
+    quick = Pacing(stream_interval=0.3)
+    async with gateway(
+        make_settings,
+        fake_openai,
+        synapse,
+        bot,
+        pacing=quick,
+        llm__stream=True,
+        channels__matrix__streaming=True,
+    ):
+        room = await dm_room(synapse, alice, bot)
+        asked = await call(synapse.send, alice, room, "write slowly")
+
+        async def final_edit() -> bool:
+            said = await call(bot_messages, synapse, alice, room, bot)
+            return any(e["content"].get("m.new_content", {}).get("body") == words for e in said)
+
+        with anyio.fail_after(20):
+            while not await final_edit():  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+        await anyio.sleep(0.5)
+        said = await call(bot_messages, synapse, alice, room, bot)
+    [shown] = [e for e in said if edit_of(e) is None]  # one message, however many edits
+    edits = [e for e in said if edit_of(e) is not None]
+    assert shown["content"]["m.relates_to"] == {"m.in_reply_to": {"event_id": asked}}
+    assert len(shown["content"]["body"]) < len(words)  # the first preview, not the reply
+    assert words.startswith(shown["content"]["body"])
+    assert len(edits) >= 2  # previews replaced while written, then the final text
+    assert all(edit_of(e) == shown["event_id"] for e in edits)
+    bodies = [e["content"]["m.new_content"]["body"] for e in edits]
+    assert all(words.startswith(b) for b in bodies) and bodies[-1] == words
+    assert [len(b) for b in bodies] == sorted(len(b) for b in bodies)
+    assert edits[-1]["content"]["body"] == f"* {words}"  # what older clients show
+
+
+def edit_content(original: str, text: str) -> dict[str, Any]:
+    return {
+        "msgtype": "m.text",
+        "body": f"* {text}",
+        "m.new_content": {"msgtype": "m.text", "body": text},
+        "m.relates_to": {"rel_type": "m.replace", "event_id": original},
+    }
+
+
+async def test_editing_the_latest_message_reruns_its_turn_and_an_older_one_is_told(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    from gateway.agent.rewind import OLD_EDIT_TEXT
+
+    bot, alice = synapse.register(), synapse.register()
+    async with gateway(make_settings, fake_openai, synapse, bot) as gw:
+        room = await dm_room(synapse, alice, bot)
+        first = await call(synapse.send, alice, room, "I live in Paris")
+        await wait_bot_messages(synapse, alice, room, bot, 1)
+        second = await call(synapse.send, alice, room, "whats 2+3")
+        await wait_bot_messages(synapse, alice, room, bot, 2)
+        await call(synapse.send, alice, room, edit_content(second, "what's 2+2"))
+        replies = await wait_bot_messages(synapse, alice, room, bot, 3)
+        rerun = fake_openai.last_request
+        await call(synapse.send, alice, room, edit_content(first, "I live in Rome"))
+        replies = await wait_bot_messages(synapse, alice, room, bot, 4)
+        await anyio.sleep(0.5)
+        replies = await call(bot_messages, synapse, alice, room, bot)
+        calls = len(fake_openai.chat_requests)
+    assert [r["content"]["body"] for r in replies] == [
+        "echo: I live in Paris",
+        "echo: whats 2+3",
+        "echo: what's 2+2",
+        OLD_EDIT_TEXT,
+    ]
+    # The re-run answers the message that was edited, and the model saw the new text in
+    # place of the old one, not after it.
+    assert replies[2]["content"]["m.relates_to"] == {"m.in_reply_to": {"event_id": second}}
+    sent = [str(m["content"]) for m in rerun.messages[1:]]
+    assert sent == ["I live in Paris", "echo: I live in Paris", "what's 2+2"]
+    assert replies[3]["content"]["m.relates_to"] == {"m.in_reply_to": {"event_id": first}}
+    assert calls == 3  # the older edit did not ask the model
+    assert "I live in Rome" not in session_file(gw.settings, f"matrix:{room}")
+
+
+def download(synapse: Synapse, user: MatrixUser, mxc: str) -> bytes:
+    """A file from the content repository, as a client fetches it (authenticated)."""
+    import urllib.request
+
+    server, media = mxc.removeprefix("mxc://").split("/", 1)
+    request = urllib.request.Request(
+        f"{synapse.url}/_matrix/client/v1/media/download/{server}/{media}",
+        headers={"Authorization": f"Bearer {user.access_token}"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return bytes(answer.read())
+
+
+async def test_files_of_a_reply_are_uploaded_and_sent_after_its_text(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    from gateway.messages import OutboundFile, OutboundMessage
+    from tests.test_media_e2e import png
+
+    bot, alice = synapse.register(), synapse.register()
+    csv = "city,temp\nParis,21\nRome,27\n"
+    fake_openai.add_tool_call(
+        "send_file", {"name": "weather.csv", "content": csv, "caption": "today"}
+    )
+    fake_openai.add_reply("Here is the data.")
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, agent__tools='["send_file"]'
+    ) as gw:
+        room = await dm_room(synapse, alice, bot)
+        asked = await call(synapse.send, alice, room, "weather as csv please")
+        text, sheet = await wait_bot_messages(synapse, alice, room, bot, 2)
+        chart = OutboundFile("chart.png", png(320, 200), mime_type="image/png", caption="sales")
+        await gw.channel.send(OutboundMessage("matrix", room, "", f"matrix:{room}", files=(chart,)))
+        *_, image = await wait_bot_messages(synapse, alice, room, bot, 3)
+    assert text["content"]["body"] == "Here is the data."
+    assert text["content"]["m.relates_to"] == {"m.in_reply_to": {"event_id": asked}}
+    content = sheet["content"]
+    assert content["msgtype"] == "m.file" and content["filename"] == "weather.csv"
+    assert content["body"] == "today"  # the caption (Matrix 1.10: body beside filename)
+    assert content["info"] == {"mimetype": "text/csv", "size": len(csv)}
+    assert await call(download, synapse, alice, content["url"]) == csv.encode()
+    shown = image["content"]
+    assert shown["msgtype"] == "m.image" and shown["info"]["mimetype"] == "image/png"
+    assert await call(download, synapse, alice, shown["url"]) == chart.data
+
+
+class Ephemeral:
+    """Who is typing in a room and what each one marked read, as `user`'s client learns
+    it from incremental /syncs (an identical request may be answered from Synapse's
+    cache, an incremental one is not)."""
+
+    def __init__(self, synapse: Synapse, user: MatrixUser, room: str) -> None:
+        self.synapse, self.user, self.room = synapse, user, room
+        self.since: str | None = None
+        self.typing: list[str] = []
+        self.receipts: dict[str, str] = {}
+
+    def poll(self) -> Ephemeral:
+        query = "timeout=0" + (f"&since={urllib.parse.quote(self.since)}" if self.since else "")
+        answer = self.synapse.request(
+            "GET", f"/_matrix/client/v3/sync?{query}", token=self.user.access_token
+        )
+        self.since = answer["next_batch"]
+        joined = answer.get("rooms", {}).get("join", {}).get(self.room, {})
+        for event in joined.get("ephemeral", {}).get("events", []):
+            if event["type"] == "m.typing":
+                self.typing = list(event["content"].get("user_ids", []))
+            if event["type"] == "m.receipt":
+                for event_id, kinds in event["content"].items():
+                    for reader in kinds.get("m.read", {}):
+                        self.receipts[reader] = event_id
+        return self
+
+
+async def test_the_bot_shows_typing_while_it_works_and_marks_what_it_took_read(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    bot, alice = synapse.register(), synapse.register()
+    fake_openai.add_delay(3.0, "done thinking")
+    async with gateway(make_settings, fake_openai, synapse, bot):
+        room = await dm_room(synapse, alice, bot)
+        seen = await call(Ephemeral(synapse, alice, room).poll)
+        asked = await call(synapse.send, alice, room, "think hard")
+        with anyio.fail_after(10):
+            while bot.user_id not in (await call(seen.poll)).typing:  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+        assert await call(bot_messages, synapse, alice, room, bot) == []  # still working
+        with anyio.fail_after(10):
+            while seen.receipts.get(bot.user_id) != asked:  # journaled: marked read
+                await anyio.sleep(0.1)
+                await call(seen.poll)
+        await wait_bot_messages(synapse, alice, room, bot, 1)
+        with anyio.fail_after(10):
+            while bot.user_id in (await call(seen.poll)).typing:  # noqa: ASYNC110
+                await anyio.sleep(0.1)

@@ -207,3 +207,43 @@ def test_the_access_token_is_refused_in_the_file_and_read_from_a_file(tmp_path: 
     assert load_settings(config, environ={}).channels.matrix.resolved_token() == "syt_from_file"
     with pytest.raises(ConfigError, match="user_id"):
         load_settings(None, environ={"GATEWAY_CHANNELS__MATRIX__USER_ID": "gateway"})
+
+
+def test_channel_blobs_are_private_files_whose_names_never_leave_their_folder(
+    tmp_path: Path,
+) -> None:
+    import stat
+
+    store = FileCursorStore(tmp_path / "channel-cursors.json")
+    name = "matrix-crypto:@bot:s:../../etc/DEV"
+    assert anyio.run(store.load_blob, name) is None
+    anyio.run(store.save_blob, name, b"\x00state")
+    path = store.blob_path(name)
+    assert path.parent == tmp_path / "channel-state" and path.read_bytes() == b"\x00state"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert anyio.run(store.load_blob, name) == b"\x00state"
+    assert store.blob_path("a:b") != store.blob_path("a_b")
+
+
+def test_an_encrypted_files_reference_carries_its_key_and_a_changed_file_is_refused() -> None:
+    from channels.matrix.channel import file_attachment
+    from channels.matrix.crypto import decrypt_file, encrypt_file, split_file_id
+
+    ciphertext, keys = encrypt_file(b"PLUM")
+    attachment = file_attachment(
+        {
+            "msgtype": "m.file",
+            "body": "note.txt",
+            "file": {"url": "mxc://s/abc", **keys},
+            "info": {"mimetype": "text/plain", "size": 4},
+        }
+    )
+    assert attachment is not None and attachment.file_id.startswith("mxc://s/abc#e2e=")
+    url, secret = split_file_id(attachment.file_id)
+    assert url == "mxc://s/abc" and secret is not None
+    assert decrypt_file(ciphertext, secret) == b"PLUM"
+    with pytest.raises(ValueError, match="SHA-256"):
+        decrypt_file(ciphertext[:-1] + bytes([ciphertext[-1] ^ 1]), secret)
+    assert split_file_id("mxc://s/plain") == ("mxc://s/plain", None)
+    assert file_attachment({"msgtype": "m.file", "body": "x", "file": {"url": "mxc://s/a"}}) is None

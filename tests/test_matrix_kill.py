@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from channels.matrix.channel import UNREADABLE_NOTICE
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_process import GatewayProcess, base_env, wait_until
+from tests.matrix_peer import PeerThread, start_peer
 from tests.synapse_server import MatrixUser, Synapse
 from tests.test_kill_delivery import (
     SEED,
@@ -298,6 +300,185 @@ def test_one_replica_syncs_and_a_standby_takes_over_from_the_stored_token(
             replies = said()
             for text in first + second:
                 assert replies.count(f"echo: {text}") == 1, (text, replies)
+            assert standby.terminate() == 0
+        finally:
+            for proc in replicas:
+                proc.stop()
+
+
+# --------------------------------------------------------------------------- encrypted rooms
+
+
+class EncryptedRooms:
+    """One encrypted DM room per test user with the bot, each user with an encrypting
+    client of their own (tests/matrix_peer.py) on the `PeerThread`'s event loop; what the
+    bot said is read by decrypting it, as the users' clients show it."""
+
+    def __init__(
+        self, synapse: Synapse, bot: MatrixUser, count: int, folder: Path, thread: PeerThread
+    ) -> None:
+        self.bot = bot
+        self.thread = thread
+        self.peers = [
+            thread.run(start_peer(synapse, synapse.register(), folder / f"peer{i}"))
+            for i in range(count)
+        ]
+        self.rooms = [thread.run(peer.encrypted_room([bot.user_id])) for peer in self.peers]
+        self._last_poll = 0.0
+        self._last: tuple[bool, int, bool] = (False, -1, True)
+
+    def wait_joined(self, timeout: float = 60) -> None:
+        for peer, room in zip(self.peers, self.rooms, strict=True):
+            self.thread.run(peer.wait_member(room, self.bot.user_id, timeout), timeout + 5)
+
+    def send(self, message: Message) -> None:
+        self.thread.run(self.peers[message.user].send(self.rooms[message.user], message.text))
+
+    def bot_texts(self) -> list[str]:
+        def read() -> list[str]:
+            return [
+                m.body
+                for peer, room in zip(self.peers, self.rooms, strict=True)
+                for m in peer.messages(room, self.bot.user_id)
+            ]
+
+        return self.thread.call(read)
+
+    def undecryptable(self) -> list[str]:
+        return self.thread.call(lambda: [e for p in self.peers for e in p.undecryptable])
+
+    def progress(self, sent: list[Message]) -> Callable[[], tuple[bool, int, bool]]:
+        wanted = {m.text for m in sent}
+
+        def check() -> tuple[bool, int, bool]:
+            if time.monotonic() - self._last_poll >= 0.5:
+                self._last_poll = time.monotonic()
+                texts = self.bot_texts()
+                answered, _ = echoed(texts)
+                self._last = (wanted <= set(answered), len(texts), False)
+            return self._last
+
+        return check
+
+
+@pytest.fixture
+def peer_thread() -> Iterator[PeerThread]:
+    thread = PeerThread()
+    yield thread
+    thread.close(thread.peers)
+
+
+@pytest.mark.timeout(420)
+def test_encrypted_rooms_survive_kills_just_before_and_just_after_the_token_is_stored(
+    tmp_path: Path,
+    synapse: Synapse,
+    runs: Callable[[dict[str, str]], Gateways],
+    peer_thread: PeerThread,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The failpoint kills of the test above, in end-to-end encrypted rooms: every user
+    writes from an encrypting client of their own, the gateway decrypts with its device's
+    keys and answers encrypted. A message journaled before a kill comes again after the
+    restart and must still decrypt (the room keys were durable before the token moved
+    on), and so must the same sessions' later messages: nothing lost, nothing stored or
+    answered twice beyond the promise, and no "could not read" notice."""
+    rng = random.Random(SEED)
+    workspace = tmp_path / "ws"
+    count, rate = scaled(60), 6.0
+    bot = synapse.register()
+    sent = plan_messages(count, scaled(5), rng)
+    points = ["matrix.before_cursor", "matrix.after_cursor"] * 2
+    with FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm:
+        env = matrix_env(workspace, llm, synapse, bot)
+        run = runs(env | {"GATEWAY_FAILPOINTS": f"{points[0]}=sigstop"})
+        process = run.start()
+        rooms = EncryptedRooms(synapse, bot, scaled(5), tmp_path / "peers", peer_thread)
+        peer_thread.peers.extend(rooms.peers)
+        rooms.wait_joined()
+        started = time.monotonic()
+        with pushing(sent, rate, rooms.send):
+            for n, point in enumerate(points):
+                if n:
+                    run.env = env | {"GATEWAY_FAILPOINTS": f"{point}=sigstop"}
+                    process = run.launch()
+                deadline = time.monotonic() + 40
+                while not stopped(process.proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert stopped(process.proc.pid), f"{point} was never reached"
+                run.kill()
+            run.env = env
+            run.start()
+        settle(rooms.progress(sent))
+        run.terminate()
+        user_entries, assistant_entries = session_entries(workspace / "sessions")
+        answered, other = echoed(rooms.bot_texts())
+        tally = Tally(
+            scenario="matrix-encrypted-confirm",
+            logs=run.save_logs(tmp_path / "logs", []),
+            sent=sent,
+            user_entries=user_entries,
+            assistant_entries=assistant_entries,
+            reply_order=answered,
+            other_replies=other,
+            kills=run.kills,
+            seconds=time.monotonic() - started,
+            exit_code=run.exit_code,
+        )
+    with capsys.disabled():
+        print(f"\n{tally.summary()}")
+    tally.check_promise()
+    assert UNREADABLE_NOTICE not in other, "a journaled message could not be decrypted again"
+    assert rooms.undecryptable() == [], "a reply of the bot could not be decrypted"
+
+
+@pytest.mark.timeout(240)
+def test_a_standby_takes_over_the_device_keys_of_encrypted_rooms_from_postgresql(
+    migrated_pg_url: str, tmp_path: Path, synapse: Synapse, peer_thread: PeerThread
+) -> None:
+    """Shared mode, encrypted rooms: the leader received the users' room keys; SIGKILLed,
+    its standby takes the "matrix sync" role and the device's keys from PostgreSQL, and
+    decrypts the same Megolm sessions' next messages (their keys are not sent again) and
+    answers them encrypted, each once."""
+    bot = synapse.register()
+    with FakeOpenAI.in_thread() as llm:
+        env = matrix_env(tmp_path / "unused", llm, synapse, bot) | {
+            "GATEWAY_STORAGE__URL": migrated_pg_url
+        }
+        replicas = []
+        for i in range(2):
+            proc = GatewayProcess(env | {"GATEWAY_WORKSPACE": str(tmp_path / f"ws{i}")}, tmp_path)
+            proc.wait_readyz(proc.wait_ready())
+            replicas.append(proc)
+        try:
+            rooms = EncryptedRooms(synapse, bot, 2, tmp_path / "peers", peer_thread)
+            peer_thread.peers.extend(rooms.peers)
+            rooms.wait_joined()
+
+            def answered(texts: list[str]) -> bool:
+                replies = rooms.bot_texts()
+                return all(f"echo: {t}" in replies for t in texts)
+
+            first = [Message(user, n) for n in range(4) for user in (0, 1)]
+            for message in first:
+                rooms.send(message)
+            wait_until(lambda: answered([m.text for m in first]), 30, "the first messages")
+            leaders = [p for p in replicas if any("is now the matrix sync" in x for x in p.log)]
+            assert len(leaders) == 1
+            leader = leaders[0]
+            standby = replicas[1 - replicas.index(leader)]
+            leader.kill()
+            # The second user's conversation: the first one's lease stays with the dead
+            # replica for the lease time (docs/scaling.md).
+            second = [Message(1, n) for n in range(10, 15)]
+            for message in second:
+                rooms.send(message)
+            wait_until(lambda: answered([m.text for m in second]), 40, "the standby's answers")
+            standby.wait_for_line("is now the matrix sync", timeout=1)
+            assert not any("new encryption keys made" in line for line in standby.log)
+            replies = rooms.bot_texts()
+            for message in first + second:
+                assert replies.count(f"echo: {message.text}") == 1, (message, replies)
+            assert rooms.undecryptable() == []
             assert standby.terminate() == 0
         finally:
             for proc in replicas:

@@ -162,6 +162,7 @@ EXPECTED_SERIES = {
     "gateway_dropped_messages_total": ("counter", {"channel", "reason"}),
     "gateway_duplicates_total": ("counter", {"channel"}),
     "gateway_channel_up": ("gauge", {"channel"}),
+    "gateway_email_mail_total": ("counter", {"outcome"}),
     "gateway_consolidations_total": ("counter", {"outcome"}),
     "gateway_memory_search_incomplete_total": ("counter", set()),
     "gateway_http_requests_total": ("counter", {"method", "route", "status"}),
@@ -178,6 +179,7 @@ def test_every_series_of_before_keeps_its_name_type_and_labels() -> None:
     metrics.llm_errors.set_total(2, "LLMError")
     metrics.mirror_drops("all", {"lane_full": 3})
     metrics.duplicates.set_total(1, "all")
+    metrics.mirror_email({"taken": 2})
     metrics.channel_up.labels("telegram").set(1)
     metrics.http_requests.labels("GET", "/healthz", "200").inc()
     metrics.http_request_seconds.labels("/healthz").observe(0.001)
@@ -348,6 +350,7 @@ DOCUMENTED = {
     "llm error kind": ("gateway_llm_errors_total", "kind"),
     "consolidation outcome": ("gateway_consolidations_total", "outcome"),
     "connection drop reason": ("gateway_http_connections_dropped_total", "reason"),
+    "email mail outcome": ("gateway_email_mail_total", "outcome"),
 }
 
 

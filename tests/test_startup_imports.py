@@ -34,8 +34,12 @@ with open(sys.argv[1], "w") as out:
 #: workspace uses, `gateway chat -m` included.
 UNUSED_BY_CHAT = (
     "telegram",
+    "discord",
     "slack_bolt",
     "slack_sdk",
+    "nio",
+    "vodozemac",
+    "peewee",
     "jinja2",
     "PIL",
     "pypdf",

@@ -31,13 +31,19 @@ HOSTILE_KEY = "slack:C1:thread:1700000000.000100'; --"
 HOSTILE_TEXT = "nul\x00 'quote\" \\ back; DROP TABLE gw_sessions; \u202e bidi \U0001f600"
 
 
+#: A stored tool output (`gateway.sessions.outputs`): non-ASCII, NUL, no final newline.
+PAGE = "".join(f"line {i}: Grüße \x00 {'x' * (i % 40)}\n" for i in range(2000)) + "end"
+
+
 def populate(manager: SessionManager) -> None:
     """Every shape a session takes: turns, `/new` (twice), a branch, a label, a fork,
-    custom entries, hostile text and keys, non-ASCII."""
+    custom entries, hostile text and keys, non-ASCII; and tool outputs stored beside
+    them (one in an archived session, one a fork copied, one of the hostile key)."""
     first = manager.get_or_create("telegram:1")
     for i in range(3):
         first.add_message(user(f"question {i}"))
         first.add_message(assistant(f"answer {i}"))
+    manager.outputs.put("telegram:1", first.session_id, PAGE)
     manager.reset("telegram:1")
     first.add_message(user("after the first /new"))
     manager.reset("telegram:1")
@@ -49,8 +55,11 @@ def populate(manager: SessionManager) -> None:
     thread.branch(root.id)
     thread.add_message(assistant("another way"))
     thread.append_custom_info("note", {"nested": [1, 2.5, None, "x"]})
+    manager.outputs.put("slack:C9:thread:1.5", thread.session_id, PAGE[:30_000])
     manager.fork("slack:C9:thread:1.5", new_key="cli:forked")
-    manager.get_or_create(HOSTILE_KEY).add_message(user(HOSTILE_TEXT))
+    hostile = manager.get_or_create(HOSTILE_KEY)
+    hostile.add_message(user(HOSTILE_TEXT))
+    manager.outputs.put(HOSTILE_KEY, hostile.session_id, HOSTILE_TEXT * 500)
 
 
 def file_workspace(tmp_path: Path) -> Path:
@@ -72,8 +81,27 @@ def session_files(workspace: Path) -> dict[str, bytes]:
     }
 
 
-def dump_rows(url: str) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """Every column of every session row and entry row, in a stable order."""
+def output_files(workspace: Path) -> dict[str, tuple[bytes, float]]:
+    """Every stored tool output file under the workspace's sessions: its bytes and time."""
+    root = workspace / "sessions" / "outputs"
+    return {
+        str(path.relative_to(root)): (path.read_bytes(), path.stat().st_mtime)
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+def same_outputs(a: dict[str, tuple[bytes, float]], b: dict[str, tuple[bytes, float]]) -> bool:
+    """The same files with the same bytes, and times within a microsecond (a double in
+    PostgreSQL keeps no more of a time than that)."""
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and abs(a[k][1] - b[k][1]) < 2e-6 for k in a
+    )
+
+
+def dump_rows(url: str) -> tuple[list[tuple[Any, ...]], ...]:
+    """Every column of every session row, entry row and tool output row, in a stable
+    order."""
     import psycopg
 
     with psycopg.connect(url) as conn:
@@ -85,7 +113,11 @@ def dump_rows(url: str) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
             "SELECT session_id, seq, entry_id, parent_id, type, body::text "
             "FROM gw_session_entries ORDER BY session_id, seq"
         ).fetchall()
-    return sessions, entries
+        outputs = conn.execute(
+            "SELECT session_key, handle, session_id, created_at, content "
+            "FROM gw_tool_outputs ORDER BY session_key, handle"
+        ).fetchall()
+    return sessions, entries, outputs
 
 
 @pytest.fixture
@@ -128,11 +160,20 @@ def test_files_to_postgresql_to_files_gives_identical_session_files(
         "0 conflicting (left as they are)"
     )
     assert "sessions [7/7] imported" in imported.stderr
+    assert imported.stdout.strip().split("; ")[1] == (
+        "tool outputs: 4 imported, 0 already there, 0 damaged (skipped), "
+        "0 conflicting (left as they are)"
+    )
+    outputs = output_files(source)
+    assert len(outputs) == 4
 
     exported = storage(["export", str(tmp_path / "back")], migrated_pg_url, tmp_path)
     assert exported.returncode == 0, exported.stderr
     assert session_files(tmp_path / "back") == before
     assert session_files(source) == before  # the import only read
+    # The tool outputs come back byte for byte, with their times, where they were.
+    assert same_outputs(output_files(tmp_path / "back"), outputs)
+    assert output_files(source) == outputs
 
     # The file mode reads the exported workspace as it read the original.
     back = SessionManager(tmp_path / "back" / "sessions")
@@ -142,6 +183,11 @@ def test_files_to_postgresql_to_files_gives_identical_session_files(
     assert back.open_archived("telegram:1", 2).message_count == 6
     hostile = back.get(HOSTILE_KEY)
     assert hostile is not None and [m.content for m in hostile.messages] == [HOSTILE_TEXT]
+    # ...and its conversations read their tool outputs under the same handles.
+    handles = {name.split("/")[0]: name.split("/")[2][:-4] for name in outputs}
+    assert back.outputs.get(HOSTILE_KEY, handles[encode_key(HOSTILE_KEY)]) == HOSTILE_TEXT * 500
+    assert back.outputs.get("telegram:1", handles[encode_key("telegram:1")]) == PAGE
+    assert back.outputs.get("cli:forked", handles[encode_key("cli:forked")]) == PAGE[:30_000]
 
 
 def test_postgresql_to_files_to_postgresql_gives_identical_rows(
@@ -152,6 +198,7 @@ def test_postgresql_to_files_to_postgresql_gives_identical_rows(
     populate(shared_manager)
     rows = dump_rows(migrated_pg_url)
     assert len(rows[0]) == 6 and sum(r[7] is not None for r in rows[0]) == 2
+    assert len(rows[2]) == 4 and HOSTILE_TEXT.encode() * 500 in [bytes(r[4]) for r in rows[2]]
 
     exported = storage(["export", str(tmp_path / "files")], migrated_pg_url, tmp_path)
     assert exported.returncode == 0, exported.stderr
@@ -172,7 +219,8 @@ def test_a_second_import_skips_and_reports_what_is_there(
     again = storage(["import", str(source)], migrated_pg_url, tmp_path)
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith("sessions: 0 imported, 6 already there, 0 damaged")
-    assert again.stderr.count("skipped") == 6 and "already imported" in again.stderr
+    assert "tool outputs: 0 imported, 4 already there, 0 damaged" in again.stdout
+    assert again.stderr.count("skipped") == 10 and "already imported" in again.stderr
     assert dump_rows(migrated_pg_url) == rows
 
     # A replica appended since the import: still the same session, nothing duplicated.
@@ -193,12 +241,18 @@ def test_damaged_files_are_reported_and_skipped_never_half_imported(
 ) -> None:
     source = tmp_path / "source"
     manager = SessionManager(source / "sessions", fsync="never")
+    handles = {}
     for key in ("telegram:good", "telegram:middle", "telegram:torn"):
         session = manager.get_or_create(key)
         for i in range(3):
             session.add_message(user(f"{key} {i}"))
+        handles[key] = manager.outputs.put(key, session.session_id, f"{key} " * 2000)
     manager.close()
     folder = source / "sessions"
+    # A file in the outputs folder that is no output, and a write a crash cut short.
+    (folder / "outputs" / "notes.txt").write_text("mine")
+    good_outputs = next((folder / "outputs" / encode_key("telegram:good")).iterdir())
+    (good_outputs / ".out_0123456789ab.txt.tmp").write_text("half")
     middle = folder / (encode_key("telegram:middle") + ".jsonl")
     lines = middle.read_text().splitlines(keepends=True)
     middle.write_text("".join([*lines[:2], "{not json\n", *lines[2:]]))
@@ -212,15 +266,22 @@ def test_damaged_files_are_reported_and_skipped_never_half_imported(
     result = storage(["import", str(source)], migrated_pg_url, tmp_path)
     assert result.returncode == 1
     assert result.stdout.startswith("sessions: 1 imported, 0 already there, 3 damaged")
-    errors = [line for line in result.stderr.splitlines() if "DAMAGED" in line]
+    errors = [line for line in result.stderr.splitlines() if "sessions [" in line]
+    errors = [line for line in errors if "DAMAGED" in line]
     assert len(errors) == 3
     assert any("telegram:middle" in e and "1 unreadable line(s): 3" in e for e in errors)
     assert any("telegram:torn" in e and "last line is cut off" in e for e in errors)
     assert any("telegram:header" in e and "not a session header" in e for e in errors)
+    assert "tool outputs: 1 imported, 0 already there, 3 damaged" in result.stdout
+    outputs = [line for line in result.stderr.splitlines() if "tool outputs [" in line]
+    assert len(outputs) == 4 and "DAMAGED outputs/notes.txt: not at" in outputs[-1]
+    for key in ("telegram:middle", "telegram:torn"):
+        assert any(f"DAMAGED {key} {handles[key]}: its session" in e for e in outputs)
     assert "Traceback" not in result.stderr
-    sessions, entries = dump_rows(migrated_pg_url)
+    sessions, entries, stored = dump_rows(migrated_pg_url)
     assert [row[1] for row in sessions] == ["telegram:good"]
     assert len(entries) == 3
+    assert [(row[0], row[1]) for row in stored] == [("telegram:good", handles["telegram:good"])]
     assert {p: p.read_bytes() for p in damaged} == damaged  # kept as they were
 
 
@@ -256,6 +317,25 @@ def test_export_never_overwrites_a_different_file(
     assert clash.returncode == 1 and "it was not overwritten" in clash.stderr
     assert path.read_bytes() == b"someone else's file\n"
     assert os.listdir(path.parent) == [path.name]  # no temp file left behind
+
+
+def test_a_tool_output_that_differs_is_a_conflict_left_alone_both_ways(
+    migrated_pg_url: str, shared_manager: SessionManager, tmp_path: Path
+) -> None:
+    session = shared_manager.get_or_create("telegram:1")
+    session.add_message(user("fetch it"))
+    handle = shared_manager.outputs.put("telegram:1", session.session_id, PAGE)
+    target = tmp_path / "out"
+    assert storage(["export", str(target)], migrated_pg_url, tmp_path).returncode == 0
+    (path,) = (target / "sessions" / "outputs").rglob(f"{handle}.txt")
+    assert path.read_bytes() == PAGE.encode()
+    path.write_bytes(b"edited by hand")
+    clash = storage(["export", str(target)], migrated_pg_url, tmp_path)
+    assert clash.returncode == 1 and f"CONFLICT telegram:1 {handle}" in clash.stderr
+    assert path.read_bytes() == b"edited by hand"
+    back = storage(["import", str(target)], migrated_pg_url, tmp_path)
+    assert back.returncode == 1 and f"CONFLICT telegram:1 {handle}" in back.stderr
+    assert shared_manager.outputs.get("telegram:1", handle) == PAGE  # the row as it was
 
 
 def test_exported_files_keep_the_last_activity_order(
@@ -475,6 +555,7 @@ def dump_state_rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
 
 EVERY_KIND = (
     ("sessions", 6),
+    ("tool outputs", 4),
     ("memory", 3),
     ("pairing", 3),
     ("heartbeat", 2),
@@ -638,7 +719,7 @@ def test_every_kind_of_state_goes_postgresql_to_files_to_postgresql(
 
     again = storage(["export", str(files)], migrated_pg_url, tmp_path)
     assert again.returncode == 0, again.stderr
-    assert again.stdout.count("0 exported") == 7 and "already exported" in again.stderr
+    assert again.stdout.count(" 0 exported") == 8 and "already exported" in again.stderr
 
 
 def test_a_second_state_import_skips_and_a_replicas_writes_are_left_alone(

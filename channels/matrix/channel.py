@@ -30,12 +30,23 @@ Promises (each one tested in tests/test_matrix*.py against Synapse, and by the k
 - Invites from people who may talk to the bot (allowlisted, paired, or anyone under an
   open policy) are accepted; others are declined with the reason (a stranger's reason
   holds their pairing code under `dm_policy = "pairing"`).
-- End-to-end encrypted rooms are refused: an invite to one is declined, and in a room
-  that turns encryption on the bot says once that it cannot read it, then leaves. Both
-  are logged (docs/matrix.md says why).
+- End-to-end encrypted rooms (`channels.matrix.encryption`, on by default) are read and
+  answered with the device's keys (`channels.matrix.crypto`): a message is decrypted
+  before it is translated; a reply, an edit, a notice and a file into an encrypted room
+  always go out encrypted, never in clear (another replica's reply is encrypted by the
+  sync leader, through `gateway.relay_pg`). A message whose room key has not come waits
+  for it (`room_key_wait`), and so do the later messages of its room, in order; the
+  stored token never passes a waiting message, so a restart finds it again. Past the
+  wait, its sender is told once that it could not be read. The crypto state is durable
+  before the token moves on (`MatrixCrypto.after_sync`), so whatever the journal took
+  can be decrypted again after a restart. With encryption off, encrypted rooms are
+  refused: an invite to one is declined, and in a room that turns encryption on the bot
+  says once that it cannot read it, then leaves; both are logged.
 - Media: images, audio and files become the message's attachments (`mxc://` references
-  fetched through the authenticated content repository at turn time); a reply's files
-  are uploaded to the content repository and sent after its text.
+  fetched through the authenticated content repository at turn time; an encrypted
+  file's reference carries its key, and it is decrypted when fetched); a reply's files
+  are uploaded to the content repository (encrypted first in an encrypted room) and sent
+  after its text.
 """
 
 from __future__ import annotations
@@ -55,6 +66,17 @@ import anyio
 import anyio.abc
 from loguru import logger
 
+from channels.matrix.crypto import (
+    CryptoClosed,
+    CryptoFailed,
+    CryptoUnavailable,
+    MatrixCrypto,
+    crypto_available,
+    decrypt_file,
+    encrypt_file,
+    encrypted_file_id,
+    split_file_id,
+)
 from channels.matrix.format import (
     edit_content,
     notice_content,
@@ -92,14 +114,22 @@ from gateway.messages import (
 if TYPE_CHECKING:
     from nio import AsyncClient
 
+    from gateway.relay_pg import PostgresRelay
+
 CHANNEL = "matrix"
 THREAD = "thread"
 ENV_PREFIX = "GATEWAY_CHANNELS__MATRIX__"
 #: Said in a room (and logged) before leaving it, and given as the reason an invite to
-#: an encrypted room is declined.
+#: an encrypted room is declined, when encryption is off (`channels.matrix.encryption`).
 ENCRYPTED_REFUSAL = (
-    "I can't take part in end-to-end encrypted rooms: this gateway does not support "
-    "encryption. Invite me to an unencrypted room instead."
+    "I can't take part in end-to-end encrypted rooms: encryption is turned off for this "
+    "gateway. Invite me to an unencrypted room instead."
+)
+#: Said (once) to the sender of an encrypted message whose room key never came.
+UNREADABLE_NOTICE = (
+    "I couldn't read your last message: it is encrypted with a key your app did not share "
+    "with my device. Please send it again; if this keeps happening, check that your app "
+    "has not blocked my device."
 )
 _SEEN_EVENTS = 10_000
 #: Message types that are a person writing or sending a file.
@@ -111,7 +141,13 @@ _UNSUPPORTED = {
 }
 
 #: Event types the sync filter asks for; everything else stays on the homeserver.
-_TIMELINE_TYPES = ["m.room.message", "m.sticker", "m.room.member", "m.room.encryption"]
+_TIMELINE_TYPES = [
+    "m.room.message",
+    "m.room.encrypted",
+    "m.sticker",
+    "m.room.member",
+    "m.room.encryption",
+]
 
 
 class MatrixSetupError(Exception):
@@ -135,6 +171,7 @@ class Pacing:
     timeline_limit: int = 50  # events per room per /sync (more are fetched by /messages)
     request_timeout: float = 30.0  # one request (besides /sync's long poll)
     stop_timeout: float = 10.0
+    encryption_recheck: float = 10.0  # a standby re-asks whether a clear room is encrypted
 
 
 # --------------------------------------------------------------------------- inbound
@@ -249,10 +286,14 @@ def read_mention(content: Mapping[str, Any], body: str, me: Identity) -> tuple[b
 
 
 def file_attachment(content: Mapping[str, Any]) -> Attachment | None:
-    """The file of an m.image / m.audio / m.file message, as a reference (its mxc URI)."""
+    """The file of an m.image / m.audio / m.file message, as a reference: its mxc URI,
+    with its key in the fragment when it is encrypted (`content.file`)."""
     url = content.get("url")
+    encrypted = content.get("file")
+    if isinstance(encrypted, Mapping):
+        url = encrypted_file_id(encrypted)
     if not isinstance(url, str) or not url.startswith("mxc://"):
-        return None  # an encrypted file ("file" instead of "url"), or malformed
+        return None  # malformed
     info = content.get("info")
     info = info if isinstance(info, Mapping) else {}
     mime = str(info.get("mimetype") or "")
@@ -349,7 +390,7 @@ def translate_event(
     if msgtype in _FILE_TYPES:
         attachment = file_attachment(content)
         if attachment is None:
-            return Skip("a file without an mxc:// url (encrypted or malformed)")
+            return Skip("a file without an mxc:// url (malformed)")
         files = (attachment,)
         body = caption_of(content)
     elif msgtype in _UNSUPPORTED:
@@ -467,14 +508,33 @@ class _Stream:
     started: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Pending:
+    """A timeline event taken from /sync but not yet submitted: waiting for its room key,
+    or behind one that does, in its room's order."""
+
+    event: Any  # a nio event (a MegolmEvent until it is decrypted)
+    since: str  # the token that delivers it again (before its batch)
+    batch: int  # which batch of this run it came in (the oldest decides the token)
+
+
 class RequestFailed(Exception):
     """A homeserver request that did not succeed; `retryable` when repeating it may help
-    (a 429, a 5xx, a connection failure), `retry_after` what a 429 asked for."""
+    (a 429, a 5xx, a connection failure), `retry_after` what a 429 asked for; `status`
+    the HTTP status when there was an answer."""
 
-    def __init__(self, what: str, *, retryable: bool, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        *,
+        retryable: bool,
+        retry_after: float | None = None,
+        status: int | None = None,
+    ) -> None:
         super().__init__(what)
         self.retryable = retryable
         self.retry_after = retry_after
+        self.status = status
 
 
 InviteCheck = Callable[[InboundMessage], Awaitable[Decision]]
@@ -519,6 +579,9 @@ class MatrixChannel:
         #: The access decision for an inviter (the daemon's access gate); None declines
         #: every invite.
         self.invite_check: InviteCheck | None = None
+        #: Several replicas: replies to encrypted rooms go through the replica that holds
+        #: the device's keys (set by the daemon in the shared mode).
+        self.relay: PostgresRelay | None = None
         self._client: AsyncClient | None = None
         self._submit: Submit | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -531,6 +594,16 @@ class MatrixChannel:
         self._typing: dict[str, _Typing] = {}
         self._streams: dict[str, _Stream] = {}
         self._edits: OrderedDict[str, str] = OrderedDict()  # edit event -> original
+        #: Why encrypted rooms are refused (None: they are served with the device's keys).
+        self._encryption_off: str | None = None
+        #: The device's keys, while this process holds them (it runs the /sync loop).
+        self._crypto: MatrixCrypto | None = None
+        self._crypto_ready = anyio.Event()
+        self._held: dict[str, list[_Pending]] = {}  # room -> events not yet submitted
+        self._key_wait_since: dict[str, float] = {}  # event id -> when it began to wait
+        self._batches = 0
+        #: A standby's answers to "is this room encrypted?": (encrypted, when asked).
+        self._encryption_seen: dict[str, tuple[bool, float]] = {}
         self.live = anyio.Event()  # set once events flow (for tests and probes)
         self.since: str | None = None  # the last token stored
 
@@ -540,11 +613,14 @@ class MatrixChannel:
         from nio import AsyncClient, AsyncClientConfig
 
         # nio's own retries are off: this channel decides what may be repeated.
+        # nio does not load a crypto store of its own: the sync loop attaches the
+        # device's keys (`MatrixCrypto.open`) where it runs.
         config = AsyncClientConfig(
             max_limit_exceeded=0,
             max_timeouts=0,
             request_timeout=self.pacing.request_timeout,
             store_sync_tokens=False,
+            encryption_enabled=False,
         )
         client = AsyncClient(self.homeserver, self.me.user_id, config=config)
         client.access_token = self._token
@@ -568,6 +644,8 @@ class MatrixChannel:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                if self.relay is not None:
+                    tg.start_soon(self.relay.listen)
                 try:
                     await self._serve(client, task_status)
                 except Exception as exc:
@@ -577,6 +655,9 @@ class MatrixChannel:
         finally:
             self._tg = None
             self._client = None
+            self._crypto = None
+            self._crypto_ready = anyio.Event()
+            self._held.clear()
             self.live = anyio.Event()
             with anyio.CancelScope(shield=True):
                 await client.close()
@@ -594,6 +675,9 @@ class MatrixChannel:
     async def _serve(self, client: AsyncClient, task_status: anyio.abc.TaskStatus[None]) -> None:
         self.me = await who_am_i(client, self.homeserver, self.me.user_id)
         self._client = client
+        self._encryption_off = self._why_no_encryption(client)
+        if self._encryption_off is not None and self.settings.encryption:
+            logger.error("matrix: encrypted rooms are refused: {}", self._encryption_off)
         logger.info("matrix: {} is live on {}", self.me.user_id, self.homeserver)
         self.live.set()
         task_status.started()
@@ -611,20 +695,90 @@ class MatrixChannel:
     def cursor_name(self) -> str:
         return f"{CHANNEL}:{self.me.user_id}"
 
+    def _why_no_encryption(self, client: AsyncClient) -> str | None:
+        """Why encrypted rooms cannot be served here; None when they can."""
+        if not self.settings.encryption:
+            return "channels.matrix.encryption is off"
+        missing = crypto_available()
+        if missing is not None:
+            return missing
+        if not client.device_id:
+            return (
+                "the homeserver did not say which device the access token belongs to; "
+                "log in with a password to get a device token (docs/matrix.md, section 1)"
+            )
+        return None
+
+    async def _open_crypto(self, client: AsyncClient, store: CursorStore) -> MatrixCrypto | None:
+        """The device's keys from `store` (made on the first run), while this process
+        runs the /sync loop. None when encryption is off here."""
+        if self._encryption_off is not None:
+            return None
+        try:
+            crypto = await MatrixCrypto.open(
+                client,
+                store,
+                user_id=self.me.user_id,
+                device_id=str(client.device_id),
+                request=self._request,
+            )
+        except CryptoUnavailable as exc:
+            raise MatrixSetupError(str(exc)) from None
+        logger.info(
+            "matrix: end-to-end encryption on, device {} ({} ed25519 key {})",
+            client.device_id,
+            self.me.user_id,
+            crypto.olm.account.identity_keys["ed25519"],
+        )
+        self._crypto = crypto  # ready once the first /sync told the rooms and members
+        return crypto
+
     async def _sync_loop(self, client: AsyncClient, store: CursorStore) -> None:
-        """Long-polling `/sync` that confirms only what the journal holds.
+        """Long-polling `/sync` that confirms only what the journal holds, with the
+        device's keys (when encryption is on) held for as long as it runs.
 
         The homeserver keeps every event after the `since` token the gateway hands it.
         This loop owns that token: it stores a batch's `next_batch` only once every
         message of the batch was submitted (journaled, or settled), so a crash at any
-        moment leaves every event either in the journal or after the stored token. The
-        first sync of each run asks for the rooms' full state (members, names,
-        encryption), which a new process does not know.
+        moment leaves every event either in the journal or after the stored token. An
+        encrypted message waiting for its room key holds the stored token back (the loop
+        itself syncs on). The first sync of each run asks for the rooms' full state
+        (members, names, encryption), which a new process does not know.
         """
-        from nio import SyncResponse
-
         since = await store.load(self.cursor_name)
         self.since = since
+        crypto = await self._open_crypto(client, store)
+        try:
+            async with anyio.create_task_group() as tg:
+                if crypto is not None and self.relay is not None:
+                    tg.start_soon(self._serve_relay, self.relay)
+                await self._sync_batches(client, store, since)
+                if crypto is not None and self.relay is not None:
+                    # Draining: a standby takes the device over once this returns; it
+                    # must find every change, and this process must not encrypt again.
+                    # (One process keeps its keys while it drains: replies still go out.)
+                    self._crypto = None
+                    self._crypto_ready = anyio.Event()
+                    await crypto.close()
+                tg.cancel_scope.cancel()
+        except BaseException:
+            self._crypto = None  # the role is lost, or the channel stops: no keys here
+            self._crypto_ready = anyio.Event()
+            raise
+
+    async def _serve_relay(self, relay: PostgresRelay) -> None:
+        """Encrypt and send the other replicas' events for encrypted rooms, once the
+        rooms are known here."""
+        await self._crypto_ready.wait()
+        await relay.serve(self._relayed_send)
+
+    async def _sync_batches(
+        self, client: AsyncClient, store: CursorStore, since: str | None
+    ) -> None:
+        """The /sync loop proper (see `_sync_loop`); returns when intake pauses."""
+        from nio import SyncResponse
+
+        stored = since
         first = True
         failures = 0
         taken: int | None = 0
@@ -635,7 +789,7 @@ class MatrixChannel:
                 self._sync_scope = scope
                 try:
                     response = await client.sync(
-                        timeout=self.settings.sync_timeout * 1000 if not first else 0,
+                        timeout=self._poll_ms() if not first else 0,
                         sync_filter=sync_filter,
                         since=since,
                         full_state=first,
@@ -653,6 +807,15 @@ class MatrixChannel:
                 self._on_sync_error(response)
                 await anyio.sleep(self._backoff(failures))
                 continue
+            if self._crypto is not None:
+                # Room keys that came in this batch, durable before the next /sync lets
+                # the homeserver delete their to-device messages, and before the token.
+                try:
+                    await self._crypto.after_sync()
+                except (RequestFailed, CryptoFailed) as exc:
+                    logger.warning("matrix: encryption upkeep failed ({}); retrying", exc)
+                # Rooms and members are known now: replies may be encrypted.
+                self._crypto_ready.set()
             if since is None:
                 # The very first run of this account here: what it missed before it
                 # existed for the gateway is not answered (it may be weeks old).
@@ -667,6 +830,9 @@ class MatrixChannel:
             else:
                 taken = await self._take_batch(client, response, since)
                 if taken is None:
+                    # A message was not journaled: everything after the stored token
+                    # comes again (what was journaled is recognised by its event id).
+                    since = self._rewind(stored)
                     failures += 1
                     await anyio.sleep(self._backoff(failures))
                     continue
@@ -674,11 +840,40 @@ class MatrixChannel:
                     await failpoints.reach("matrix.before_cursor", self.cursor_name)
             failures = 0
             first = False
-            if response.next_batch != since:
-                await store.save(self.cursor_name, response.next_batch)
-                since = self.since = response.next_batch
+            since = response.next_batch
+            safe = self._safe_token(response.next_batch)
+            if safe != stored:
+                await store.save(self.cursor_name, safe)
+                stored = self.since = safe
                 if taken:
                     await failpoints.reach("matrix.after_cursor", self.cursor_name)
+
+    def _poll_ms(self) -> int:
+        """The long poll's length: shorter while a message waits for its room key, so
+        the wait ends on time even when nothing else happens."""
+        poll = float(self.settings.sync_timeout)
+        if self._key_wait_since and self._held:
+            due = min(self._key_wait_since.values()) + self.settings.room_key_wait
+            poll = min(poll, max(0.5, due - time.monotonic()))
+        return int(poll * 1000)
+
+    def _safe_token(self, next_batch: str) -> str:
+        """The token to store: the batch's, unless an earlier event still waits; then the
+        token that delivers the oldest waiting one again."""
+        oldest = min(
+            (queue[0] for queue in self._held.values() if queue),
+            key=lambda pending: pending.batch,
+            default=None,
+        )
+        return oldest.since if oldest is not None else next_batch
+
+    def _rewind(self, stored: str | None) -> str | None:
+        """Forget what waits in memory (it comes again from the stored token)."""
+        for queue in self._held.values():
+            for pending in queue:
+                self._seen.pop(str(getattr(pending.event, "event_id", "")), None)
+        self._held.clear()
+        return stored
 
     def _backoff(self, failures: int) -> float:
         delay = self.pacing.retry_backoff * 2 ** min(failures - 1, 10)
@@ -699,16 +894,16 @@ class MatrixChannel:
     # ----------------------------------------------------------------- inbound
 
     async def _take_batch(self, client: AsyncClient, response: Any, since: str) -> int | None:
-        """Take one /sync batch: invites, then each joined room's timeline in order. The
-        number of messages submitted once every message of it is journaled (or settled);
-        None when one was not taken."""
+        """Take one /sync batch: invites, then each joined room's timeline in order (after
+        what still waits in that room). The number of messages submitted once every one
+        of them is journaled (or settled); None when one was not taken."""
         await self._take_invites(client, response)
-        submitted = 0
+        self._batches += 1
         for room_id, info in response.rooms.join.items():
             if self._paused:
                 return None
             room = client.rooms.get(room_id)
-            if room is not None and room.encrypted:
+            if room is not None and room.encrypted and self._crypto is None:
                 await self._refuse_encrypted(client, room_id)
                 continue
             events = list(info.timeline.events)
@@ -717,16 +912,84 @@ class MatrixChannel:
                 if gap is None:
                     return None
                 events = gap + events
-            last_read: str | None = None
+            queue = self._held.setdefault(room_id, [])
             for event in events:
-                taken, read = await self._take_event(client, room_id, getattr(event, "source", {}))
-                if not taken:
-                    return None
-                submitted += read is not None
-                last_read = read or last_read
-            if last_read is not None:
-                self._spawn(self._read_receipt, room_id, last_read)
+                event_id = getattr(event, "event_id", None)
+                if not isinstance(event_id, str) or not self._first_sighting(event_id):
+                    continue
+                if getattr(event, "sender", None) == self.me.user_id:
+                    continue  # the bot's own event (encrypted ones too: no key wait)
+                queue.append(_Pending(event, since, self._batches))
+        submitted = 0
+        for room_id in list(self._held):
+            taken = await self._drain(client, room_id)
+            if taken is None:
+                return None
+            submitted += taken
+            if not self._held.get(room_id):
+                self._held.pop(room_id, None)
         return submitted
+
+    async def _drain(self, client: AsyncClient, room_id: str) -> int | None:
+        """Submit a room's events in order, up to one still waiting for its room key.
+        The number submitted; None when one was not taken (it stays first)."""
+        from nio import MegolmEvent
+
+        queue = self._held[room_id]
+        submitted = 0
+        last_read: str | None = None
+        while queue:
+            event = queue[0].event
+            if isinstance(event, MegolmEvent):
+                decrypted = self._crypto.decrypt(event, room_id) if self._crypto else None
+                if decrypted is None:
+                    if not self._gave_up_waiting(room_id, event):
+                        break
+                    del queue[0]
+                    last_read = event.event_id
+                    continue
+                self._key_wait_since.pop(event.event_id, None)
+                event = decrypted
+            taken, read = await self._take_event(client, room_id, getattr(event, "source", {}))
+            if not taken:
+                return None
+            del queue[0]
+            submitted += read is not None
+            last_read = read or last_read
+        if last_read is not None:
+            self._spawn(self._read_receipt, room_id, last_read)
+        return submitted
+
+    def _gave_up_waiting(self, room_id: str, event: Any) -> bool:
+        """Has this encrypted message waited long enough for its room key? The first
+        time, its key is asked of the sender; at the end, the sender is told once."""
+        now = time.monotonic()
+        began = self._key_wait_since.get(event.event_id)
+        if began is None:
+            if len(self._key_wait_since) > _SEEN_EVENTS:
+                self._key_wait_since.clear()
+            self._key_wait_since[event.event_id] = began = now
+            logger.info(
+                "matrix: {} in {} waits for its room key (session {})",
+                event.event_id,
+                room_id,
+                event.session_id,
+            )
+            if self._crypto is not None:
+                self._spawn(self._crypto.request_key, event)
+        if now - began < self.settings.room_key_wait:
+            return False
+        del self._key_wait_since[event.event_id]
+        with logger.contextualize(session=f"{CHANNEL}:{room_id}"):
+            logger.warning(
+                "matrix: {} from {} could not be decrypted: its room key did not come "
+                "within {:g}s; the sender is told",
+                event.event_id,
+                event.sender,
+                self.settings.room_key_wait,
+            )
+        self._spawn(self._send_notice, Notice(room_id, event.event_id, UNREADABLE_NOTICE))
+        return True
 
     async def _fill_gap(
         self, client: AsyncClient, room_id: str, prev_batch: str, since: str
@@ -768,10 +1031,11 @@ class MatrixChannel:
     async def _take_event(
         self, client: AsyncClient, room_id: str, event: Mapping[str, Any]
     ) -> tuple[bool, str | None]:
-        """Translate and submit one event. (False, None) when it was not taken (the batch
-        stops and is fetched again); else (True, the event id to mark read, if any)."""
+        """Translate and submit one event (seen for the first time, decrypted if it was
+        encrypted). (False, None) when it was not taken (everything after the stored
+        token is fetched again); else (True, the event id to mark read, if any)."""
         event_id = event.get("event_id")
-        if not isinstance(event_id, str) or not self._first_sighting(event_id):
+        if not isinstance(event_id, str):
             return True, None
         if event.get("type") not in ("m.room.message", "m.sticker"):
             return True, None
@@ -793,8 +1057,7 @@ class MatrixChannel:
             self._remember_edit(event_id, edit_of)
         ticket = await self._submit(result)
         if not ticket.taken:
-            self._seen.pop(event_id, None)  # taken when it comes again
-            return False, None
+            return False, None  # `_rewind` forgets it: taken when it comes again
         self._spawn(self._typing_while_pending, ticket, room_id)
         return True, event_id
 
@@ -811,7 +1074,7 @@ class MatrixChannel:
     ) -> Mapping[str, Any] | None:
         """The event this one refers to (the message an edit changes, or the one a reply
         answers), when the homeserver hands it over within a few seconds."""
-        from nio import RoomGetEventResponse
+        from nio import MegolmEvent, RoomGetEventResponse
 
         content = event.get("content")
         if not isinstance(content, Mapping):
@@ -826,7 +1089,10 @@ class MatrixChannel:
                 logger.debug("matrix: event {} not fetched: {!r}", wanted, exc)
                 return None
             if isinstance(answer, RoomGetEventResponse):
-                source = getattr(answer.event, "source", None)
+                related: Any = answer.event
+                if isinstance(related, MegolmEvent):
+                    related = self._crypto.decrypt(related, room_id) if self._crypto else None
+                source = getattr(related, "source", None)
                 return source if isinstance(source, Mapping) else None
         return None
 
@@ -861,12 +1127,12 @@ class MatrixChannel:
                 else:
                     members += 1
         with logger.contextualize(session=f"{CHANNEL}:{room_id}"):
-            if encrypted:
+            if encrypted and self._encryption_off is not None:
                 logger.warning(
-                    "matrix: invite from {} to encrypted room {} declined: encrypted rooms "
-                    "are not supported",
+                    "matrix: invite from {} to encrypted room {} declined: {}",
                     inviter,
                     room_id,
+                    self._encryption_off,
                 )
                 await self._leave(room_id, ENCRYPTED_REFUSAL)
                 return
@@ -906,18 +1172,21 @@ class MatrixChannel:
         await self._request("POST", path, body, what=f"leave {room_id}")
 
     async def _refuse_encrypted(self, client: AsyncClient, room_id: str) -> None:
-        """Say once that encrypted rooms are not supported, then leave the room."""
+        """Encryption is off: say once that encrypted rooms are refused, then leave."""
         if room_id in self._refused:
             return
         self._refused.add(room_id)
         logger.warning(
-            "matrix: room {} is end-to-end encrypted; encrypted rooms are not supported, "
-            "leaving it",
+            "matrix: room {} is end-to-end encrypted and {}; leaving it",
             room_id,
+            self._encryption_off,
         )
         try:
             content = notice_content(ENCRYPTED_REFUSAL)
-            await self._send_event(room_id, content, transaction_id("refusal", room_id))
+            # In clear, as it always was: no keys to encrypt with, and it says only that.
+            await self._put_event(
+                room_id, "m.room.message", content, transaction_id("refusal", room_id)
+            )
             await self._leave(room_id, ENCRYPTED_REFUSAL)
         except RequestFailed as exc:
             self._refused.discard(room_id)
@@ -960,6 +1229,7 @@ class MatrixChannel:
                 message = payload.get("error") if isinstance(payload, dict) else None
                 failure = RequestFailed(
                     f"{what}: HTTP {status} {error or ''} {message or ''}".strip(),
+                    status=status,
                     retryable=status == 429 or status >= 500,
                     retry_after=(payload.get("retry_after_ms") or 1000) / 1000
                     if status == 429 and isinstance(payload, dict)
@@ -993,12 +1263,128 @@ class MatrixChannel:
         deadline: float | None = None,
     ) -> str:
         """Send one event with transaction id `txn` (repeating it is harmless: the
-        homeserver keeps one event per transaction); its event id."""
+        homeserver keeps one event per transaction); its event id. Into an encrypted
+        room it goes encrypted, or not at all."""
+        if await self._room_encrypted(room_id, deadline):
+            return await self._send_encrypted(room_id, event_type, content, txn, deadline)
+        return await self._put_event(room_id, event_type, content, txn, deadline)
+
+    async def _put_event(
+        self,
+        room_id: str,
+        event_type: str,
+        content: Mapping[str, Any],
+        txn: str,
+        deadline: float | None = None,
+    ) -> str:
         path = f"/_matrix/client/v3/rooms/{_quote(room_id)}/send/{_quote(event_type)}/{_quote(txn)}"
         answer = await self._request(
             "PUT", path, content, what=f"send to {room_id}", deadline=deadline
         )
         return str(answer.get("event_id") or "")
+
+    async def _room_encrypted(self, room_id: str, deadline: float | None = None) -> bool:
+        """Is `room_id` end-to-end encrypted? The /sync loop's state says so where it
+        runs; a standby replica asks the homeserver (a "yes" is kept: encryption cannot
+        be turned off; a "no" for `Pacing.encryption_recheck` seconds)."""
+        client = self._client
+        room = client.rooms.get(room_id) if client is not None else None
+        if room is not None:
+            return bool(room.encrypted)
+        now = time.monotonic()
+        seen = self._encryption_seen.get(room_id)
+        if seen is not None and (seen[0] or now - seen[1] < self.pacing.encryption_recheck):
+            return seen[0]
+        path = f"/_matrix/client/v3/rooms/{_quote(room_id)}/state/m.room.encryption/"
+        try:
+            await self._request(
+                "GET", path, None, what=f"encryption of {room_id}", deadline=deadline
+            )
+            encrypted = True
+        except RequestFailed as exc:
+            if exc.status not in (403, 404):
+                raise
+            encrypted = False  # none set (404), or the bot is not in it: the send says so
+        if len(self._encryption_seen) > _SEEN_EVENTS:
+            self._encryption_seen.clear()
+        self._encryption_seen[room_id] = (encrypted, now)
+        return encrypted
+
+    async def _send_encrypted(
+        self,
+        room_id: str,
+        event_type: str,
+        content: Mapping[str, Any],
+        txn: str,
+        deadline: float | None,
+    ) -> str:
+        """Encrypt and send, here when this process holds the device's keys, else through
+        the replica that does (`relay`)."""
+        if self._encryption_off is not None and self.relay is None:
+            raise RequestFailed(
+                f"send to {room_id}: the room is encrypted and {self._encryption_off}",
+                retryable=False,
+            )
+        until = deadline if deadline is not None else time.monotonic() + self.pacing.reply_deadline
+        if self._crypto is not None or self.relay is None:
+            # The keys are (or, in one process, will be) here: ready after the first
+            # /sync of the run, which tells the rooms' members.
+            with anyio.move_on_after(max(0.0, until - time.monotonic())):
+                await self._crypto_ready.wait()
+        attempt = 0
+        while (crypto := self._crypto) is not None and self._crypto_ready.is_set():
+            try:
+                payload = await crypto.encrypt(room_id, event_type, content)
+            except CryptoClosed:
+                break  # handed over meanwhile: the new holder encrypts it
+            except CryptoFailed as exc:
+                attempt += 1
+                delay = min(self.pacing.retry_backoff * 2 ** (attempt - 1), 4.0)
+                if attempt >= self.pacing.retry_attempts or time.monotonic() + delay > until:
+                    raise RequestFailed(f"encrypt for {room_id}: {exc}", retryable=True) from None
+                logger.warning("matrix: encrypt for {} failed ({}); retrying", room_id, exc)
+                await anyio.sleep(delay)
+            else:
+                return await self._put_event(room_id, "m.room.encrypted", payload, txn, until)
+        if self.relay is None:
+            raise RequestFailed(
+                f"send to {room_id}: the device's encryption keys are not loaded yet",
+                retryable=True,
+            )
+        from gateway.relay_pg import RelayRefused, RelayUnanswered
+
+        request = {"room_id": room_id, "type": event_type, "content": dict(content), "txn": txn}
+        try:
+            answer = await self.relay.call(txn, request, deadline=until)
+        except RelayRefused as exc:
+            raise RequestFailed(f"send to {room_id}: {exc}", retryable=False) from None
+        except RelayUnanswered as exc:
+            raise RequestFailed(f"send to {room_id}: {exc}", retryable=True) from None
+        except Exception as exc:  # the database: the delivery is tried again later
+            raise RequestFailed(
+                f"send to {room_id}: relay failed ({exc})", retryable=True
+            ) from None
+        return str(answer.get("event_id") or "")
+
+    async def _relayed_send(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Another replica's event for an encrypted room, sent here (the relay's handler):
+        the same transaction id, so a repeat is the same event."""
+        from gateway.relay_pg import RelayRefused
+
+        try:
+            event_id = await self._send_event(
+                str(request["room_id"]),
+                dict(request["content"]),
+                str(request["txn"]),
+                event_type=str(request.get("type") or "m.room.message"),
+            )
+        except RequestFailed as exc:
+            if exc.retryable:
+                raise
+            raise RelayRefused(str(exc)) from None
+        except (KeyError, TypeError) as exc:
+            raise RelayRefused(f"a malformed request ({exc!r})") from None
+        return {"event_id": event_id}
 
     # ----------------------------------------------------------------- typing, receipts
 
@@ -1127,18 +1513,25 @@ class MatrixChannel:
         index: int,
         deadline: float,
     ) -> None:
-        """Upload one file to the content repository and send it (m.image or m.file)."""
+        """Upload one file to the content repository and send it (m.image or m.file).
+        Into an encrypted room the file is encrypted before it is uploaded (AES-CTR, a
+        new key per file, carried inside the encrypted event)."""
         from nio import UploadResponse
 
         client = self._client
         if client is None:
             raise RequestFailed("upload: the channel is not running", retryable=False)
         digest = hashlib.sha256(file.data).hexdigest()
+        encrypted = await self._room_encrypted(room_id, deadline)
+        data, keys, mime = file.data, None, file.mime_type
+        if encrypted:
+            data, keys = await anyio.to_thread.run_sync(encrypt_file, file.data)
+            mime = "application/octet-stream"  # what the content repository may see
         uploaded, _ = await client.upload(
-            io.BytesIO(file.data),
-            content_type=file.mime_type,
-            filename=file.name,
-            filesize=len(file.data),
+            io.BytesIO(data),
+            content_type=mime,
+            filename=None if encrypted else file.name,
+            filesize=len(data),
         )
         if not isinstance(uploaded, UploadResponse):
             raise RequestFailed(f"upload of {file.name}: {_describe(uploaded)}", retryable=False)
@@ -1146,9 +1539,12 @@ class MatrixChannel:
             "msgtype": "m.image" if file.is_image else "m.file",
             "body": file.caption or file.name,
             "filename": file.name,
-            "url": uploaded.content_uri,
             "info": {"mimetype": file.mime_type, "size": len(file.data)},
         }
+        if keys is not None:
+            content["file"] = {"url": uploaded.content_uri, **keys}
+        else:
+            content["url"] = uploaded.content_uri
         content |= reply_relation(None, thread) if thread is not None else {}
         txn = transaction_id(key, "file", str(index), file.name, digest)
         await self._send_event(room_id, content, txn, deadline=deadline)
@@ -1157,12 +1553,14 @@ class MatrixChannel:
 
     async def fetch_file(self, attachment: Attachment, *, max_bytes: int) -> bytes:
         """A file someone sent: its mxc:// URI through the authenticated content
-        repository (`/_matrix/client/v1/media/download`), at most `max_bytes`."""
+        repository (`/_matrix/client/v1/media/download`), at most `max_bytes`; decrypted
+        (its hash checked first) when it came from an encrypted room."""
         if attachment.size is not None and attachment.size > max_bytes:
             raise MediaError(
                 f"it is {attachment.size / 2**20:.1f} MB; the limit is {max_bytes / 2**20:.0f} MB"
             )
-        parsed = urllib.parse.urlparse(attachment.file_id)
+        mxc, secret = split_file_id(attachment.file_id)
+        parsed = urllib.parse.urlparse(mxc)
         if parsed.scheme != "mxc" or not parsed.netloc or not parsed.path.strip("/"):
             raise MediaError("the file's address is not an mxc:// URI")
         url = (
@@ -1170,7 +1568,14 @@ class MatrixChannel:
             f"{_quote(parsed.netloc)}/{_quote(parsed.path.strip('/'))}"
         )
         headers = {"Authorization": f"Bearer {self._token}"}
-        return await download_capped(url, max_bytes, headers=headers)
+        # AES-CTR keeps the size: the cap on the ciphertext is the cap on the file.
+        data = await download_capped(url, max_bytes, headers=headers)
+        if secret is None:
+            return data
+        try:
+            return await anyio.to_thread.run_sync(decrypt_file, data, secret)
+        except ValueError as exc:
+            raise MediaError(f"the encrypted file could not be decrypted ({exc})") from None
 
     # ----------------------------------------------------------------- streaming
 
@@ -1249,16 +1654,23 @@ class MatrixChannel:
 
 
 class _MemoryCursors:
-    """The since token in memory only (a channel run without `lead`, in tests)."""
+    """The since token (and blobs) in memory only (a channel run without `lead`)."""
 
     def __init__(self) -> None:
         self._values: dict[str, str] = {}
+        self._blobs: dict[str, bytes] = {}
 
     async def load(self, name: str) -> str | None:
         return self._values.get(name)
 
     async def save(self, name: str, value: str) -> None:
         self._values[name] = value
+
+    async def load_blob(self, name: str) -> bytes | None:
+        return self._blobs.get(name)
+
+    async def save_blob(self, name: str, data: bytes) -> None:
+        self._blobs[name] = data
 
 
 def _quote(part: str) -> str:

@@ -9,6 +9,9 @@ The fitting policy (`fit_context`) keeps these promises, each tested:
   last user message on), and the previous user/assistant exchange when it fits;
 - kept messages keep their order, and tool calls stay paired with their results (a
   pruned tool call takes its results with it; see `repair_tool_pairs`);
+- old tool results leave first: before any message is dropped, the tool results
+  outside the protected messages become, oldest first, a one-line stub that names the
+  stored output's handle to read it again (`gateway.agent.tool_outputs.stub_for`);
 - pruning is explained: every dropped or trimmed message is reported with its reason.
 """
 
@@ -28,6 +31,7 @@ from gateway.agent.tokens import (
     estimate_messages_tokens,
     estimate_text_tokens,
 )
+from gateway.agent.tool_outputs import stub_for
 from gateway.llm.types import LLMMessage, TokenUsage
 from gateway.memory.text import tokenize
 
@@ -41,7 +45,7 @@ MEMORY_PREFIX = (
 PruneReason = Literal[
     "window", "oldest", "least_important", "near_duplicate", "last_resort", "orphan"
 ]
-TrimTarget = Literal["tool_result", "memory", "summary"]
+TrimTarget = Literal["tool_result", "tool_stub", "memory", "summary"]
 
 
 # -- tool pairs and the plain recent window ------------------------------------------------
@@ -229,8 +233,9 @@ class PrunedMessage:
 
 @dataclass(frozen=True, slots=True)
 class TrimmedItem:
-    """A part kept but shortened: a tool result (with its history index), the memory
-    block or the summary."""
+    """A part kept but shortened: a tool result cut in the middle ("tool_result") or
+    replaced by its stub ("tool_stub"), with its history index; the memory block or the
+    summary."""
 
     target: TrimTarget
     tokens_before: int
@@ -323,6 +328,33 @@ def _shape_unit(unit: _Unit, tool_cap: int, trimmed: list[TrimmedItem], count: _
                 after = estimate_text_tokens(content)
                 trimmed.append(TrimmedItem("tool_result", before, after, unit.indices[position]))
     unit.tokens = sum(map(count, unit.messages))
+
+
+def _stub_tool_results(
+    units: Sequence[_Unit], used: int, limit: int, trimmed: list[TrimmedItem], count: _Counter
+) -> int:
+    """Replace tool results of `units`, oldest first, by their one-line stub until `used`
+    fits `limit` (or none is left); the tokens used then."""
+    for unit in units:
+        if not unit.messages[0].tool_calls:
+            continue
+        for position, message in enumerate(unit.messages):
+            if used <= limit:
+                return used
+            if message.role != "tool" or not message.content:
+                continue
+            stub = stub_for(message)
+            if len(stub) >= len(message.content):
+                continue
+            stubbed = dataclasses.replace(message, content=stub)
+            change = count(stubbed) - count(message)
+            unit.messages[position] = stubbed
+            unit.tokens += change
+            used += change
+            before = estimate_text_tokens(message.content)
+            after = estimate_text_tokens(stub)
+            trimmed.append(TrimmedItem("tool_stub", before, after, unit.indices[position]))
+    return used
 
 
 def _unit_text(message: LLMMessage) -> str:
@@ -433,7 +465,9 @@ def fit_context(
        the window) above ``tool_result_share`` is cut in the middle, head and tail kept.
     2. window: history before the last `max_messages` messages, or older than
        ``policy.horizon`` budgets of newer messages, is left out.
-    3. While over budget, message groups that are not protected are dropped by
+    3. While over budget, tool results that are not protected become their one-line
+       stub (`stub_for`: the stored output's handle, to read it again), oldest first.
+       Then, while still over budget, message groups that are not protected are dropped by
        strategies in this order, each starting only if the previous one could not
        reach the budget:
 
@@ -557,6 +591,8 @@ def fit_context(
     # 3. pruning --------------------------------------------------------------------
     kept = [True] * len(window)
     used = head_tokens + sum(u.tokens for u in window)
+    if used > limit:  # old tool results go before any message does
+        used = _stub_tool_results(window[:protected_at], used, limit, trimmed, tokens_of)
     if used > limit:  # scoring is only needed (and only paid for) when something must go
         query_text = query if query is not None else _last_user_text(repaired)
         for unit in window:

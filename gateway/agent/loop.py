@@ -43,6 +43,7 @@ from gateway.agent.rewind import (
 )
 from gateway.agent.speakers import with_speaker
 from gateway.agent.tokens import estimate_messages_tokens, estimate_tools_tokens
+from gateway.agent.tool_outputs import OUTPUT_GROUP, ToolOutputs
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.agent.turns import META_STEERED, EarlierTurn, find_turn, user_entry_meta
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
@@ -196,6 +197,8 @@ class AgentLoop:
     - turns of one session run one at a time, in the order `handle` was called;
     - every tool call persisted is followed by its persisted tool result, and the
       history sent to the model never holds an orphaned result or an unanswered call;
+    - a tool result too big for the context is stored whole before the entry that
+      shows its preview is appended (`gateway.agent.tool_outputs`);
     - a cached answer is looked up only after the context is built, because the key
       covers everything the answer depended on, and it is persisted like any other
       reply (marked `cached` in the entry's meta);
@@ -219,6 +222,7 @@ class AgentLoop:
         people: PeopleStore | None = None,
         media: MediaPreparer | None = None,
         windows: ContextWindows | None = None,
+        outputs: ToolOutputs | None = None,
     ) -> None:
         self.sessions = sessions
         self.usage = usage
@@ -229,6 +233,12 @@ class AgentLoop:
         self.provider = provider
         self.config = config
         self.tools = tools or ToolRegistry()
+        #: Big tool results stored whole beside the session, read back by two tools
+        #: (registered here, their own group); None: cut in the middle as they come.
+        self.outputs = outputs if outputs is not None and outputs.on else None
+        if self.outputs is not None:
+            for tool in self.outputs.tools():
+                self.tools.register(tool, group=OUTPUT_GROUP)
         self.cache = cache
         self.memory = memory
         self.consolidator = consolidator
@@ -817,12 +827,14 @@ class AgentLoop:
             progress.said.clear()  # said with the tool calls, and stored with them
             for call in assistant.tool_calls:
                 logger.info("tool call {}", call.function_name)
-                result = await self.tools.execute(call, tool_context)
-                tool_message = LLMMessage(
-                    role="tool", content=result, tool_call_id=call.id, name=call.function_name
-                )
+                result = await self.tools.execute(call, tool_context, max_chars=self._result_cap)
                 with anyio.CancelScope(shield=True):
-                    await session.aadd_message(tool_message)
+                    # A big result is stored whole before the entry showing its preview.
+                    content, meta = await self._shelve(session, call.function_name, result)
+                    tool_message = LLMMessage(
+                        role="tool", content=content, tool_call_id=call.id, name=call.function_name
+                    )
+                    await session.aadd_message(tool_message, meta)
                     progress.pending.remove(call)
                 turn.append(tool_message)
             if steering is not None:
@@ -858,6 +870,22 @@ class AgentLoop:
             joined.append(message)
             logger.info("a message joined the running turn ({} characters)", len(text))
         return joined
+
+    @property
+    def _result_cap(self) -> int | None:
+        """The longest tool result kept: the stored-output limit when big results are
+        stored whole, else the registry's own (`ToolRegistry.MAX_RESULT_CHARS`)."""
+        outputs = self.outputs
+        return outputs.limits.max_chars if outputs is not None and outputs.on else None
+
+    async def _shelve(
+        self, session: Session, tool: str, result: str
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The tool result as the session and the context keep it: a big one stored whole
+        beside the session and shown as a preview (`ToolOutputs.shelve`)."""
+        if self.outputs is None:
+            return result, None
+        return await self.outputs.shelve(session.key, session.session_id, tool, result)
 
     async def _out_of_budget(
         self, session: Session, assistant: LLMMessage, budget: int, spent: int

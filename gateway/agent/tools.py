@@ -169,7 +169,13 @@ class ToolRegistry:
         why = f": {group.reason}" if group.reason else ""
         return f"error: tool {tool_name} is unavailable now{why}"
 
-    async def execute(self, call: ToolCall, context: ToolContext) -> str:
+    async def execute(
+        self, call: ToolCall, context: ToolContext, *, max_chars: int | None = None
+    ) -> str:
+        """The call's result text, cut in the middle (head and tail kept) past
+        `max_chars` (default `MAX_RESULT_CHARS`; the agent loop passes its stored-output
+        limit when big results are stored whole, `gateway.agent.tool_outputs`)."""
+        limit = self.MAX_RESULT_CHARS if max_chars is None else max_chars
         off = self._unavailable(call.function_name)
         if off is not None:
             logger.info("tool {} refused: its group is off", call.function_name)
@@ -190,9 +196,9 @@ class ToolRegistry:
             return f"error: tool {call.function_name} failed: {type(exc).__name__}: {exc}"
         if not isinstance(result, str):
             result = json.dumps(result, ensure_ascii=False, default=str)
-        if len(result) > self.MAX_RESULT_CHARS:
-            half = self.MAX_RESULT_CHARS // 2
-            cut = len(result) - self.MAX_RESULT_CHARS
+        if len(result) > limit:
+            half = limit // 2
+            cut = len(result) - 2 * half
             result = f"{result[:half]}\n[... {cut} characters cut ...]\n{result[-half:]}"
         return result
 

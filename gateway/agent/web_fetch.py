@@ -51,7 +51,7 @@ class FetchPolicy:
 
     timeout: float = 15.0
     max_bytes: int = 2_000_000
-    max_chars: int = 12_000
+    max_chars: int = 200_000
     max_redirects: int = 5
     allow_networks: tuple[IPNetwork, ...] = ()
 
@@ -61,7 +61,7 @@ class FetchPolicy:
         *,
         timeout: float = 15.0,
         max_bytes: int = 2_000_000,
-        max_chars: int = 12_000,
+        max_chars: int = 200_000,
         max_redirects: int = 5,
         allow_networks: Sequence[str] = (),
     ) -> FetchPolicy:

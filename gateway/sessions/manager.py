@@ -65,6 +65,7 @@ from gateway.sessions.keys import (
     key_from_filename,
     session_path,
 )
+from gateway.sessions.outputs import FileToolOutputs, MemoryToolOutputs, ToolOutputStore
 from gateway.sessions.spares import SPARES_DIR, SparePool
 from gateway.sessions.store import (
     ARCHIVE_DIR,
@@ -533,6 +534,8 @@ class SessionManager:
         self._dir: Path | None = Path(sessions_dir)
         self._dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._shared: PostgresSessions | None = None
+        #: Tool outputs too big for the context, kept beside the sessions.
+        self.outputs: ToolOutputStore = FileToolOutputs(self._dir)
         self._setup(max_cache_size, fsync, hooks, committer, max_cache_bytes, io_on_loop)
         # Empty files kept ready for new sessions (`gateway.sessions.spares`): for a
         # long-running owner that calls `close`; 0 (the default) keeps none.
@@ -552,6 +555,7 @@ class SessionManager:
         manager = cls.__new__(cls)
         manager._dir = None
         manager._shared = None
+        manager.outputs = MemoryToolOutputs()
         manager._setup(0, "never", hooks, None, max_bytes=0, io_on_loop=True)
         manager._spares = None
         return manager
@@ -572,6 +576,7 @@ class SessionManager:
         manager = cls.__new__(cls)
         manager._dir = None
         manager._shared = sessions
+        manager.outputs = sessions.outputs()
         manager._setup(
             max_cache_size, "never", hooks, None, max_bytes=max_cache_bytes, io_on_loop=False
         )
@@ -859,8 +864,9 @@ class SessionManager:
     # -- lifecycle --------------------------------------------------------------------
 
     def delete(self, key: str) -> bool:
-        """Remove the key's current file and cache entry; True if a file was removed.
-        A live `Session` of the key becomes a new, empty session."""
+        """Remove the key's current file and cache entry, and the tool outputs stored
+        beside that session; True if a file was removed. A live `Session` of the key
+        becomes a new, empty session. Archived sessions and their outputs stay."""
         encode_key(key)
         with self._lock:
             session = self._lookup(key)
@@ -868,8 +874,18 @@ class SessionManager:
             self._bytes -= self._lru_bytes.pop(key, 0)
             if session is None:
                 session = self._new_session(key)
-            removed = session._store.delete()
-        logger.bind(session_key=key).info("deleted session (file removed: {})", removed)
+            session_id = None
+            with session._store.lock:
+                if self._shared is None:  # PostgreSQL deletes the outputs with the row
+                    session._store.load()  # the id of the session stored now
+                    session_id = session.session_id if session._store.persisted else None
+                removed = session._store.delete()
+        outputs = 0
+        if session_id is not None:
+            outputs = self.outputs.delete_session(key, session_id)
+        logger.bind(session_key=key).info(
+            "deleted session (file removed: {}, tool outputs: {})", removed, outputs
+        )
         return removed
 
     def reset(self, key: str) -> Session:
@@ -916,6 +932,8 @@ class SessionManager:
             session = self._new_session(target_key, new_header(target_key, parent_session=ref))
             session._store.create_with(branch)
             self._remember(session)
+        if branch:  # the copied tool results' handles read the same outputs in the fork
+            self.outputs.copy_session(key, ref.session_id, target_key, session.session_id)
         logger.bind(session_key=key).info(
             "forked {} entries into session {!r}", len(branch), target_key
         )

@@ -52,6 +52,7 @@ from loguru import logger
 
 from gateway.sessions.entries import Entry, SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionExistsError
+from gateway.sessions.outputs import HANDLE, encode_output, new_handle
 from gateway.sessions.store import (
     EntryFactory,
     LoadReport,
@@ -514,6 +515,74 @@ class PostgresSessionStore:
         return removed
 
 
+class PostgresToolOutputs:
+    """The shared mode's tool outputs (`gateway.sessions.outputs`): rows of
+    ``gw_tool_outputs`` (migration 0016), the UTF-8 bytes of each output as they are (a
+    ``bytea`` column: NUL and all), keyed by session key and handle. A row belongs to its
+    session's row: deleting the session deletes it (ON DELETE CASCADE); archiving keeps it.
+    """
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self._pool = pool
+
+    def put(self, key: str, session_id: str, text: str) -> str:
+        """Store `text` behind the turn's fence (`FencedOut`, nothing stored, once
+        another replica holds the session); its handle once committed."""
+        import psycopg
+
+        data = encode_output(text)
+        for _ in range(8):
+            handle = new_handle()
+            try:
+                with self._pool.connection() as conn, fence.refusals(), conn.transaction():
+                    fence.check(conn)
+                    row = conn.execute(
+                        "INSERT INTO gw_tool_outputs "
+                        "(session_key, handle, session_id, created_at, content) "
+                        "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING handle",
+                        (key, handle, session_id, time.time(), data),
+                    ).fetchone()
+            except psycopg.errors.ForeignKeyViolation:
+                raise SessionError(
+                    f"session {session_id} of {key!r} is not stored (deleted meanwhile?); "
+                    "its tool output was not kept"
+                ) from None
+            if row is not None:
+                return handle
+        raise SessionError("could not find a free tool output handle; try again")
+
+    def get(self, key: str, handle: str) -> str | None:
+        if not HANDLE.fullmatch(handle):
+            return None
+        with self._pool.connection() as conn:
+            row = conn.execute(
+                "SELECT content FROM gw_tool_outputs WHERE session_key = %s AND handle = %s",
+                (key, handle),
+            ).fetchone()
+        return bytes(row[0]).decode("utf-8", errors="replace") if row is not None else None
+
+    def delete_session(self, key: str, session_id: str) -> int:
+        with self._pool.connection() as conn, fence.refusals(), conn.transaction():
+            fence.check(conn)
+            cur = conn.execute(
+                "DELETE FROM gw_tool_outputs WHERE session_key = %s AND session_id = %s",
+                (key, session_id),
+            )
+            return int(cur.rowcount)
+
+    def copy_session(self, key: str, session_id: str, new_key: str, new_session_id: str) -> int:
+        with self._pool.connection() as conn, fence.refusals(), conn.transaction():
+            fence.check(conn)
+            cur = conn.execute(
+                "INSERT INTO gw_tool_outputs "
+                "(session_key, handle, session_id, created_at, content) "
+                "SELECT %s, handle, %s, created_at, content FROM gw_tool_outputs "
+                "WHERE session_key = %s AND session_id = %s ON CONFLICT DO NOTHING",
+                (new_key, new_session_id, key, session_id),
+            )
+            return int(cur.rowcount)
+
+
 class PostgresSessions:
     """All sessions in one PostgreSQL database: opens stores, lists, exports."""
 
@@ -525,6 +594,10 @@ class PostgresSessions:
 
     def store(self, key: str, header: SessionHeader | None = None) -> PostgresSessionStore:
         return PostgresSessionStore(self.pool, key, header=header, backend=self)
+
+    def outputs(self) -> PostgresToolOutputs:
+        """The tool outputs kept beside these sessions."""
+        return PostgresToolOutputs(self.pool)
 
     def ping(self) -> None:
         """One round trip; `StorageUnavailable` when PostgreSQL does not answer."""

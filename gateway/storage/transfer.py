@@ -1,7 +1,8 @@
 """`gateway storage import|export`: a file workspace into PostgreSQL and back, losslessly.
 
 Each kind of state has one import function and one export function, registered in
-`IMPORTS` and `EXPORTS`: sessions, memory (one item per scope: facts, history and
+`IMPORTS` and `EXPORTS`: sessions, the tool outputs stored beside them (one item per
+output, its bytes as they are), memory (one item per scope: facts, history and
 knowledge), pairing (one item per approval or pending code), heartbeat runs (one item
 per job), usage totals (one per day, conversation, channel, model, kind and provider), schedules
 (one per job) and people (one per person with all its ids, one per direct
@@ -95,6 +96,7 @@ from gateway.sessions.entries import SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionKeyError, UnsupportedVersionError
 from gateway.sessions.keys import SUFFIX, decode_key, encode_key, session_path
 from gateway.sessions.manager import list_archived_files, list_session_files
+from gateway.sessions.outputs import HANDLE, OUTPUT_SUFFIX, OUTPUTS_DIR
 from gateway.sessions.pg_store import session_lines
 from gateway.sessions.store import ARCHIVE_DIR, archive_name
 from gateway.storage.postgres import StorageError, StorageUnavailable, redact_url, schema_status
@@ -421,6 +423,135 @@ def export_sessions(conn: psycopg.Connection[Any], workspace: Path, transfer: Tr
         transfer.note(
             "sessions", "moved", item, f"{where}, {entries} entries (session {sid})", position
         )
+
+
+# ----------------------------------------------------------------------------- tool outputs
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFile:
+    """One stored tool output file: whose it is, its bytes and its time."""
+
+    path: Path
+    key: str
+    session_id: str
+    handle: str
+    created_ns: int
+
+
+def _output_files(sessions_dir: Path) -> tuple[list[OutputFile], list[tuple[Path, str]]]:
+    """The tool output files under ``sessions/outputs`` (by key, session and handle), and
+    the files there that are not one (with why)."""
+    root = sessions_dir / OUTPUTS_DIR
+    found: list[OutputFile] = []
+    strays: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return found, strays
+    # A dot file is a write a crash cut short (`create_exclusive`'s temp file): not one.
+    for path in sorted(p for p in root.rglob("*") if not p.is_dir() and p.name[0] != "."):
+        parts = path.relative_to(root).parts
+        if len(parts) != 3:
+            strays.append((path, "not at outputs/<key>/<session id>/<handle>.txt"))
+            continue
+        stem, session_id, name = parts
+        handle = name.removesuffix(OUTPUT_SUFFIX)
+        try:
+            key = decode_key(stem)
+        except SessionKeyError:
+            strays.append((path, f"{stem!r} is not an encoded session key"))
+            continue
+        if handle == name or not HANDLE.fullmatch(handle) or not session_id.isalnum():
+            strays.append((path, "not a tool output's name (out_ and 12 hex digits .txt)"))
+            continue
+        found.append(OutputFile(path, key, session_id, handle, path.stat().st_mtime_ns))
+    return found, strays
+
+
+def _store_output(conn: psycopg.Connection[Any], output: OutputFile) -> tuple[Outcome, str]:
+    """Insert one tool output's row in its own transaction, unless it is there already."""
+    import psycopg
+
+    data = output.path.read_bytes()
+    try:
+        with conn.transaction():
+            row = conn.execute(
+                "INSERT INTO gw_tool_outputs "
+                "(session_key, handle, session_id, created_at, content) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING handle",
+                (output.key, output.handle, output.session_id, _epoch(output.created_ns), data),
+            ).fetchone()
+            if row is None:
+                stored = conn.execute(
+                    "SELECT session_id, content FROM gw_tool_outputs "
+                    "WHERE session_key = %s AND handle = %s",
+                    (output.key, output.handle),
+                ).fetchone()
+    except psycopg.errors.ForeignKeyViolation:
+        return "damaged", (
+            f"its session {output.session_id} is not in the database (a damaged session "
+            "file is skipped with its outputs); nothing stored"
+        )
+    if row is not None:
+        return "moved", f"{len(data)} bytes (session {output.session_id})"
+    if stored is not None and stored[0] == output.session_id and bytes(stored[1]) == data:
+        return "present", "already imported"
+    return "conflict", (
+        "the database holds another output under this handle; nothing changed on either side"
+    )
+
+
+def import_tool_outputs(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Every stored tool output (``sessions/outputs``) into ``gw_tool_outputs``, its bytes as
+    they are; after the sessions, whose rows they belong to."""
+    sessions_dir = workspace / "sessions"
+    found, strays = _output_files(sessions_dir)
+    total = len(found) + len(strays)
+    transfer.start("tool outputs", total, sessions_dir / OUTPUTS_DIR)
+    for n, output in enumerate(found, start=1):
+        item = f"{output.key} {output.handle}"
+        try:
+            outcome, detail = _store_output(conn, output)
+        except FileNotFoundError:
+            outcome, detail = "damaged", "the file disappeared while importing"
+        transfer.note("tool outputs", outcome, item, detail, (n, total))
+    for n, (path, why) in enumerate(strays, start=len(found) + 1):
+        item = str(path.relative_to(sessions_dir))
+        transfer.note("tool outputs", "damaged", item, f"{why}; left as it is", (n, total))
+
+
+def export_tool_outputs(conn: psycopg.Connection[Any], workspace: Path, transfer: Transfer) -> None:
+    """Every stored tool output as the file mode keeps it, its file time its creation."""
+    sessions_dir = workspace / "sessions"
+    rows = conn.execute(
+        "SELECT session_key, handle, session_id, created_at FROM gw_tool_outputs "
+        "ORDER BY session_key, session_id, handle"
+    ).fetchall()
+    transfer.start("tool outputs", len(rows), sessions_dir / OUTPUTS_DIR)
+    for n, (key, handle, session_id, created_at) in enumerate(rows, start=1):
+        position = (n, len(rows))
+        item = f"{key} {handle}"
+        try:
+            folder = sessions_dir / OUTPUTS_DIR / encode_key(key) / session_id
+        except SessionKeyError as exc:
+            transfer.note("tool outputs", "damaged", repr(key), f"{exc}; not exported", position)
+            continue
+        (data,) = conn.execute(
+            "SELECT content FROM gw_tool_outputs WHERE session_key = %s AND handle = %s",
+            (key, handle),
+        ).fetchone() or (b"",)
+        data = bytes(data)
+        path = folder / (handle + OUTPUT_SUFFIX)
+        ensure_private_dir(folder)
+        try:
+            create_exclusive(path, data)
+        except FileExistsError:
+            same = path.read_bytes() == data
+            transfer.exported_before("tool outputs", item, same, "file", position)
+            continue
+        at = _nanoseconds(created_at)
+        os.utime(path, ns=(at, at))
+        detail = f"{len(data)} bytes (session {session_id})"
+        transfer.note("tool outputs", "moved", item, detail, position)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -1307,6 +1438,7 @@ def export_people(conn: psycopg.Connection[Any], workspace: Path, transfer: Tran
 #: One function per kind of state, run in this order.
 IMPORTS: dict[str, Step] = {
     "sessions": import_sessions,
+    "tool_outputs": import_tool_outputs,
     "memory": import_memory,
     "pairing": import_pairing,
     "heartbeat": import_heartbeat,
@@ -1316,6 +1448,7 @@ IMPORTS: dict[str, Step] = {
 }
 EXPORTS: dict[str, Step] = {
     "sessions": export_sessions,
+    "tool_outputs": export_tool_outputs,
     "memory": export_memory,
     "pairing": export_pairing,
     "heartbeat": export_heartbeat,

@@ -1,9 +1,11 @@
 """A local web site for `web_fetch` tests: pages, redirects, huge, slow and binary answers.
 
-Routes: ``/article`` (an HTML article inside navigation and a footer), ``/plain``,
-``/data.json``, ``/image.png``, ``/huge?mb=N`` (N MiB of text, streamed), ``/slow``
-(a byte a second, for a minute at most), ``/redirect?to=URL`` (302), ``/loop`` (a
-redirect to itself), ``/missing`` (404). Every request is logged (`paths`), so a test
+Routes: ``/article`` (an HTML article inside navigation and a footer),
+``/long?kb=N&seed=S`` (an article of about N kB whose access code, `page_code(S)`, is
+said in its middle only), ``/plain``, ``/data.json``, ``/image.png``, ``/huge?mb=N``
+(N MiB of text, streamed), ``/slow`` (a byte a second, for a minute at most),
+``/redirect?to=URL`` (302), ``/loop`` (a redirect to itself), ``/missing`` (404).
+Every request is logged (`paths`), so a test
 can tell that a refused fetch never reached the server.
 """
 
@@ -37,6 +39,33 @@ than a thousand animals resting together in kelp forests along the coast.</p>
 PNG_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(64)
 
 
+def page_code(seed: int) -> str:
+    """The access code `/long?seed=S` states once, in the middle of its text."""
+    return f"PG-{seed:03d}-{(seed * 7919) % 100000:05d}"
+
+
+def long_page(kb: int, seed: int) -> str:
+    """An HTML article of about `kb` kilobytes of prose paragraphs (menus and a footer
+    around it), its access code said once, in the middle."""
+    paragraphs: list[str] = []
+    n = 0
+    while sum(map(len, paragraphs)) < kb * 1000:
+        paragraphs.append(
+            f"<p>Section {n} of report {seed}: the river otters of district {n % 17} were "
+            f"counted at dawn; {n * 13 % 97} adults and {n * 7 % 31} young rested in the "
+            f"kelp, and the survey team noted the water at {10 + n % 9} degrees.</p>"
+        )
+        n += 1
+    middle = len(paragraphs) // 2
+    paragraphs.insert(middle, f"<p>The access code of page {seed} is {page_code(seed)}.</p>")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>Report {seed}</title>"
+        "</head><body><nav><a href='/'>Home</a> | <a href='/about'>About</a></nav>"
+        f"<article><h1>Report {seed}</h1>{''.join(paragraphs)}</article>"
+        "<footer>Copyright 2026 Example Wildlife Pages.</footer></body></html>"
+    )
+
+
 class FakeWeb(LocalServer):
     _thread_name = "fake-web"
 
@@ -60,6 +89,7 @@ class FakeWeb(LocalServer):
 
         app = web.Application(middlewares=[log])
         app.router.add_get("/article", self._article)
+        app.router.add_get("/long", self._long)
         app.router.add_get("/plain", self._plain)
         app.router.add_get("/data.json", self._json)
         app.router.add_get("/image.png", self._image)
@@ -71,6 +101,10 @@ class FakeWeb(LocalServer):
 
     async def _article(self, request: web.Request) -> web.Response:
         return web.Response(text=ARTICLE_HTML, content_type="text/html", charset="utf-8")
+
+    async def _long(self, request: web.Request) -> web.Response:
+        html = long_page(int(request.query.get("kb", "30")), int(request.query.get("seed", "0")))
+        return web.Response(text=html, content_type="text/html", charset="utf-8")
 
     async def _plain(self, request: web.Request) -> web.Response:
         return web.Response(text="just plain text\nline two\n", content_type="text/plain")

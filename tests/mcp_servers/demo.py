@@ -4,13 +4,15 @@
     python -m tests.mcp_servers.demo http PORT            # streamable HTTP at /mcp
 
 Tools: `add`, `echo_env` (a variable of its environment), `slow` (sleeps), `fail`
-(raises), `crash` (the process exits mid-call). With DEMO_PID_FILE set it writes its
+(raises), `crash` (the process exits mid-call), `records` (a big JSON export whose access
+code, `dataset_code(seed)`, is in its middle record only). With DEMO_PID_FILE set it writes its
 pid there; with DEMO_FAIL_STARTS=N and DEMO_COUNTER=path it exits at start the first N
 times (counted in that file), to test restarts with backoff.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -36,6 +38,28 @@ def _fail_at_start() -> None:
 server = MCPServer("demo")
 
 
+def dataset_code(seed: int) -> str:
+    """The access code `records(count, seed)` holds, in its middle record."""
+    return f"DS-{seed:03d}-{(seed * 104729) % 100000:05d}"
+
+
+def dataset(count: int, seed: int) -> str:
+    """`count` records as pretty JSON (as many MCP servers answer), the code in the middle."""
+    rows: list[dict[str, object]] = [
+        {
+            "id": f"{seed}-{i}",
+            "station": f"district {i % 17}",
+            "adults": i * 13 % 97,
+            "young": i * 7 % 31,
+            "water_celsius": 10 + i % 9,
+            "note": "counted at dawn",
+        }
+        for i in range(count)
+    ]
+    rows[count // 2]["note"] = f"the access code of dataset {seed} is {dataset_code(seed)}"
+    return json.dumps({"dataset": seed, "records": rows}, indent=2)
+
+
 @server.tool()
 def add(a: int, b: int) -> int:
     """Add two whole numbers."""
@@ -53,6 +77,12 @@ async def slow(seconds: float) -> str:
     """Wait, then say so."""
     await anyio.sleep(seconds)
     return f"slept {seconds:g}s"
+
+
+@server.tool()
+def records(count: int, seed: int) -> str:
+    """A survey export: `count` records as JSON."""
+    return dataset(count, seed)
 
 
 @server.tool()
