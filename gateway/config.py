@@ -632,10 +632,16 @@ class DispatchSettings(_Section):
     max_queued_total: int = Field(
         10_000, ge=1, description="Messages waiting in all sessions together, at most."
     )
-    mode: Literal["followup", "collect"] = Field(
+    mode: Literal["followup", "collect", "steer", "interrupt"] = Field(
         "followup",
-        description="Messages sent while a session is busy: followup = one turn each, "
-        "collect = merged into the next turn.",
+        description="Messages sent while a conversation's turn runs: followup = a turn "
+        "each, after it; collect = merged into the next turn; steer = joins the running "
+        "turn at its next step (after its tool calls); interrupt = stops the running turn "
+        "(as /stop) and starts the next with it. /queue MODE sets one conversation's.",
+    )
+    channel_modes: dict[str, Literal["followup", "collect", "steer", "interrupt"]] = Field(
+        default_factory=dict,
+        description="A channel's own mode, in place of mode, one line each.",
     )
     drain_grace_seconds: float = Field(
         30.0, ge=0, description="On SIGTERM, how long in-flight turns may take to finish."
@@ -648,6 +654,16 @@ class DispatchSettings(_Section):
     dedupe_ttl_seconds: float = Field(
         7 * 86400.0, gt=0, description="How long platform message ids are remembered."
     )
+
+    @field_validator("channel_modes")
+    @classmethod
+    def _known_channels(cls, value: dict[str, str]) -> dict[str, str]:
+        # The channels of [channels], and the gateway's own (jobs, the chat API).
+        known = sorted({*ChannelsSettings.model_fields, "system", "api"})
+        for name in value:
+            if name not in known:
+                raise ValueError(f"there is no channel {name!r}; use one of {', '.join(known)}")
+        return value
 
 
 class HeartbeatJobSettings(_Section):
@@ -1647,8 +1663,9 @@ def all_keys() -> list[str]:
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
             kind = _core_type(field.annotation)
-            if get_origin(kind) is dict and issubclass(get_args(kind)[1], BaseModel):
-                walk(get_args(kind)[1], f"{prefix}{name}.NAME.")
+            value = get_args(kind)[1] if get_origin(kind) is dict else None
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                walk(value, f"{prefix}{name}.NAME.")
             elif isinstance(kind, type) and issubclass(kind, BaseModel):
                 walk(kind, f"{prefix}{name}.")
             else:
@@ -1828,6 +1845,10 @@ _EXAMPLES: dict[str, list[str]] = {
     ],
     "llm.aliases": [
         '# aliases.smart = ["default:gpt-4o", "default:gpt-4o-mini"]',
+    ],
+    "dispatch.channel_modes": [
+        '# channel_modes.telegram = "steer"',
+        '# channel_modes.slack = "collect"',
     ],
     "usage.prices": [
         '# prices."gpt-4o-mini" = { prompt = 0.15, completion = 0.6 }',

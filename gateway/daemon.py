@@ -7,6 +7,7 @@ import functools
 import signal
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +20,7 @@ from loguru import logger
 from gateway import __version__
 from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.memory_tools import memory_tools
-from gateway.agent.subagents import SubagentLimits, Subagents
+from gateway.agent.subagents import META_SUBAGENT, SubagentLimits, Subagents
 from gateway.agent.tool_outputs import OutputLimits, ToolOutputs
 from gateway.agent.tools import ToolRegistry
 from gateway.agent.toolset import build_mcp, build_tools
@@ -40,7 +41,15 @@ from gateway.memory import MemoryStore
 from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
 from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
-from gateway.reminders import JOBS_FILE, FileJobStore, JobStore, Reminders, ScheduleLimits
+from gateway.queue_modes import QueueModes
+from gateway.reminders import (
+    JOBS_FILE,
+    META_SCHEDULE,
+    FileJobStore,
+    JobStore,
+    Reminders,
+    ScheduleLimits,
+)
 from gateway.sessions import SessionManager
 from gateway.storage.stores import build_session_manager, shared_storage, shared_storage_open
 from gateway.usage import MeteredProvider, UsageMeter
@@ -244,6 +253,7 @@ def agent_config(settings: Settings) -> AgentConfig:
         memory_recall_wait=settings.memory.recall_wait_seconds,
         offline_after=settings.agent.offline_after_seconds,
         code_block_file_chars=settings.media.code_block_file_chars,
+        queue_modes=QueueModes(settings.dispatch.mode, dict(settings.dispatch.channel_modes)),
     )
 
 
@@ -586,6 +596,18 @@ def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     return policies
 
 
+def _joins_turns(agent: AgentLoop) -> Callable[[InboundMessage], bool]:
+    """What may join another message's turn (collect, steer, interrupt): what the agent
+    would run as a plain turn (`AgentLoop.may_join`), but no message the gateway made
+    itself (a reminder firing, a subagent's result): each of those is a turn of its own."""
+
+    def joins(message: InboundMessage) -> bool:
+        made = message.metadata.get(META_SCHEDULE) or message.metadata.get(META_SUBAGENT)
+        return not made and agent.may_join(message)
+
+    return joins
+
+
 def _is_stop(message: InboundMessage) -> bool:
     """/stop bypasses its session's lane: it must reach the turn it stops."""
     from gateway.agent.commands import is_stop_command
@@ -678,6 +700,8 @@ class Daemon:
             max_queue_per_lane=settings.dispatch.max_queue_per_lane,
             max_queued_total=settings.dispatch.max_queued_total,
             mode=settings.dispatch.mode,
+            mode_for=gateway.agent.queue_mode,
+            joinable=_joins_turns(gateway.agent),
             dedupe=self.dedupe,
             access=self.access,
             on_turn_done=self._turn_done,

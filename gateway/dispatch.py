@@ -27,6 +27,14 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
 - An urgent message (`urgent(msg)` is true: /stop) is handled on arrival, outside its
   lane, after the access check: it never waits behind the turn it is meant to stop.
   It is not journaled (it acts on what runs now, which a crash ends anyway).
+- A message that arrives while its session's turn runs does what the session's queue
+  mode says (`gateway.queue_modes`; `mode_for`): waits for a turn of its own
+  (followup), is merged into the next turn (collect), joins the running turn when the
+  turn takes it (steer: `TurnInbox.take`), or stops the running turn and is merged into
+  the next (interrupt). Whatever the mode, a session's messages keep their order, each
+  is answered (a joined message by the reply of the turn it joined, which marks it
+  answered too), and only messages new to the session join another's turn: a replayed
+  one, which may be in the session already, always gets a turn of its own.
 - In the shared mode a fed message's turn runs behind the fence of its session's lease
   (`gateway.storage.fence`): once another replica holds the session, the turn stores,
   records, marks and sends nothing more, and its message is left to the new holder. A
@@ -36,12 +44,13 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.abc
@@ -58,12 +67,14 @@ from gateway.messages import (
     MERGED_IDS_KEY,
     META_IN_SESSION,
     META_REPLAYED,
+    META_REPLY_ENTRY,
     META_REPLY_WANTED,
     META_SESSION_CURRENT,
     InboundMessage,
     OutboundMessage,
     reply_for,
 )
+from gateway.queue_modes import QUEUE_MODES, Accept, QueueMode, TurnInbox, receiving
 from gateway.storage.fence import Fence, FencedOut, fenced
 
 __all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_messages"]
@@ -71,7 +82,9 @@ __all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_mess
 Handler = Callable[[InboundMessage], Awaitable[OutboundMessage]]
 Deliver = Callable[[OutboundMessage], Awaitable[None]]
 TurnDoneCallback = Callable[[OutboundMessage, float], None]
-Mode = Literal["followup", "collect"]
+#: Replies re-sent by a replay that are remembered, so that messages which joined one
+#: turn get its reply once (`_finish_fenced`).
+RESENT_REMEMBERED = 4096
 
 
 class AccessCheck(Protocol):
@@ -176,6 +189,8 @@ class DispatcherStats:
     turns_finished: int
     turn_failures: int
     merged_messages: int
+    steered_messages: int
+    interrupted_turns: int
     delivery_failures: int
     dedupe_errors: int
     not_taken: int
@@ -248,14 +263,24 @@ class _Item:
     def is_ready(self) -> bool:
         return self.ready is None or self.ready.is_set()
 
+    @property
+    def is_new(self) -> bool:
+        """New to its session: no turn of it can have begun (a message taken in now, or
+        one the router knows is new), so it may join another message's turn."""
+        recorded = self.recorded
+        return recorded is None or (
+            recorded.reply is None and self.message.metadata.get(META_SESSION_CURRENT) is True
+        )
+
 
 class _Lane:
-    __slots__ = ("current", "key", "queue", "wakeup")
+    __slots__ = ("current", "inbox", "key", "queue", "wakeup")
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.queue: deque[_Item] = deque()
         self.current: list[_Item] = []  # the turn in progress
+        self.inbox: TurnInbox | None = None  # ... and what it may take in while it runs
         self.wakeup = anyio.Event()
 
 
@@ -272,6 +297,8 @@ class _Counters:
     turns_finished: int = 0
     turn_failures: int = 0
     merged_messages: int = 0
+    steered_messages: int = 0
+    interrupted_turns: int = 0
     delivery_failures: int = 0
     dedupe_errors: int = 0
     not_taken: int = 0
@@ -302,6 +329,11 @@ class Dispatcher:
     gets the policy's reply (a refusal or a pairing code; status `denied`) or nothing
     (status `ignored`). A failing access check lets nothing through; a failing dedupe
     store lets everything through (both are logged and counted).
+
+    `mode` is every session's queue mode, unless `mode_for` says a message's session's
+    (`AgentLoop.queue_mode`); `joinable` says which messages may join another's turn at
+    all (`AgentLoop.may_join`: not a command, not a file). The handler's turn finds its
+    `TurnInbox` with `gateway.queue_modes.current_inbox`.
     """
 
     def __init__(
@@ -312,7 +344,9 @@ class Dispatcher:
         max_concurrent_turns: int = 8,
         max_queue_per_lane: int = 50,
         max_queued_total: int = 10_000,
-        mode: Mode = "followup",
+        mode: QueueMode = "followup",
+        mode_for: Callable[[InboundMessage], QueueMode] | None = None,
+        joinable: Accept | None = None,
         dedupe: DedupeStore | None = None,
         access: AccessCheck | None = None,
         idle_lane_ttl: float = 300,
@@ -326,8 +360,8 @@ class Dispatcher:
             raise ValueError("max_queue_per_lane must be at least 1")
         if max_queued_total < 1:
             raise ValueError("max_queued_total must be at least 1")
-        if mode not in ("followup", "collect"):
-            raise ValueError(f"mode must be 'followup' or 'collect', not {mode!r}")
+        if mode not in QUEUE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(QUEUE_MODES)}, not {mode!r}")
         if idle_lane_ttl < 0:
             raise ValueError("idle_lane_ttl must not be negative")
         self._handler = handler
@@ -335,7 +369,9 @@ class Dispatcher:
         self.max_concurrent_turns = max_concurrent_turns
         self.max_queue_per_lane = max_queue_per_lane
         self.max_queued_total = max_queued_total
-        self.mode: Mode = mode
+        self.mode: QueueMode = mode
+        self._mode_for = mode_for
+        self._joinable = joinable
         self.idle_lane_ttl = idle_lane_ttl
         self.deliver_timeout = deliver_timeout
         self._dedupe = dedupe
@@ -354,6 +390,8 @@ class Dispatcher:
         self._grace: anyio.CancelScope | None = None  # the drain's grace period, running
         self._grace_ended = False
         self._resent: set[str] = set()  # recorded replies the replay has sent again
+        # Replies of replayed turns sent, by session entry (bounded: a replay's own).
+        self._resent_entries: deque[str] = deque(maxlen=RESENT_REMEMBERED)
         #: In the shared mode (`gateway.replicas`): journaled messages are handed to the
         #: router, which feeds each session's messages, in journal order, to the one
         #: replica holding that session's lease.
@@ -481,6 +519,7 @@ class Dispatcher:
             await self._admit(item)
         if ticket.status is SubmitStatus.ACCEPTED:
             self._counters.accepted += 1
+            self._interrupt_for(lane, item)
         return ticket
 
     async def _admit(self, item: _Item) -> None:
@@ -779,25 +818,93 @@ class Dispatcher:
                 # Taken after the slot is ours, so collect mode merges what arrived
                 # while waiting for it.
                 lane.current = self._take(lane)
-                reply = await self._run_turn(lane.key, lane.current)
+                lane.inbox = TurnInbox(lane.key, functools.partial(self._join, lane))
+                reply = await self._run_turn(lane.key, lane.current, lane.inbox)
             finally:
                 self._limiter.release()
+                lane.inbox = None
             await self._finish(lane.current, reply)
             lane.current = []
 
+    # ------------------------------------------------------------------ queue modes
+
+    def _mode(self, msg: InboundMessage, inbox: TurnInbox | None = None) -> QueueMode:
+        """The queue mode of `msg`'s session: as its running turn read it from the
+        session (`inbox`), else as `mode_for` says, else `mode`."""
+        if inbox is not None and inbox.mode is not None:
+            return inbox.mode
+        return self._mode_for(msg) if self._mode_for is not None else self.mode
+
+    def _may_join(self, item: _Item, head: _Item) -> bool:
+        """May `item` join the turn of `head`: new to the session, checked, under the
+        same lease, and a message that may join turns at all (`joinable`)?"""
+        return (
+            item.is_ready
+            and item.is_new
+            and item.fence is head.fence
+            and (self._joinable is None or self._joinable(item.message))
+        )
+
     def _take(self, lane: _Lane) -> list[_Item]:
-        batch = [lane.queue.popleft()]
-        if self.mode == "collect" and batch[0].recorded is None:
-            # A replayed message is never merged: its turn is its own (or already ran).
-            while lane.queue and lane.queue[0].is_ready and lane.queue[0].recorded is None:
-                item = lane.queue.popleft()
-                if not item.skip:
-                    batch.append(item)
+        """The next turn's messages: the head of the lane, and in the collect and
+        interrupt modes the messages waiting behind it that may join it (a replayed
+        message is never merged: its turn is its own, or ran already)."""
+        head = lane.queue.popleft()
+        batch = [head]
+        if not lane.queue or self._mode(head.message) not in ("collect", "interrupt"):
+            return batch
+        if not self._may_join(head, head):
+            return batch
+        while lane.queue:
+            item = lane.queue[0]
+            if item.skip:
+                lane.queue.popleft()
+                continue
+            if not self._may_join(item, head):
+                break  # it, and everything after it, keeps its place
+            batch.append(lane.queue.popleft())
         return batch
 
-    async def _run_turn(self, key: str, batch: list[_Item]) -> OutboundMessage | None:
+    def _join(self, lane: _Lane, accept: Accept) -> list[InboundMessage]:
+        """`TurnInbox.take` (steer): the messages waiting behind the running turn, oldest
+        first, while they may join it and `accept` takes them; each is the turn's from
+        now on (its reply answers it, and marks it answered)."""
+        batch = lane.current
+        if not batch:
+            return []
+        taken: list[InboundMessage] = []
+        while lane.queue:
+            item = lane.queue[0]
+            if item.skip:
+                lane.queue.popleft()
+                continue
+            if not self._may_join(item, batch[0]) or not accept(item.message):
+                break
+            batch.append(lane.queue.popleft())
+            taken.append(item.message)
+        self._counters.steered_messages += len(taken)
+        return taken
+
+    def _interrupt_for(self, lane: _Lane, item: _Item) -> None:
+        """Interrupt mode: `item` was taken in while its session's turn runs, and may
+        join the next one: the running turn stops as /stop stops it, and `item` starts
+        the next turn (with whatever else waits and may join it)."""
+        inbox = lane.inbox
+        if inbox is None or not lane.current or item.skip or item not in lane.queue:
+            return
+        if not self._may_join(item, item) or self._mode(item.message, inbox) != "interrupt":
+            return
+        if inbox.stop():
+            self._counters.interrupted_turns += 1
+            with logger.contextualize(session=lane.key):
+                logger.info("turn stopped: a new message came in (queue mode interrupt)")
+
+    async def _run_turn(
+        self, key: str, batch: list[_Item], inbox: TurnInbox | None = None
+    ) -> OutboundMessage | None:
         """The turn's reply; None when its lease moved on to another replica before or
-        during the turn (fenced out: nothing more is stored or sent for it here)."""
+        during the turn (fenced out: nothing more is stored or sent for it here).
+        `batch` grows while the turn runs when the turn takes messages from `inbox`."""
         fence = batch[0].fence
         if fence is not None and not await self._holds(fence):
             _fenced_out(key, "before its turn began")
@@ -814,7 +921,7 @@ class Dispatcher:
         counters.turns_started += 1
         counters.in_flight += 1
         started = time.perf_counter()
-        with logger.contextualize(session=key), fenced(fence):
+        with logger.contextualize(session=key), fenced(fence), receiving(inbox):
             try:
                 reply: OutboundMessage | None = await self._handler(msg)
             except FencedOut:
@@ -825,6 +932,8 @@ class Dispatcher:
                 reply = reply_for(msg, ERROR_TEXT, is_error=True)
             finally:
                 counters.in_flight -= 1
+                if inbox is not None:
+                    inbox.close()  # what comes from now on waits for the next turn
         if fence is not None and fence.lost:
             # Also when the handler caught the refusal itself (a tool's write): whatever
             # it answered was not stored.
@@ -902,6 +1011,7 @@ class Dispatcher:
                 self._counters.dedupe_errors += 1
                 logger.error("outbox failed to record a reply: {}", exc)
         send = True
+        entry = reply.metadata.get(META_REPLY_ENTRY)
         if recorded is not None and recorded.reply_id is not None:
             # A merged turn's reply is re-sent once for all its messages.
             send = recorded.reply_id not in self._resent
@@ -909,6 +1019,12 @@ class Dispatcher:
             if send:
                 with logger.contextualize(session=reply.session_key):
                     logger.warning("re-sending a reply a crash may have kept from going out")
+        elif isinstance(entry, str) and entry in self._resent_entries:
+            # The replay of a message that joined an earlier one's turn: that turn's
+            # reply went out (again) for the earlier message already.
+            send = False
+            with logger.contextualize(session=reply.session_key):
+                logger.info("replayed message answered by the turn it joined: not sent again")
         if send:
             stage[0] = "before its reply went out"
             await failpoints.reach("dispatch.before_send", reply.session_key)
@@ -916,6 +1032,8 @@ class Dispatcher:
             raise fence.refused()
         if send:
             await self._deliver_safely(reply)
+            if isinstance(entry, str):
+                self._resent_entries.append(entry)
         stage[0] = "before its message was marked answered"
         await failpoints.reach("dispatch.before_mark", reply.session_key)
         # Shared mode: a reply someone waits for (`/api/chat`, perhaps on another
@@ -1070,6 +1188,8 @@ class Dispatcher:
             turns_finished=c.turns_finished,
             turn_failures=c.turn_failures,
             merged_messages=c.merged_messages,
+            steered_messages=c.steered_messages,
+            interrupted_turns=c.interrupted_turns,
             delivery_failures=c.delivery_failures,
             dedupe_errors=c.dedupe_errors,
             not_taken=c.not_taken,

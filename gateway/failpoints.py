@@ -11,11 +11,12 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
   process.
 
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
-before the user's message is stored, before the reply is recorded in the outbox, before
-it is sent, and before the message is marked answered; and, for the Matrix channel, just
-before and just after a batch's since token is stored (the kill test's worst moments);
-for WhatsApp's webhook, a message journaled, its delivery not yet answered 200; and, on
-email, between the journal and the `\\Seen` flag that confirms a mail to the server.
+before the user's message is stored (or one that joined the running turn), before the
+reply is recorded in the outbox, before it is sent, and before the message is marked
+answered; and, for the Matrix channel, just before and just after a batch's since token
+is stored (the kill test's worst moments); for WhatsApp's webhook, a message journaled,
+its delivery not yet answered 200; and, on email, between the journal and the `\\Seen`
+flag that confirms a mail to the server.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from loguru import logger
 POINTS = frozenset(
     {
         "turn.before_user_append",
+        # A message that joined a running turn (the steer mode), about to be stored.
+        "turn.before_steered_append",
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",

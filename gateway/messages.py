@@ -19,6 +19,10 @@ META_IN_SESSION = "in_session"
 #: Metadata of a message the dispatcher replays after a crash: its turn may have begun
 #: (the user's entry may be in the session already).
 META_REPLAYED = "replayed"
+#: Metadata of the reply to a replayed message (`META_REPLAYED`): the id of its session
+#: entry. Messages that joined one turn (the steer mode) share it, so the replay sends
+#: that reply once for them all (`gateway.dispatch`).
+META_REPLY_ENTRY = "reply_entry"
 #: Metadata of a message the shared mode's router hands over for the first time, under
 #: a session lease this replica has held since its previous turn of the session: no
 #: turn of it can have begun, and no other replica wrote to the session meanwhile, so

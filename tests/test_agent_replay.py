@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.agent.turns import EarlierTurn, find_turn
+from gateway.agent.turns import META_STEERED, EarlierTurn, find_turn
 from gateway.config import Settings
 from gateway.daemon import Gateway
 from gateway.llm.types import LLMMessage, ToolCall
@@ -71,12 +71,38 @@ def test_find_turn_reads_the_branch() -> None:
         entry("user", "b", {"message_id": "42:2", MERGED_IDS_KEY: ["42:2", "42:3"]}),
         entry("assistant", "", tool_calls=[call]),
     ]
-    assert find_turn(branch, "42:1") == EarlierTurn(reply="it is noon", is_latest=True)
+    assert find_turn(branch, "42:1") == EarlierTurn(
+        reply="it is noon", is_latest=True, reply_entry="eit is noon"
+    )
     assert find_turn(branch, "42:3") == EarlierTurn(reply=None, is_latest=True)
     assert find_turn(branch, "42:9") is None
     interrupted = [branch[0], entry("user", "c", {"message_id": "42:4"})]
     assert find_turn(interrupted, "42:1") == EarlierTurn(reply=None, is_latest=False)
     assert find_turn([entry("user", "x")], "42:1") is None  # no meta: not that message
+
+
+def test_find_turn_counts_a_message_that_joined_a_turn_as_part_of_it() -> None:
+    """A message steered into a running turn neither ends that turn nor starts another:
+    the turn's lead and the joined message both find the turn's one reply, and a turn
+    cut short after the joined message was stored can still go on."""
+    call = ToolCall(id="c1", function_name="current_time")
+    steered = {"message_id": "42:2", META_STEERED: True}
+    branch = [
+        entry("user", "a", {"message_id": "42:1"}),
+        entry("assistant", "", tool_calls=[call]),
+        entry("tool", "noon", tool_call_id="c1", name="current_time"),
+        entry("user", "b", steered),
+        entry("assistant", "both answered"),
+    ]
+    answered = EarlierTurn(reply="both answered", is_latest=True, reply_entry="eboth answered")
+    assert find_turn(branch, "42:1") == answered
+    assert find_turn(branch, "42:2") == answered
+    cut = branch[:4]  # the crash came after the joined message was stored
+    assert find_turn(cut, "42:1") == EarlierTurn(reply=None, is_latest=True)
+    assert find_turn(cut, "42:2") == EarlierTurn(reply=None, is_latest=True)
+    # A later message of its own (not steered) still ends the earlier turn.
+    later = [*cut[:3], entry("user", "c", {"message_id": "42:3"})]
+    assert find_turn(later, "42:1") == EarlierTurn(reply=None, is_latest=False)
 
 
 # --------------------------------------------------------------------------- the agent

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from gateway.access import ALLOW, Decision
-from gateway.dedupe import FileDedupeStore, MemoryDedupeStore
+from gateway.dedupe import FileDedupeStore, MemoryDedupeStore, dedupe_key
 from gateway.dispatch import (
     BUSY_TEXT,
     DRAINING_TEXT,
@@ -31,6 +31,7 @@ from gateway.dispatch import (
     merge_messages,
 )
 from gateway.messages import InboundMessage, OutboundMessage
+from gateway.queue_modes import QueueMode, TurnInbox, current_inbox
 
 pytestmark = pytest.mark.anyio
 
@@ -400,6 +401,162 @@ async def test_collect_mode_merges_what_queued_while_busy() -> None:
     assert replies[0] is not None and replies[0].reply_to == "4"
     assert len(outbox.sent) == 2
     assert d.stats().merged_messages == 3
+
+
+# --------------------------------------------------------------------------- steer
+
+
+async def test_steer_the_running_turn_takes_what_waits_behind_it_in_order(
+    tmp_path: Path,
+) -> None:
+    """Promise: a message the running turn takes in (`TurnInbox.take`) is the turn's: it
+    gets the turn's one reply and is marked answered with it; a message the turn does
+    not accept stays queued, and so does everything behind it, in order. Once the turn
+    has returned, nothing more joins it."""
+    step = anyio.Event()
+    inboxes: list[TurnInbox] = []
+    turns: list[list[str]] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        inbox = current_inbox(msg.session_key)
+        assert inbox is not None and current_inbox("another:key") is None
+        inboxes.append(inbox)
+        said = [msg.text]
+        if msg.text == "first":
+            await step.wait()  # the turn's tool calls run; messages queue meanwhile
+            said += [m.text for m in inbox.take(lambda m: not m.text.startswith("/"))]
+        turns.append(said)
+        return reply_to(msg, " + ".join(said))
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    async with running(Dispatcher(handler, outbox.deliver, dedupe=store)) as d:
+        first = await d.submit(inbound("a", "first", message_id="1"))
+        later = [
+            await d.submit(inbound("a", text, message_id=str(n)))
+            for n, text in enumerate(("second", "third", "/cmd", "fourth"), start=2)
+        ]
+        step.set()
+        replies = [await t.reply() for t in (first, *later)]
+        for ticket in (first, *later):
+            await ticket.wait_finished()
+        left = await store.unanswered()
+    await store.aclose()
+    assert turns == [["first", "second", "third"], ["/cmd"], ["fourth"]]
+    assert replies[0] is replies[1] is replies[2]
+    assert replies[0] is not None and replies[0].text == "first + second + third"
+    assert outbox.texts("a") == ["first + second + third", "/cmd", "fourth"]
+    assert all(t.marked for t in (first, *later)) and left == []
+    assert d.stats().steered_messages == 2
+    assert inboxes[0].closed and inboxes[0].take(lambda m: True) == []
+
+
+async def test_steer_a_replayed_message_never_joins_a_turn(tmp_path: Path) -> None:
+    """A message a crash left journaled may be in the session already: it gets a turn
+    of its own (where the agent finds what the session holds), never a join."""
+    path = tmp_path / "dedupe.sqlite3"
+    before = FileDedupeStore(path)
+    for n in (1, 2):
+        msg = inbound("a", f"m{n}", message_id=str(n))
+        key = dedupe_key(msg)
+        assert key is not None and not await before.seen_or_add(key)
+        await before.journal(key, msg)
+    await before.aclose()
+    taken: list[list[str]] = []
+    gate = anyio.Event()
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        inbox = current_inbox(msg.session_key)
+        assert inbox is not None
+        await gate.wait()
+        taken.append([m.text for m in inbox.take(lambda m: True)])
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(path)
+    async with running(Dispatcher(handler, outbox.deliver, dedupe=store)) as d:
+        assert await d.replay() == 2
+        gate.set()
+        with anyio.fail_after(5):
+            while d.stats().turns_finished < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+    await store.aclose()
+    assert taken == [[], []]
+    assert outbox.texts("a") == ["re: m1", "re: m2"]
+
+
+async def test_each_sessions_mode_is_its_own() -> None:
+    """`mode_for` gives each session its mode: collect merges in one, followup keeps
+    the other's messages apart."""
+    release = anyio.Event()
+    seen: list[str] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        seen.append(msg.text)
+        await release.wait()
+        return await echo(msg)
+
+    def mode_for(msg: InboundMessage) -> QueueMode:
+        return "collect" if msg.chat_id == "c" else "followup"
+
+    outbox = Outbox()
+    async with running(Dispatcher(handler, outbox.deliver, mode_for=mode_for)) as d:
+        for chat in ("c", "f"):
+            await d.submit(inbound(chat, f"{chat}-one"))
+        with anyio.fail_after(5):
+            while len(seen) < 2:  # noqa: ASYNC110  (both turns running)
+                await anyio.sleep(0.01)
+        for chat in ("c", "f"):
+            for text in ("two", "three"):
+                await d.submit(inbound(chat, f"{chat}-{text}"))
+        release.set()
+    assert sorted(outbox.texts("c")) == ["re: c-one", "re: c-two\n\nc-three"]
+    assert outbox.texts("f") == ["re: f-one", "re: f-two", "re: f-three"]
+
+
+# --------------------------------------------------------------------------- interrupt
+
+
+async def test_interrupt_stops_the_running_turn_and_the_next_takes_what_waits() -> None:
+    """Promise: in the interrupt mode a message that may join turns stops the running
+    one (once, however many arrive), which answers as stopped; the next turn merges
+    what waits. A message that may not join (a command) stops nothing and waits."""
+    stopped = anyio.Event()
+    asked: list[int] = []
+    seen: list[str] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        seen.append(msg.text)
+        inbox = current_inbox(msg.session_key)
+        assert inbox is not None and inbox.mode is None
+        if msg.text == "first":
+
+            def on_stop() -> None:
+                asked.append(1)
+                stopped.set()
+
+            inbox.on_stop = on_stop
+            await stopped.wait()
+            return reply_to(msg, "(stopped)")
+        return await echo(msg)
+
+    def joinable(msg: InboundMessage) -> bool:
+        return not msg.text.startswith("/")
+
+    outbox = Outbox()
+    dispatcher = Dispatcher(handler, outbox.deliver, mode="interrupt", joinable=joinable)
+    async with running(dispatcher) as d:
+        await d.submit(inbound("a", "first"))
+        with anyio.fail_after(5):
+            while not seen:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        await d.submit(inbound("a", "/cmd"))
+        assert not stopped.is_set()
+        await d.submit(inbound("a", "second"))
+        await d.submit(inbound("a", "third"))
+    assert asked == [1]
+    assert outbox.texts("a") == ["(stopped)", "re: /cmd", "re: second\n\nthird"]
+    assert d.stats().interrupted_turns == 1
 
 
 def test_merge_keeps_a_single_message_as_it_is() -> None:

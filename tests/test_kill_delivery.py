@@ -53,7 +53,7 @@ import pytest
 
 from gateway.sessions.keys import key_from_filename
 from tests.fakes._serving import free_port
-from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder
+from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply, echo_responder
 from tests.fakes.slack_server import EventDelivery, FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
 from tests.gateway_process import GatewayProcess, base_env, telegram_env, wait_until
@@ -108,12 +108,45 @@ def slow_echo(rng: random.Random, low: float = 0.02, high: float = 0.1) -> Calla
     return respond
 
 
+def tool_then_echo(rng: random.Random) -> Callable[..., Reply]:
+    """A model that works in two steps, for the steer mode: a turn's first call asks for
+    the `current_time` tool (so messages that arrive meanwhile can join the turn), and
+    the call after the tool's result answers ``echo: `` and every message token the
+    turn's user messages hold, in order (the turn's own and those that joined it)."""
+
+    def respond(body: dict[str, Any]) -> Reply:
+        turn: list[dict[str, Any]] = []
+        for message in body.get("messages") or ():
+            if message.get("role") == "assistant" and not message.get("tool_calls"):
+                turn = []  # a final answer: an earlier turn ended here
+            elif message.get("role") != "system":
+                turn.append(message)
+        if not any(m.get("role") == "tool" for m in turn):
+            call = FakeToolCall("current_time", {})
+            return Reply(tool_calls=(call,), delay=rng.uniform(0.05, 0.2))
+        said = [str(m.get("content") or "") for m in turn if m.get("role") == "user"]
+        tokens = [t for text in said for t in TOKEN.findall(text)]
+        return Reply(text="echo: " + " ".join(tokens), delay=rng.uniform(0.02, 0.1))
+
+    return respond
+
+
+#: The model of each queue mode a scenario runs in: the steer mode needs turns that
+#: take more than one model call, or nothing could join them.
+MODELS: dict[str, Callable[[random.Random], Callable[..., Reply]]] = {
+    "followup": slow_echo,
+    "steer": tool_then_echo,
+}
+
+
 # -- counting from the outside ---------------------------------------------------------
 
 
 def session_entries(sessions_dir: Path) -> tuple[Counter[str], Counter[str]]:
     """(user, assistant) message entries per message text, over the current session file
-    of every key (``<sessions>/<encoded key>.jsonl``; see `gateway.sessions.keys`)."""
+    of every key (``<sessions>/<encoded key>.jsonl``; see `gateway.sessions.keys`); the
+    user entries of messages that joined a running turn (the steer mode) under the key
+    ``STEERED`` too."""
     user: Counter[str] = Counter()
     assistant: Counter[str] = Counter()
     for path in sorted(sessions_dir.glob("*.jsonl")):
@@ -132,19 +165,31 @@ def session_entries(sessions_dir: Path) -> tuple[Counter[str], Counter[str]]:
             counter = {"user": user, "assistant": assistant}.get(message.get("role"))
             if counter is not None:
                 counter.update(TOKEN.findall(text))
+            if message.get("role") == "user" and (entry.get("meta") or {}).get("steered"):
+                user[STEERED] += 1
     return user, assistant
 
 
-def echoed(texts: Iterable[str]) -> tuple[list[str], list[str]]:
-    """(message texts answered, in reply order with repeats; every other reply)."""
+STEERED = "steered"
+
+
+def echoed(texts: Iterable[str]) -> tuple[list[tuple[str, ...]], list[str]]:
+    """(the messages each reply answers, in reply order with repeats; every other
+    reply). A reply answers one message, or in the steer mode several (the turn's own
+    and those that joined it)."""
     answered, other = [], []
     for text in texts:
-        found = TOKEN.fullmatch(text.removeprefix("echo: ")) if text.startswith("echo: ") else None
-        if found:
-            answered.append(found.group())
+        found = TOKEN.findall(text) if text.startswith("echo: ") else []
+        if found and " ".join(found) == text.removeprefix("echo: "):
+            answered.append(tuple(found))
         else:
             other.append(text)
     return answered, other
+
+
+def answered_texts(replies: Iterable[tuple[str, ...]]) -> list[str]:
+    """The message texts `echoed` replies answer, in reply order, with repeats."""
+    return [text for reply in replies for text in reply]
 
 
 @dataclass(frozen=True)
@@ -155,7 +200,9 @@ class Tally:
     sent: Sequence[Message]
     user_entries: Counter[str]
     assistant_entries: Counter[str]
-    reply_order: Sequence[str]  # message texts in the order their replies went out
+    #: The messages each reply answered, in the order the replies went out: one each,
+    #: or in the steer mode a turn's own and those that joined it.
+    reply_order: Sequence[tuple[str, ...]]
     other_replies: Sequence[str]
     kills: int
     seconds: float
@@ -169,10 +216,15 @@ class Tally:
     #: before A could have arrived" proves that B came first.
     arrival: Mapping[str, tuple[float, float]] | None = None
     logs: Path | None = None  # where the gateways' logs and the platform's log were put
-    replies: Counter[str] = field(init=False)
+    replies: Counter[str] = field(init=False)  # replies per message text
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "replies", Counter(self.reply_order))
+        object.__setattr__(self, "replies", Counter(answered_texts(self.reply_order)))
+
+    @property
+    def steered(self) -> int:
+        """Messages that joined a running turn (user entries marked `steered`)."""
+        return self.user_entries[STEERED]
 
     @property
     def handed_over(self) -> list[Message]:
@@ -197,15 +249,17 @@ class Tally:
 
     @property
     def answered_twice(self) -> int:
-        """Replies beyond the first, over all messages."""
-        return sum(max(0, n - 1) for n in self.replies.values())
+        """Replies sent again, over all messages (a reply that answers several messages,
+        sent twice, is one repeat)."""
+        return sum(n - 1 for n in Counter(self.reply_order).values())
 
     @property
     def most_repeats_of_one_user(self) -> int:
         """The largest number of repeated replies any one user got."""
+        user_of = {m.text: m.user for m in self.sent}
         per_user: Counter[int] = Counter()
-        for m in self.sent:
-            per_user[m.user] += max(0, self.replies[m.text] - 1)
+        for reply, n in Counter(self.reply_order).items():
+            per_user[user_of[reply[0]]] += n - 1
         return max(per_user.values(), default=0)
 
     @property
@@ -221,7 +275,7 @@ class Tally:
         """Users whose first replies came in another order than they sent: (sent order
         of the answered ones, reply order)."""
         first_replies: dict[str, int] = {}
-        for position, text in enumerate(self.reply_order):
+        for position, text in enumerate(answered_texts(self.reply_order)):
             first_replies.setdefault(text, position)
         wrong = {}
         for user in sorted({m.user for m in self.sent}):
@@ -253,6 +307,7 @@ class Tally:
             "turns_twice": len(self.turns_twice),
             "out_of_order_users": len(self.out_of_order),
             "other_replies": len(self.other_replies),
+            "steered": self.steered,
         }
         if self.not_acked is not None:
             fields["not_acked"] = len(self.not_acked)
@@ -475,7 +530,7 @@ def telegram_progress(
     def progress() -> tuple[bool, int, bool]:
         texts = [m.get("text", "") for m in telegram.sent_messages()]
         answered, _ = echoed(texts)
-        return wanted <= set(answered), len(texts), bool(telegram.pending_updates)
+        return wanted <= set(answered_texts(answered)), len(texts), bool(telegram.pending_updates)
 
     return progress
 
@@ -509,25 +564,45 @@ def telegram_tally(
     )
 
 
+def queue_env(mode: str) -> dict[str, str]:
+    """The gateway's environment for a queue mode (`[dispatch] mode`)."""
+    return {"GATEWAY_DISPATCH__MODE": mode}
+
+
+def scenario(name: str, mode: str) -> str:
+    return name if mode == "followup" else f"{name}-{mode}"
+
+
+def check_steered(tally: Tally, mode: str) -> None:
+    """In the steer mode, messages did join running turns (else the run proved nothing
+    about them)."""
+    if mode == "steer":
+        assert tally.steered > 0, f"{tally.summary()}\nno message joined a running turn"
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["followup", "steer"])
 def test_telegram_backlog_survives_kills_right_after_start(
     tmp_path: Path,
     gateways: Callable[[dict[str, str]], Gateways],
     report: Callable[[Tally], None],
+    mode: str,
 ) -> None:
     """300 updates from 30 users wait at Telegram; the gateway is SIGKILLed 0-300 ms
     after /readyz answers, three times, while it works through the backlog (its poller
-    has fetched batches of up to 100 and is handling them), then left to finish."""
+    has fetched batches of up to 100 and is handling them), then left to finish. In the
+    steer mode each turn calls a tool first, and a user's messages waiting behind it
+    join it."""
     rng = random.Random(SEED)
     workspace = tmp_path / "ws"
     sent = plan_messages(scaled(300), scaled(30), rng)
     with (
-        FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm,
+        FakeOpenAI.in_thread(responder=MODELS[mode](random.Random(SEED + 1))) as llm,
         FakeTelegram.in_thread(token=TELEGRAM_TOKEN) as telegram,
     ):
         for message in sent:
             push_telegram(telegram, message)
-        run = gateways(telegram_env(workspace, llm, telegram))
+        run = gateways(telegram_env(workspace, llm, telegram) | queue_env(mode))
         started = time.monotonic()
         for _ in range(3):
             run.start()
@@ -536,16 +611,20 @@ def test_telegram_backlog_survives_kills_right_after_start(
         run.start()
         settle(telegram_progress(telegram, sent))
         run.terminate()
-        tally = telegram_tally("telegram-backlog", telegram, sent, workspace, run, started)
+        name = scenario("telegram-backlog", mode)
+        tally = telegram_tally(name, telegram, sent, workspace, run, started)
     report(tally)
     tally.check_promise()
+    check_steered(tally, mode)
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["followup", "steer"])
 def test_telegram_traffic_survives_kills_while_it_flows(
     tmp_path: Path,
     gateways: Callable[[dict[str, str]], Gateways],
     report: Callable[[Tally], None],
+    mode: str,
 ) -> None:
     """1,000 messages from 100 users arrive at about 25 a second while the gateway is
     SIGKILLed five times, each time the instant its poller confirms updates to Telegram
@@ -553,16 +632,17 @@ def test_telegram_traffic_survives_kills_while_it_flows(
     the gateway's alone to keep. Kills 1, 3 and 5 come at random times in steady
     traffic; kills 2 and 4 hit the gateway restarted after kills 1 and 3 as it confirms
     the backlog that piled up while it was down (a crash loop). After each kill the
-    gateway is restarted at once."""
+    gateway is restarted at once. In the steer mode each turn calls a tool first, and
+    what its user sends meanwhile joins it."""
     rng = random.Random(SEED)
     workspace = tmp_path / "ws"
     count, rate, kills = scaled(1000), 25.0, 5
     sent = plan_messages(count, scaled(100), rng)
     with (
-        FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm,
+        FakeOpenAI.in_thread(responder=MODELS[mode](random.Random(SEED + 1))) as llm,
         FakeTelegram.in_thread(token=TELEGRAM_TOKEN) as telegram,
     ):
-        run = gateways(telegram_env(workspace, llm, telegram))
+        run = gateways(telegram_env(workspace, llm, telegram) | queue_env(mode))
         run.start()
         started = time.monotonic()
         with pushing(sent, rate, lambda m: push_telegram(telegram, m)) as seconds:
@@ -574,9 +654,11 @@ def test_telegram_traffic_survives_kills_while_it_flows(
                 run.start()
         settle(telegram_progress(telegram, sent))
         run.terminate()
-        tally = telegram_tally("telegram-traffic", telegram, sent, workspace, run, started)
+        name = scenario("telegram-traffic", mode)
+        tally = telegram_tally(name, telegram, sent, workspace, run, started)
     report(tally)
     tally.check_promise()
+    check_steered(tally, mode)
 
 
 def kill_at_next_confirmation(
@@ -679,7 +761,7 @@ def test_slack_http_events_survive_kills(
             acked = {event_text(d) for d in records if d.acked}
             answered, _ = echoed(str(p.get("text", "")) for p in slack.posted_messages())
             in_progress = any(d.in_progress for d in records)
-            return acked <= set(answered), len(answered), in_progress
+            return acked <= set(answered_texts(answered)), len(answered), in_progress
 
         settle(progress)
         run.terminate()

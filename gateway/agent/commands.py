@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "forget": "/forget ID (or words from it) removes a remembered fact for good",
     "undo": "take back your last message and my answer (kept in the history)",
     "stop": "stop the answer being worked on now (messages sent after it still run)",
+    "queue": "/queue followup|collect|steer|interrupt: what a message sent while I answer "
+    "does; /queue alone shows it",
     "help": "this list",
 }
 PRIVILEGED = frozenset({"model"})

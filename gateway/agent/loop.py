@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 from loguru import logger
 
 from gateway import failpoints
@@ -40,10 +41,11 @@ from gateway.agent.rewind import (
     branch_for_edit,
     undo_last_exchange,
 )
+from gateway.agent.speakers import with_speaker
 from gateway.agent.tokens import estimate_messages_tokens, estimate_tools_tokens
 from gateway.agent.tool_outputs import OUTPUT_GROUP, ToolOutputs
 from gateway.agent.tools import ToolContext, ToolRegistry
-from gateway.agent.turns import EarlierTurn, find_turn, user_entry_meta
+from gateway.agent.turns import META_STEERED, EarlierTurn, find_turn, user_entry_meta
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
 from gateway.llm.types import (
@@ -64,6 +66,7 @@ from gateway.messages import (
     META_IN_SESSION,
     META_NOTICE,
     META_REPLAYED,
+    META_REPLY_ENTRY,
     META_SESSION_CURRENT,
     InboundMessage,
     OutboundFile,
@@ -71,6 +74,16 @@ from gateway.messages import (
     reply_for,
 )
 from gateway.people import DM_CHANNELS, PeopleStore
+from gateway.queue_modes import (
+    MODE_TEXTS,
+    QUEUE_MODE_INFO,
+    QUEUE_MODES,
+    QueueMode,
+    QueueModes,
+    TurnInbox,
+    current_inbox,
+    stored_mode,
+)
 from gateway.sessions.errors import SessionError, SessionKeyError
 from gateway.usage import UsageMeter, usage_scope
 
@@ -147,6 +160,9 @@ class AgentConfig:
     offline_after: float = 3600.0
     #: A reply's code block longer than this goes out as a file (0: never).
     code_block_file_chars: int = 0
+    #: What a message does when it arrives while its conversation's turn runs
+    #: (`[dispatch] mode` and `channel_modes`; `/queue` sets a conversation's own).
+    queue_modes: QueueModes = field(default_factory=QueueModes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +201,11 @@ class AgentLoop:
       shows its preview is appended (`gateway.agent.tool_outputs`);
     - a cached answer is looked up only after the context is built, because the key
       covers everything the answer depended on, and it is persisted like any other
-      reply (marked `cached` in the entry's meta).
+      reply (marked `cached` in the entry's meta);
+    - a message that joins a running turn (the `steer` queue mode) is stored once, in
+      arrival order: after the tool results of the step it joined, with its platform id
+      and `steered` in its entry's meta; the model sees it at its next call, and the
+      turn's one reply answers it. A turn that has its final answer takes nothing more.
     """
 
     def __init__(
@@ -348,10 +368,19 @@ class AgentLoop:
                 names = ", ".join(a.name or a.kind for a in inbound.attachments)
                 user_message = LLMMessage(role="user", content=f"[sent files: {names}]")
             session, earlier = await self._open_session(inbound)
+            inbox = current_inbox(session.key)
+            if inbox is not None:  # the dispatcher's interrupt check reads it there
+                inbox.mode = self.config.queue_modes.resolve(
+                    inbound.channel, session.custom_info(QUEUE_MODE_INFO)
+                )
             if earlier is not None:
                 if earlier.reply is not None:
                     logger.info("replayed message: its reply is in the session; not run again")
-                    meta = {"replayed": True, META_IN_SESSION: True}
+                    meta = {
+                        "replayed": True,
+                        META_IN_SESSION: True,
+                        META_REPLY_ENTRY: earlier.reply_entry,
+                    }
                     return self._reply(inbound, _TurnResult(earlier.reply, meta))
                 if not earlier.is_latest:
                     logger.warning("replayed message: its turn cannot go on after later ones")
@@ -442,6 +471,13 @@ class AgentLoop:
             (time.monotonic() - started) * 1000,
             len(reply.text),
         )
+        if earlier is not None and inbound.message_id:
+            # A replayed turn that went on: messages that joined it are replayed after
+            # it and find this reply as theirs; the dispatcher sends it once for all.
+            found = find_turn(await self._branch(session), inbound.message_id)
+            if found is not None and found.reply_entry is not None:
+                meta = {**reply.metadata, META_REPLY_ENTRY: found.reply_entry}
+                reply = dataclasses.replace(reply, metadata=meta)
         if self.consolidator is not None and self.config.auto_consolidate:
             # Runs in the background after this reply. The trigger check is cheap on
             # the context (a count, then at most twice the window's messages).
@@ -513,6 +549,31 @@ class AgentLoop:
             logger.error("token budget could not be checked: {}", exc)
             return None
 
+    def queue_mode(self, inbound: InboundMessage) -> QueueMode:
+        """The queue mode of `inbound`'s conversation (`gateway.queue_modes`): its own
+        (`/queue`) when its session is in memory here, else its channel's. Never reads
+        the store: the dispatcher asks it on the event loop. A running turn tells its
+        inbox the mode as it read it from the session (`TurnInbox.mode`)."""
+        session = self.sessions.cached(inbound.session_key)
+        stored = session.custom_info(QUEUE_MODE_INFO) if session is not None else None
+        return self.config.queue_modes.resolve(inbound.channel, stored)
+
+    def may_join(self, inbound: InboundMessage) -> bool:
+        """May `inbound` join the turn of an earlier message (steered into it, merged
+        with it, or stopping it in the interrupt mode)? Only plain text that would run
+        as a turn as it is: not a command, no attachments, no edit, no gateway notice,
+        not too long, not sent while the gateway was offline, not `/nocache`."""
+        text, nocache = strip_nocache(clean_user_text(inbound.text).strip())
+        text = text.strip()
+        if nocache or not text or inbound.attachments or parse_command(text) is not None:
+            return False
+        if len(text) > self.config.max_message_chars:
+            return False
+        meta = inbound.metadata
+        if meta.get(META_EDIT_OF) or meta.get(META_NOTICE):
+            return False
+        return not is_stale(inbound, time.time(), self.config.offline_after)
+
     def stop(self, key: str) -> bool:
         """Cancel the running turn of session `key` at once (its LLM request or tool
         call); the turn records what was said so far and answers that it stopped.
@@ -537,11 +598,17 @@ class AgentLoop:
             session = await self.sessions.aget_or_create(inbound.session_key)
         earlier = None
         if inbound.metadata.get(META_REPLAYED) and inbound.message_id:
-            branch = session.branch_nowait()  # in memory: on the loop unless it is busy
-            if branch is None:
-                branch = await anyio.to_thread.run_sync(session.get_branch)
-            earlier = find_turn(branch, inbound.message_id)
+            earlier = find_turn(await self._branch(session), inbound.message_id)
         return session, earlier
+
+    @staticmethod
+    async def _branch(session: Session) -> list[Any]:
+        """The session's branch, root to leaf: read in memory on the loop unless a
+        worker thread holds the session, then in a worker thread."""
+        branch = session.branch_nowait()
+        if branch is None:
+            branch = await anyio.to_thread.run_sync(session.get_branch)
+        return branch
 
     async def _open_turn(
         self,
@@ -662,9 +729,18 @@ class AgentLoop:
             user_entry_id=ctx.entry_ids[-1] if said_last and ctx.entry_ids else "",
         )
         progress = _Progress()
+        inbox = current_inbox(session.key)
         with anyio.CancelScope() as scope:
             self._running[session.key] = scope
+            if inbox is not None:
+                # The interrupt mode stops the turn as /stop does, also one that was
+                # asked to stop before it got here (then before its first model call).
+                inbox.on_stop = scope.cancel
+                if inbox.stopping:
+                    scope.cancel()
             try:
+                if scope.cancel_called:
+                    await anyio.lowlevel.checkpoint()  # raises: the scope is cancelled
                 reply, used_tools = await self._tool_loop(
                     session,
                     ctx,
@@ -676,8 +752,11 @@ class AgentLoop:
                     on_delta,
                     progress,
                     token_budget,
+                    inbox if inbox is not None and inbox.mode == "steer" else None,
                 )
             finally:
+                if inbox is not None:
+                    inbox.on_stop = None
                 if self._running.get(session.key) is scope:
                     del self._running[session.key]
         if scope.cancelled_caught:
@@ -700,10 +779,13 @@ class AgentLoop:
         on_delta: DeltaCallback | None,
         progress: _Progress,
         token_budget: int | None = None,
+        steering: TurnInbox | None = None,
     ) -> tuple[str, bool]:
         """Model calls and tool calls until a final answer; (the answer, whether tools
         were called). `progress` says how far it got when /stop cancels it; the writes
-        are shielded, so what is persisted and what `progress` says always agree."""
+        are shielded, so what is persisted and what `progress` says always agree. With
+        `steering` (the steer mode), the messages that arrived meanwhile join the turn
+        after each round of tool calls, before the next model call."""
         streamed: DeltaCallback | None = None
         if on_delta is not None:
             forward = on_delta
@@ -755,6 +837,8 @@ class AgentLoop:
                     await session.aadd_message(tool_message, meta)
                     progress.pending.remove(call)
                 turn.append(tool_message)
+            if steering is not None:
+                turn.extend(await self._take_joined(session, steering))
             # Re-fit: tool results can be large, and the request must stay in the window.
             messages = refit()
         if reply is None:
@@ -768,6 +852,24 @@ class AgentLoop:
                 await session.aadd_message(response.message)
             reply = response.message.content or ""
         return reply, any(m.tool_calls for m in turn)
+
+    async def _take_joined(self, session: Session, inbox: TurnInbox) -> list[LLMMessage]:
+        """The steer mode, between two model calls: the messages waiting behind the
+        turn that may join it (`may_join`) are stored, in arrival order, each with its
+        platform id and `steered` in its entry's meta (`gateway.agent.turns`), and
+        returned for the next request. Each append is shielded: a message taken is
+        stored whole, or the turn fails and its reply (an error) answers it."""
+        joined: list[LLMMessage] = []
+        for inbound in inbox.take(self.may_join):
+            text = with_speaker(clean_user_text(inbound.text).strip(), inbound.metadata)
+            message = LLMMessage(role="user", content=text)
+            meta = {**(user_entry_meta(inbound) or {}), META_STEERED: True}
+            with anyio.CancelScope(shield=True):
+                await failpoints.reach("turn.before_steered_append", session.key)
+                await session.aadd_message(message, meta)
+            joined.append(message)
+            logger.info("a message joined the running turn ({} characters)", len(text))
+        return joined
 
     @property
     def _result_cap(self) -> int | None:
@@ -1057,6 +1159,8 @@ class AgentLoop:
             logger.info("session reset by /{}", command.name)
             return reply_for(inbound, "Started a new conversation. The old one is kept.")
         session = await anyio.to_thread.run_sync(self.sessions.get_or_create, key)
+        if command.name == "queue":
+            return await self._queue_command(inbound, session, command.argument)
         if command.name == "model":
             aliases: tuple[str, ...] = getattr(self.provider, "aliases", ())
             offered = f" (aliases: {', '.join(aliases)})" if aliases else ""
@@ -1120,6 +1224,34 @@ class AgentLoop:
             lines += [f"Tools {group.describe()}" for group in self.tools.groups()]
             return reply_for(inbound, "\n".join(lines))
         raise AssertionError(f"unhandled command {command.name}")  # parse_command bounds this
+
+    async def _queue_command(
+        self, inbound: InboundMessage, session: Session, argument: str
+    ) -> OutboundMessage:
+        """/queue MODE keeps this conversation's queue mode in its session (so it holds
+        after a restart, on any replica); /queue default goes back to the channel's;
+        /queue alone says the mode and where it comes from."""
+        modes = self.config.queue_modes
+        default = modes.for_channel(inbound.channel)
+        choices = f"/queue {'|'.join(QUEUE_MODES)}, or /queue default"
+        if not argument:
+            own = stored_mode(session.custom_info(QUEUE_MODE_INFO))
+            mode = own or default
+            source = "set here with /queue" if own else "this channel's default"
+            text = f"Queue mode: {mode} ({source}): {MODE_TEXTS[mode]}. Change it with {choices}."
+            return reply_for(inbound, text)
+        wanted = argument.split()[0].lower()
+        if wanted != "default" and wanted not in QUEUE_MODES:
+            return reply_for(
+                inbound, f"There is no queue mode {wanted!r}; use {choices}.", is_error=True
+            )
+        chosen: QueueMode | None = None if wanted == "default" else stored_mode({"mode": wanted})
+        await anyio.to_thread.run_sync(
+            session.append_custom_info, QUEUE_MODE_INFO, {"mode": chosen}
+        )
+        mode = chosen or default
+        logger.info("queue mode set to {}", wanted)
+        return reply_for(inbound, f"Queue mode for this conversation: {mode}: {MODE_TEXTS[mode]}.")
 
     async def _memory_command(self, inbound: InboundMessage, command: Command) -> OutboundMessage:
         """/memory (/facts), /correct and /forget on the memory this conversation uses (in

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.agent.turns import META_MESSAGE_ID
+from gateway.agent.turns import META_MESSAGE_ID, META_STEERED
 from gateway.messages import MERGED_IDS_KEY, META_POST_ID
 from gateway.sessions.entries import Entry, MessageEntry
 
@@ -114,9 +114,12 @@ class Undone:
 def undo_last_exchange(session: Session) -> Undone | None:
     """Move the leaf back to just before the branch's latest user message (the
     message, the answer and any tool calls between leave the model's view); returns
-    what was undone, or None when there is nothing to undo (blocking)."""
+    what was undone, or None when there is nothing to undo (blocking). Messages that
+    joined that message's turn (the steer mode) go with it: the turn is one exchange."""
     branch = session.get_branch()
     latest = last_user_entry(branch)
+    while latest is not None and latest.meta and latest.meta.get(META_STEERED):
+        latest = last_user_entry(branch[: branch.index(latest)])
     if latest is None:
         return None
     after = branch[branch.index(latest) + 1 :]

@@ -1,10 +1,11 @@
 """What a session already holds of a turn, found by the platform message id it answers.
 
 The user's session entry carries the id of the platform message it came from
-(`meta["message_id"]`, and `meta["merged_message_ids"]` for a merged turn). After a
-crash the dispatcher replays journaled messages; `find_turn` tells the agent loop
-whether such a message is in the session already, so the replay never stores it twice
-and never asks the model again for a reply the session holds.
+(`meta["message_id"]`, and `meta["merged_message_ids"]` for a merged turn; a message
+that joined a running turn has `meta["steered"]` too). After a crash the dispatcher
+replays journaled messages; `find_turn` tells the agent loop whether such a message is
+in the session already, so the replay never stores it twice and never asks the model
+again for a reply the session holds.
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ from gateway.messages import MERGED_IDS_KEY, META_EDIT_OF, META_POST_ID, Inbound
 from gateway.sessions.entries import Entry, MessageEntry
 
 META_MESSAGE_ID = "message_id"
+#: Meta of a user entry that joined the running turn of an earlier message (the steer
+#: mode): it belongs to that turn, whose final reply answers it too.
+META_STEERED = "steered"
 
 
 @dataclass(frozen=True, slots=True)
 class EarlierTurn:
-    """A turn that began before a crash: its final reply (None: it never finished), and
-    whether it is still the branch's latest user message (only then can it go on)."""
+    """A turn that began before a crash: its final reply (None: it never finished) and
+    that reply's entry id, and whether the message is still in the branch's latest turn
+    (only then can the turn go on). Messages that joined a turn (`META_STEERED`) are
+    part of it: they neither end it nor start another."""
 
     reply: str | None
     is_latest: bool
+    reply_entry: str | None = None
 
 
 def user_entry_meta(inbound: InboundMessage) -> dict[str, Any] | None:
@@ -68,8 +75,11 @@ def find_turn(branch: Sequence[Entry], message_id: str) -> EarlierTurn | None:
                 continue
             message = later.message
             if message.role == "user":
+                if later.meta and later.meta.get(META_STEERED):
+                    continue  # joined this turn: the turn goes on past it
                 return EarlierTurn(reply=None, is_latest=False)
             if message.role == "assistant" and not message.tool_calls:
-                return EarlierTurn(reply=message.content or "", is_latest=True)
+                reply = message.content or ""
+                return EarlierTurn(reply=reply, is_latest=True, reply_entry=later.id)
         return EarlierTurn(reply=None, is_latest=True)
     return None

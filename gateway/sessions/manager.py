@@ -158,6 +158,12 @@ class Session:
         with self._store.lock:
             return self._store.tree.name
 
+    def custom_info(self, custom_type: str) -> Any:
+        """The data of the session's latest `custom_info` entry of `custom_type` (None:
+        there is none). One dict read, without the store's lock: safe on the event loop
+        while a worker thread appends."""
+        return self._store.tree.custom_info(custom_type)
+
     # -- the tree ---------------------------------------------------------------------
 
     @property

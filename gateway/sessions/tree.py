@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from loguru import logger
 
@@ -22,6 +23,7 @@ from gateway.sessions.context import SessionContext, branch_summary_message, cus
 from gateway.sessions.entries import (
     BranchEntry,
     CompactionEntry,
+    CustomInfoEntry,
     CustomMessageEntry,
     Entry,
     LabelEntry,
@@ -62,6 +64,7 @@ class SessionTree:
         "_context_leaf",
         "_context_tail",
         "_entries",
+        "_info",
         "_name",
         "_order",
         "_parent",
@@ -87,6 +90,7 @@ class SessionTree:
         self._context_leaf: str | None = None
         self._context_tail: list[tuple[str, LLMMessage]] = []
         self._name: str | None = None
+        self._info: dict[str, Any] = {}  # the latest custom_info data of each type
         self.damaged: dict[str, str] = {}  # entry id -> why its line could not be read
         self.leaf_id: str | None = None
         self.labels: dict[str, str] = {}
@@ -183,12 +187,19 @@ class SessionTree:
                 self.labels[entry.target_id] = entry.label
         elif isinstance(entry, SessionInfoEntry):
             self._name = entry.name
+        elif isinstance(entry, CustomInfoEntry):
+            self._info[entry.custom_type] = entry.data
 
     # -- reading --------------------------------------------------------------------
 
     @property
     def name(self) -> str | None:
         return self._name
+
+    def custom_info(self, custom_type: str) -> Any:
+        """The data of the latest `custom_info` entry of `custom_type` in the file, on
+        any branch (None: there is none)."""
+        return self._info.get(custom_type)
 
     def get_entry(self, entry_id: str) -> Entry | None:
         """The entry with this id, decoding it if needed (None if unknown or damaged)."""
