@@ -84,6 +84,19 @@ class GatewayProcess:
         tail = "".join(self.log[-20:])
         raise AssertionError(f"the gateway never logged {text!r}; its last lines:\n{tail}")
 
+    def wait_logged(self, text: str, timeout: float = 20) -> str:
+        """A line containing `text` logged at any time so far, or within `timeout`
+        (unlike `wait_for_line`, which reads on from the lines already waited past)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in list(self.log):
+                if text in line:
+                    return line
+            if time.monotonic() >= deadline or self.proc.poll() is not None:
+                tail = "".join(self.log[-20:])
+                raise AssertionError(f"the gateway never logged {text!r}; its last lines:\n{tail}")
+            time.sleep(0.05)
+
     def wait_ready(self, timeout: float = 60) -> int:
         """Wait for start-up (a cold start imports for seconds, more on a busy machine);
         the HTTP port it listens on."""

@@ -32,7 +32,7 @@ def test_telegram_media_in_and_files_out_through_gateway_run(tmp_path: Path) -> 
         gateway = GatewayProcess(env, tmp_path)
         try:
             gateway.wait_ready()
-            gateway.wait_for_line("telegram: @gateway_bot is live")
+            gateway.wait_logged("telegram: @gateway_bot is live")
             steps: list[tuple[str, dict[str, Any]]] = [
                 ("photo 640x480 + 'what colour is this?'", {"photo": png(640, 480)}),
                 ("voice note", {"voice": speech("what's on my calendar tomorrow")}),
@@ -101,7 +101,7 @@ def test_slack_files_through_gateway_run(tmp_path: Path) -> None:
         gateway = GatewayProcess(env, tmp_path)
         try:
             gateway.wait_ready()
-            gateway.wait_for_line("connected over Socket Mode")
+            gateway.wait_logged("connected over Socket Mode")
             shot = slack.add_file(png(300, 200), "shot.png", "image/png")
             slack.socket_event_soon(slack.dm_message("U0ALICE001", "what is this?", files=[shot]))
             wait_until(lambda: slack.posted_messages(), WAIT, "the answer to the image")

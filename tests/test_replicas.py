@@ -38,7 +38,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
 from tests.gateway_process import GatewayProcess, base_env, telegram_webhook_env, wait_until
 from tests.local_redis import REDIS_URL, drop_namespace, require_redis
-from tests.test_kill_delivery import echoed, slow_echo
+from tests.test_kill_delivery import answered_texts, echoed, slow_echo
 
 pytestmark = pytest.mark.kill
 
@@ -266,7 +266,7 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
 
             def all_answered() -> bool:
                 answered, _ = echoed(m.get("text", "") for m in telegram.sent_messages())
-                return telegram_texts <= set(answered)
+                return telegram_texts <= set(answered_texts(answered))
 
             with contextlib.suppress(AssertionError):  # counted and reported below
                 wait_until(all_answered, 120, "every Telegram message answered")
@@ -295,7 +295,8 @@ def test_three_replicas_lose_nothing_and_keep_order_when_one_is_killed(
     lost = [t for t in all_texts if user_entries[t] == 0]
     stored_twice = [t for t in all_texts if user_entries[t] > 1]
     turns_twice = [t for t in all_texts if assistant_entries[t] > 1]
-    answered, other = echoed(sent_texts)
+    replied, other = echoed(sent_texts)
+    answered = answered_texts(replied)  # no steering here: one message per reply
     replies = Counter(answered)
     for got in api_replies.values():
         replies.update(g.removeprefix("echo: ") for g in got if g)
