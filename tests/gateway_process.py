@@ -103,7 +103,7 @@ class GatewayProcess:
         line = self.wait_for_line("gateway ready: http://", timeout)
         return int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
 
-    def wait_readyz(self, port: int, timeout: float = 20) -> None:
+    def wait_readyz(self, port: int, timeout: float = 60) -> None:
         """Poll ``GET /readyz`` until it answers 200 (every channel is up)."""
 
         def ready() -> bool:
