@@ -63,6 +63,7 @@ from gateway.media import FileSource, MediaPreparer
 from gateway.media.outbound import code_blocks_as_files
 from gateway.messages import (
     META_EDIT_OF,
+    META_EPHEMERAL,
     META_IN_SESSION,
     META_NOTICE,
     META_REPLAYED,
@@ -478,7 +479,8 @@ class AgentLoop:
             if found is not None and found.reply_entry is not None:
                 meta = {**reply.metadata, META_REPLY_ENTRY: found.reply_entry}
                 reply = dataclasses.replace(reply, metadata=meta)
-        if self.consolidator is not None and self.config.auto_consolidate:
+        ephemeral = bool(inbound.metadata.get(META_EPHEMERAL))
+        if self.consolidator is not None and self.config.auto_consolidate and not ephemeral:
             # Runs in the background after this reply. The trigger check is cheap on
             # the context (a count, then at most twice the window's messages).
             self.consolidator.maybe_schedule(inbound.session_key, session.build_context())
@@ -573,6 +575,14 @@ class AgentLoop:
         if meta.get(META_EDIT_OF) or meta.get(META_NOTICE):
             return False
         return not is_stale(inbound, time.time(), self.config.offline_after)
+
+    def forget(self, key: str) -> None:
+        """Drop what this loop keeps per session for `key` (a thrown-away session), unless
+        a turn of it runs."""
+        lock = self._locks.get(key)
+        if lock is not None and not lock.locked():
+            del self._locks[key]
+        self._dm_owners.pop(key, None)
 
     def stop(self, key: str) -> bool:
         """Cancel the running turn of session `key` at once (its LLM request or tool
