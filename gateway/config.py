@@ -777,6 +777,25 @@ class LogSettings(_Section):
         return value.upper() if isinstance(value, str) else value
 
 
+class TelemetrySettings(_Section):
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Where traces go over OTLP/HTTP (protobuf), e.g. http://127.0.0.1:4318 "
+        "(/v1/traces is added) or a full .../v1/traces URL. Unset: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else no "
+        "tracing (and no cost). Needs the telemetry extra.",
+        examples=["http://127.0.0.1:4318"],
+    )
+    service_name: str = Field(
+        "chat-gateway", description="The service.name traces carry (OTEL_SERVICE_NAME wins)."
+    )
+    capture_content: bool = Field(
+        False,
+        description="Put message and reply text into spans. Off: spans hold sizes, ids "
+        "and timings only, never what people wrote.",
+    )
+
+
 class ApiTokenSettings(_Section):
     """One named client of the OpenAI-compatible API (`[http.api_tokens.NAME]`)."""
 
@@ -1428,6 +1447,7 @@ class Settings(_Section):
     subagents: SubagentSettings = Field(default_factory=SubagentSettings)
     schedules: ScheduleSettings = Field(default_factory=ScheduleSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)

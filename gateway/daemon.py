@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from gateway.http.admin import AdminPage
     from gateway.people import PeopleStore
     from gateway.replicas import SessionRouter
+    from gateway.telemetry import Telemetry
     from gateway.workspace import WorkspaceLock
 
 
@@ -729,6 +730,8 @@ class Daemon:
             gateway.agent.stop_elsewhere = self.router.stop_elsewhere
         from gateway.openai_door import AgentDoor
 
+        #: The tracer `run` installs (None: the one `[telemetry]` describes).
+        self.telemetry: Telemetry | None = None
         #: Where the text deltas of a streamed OpenAI-API reply go, by stream id.
         self.api_streams: dict[str, Callable[[str], None]] = {}
         self.door = AgentDoor(self)
@@ -1162,12 +1165,22 @@ class Daemon:
         """Serve until stopped; returns the exit code. Reports the HTTP port to
         `task_status` once everything is up. Signals are watched until the very end,
         so a Ctrl-C during shutdown is handled like one before it, never raised."""
-        async with anyio.create_task_group() as signals:
-            await signals.start(self._watch_signals)
-            try:
-                await self._serve(task_status)
-            finally:
-                signals.cancel_scope.cancel()
+        from gateway.telemetry import from_settings, install
+
+        tracing = self.telemetry or from_settings(self.gateway.settings.telemetry)
+        previous = install(tracing)
+        try:
+            async with anyio.create_task_group() as signals:
+                await signals.start(self._watch_signals)
+                try:
+                    await self._serve(task_status)
+                finally:
+                    signals.cancel_scope.cancel()
+        finally:
+            install(previous)
+            if tracing.enabled:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(tracing.shutdown)
         logger.info("gateway stopped")
         return 0
 

@@ -86,6 +86,7 @@ from gateway.queue_modes import (
     stored_mode,
 )
 from gateway.sessions.errors import SessionError, SessionKeyError
+from gateway.telemetry import telemetry
 from gateway.usage import UsageMeter, usage_scope
 
 if TYPE_CHECKING:
@@ -702,7 +703,13 @@ class AgentLoop:
             # The turn's images ride on its user message, in every request of the turn.
             return dataclasses.replace(plan, messages=tuple(with_images(plan.messages, images)))
 
-        plan = fit(ctx.messages)
+        with telemetry().span("gateway.context.build") as span:
+            plan = fit(ctx.messages)
+            span.set_attribute("gateway.context.tokens", plan.estimated_tokens)
+            span.set_attribute("gateway.context.budget_tokens", plan.budget_tokens)
+            span.set_attribute("gateway.context.messages", len(plan.messages))
+            span.set_attribute("gateway.context.pruned", len(plan.pruned))
+            span.set_attribute("gateway.context.memory_injected", plan.memory_injected)
         messages = list(plan.messages)
         said = self.windows.known(model).server
         cut = said is not None and said.server == "ollama" and plan.over_budget
@@ -720,7 +727,9 @@ class AgentLoop:
             inbound, session, model, messages, specs, on_delta, nocache, plan.memory_injected
         )
         if cache_ctx is not None and self.cache is not None:
-            hit = await self.cache.lookup(cache_ctx)
+            with telemetry().span("gateway.cache.lookup") as span:
+                hit = await self.cache.lookup(cache_ctx)
+                span.set_attribute("gateway.cache.hit", hit is not None)
             if hit is not None:
                 cached = LLMMessage(role="assistant", content=hit.response, model=model)
                 # The key lets an operator drop a wrong answer from the transcript.
@@ -837,7 +846,17 @@ class AgentLoop:
             progress.said.clear()  # said with the tool calls, and stored with them
             for call in assistant.tool_calls:
                 logger.info("tool call {}", call.function_name)
-                result = await self.tools.execute(call, tool_context, max_chars=self._result_cap)
+                with telemetry().span(
+                    f"execute_tool {call.function_name}",
+                    {
+                        "gen_ai.operation.name": "execute_tool",
+                        "gen_ai.tool.name": call.function_name,
+                        "gen_ai.tool.call.id": call.id,
+                    },
+                ):
+                    result = await self.tools.execute(
+                        call, tool_context, max_chars=self._result_cap
+                    )
                 with anyio.CancelScope(shield=True):
                     # A big result is stored whole before the entry showing its preview.
                     content, meta = await self._shelve(session, call.function_name, result)
@@ -1112,6 +1131,34 @@ class AgentLoop:
                 tg.cancel_scope.cancel()
 
     async def _call_model(
+        self,
+        messages: list[LLMMessage],
+        model: str,
+        specs: list[ToolSpec],
+        on_delta: DeltaCallback | None,
+        answered: Callable[[], None],
+    ) -> LLMResponse:
+        """One model call, in a span with the GenAI semantic conventions when traced."""
+        tracing = telemetry()
+        if not tracing.enabled:
+            return await self._call_model_untraced(messages, model, specs, on_delta, answered)
+        attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model}
+        with tracing.span(f"chat {model}", attributes) as span:
+            tracing.content(span, "gen_ai.prompt", messages[-1].content if messages else None)
+            response = await self._call_model_untraced(messages, model, specs, on_delta, answered)
+            span.set_attribute("gen_ai.response.model", response.model)
+            if response.provider:
+                span.set_attribute("gen_ai.provider.name", response.provider)
+            if response.finish_reason:
+                span.set_attribute("gen_ai.response.finish_reasons", response.finish_reason)
+            if response.usage is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", response.usage.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", response.usage.completion_tokens)
+            span.set_attribute("gateway.tool_calls", len(response.message.tool_calls or ()))
+            tracing.content(span, "gen_ai.completion", response.message.content)
+            return response
+
+    async def _call_model_untraced(
         self,
         messages: list[LLMMessage],
         model: str,

@@ -1,0 +1,186 @@
+"""Traces: the span tree of a turn (SDK in-memory exporter), its continuation after a
+kill (the journal's traceparent), the OTLP/HTTP wire format (a local receiver decoding
+the protobuf), and tracing off costing no SDK import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import pytest
+
+from gateway.config import Settings, TelemetrySettings
+from gateway.daemon import Daemon, Gateway
+from gateway.telemetry import OFF, Telemetry, endpoint_from, from_settings, tracer_provider
+from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.otlp_receiver import otlp_receiver
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "telemetry-test-token-0123456789"
+SECRET_TEXT = "my secret plan for tuesday"
+
+
+def in_memory() -> tuple[Telemetry, Any]:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = tracer_provider("gateway-test")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Telemetry(provider), exporter
+
+
+def test_tracing_off_imports_no_sdk_and_hands_back_one_object() -> None:
+    assert from_settings(TelemetrySettings(), environ={}) is OFF
+    assert OFF.span("a") is OFF.span("b", {"k": 1})
+    code = (
+        "import sys, gateway.daemon, gateway.dispatch, gateway.agent.loop\n"
+        "from gateway.telemetry import OFF\n"
+        "with OFF.span('x') as s: s.set_attribute('k', 1)\n"
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry.sdk')], 'sdk'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_endpoint_comes_from_the_setting_or_the_standard_variables() -> None:
+    plain = TelemetrySettings()
+    assert endpoint_from(plain, {}) is None
+    assert endpoint_from(plain, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}) == (
+        "http://c:4318/v1/traces"
+    )
+    direct = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/custom"}
+    assert endpoint_from(plain, direct) == "http://c:4318/custom"
+    mine = TelemetrySettings(otlp_endpoint="http://mine:4318")
+    assert endpoint_from(mine, direct) == "http://mine:4318/v1/traces"
+
+
+@pytest.mark.anyio
+async def test_the_span_tree_of_a_turn_with_a_tool_call(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    settings = make_settings(fake_openai, http__port=0, http__token=TOKEN)
+    tracing, exporter = in_memory()
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.telemetry = tracing
+    fake_openai.add_tool_call("current_time", {}, call_id="call_1")
+    fake_openai.add_reply("it is noon")
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+        port = await tg.start(daemon.run)
+        body = {"session": "traced", "text": SECRET_TEXT, "id": "m-1"}
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.post(
+            f"http://127.0.0.1:{port}/api/chat", json=body, headers=headers
+        ) as resp:
+            assert (await resp.json())["reply"] == "it is noon"
+        daemon.stop()
+    spans = exporter.get_finished_spans()
+    by_name = {span.name: span for span in spans}
+    assert {
+        "gateway.intake",
+        "gateway.journal",
+        "gateway.queue_wait",
+        "gateway.turn",
+        "gateway.context.build",
+        "gateway.cache.lookup",
+        "chat gpt-4o-mini",
+        "execute_tool current_time",
+        "gateway.delivery",
+    } <= set(by_name)
+    assert len({span.context.trace_id for span in spans}) == 1  # one trace per message
+    root = by_name["gateway.intake"]
+    assert root.parent is None
+    assert root.attributes["messaging.system"] == "api"
+    turn = by_name["gateway.turn"]
+    for child in ("gateway.journal", "gateway.queue_wait", "gateway.turn", "gateway.delivery"):
+        assert by_name[child].parent.span_id == root.context.span_id, child
+    calls = [span for span in spans if span.name == "chat gpt-4o-mini"]
+    assert len(calls) == 2
+    for call in calls:
+        assert call.parent.span_id == turn.context.span_id
+        assert call.attributes["gen_ai.request.model"] == "gpt-4o-mini"
+        assert call.attributes["gen_ai.usage.input_tokens"] > 0
+        assert call.attributes["gen_ai.usage.output_tokens"] > 0
+    tool = by_name["execute_tool current_time"]
+    assert tool.parent.span_id == turn.context.span_id
+    assert tool.attributes["gen_ai.tool.call.id"] == "call_1"
+    # No message text anywhere without capture_content.
+    values = [str(v) for span in spans for v in (span.attributes or {}).values()]
+    assert not [v for v in values if "secret plan" in v or "noon" in v]
+
+
+# ---------------------------------------------------------------- the OTLP wire
+
+
+@pytest.mark.kill
+@pytest.mark.timeout(180)
+def test_spans_reach_an_otlp_receiver_and_a_replay_after_a_kill_continues_the_trace(
+    tmp_path: Path,
+) -> None:
+    """`gateway run` exports over OTLP/HTTP to a local receiver (the protobuf decoded);
+    killed while the model answers, the restarted gateway replays the message from the
+    journal and its turn's spans join the trace the first process began."""
+    import urllib.request
+
+    from tests.gateway_process import GatewayProcess, base_env, wait_until
+
+    with FakeOpenAI.in_thread() as llm, otlp_receiver() as (url, received):
+        env = base_env(tmp_path / "ws", llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_HTTP__TOKEN": TOKEN,
+            "GATEWAY_TELEMETRY__OTLP_ENDPOINT": url,
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+        }
+
+        def names() -> list[str]:
+            return [span.name for span in list(received)]
+
+        llm.hold(lambda body: True, count=1)
+        first = GatewayProcess(env, tmp_path)
+        try:
+            port = first.wait_ready()
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/api/chat",
+                data=b'{"session": "otlp", "text": "hello traces", "id": "t-1"}',
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+            )
+            threading.Thread(
+                target=lambda: _ignore(lambda: urllib.request.urlopen(request, timeout=60)),
+                daemon=True,
+            ).start()
+            llm.wait_held(1, timeout=30)
+            wait_until(lambda: "gateway.journal" in names(), 20, "the journal span exported")
+            first.kill()
+        finally:
+            first.stop()
+        llm.release()
+        before = list(received)
+        second = GatewayProcess(env, tmp_path)
+        try:
+            second.wait_ready()
+            wait_until(lambda: "gateway.delivery" in names(), 30, "the replayed turn's spans")
+            assert second.terminate() == 0
+        finally:
+            second.stop()
+    intake = next(span for span in before if span.name == "gateway.intake")
+    trace_id = intake.trace_id
+    assert len(trace_id) == 16
+    later = received[len(before) :]
+    replayed = {span.name for span in later if span.trace_id == trace_id}
+    assert {"gateway.turn", "chat gpt-4o-mini", "gateway.delivery"} <= replayed
+    chat = next(span for span in later if span.name == "chat gpt-4o-mini")
+    attributes = {a.key: a.value for a in chat.attributes}
+    assert attributes["gen_ai.request.model"].string_value == "gpt-4o-mini"
+    assert attributes["gen_ai.usage.input_tokens"].int_value > 0
+
+
+def _ignore(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except Exception:
+        pass
