@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
+from loguru import logger
 
 from gateway.config import Settings, TelemetrySettings
 from gateway.daemon import Daemon, Gateway
@@ -70,6 +71,8 @@ async def test_the_span_tree_of_a_turn_with_a_tool_call(
     daemon.telemetry = tracing
     fake_openai.add_tool_call("current_time", {}, call_id="call_1")
     fake_openai.add_reply("it is noon")
+    logged: list[dict[str, Any]] = []
+    sink = logger.add(lambda message: logged.append(dict(message.record["extra"])))
     async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
         port = await tg.start(daemon.run)
         body = {"session": "traced", "text": SECRET_TEXT, "id": "m-1"}
@@ -79,6 +82,7 @@ async def test_the_span_tree_of_a_turn_with_a_tool_call(
         ) as resp:
             assert (await resp.json())["reply"] == "it is noon"
         daemon.stop()
+    logger.remove(sink)
     spans = exporter.get_finished_spans()
     by_name = {span.name: span for span in spans}
     assert {
@@ -109,9 +113,52 @@ async def test_the_span_tree_of_a_turn_with_a_tool_call(
     tool = by_name["execute_tool current_time"]
     assert tool.parent.span_id == turn.context.span_id
     assert tool.attributes["gen_ai.tool.call.id"] == "call_1"
+    # The turn's log lines carry the trace id.
+    trace_hex = format(root.context.trace_id, "032x")
+    assert any(extra.get("trace_id") == trace_hex for extra in logged)
     # No message text anywhere without capture_content.
     values = [str(v) for span in spans for v in (span.attributes or {}).values()]
     assert not [v for v in values if "secret plan" in v or "noon" in v]
+
+
+@pytest.mark.anyio
+async def test_a_failover_shows_each_provider_asked(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The default provider answers 500, the backup answers: the model call's span has
+    one attempt span per provider, the failed one marked as an error, and names the
+    provider that answered."""
+    settings = make_settings(
+        fake_openai,
+        http__port=0,
+        http__token=TOKEN,
+        llm__chain='["default", "backup"]',
+        llm__providers__backup__base_url=fake_openai.base_url,
+        llm__providers__backup__api_key=fake_openai.api_key,
+    )
+    tracing, exporter = in_memory()
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.telemetry = tracing
+    fake_openai.add_error(500)
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+        port = await tg.start(daemon.run)
+        body = {"session": "failing", "text": "are you there"}
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.post(
+            f"http://127.0.0.1:{port}/api/chat", json=body, headers=headers
+        ) as resp:
+            assert (await resp.json())["reply"] == "echo: are you there"
+        daemon.stop()
+    spans = exporter.get_finished_spans()
+    call = next(span for span in spans if span.name == "chat gpt-4o-mini")
+    attempts = sorted(
+        (span for span in spans if span.name == "gateway.llm.attempt"),
+        key=lambda span: span.attributes["gateway.llm.attempt"],
+    )
+    assert [a.attributes["gen_ai.provider.name"] for a in attempts] == ["default", "backup"]
+    assert all(a.parent.span_id == call.context.span_id for a in attempts)
+    assert [a.status.is_ok for a in attempts] == [False, True]
+    assert call.attributes["gen_ai.provider.name"] == "backup"
 
 
 # ---------------------------------------------------------------- the OTLP wire
