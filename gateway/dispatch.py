@@ -477,7 +477,7 @@ class Dispatcher:
     ) -> Ticket:
         tracing = telemetry()
         if tracing.enabled and META_TRACEPARENT not in msg.metadata:
-            msg = _traced_intake(tracing, msg)
+            msg = _traced_intake(tracing, msg, self._replica())
         ticket = Ticket(msg)
         key = msg.session_key
         if self._draining or self._tg is None:
@@ -536,6 +536,10 @@ class Dispatcher:
             self._counters.accepted += 1
             self._interrupt_for(lane, item)
         return ticket
+
+    def _replica(self) -> str:
+        """This replica's id in traces ("" in the file mode: one process)."""
+        return self.router.replica_id if self.router is not None else ""
 
     async def _admit(self, item: _Item) -> None:
         """Dedupe, then access, while the item keeps its place in the lane. Dedupe goes
@@ -615,7 +619,11 @@ class Dispatcher:
                 return False
         ask = self.router.lease_ask(item.message.session_key) if self.router else None
         try:
-            duplicate = await take_in(key, item.message, ask)
+            # The claim and the journal row in one statement: the journal's span.
+            with telemetry().span(
+                "gateway.journal", parent=item.message.metadata.get(META_TRACEPARENT)
+            ):
+                duplicate = await take_in(key, item.message, ask)
         except ClaimBusy as exc:
             with logger.contextualize(session=item.message.session_key):
                 logger.info("message not taken now: {}", exc)
@@ -950,7 +958,11 @@ class Dispatcher:
         with (
             logger.contextualize(session=key),
             traced,
-            tracing.span("gateway.turn", {"gateway.messages": len(batch)}, parent=parent),
+            tracing.span(
+                "gateway.turn",
+                {"gateway.messages": len(batch), "gateway.replica": self._replica()},
+                parent=parent,
+            ),
             fenced(fence),
             receiving(inbox),
         ):
@@ -1241,10 +1253,13 @@ class Dispatcher:
         )
 
 
-def _traced_intake(tracing: Telemetry, msg: InboundMessage) -> InboundMessage:
+def _traced_intake(tracing: Telemetry, msg: InboundMessage, replica: str) -> InboundMessage:
     """The root span of a message's trace; its traceparent rides in the message's
     metadata (and so in the journal) for every later span of the message."""
-    attributes: dict[str, str | bool | int | float] = {"messaging.system": msg.channel}
+    attributes: dict[str, str | bool | int | float] = {
+        "messaging.system": msg.channel,
+        "gateway.replica": replica,
+    }
     if msg.message_id:
         attributes["messaging.message.id"] = msg.message_id
     with tracing.span("gateway.intake", attributes):

@@ -161,6 +161,38 @@ async def test_a_failover_shows_each_provider_asked(
     assert call.attributes["gen_ai.provider.name"] == "backup"
 
 
+@pytest.mark.anyio
+async def test_a_message_taken_in_by_one_replica_and_run_by_another_is_one_trace(
+    migrated_pg_url: str,
+) -> None:
+    """Two replicas over PostgreSQL: a holds the session's lease, b takes the next
+    message in (intake, journal) and a runs its turn; both halves are one trace, read
+    back from the journal row's traceparent."""
+    from gateway.telemetry import install
+    from tests.test_replica_router import message, replicas, wait_for
+
+    tracing, exporter = in_memory()
+    previous = install(tracing)
+    ran: list[tuple[str, str, float]] = []
+    try:
+        async with replicas(migrated_pg_url, ran) as (a, b):
+            await a.dispatcher.submit(message(1))
+            await wait_for(lambda: len(ran) == 1, 5)
+            await b.dispatcher.submit(message(2))
+            await wait_for(lambda: len(ran) == 2 and len(a.sent) == 2, 5)
+            ids = {"a": a.router.replica_id, "b": b.router.replica_id}
+    finally:
+        install(previous)
+    assert [who for who, _, _ in ran] == ["a", "a"]
+    spans = exporter.get_finished_spans()
+    intake = [s for s in spans if s.name == "gateway.intake"][1]  # m2's
+    assert intake.attributes["gateway.replica"] == ids["b"]
+    same = [s for s in spans if s.context.trace_id == intake.context.trace_id]
+    turn = next(s for s in same if s.name == "gateway.turn")
+    assert turn.attributes["gateway.replica"] == ids["a"]
+    assert {"gateway.journal", "gateway.queue_wait", "gateway.delivery"} <= {s.name for s in same}
+
+
 # ---------------------------------------------------------------- the OTLP wire
 
 
