@@ -368,6 +368,41 @@ async def test_an_idempotency_key_makes_a_retry_the_same_message(
     assert stored == ["only once"]
 
 
+async def test_a_client_that_leaves_a_stream_does_not_stop_the_turn(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The client hangs up while the model is still answering: the turn goes on and is
+    stored, and the client's retry (same Idempotency-Key) gets its reply, with no second
+    model call. A turn that ends in the gateway's notice says so in a header."""
+    settings = door_settings(make_settings, fake_openai, llm__stream="true")
+    fake_openai.add(Reply(text="a slow answer", delay=1.0))
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "take your time"}],
+        "user": "leaver",
+        "stream": True,
+    }
+    headers = {**AUTH, "Idempotency-Key": "leave-1"}
+    async with running(settings) as (url, daemon), aiohttp.ClientSession(base_url=url) as http:
+        with anyio.move_on_after(0.3):
+            async with http.post("/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+        await anyio.to_thread.run_sync(fake_openai.wait_for_requests, 1)
+        await anyio.sleep(1.5)  # the model's answer comes while nobody listens
+        assert user_texts(daemon, "api:default:leaver") == ["take your time"]
+        retry = {**body, "stream": False}
+        async with http.post("/v1/chat/completions", json=retry, headers=headers) as r:
+            answer = await r.json()
+        fake_openai.add_error(400)
+        failing = {**retry, "messages": [{"role": "user", "content": "this fails"}]}
+        async with http.post("/v1/chat/completions", json=failing, headers=AUTH) as r:
+            notice = (r.status, r.headers.get("X-Gateway-Notice"), await r.json())
+    assert answer["choices"][0]["message"]["content"] == "a slow answer"
+    assert len(fake_openai.chat_requests) == 2  # the slow answer once, and the failing one
+    assert notice[:2] == (200, "true")
+    assert notice[2]["choices"][0]["message"]["content"]  # the notice's text
+
+
 # ---------------------------------------------------------------- pure policies
 
 
