@@ -193,6 +193,34 @@ async def test_a_message_taken_in_by_one_replica_and_run_by_another_is_one_trace
     assert {"gateway.journal", "gateway.queue_wait", "gateway.delivery"} <= {s.name for s in same}
 
 
+@pytest.mark.anyio
+async def test_capture_content_puts_the_texts_on_the_model_call(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = tracer_provider("gateway-test")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    settings = make_settings(fake_openai, http__port=0, http__token=TOKEN)
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+    daemon.telemetry = Telemetry(provider, capture_content=True)
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+        port = await tg.start(daemon.run)
+        body = {"session": "open", "text": SECRET_TEXT}
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.post(
+            f"http://127.0.0.1:{port}/api/chat", json=body, headers=headers
+        ) as resp:
+            assert resp.status == 200
+        daemon.stop()
+    call = next(s for s in exporter.get_finished_spans() if s.name == "chat gpt-4o-mini")
+    assert call.attributes["gen_ai.prompt"] == SECRET_TEXT
+    assert call.attributes["gen_ai.completion"] == f"echo: {SECRET_TEXT}"
+    assert call.attributes["gen_ai.prompt.length"] == len(SECRET_TEXT)
+
+
 # ---------------------------------------------------------------- the OTLP wire
 
 
