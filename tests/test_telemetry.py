@@ -291,3 +291,12 @@ def _ignore(call: Callable[[], object]) -> None:
         call()
     except Exception:
         pass
+
+
+def test_a_traced_turns_text_log_lines_show_the_trace_id() -> None:
+    from gateway.logs import text_format
+
+    traced: Any = {"extra": {"session": "api:x", "trace_id": "0af7"}}
+    plain: Any = {"extra": {"session": "api:x"}}
+    assert "{extra[session]} trace={extra[trace_id]} " in text_format(traced)
+    assert "trace=" not in text_format(plain)
