@@ -777,6 +777,39 @@ class LogSettings(_Section):
         return value.upper() if isinstance(value, str) else value
 
 
+class TelemetrySettings(_Section):
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Where traces go over OTLP/HTTP (protobuf), e.g. http://127.0.0.1:4318 "
+        "(/v1/traces is added) or a full .../v1/traces URL. Unset: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else no "
+        "tracing (and no cost). Needs the telemetry extra.",
+        examples=["http://127.0.0.1:4318"],
+    )
+    service_name: str = Field(
+        "chat-gateway", description="The service.name traces carry (OTEL_SERVICE_NAME wins)."
+    )
+    capture_content: bool = Field(
+        False,
+        description="Put message and reply text into spans. Off: spans hold sizes, ids "
+        "and timings only, never what people wrote.",
+    )
+
+
+class ApiTokenSettings(_Section):
+    """One named client of the OpenAI-compatible API (`[http.api_tokens.NAME]`)."""
+
+    token: SecretStr | None = _secret(
+        "this client's bearer token", "GATEWAY_HTTP__API_TOKENS__NAME__TOKEN"
+    )
+    token_file: Path | None = _secret_file("GATEWAY_HTTP__API_TOKENS__NAME__TOKEN", "ide-token")
+    sessions: list[str] = Field(
+        default_factory=list,
+        description="Session names this client may use start with one of these (e.g. "
+        '["ide-"]); its sessions are api:NAME:<session>. Empty: any name.',
+    )
+
+
 class HTTPSettings(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP server.")
@@ -788,6 +821,12 @@ class HTTPSettings(_Section):
         "GATEWAY_HTTP__ADMIN_TOKEN",
     )
     admin_token_file: Path | None = _secret_file("GATEWAY_HTTP__ADMIN_TOKEN", "gateway-admin-token")
+    api_tokens: dict[str, ApiTokenSettings] = Field(
+        default_factory=dict,
+        description="Named clients of /v1/chat/completions, one [http.api_tokens.NAME] "
+        "table each (token_file or GATEWAY_HTTP__API_TOKENS__NAME__TOKEN, sessions); the "
+        'token above is the client named "default".',
+    )
     header_timeout_seconds: float = Field(
         10.0,
         gt=0,
@@ -832,6 +871,17 @@ class HTTPSettings(_Section):
         '["127.0.0.1", "10.0.0.0/8"]: only requests from them have their X-Forwarded-For '
         "read, for the client address that wrong tokens are counted under.",
     )
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _token_names(cls, value: dict[str, ApiTokenSettings]) -> dict[str, ApiTokenSettings]:
+        for name in value:
+            if name == "default" or not _PROVIDER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"api_tokens: {name!r} cannot name a client; use up to 32 letters, "
+                    'digits, - and _ (and not "default": that is http.token\'s client)'
+                )
+        return value
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -1397,6 +1447,7 @@ class Settings(_Section):
     subagents: SubagentSettings = Field(default_factory=SubagentSettings)
     schedules: ScheduleSettings = Field(default_factory=ScheduleSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     channels: ChannelsSettings = Field(default_factory=ChannelsSettings)
@@ -1845,6 +1896,9 @@ _EXAMPLES: dict[str, list[str]] = {
     ],
     "llm.aliases": [
         '# aliases.smart = ["default:gpt-4o", "default:gpt-4o-mini"]',
+    ],
+    "http.api_tokens": [
+        '# api_tokens.ide = { token_file = "/run/secrets/ide-token", sessions = ["ide-"] }',
     ],
     "dispatch.channel_modes": [
         '# channel_modes.telegram = "steer"',

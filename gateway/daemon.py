@@ -40,7 +40,12 @@ from gateway.media.build import build_media
 from gateway.memory import MemoryStore
 from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
-from gateway.messages import META_REPLY_WANTED, InboundMessage, OutboundMessage
+from gateway.messages import (
+    META_API_STREAM,
+    META_REPLY_WANTED,
+    InboundMessage,
+    OutboundMessage,
+)
 from gateway.queue_modes import QueueModes
 from gateway.reminders import (
     JOBS_FILE,
@@ -61,9 +66,11 @@ if TYPE_CHECKING:
     from gateway.access import ChannelAccessPolicy, PairingBackend
     from gateway.agent.mcp import MCPServers, ServerState
     from gateway.dedupe import DedupeStore
+    from gateway.dispatch import SubmitStatus
     from gateway.http.admin import AdminPage
     from gateway.people import PeopleStore
     from gateway.replicas import SessionRouter
+    from gateway.telemetry import Telemetry
     from gateway.workspace import WorkspaceLock
 
 
@@ -721,8 +728,19 @@ class Daemon:
             # /stop reaches the turn wherever it runs.
             self.router.on_stop = gateway.agent.stop
             gateway.agent.stop_elsewhere = self.router.stop_elsewhere
+        from gateway.openai_door import AgentDoor
+
+        #: The tracer `run` installs (None: the one `[telemetry]` describes).
+        self.telemetry: Telemetry | None = None
+        #: Where the text deltas of a streamed OpenAI-API reply go, by stream id.
+        self.api_streams: dict[str, Callable[[str], None]] = {}
+        self.door = AgentDoor(self)
         self.http = HttpServer(
-            settings.http, health=self.health, metrics=self.metrics, chat=self._api_chat
+            settings.http,
+            health=self.health,
+            metrics=self.metrics,
+            chat=self._api_chat,
+            door=self.door,
         )
         self.admin = self._admin_page()
         self.channels: dict[str, Channel] = {}
@@ -1038,6 +1056,14 @@ class Daemon:
             async def on_notice(text: str) -> None:
                 await shown(message, text)
 
+        sink = self.api_streams.get(str(message.metadata.get(META_API_STREAM)))
+        if sink is not None and agent.config.stream:
+            # An OpenAI-API client reading the reply as it is written (never blocks).
+
+            async def to_client(text: str) -> None:
+                sink(text)
+
+            return await agent.handle(message, on_delta=to_client, files=files)
         stream_delta = getattr(channel, "stream_delta", None)
         if stream_delta is None or not agent.config.stream:
             return await agent.handle(message, files=files, on_notice=on_notice)
@@ -1060,6 +1086,15 @@ class Daemon:
         return await self.dispatcher.submit(message)
 
     async def _api_chat(self, message: InboundMessage) -> OutboundMessage | None:
+        _, reply = await self.api_turn(message)
+        return reply
+
+    async def api_turn(
+        self, message: InboundMessage
+    ) -> tuple[SubmitStatus, OutboundMessage | None]:
+        """An HTTP API's message (/api/chat, /v1/chat/completions): its submit status and
+        its reply. ApiError(503) when it was not taken in, or is a retry of one still
+        being answered (the client must send it again)."""
         if self.router is not None:
             # Shared mode: journaled like a platform message, so whichever replica holds
             # the session runs it; the reply comes back here.
@@ -1083,11 +1118,12 @@ class Daemon:
             key = dedupe_key(message)
             if key is not None:
                 with anyio.move_on_after(self.gateway.settings.llm.timeout * 3):
-                    return await self.router.wait_reply(key)
+                    return ticket.status, await self.router.wait_reply(key)
             # Still running (or its replica died and another has not resumed it yet):
             # "no reply" would tell the client it was handled; it must ask again.
             raise ApiError(503, STILL_RUNNING_TEXT)
-        return await ticket.reply()
+        reply = await ticket.reply()
+        return ticket.status, reply
 
     async def deliver(self, message: OutboundMessage) -> None:
         """Route a reply to its channel. API replies are returned by the HTTP handler."""
@@ -1129,12 +1165,22 @@ class Daemon:
         """Serve until stopped; returns the exit code. Reports the HTTP port to
         `task_status` once everything is up. Signals are watched until the very end,
         so a Ctrl-C during shutdown is handled like one before it, never raised."""
-        async with anyio.create_task_group() as signals:
-            await signals.start(self._watch_signals)
-            try:
-                await self._serve(task_status)
-            finally:
-                signals.cancel_scope.cancel()
+        from gateway.telemetry import from_settings, install
+
+        tracing = self.telemetry or from_settings(self.gateway.settings.telemetry)
+        previous = install(tracing)
+        try:
+            async with anyio.create_task_group() as signals:
+                await signals.start(self._watch_signals)
+                try:
+                    await self._serve(task_status)
+                finally:
+                    signals.cancel_scope.cancel()
+        finally:
+            install(previous)
+            if tracing.enabled:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(tracing.shutdown)
         logger.info("gateway stopped")
         return 0
 

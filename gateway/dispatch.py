@@ -44,6 +44,7 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import deque
@@ -76,6 +77,7 @@ from gateway.messages import (
 )
 from gateway.queue_modes import QUEUE_MODES, Accept, QueueMode, TurnInbox, receiving
 from gateway.storage.fence import Fence, FencedOut, fenced
+from gateway.telemetry import META_TRACEPARENT, Telemetry, telemetry, trace_id_of
 
 __all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_messages"]
 
@@ -237,7 +239,16 @@ def merge_messages(messages: Sequence[InboundMessage]) -> InboundMessage:
 class _Item:
     """One submitted message while it waits in its lane."""
 
-    __slots__ = ("dedupe_key", "fence", "message", "ready", "recorded", "skip", "ticket")
+    __slots__ = (
+        "dedupe_key",
+        "enqueued_ns",
+        "fence",
+        "message",
+        "ready",
+        "recorded",
+        "skip",
+        "ticket",
+    )
 
     def __init__(
         self,
@@ -258,6 +269,7 @@ class _Item:
         self.recorded = recorded
         # The lease its turn runs under (shared mode): its writes carry it.
         self.fence = fence
+        self.enqueued_ns = time.time_ns()  # the start of its queue wait (traces)
 
     @property
     def is_ready(self) -> bool:
@@ -463,6 +475,9 @@ class Dispatcher:
     async def _enqueue(
         self, msg: InboundMessage, recorded: Unanswered | None, fence: Fence | None = None
     ) -> Ticket:
+        tracing = telemetry()
+        if tracing.enabled and META_TRACEPARENT not in msg.metadata:
+            msg = _traced_intake(tracing, msg, self._replica())
         ticket = Ticket(msg)
         key = msg.session_key
         if self._draining or self._tg is None:
@@ -521,6 +536,10 @@ class Dispatcher:
             self._counters.accepted += 1
             self._interrupt_for(lane, item)
         return ticket
+
+    def _replica(self) -> str:
+        """This replica's id in traces ("" in the file mode: one process)."""
+        return self.router.replica_id if self.router is not None else ""
 
     async def _admit(self, item: _Item) -> None:
         """Dedupe, then access, while the item keeps its place in the lane. Dedupe goes
@@ -600,7 +619,11 @@ class Dispatcher:
                 return False
         ask = self.router.lease_ask(item.message.session_key) if self.router else None
         try:
-            duplicate = await take_in(key, item.message, ask)
+            # The claim and the journal row in one statement: the journal's span.
+            with telemetry().span(
+                "gateway.journal", parent=item.message.metadata.get(META_TRACEPARENT)
+            ):
+                duplicate = await take_in(key, item.message, ask)
         except ClaimBusy as exc:
             with logger.contextualize(session=item.message.session_key):
                 logger.info("message not taken now: {}", exc)
@@ -684,7 +707,8 @@ class Dispatcher:
         """Journal `msg`; False when that failed: the message is then not taken (its claim
         is given back), so the platform, which was not told we have it, sends it again."""
         try:
-            await store.journal(key, msg)
+            with telemetry().span("gateway.journal", parent=msg.metadata.get(META_TRACEPARENT)):
+                await store.journal(key, msg)
             return True
         except Exception as exc:
             self._counters.dedupe_errors += 1
@@ -921,7 +945,27 @@ class Dispatcher:
         counters.turns_started += 1
         counters.in_flight += 1
         started = time.perf_counter()
-        with logger.contextualize(session=key), fenced(fence), receiving(inbox):
+        tracing = telemetry()
+        parent = msg.metadata.get(META_TRACEPARENT) if tracing.enabled else None
+        if parent is not None:
+            with tracing.span("gateway.queue_wait", parent=parent, start_ns=batch[0].enqueued_ns):
+                pass
+        traced = (
+            logger.contextualize(trace_id=trace_id_of(parent))
+            if parent is not None
+            else contextlib.nullcontext()
+        )
+        with (
+            logger.contextualize(session=key),
+            traced,
+            tracing.span(
+                "gateway.turn",
+                {"gateway.messages": len(batch), "gateway.replica": self._replica()},
+                parent=parent,
+            ),
+            fenced(fence),
+            receiving(inbox),
+        ):
             try:
                 reply: OutboundMessage | None = await self._handler(msg)
             except FencedOut:
@@ -981,8 +1025,16 @@ class Dispatcher:
             return
         fence = batch[0].fence
         stage = ["before its reply was recorded"]
+        parent = batch[0].message.metadata.get(META_TRACEPARENT)
         try:
-            with fenced(fence):
+            with (
+                telemetry().span(
+                    "gateway.delivery",
+                    {"messaging.system": reply.channel, "gateway.reply.error": reply.is_error},
+                    parent=parent,
+                ),
+                fenced(fence),
+            ):
                 await self._finish_fenced(batch, reply, fence, stage)
         except FencedOut:
             _fenced_out(reply.session_key, stage[0])
@@ -1199,3 +1251,19 @@ class Dispatcher:
             max_queue_depth=max(depths.values(), default=0),
             queue_depths=depths,
         )
+
+
+def _traced_intake(tracing: Telemetry, msg: InboundMessage, replica: str) -> InboundMessage:
+    """The root span of a message's trace; its traceparent rides in the message's
+    metadata (and so in the journal) for every later span of the message."""
+    attributes: dict[str, str | bool | int | float] = {
+        "messaging.system": msg.channel,
+        "gateway.replica": replica,
+    }
+    if msg.message_id:
+        attributes["messaging.message.id"] = msg.message_id
+    with tracing.span("gateway.intake", attributes):
+        traceparent = tracing.traceparent()
+    if traceparent is None:
+        return msg
+    return replace(msg, metadata={**msg.metadata, META_TRACEPARENT: traceparent})

@@ -306,10 +306,13 @@ async def check_http(settings: Settings) -> list[Finding]:
     """The bind policy, and the port itself: listened on and let go, as `run` will."""
     from gateway.http import HttpBindError, HttpConfigError, check_listen
     from gateway.http.auth import check_bind_policy, secret_value
+    from gateway.http.openai_routes import api_clients
 
     http = settings.http
+    clients = api_clients(secret_value(http.token), http.api_tokens)
     try:
-        check_bind_policy(http.host, secret_value(http.token))
+        # As the server decides: any token (the chat API's, a named client's) will do.
+        check_bind_policy(http.host, clients[0].token if clients else None)
     except HttpConfigError as exc:
         return [Finding("fail", "HTTP server binding", str(exc))]
     running = holder(settings.workspace_path)

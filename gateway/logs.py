@@ -42,6 +42,12 @@ TEXT_FORMAT = (
 )
 
 
+def text_format(record: Record) -> str:
+    """`TEXT_FORMAT`, with the trace id after the session key on a traced turn's lines."""
+    traced = " trace={extra[trace_id]}" if "trace_id" in record["extra"] else ""
+    return TEXT_FORMAT.replace("{extra[session]}", "{extra[session]}" + traced) + "\n{exception}"
+
+
 def _keep_prefix(match: re.Match[str]) -> str:
     if match.group(1) is not None:
         return match.group(1) + "***"
@@ -123,7 +129,7 @@ def setup_logging(level: str = "INFO", fmt: str = "text", secrets: Iterable[str]
         logger.add(
             TextSink(redactor),
             level=level,
-            format=TEXT_FORMAT,
+            format=text_format,
             colorize=sys.stderr.isatty(),
             diagnose=False,  # tracebacks must not print local variables (secrets)
         )

@@ -32,6 +32,12 @@ META_SESSION_CURRENT = "session_current"
 #: (`/api/chat`): in the shared mode its reply is handed to the replica holding that
 #: request, wherever the turn ran (`gateway.replicas`).
 META_REPLY_WANTED = "reply_wanted"
+#: Metadata of a stateless call of the OpenAI-compatible API: its session is thrown
+#: away after the turn, so nothing of it reaches memory (no consolidation).
+META_EPHEMERAL = "ephemeral"
+#: Metadata of an OpenAI-compatible API message whose client reads the reply as it is
+#: written: the id of the stream its text deltas go to (`gateway.openai_door`).
+META_API_STREAM = "api_stream"
 
 #: Metadata naming the platform message as the person sees it (Telegram `chat:message_id`,
 #: Slack `channel:ts`) where the message id is something else (Slack's event id) or an

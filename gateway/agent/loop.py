@@ -63,6 +63,7 @@ from gateway.media import FileSource, MediaPreparer
 from gateway.media.outbound import code_blocks_as_files
 from gateway.messages import (
     META_EDIT_OF,
+    META_EPHEMERAL,
     META_IN_SESSION,
     META_NOTICE,
     META_REPLAYED,
@@ -85,6 +86,7 @@ from gateway.queue_modes import (
     stored_mode,
 )
 from gateway.sessions.errors import SessionError, SessionKeyError
+from gateway.telemetry import telemetry
 from gateway.usage import UsageMeter, usage_scope
 
 if TYPE_CHECKING:
@@ -478,7 +480,8 @@ class AgentLoop:
             if found is not None and found.reply_entry is not None:
                 meta = {**reply.metadata, META_REPLY_ENTRY: found.reply_entry}
                 reply = dataclasses.replace(reply, metadata=meta)
-        if self.consolidator is not None and self.config.auto_consolidate:
+        ephemeral = bool(inbound.metadata.get(META_EPHEMERAL))
+        if self.consolidator is not None and self.config.auto_consolidate and not ephemeral:
             # Runs in the background after this reply. The trigger check is cheap on
             # the context (a count, then at most twice the window's messages).
             self.consolidator.maybe_schedule(inbound.session_key, session.build_context())
@@ -573,6 +576,14 @@ class AgentLoop:
         if meta.get(META_EDIT_OF) or meta.get(META_NOTICE):
             return False
         return not is_stale(inbound, time.time(), self.config.offline_after)
+
+    def forget(self, key: str) -> None:
+        """Drop what this loop keeps per session for `key` (a thrown-away session), unless
+        a turn of it runs."""
+        lock = self._locks.get(key)
+        if lock is not None and not lock.locked():
+            del self._locks[key]
+        self._dm_owners.pop(key, None)
 
     def stop(self, key: str) -> bool:
         """Cancel the running turn of session `key` at once (its LLM request or tool
@@ -692,7 +703,13 @@ class AgentLoop:
             # The turn's images ride on its user message, in every request of the turn.
             return dataclasses.replace(plan, messages=tuple(with_images(plan.messages, images)))
 
-        plan = fit(ctx.messages)
+        with telemetry().span("gateway.context.build") as span:
+            plan = fit(ctx.messages)
+            span.set_attribute("gateway.context.tokens", plan.estimated_tokens)
+            span.set_attribute("gateway.context.budget_tokens", plan.budget_tokens)
+            span.set_attribute("gateway.context.messages", len(plan.messages))
+            span.set_attribute("gateway.context.pruned", len(plan.pruned))
+            span.set_attribute("gateway.context.memory_injected", plan.memory_injected)
         messages = list(plan.messages)
         said = self.windows.known(model).server
         cut = said is not None and said.server == "ollama" and plan.over_budget
@@ -710,7 +727,9 @@ class AgentLoop:
             inbound, session, model, messages, specs, on_delta, nocache, plan.memory_injected
         )
         if cache_ctx is not None and self.cache is not None:
-            hit = await self.cache.lookup(cache_ctx)
+            with telemetry().span("gateway.cache.lookup") as span:
+                hit = await self.cache.lookup(cache_ctx)
+                span.set_attribute("gateway.cache.hit", hit is not None)
             if hit is not None:
                 cached = LLMMessage(role="assistant", content=hit.response, model=model)
                 # The key lets an operator drop a wrong answer from the transcript.
@@ -827,7 +846,17 @@ class AgentLoop:
             progress.said.clear()  # said with the tool calls, and stored with them
             for call in assistant.tool_calls:
                 logger.info("tool call {}", call.function_name)
-                result = await self.tools.execute(call, tool_context, max_chars=self._result_cap)
+                with telemetry().span(
+                    f"execute_tool {call.function_name}",
+                    {
+                        "gen_ai.operation.name": "execute_tool",
+                        "gen_ai.tool.name": call.function_name,
+                        "gen_ai.tool.call.id": call.id,
+                    },
+                ):
+                    result = await self.tools.execute(
+                        call, tool_context, max_chars=self._result_cap
+                    )
                 with anyio.CancelScope(shield=True):
                     # A big result is stored whole before the entry showing its preview.
                     content, meta = await self._shelve(session, call.function_name, result)
@@ -1102,6 +1131,34 @@ class AgentLoop:
                 tg.cancel_scope.cancel()
 
     async def _call_model(
+        self,
+        messages: list[LLMMessage],
+        model: str,
+        specs: list[ToolSpec],
+        on_delta: DeltaCallback | None,
+        answered: Callable[[], None],
+    ) -> LLMResponse:
+        """One model call, in a span with the GenAI semantic conventions when traced."""
+        tracing = telemetry()
+        if not tracing.enabled:
+            return await self._call_model_untraced(messages, model, specs, on_delta, answered)
+        attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model}
+        with tracing.span(f"chat {model}", attributes) as span:
+            tracing.content(span, "gen_ai.prompt", messages[-1].content if messages else None)
+            response = await self._call_model_untraced(messages, model, specs, on_delta, answered)
+            span.set_attribute("gen_ai.response.model", response.model)
+            if response.provider:
+                span.set_attribute("gen_ai.provider.name", response.provider)
+            if response.finish_reason:
+                span.set_attribute("gen_ai.response.finish_reasons", response.finish_reason)
+            if response.usage is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", response.usage.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", response.usage.completion_tokens)
+            span.set_attribute("gateway.tool_calls", len(response.message.tool_calls or ()))
+            tracing.content(span, "gen_ai.completion", response.message.content)
+            return response
+
+    async def _call_model_untraced(
         self,
         messages: list[LLMMessage],
         model: str,

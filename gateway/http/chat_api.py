@@ -59,20 +59,26 @@ def api_session_key(raw: str) -> str:
         )
     else:
         name = raw
-    if not name.strip():
-        raise ApiError(400, "session: the name is empty")
-    if any(unicodedata.category(char) in _HOSTILE_CATEGORIES for char in name):
-        raise ApiError(400, "session: the name holds control or invisible characters")
     key = f"{API_CHANNEL}:{name}"
+    check_session_name(name, key, "session", MAX_NAME_CHARS)
+    return key
+
+
+def check_session_name(name: str, key: str, field: str, limit: int) -> None:
+    """ApiError(400) naming `field` unless `name` is printable and `key` (its session
+    key) fits a file name; `limit` is the longest plain name, for the message."""
+    if not name.strip():
+        raise ApiError(400, f"{field}: the name is empty")
+    if any(unicodedata.category(char) in _HOSTILE_CATEGORIES for char in name):
+        raise ApiError(400, f"{field}: the name holds control or invisible characters")
     try:
         encode_key(key)
     except SessionKeyError:
         raise ApiError(
             400,
-            f"session: the name is too long to store; the limit is {MAX_NAME_CHARS} "
+            f"{field}: the name is too long to store; the limit is {limit} "
             "letters, digits, '.', '_' or '-' (other characters take up to 12 each)",
         ) from None
-    return key
 
 
 def _has_surrogates(text: str) -> bool:

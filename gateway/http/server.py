@@ -6,6 +6,8 @@ Routes:
   GET  /readyz    200 when ready, else 503 with {"status", "reasons", "components"}
   GET  /metrics   Prometheus text format 0.0.4
   POST /api/chat  {"session", "text"} -> {"session", "reply", "error"}; bearer token
+  POST /v1/chat/completions, GET /v1/models  the OpenAI-compatible API
+                  (`gateway.http.openai_routes`); bearer tokens of named clients
   GET|POST /whatsapp/webhook  Meta's handshake and deliveries (when WhatsApp is on)
   anything mounted with `mount()` before `run()`
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 import anyio
@@ -49,6 +51,14 @@ from gateway.http.auth import (
 from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
 from gateway.http.limits import BodyTimeout, ConnectionLimits, GuardedRunner, body_deadline
+from gateway.http.openai_routes import (
+    COMPLETIONS_PATH,
+    MODELS_PATH,
+    ApiTokenLike,
+    Door,
+    OpenAIRoutes,
+    api_clients,
+)
 from gateway.http.throttle import AuthThrottle, client_address, parse_networks
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.metrics import Metrics
@@ -64,7 +74,9 @@ TELEGRAM_WEBHOOK_PATH = "/telegram/webhook"
 SLACK_EVENTS_PATH = "/slack/events"
 WHATSAPP_WEBHOOK_PATH = "/whatsapp/webhook"
 
-_BUILTIN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/api/chat"})
+_BUILTIN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/api/chat", COMPLETIONS_PATH, MODELS_PATH}
+)
 _MOUNTABLE_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 # Method names are client-chosen: anything else is counted as "other" to bound the labels.
 _KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -96,6 +108,8 @@ class HttpSettingsLike(Protocol):
     def auth_failure_window_seconds(self) -> float: ...
     @property
     def trusted_proxies(self) -> Sequence[str]: ...
+    @property
+    def api_tokens(self) -> Mapping[str, ApiTokenLike]: ...
 
 
 class HttpBindError(Exception):
@@ -164,13 +178,15 @@ class HttpServer:
         health: HealthState,
         metrics: Metrics,
         chat: ChatHandler | None = None,
+        door: Door | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     ) -> None:
         self.host = settings.host
         self.port = settings.port
         self._token = secret_value(settings.token)
-        check_bind_policy(self.host, self._token)
+        clients = api_clients(self._token, settings.api_tokens)
+        check_bind_policy(self.host, self._token or (clients[0].token if clients else None))
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
         self.health = health
@@ -195,6 +211,7 @@ class HttpServer:
         router.add_get("/readyz", self._readyz)
         router.add_get("/metrics", self._metrics)
         router.add_post("/api/chat", self._chat_api)
+        self.openai = OpenAIRoutes(self, clients, door)
 
     # ------------------------------------------------------------------ mounting
 
@@ -329,7 +346,10 @@ class HttpServer:
             headers[hdrs.ALLOW] = allowed
             message = f"method {request.method} is not allowed here; use {allowed}"
         elif isinstance(exc, web.HTTPNotFound):
-            message = "no such endpoint; see /healthz, /readyz, /metrics, /api/chat"
+            message = (
+                "no such endpoint; see /healthz, /readyz, /metrics, /api/chat, "
+                "/v1/chat/completions, /v1/models"
+            )
         elif isinstance(exc, web.HTTPRequestEntityTooLarge):
             message = f"request body is over the {self.max_body_bytes}-byte limit"
         else:

@@ -48,6 +48,7 @@ from gateway.llm.types import (
     StreamDelta,
     ToolSpec,
 )
+from gateway.telemetry import telemetry
 
 #: The name of the provider `[llm]` itself describes (base_url, api_key).
 DEFAULT_PROVIDER = "default"
@@ -233,16 +234,26 @@ class FailoverProvider:
     ) -> LLMResponse:
         _, routes = self._plan(model)
         errors: list[tuple[Route, LLMError]] = []
-        for route in _Routes(self, routes):
+        tracing = telemetry()
+        for attempt, route in enumerate(_Routes(self, routes), start=1):
             try:
-                response = await self.providers[route.provider].chat(
-                    messages,
-                    model=route.model,
-                    tools=tools,
-                    temperature=temperature,
-                    max_tokens=max_tokens,
-                    tool_choice=tool_choice,
-                )
+                # One span per provider asked (traced turns show each failover step).
+                with tracing.span(
+                    "gateway.llm.attempt",
+                    {
+                        "gen_ai.provider.name": route.provider,
+                        "gen_ai.request.model": route.model,
+                        "gateway.llm.attempt": attempt,
+                    },
+                ):
+                    response = await self.providers[route.provider].chat(
+                        messages,
+                        model=route.model,
+                        tools=tools,
+                        temperature=temperature,
+                        max_tokens=max_tokens,
+                        tool_choice=tool_choice,
+                    )
             except LLMError as exc:
                 if self._failed(route, exc) is Verdict.REQUEST:
                     raise _from(route, exc) from None
