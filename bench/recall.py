@@ -1,0 +1,525 @@
+"""Recall quality of memory search on public long conversations (LoCoMo, development half).
+
+Run `.venv/bin/python bench/recall.py` (a table), `--json` (the same numbers as JSON) or
+`--quick` (two conversations). The data is `../shared/data/locomo-dev/` (override with
+`--data`): five LoCoMo conversations whose questions cite the turns (`dia_id`s) that
+hold their answers. The other half of LoCoMo is kept apart to judge the result; nothing
+here may be tuned to it.
+
+What is judged, per layer, each searched with the question as the query:
+- facts: the observations LoCoMo extracted per turn, written as MEMORY.md facts (one
+  `- [learned_fact] text` bullet each, under the session's day). "ours" is the per-turn
+  recall the agent uses (`relevant_memory`, top 8). A fact hits when the turn it cites
+  is one of the question's evidence turns.
+- messages: every turn as one message (`Speaker: text`, an image's caption appended),
+  as the message index holds them. A message hits when it is an evidence turn.
+- sessions: the sessions ranked by history search over their summaries (one HISTORY.md
+  line each, stamped with the session's time). A session hits when an evidence turn is
+  in it; `all@k` is whether every evidence session is in the top k.
+
+Each layer is searched by ours, by `rank_bm25` (BM25Okapi over lowercase words, the
+usual baseline) and by plain dense retrieval (wordllama's static embeddings, cosine),
+in the same run, over the same documents.
+
+Metrics (per question, averaged): `hit@k` (an evidence unit in the top k), `all@k`
+(every evidence unit in the top k), `R@k` (the share of evidence units in the top k).
+"all" aggregates categories 1-4; category 5 (adversarial: the answer is not in the
+conversation) is shown on its own. Latency is per query, in microseconds; memory is
+the index's size (ours: the index's own estimate; rank_bm25: bytes allocated while it
+is built; dense: the matrix, without the model's weights shared by all indexes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loguru import logger
+
+from gateway.agent.memory_tools import relevant_memory
+from gateway.memory import MemoryManager
+from gateway.memory.format import parse_fact
+from gateway.memory.index import SearchIndex
+from gateway.memory.text import normalize_text
+
+DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
+RECALL_LIMIT = 8  # what the agent's memory block takes per turn
+DEPTH = 10
+CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
+_DIA_RE = re.compile(r"D(\d+):(\d+)")
+_WORD_RE = re.compile(r"\w+")
+
+
+# -- the data --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    dia_id: str
+    session: int
+    speaker: str
+    text: str
+    when: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    text: str
+    category: int
+    evidence: frozenset[str]  # dia_ids
+
+
+@dataclass(slots=True)
+class Conversation:
+    name: str
+    turns: list[Turn] = field(default_factory=list)
+    facts: list[tuple[str, str, datetime]] = field(default_factory=list)  # text, dia_id, when
+    summaries: list[tuple[int, str, datetime]] = field(default_factory=list)  # session, text
+    questions: list[Question] = field(default_factory=list)
+
+
+def parse_when(text: str) -> datetime:
+    """LoCoMo's `1:56 pm on 8 May, 2023` as a UTC datetime."""
+    return datetime.strptime(text.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=UTC)
+
+
+def load_conversation(path: Path) -> Conversation:
+    data = json.loads(path.read_text())
+    conv = Conversation(path.stem)
+    sessions = sorted(
+        int(m.group(1)) for k in data if (m := re.fullmatch(r"session_(\d+)", k)) is not None
+    )
+    known: set[str] = set()
+    for number in sessions:
+        when = parse_when(data[f"session_{number}_date_time"])
+        for turn in data[f"session_{number}"]:
+            text = turn["text"]
+            if turn.get("blip_caption"):
+                text += f" [shared an image: {turn['blip_caption']}]"
+            conv.turns.append(Turn(turn["dia_id"], number, turn["speaker"], text, when))
+            known.add(turn["dia_id"])
+        for facts in data.get(f"session_{number}_observation", {}).values():
+            for text, dia_id in facts:
+                for cited in _DIA_RE.findall(str(dia_id)) or []:
+                    conv.facts.append((text, f"D{cited[0]}:{cited[1]}", when))
+        summary = data.get(f"session_{number}_summary")
+        if summary:
+            conv.summaries.append((number, summary, when))
+    for qa in data["qa"]:
+        evidence = frozenset(
+            f"D{a}:{b}" for item in qa.get("evidence", []) for a, b in _DIA_RE.findall(item)
+        )
+        evidence &= known
+        if evidence:
+            conv.questions.append(Question(qa["question"], int(qa["category"]), evidence))
+    return conv
+
+
+def session_of(dia_id: str) -> int:
+    return int(dia_id[1:].split(":", 1)[0])
+
+
+# -- the systems -----------------------------------------------------------------------
+
+
+class Retriever:
+    """Top-k documents (indexes into the layer's document list) for a query."""
+
+    name = ""
+    memory = 0
+
+    def search(self, query: str, k: int) -> list[int]:
+        raise NotImplementedError
+
+
+class OursIndex(Retriever):
+    """Our SearchIndex over plain documents (the message layer)."""
+
+    name = "ours"
+
+    def __init__(self, docs: Sequence[str]) -> None:
+        self.index = SearchIndex()
+        self.index.add_many((d, None, None) for d in docs)
+        self.memory = self.index.memory_bytes()
+
+    def search(self, query: str, k: int) -> list[int]:
+        return [hit.doc_id for hit in self.index.search(query, k)]
+
+
+class OursFacts(Retriever):
+    """The agent's per-turn recall over MEMORY.md facts (`relevant_memory`)."""
+
+    name = "ours"
+
+    def __init__(self, root: Path, facts: Sequence[tuple[str, datetime]]) -> None:
+        self.manager = MemoryManager(root, "locomo")
+        by_day: dict[date, list[tuple[str, str]]] = {}
+        for text, when in facts:
+            by_day.setdefault(when.date(), []).append(("learned_fact", text))
+        for day, items in sorted(by_day.items()):
+            self.manager.append_facts(items, day=day)
+        self.manager.load_indexes()
+        self.positions: dict[str, int] = {}
+        for i, (text, _) in enumerate(facts):
+            self.positions.setdefault(normalize_text(text), i)
+        index = self.manager._memory_index.current()  # noqa: SLF001 (the bench measures it)
+        self.memory = index.memory_bytes() if index is not None else 0
+
+    def search(self, query: str, k: int) -> list[int]:
+        out: list[int] = []
+        for line in relevant_memory(self.manager, query, limit=k):
+            parsed = parse_fact(f"- {line}")
+            text = parsed.text if parsed is not None else line
+            pos = self.positions.get(normalize_text(text))
+            if pos is not None:
+                out.append(pos)
+        return out
+
+
+class OursHistory(Retriever):
+    """History search over session summaries (HISTORY.md lines), relevance only."""
+
+    name = "ours"
+
+    def __init__(self, root: Path, summaries: Sequence[tuple[str, datetime]]) -> None:
+        self._when = summaries[0][1] if summaries else datetime.now(UTC)
+        self.manager = MemoryManager(root, "locomo-history", clock=lambda: self._when)
+        self.positions: dict[str, int] = {}
+        for i, (text, when) in enumerate(summaries):
+            self._when = when
+            line = self.manager.append_history(text)
+            self.positions[line] = i
+        self.manager.load_indexes()
+        index = self.manager._history_index.current()  # noqa: SLF001
+        self.memory = index.memory_bytes() if index is not None else 0
+
+    def search(self, query: str, k: int) -> list[int]:
+        lines = self.manager.search_history(query, k, decay_rate=0.0)
+        return [self.positions[line] for line in lines if line in self.positions]
+
+
+def plain_words(text: str) -> list[str]:
+    return _WORD_RE.findall(text.lower())
+
+
+class RankBM25(Retriever):
+    name = "rank_bm25"
+
+    def __init__(self, docs: Sequence[str]) -> None:
+        from rank_bm25 import BM25Okapi
+
+        tracemalloc.start()
+        self.bm25 = BM25Okapi([plain_words(d) for d in docs])
+        self.memory = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+
+    def search(self, query: str, k: int) -> list[int]:
+        import numpy as np
+
+        scores = self.bm25.get_scores(plain_words(query))
+        return [int(i) for i in np.argsort(-scores, kind="stable")[:k]]
+
+
+class Dense(Retriever):
+    name = "dense"
+    _embedder: Any = None
+
+    def __init__(self, docs: Sequence[str]) -> None:
+        if Dense._embedder is None:
+            from gateway.cache.neardup import WordLlamaEmbedder
+
+            Dense._embedder = WordLlamaEmbedder()
+        self.matrix = Dense._embedder.embed(list(docs))
+        self.memory = int(self.matrix.nbytes)
+
+    def search(self, query: str, k: int) -> list[int]:
+        import numpy as np
+
+        scores = self.matrix @ Dense._embedder.embed([query])[0]
+        top = np.argpartition(-scores, min(k, len(scores) - 1))[:k]
+        return [int(i) for i in top[np.argsort(-scores[top], kind="stable")]]
+
+
+# -- judging ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Score:
+    """Per-question outcomes of one system on one layer."""
+
+    hits8: list[float] = field(default_factory=list)
+    r5: list[float] = field(default_factory=list)
+    r10: list[float] = field(default_factory=list)
+    all5: list[float] = field(default_factory=list)
+    all10: list[float] = field(default_factory=list)
+
+    def add(self, ranked: list[set[str]], evidence: frozenset[str]) -> None:
+        """`ranked`: the evidence units each result stands for, best first."""
+
+        def covered(k: int) -> set[str]:
+            found: set[str] = set()
+            for units in ranked[:k]:
+                found |= units
+            return found & evidence
+
+        self.hits8.append(float(bool(covered(RECALL_LIMIT))))
+        self.r5.append(len(covered(5)) / len(evidence))
+        self.r10.append(len(covered(10)) / len(evidence))
+        self.all5.append(float(covered(5) == evidence))
+        self.all10.append(float(covered(10) == evidence))
+
+    def extend(self, other: Score) -> None:
+        for name in ("hits8", "r5", "r10", "all5", "all10"):
+            getattr(self, name).extend(getattr(other, name))
+
+    def summary(self) -> dict[str, float]:
+        def mean(values: list[float]) -> float:
+            return round(100 * statistics.fmean(values), 1) if values else float("nan")
+
+        return {
+            "n": len(self.hits8),
+            "hit@8": mean(self.hits8),
+            "R@5": mean(self.r5),
+            "R@10": mean(self.r10),
+            "all@5": mean(self.all5),
+            "all@10": mean(self.all10),
+        }
+
+
+@dataclass(slots=True)
+class Result:
+    layer: str
+    system: str
+    group: str  # "all", a category name, or "conv <name>"
+    n: int
+    hit8: float
+    r5: float
+    r10: float
+    all5: float
+    all10: float
+    p50_us: float | None = None
+    p99_us: float | None = None
+    memory_kb: float | None = None
+
+
+@dataclass(slots=True)
+class Run:
+    """One system on one layer over all conversations."""
+
+    layer: str
+    system: str
+    by_category: dict[int, Score] = field(default_factory=dict)
+    by_conv: dict[str, Score] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+    memory: list[int] = field(default_factory=list)
+
+
+def judge(
+    run: Run,
+    conv: Conversation,
+    retriever: Retriever,
+    units: Callable[[int], set[str]],
+    evidence_of: Callable[[Question], frozenset[str]],
+) -> None:
+    run.memory.append(retriever.memory)
+    conv_score = run.by_conv.setdefault(conv.name, Score())
+    for question in conv.questions:
+        start = time.perf_counter()
+        ranked = retriever.search(question.text, DEPTH)
+        run.latencies.append(time.perf_counter() - start)
+        score = Score()
+        score.add([units(i) for i in ranked], evidence_of(question))
+        run.by_category.setdefault(question.category, Score()).extend(score)
+        if question.category != 5:
+            conv_score.extend(score)
+
+
+def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], dict[str, float]]:
+    runs: dict[tuple[str, str], Run] = {}
+    ceiling: list[float] = []
+
+    def run_of(layer: str, system: str) -> Run:
+        return runs.setdefault((layer, system), Run(layer, system))
+
+    for conv in convs:
+        cited = {dia for _, dia, _ in conv.facts}
+        ceiling += [float(bool(q.evidence & cited)) for q in conv.questions if q.category != 5]
+        # facts: one document per distinct fact text, standing for every turn it cites
+        fact_units: dict[str, set[str]] = {}
+        fact_rows: list[tuple[str, datetime]] = []
+        for text, dia, when in conv.facts:
+            key = normalize_text(text)
+            if key not in fact_units:
+                fact_units[key] = set()
+                fact_rows.append((text, when))
+            fact_units[key].add(dia)
+        fact_texts = [text for text, _ in fact_rows]
+        fact_sets = [fact_units[normalize_text(t)] for t in fact_texts]
+        messages = [f"{t.speaker}: {t.text}" for t in conv.turns]
+        message_sets = [{t.dia_id} for t in conv.turns]
+        summary_texts = [text for _, text, _ in conv.summaries]
+        summary_sets = [{str(s)} for s, _, _ in conv.summaries]
+
+        def facts_evidence(q: Question) -> frozenset[str]:
+            return q.evidence
+
+        def session_evidence(q: Question) -> frozenset[str]:
+            return frozenset(str(session_of(d)) for d in q.evidence)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            layers: list[tuple[str, dict[str, Callable[[], Retriever]], list[set[str]], Any]] = [
+                (
+                    "facts",
+                    {
+                        "ours": lambda: OursFacts(Path(tmp) / "f", fact_rows),
+                        "rank_bm25": lambda: RankBM25(fact_texts),
+                        "dense": lambda: Dense(fact_texts),
+                    },
+                    fact_sets,
+                    facts_evidence,
+                ),
+                (
+                    "messages",
+                    {
+                        "ours": lambda: OursIndex(messages),
+                        "rank_bm25": lambda: RankBM25(messages),
+                        "dense": lambda: Dense(messages),
+                    },
+                    message_sets,
+                    facts_evidence,
+                ),
+                (
+                    "sessions",
+                    {
+                        "ours": lambda: OursHistory(
+                            Path(tmp) / "h", [(t, w) for _, t, w in conv.summaries]
+                        ),
+                        "rank_bm25": lambda: RankBM25(summary_texts),
+                        "dense": lambda: Dense(summary_texts),
+                    },
+                    summary_sets,
+                    session_evidence,
+                ),
+            ]
+            for layer, makers, sets, evidence_of in layers:
+                for system in systems:
+                    retriever = makers[system]()
+                    judge(
+                        run_of(layer, system),
+                        conv,
+                        retriever,
+                        lambda i, sets=sets: sets[i],
+                        evidence_of,
+                    )
+                    manager = getattr(retriever, "manager", None)
+                    if manager is not None:
+                        manager.close()
+    extra = {"facts_ceiling_hit": round(100 * statistics.fmean(ceiling), 1) if ceiling else 0.0}
+    return list(runs.values()), extra
+
+
+def results(runs: list[Run]) -> list[Result]:
+    out: list[Result] = []
+    for run in runs:
+        overall = Score()
+        for category, score in run.by_category.items():
+            if category != 5:
+                overall.extend(score)
+        lat = sorted(run.latencies)
+        p50 = 1e6 * lat[len(lat) // 2] if lat else None
+        p99 = 1e6 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None
+        mem = statistics.fmean(run.memory) / 1024 if run.memory else None
+        groups: list[tuple[str, Score]] = [("all 1-4", overall)]
+        groups += [(CATEGORY_NAMES[c], run.by_category[c]) for c in sorted(run.by_category)]
+        groups += [(f"conv {name}", score) for name, score in run.by_conv.items()]
+        for group, score in groups:
+            s = score.summary()
+            first = group == "all 1-4"
+            out.append(
+                Result(
+                    run.layer,
+                    run.system,
+                    group,
+                    int(s["n"]),
+                    s["hit@8"],
+                    s["R@5"],
+                    s["R@10"],
+                    s["all@5"],
+                    s["all@10"],
+                    round(p50, 1) if first and p50 is not None else None,
+                    round(p99, 1) if first and p99 is not None else None,
+                    round(mem, 1) if first and mem is not None else None,
+                )
+            )
+    return out
+
+
+def print_table(rows: list[Result], extra: dict[str, float]) -> None:
+    head = (
+        f"{'layer':9} {'system':10} {'group':13} {'n':>4} {'hit@8':>6} {'R@5':>6} {'R@10':>6}"
+        f" {'all@5':>6} {'all@10':>6} {'p50 us':>8} {'p99 us':>8} {'mem KB':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    last = ""
+    for r in rows:
+        if last and r.layer != last:
+            print()
+        last = r.layer
+
+        def opt(value: float | None) -> str:
+            return f"{value:8.1f}" if value is not None else f"{'':8}"
+
+        print(
+            f"{r.layer:9} {r.system:10} {r.group:13} {r.n:4d} {r.hit8:6.1f} {r.r5:6.1f}"
+            f" {r.r10:6.1f} {r.all5:6.1f} {r.all10:6.1f} {opt(r.p50_us)} {opt(r.p99_us)}"
+            f" {opt(r.memory_kb)}"
+        )
+    print()
+    for key, value in extra.items():
+        print(f"{key}: {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--quick", action="store_true", help="two conversations only")
+    parser.add_argument(
+        "--systems",
+        default="ours,rank_bm25,dense",
+        help="comma-separated subset of ours,rank_bm25,dense",
+    )
+    args = parser.parse_args(argv)
+    logger.remove()  # the indexes' debug lines would bury the table
+    files = sorted(args.data.glob("*.json"))
+    if not files:
+        parser.error(f"no LoCoMo conversations (*.json) in {args.data}")
+    if args.quick:
+        files = files[:2]
+    convs = [load_conversation(path) for path in files]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    runs, extra = evaluate(convs, systems)
+    rows = results(runs)
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], **extra}, indent=1))
+    else:
+        print_table(rows, extra)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
