@@ -42,6 +42,7 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,13 @@ from gateway.memory.text import normalize_text
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
 RECALL_LIMIT = 8  # what the agent's memory block takes per turn
 DEPTH = 10
-CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
+CATEGORY_NAMES = {
+    1: "multi-hop",
+    2: "temporal",
+    3: "open-domain",
+    4: "single-hop",
+    5: "adversarial",
+}
 _DIA_RE = re.compile(r"D(\d+):(\d+)")
 _WORD_RE = re.compile(r"\w+")
 
@@ -175,7 +182,7 @@ class OursFacts(Retriever):
         self.positions: dict[str, int] = {}
         for i, (text, _) in enumerate(facts):
             self.positions.setdefault(normalize_text(text), i)
-        index = self.manager._memory_index.current()  # noqa: SLF001 (the bench measures it)
+        index = self.manager._memory_index.current()  # the bench measures it
         self.memory = index.memory_bytes() if index is not None else 0
 
     def search(self, query: str, k: int) -> list[int]:
@@ -203,7 +210,7 @@ class OursHistory(Retriever):
             line = self.manager.append_history(text)
             self.positions[line] = i
         self.manager.load_indexes()
-        index = self.manager._history_index.current()  # noqa: SLF001
+        index = self.manager._history_index.current()
         self.memory = index.memory_bytes() if index is not None else 0
 
     def search(self, query: str, k: int) -> list[int]:
@@ -384,9 +391,9 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                 (
                     "facts",
                     {
-                        "ours": lambda: OursFacts(Path(tmp) / "f", fact_rows),
-                        "rank_bm25": lambda: RankBM25(fact_texts),
-                        "dense": lambda: Dense(fact_texts),
+                        "ours": partial(OursFacts, Path(tmp) / "f", fact_rows),
+                        "rank_bm25": partial(RankBM25, fact_texts),
+                        "dense": partial(Dense, fact_texts),
                     },
                     fact_sets,
                     facts_evidence,
@@ -394,9 +401,9 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                 (
                     "messages",
                     {
-                        "ours": lambda: OursIndex(messages),
-                        "rank_bm25": lambda: RankBM25(messages),
-                        "dense": lambda: Dense(messages),
+                        "ours": partial(OursIndex, messages),
+                        "rank_bm25": partial(RankBM25, messages),
+                        "dense": partial(Dense, messages),
                     },
                     message_sets,
                     facts_evidence,
@@ -404,11 +411,11 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                 (
                     "sessions",
                     {
-                        "ours": lambda: OursHistory(
-                            Path(tmp) / "h", [(t, w) for _, t, w in conv.summaries]
+                        "ours": partial(
+                            OursHistory, Path(tmp) / "h", [(t, w) for _, t, w in conv.summaries]
                         ),
-                        "rank_bm25": lambda: RankBM25(summary_texts),
-                        "dense": lambda: Dense(summary_texts),
+                        "rank_bm25": partial(RankBM25, summary_texts),
+                        "dense": partial(Dense, summary_texts),
                     },
                     summary_sets,
                     session_evidence,

@@ -200,9 +200,10 @@ def _who(context: ToolContext) -> str:
 
 
 def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> list[Tool]:
-    """`memory_search`, `history_search`, `remember`, `memory_facts`, `memory_correct`
-    and `memory_forget`, bound to `store`. A corrected or forgotten fact may be in an
-    answer `cache` holds for the conversation: those answers go too (as with `/forget`)."""
+    """`memory_search`, `history_search`, `conversation_search`, `remember`,
+    `memory_facts`, `memory_correct` and `memory_forget`, bound to `store`. A corrected
+    or forgotten fact may be in an answer `cache` holds for the conversation: those
+    answers go too (as with `/forget`)."""
 
     async def drop_cached(context: ToolContext, answer: str) -> str:
         if cache is not None and not answer.startswith("error:"):
@@ -244,6 +245,20 @@ def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> li
         def work(manager: MemoryScope) -> str:
             found = manager.search_history(query, max_results=limit)
             return _compact(found, "No earlier conversation summary matches.")
+
+        return await in_scope(context, work)
+
+    async def conversation_search(args: dict[str, Any], context: ToolContext) -> str:
+        query = _str_arg(args, "query")
+        if not query:
+            return "error: give a query (a few words to look for)"
+        limit = _int_arg(args, "max_results", DEFAULT_RESULTS)
+
+        def work(manager: MemoryScope) -> str:
+            hits = manager.search_messages(query, max_results=limit)
+            return _compact(
+                [hit.describe() for hit in hits], "No earlier message of this conversation matches."
+            )
 
         return await in_scope(context, work)
 
@@ -330,6 +345,24 @@ def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> li
                 },
             ),
             history_search,
+        ),
+        Tool(
+            ToolSpec(
+                name="conversation_search",
+                description="Search the exact words of every earlier message of this "
+                "conversation (all its sessions, also those no longer in view): each hit "
+                "with its time, session, speaker and the messages around it.",
+                parameters={
+                    "type": "object",
+                    "properties": {
+                        "query": {"type": "string", "description": "Words to look for."},
+                        "max_results": {"type": "integer", "minimum": 1, "maximum": MAX_RESULTS},
+                    },
+                    "required": ["query"],
+                    "additionalProperties": False,
+                },
+            ),
+            conversation_search,
         ),
         Tool(
             ToolSpec(

@@ -1,0 +1,403 @@
+"""Every past message of a memory scope, searchable: the message index.
+
+Consolidation keeps what the model chose to summarize; the message index keeps the
+conversation's own words. It holds the user and assistant messages of every session
+of a scope (the current one, its branches, those archived by `/new`), each with its
+session, entry id, time and speaker, and answers a query with the best messages and
+the message before and after each.
+
+The sessions stay the truth; this index is a view of them kept in step lazily. Every
+search first asks its `MessageSource` what the scope's sessions hold now (one stat per
+session file, or one query in PostgreSQL) and reads only what was appended since the
+last look: indexing costs a turn nothing when it is written, and a search pays only for
+the messages new since the previous search. A session that is gone (deleted) has its
+messages removed; one that shrank (rewritten by maintenance) is read again.
+
+Invariants:
+- Forgotten messages never come back: `forget_entries` records their entry ids in the
+  scope's tombstones (`MessageSource.forget`, durable), removes them from the index,
+  and every later read skips them, whatever the transcript still holds (a fork's copy
+  of a message keeps its entry id, so it is forgotten too).
+- Only `user` and `assistant` messages with text are indexed (tool calls and results,
+  system lines and summaries are not a person's words).
+- Results are the index's exact BM25 top-k (`gateway.memory.index`) over the live
+  messages, best first, newer first on ties.
+
+Not thread-safe by itself: `MessageIndex` holds a lock around every method.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
+
+from gateway.memory.index import SearchIndex
+from gateway.memory.text import one_line
+
+#: The roles whose messages are a person's or the assistant's words.
+INDEXED_ROLES = frozenset({"user", "assistant"})
+# Context shown around a hit, per neighbour, in characters.
+CONTEXT_CHARS = 160
+FORGOTTEN_FILE = "messages.forgotten"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """One message as a source reads it from a session."""
+
+    session_key: str
+    session_id: str
+    entry_id: str
+    timestamp: float
+    role: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHit:
+    """A message found by a search, with the messages around it in its session."""
+
+    session_key: str
+    session_id: str
+    entry_id: str
+    timestamp: float
+    role: str
+    text: str
+    score: float
+    before: str = ""
+    after: str = ""
+
+    @property
+    def when(self) -> str:
+        """The message's time as `YYYY-MM-DD HH:MM` (UTC)."""
+        return datetime.fromtimestamp(self.timestamp, UTC).strftime("%Y-%m-%d %H:%M")
+
+    def describe(self, *, context: bool = True) -> str:
+        """`[time, session key, speaker, entry id] text`, and the neighbours indented."""
+        head = f"[{self.when} UTC, {self.session_key}, {self.role}, entry {self.entry_id}]"
+        lines = [f"{head} {self.text}"]
+        if context and self.before:
+            lines.insert(0, f"    before: {self.before}")
+        if context and self.after:
+            lines.append(f"    after: {self.after}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionMark:
+    """What a source knows of one session: its key, id, and how far it goes (bytes of a
+    file, the last sequence number of a table); a smaller mark than before means the
+    session was rewritten."""
+
+    session_key: str
+    session_id: str
+    mark: int
+
+
+class MessageSource(Protocol):
+    """Where a scope's sessions live (files or PostgreSQL). Blocking: worker thread."""
+
+    def sessions(self) -> dict[str, SessionMark]:
+        """The scope's sessions now, by a handle stable for the session's life."""
+        ...
+
+    def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
+        """The messages of session `handle` after mark `start`, and the new mark."""
+        ...
+
+    def forgotten(self) -> set[str]:
+        """The entry ids of the messages forgotten in this scope."""
+        ...
+
+    def forget(self, entry_ids: Iterable[str]) -> None:
+        """Record forgotten messages' entry ids durably."""
+        ...
+
+
+def _clip(text: str, limit: int = CONTEXT_CHARS) -> str:
+    text = one_line(text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def message_text(raw: object) -> tuple[str, str] | None:
+    """(role, text) of a stored message entry's `message` object, or None when it is not
+    a user or assistant message with text."""
+    if not isinstance(raw, dict):
+        return None
+    role = raw.get("role")
+    if role not in INDEXED_ROLES:
+        return None
+    content = raw.get("content")
+    if isinstance(content, list):  # content parts: keep the text ones
+        content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    if not isinstance(content, str) or not content.strip():
+        return None
+    return str(role), content
+
+
+class MessageIndex:
+    """The searchable messages of one scope, caught up from its source at each search."""
+
+    def __init__(self, source: MessageSource | None = None) -> None:
+        self._source = source
+        self._lock = threading.RLock()
+        self._index = SearchIndex()
+        # Per document id: (session handle, position in the session, StoredMessage).
+        self._docs: dict[int, tuple[str, int, StoredMessage]] = {}
+        # Per session handle: its mark, and its document ids in session order.
+        self._marks: dict[str, SessionMark] = {}
+        self._order: dict[str, list[int]] = {}
+        self._forgotten: set[str] | None = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            self.sync()
+            return len(self._index)
+
+    def memory_bytes(self) -> int:
+        """An estimate of the memory held (the text index plus ~150 bytes a message)."""
+        return self._index.memory_bytes() + 150 * len(self._docs)
+
+    # -- writing -----------------------------------------------------------------
+
+    def add(self, handle: str, messages: Iterable[StoredMessage]) -> None:
+        """Index messages of session `handle` in order (a source-less index, or a test)."""
+        with self._lock:
+            self._add(handle, messages)
+
+    def _add(self, handle: str, messages: Iterable[StoredMessage]) -> None:
+        forgotten = self._tombstones()
+        order = self._order.setdefault(handle, [])
+        for message in messages:
+            if message.entry_id in forgotten:
+                continue
+            doc = self._index.add(message.text, timestamp=message.timestamp)
+            self._docs[doc] = (handle, len(order), message)
+            order.append(doc)
+
+    def _drop_session(self, handle: str) -> None:
+        for doc in self._order.pop(handle, []):
+            if self._docs.pop(doc, None) is not None:
+                self._index.remove(doc)
+        self._marks.pop(handle, None)
+
+    def sync(self) -> None:
+        """Catch up with the source: new sessions and appended messages in, deleted
+        sessions out, rewritten ones read again."""
+        if self._source is None:
+            return
+        with self._lock:
+            now = self._source.sessions()
+            for handle in [h for h in self._marks if h not in now]:
+                self._drop_session(handle)
+            for handle, mark in now.items():
+                known = self._marks.get(handle)
+                if known is not None and mark.mark == known.mark:
+                    continue
+                if known is not None and mark.mark < known.mark:
+                    self._drop_session(handle)
+                    known = None
+                start = known.mark if known is not None else 0
+                messages, end = self._source.read(handle, start)
+                self._add(handle, messages)
+                self._marks[handle] = SessionMark(mark.session_key, mark.session_id, end)
+
+    def forget_entries(self, entry_ids: Iterable[str]) -> int:
+        """Forget messages by entry id: out of the index now and skipped by every later
+        read. How many indexed messages went."""
+        wanted = set(entry_ids)
+        if not wanted:
+            return 0
+        with self._lock:
+            if self._source is not None:
+                self._source.forget(wanted)
+            self._tombstones().update(wanted)
+            gone = [doc for doc, (_, _, m) in self._docs.items() if m.entry_id in wanted]
+            for doc in gone:
+                self._forget_doc(doc)
+            return len(gone)
+
+    def forget_matching(self, text: str) -> int:
+        """Forget every message that says `text` (all of its search words, e.g. a fact
+        being forgotten); how many went."""
+        from gateway.memory.text import tokenize
+
+        words = set(tokenize(text))
+        if not words:
+            return 0
+        with self._lock:
+            self.sync()
+            hits = self._index.search(text, max(len(self._index), 1))
+            pairs = []
+            for hit in hits:
+                if words <= set(tokenize(hit.text)):
+                    pairs.append(self._docs[hit.doc_id][2].entry_id)
+            return self.forget_entries(pairs)
+
+    def _forget_doc(self, doc: int) -> None:
+        entry = self._docs.pop(doc, None)
+        if entry is None:
+            return
+        self._index.remove(doc)
+
+    def _tombstones(self) -> set[str]:
+        if self._forgotten is None:
+            self._forgotten = self._source.forgotten() if self._source is not None else set()
+        return self._forgotten
+
+    # -- reading -----------------------------------------------------------------
+
+    def search(
+        self,
+        query: str,
+        max_results: int = 8,
+        *,
+        exclude: Iterable[str] = (),
+        decay_rate: float = 0.0,
+        context: bool = True,
+    ) -> list[MessageHit]:
+        """The best `max_results` messages for `query`, best first; entry ids in
+        `exclude` (e.g. those already in the context window) are skipped."""
+        skip = set(exclude)
+        with self._lock:
+            self.sync()
+            want = max_results + len(skip)
+            hits = self._index.search(query, want, decay_rate=decay_rate)
+            out: list[MessageHit] = []
+            for hit in hits:
+                handle, pos, m = self._docs[hit.doc_id]
+                if m.entry_id in skip:
+                    continue
+                before = after = ""
+                if context:
+                    before = self._neighbour(handle, pos - 1)
+                    after = self._neighbour(handle, pos + 1)
+                out.append(
+                    MessageHit(
+                        m.session_key,
+                        m.session_id,
+                        m.entry_id,
+                        m.timestamp,
+                        m.role,
+                        m.text,
+                        hit.score,
+                        before,
+                        after,
+                    )
+                )
+                if len(out) >= max_results:
+                    break
+            return out
+
+    def _neighbour(self, handle: str, pos: int) -> str:
+        order = self._order.get(handle, [])
+        if not 0 <= pos < len(order):
+            return ""
+        entry = self._docs.get(order[pos])
+        if entry is None:
+            return ""
+        return f"{entry[2].role}: {_clip(entry[2].text)}"
+
+
+# -- the file mode's source ------------------------------------------------------------
+
+
+class FileMessageSource:
+    """The session files of one scope: each key's current file and its archived ones.
+
+    `keys()` says which session keys belong to the scope (one for a per-conversation
+    scope; for the workspace or a person, every key the store maps there). Tombstones
+    are one line per forgotten message's entry id in `<scope dir>/messages.forgotten`.
+    """
+
+    def __init__(
+        self,
+        sessions_dir: Path,
+        scope_dir: Path,
+        keys: Callable[[], Iterable[str]],
+    ) -> None:
+        self.sessions_dir = Path(sessions_dir)
+        self.scope_dir = Path(scope_dir)
+        self._keys = keys
+
+    def _files(self) -> dict[str, tuple[str, Path]]:
+        from gateway.sessions.keys import SUFFIX, encode_key
+        from gateway.sessions.store import ARCHIVE_DIR
+
+        files: dict[str, tuple[str, Path]] = {}
+        for key in self._keys():
+            name = encode_key(key)
+            current = self.sessions_dir / f"{name}{SUFFIX}"
+            files[str(current)] = (key, current)
+            try:
+                with os.scandir(self.sessions_dir / ARCHIVE_DIR / name) as it:
+                    for item in it:
+                        if SUFFIX in item.name:
+                            files[item.path] = (key, Path(item.path))
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return files
+
+    def sessions(self) -> dict[str, SessionMark]:
+        out: dict[str, SessionMark] = {}
+        for handle, (key, path) in self._files().items():
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                continue
+            out[handle] = SessionMark(key, "", size)
+        return out
+
+    def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
+        try:
+            with open(handle, "rb") as f:
+                head = f.readline()
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            return [], start
+        try:
+            header = json.loads(head)
+            session_id, key = str(header["id"]), str(header["key"])
+        except (ValueError, KeyError, TypeError):
+            return [], start  # a damaged header: the session store reports it
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            return [], start  # only a torn line so far: read it when it is whole
+        out: list[StoredMessage] = []
+        for line in data[: cut + 1].splitlines():
+            if b'"message"' not in line:
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(entry, dict) or entry.get("type") != "message":
+                continue
+            found = message_text(entry.get("message"))
+            ts = entry.get("timestamp")
+            if found is None or not isinstance(ts, int | float):
+                continue
+            out.append(StoredMessage(key, session_id, str(entry.get("id")), float(ts), *found))
+        return out, start + cut + 1
+
+    def forgotten(self) -> set[str]:
+        try:
+            text = (self.scope_dir / FORGOTTEN_FILE).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return set()
+        return {line.strip() for line in text.splitlines() if line.strip()}
+
+    def forget(self, entry_ids: Iterable[str]) -> None:
+        from gateway.fsutil import append_text, ensure_private_dir
+
+        lines = "".join(f"{one_line(e)}\n" for e in sorted(entry_ids) if one_line(e))
+        if lines:
+            ensure_private_dir(self.scope_dir)
+            append_text(self.scope_dir / FORGOTTEN_FILE, lines, fsync=True)
