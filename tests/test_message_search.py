@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from gateway.agent.memory_tools import memory_tools
+from gateway.agent.memory_tools import blend_recall, memory_texts, memory_tools
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.llm import LLMMessage, ToolCall
 from gateway.memory import MemoryStore
@@ -193,3 +193,37 @@ def test_the_conversation_search_tool_answers_from_the_callers_scope(
     answer = anyio.run(ask, ALICE)
     assert "38" in answer and "12" not in answer
     assert "user" in answer and ALICE in answer
+
+
+# -- automatic recall: the per-turn memory block -----------------------------------------
+
+
+def test_blend_recall_ranks_layers_together_each_line_once() -> None:
+    facts = ["f1", "f2", "f3"]
+    history = ["h1"]
+    messages = ["m1", "f2", "m2"]
+    blended = blend_recall([facts, history, messages])
+    # A line two layers found adds up and leads; then the firsts of every layer (ties:
+    # the earlier layer), then the rest, each line once.
+    assert blended == ["f2", "f1", "h1", "m1", "f3", "m2"]
+
+
+def test_the_memory_block_blends_facts_history_and_messages_not_in_the_window(
+    sessions: SessionManager, store: MemoryBackend
+) -> None:
+    old = say(sessions, ALICE, "we adopted a greyhound named Comet", "what a lovely dog")
+    recent = say(sessions, ALICE, "Comet chewed my greyhound-shaped slipper", "oh no")
+    memory = store.for_session(ALICE)
+    memory.record_consolidation(
+        [NewFact("learned_fact", "has a greyhound")], "Talked about the new greyhound"
+    )
+    block = memory_texts(store, ALICE, "greyhound Comet", exclude=[recent])[0].splitlines()
+    assert "[learned_fact] has a greyhound" in block
+    assert any(
+        line.startswith("[summary of an earlier conversation, ") and "new greyhound" in line
+        for line in block
+    )
+    said = [line for line in block if line.startswith("[earlier message, ")]
+    assert len(said) == 1 and "user in telegram:1] we adopted a greyhound named Comet" in said[0]
+    assert " UTC, " in said[0]
+    assert old not in block  # entry ids are not shown to the model

@@ -11,7 +11,7 @@ memory, never from part of it. Blocking file work runs in a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -109,19 +109,60 @@ def memory_texts(
     limit: int = 8,
     export_chars: int = 2000,
     wait: float | None = None,
+    exclude: Iterable[str] = (),
 ) -> Found:
     """What `fit_context` takes as `memory_texts` for a turn: the memory relevant to
-    `query`, then the knowledge base's export (`fit_context` drops repeated lines and
-    cuts the block to its share), and whether the search covered all the facts (it
-    waits at most `wait` seconds for an index being built). Scoped by `session_key`.
-    Blocking: worker thread. A conversation without memory yet costs one stat: reading
-    creates nothing."""
+    `query` (facts and knowledge, history summaries and past messages, blended by
+    `blend_recall`), then the knowledge base's export (`fit_context` drops repeated lines
+    and cuts the block to its share, in this order), and whether the search covered all
+    the facts (it waits at most `wait` seconds for an index being built). Messages whose
+    entry ids are in `exclude` (those already in the context) are left out. Scoped by
+    `session_key`. Blocking: worker thread. A conversation without memory yet costs one
+    stat: reading creates nothing."""
     if not store.exists(session_key):
         return Found()
     manager = store.for_session(session_key)
-    relevant = relevant_memory(manager, query, limit=limit, wait=wait) if query.strip() else Found()
-    texts = ["\n".join(relevant), manager.knowledge.export_for_context(export_chars)]
+    if not query.strip():
+        return Found(["", manager.knowledge.export_for_context(export_chars)])
+    relevant = relevant_memory(manager, query, limit=limit, wait=wait)
+    history = [
+        _history_line(line) for line in manager.search_history(query, max_results=limit, wait=wait)
+    ]
+    messages = [
+        f"[earlier message, {hit.when} UTC, {hit.role} in {hit.session_key}] {one_line(hit.text)}"
+        for hit in manager.search_messages(query, max_results=limit, exclude=exclude)
+    ]
+    lines = blend_recall([list(relevant), history, messages])
+    texts = ["\n".join(lines), manager.knowledge.export_for_context(export_chars)]
     return Found(texts, complete=relevant.complete)
+
+
+#: Reciprocal rank fusion's constant (Cormack et al. 2009 use 60): ranks far down a list
+#: still count, so one layer's fifth line can beat another's tenth.
+RRF_K = 60
+
+
+def blend_recall(layers: Sequence[Sequence[str]], *, k: int = RRF_K) -> list[str]:
+    """Lines of several ranked lists (facts, history, messages) as one ranking, by
+    reciprocal rank fusion: each line scores `1 / (k + rank)` in its list, a line in
+    several lists adds up; ties go to the earlier list. Each line once, best first.
+
+    Scores of different indexes are not comparable; ranks are, so no layer's scale
+    can crowd out the others (a pure policy: `fit_context` then cuts to the share)."""
+    scores: dict[str, float] = {}
+    first: dict[str, tuple[int, int]] = {}
+    for which, lines in enumerate(layers):
+        for rank, line in enumerate(lines):
+            if not line:
+                continue
+            scores[line] = scores.get(line, 0.0) + 1.0 / (k + rank + 1)
+            first.setdefault(line, (rank, which))
+    return sorted(scores, key=lambda line: (-scores[line], first[line]))
+
+
+def _history_line(line: str) -> str:
+    """A history line as the memory block shows it: where it is from, then when."""
+    return f"[summary of an earlier conversation, {line[1:]}" if line.startswith("[") else line
 
 
 # -- seeing, correcting and forgetting facts (commands and tools alike) ------------------
