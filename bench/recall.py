@@ -14,8 +14,12 @@ What is judged, per layer, each searched with the question as the query:
 - messages: every turn as one message (`Speaker: text`, an image's caption appended),
   as the message index holds them. A message hits when it is an evidence turn.
 - sessions: the sessions ranked by history search over their summaries (one HISTORY.md
-  line each, stamped with the session's time). A session hits when an evidence turn is
+  line each, stamped with the session's time; "ours"), and by their best messages
+  (`MessageIndex.rank_sessions`; "ours-msgs"). A session hits when an evidence turn is
   in it; `all@k` is whether every evidence session is in the top k.
+- recall: the per-turn memory block (`recall_lines`: facts, summaries and messages
+  blended, 8 from each layer); a line hits when it is a fact citing an evidence turn
+  or an evidence message (summaries stand for no turn).
 
 Each layer is searched by ours, by `rank_bm25` (BM25Okapi over lowercase words, the
 usual baseline) and by plain dense retrieval (wordllama's static embeddings, cosine),
@@ -50,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loguru import logger
 
-from gateway.agent.memory_tools import relevant_memory
+from gateway.agent.memory_tools import recall_lines, relevant_memory
 from gateway.memory import MemoryManager
 from gateway.memory.format import parse_fact
-from gateway.memory.index import SearchIndex
+from gateway.memory.messages import MessageIndex, StoredMessage
 from gateway.memory.text import normalize_text
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
@@ -152,32 +156,105 @@ class Retriever:
         raise NotImplementedError
 
 
-class OursIndex(Retriever):
-    """Our SearchIndex over plain documents (the message layer)."""
+def stored_messages(turns: Sequence[Turn]) -> dict[str, list[StoredMessage]]:
+    """The turns as the message index reads them from sessions, per session."""
+    sessions: dict[str, list[StoredMessage]] = {}
+    for i, t in enumerate(turns):
+        sid = f"S{t.session}"
+        message = StoredMessage("locomo", sid, str(i), t.when.timestamp(), t.speaker, message_of(t))
+        sessions.setdefault(sid, []).append(message)
+    return sessions
+
+
+def message_of(turn: Turn) -> str:
+    return f"{turn.speaker}: {turn.text}"
+
+
+class OursMessages(Retriever):
+    """The message index (`gateway.memory.messages`), as `conversation_search` uses it."""
 
     name = "ours"
 
-    def __init__(self, docs: Sequence[str]) -> None:
-        self.index = SearchIndex()
-        self.index.add_many((d, None, None) for d in docs)
+    def __init__(self, turns: Sequence[Turn]) -> None:
+        self.index = MessageIndex()
+        for sid, messages in stored_messages(turns).items():
+            self.index.add(sid, messages)
         self.memory = self.index.memory_bytes()
 
     def search(self, query: str, k: int) -> list[int]:
-        return [hit.doc_id for hit in self.index.search(query, k)]
+        return [int(hit.entry_id) for hit in self.index.search(query, k, context=False)]
 
 
-class OursFacts(Retriever):
-    """The agent's per-turn recall over MEMORY.md facts (`relevant_memory`)."""
+class OursSessionsByMessages(Retriever):
+    """Sessions ranked by their best messages (`MessageIndex.rank_sessions`)."""
+
+    name = "ours-msgs"
+
+    def __init__(self, turns: Sequence[Turn], sessions: Sequence[int]) -> None:
+        self.messages = OursMessages(turns)
+        self.position = {f"S{s}": i for i, s in enumerate(sessions)}
+        self.memory = self.messages.memory
+
+    def search(self, query: str, k: int) -> list[int]:
+        ranked = self.messages.index.rank_sessions(query, k)
+        return [self.position[s] for s in ranked if s in self.position]
+
+
+class OursRecall(Retriever):
+    """The per-turn memory block's lines (`recall_lines`): facts, summaries and messages
+    blended; a result stands for the fact's turns or the message's turn."""
 
     name = "ours"
 
-    def __init__(self, root: Path, facts: Sequence[tuple[str, datetime]]) -> None:
-        self.manager = MemoryManager(root, "locomo")
+    def __init__(
+        self, root: Path, conv: Conversation, fact_rows: Sequence[tuple[str, datetime]]
+    ) -> None:
+        summaries = [(text, when) for _, text, when in conv.summaries]
+        self.facts = OursFacts(root, fact_rows, summaries)
+        self.manager = self.facts.manager
+        self.manager.messages = OursMessages(conv.turns).index
+        self.by_message = {message_of(t): i for i, t in enumerate(conv.turns)}
+        self.fact_count = len(fact_rows)
+        self.memory = self.facts.memory + self.manager.messages.memory_bytes()
+
+    def search(self, query: str, k: int) -> list[int]:
+        out: list[int] = []
+        for line in recall_lines(self.manager, query, limit=RECALL_LIMIT):
+            if line.startswith("[earlier message, "):
+                pos = self.by_message.get(line.split("] ", 1)[1])
+                if pos is not None:
+                    out.append(self.fact_count + pos)
+                continue
+            parsed = parse_fact(f"- {line}")
+            text = parsed.text if parsed is not None else line
+            fact = self.facts.positions.get(normalize_text(text))
+            if fact is not None:
+                out.append(fact)
+        return out
+
+
+class OursFacts(Retriever):
+    """The agent's per-turn recall over MEMORY.md facts (`relevant_memory`); with
+    `summaries`, HISTORY.md holds them too (for the blended recall)."""
+
+    name = "ours"
+
+    def __init__(
+        self,
+        root: Path,
+        facts: Sequence[tuple[str, datetime]],
+        summaries: Sequence[tuple[str, datetime]] = (),
+    ) -> None:
+        self.when = datetime.now(UTC)
+        self.manager = MemoryManager(root, "locomo", clock=lambda: self.when)
         by_day: dict[date, list[tuple[str, str]]] = {}
         for text, when in facts:
             by_day.setdefault(when.date(), []).append(("learned_fact", text))
         for day, items in sorted(by_day.items()):
             self.manager.append_facts(items, day=day)
+        for text, when in summaries:
+            self.when = when
+            self.manager.append_history(text)
         self.manager.load_indexes()
         self.positions: dict[str, int] = {}
         for i, (text, _) in enumerate(facts):
@@ -379,6 +456,7 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
         message_sets = [{t.dia_id} for t in conv.turns]
         summary_texts = [text for _, text, _ in conv.summaries]
         summary_sets = [{str(s)} for s, _, _ in conv.summaries]
+        recall_sets = fact_sets + message_sets
 
         def facts_evidence(q: Question) -> frozenset[str]:
             return q.evidence
@@ -401,7 +479,7 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                 (
                     "messages",
                     {
-                        "ours": partial(OursIndex, messages),
+                        "ours": partial(OursMessages, conv.turns),
                         "rank_bm25": partial(RankBM25, messages),
                         "dense": partial(Dense, messages),
                     },
@@ -414,16 +492,27 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                         "ours": partial(
                             OursHistory, Path(tmp) / "h", [(t, w) for _, t, w in conv.summaries]
                         ),
+                        "ours-msgs": partial(
+                            OursSessionsByMessages, conv.turns, [s for s, _, _ in conv.summaries]
+                        ),
                         "rank_bm25": partial(RankBM25, summary_texts),
                         "dense": partial(Dense, summary_texts),
                     },
                     summary_sets,
                     session_evidence,
                 ),
+                (
+                    "recall",
+                    {"ours": partial(OursRecall, Path(tmp) / "r", conv, fact_rows)},
+                    recall_sets,
+                    facts_evidence,
+                ),
             ]
             for layer, makers, sets, evidence_of in layers:
-                for system in systems:
-                    retriever = makers[system]()
+                for system, make in makers.items():
+                    if system.split("-")[0] not in systems:
+                        continue
+                    retriever = make()
                     judge(
                         run_of(layer, system),
                         conv,

@@ -122,8 +122,25 @@ def memory_texts(
     if not store.exists(session_key):
         return Found()
     manager = store.for_session(session_key)
+    lines = recall_lines(manager, query, limit=limit, wait=wait, exclude=exclude)
+    texts = ["\n".join(lines), manager.knowledge.export_for_context(export_chars)]
+    return Found(texts, complete=lines.complete)
+
+
+def recall_lines(
+    manager: MemoryScope,
+    query: str,
+    *,
+    limit: int = 8,
+    wait: float | None = None,
+    exclude: Iterable[str] = (),
+) -> Found:
+    """The memory relevant to `query`, one ranking: facts and knowledge
+    (`relevant_memory`), history summaries and past messages not in `exclude`, each
+    layer's best `limit` blended by `blend_recall`. Each line says what it is: a fact
+    its `[category]`, a summary and a message where and when they are from. Blocking."""
     if not query.strip():
-        return Found(["", manager.knowledge.export_for_context(export_chars)])
+        return Found()
     relevant = relevant_memory(manager, query, limit=limit, wait=wait)
     history = [
         _history_line(line) for line in manager.search_history(query, max_results=limit, wait=wait)
@@ -132,9 +149,7 @@ def memory_texts(
         f"[earlier message, {hit.when} UTC, {hit.role} in {hit.session_key}] {one_line(hit.text)}"
         for hit in manager.search_messages(query, max_results=limit, exclude=exclude)
     ]
-    lines = blend_recall([list(relevant), history, messages])
-    texts = ["\n".join(lines), manager.knowledge.export_for_context(export_chars)]
-    return Found(texts, complete=relevant.complete)
+    return Found(blend_recall([list(relevant), history, messages]), complete=relevant.complete)
 
 
 #: Reciprocal rank fusion's constant (Cormack et al. 2009 use 60): ranks far down a list

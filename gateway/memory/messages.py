@@ -125,6 +125,22 @@ def _clip(text: str, limit: int = CONTEXT_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def searchable_text(message: StoredMessage, previous: str) -> str:
+    """What a message is indexed under: its text, the message before it in its session,
+    and its date.
+
+    An answer often names only half of what a question asks ("Which pet?" / "Max, my
+    new puppy!"): the message it answers holds the rest. Measured on LoCoMo's development
+    half (bench/recall.py), an evidence message is in the top 8 for 64% of questions
+    without its predecessor's words and for 74% with them; with its date too (questions
+    say "in October 2023"), 76%. Only the message's own text is shown and matched when
+    forgetting."""
+    day = datetime.fromtimestamp(message.timestamp, UTC).strftime("%d %B %Y")
+    # The own words twice: a reply that only shares its question's words ranks below it.
+    own = f"{message.text}\n{message.text}"
+    return f"{own}\n{previous}\n{day}" if previous else f"{own}\n{day}"
+
+
 def message_text(raw: object) -> tuple[str, str] | None:
     """(role, text) of a stored message entry's `message` object, or None when it is not
     a user or assistant message with text."""
@@ -174,12 +190,14 @@ class MessageIndex:
     def _add(self, handle: str, messages: Iterable[StoredMessage]) -> None:
         forgotten = self._tombstones()
         order = self._order.setdefault(handle, [])
+        previous = self._docs[order[-1]][2].text if order else ""
         for message in messages:
             if message.entry_id in forgotten:
                 continue
-            doc = self._index.add(message.text, timestamp=message.timestamp)
+            doc = self._index.add(searchable_text(message, previous), timestamp=message.timestamp)
             self._docs[doc] = (handle, len(order), message)
             order.append(doc)
+            previous = message.text
 
     def _drop_session(self, handle: str) -> None:
         for doc in self._order.pop(handle, []):
@@ -236,7 +254,7 @@ class MessageIndex:
             hits = self._index.search(text, max(len(self._index), 1))
             pairs = []
             for hit in hits:
-                if words <= set(tokenize(hit.text)):
+                if words <= set(tokenize(self._docs[hit.doc_id][2].text)):
                     pairs.append(self._docs[hit.doc_id][2].entry_id)
             return self.forget_entries(pairs)
 
@@ -294,6 +312,22 @@ class MessageIndex:
                 if len(out) >= max_results:
                     break
             return out
+
+    def rank_sessions(self, query: str, max_sessions: int = 10, *, depth: int = 50) -> list[str]:
+        """Session ids by their best message for `query`, best first (the sessions of the
+        top `depth` messages, in the order their first message comes). Measured on
+        LoCoMo (bench/recall.py) this ranks a question's sessions better than searching
+        the sessions' summaries."""
+        with self._lock:
+            self.sync()
+            found: list[str] = []
+            for hit in self._index.search(query, depth):
+                session_id = self._docs[hit.doc_id][2].session_id
+                if session_id not in found:
+                    found.append(session_id)
+                    if len(found) >= max_sessions:
+                        break
+            return found
 
     def _neighbour(self, handle: str, pos: int) -> str:
         order = self._order.get(handle, [])
