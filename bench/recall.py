@@ -56,8 +56,9 @@ from loguru import logger
 
 from gateway.agent.memory_tools import recall_lines, relevant_memory
 from gateway.memory import MemoryManager
+from gateway.memory.dense import DenseIndex, StaticEmbedder
 from gateway.memory.format import parse_fact
-from gateway.memory.messages import MessageIndex, StoredMessage
+from gateway.memory.messages import DENSE_WEIGHT, MessageIndex, StoredMessage
 from gateway.memory.text import normalize_text
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
@@ -183,6 +184,21 @@ class OursMessages(Retriever):
 
     def search(self, query: str, k: int) -> list[int]:
         return [int(hit.entry_id) for hit in self.index.search(query, k, context=False)]
+
+
+class OursHybrid(OursMessages):
+    """The message index with dense ranks fused in (`gateway.memory.dense`)."""
+
+    name = "ours+dense"
+    _embedder: StaticEmbedder | None = None
+
+    def __init__(self, turns: Sequence[Turn], weight: float = DENSE_WEIGHT) -> None:
+        if OursHybrid._embedder is None:
+            OursHybrid._embedder = StaticEmbedder()
+        self.index = MessageIndex(dense=DenseIndex(OursHybrid._embedder), dense_weight=weight)
+        for sid, messages in stored_messages(turns).items():
+            self.index.add(sid, messages)
+        self.memory = self.index.memory_bytes()
 
 
 class OursSessionsByMessages(Retriever):
@@ -480,6 +496,8 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                     "messages",
                     {
                         "ours": partial(OursMessages, conv.turns),
+                        "ours+dense": partial(OursHybrid, conv.turns),
+                        "ours+dense1": partial(OursHybrid, conv.turns, 1.0),
                         "rank_bm25": partial(RankBM25, messages),
                         "dense": partial(Dense, messages),
                     },
@@ -510,7 +528,7 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
             ]
             for layer, makers, sets, evidence_of in layers:
                 for system, make in makers.items():
-                    if system.split("-")[0] not in systems:
+                    if re.split(r"[-+]", system)[0] not in systems:
                         continue
                     retriever = make()
                     judge(

@@ -229,3 +229,22 @@ def test_the_memory_block_blends_facts_history_and_messages_not_in_the_window(
     assert " UTC, " in said[0]
     assert not any("Comet chewed" in line for line in said)  # in the window already
     assert old not in block  # entry ids are not shown to the model
+
+
+# -- dense similarity fused with BM25 ----------------------------------------------------
+
+
+def test_dense_ranks_find_a_paraphrase_and_never_a_forgotten_message() -> None:
+    pytest.importorskip("wordllama")
+    from gateway.memory.dense import DenseIndex, StaticEmbedder
+    from gateway.memory.messages import MessageIndex, StoredMessage
+
+    texts = ["my puppy Max chewed the sofa", "the quarterly report is late", "rain again"]
+    index = MessageIndex(dense=DenseIndex(StaticEmbedder()), dense_weight=1.0)
+    index.add(
+        "s", [StoredMessage("k", "s", f"e{i}", 1e9 + i, "user", t) for i, t in enumerate(texts)]
+    )
+    # No word in common with the query: only the dense ranks can find it.
+    assert index.search("dog", 1)[0].text == "my puppy Max chewed the sofa"
+    index.forget_entries(["e0"])
+    assert "my puppy Max chewed the sofa" not in [h.text for h in index.search("dog", 3)]

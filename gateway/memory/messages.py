@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
+from gateway.memory.dense import DenseIndex
 from gateway.memory.index import SearchIndex
 from gateway.memory.text import one_line
 
@@ -45,6 +46,12 @@ INDEXED_ROLES = frozenset({"user", "assistant"})
 # Context shown around a hit, per neighbour, in characters.
 CONTEXT_CHARS = 160
 FORGOTTEN_FILE = "messages.forgotten"
+# Reciprocal rank fusion of BM25 and dense ranks: the usual constant, and how deep each
+# ranking is read.
+FUSION_K = 60
+FUSION_DEPTH = 50
+#: The dense ranks' weight against BM25's 1 when a dense index is given (bench/recall.py).
+DENSE_WEIGHT = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +167,20 @@ def message_text(raw: object) -> tuple[str, str] | None:
 class MessageIndex:
     """The searchable messages of one scope, caught up from its source at each search."""
 
-    def __init__(self, source: MessageSource | None = None) -> None:
+    def __init__(
+        self,
+        source: MessageSource | None = None,
+        *,
+        dense: DenseIndex | None = None,
+        dense_weight: float = DENSE_WEIGHT,
+    ) -> None:
+        """`dense`: static-embedding similarity fused with BM25 by reciprocal rank
+        fusion, its ranks weighted `dense_weight` against BM25's 1 (module doc)."""
         self._source = source
         self._lock = threading.RLock()
         self._index = SearchIndex()
+        self._dense = dense
+        self.dense_weight = dense_weight
         # Per document id: (session handle, position in the session, StoredMessage).
         self._docs: dict[int, tuple[str, int, StoredMessage]] = {}
         # Per session handle: its mark, and its document ids in session order.
@@ -178,7 +195,8 @@ class MessageIndex:
 
     def memory_bytes(self) -> int:
         """An estimate of the memory held (the text index plus ~150 bytes a message)."""
-        return self._index.memory_bytes() + 150 * len(self._docs)
+        dense = self._dense.memory_bytes() if self._dense is not None else 0
+        return self._index.memory_bytes() + 150 * len(self._docs) + dense
 
     # -- writing -----------------------------------------------------------------
 
@@ -191,18 +209,24 @@ class MessageIndex:
         forgotten = self._tombstones()
         order = self._order.setdefault(handle, [])
         previous = self._docs[order[-1]][2].text if order else ""
+        added: list[int] = []
+        texts: list[str] = []
         for message in messages:
             if message.entry_id in forgotten:
                 continue
-            doc = self._index.add(searchable_text(message, previous), timestamp=message.timestamp)
+            text = searchable_text(message, previous)
+            doc = self._index.add(text, timestamp=message.timestamp)
             self._docs[doc] = (handle, len(order), message)
             order.append(doc)
             previous = message.text
+            added.append(doc)
+            texts.append(text)
+        if self._dense is not None:
+            self._dense.add(added, texts)
 
     def _drop_session(self, handle: str) -> None:
         for doc in self._order.pop(handle, []):
-            if self._docs.pop(doc, None) is not None:
-                self._index.remove(doc)
+            self._forget_doc(doc)
         self._marks.pop(handle, None)
 
     def sync(self) -> None:
@@ -263,6 +287,8 @@ class MessageIndex:
         if entry is None:
             return
         self._index.remove(doc)
+        if self._dense is not None:
+            self._dense.remove(doc)
 
     def _tombstones(self) -> set[str]:
         if self._forgotten is None:
@@ -286,10 +312,10 @@ class MessageIndex:
         with self._lock:
             self.sync()
             want = max_results + len(skip)
-            hits = self._index.search(query, want, decay_rate=decay_rate)
+            ranked = self._ranked(query, want, decay_rate)
             out: list[MessageHit] = []
-            for hit in hits:
-                handle, pos, m = self._docs[hit.doc_id]
+            for doc, score in ranked:
+                handle, pos, m = self._docs[doc]
                 if m.entry_id in skip:
                     continue
                 before = after = ""
@@ -304,7 +330,7 @@ class MessageIndex:
                         m.timestamp,
                         m.role,
                         m.text,
-                        hit.score,
+                        score,
                         before,
                         after,
                     )
@@ -312,6 +338,22 @@ class MessageIndex:
                 if len(out) >= max_results:
                     break
             return out
+
+    def _ranked(self, query: str, want: int, decay_rate: float) -> list[tuple[int, float]]:
+        """(document, score) best first: BM25's, or fused with the dense ranks."""
+        if self._dense is None or self.dense_weight <= 0:
+            return [
+                (h.doc_id, h.score) for h in self._index.search(query, want, decay_rate=decay_rate)
+            ]
+        depth = max(FUSION_DEPTH, want)
+        keyword = [h.doc_id for h in self._index.search(query, depth, decay_rate=decay_rate)]
+        dense = self._dense.search(query, depth)
+        fused: dict[int, float] = {}
+        for weight, docs in ((1.0, keyword), (self.dense_weight, dense)):
+            for rank, doc in enumerate(docs):
+                fused[doc] = fused.get(doc, 0.0) + weight / (FUSION_K + rank + 1)
+        best = sorted(fused.items(), key=lambda item: (-item[1], -item[0]))
+        return [(doc, score) for doc, score in best[:want] if doc in self._docs]
 
     def rank_sessions(self, query: str, max_sessions: int = 10, *, depth: int = 50) -> list[str]:
         """Session ids by their best message for `query`, best first (the sessions of the
@@ -321,8 +363,8 @@ class MessageIndex:
         with self._lock:
             self.sync()
             found: list[str] = []
-            for hit in self._index.search(query, depth):
-                session_id = self._docs[hit.doc_id][2].session_id
+            for doc, _ in self._ranked(query, depth, 0.0):
+                session_id = self._docs[doc][2].session_id
                 if session_id not in found:
                     found.append(session_id)
                     if len(found) >= max_sessions:
