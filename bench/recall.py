@@ -56,7 +56,7 @@ from loguru import logger
 
 from gateway.agent.memory_tools import recall_lines, relevant_memory
 from gateway.memory import MemoryManager
-from gateway.memory.dense import DenseIndex, StaticEmbedder
+from gateway.memory.dense import DenseIndex, StaticEmbedder, dense_available
 from gateway.memory.format import parse_fact
 from gateway.memory.messages import DENSE_WEIGHT, MessageIndex, StoredMessage
 from gateway.memory.text import normalize_text
@@ -607,11 +607,98 @@ def print_table(rows: list[Result], extra: dict[str, float]) -> None:
         print(f"{key}: {value}")
 
 
+@dataclass(slots=True)
+class ScaleRow:
+    engine: str
+    messages: int
+    build_s: float
+    memory_mb: float
+    p50_us: float
+    p99_us: float
+
+
+def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list[ScaleRow]:
+    """Latency at `size` messages (the LoCoMo turns repeated as further sessions): the
+    message index's BM25, the dense part alone, and both fused."""
+    turns = [t for conv in convs for t in conv.turns]
+    questions = [q.text for conv in convs for q in conv.questions][:queries]
+    batches: list[tuple[str, list[StoredMessage]]] = []
+    count = 0
+    copy = 0
+    while count < size:
+        for conv in convs:
+            for sid, messages in stored_messages(conv.turns).items():
+                take = messages[: size - count]
+                batches.append((f"{copy}-{conv.name}-{sid}", take))
+                count += len(take)
+                if count >= size:
+                    break
+            if count >= size:
+                break
+        copy += 1
+    del turns
+    rows: list[ScaleRow] = []
+    engines: list[tuple[str, Callable[[], MessageIndex]]] = [("bm25", MessageIndex)]
+    if dense_available():
+        embedder = StaticEmbedder()
+        engines.append(
+            ("bm25+dense", lambda: MessageIndex(dense=DenseIndex(embedder), dense_weight=1.0))
+        )
+    for name, make in engines:
+        start = time.perf_counter()
+        index = make()
+        for handle, messages in batches:
+            index.add(handle, messages)
+        index.search("warm up", 1)
+        build = time.perf_counter() - start
+        lat: list[float] = []
+        for question in questions:
+            t0 = time.perf_counter()
+            index.search(question, RECALL_LIMIT, context=False)
+            lat.append(time.perf_counter() - t0)
+        lat.sort()
+        rows.append(
+            ScaleRow(
+                name,
+                count,
+                round(build, 1),
+                round(index.memory_bytes() / 2**20, 1),
+                round(1e6 * lat[len(lat) // 2], 1),
+                round(1e6 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
+            )
+        )
+        dense = index._dense  # the dense part alone, as fusing adds it to a search
+        if dense is not None:
+            lat = []
+            for question in questions:
+                t0 = time.perf_counter()
+                dense.search(question, 50)
+                lat.append(time.perf_counter() - t0)
+            lat.sort()
+            rows.append(
+                ScaleRow(
+                    "dense part",
+                    count,
+                    0.0,
+                    round(dense.memory_bytes() / 2**20, 1),
+                    round(1e6 * lat[len(lat) // 2], 1),
+                    round(1e6 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
+                )
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--quick", action="store_true", help="two conversations only")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        default=100_000,
+        help="also time the message index at this many messages (0: skip; --quick skips)",
+    )
     parser.add_argument(
         "--systems",
         default="ours,rank_bm25,dense",
@@ -628,10 +715,25 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     runs, extra = evaluate(convs, systems)
     rows = results(runs)
+    scale = [] if args.quick or args.scale <= 0 else scale_rows(convs, args.scale)
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows], **extra}, indent=1))
-    else:
-        print_table(rows, extra)
+        print(
+            json.dumps(
+                {"rows": [asdict(r) for r in rows], "scale": [asdict(r) for r in scale], **extra},
+                indent=1,
+            )
+        )
+        return 0
+    print_table(rows, extra)
+    if scale:
+        print()
+        head = f"{'engine':12} {'messages':>9} {'build s':>8} {'mem MB':>7} {'p50 us':>8}"
+        print(f"{head} {'p99 us':>8}")
+        for r in scale:
+            print(
+                f"{r.engine:12} {r.messages:9d} {r.build_s:8.1f} {r.memory_mb:7.1f}"
+                f" {r.p50_us:8.1f} {r.p99_us:8.1f}"
+            )
     return 0
 
 

@@ -209,18 +209,20 @@ class MessageIndex:
         forgotten = self._tombstones()
         order = self._order.setdefault(handle, [])
         previous = self._docs[order[-1]][2].text if order else ""
-        added: list[int] = []
+        kept: list[StoredMessage] = []
         texts: list[str] = []
         for message in messages:
             if message.entry_id in forgotten:
                 continue
-            text = searchable_text(message, previous)
-            doc = self._index.add(text, timestamp=message.timestamp)
+            kept.append(message)
+            texts.append(searchable_text(message, previous))
+            previous = message.text
+        added = self._index.add_many(
+            (text, None, m.timestamp) for text, m in zip(texts, kept, strict=True)
+        )
+        for doc, message in zip(added, kept, strict=True):
             self._docs[doc] = (handle, len(order), message)
             order.append(doc)
-            previous = message.text
-            added.append(doc)
-            texts.append(text)
         if self._dense is not None:
             self._dense.add(added, texts)
 
