@@ -323,14 +323,19 @@ class MemoryManager:
     # -- past messages -----------------------------------------------------------
 
     def search_messages(
-        self, query: str, max_results: int = 8, *, exclude: Iterable[str] = ()
+        self,
+        query: str,
+        max_results: int = 8,
+        *,
+        exclude: Iterable[str] = (),
+        context: bool = True,
     ) -> list[MessageHit]:
         """The scope's past user and assistant messages best matching `query`, each with
         its session, entry id, time, speaker and neighbours; entry ids in `exclude` (those
         in the context window) are skipped. [] when the scope's sessions are unknown."""
         if self.messages is None:
             return []
-        return self.messages.search(query, max_results, exclude=exclude)
+        return self.messages.search(query, max_results, exclude=exclude, context=context)
 
     # -- consolidation -----------------------------------------------------------
 

@@ -52,6 +52,8 @@ FUSION_K = 60
 FUSION_DEPTH = 50
 #: The dense ranks' weight against BM25's 1 when a dense index is given (bench/recall.py).
 DENSE_WEIGHT = 0.2
+# Unmerged messages past which a search first merges them into the index's segment.
+MERGE_AFTER = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +345,10 @@ class MessageIndex:
 
     def _ranked(self, query: str, want: int, decay_rate: float) -> list[tuple[int, float]]:
         """(document, score) best first: BM25's, or fused with the dense ranks."""
+        if self._index.unmerged >= MERGE_AFTER:
+            # Many messages arrived at once (a scope's first search): fold them into the
+            # index's segment, whose search prunes, instead of scanning them each time.
+            self._index.merge()
         if self._dense is None or self.dense_weight <= 0:
             return [
                 (h.doc_id, h.score) for h in self._index.search(query, want, decay_rate=decay_rate)

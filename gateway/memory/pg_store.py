@@ -389,13 +389,18 @@ class PostgresMemoryScope(_Scoped):
         self.messages = messages
 
     def search_messages(
-        self, query: str, max_results: int = 8, *, exclude: Iterable[str] = ()
+        self,
+        query: str,
+        max_results: int = 8,
+        *,
+        exclude: Iterable[str] = (),
+        context: bool = True,
     ) -> list[MessageHit]:
         """As the file mode's: this replica's index of the scope's messages, caught up
         from the session tables at each search."""
         if self.messages is None:
             return []
-        return self.messages.search(query, max_results, exclude=exclude)
+        return self.messages.search(query, max_results, exclude=exclude, context=context)
 
     @property
     def scope(self) -> str:

@@ -147,11 +147,16 @@ class MemoryScope(Protocol):
         ...
 
     def search_messages(
-        self, query: str, max_results: int = 8, *, exclude: Iterable[str] = ()
+        self,
+        query: str,
+        max_results: int = 8,
+        *,
+        exclude: Iterable[str] = (),
+        context: bool = True,
     ) -> list[MessageHit]:
         """Past user and assistant messages of every session of the scope, best first,
-        each with session, entry id, time, speaker and neighbours; entry ids in `exclude`
-        are skipped. Forgotten messages are never returned."""
+        each with session, entry id, time, speaker and (with `context`) neighbours; entry
+        ids in `exclude` are skipped. Forgotten messages are never returned."""
         ...
 
     def load_indexes(self, progress: IndexProgress | None = None) -> None:
