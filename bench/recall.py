@@ -688,6 +688,58 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
     return rows
 
 
+def postgres_rows(conv: Conversation, url: str) -> list[ScaleRow]:
+    """The message search of the PostgreSQL mode on one conversation: its sessions
+    written through the session API (one key, each session archived by a reset), then
+    searched through `PostgresMemoryStore` (a round trip per search to see what is new)."""
+    from bench.memory_pg import scratch_pool
+    from gateway.llm import LLMMessage
+    from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.sessions import SessionManager
+    from gateway.sessions.pg_store import PostgresSessions
+
+    key = f"locomo:{conv.name}"
+    rows: list[ScaleRow] = []
+    with scratch_pool(url) as pool:
+        sessions = SessionManager.shared(PostgresSessions(pool))
+        start = time.perf_counter()
+        current = -1
+        for turn in conv.turns:
+            if turn.session != current:
+                if current >= 0:
+                    sessions.reset(key)
+                current = turn.session
+            role = "user" if turn.speaker == conv.turns[0].speaker else "assistant"
+            sessions.get_or_create(key).add_message(LLMMessage(role, message_of(turn)))
+        written = time.perf_counter() - start
+        store = PostgresMemoryStore(pool)
+        memory = store.for_session(key)
+        start = time.perf_counter()
+        memory.search_messages("warm up", 1)
+        first = time.perf_counter() - start
+        lat: list[float] = []
+        for question in conv.questions:
+            t0 = time.perf_counter()
+            memory.search_messages(question.text, RECALL_LIMIT, context=False)
+            lat.append(time.perf_counter() - t0)
+        lat.sort()
+        index = memory.messages
+        size = index.memory_bytes() / 2**20 if index is not None else 0.0
+        rows.append(
+            ScaleRow(
+                "postgres",
+                len(conv.turns),
+                round(first, 2),
+                round(size, 1),
+                round(1e6 * lat[len(lat) // 2], 1),
+                round(1e6 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
+            )
+        )
+        sessions.close()
+        print(f"(postgres: {len(conv.turns)} messages written in {written:.1f} s)", file=sys.stderr)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -698,6 +750,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=100_000,
         help="also time the message index at this many messages (0: skip; --quick skips)",
+    )
+    parser.add_argument(
+        "--pg",
+        metavar="URL",
+        help="also time message search in the PostgreSQL mode (a scratch schema on URL)",
     )
     parser.add_argument(
         "--systems",
@@ -716,6 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     runs, extra = evaluate(convs, systems)
     rows = results(runs)
     scale = [] if args.quick or args.scale <= 0 else scale_rows(convs, args.scale)
+    if args.pg:
+        scale += postgres_rows(convs[0], args.pg)
     if args.json:
         print(
             json.dumps(
