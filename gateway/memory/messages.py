@@ -409,34 +409,54 @@ class FileMessageSource:
         self.sessions_dir = Path(sessions_dir)
         self.scope_dir = Path(scope_dir)
         self._keys = keys
+        # Per archive folder: its mtime when listed, and its sessions then.
+        self._archives: dict[str, tuple[int, dict[str, SessionMark]]] = {}
 
-    def _files(self) -> dict[str, tuple[str, Path]]:
+    def sessions(self) -> dict[str, SessionMark]:
+        """Each key's current file (one stat) and archived files: `/new` moves a session
+        into the key's archive folder and never changes it there, so the folder is
+        listed again only when its mtime says an entry came or went (one stat)."""
         from gateway.sessions.keys import SUFFIX, encode_key
         from gateway.sessions.store import ARCHIVE_DIR
 
-        files: dict[str, tuple[str, Path]] = {}
+        out: dict[str, SessionMark] = {}
         for key in self._keys():
             name = encode_key(key)
-            current = self.sessions_dir / f"{name}{SUFFIX}"
-            files[str(current)] = (key, current)
+            current = os.path.join(self.sessions_dir, f"{name}{SUFFIX}")
             try:
-                with os.scandir(self.sessions_dir / ARCHIVE_DIR / name) as it:
-                    for item in it:
-                        if SUFFIX in item.name:
-                            files[item.path] = (key, Path(item.path))
-            except (FileNotFoundError, NotADirectoryError):
-                pass
-        return files
-
-    def sessions(self) -> dict[str, SessionMark]:
-        out: dict[str, SessionMark] = {}
-        for handle, (key, path) in self._files().items():
-            try:
-                size = os.stat(path).st_size
+                out[current] = SessionMark(key, "", os.stat(current).st_size)
             except FileNotFoundError:
+                pass
+            folder = os.path.join(self.sessions_dir, ARCHIVE_DIR, name)
+            try:
+                stamp = os.stat(folder).st_mtime_ns
+            except (FileNotFoundError, NotADirectoryError):
+                self._archives.pop(folder, None)
                 continue
-            out[handle] = SessionMark(key, "", size)
+            known = self._archives.get(folder)
+            if known is None or known[0] != stamp:
+                known = (stamp, self._list_archive(key, folder))
+                self._archives[folder] = known
+            out.update(known[1])
         return out
+
+    @staticmethod
+    def _list_archive(key: str, folder: str) -> dict[str, SessionMark]:
+        from gateway.sessions.keys import SUFFIX
+
+        found: dict[str, SessionMark] = {}
+        try:
+            with os.scandir(folder) as it:
+                for item in it:
+                    if SUFFIX not in item.name:
+                        continue
+                    try:
+                        found[item.path] = SessionMark(key, "", item.stat().st_size)
+                    except FileNotFoundError:
+                        continue
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return found
 
     def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
         try:
