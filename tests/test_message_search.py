@@ -113,6 +113,18 @@ def test_messages_appended_after_a_search_are_found_by_the_next(
     assert memory.search_messages("kayak")[0].text == "I bought a red kayak"
 
 
+def test_a_session_archived_after_a_search_stays_searchable(
+    sessions: SessionManager, store: MemoryBackend
+) -> None:
+    say(sessions, ALICE, "the piano tuner comes on Tuesday", "noted")
+    memory = store.for_session(ALICE)
+    assert memory.search_messages("piano tuner")[0].text == "the piano tuner comes on Tuesday"
+    sessions.reset(ALICE)  # /new after the index read the session
+    say(sessions, ALICE, "the piano sounds great now", "glad to hear")
+    said = [h.text for h in memory.search_messages("piano", 5) if h.role == "user"]
+    assert said == ["the piano sounds great now", "the piano tuner comes on Tuesday"]
+
+
 def test_archived_sessions_are_searched_and_other_scopes_are_not(
     sessions: SessionManager, store: MemoryBackend
 ) -> None:

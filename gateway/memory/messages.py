@@ -411,6 +411,10 @@ class FileMessageSource:
         self._keys = keys
         # Per archive folder: its mtime when listed, and its sessions then.
         self._archives: dict[str, tuple[int, dict[str, SessionMark]]] = {}
+        # A session's handle is its file's (device, inode): `/new` renames the file into
+        # the archive, which keeps both, so an archived session is not read twice, and a
+        # new file under the current name is a new session, read from its start.
+        self._paths: dict[str, str] = {}
 
     def sessions(self) -> dict[str, SessionMark]:
         """Each key's current file (one stat) and archived files: `/new` moves a session
@@ -424,9 +428,13 @@ class FileMessageSource:
             name = encode_key(key)
             current = os.path.join(self.sessions_dir, f"{name}{SUFFIX}")
             try:
-                out[current] = SessionMark(key, "", os.stat(current).st_size)
+                st = os.stat(current)
             except FileNotFoundError:
                 pass
+            else:
+                handle = f"{st.st_dev}:{st.st_ino}"
+                self._paths[handle] = current
+                out[handle] = SessionMark(key, "", st.st_size)
             folder = os.path.join(self.sessions_dir, ARCHIVE_DIR, name)
             try:
                 stamp = os.stat(folder).st_mtime_ns
@@ -438,10 +446,11 @@ class FileMessageSource:
                 known = (stamp, self._list_archive(key, folder))
                 self._archives[folder] = known
             out.update(known[1])
+        for handle in [h for h in self._paths if h not in out]:
+            del self._paths[handle]
         return out
 
-    @staticmethod
-    def _list_archive(key: str, folder: str) -> dict[str, SessionMark]:
+    def _list_archive(self, key: str, folder: str) -> dict[str, SessionMark]:
         from gateway.sessions.keys import SUFFIX
 
         found: dict[str, SessionMark] = {}
@@ -451,16 +460,22 @@ class FileMessageSource:
                     if SUFFIX not in item.name:
                         continue
                     try:
-                        found[item.path] = SessionMark(key, "", item.stat().st_size)
+                        st = item.stat()
                     except FileNotFoundError:
                         continue
+                    handle = f"{st.st_dev}:{st.st_ino}"
+                    self._paths[handle] = item.path
+                    found[handle] = SessionMark(key, "", st.st_size)
         except (FileNotFoundError, NotADirectoryError):
             pass
         return found
 
     def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
+        path = self._paths.get(handle)
+        if path is None:
+            return [], start
         try:
-            with open(handle, "rb") as f:
+            with open(path, "rb") as f:
                 head = f.readline()
                 f.seek(start)
                 data = f.read()
