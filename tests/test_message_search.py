@@ -260,3 +260,35 @@ def test_dense_ranks_find_a_paraphrase_and_never_a_forgotten_message() -> None:
     assert index.search("dog", 1)[0].text == "my puppy Max chewed the sofa"
     index.forget_entries(["e0"])
     assert "my puppy Max chewed the sofa" not in [h.text for h in index.search("dog", 3)]
+
+
+def test_a_turn_does_not_wait_long_for_a_scopes_first_reading() -> None:
+    """The first search of a scope reads all its sessions; a caller with a bound (a
+    turn's recall) gets [] while that runs in the background, then the answers."""
+    import threading
+
+    from gateway.memory.messages import MessageIndex, SessionMark, StoredMessage
+
+    release = threading.Event()
+
+    class SlowSource:
+        """Sessions that take as long as the test says to read."""
+
+        def sessions(self) -> dict[str, SessionMark]:
+            return {"s": SessionMark("k", "s", 1)}
+
+        def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
+            release.wait(10)
+            return [StoredMessage("k", "s", "e1", 1e9, "user", "the ferry leaves at nine")], 1
+
+        def forgotten(self) -> set[str]:
+            return set()
+
+        def forget(self, entry_ids: object) -> None:
+            pass
+
+    index = MessageIndex(SlowSource())
+    assert index.search("ferry", 3, wait=0.05) == []
+    release.set()
+    assert index.ready(wait=5)
+    assert [h.text for h in index.search("ferry", 3, wait=0.05)] == ["the ferry leaves at nine"]

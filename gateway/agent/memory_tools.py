@@ -147,7 +147,9 @@ def recall_lines(
     ]
     messages = [
         f"[earlier message, {hit.when} UTC, {hit.role} in {hit.session_key}] {one_line(hit.text)}"
-        for hit in manager.search_messages(query, max_results=limit, exclude=exclude, context=False)
+        for hit in manager.search_messages(
+            query, max_results=limit, exclude=exclude, context=False, wait=wait
+        )
     ]
     return Found(blend_recall([list(relevant), history, messages]), complete=relevant.complete)
 

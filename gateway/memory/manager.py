@@ -329,13 +329,14 @@ class MemoryManager:
         *,
         exclude: Iterable[str] = (),
         context: bool = True,
+        wait: float | None = None,
     ) -> list[MessageHit]:
         """The scope's past user and assistant messages best matching `query`, each with
         its session, entry id, time, speaker and neighbours; entry ids in `exclude` (those
         in the context window) are skipped. [] when the scope's sessions are unknown."""
         if self.messages is None:
             return []
-        return self.messages.search(query, max_results, exclude=exclude, context=context)
+        return self.messages.search(query, max_results, exclude=exclude, context=context, wait=wait)
 
     # -- consolidation -----------------------------------------------------------
 

@@ -37,6 +37,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
+from loguru import logger
+
 from gateway.memory.dense import DenseIndex
 from gateway.memory.index import SearchIndex
 from gateway.memory.text import one_line
@@ -189,6 +191,14 @@ class MessageIndex:
         self._marks: dict[str, SessionMark] = {}
         self._order: dict[str, list[int]] = {}
         self._forgotten: set[str] | None = None
+        # Set once the first catch-up (which reads every session: seconds for a scope of
+        # 100,000 messages) is done; a caller that cannot wait that long has it done in
+        # a background thread meanwhile (`search(wait=...)`).
+        self._caught_up = threading.Event()
+        self._warming: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        if source is None:
+            self._caught_up.set()
 
     def __len__(self) -> int:
         with self._lock:
@@ -253,6 +263,28 @@ class MessageIndex:
                 messages, end = self._source.read(handle, start)
                 self._add(handle, messages)
                 self._marks[handle] = SessionMark(mark.session_key, mark.session_id, end)
+            self._caught_up.set()
+
+    def _warm(self) -> None:
+        try:
+            self.sync()
+        except Exception as exc:  # the next search tries again, and reports it
+            logger.warning("reading past messages for search failed: {}", exc)
+        finally:
+            self._warming = None
+
+    def ready(self, wait: float | None = None) -> bool:
+        """Has the first catch-up been done? With `wait`, it is started in a background
+        thread (if it is not running) and waited for at most `wait` seconds."""
+        if self._caught_up.is_set() or wait is None:
+            return self._caught_up.is_set()
+        with self._start_lock:
+            if self._warming is None and not self._caught_up.is_set():
+                self._warming = threading.Thread(
+                    target=self._warm, name="message-index", daemon=True
+                )
+                self._warming.start()
+        return self._caught_up.wait(max(0.0, wait))
 
     def forget_entries(self, entry_ids: Iterable[str]) -> int:
         """Forget messages by entry id: out of the index now and skipped by every later
@@ -309,9 +341,14 @@ class MessageIndex:
         exclude: Iterable[str] = (),
         decay_rate: float = 0.0,
         context: bool = True,
+        wait: float | None = None,
     ) -> list[MessageHit]:
         """The best `max_results` messages for `query`, best first; entry ids in
-        `exclude` (e.g. those already in the context window) are skipped."""
+        `exclude` (e.g. those already in the context window) are skipped. With `wait`,
+        a scope never read yet is read in the background, and [] is the answer when that
+        takes longer than `wait` seconds (the next search answers from it)."""
+        if wait is not None and not self.ready(wait):
+            return []
         skip = set(exclude)
         with self._lock:
             self.sync()

@@ -395,12 +395,13 @@ class PostgresMemoryScope(_Scoped):
         *,
         exclude: Iterable[str] = (),
         context: bool = True,
+        wait: float | None = None,
     ) -> list[MessageHit]:
         """As the file mode's: this replica's index of the scope's messages, caught up
         from the session tables at each search."""
         if self.messages is None:
             return []
-        return self.messages.search(query, max_results, exclude=exclude, context=context)
+        return self.messages.search(query, max_results, exclude=exclude, context=context, wait=wait)
 
     @property
     def scope(self) -> str:

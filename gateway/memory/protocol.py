@@ -153,10 +153,13 @@ class MemoryScope(Protocol):
         *,
         exclude: Iterable[str] = (),
         context: bool = True,
+        wait: float | None = None,
     ) -> list[MessageHit]:
         """Past user and assistant messages of every session of the scope, best first,
         each with session, entry id, time, speaker and (with `context`) neighbours; entry
-        ids in `exclude` are skipped. Forgotten messages are never returned."""
+        ids in `exclude` are skipped. Forgotten messages are never returned. `wait`:
+        seconds to wait for a scope's first reading of its sessions, then [] (None: as
+        long as it takes)."""
         ...
 
     def load_indexes(self, progress: IndexProgress | None = None) -> None:
