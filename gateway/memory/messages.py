@@ -189,6 +189,7 @@ class MessageIndex:
         self._docs: dict[int, tuple[str, int, StoredMessage]] = {}
         # Per session handle: its mark, and its document ids in session order.
         self._marks: dict[str, SessionMark] = {}
+        self._seen: dict[str, SessionMark] = {}  # the source's marks at the last sync
         self._order: dict[str, list[int]] = {}
         self._forgotten: set[str] | None = None
         # Set once the first catch-up (which reads every session: seconds for a scope of
@@ -250,9 +251,12 @@ class MessageIndex:
             return
         with self._lock:
             now = self._source.sessions()
-            for handle in [h for h in self._marks if h not in now]:
+            # Set operations on the dicts (in C): with thousands of sessions, only those
+            # that came, went or grew are looked at. A source hands out the same mark
+            # object for a session that did not change, so most compare by identity.
+            for handle in self._seen.keys() - now.keys():
                 self._drop_session(handle)
-            for handle, mark in now.items():
+            for handle, mark in now.items() - self._seen.items():
                 known = self._marks.get(handle)
                 if known is not None and mark.mark == known.mark:
                     continue
@@ -263,6 +267,7 @@ class MessageIndex:
                 messages, end = self._source.read(handle, start)
                 self._add(handle, messages)
                 self._marks[handle] = SessionMark(mark.session_key, mark.session_id, end)
+            self._seen = now
             self._caught_up.set()
 
     def _warm(self) -> None:
@@ -483,7 +488,7 @@ class FileMessageSource:
                 known = (stamp, self._list_archive(key, folder))
                 self._archives[folder] = known
             out.update(known[1])
-        for handle in [h for h in self._paths if h not in out]:
+        for handle in self._paths.keys() - out.keys():
             del self._paths[handle]
         return out
 
