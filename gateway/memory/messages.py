@@ -100,11 +100,13 @@ class MessageHit:
         return "\n".join(lines)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class SessionMark:
     """What a source knows of one session: its key, id, and how far it goes (bytes of a
     file, the last sequence number of a table); a smaller mark than before means the
-    session was rewritten."""
+    session was rewritten. Compared by identity (hashed in C): a source hands out the
+    same object while a session does not change, and `MessageIndex.sync` skips those
+    among thousands without a Python-level comparison each."""
 
     session_key: str
     session_id: str
