@@ -7,11 +7,14 @@ session, entry id, time and speaker, and answers a query with the best messages 
 the message before and after each.
 
 The sessions stay the truth; this index is a view of them kept in step lazily. Every
-search first asks its `MessageSource` what the scope's sessions hold now (one stat per
-session file, or one query in PostgreSQL) and reads only what was appended since the
-last look: indexing costs a turn nothing when it is written, and a search pays only for
-the messages new since the previous search. A session that is gone (deleted) has its
-messages removed; one that shrank (rewritten by maintenance) is read again.
+search first asks its `MessageSource` what the scope's sessions hold now (in files, two
+stats per session key: its current file and its archive folder; in PostgreSQL, one
+query) and reads only what was appended since the last look: indexing costs a turn
+nothing when it is written, and a search pays only for the messages new since the
+previous search. A session that is gone (deleted) has its messages removed; one that
+shrank (rewritten by maintenance) is read again. The index lives in memory: a scope's
+first search after a start reads all its sessions (bench/memory.py times it), in the
+background when its caller bounds the wait.
 
 Invariants:
 - Forgotten messages never come back: `forget_entries` records their entry ids in the
@@ -23,7 +26,7 @@ Invariants:
 - Results are the index's exact BM25 top-k (`gateway.memory.index`) over the live
   messages, best first, newer first on ties.
 
-Not thread-safe by itself: `MessageIndex` holds a lock around every method.
+Thread-safe: `MessageIndex` holds a lock around every method.
 """
 
 from __future__ import annotations
