@@ -171,6 +171,20 @@ def test_forgetting_a_fact_removes_the_messages_saying_it_for_good(
     assert len(sessions.get_or_create(ALICE).messages) == 6
 
 
+def test_correcting_a_fact_takes_its_old_words_out_of_message_search(
+    sessions: SessionManager, store: MemoryBackend
+) -> None:
+    entry = say(sessions, ALICE, "my locker code is 4711", "noted")
+    memory = store.for_session(ALICE)
+    memory.record_consolidation(
+        [NewFact("learned_fact", "locker code is 4711", Origin(ALICE, entry))], ""
+    )
+    fact = memory.list_facts()[0]
+    assert memory.correct_fact(fact.id, "locker code is 4712", by="test") is not None
+    said = [h.text for h in memory.search_messages("locker code", 5) if h.role == "user"]
+    assert said == []
+
+
 def test_tool_calls_and_results_are_not_indexed(
     sessions: SessionManager, store: MemoryBackend
 ) -> None:

@@ -407,6 +407,9 @@ class MemoryManager:
                 self.knowledge.add(gone.category, new_text, source=source, tags=gone.tags)
             self.knowledge.flush()
             self._drop_saved_indexes()
+            if self.messages is not None:
+                # The old words must not come back through message search either.
+                self.messages.forget_facts(_said_by(found))
         self._log.info("Fact {} corrected by {}", ident, by)
         return fact
 
@@ -435,10 +438,7 @@ class MemoryManager:
             if self.messages is not None:
                 # The messages the fact came from, and every one saying it, go from
                 # message search too: forgetting must not come back through them.
-                origins = [f.origin.entry_id for f in found if f.origin is not None]
-                self.messages.forget_entries(origins)
-                for fact in found:
-                    self.messages.forget_matching(fact.text)
+                self.messages.forget_facts(_said_by(found))
         self._log.info("Fact {} forgotten ({} lines)", ident, len(found))
         return found[0]
 
@@ -590,6 +590,11 @@ class MemoryManager:
                 end = start
         self._last_day, self._last_day_stat = day, stat
         return day
+
+
+def _said_by(facts: Iterable[Fact]) -> list[tuple[str | None, str]]:
+    """(origin entry id, text) of facts, for `MessageIndex.forget_facts`."""
+    return [(f.origin.entry_id if f.origin is not None else None, f.text) for f in facts]
 
 
 def _has_words(query: str) -> bool:

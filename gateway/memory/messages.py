@@ -328,6 +328,16 @@ class MessageIndex:
                     pairs.append(self._docs[hit.doc_id][2].entry_id)
             return self.forget_entries(pairs)
 
+    def forget_facts(self, facts: Iterable[tuple[str | None, str]]) -> int:
+        """Take out of search what a forgotten or corrected fact came from: for each
+        (origin entry id or None, old text), the origin message and every message saying
+        all of the text's words. How many messages went."""
+        pairs = list(facts)
+        gone = self.forget_entries(origin for origin, _ in pairs if origin)
+        for _, text in pairs:
+            gone += self.forget_matching(text)
+        return gone
+
     def _forget_doc(self, doc: int) -> None:
         entry = self._docs.pop(doc, None)
         if entry is None:

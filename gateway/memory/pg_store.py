@@ -517,6 +517,7 @@ class PostgresMemoryScope(_Scoped):
                         (line, search_terms(without_fact_comment(line)), self._key, row),
                     )
                 olds = {same_text(f.text) for _, f in found}
+                old_facts = [f for _, f in found]
             else:
                 entry = self._knowledge_only([f for _, f in facts], ident)
                 if entry is None:
@@ -525,10 +526,16 @@ class PostgresMemoryScope(_Scoped):
                 fact = corrected(replace(knowledge_fact(entry), day=today), new_text, fix)
                 self._insert_lines(conn, [(fact.category, pg_text(fact.line()))], today)
                 olds = {same_text(entry.content)}
+                old_facts = [knowledge_fact(entry)]
             for gone in self._knowledge.remove_in(conn, olds):
                 self._knowledge.add_in(
                     conn, gone.category, new_text, source=gone.source or "", tags=gone.tags
                 )
+        if self.messages is not None:
+            # As the file mode: the old words must not come back through message search.
+            self.messages.forget_facts(
+                (f.origin.entry_id if f.origin is not None else None, f.text) for f in old_facts
+            )
         return fact
 
     def forget_fact(self, ident: str) -> Fact | None:
@@ -552,9 +559,10 @@ class PostgresMemoryScope(_Scoped):
             self._knowledge.remove_in(conn, texts)
         if self.messages is not None:
             # As the file mode: the messages it came from and those saying it go too.
-            origins = [f.origin.entry_id for _, f in found if f.origin is not None]
-            self.messages.forget_entries(origins)
-            self.messages.forget_matching(fact.text)
+            said = [f for _, f in found] or [fact]
+            self.messages.forget_facts(
+                (f.origin.entry_id if f.origin is not None else None, f.text) for f in said
+            )
         return fact
 
     # -- history ---------------------------------------------------------------------
