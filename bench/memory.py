@@ -24,6 +24,7 @@ answer was complete and found the line.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -542,6 +543,56 @@ def print_table(rows: list[Row]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
+def bench_messages(sizes: list[int], rows: list[Row]) -> None:
+    """Issue 29's rows: every past message searchable. Messages are written through the
+    session API into session files (20 per session, as `/new` would leave them); the
+    message index reads them at a scope's first search and then only what was appended
+    since, so a turn's append does no indexing work at all (no row for it: the session
+    write path is unchanged; bench/sessions.py times it)."""
+    from gateway.llm import LLMMessage
+    from gateway.memory import MemoryStore
+    from gateway.sessions import SessionManager
+
+    corpus = Corpus()
+    queries = [corpus.query() for _ in range(QUERIES)]
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            sessions = SessionManager(Path(tmp) / "sessions", fsync="never")
+            key = "bench:messages"
+            for i in range(n):
+                if i and i % 20 == 0:
+                    sessions.reset(key)
+                role = "user" if i % 2 == 0 else "assistant"
+                sessions.get_or_create(key).add_message(LLMMessage(role, corpus.sentence()))
+            sessions.get_or_create(key).flush()
+            store = MemoryStore(Path(tmp) / "ws", sessions_dir=Path(tmp) / "sessions")
+            memory = store.for_session(key)
+            start = time.perf_counter()
+            memory.search_messages("warm up", 1)
+            first = _ms(time.perf_counter() - start)
+            rows.append(row("messages: first search (reads every session)", n, first, "ms"))
+            search = functools.partial(memory.search_messages, max_results=8, context=False)
+            med, p95 = _median_ms(search, queries)
+            limit = 1 if n <= 1000 else 5 if n >= 100_000 else None
+            rows.append(row("messages: search median", n, med, "ms", limit))
+            rows.append(row("messages: search p95", n, p95, "ms"))
+            times = []
+            session = sessions.get_or_create(key)
+            for query in queries:
+                session.add_message(LLMMessage("user", corpus.sentence()))
+                session.flush()
+                start = time.perf_counter()
+                memory.search_messages(query, 8, context=False)
+                times.append(time.perf_counter() - start)
+            after = _ms(statistics.median(times))
+            rows.append(row("messages: search after one append (catch-up)", n, after, "ms"))
+            index = memory.messages
+            size = index.memory_bytes() / 2**20 if index is not None else 0.0
+            rows.append(row("messages: index memory", n, round(size, 2), "MB"))
+            store.close()
+            sessions.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -550,6 +601,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--knowledge-size", type=int, default=10_000)
     parser.add_argument("--common-size", type=int, default=100_000)
     parser.add_argument("--restart-size", type=int, default=100_000)
+    parser.add_argument(
+        "--message-sizes", default="1000,10000,100000", help="messages in a scope ('' to skip)"
+    )
+    parser.add_argument(
+        "--only-messages", action="store_true", help="run only the message index rows"
+    )
     parser.add_argument(
         "--backend",
         choices=("files", "postgres"),
@@ -577,12 +634,17 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_postgres([int(s) for s in args.sizes.split(",")], args.common_size, args.pg_url, rows)
         return _report(rows, args.json)
+    message_sizes = [int(s) for s in args.message_sizes.split(",") if s.strip()]
+    if args.only_messages:
+        bench_messages(message_sizes, rows)
+        return _report(rows, args.json)
     bench_search([int(s) for s in args.sizes.split(",")], rows)
     bench_compact([int(s) for s in args.compact_sizes.split(",")], rows)
     bench_knowledge(args.knowledge_size, rows)
     bench_common_words(args.common_size, rows)
     bench_restart(args.restart_size, rows)
     bench_cold_start(rows)
+    bench_messages(message_sizes, rows)
     return _report(rows, args.json)
 
 

@@ -159,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
     msearch.add_argument("key")
     msearch.add_argument("query")
     msearch.add_argument("--category", help="only facts of this category")
+    msearch.add_argument(
+        "--messages",
+        action="store_true",
+        help="search the past messages of every session of the scope instead of the facts",
+    )
     mhist = msub.add_parser("history", help="search the conversation summaries (HISTORY.md)")
     mhist.add_argument("key")
     mhist.add_argument("query")
@@ -557,6 +562,7 @@ _NOTHING_REMEMBERED = {
     "facts": "no remembered facts for {key} yet",
     "search": "no matching facts",
     "history": "no matching history",
+    "messages": "no matching message",
     "knowledge": "the knowledge base is empty",
 }
 
@@ -571,7 +577,8 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "compact":
         return _memory_compact(args, settings)
     store = build_memory_backend(settings)
-    if not store.exists(args.key):
+    messages = args.action == "search" and args.messages  # the sessions hold them, not memory
+    if not messages and not store.exists(args.key):
         if args.action in ("correct", "forget"):
             raise CommandError(f"no fact {args.id} in the memory of {args.key} (it has none)")
         # Nothing remembered yet: say so without making the scope's folder.
@@ -591,11 +598,14 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
             # (after an import, or without a saved index), showing how it goes.
             if sys.stderr.isatty():
                 _load_indexes_showing_progress(manager)
-            if args.action == "search":
+            kind = "messages" if messages else args.action
+            if kind == "messages":
+                hits = [hit.describe() for hit in manager.search_messages(args.query, 10)]
+            elif kind == "search":
                 hits = manager.search_memory(args.query, category=args.category)
             else:
                 hits = manager.search_history(args.query)
-            print("\n".join(hits) if hits else _NOTHING_REMEMBERED[args.action])
+            print("\n".join(hits) if hits else _NOTHING_REMEMBERED[kind])
         else:
             kb = manager.knowledge
             entries = kb.by_category(args.category) if args.category else list(kb)

@@ -331,6 +331,7 @@ def build_memory_backend(settings: Settings) -> MemoryBackend:
         mode=settings.memory.scope,
         history_max_bytes=settings.memory.history_max_bytes,
         people=build_people_store(settings),
+        sessions_dir=settings.sessions_dir,
     )
 
 

@@ -532,6 +532,12 @@ async def test_the_memory_page_shows_facts_history_and_knowledge(
         assert "Lisbon" in history and "weather" not in history
         _, page = await admin.get("/admin/memory", params={"key": "telegram:43"})
         assert "Nothing is remembered" in page
+        # Past messages too, when searched: with their time, session, speaker and entry.
+        await admin.chat("mem", "my canoe is kept in Porto")
+        await anyio.to_thread.run_sync(lambda: memory.for_session("api:mem").append_history("x"))
+        _, page = await admin.get("/admin/memory", params={"key": "api:mem", "q": "canoe"})
+        said = page.split('id="messages"', 1)[1].split("</ul>", 1)[0]
+        assert "my canoe is kept in Porto" in said and "api:mem" in said and "user" in said
 
 
 async def test_a_cached_answer_is_invalidated_from_its_transcript(

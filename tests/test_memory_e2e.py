@@ -121,6 +121,10 @@ def test_memory_operator_commands(tmp_path: Path, fake_openai_thread: FakeOpenAI
         assert gateway("chat", "--session", "mem", "-m", text).returncode == 0
     empty = gateway("memory", "show", "cli:mem")
     assert "no remembered facts" in empty.stdout
+    # The messages themselves are searchable before any consolidation.
+    said = gateway("memory", "search", "cli:mem", "launch", "--messages")
+    assert said.returncode == 0, said.stderr
+    assert "cli:mem, user, entry " in said.stdout and "The launch is on Friday" in said.stdout
     compact = gateway("memory", "compact", "cli:mem")
     assert compact.returncode == 0, compact.stderr
     assert "Compacted" in compact.stdout

@@ -42,6 +42,7 @@ async def call(registry: ToolRegistry, key: str, name: str, **arguments: Any) ->
 
 def test_tools_are_offered_with_schemas(registry: ToolRegistry) -> None:
     assert registry.names() == [
+        "conversation_search",
         "history_search",
         "memory_correct",
         "memory_facts",

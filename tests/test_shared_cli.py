@@ -98,6 +98,9 @@ def test_memory_lives_in_postgresql_and_the_cli_searches_it(
     assert "Tea and the Friday launch came up again" in history.stdout
     knowledge = run_gateway(["memory", "knowledge", "cli:direct"], env, tmp_path)
     assert "[project_decision] the launch is on Friday" in knowledge.stdout
+    said = run_gateway(["memory", "search", "cli:direct", "launch", "--messages"], env, tmp_path)
+    assert said.returncode == 0, said.stderr
+    assert "cli:direct, user, entry " in said.stdout and "The launch is on Friday" in said.stdout
     other = run_gateway(["memory", "search", "cli:other", "tea"], env, tmp_path)
     assert other.returncode == 0 and "no matching facts" in other.stdout
 

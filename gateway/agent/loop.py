@@ -645,13 +645,19 @@ class AgentLoop:
             await failpoints.reach("turn.before_user_append", key)
             await session.aadd_message(user_message, entry_meta)
         texts: list[str] = []
+        ctx = session.build_context()
         if self.memory is not None and (
             not self.sessions.io_on_loop or self.memory.exists(key)  # one stat
         ):
             wait = self.config.memory_recall_wait
             recall = await anyio.to_thread.run_sync(
                 functools.partial(
-                    memory_texts, self.memory, key, user_message.content or "", wait=wait
+                    memory_texts,
+                    self.memory,
+                    key,
+                    user_message.content or "",
+                    wait=wait,
+                    exclude=ctx.entry_ids,  # messages the model sees anyway
                 )
             )
             if not recall.complete:
@@ -663,7 +669,7 @@ class AgentLoop:
                     wait,
                 )
             texts = recall
-        return session.build_context(), texts
+        return ctx, texts
 
     def _model_for(self, session: Session) -> str:
         return session.build_context().model or self.config.model

@@ -11,7 +11,7 @@ memory, never from part of it. Blocking file work runs in a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -109,19 +109,77 @@ def memory_texts(
     limit: int = 8,
     export_chars: int = 2000,
     wait: float | None = None,
+    exclude: Iterable[str] = (),
 ) -> Found:
     """What `fit_context` takes as `memory_texts` for a turn: the memory relevant to
-    `query`, then the knowledge base's export (`fit_context` drops repeated lines and
-    cuts the block to its share), and whether the search covered all the facts (it
-    waits at most `wait` seconds for an index being built). Scoped by `session_key`.
-    Blocking: worker thread. A conversation without memory yet costs one stat: reading
-    creates nothing."""
+    `query` (facts and knowledge, history summaries and past messages, blended by
+    `blend_recall`), then the knowledge base's export (`fit_context` drops repeated lines
+    and cuts the block to its share, in this order), and whether the search covered all
+    the facts (it waits at most `wait` seconds for an index being built). Messages whose
+    entry ids are in `exclude` (those already in the context) are left out. Scoped by
+    `session_key`. Blocking: worker thread. A conversation without memory yet costs one
+    stat: reading creates nothing."""
     if not store.exists(session_key):
         return Found()
     manager = store.for_session(session_key)
-    relevant = relevant_memory(manager, query, limit=limit, wait=wait) if query.strip() else Found()
-    texts = ["\n".join(relevant), manager.knowledge.export_for_context(export_chars)]
-    return Found(texts, complete=relevant.complete)
+    lines = recall_lines(manager, query, limit=limit, wait=wait, exclude=exclude)
+    texts = ["\n".join(lines), manager.knowledge.export_for_context(export_chars)]
+    return Found(texts, complete=lines.complete)
+
+
+def recall_lines(
+    manager: MemoryScope,
+    query: str,
+    *,
+    limit: int = 8,
+    wait: float | None = None,
+    exclude: Iterable[str] = (),
+) -> Found:
+    """The memory relevant to `query`, one ranking: facts and knowledge
+    (`relevant_memory`), history summaries and past messages not in `exclude`, each
+    layer's best `limit` blended by `blend_recall`. Each line says what it is: a fact
+    its `[category]`, a summary and a message where and when they are from. Blocking."""
+    if not query.strip():
+        return Found()
+    relevant = relevant_memory(manager, query, limit=limit, wait=wait)
+    history = [
+        _history_line(line) for line in manager.search_history(query, max_results=limit, wait=wait)
+    ]
+    messages = [
+        f"[earlier message, {hit.when} UTC, {hit.role} in {hit.session_key}] {one_line(hit.text)}"
+        for hit in manager.search_messages(
+            query, max_results=limit, exclude=exclude, context=False, wait=wait
+        )
+    ]
+    return Found(blend_recall([list(relevant), history, messages]), complete=relevant.complete)
+
+
+#: Reciprocal rank fusion's constant (Cormack et al. 2009 use 60): ranks far down a list
+#: still count, so one layer's fifth line can beat another's tenth.
+RRF_K = 60
+
+
+def blend_recall(layers: Sequence[Sequence[str]], *, k: int = RRF_K) -> list[str]:
+    """Lines of several ranked lists (facts, history, messages) as one ranking, by
+    reciprocal rank fusion: each line scores `1 / (k + rank)` in its list, a line in
+    several lists adds up; ties go to the earlier list. Each line once, best first.
+
+    Scores of different indexes are not comparable; ranks are, so no layer's scale
+    can crowd out the others (a pure policy: `fit_context` then cuts to the share)."""
+    scores: dict[str, float] = {}
+    first: dict[str, tuple[int, int]] = {}
+    for which, lines in enumerate(layers):
+        for rank, line in enumerate(lines):
+            if not line:
+                continue
+            scores[line] = scores.get(line, 0.0) + 1.0 / (k + rank + 1)
+            first.setdefault(line, (rank, which))
+    return sorted(scores, key=lambda line: (-scores[line], first[line]))
+
+
+def _history_line(line: str) -> str:
+    """A history line as the memory block shows it: where it is from, then when."""
+    return f"[summary of an earlier conversation, {line[1:]}" if line.startswith("[") else line
 
 
 # -- seeing, correcting and forgetting facts (commands and tools alike) ------------------
@@ -200,9 +258,10 @@ def _who(context: ToolContext) -> str:
 
 
 def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> list[Tool]:
-    """`memory_search`, `history_search`, `remember`, `memory_facts`, `memory_correct`
-    and `memory_forget`, bound to `store`. A corrected or forgotten fact may be in an
-    answer `cache` holds for the conversation: those answers go too (as with `/forget`)."""
+    """`memory_search`, `history_search`, `conversation_search`, `remember`,
+    `memory_facts`, `memory_correct` and `memory_forget`, bound to `store`. A corrected
+    or forgotten fact may be in an answer `cache` holds for the conversation: those
+    answers go too (as with `/forget`)."""
 
     async def drop_cached(context: ToolContext, answer: str) -> str:
         if cache is not None and not answer.startswith("error:"):
@@ -244,6 +303,20 @@ def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> li
         def work(manager: MemoryScope) -> str:
             found = manager.search_history(query, max_results=limit)
             return _compact(found, "No earlier conversation summary matches.")
+
+        return await in_scope(context, work)
+
+    async def conversation_search(args: dict[str, Any], context: ToolContext) -> str:
+        query = _str_arg(args, "query")
+        if not query:
+            return "error: give a query (a few words to look for)"
+        limit = _int_arg(args, "max_results", DEFAULT_RESULTS)
+
+        def work(manager: MemoryScope) -> str:
+            hits = manager.search_messages(query, max_results=limit)
+            return _compact(
+                [hit.describe() for hit in hits], "No earlier message of this conversation matches."
+            )
 
         return await in_scope(context, work)
 
@@ -330,6 +403,24 @@ def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> li
                 },
             ),
             history_search,
+        ),
+        Tool(
+            ToolSpec(
+                name="conversation_search",
+                description="Search the exact words of every earlier message of this "
+                "conversation (all its sessions, also those no longer in view): each hit "
+                "with its time, session, speaker and the messages around it.",
+                parameters={
+                    "type": "object",
+                    "properties": {
+                        "query": {"type": "string", "description": "Words to look for."},
+                        "max_results": {"type": "integer", "minimum": 1, "maximum": MAX_RESULTS},
+                    },
+                    "required": ["query"],
+                    "additionalProperties": False,
+                },
+            ),
+            conversation_search,
         ),
         Tool(
             ToolSpec(

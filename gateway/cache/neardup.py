@@ -61,6 +61,22 @@ def near_duplicates_available() -> bool:
     )
 
 
+def load_wordllama() -> Any:
+    """The wordllama model from the weights its package ships, never from the network.
+    wordllama configures the root `logging` logger on import; that is undone here."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        import wordllama
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    package_dir = Path(wordllama.__file__).parent
+    # The package ships weights/ and tokenizers/ folders laid out like its download
+    # cache; pointing the cache there keeps loading offline.
+    return wordllama.WordLlama.load(cache_dir=package_dir, disable_download=True)
+
+
 class WordLlamaEmbedder:
     """Static token embeddings (wordllama l2_supercat, 256 dims) averaged per text.
 
@@ -76,24 +92,11 @@ class WordLlamaEmbedder:
             )
         self._model: Any = None
 
-    def _load(self) -> Any:
-        root = logging.getLogger()
-        handlers, level = root.handlers[:], root.level
-        try:
-            import wordllama
-        finally:
-            root.handlers[:] = handlers
-            root.setLevel(level)
-        package_dir = Path(wordllama.__file__).parent
-        # The package ships weights/ and tokenizers/ folders laid out like its download
-        # cache; pointing the cache there keeps loading offline.
-        return wordllama.WordLlama.load(cache_dir=package_dir, disable_download=True)
-
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         import numpy as np
 
         if self._model is None:
-            self._model = self._load()
+            self._model = load_wordllama()
         vectors = self._model.embed(list(texts), norm=True)
         return np.nan_to_num(np.asarray(vectors, dtype=np.float32))
 

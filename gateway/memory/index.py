@@ -229,6 +229,11 @@ class SearchIndex:
         return self._seg.n + len(self._tail_text)
 
     @property
+    def unmerged(self) -> int:
+        """Documents in the tail (scored exhaustively until merged into the segment)."""
+        return len(self._tail_text)
+
+    @property
     def term_count(self) -> int:
         return len(self._seg.terms) + sum(1 for t in self._tail_post if t not in self._seg.term_ids)
 

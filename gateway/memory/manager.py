@@ -77,6 +77,7 @@ from gateway.memory.format import (
 )
 from gateway.memory.knowledge import KnowledgeBase, KnowledgeEntry
 from gateway.memory.live import Doc, FileIndex
+from gateway.memory.messages import MessageHit, MessageIndex, MessageSource
 from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import WORKSPACE_SCOPE, scope_dir
 from gateway.memory.text import one_line, tokenize
@@ -110,6 +111,7 @@ class MemoryManager:
         fsync_appends: bool = False,
         knowledge_flush_every: int = 32,
         clock: Callable[[], datetime] = utc_now,
+        messages: MessageSource | None = None,
     ) -> None:
         if history_max_bytes < 2:
             raise ValueError("history_max_bytes must be at least 2")
@@ -145,6 +147,9 @@ class MemoryManager:
             flush_every=knowledge_flush_every,
             clock=lambda: clock().timestamp(),
         )
+        # The scope's past messages (`gateway.memory.messages`), when the store knows
+        # where its sessions are.
+        self.messages = MessageIndex(messages) if messages is not None else None
 
     # -- MEMORY.md ---------------------------------------------------------------
 
@@ -315,6 +320,24 @@ class MemoryManager:
                 hits = index.latest(max_results)
             return Found((hit.text for hit in hits), complete=complete)
 
+    # -- past messages -----------------------------------------------------------
+
+    def search_messages(
+        self,
+        query: str,
+        max_results: int = 8,
+        *,
+        exclude: Iterable[str] = (),
+        context: bool = True,
+        wait: float | None = None,
+    ) -> list[MessageHit]:
+        """The scope's past user and assistant messages best matching `query`, each with
+        its session, entry id, time, speaker and neighbours; entry ids in `exclude` (those
+        in the context window) are skipped. [] when the scope's sessions are unknown."""
+        if self.messages is None:
+            return []
+        return self.messages.search(query, max_results, exclude=exclude, context=context, wait=wait)
+
     # -- consolidation -----------------------------------------------------------
 
     @staticmethod
@@ -384,6 +407,9 @@ class MemoryManager:
                 self.knowledge.add(gone.category, new_text, source=source, tags=gone.tags)
             self.knowledge.flush()
             self._drop_saved_indexes()
+            if self.messages is not None:
+                # The old words must not come back through message search either.
+                self.messages.forget_facts(_said_by(found))
         self._log.info("Fact {} corrected by {}", ident, by)
         return fact
 
@@ -409,6 +435,10 @@ class MemoryManager:
             if old and scrub_lines(old, texts) != old:
                 atomic_write_text(backup, scrub_lines(old, texts))
             self._drop_saved_indexes()
+            if self.messages is not None:
+                # The messages the fact came from, and every one saying it, go from
+                # message search too: forgetting must not come back through them.
+                self.messages.forget_facts(_said_by(found))
         self._log.info("Fact {} forgotten ({} lines)", ident, len(found))
         return found[0]
 
@@ -560,6 +590,11 @@ class MemoryManager:
                 end = start
         self._last_day, self._last_day_stat = day, stat
         return day
+
+
+def _said_by(facts: Iterable[Fact]) -> list[tuple[str | None, str]]:
+    """(origin entry id, text) of facts, for `MessageIndex.forget_facts`."""
+    return [(f.origin.entry_id if f.origin is not None else None, f.text) for f in facts]
 
 
 def _has_words(query: str) -> bool:

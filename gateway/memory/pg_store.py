@@ -37,7 +37,9 @@ the files cannot promise). Calls block on the network: run them in worker thread
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -72,6 +74,13 @@ from gateway.memory.knowledge import (
     searchable_text,
 )
 from gateway.memory.manager import utc_now
+from gateway.memory.messages import (
+    MessageHit,
+    MessageIndex,
+    SessionMark,
+    StoredMessage,
+    message_text,
+)
 from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
 from gateway.memory.text import one_line, tokenize
@@ -368,11 +377,31 @@ class PostgresMemoryScope(_Scoped):
     """The memory of one scope in PostgreSQL (`gateway.memory.protocol.MemoryScope`)."""
 
     def __init__(
-        self, pool: ConnectionPool, scope: str, clock: Callable[[], datetime] = utc_now
+        self,
+        pool: ConnectionPool,
+        scope: str,
+        clock: Callable[[], datetime] = utc_now,
+        messages: MessageIndex | None = None,
     ) -> None:
         super().__init__(pool, scope, clock)
         self._scope = scope
         self._knowledge = PostgresKnowledge(pool, scope, clock)
+        self.messages = messages
+
+    def search_messages(
+        self,
+        query: str,
+        max_results: int = 8,
+        *,
+        exclude: Iterable[str] = (),
+        context: bool = True,
+        wait: float | None = None,
+    ) -> list[MessageHit]:
+        """As the file mode's: this replica's index of the scope's messages, caught up
+        from the session tables at each search."""
+        if self.messages is None:
+            return []
+        return self.messages.search(query, max_results, exclude=exclude, context=context, wait=wait)
 
     @property
     def scope(self) -> str:
@@ -488,6 +517,7 @@ class PostgresMemoryScope(_Scoped):
                         (line, search_terms(without_fact_comment(line)), self._key, row),
                     )
                 olds = {same_text(f.text) for _, f in found}
+                old_facts = [f for _, f in found]
             else:
                 entry = self._knowledge_only([f for _, f in facts], ident)
                 if entry is None:
@@ -496,10 +526,16 @@ class PostgresMemoryScope(_Scoped):
                 fact = corrected(replace(knowledge_fact(entry), day=today), new_text, fix)
                 self._insert_lines(conn, [(fact.category, pg_text(fact.line()))], today)
                 olds = {same_text(entry.content)}
+                old_facts = [knowledge_fact(entry)]
             for gone in self._knowledge.remove_in(conn, olds):
                 self._knowledge.add_in(
                     conn, gone.category, new_text, source=gone.source or "", tags=gone.tags
                 )
+        if self.messages is not None:
+            # As the file mode: the old words must not come back through message search.
+            self.messages.forget_facts(
+                (f.origin.entry_id if f.origin is not None else None, f.text) for f in old_facts
+            )
         return fact
 
     def forget_fact(self, ident: str) -> Fact | None:
@@ -521,6 +557,12 @@ class PostgresMemoryScope(_Scoped):
                 fact = knowledge_fact(entry)
             texts = {same_text(f.text) for _, f in found} | {same_text(fact.text)}
             self._knowledge.remove_in(conn, texts)
+        if self.messages is not None:
+            # As the file mode: the messages it came from and those saying it go too.
+            said = [f for _, f in found] or [fact]
+            self.messages.forget_facts(
+                (f.origin.entry_id if f.origin is not None else None, f.text) for f in said
+            )
         return fact
 
     # -- history ---------------------------------------------------------------------
@@ -612,6 +654,9 @@ class PostgresMemoryStore:
         self._pool = pool
         self._mode: ScopeMode = mode
         self._clock = clock
+        # Each scope's message index in this replica, the most recently used kept.
+        self._messages: OrderedDict[str, MessageIndex] = OrderedDict()
+        self._messages_lock = threading.Lock()
 
     @property
     def mode(self) -> ScopeMode:
@@ -634,8 +679,32 @@ class PostgresMemoryStore:
         return self.for_scope(self.scope_for(session_key))
 
     def for_scope(self, scope: str) -> PostgresMemoryScope:
-        # Stateless: every call reads PostgreSQL, so no cache to keep coherent.
-        return PostgresMemoryScope(self._pool, scope, self._clock)
+        # Stateless but for the message index, which catches up from PostgreSQL at each
+        # search, so there is no cache to keep coherent.
+        return PostgresMemoryScope(self._pool, scope, self._clock, self._message_index(scope))
+
+    def _message_index(self, scope: str) -> MessageIndex:
+        with self._messages_lock:
+            index = self._messages.get(scope)
+            if index is None:
+                source = PostgresMessageSource(self._pool, scope, self._keys_of(scope))
+                index = self._messages[scope] = MessageIndex(source)
+            self._messages.move_to_end(scope)
+            while len(self._messages) > MESSAGE_INDEXES_KEPT:
+                self._messages.popitem(last=False)
+            return index
+
+    def _keys_of(self, scope: str) -> Callable[[str], bool] | None:
+        if self._mode == "per_session":
+            return None
+
+        def belongs(key: str) -> bool:
+            try:
+                return self.scope_for(key) == scope
+            except ValueError:
+                return False
+
+        return belongs
 
     def flush(self) -> None:
         """Every change was committed already."""
@@ -737,3 +806,84 @@ class PostgresConsolidationGuard:
             _give_back(self._pool, conn)
             return None
         return _PostgresLease(self._pool, conn, session_key, self.replica)
+
+
+#: Scopes whose message index a replica keeps in memory (least recently used dropped).
+MESSAGE_INDEXES_KEPT = 128
+
+
+class PostgresMessageSource:
+    """The sessions of one scope in PostgreSQL (`gateway.memory.messages.MessageSource`):
+    a session's mark is its `last_seq`; tombstones are `gw_memory_forgotten_messages`."""
+
+    def __init__(
+        self, pool: ConnectionPool, scope: str, belongs: Callable[[str], bool] | None = None
+    ) -> None:
+        """`belongs` says which session keys are the scope's (the workspace's, a
+        person's); None: the scope is one conversation's key (the per-session mode)."""
+        self._pool = pool
+        self._scope = scope
+        self._key = scope_dirname(scope)
+        self._belongs = belongs
+
+    def sessions(self) -> dict[str, SessionMark]:
+        belongs = self._belongs
+        with self._pool.connection() as conn:
+            if belongs is None:
+                # One conversation's scope: its key's sessions (current and archived).
+                rows = conn.execute(
+                    "SELECT session_id, key, last_seq FROM gw_sessions WHERE key = %s",
+                    (self._scope,),
+                ).fetchall()
+            else:
+                rows = conn.execute("SELECT session_id, key, last_seq FROM gw_sessions").fetchall()
+        return {
+            str(sid): SessionMark(str(key), str(sid), int(seq))
+            for sid, key, seq in rows
+            if belongs is None or belongs(str(key))
+        }
+
+    def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
+        with self._pool.connection() as conn:
+            key_row = conn.execute(
+                "SELECT key FROM gw_sessions WHERE session_id = %s", (handle,)
+            ).fetchone()
+            rows = conn.execute(
+                "SELECT seq, entry_id, CASE WHEN type = 'message' THEN body END "
+                "FROM gw_session_entries WHERE session_id = %s AND seq > %s ORDER BY seq",
+                (handle, start),
+            ).fetchall()
+        if key_row is None:
+            return [], start
+        key = str(key_row[0])
+        out: list[StoredMessage] = []
+        end = start
+        for seq, ident, body in rows:
+            end = max(end, int(seq))
+            if not isinstance(body, dict):
+                continue
+            found = message_text(body.get("message"))
+            ts = body.get("timestamp")
+            if found is None or not isinstance(ts, int | float):
+                continue
+            out.append(StoredMessage(key, handle, str(ident), float(ts), *found))
+        return out, end
+
+    def forgotten(self) -> set[str]:
+        with self._pool.connection() as conn:
+            rows = conn.execute(
+                "SELECT entry_id FROM gw_memory_forgotten_messages WHERE scope = %s",
+                (self._key,),
+            ).fetchall()
+        return {str(row[0]) for row in rows}
+
+    def forget(self, entry_ids: Iterable[str]) -> None:
+        ids = sorted(set(entry_ids))
+        if not ids:
+            return
+        with self._pool.connection() as conn, conn.transaction():
+            conn.execute(
+                "INSERT INTO gw_memory_forgotten_messages (scope, entry_id, created_at) "
+                "SELECT %s, unnest(%s::text[]), %s ON CONFLICT DO NOTHING",
+                (self._key, ids, time.time()),
+            )

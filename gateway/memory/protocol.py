@@ -34,6 +34,7 @@ from typing import Protocol
 
 from gateway.memory.facts import Fact, FactInput
 from gateway.memory.knowledge import KnowledgeEntry
+from gateway.memory.messages import MessageHit
 from gateway.memory.scopes import ScopeMode
 
 #: Told how an index build goes: (the file indexed, bytes done, bytes to do).
@@ -143,6 +144,22 @@ class MemoryScope(Protocol):
         wait: float | None = None,
     ) -> Found:
         """History lines by relevance x recency, best first (`wait` as for facts)."""
+        ...
+
+    def search_messages(
+        self,
+        query: str,
+        max_results: int = 8,
+        *,
+        exclude: Iterable[str] = (),
+        context: bool = True,
+        wait: float | None = None,
+    ) -> list[MessageHit]:
+        """Past user and assistant messages of every session of the scope, best first,
+        each with session, entry id, time, speaker and (with `context`) neighbours; entry
+        ids in `exclude` are skipped. Forgotten messages are never returned. `wait`:
+        seconds to wait for a scope's first reading of its sessions, then [] (None: as
+        long as it takes)."""
         ...
 
     def load_indexes(self, progress: IndexProgress | None = None) -> None:

@@ -17,13 +17,26 @@ from datetime import datetime
 from pathlib import Path
 
 from gateway.memory.manager import MemoryManager, utc_now
+from gateway.memory.messages import FileMessageSource
 from gateway.memory.scopes import (
     MEMORY_DIRNAME,
     ScopeMode,
+    scope_dir,
     scope_dirname,
     scope_for_session,
 )
 from gateway.people import PeopleStore, person_scope
+
+
+def session_keys(sessions_dir: Path) -> set[str]:
+    """Every session key with a current or an archived session file in `sessions_dir`."""
+    from gateway.sessions.manager import list_archived_files, list_session_files
+
+    try:
+        keys = {info.key for info in list_session_files(sessions_dir)}
+    except FileNotFoundError:
+        return set()
+    return keys | {info.key for info in list_archived_files(sessions_dir)}
 
 
 class MemoryStore:
@@ -40,12 +53,16 @@ class MemoryStore:
         knowledge_flush_every: int = 32,
         clock: Callable[[], datetime] = utc_now,
         people: PeopleStore | None = None,
+        sessions_dir: Path | None = None,
     ) -> None:
+        """`sessions_dir`: where the sessions are, so that each scope's past messages are
+        searchable (`MemoryManager.search_messages`); None leaves them out."""
         scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
         self.people = people
         self.workspace_path = Path(workspace_path)
         self._memory_root = str(self.workspace_path / MEMORY_DIRNAME)
         self.mode: ScopeMode = mode
+        self.sessions_dir = Path(sessions_dir) if sessions_dir is not None else None
         self.max_open = max(1, max_open)
         self._options = {
             "history_max_bytes": history_max_bytes,
@@ -89,6 +106,7 @@ class MemoryStore:
                     fsync_appends=bool(self._options["fsync_appends"]),
                     knowledge_flush_every=int(self._options["knowledge_flush_every"]),
                     clock=self._clock,
+                    messages=self._message_source(scope),
                 )
                 self._alive[scope] = manager
             self._recent[scope] = manager
@@ -98,6 +116,24 @@ class MemoryStore:
         for old in evicted:
             old.flush()
         return manager
+
+    def _message_source(self, scope: str) -> FileMessageSource | None:
+        if self.sessions_dir is None:
+            return None
+        sessions_dir = self.sessions_dir
+
+        def keys() -> list[str]:
+            if self.mode == "per_session":
+                return [scope]  # the conversation's own key (archived sessions included)
+            return [k for k in session_keys(sessions_dir) if self._scope_or_none(k) == scope]
+
+        return FileMessageSource(sessions_dir, scope_dir(self.workspace_path, scope), keys)
+
+    def _scope_or_none(self, session_key: str) -> str | None:
+        try:
+            return self.scope_for(session_key)
+        except ValueError:
+            return None
 
     def open_scopes(self) -> list[str]:
         """Scopes with a live manager."""

@@ -486,6 +486,8 @@ class AdminPage:
                 "facts": scope.read_memory(),
                 "fact_list": scope.list_facts(),
                 "history": scope.search_history(query, max_results=50),
+                # Every past message of the scope's sessions, searched only when asked.
+                "messages": scope.search_messages(query, 20) if query.strip() else [],
                 "knowledge": dict(sorted(knowledge.items())),
             }
 
