@@ -77,7 +77,7 @@ from gateway.messages import (
 )
 from gateway.queue_modes import QUEUE_MODES, Accept, QueueMode, TurnInbox, receiving
 from gateway.storage.fence import Fence, FencedOut, fenced
-from gateway.telemetry import META_TRACEPARENT, Telemetry, telemetry, trace_id_of
+from gateway.telemetry import META_TRACEPARENT, SpanLike, Telemetry, telemetry, trace_id_of
 
 __all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_messages"]
 
@@ -1032,16 +1032,21 @@ class Dispatcher:
                     "gateway.delivery",
                     {"messaging.system": reply.channel, "gateway.reply.error": reply.is_error},
                     parent=parent,
-                ),
+                ) as span,
                 fenced(fence),
             ):
-                await self._finish_fenced(batch, reply, fence, stage)
+                await self._finish_fenced(batch, reply, fence, stage, span)
         except FencedOut:
             _fenced_out(reply.session_key, stage[0])
             self._fenced_out_settle(batch)
 
     async def _finish_fenced(
-        self, batch: list[_Item], reply: OutboundMessage, fence: Fence | None, stage: list[str]
+        self,
+        batch: list[_Item],
+        reply: OutboundMessage,
+        fence: Fence | None,
+        stage: list[str],
+        span: SpanLike | None = None,
     ) -> None:
         for item in batch:
             item.ticket._resolve(reply)
@@ -1082,8 +1087,12 @@ class Dispatcher:
             await failpoints.reach("dispatch.before_send", reply.session_key)
         if send and fence is not None and not await self._holds(fence):
             raise fence.refused()
+        if span is not None:  # what the platform made of it, on the delivery span
+            span.set_attribute("gateway.delivery.sent", send)
         if send:
-            await self._deliver_safely(reply)
+            failure = await self._deliver_safely(reply)
+            if span is not None and failure is not None:
+                span.set_attribute("error.type", failure)
             if isinstance(entry, str):
                 self._resent_entries.append(entry)
         stage[0] = "before its message was marked answered"
@@ -1128,7 +1137,9 @@ class Dispatcher:
             return False
         return True
 
-    async def _deliver_safely(self, reply: OutboundMessage) -> None:
+    async def _deliver_safely(self, reply: OutboundMessage) -> str | None:
+        """Send `reply`; None when the platform took it, else the failure's type (logged
+        and counted, never raised: the turn is done either way)."""
         try:
             with anyio.fail_after(self.deliver_timeout):
                 await self._deliver(reply)
@@ -1136,6 +1147,8 @@ class Dispatcher:
             self._counters.delivery_failures += 1
             with logger.contextualize(session=reply.session_key):
                 logger.error("reply could not be delivered: {!r}", exc)
+            return type(exc).__name__
+        return None
 
     def _settled(self, count: int) -> None:
         self._outstanding -= count

@@ -110,6 +110,9 @@ async def test_the_span_tree_of_a_turn_with_a_tool_call(
         assert call.attributes["gen_ai.request.model"] == "gpt-4o-mini"
         assert call.attributes["gen_ai.usage.input_tokens"] > 0
         assert call.attributes["gen_ai.usage.output_tokens"] > 0
+    delivery = by_name["gateway.delivery"]
+    assert delivery.attributes["gateway.delivery.sent"] is True
+    assert "error.type" not in delivery.attributes  # the platform took it
     tool = by_name["execute_tool current_time"]
     assert tool.parent.span_id == turn.context.span_id
     assert tool.attributes["gen_ai.tool.call.id"] == "call_1"
