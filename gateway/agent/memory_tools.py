@@ -51,6 +51,23 @@ def _str_arg(args: dict[str, Any], name: str) -> str:
     return value.strip() if isinstance(value, str) else ""
 
 
+def _query_spec(name: str, description: str) -> ToolSpec:
+    """A search tool taking a query and at most how many results."""
+    return ToolSpec(
+        name=name,
+        description=description,
+        parameters={
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "Words to look for."},
+                "max_results": {"type": "integer", "minimum": 1, "maximum": MAX_RESULTS},
+            },
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    )
+
+
 def _compact(lines: list[str], empty: str) -> str:
     """Lines joined, at most `MAX_OUTPUT_CHARS` (whole lines), or `empty`."""
     out: list[str] = []
@@ -388,37 +405,19 @@ def memory_tools(store: MemoryBackend, cache: SemanticCache | None = None) -> li
             memory_search,
         ),
         Tool(
-            ToolSpec(
-                name="history_search",
-                description="Search summaries of earlier parts of this conversation "
+            _query_spec(
+                "history_search",
+                "Search summaries of earlier parts of this conversation "
                 "(older turns no longer in view), newest and most relevant first.",
-                parameters={
-                    "type": "object",
-                    "properties": {
-                        "query": {"type": "string", "description": "Words to look for."},
-                        "max_results": {"type": "integer", "minimum": 1, "maximum": MAX_RESULTS},
-                    },
-                    "required": ["query"],
-                    "additionalProperties": False,
-                },
             ),
             history_search,
         ),
         Tool(
-            ToolSpec(
-                name="conversation_search",
-                description="Search the exact words of every earlier message of this "
+            _query_spec(
+                "conversation_search",
+                "Search the exact words of every earlier message of this "
                 "conversation (all its sessions, also those no longer in view): each hit "
                 "with its time, session, speaker and the messages around it.",
-                parameters={
-                    "type": "object",
-                    "properties": {
-                        "query": {"type": "string", "description": "Words to look for."},
-                        "max_results": {"type": "integer", "minimum": 1, "maximum": MAX_RESULTS},
-                    },
-                    "required": ["query"],
-                    "additionalProperties": False,
-                },
             ),
             conversation_search,
         ),
