@@ -492,7 +492,8 @@ class _Client(discord.Client):
     waiting, the request goes on. discord.py closes its global rate-limit lock when a
     request gets a global 429 and opens it again only in that same request, after
     sleeping out `retry_after`; a request cancelled in that sleep leaves the lock shut
-    for the client's life, and every later request (every reply) waits on it forever.
+    for the client's life, and every later request (every reply) waits on it forever
+    (discord.py 2.7.1; its fork disnake fixed the same code in DisnakeDev/disnake#1585).
     """
 
     def __init__(self, on_event: Callable[[str, tuple[Any, ...]], None], **options: Any) -> None:
