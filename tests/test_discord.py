@@ -705,6 +705,78 @@ async def test_a_global_rate_limit_holds_every_request(fake: FakeDiscord) -> Non
     assert [m["content"] for m in fake.bot_messages(dm)] == ["first"]
 
 
+TYPING = "POST /channels/{channel_id}/typing"
+
+
+async def test_a_typing_indicator_stopped_during_a_global_limit_holds_nothing_up(
+    fake: FakeDiscord,
+) -> None:
+    """The turn ends while the typing indicator's request waits out a global 429: the
+    indicator stops, and the reply still goes out once the limit is over (discord.py
+    opens its global lock only from the request that shut it; cancelled, that request
+    would keep it shut, and the reply would wait forever)."""
+    alice = fake.add_user("alice")
+    dm = fake.dm_channel(alice)
+
+    class Slow(Recorder):
+        async def submit(self, message: InboundMessage) -> StubTicket:
+            self.messages.append(message)
+            self.ticket = StubTicket()
+            return self.ticket
+
+    recorder = Slow()
+    async with running(fake, recorder) as channel:
+        fake.fail_next(TYPING, 429, retry_after=0.5, is_global=True)
+        fake.user_message(dm, alice, "think")
+        [inbound] = await recorder.wait(1)
+        await until(lambda: fake.rate_limited)  # the indicator waits out the limit
+        recorder.ticket.answered.set()  # the turn is done: the indicator stops
+        await anyio.sleep(0.05)
+        with anyio.fail_after(5):
+            await channel.send(reply_to(inbound, "done thinking"))
+    assert [m["content"] for m in fake.bot_messages(dm)] == ["done thinking"]
+    assert [c.body for c in fake.rate_limited] == [{"retry_after": 0.5, "global": True}]
+
+
+async def test_a_request_whose_caller_gave_up_still_opens_the_global_limit(
+    fake: FakeDiscord,
+) -> None:
+    """The same, for any request: one cancelled (a delivery timed out) while it sleeps
+    out a global 429 does not hold up the requests after it."""
+    alice = fake.add_user("alice")
+    dm = fake.dm_channel(alice)
+    recorder = Recorder()
+    async with running(fake, recorder) as channel:
+        fake.user_message(dm, alice, "q")
+        [inbound] = await recorder.wait(1)
+        fake.fail_next(ROUTE, 429, retry_after=0.5, is_global=True)
+        with anyio.move_on_after(0.2):
+            await channel.send(reply_to(inbound, "first"))
+        started = time.monotonic()
+        with anyio.fail_after(5):
+            await channel.send(reply_to(inbound, "second"))
+        took = time.monotonic() - started
+    # The first went out too: its request was not cancelled, only no longer waited for.
+    assert [m["content"] for m in fake.bot_messages(dm)] == ["first", "second"]
+    assert took < 2
+
+
+async def test_a_reply_discord_py_gave_up_on_after_429s_is_sent_again(fake: FakeDiscord) -> None:
+    """discord.py tries a request five times and then raises the last 429; the reply
+    is made again after its Retry-After, once (its nonce)."""
+    alice = fake.add_user("alice")
+    dm = fake.dm_channel(alice)
+    recorder = Recorder()
+    async with running(fake, recorder) as channel:
+        fake.user_message(dm, alice, "q")
+        [inbound] = await recorder.wait(1)
+        fake.fail_next(ROUTE, 429, retry_after=0.05, is_global=True, times=7)
+        with anyio.fail_after(10):
+            await channel.send(reply_to(inbound, "at last"))
+    assert [m["content"] for m in fake.bot_messages(dm)] == ["at last"]
+    assert len(fake.rate_limited) == 7
+
+
 async def test_typing_shows_while_a_turn_runs(fake: FakeDiscord) -> None:
     alice = fake.add_user("alice")
     dm = fake.dm_channel(alice)

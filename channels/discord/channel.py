@@ -46,7 +46,10 @@ and tests/test_discord_kill.py):
   crash that re-sends a reply within those minutes posts nothing new.
 - Rate limits are discord.py's: it reads the X-RateLimit headers, waits before a
   bucket runs out, waits out a 429's `retry_after` (all requests wait on a global
-  one), and gives up past `Pacing.rate_limit_wait` (logged; the reply is lost).
+  one), and gives up past `Pacing.rate_limit_wait` (logged; the reply is lost). When
+  it gives up after five 429s in a row, the request is made again after the last
+  429's `Retry-After`. A request is never cancelled once started (see `_Client`):
+  one cancelled while it waits out a global 429 would hold every later one forever.
 - Nothing the model writes can ping: every message is sent with `allowed_mentions`
   that parse nothing (only the person replied to is notified), and `@everyone`,
   `@here` and `<@...>` are defused in the text (`channels.discord.format`).
@@ -63,6 +66,7 @@ RESUME goes there too instead of to READY's `resume_gateway_url`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import io
@@ -481,15 +485,58 @@ logging.getLogger("discord.client").setLevel(logging.ERROR)
 
 class _Client(discord.Client):
     """discord.py's client; every event it dispatches is also handed to `on_event`, in
-    the order the Gateway delivered them (before any handler task runs)."""
+    the order the Gateway delivered them (before any handler task runs).
+
+    Every HTTP API request, once started, runs to its end even when its caller is
+    cancelled (a typing indicator stopped, a delivery timed out): the caller stops
+    waiting, the request goes on. discord.py closes its global rate-limit lock when a
+    request gets a global 429 and opens it again only in that same request, after
+    sleeping out `retry_after`; a request cancelled in that sleep leaves the lock shut
+    for the client's life, and every later request (every reply) waits on it forever
+    (discord.py 2.7.1; its fork disnake fixed the same code in DisnakeDev/disnake#1585).
+    """
 
     def __init__(self, on_event: Callable[[str, tuple[Any, ...]], None], **options: Any) -> None:
         super().__init__(**options)
         self._on_event = on_event
+        self._requests: set[asyncio.Task[Any]] = set()
+        request = self.http.request
+
+        @functools.wraps(request)
+        async def run_to_the_end(route: discord.http.Route, **kwargs: Any) -> Any:
+            task = asyncio.ensure_future(request(route, **kwargs))
+            self._requests.add(task)
+            task.add_done_callback(_settle_request)
+            task.add_done_callback(self._requests.discard)
+            return await asyncio.shield(task)
+
+        self.http.request = run_to_the_end  # type: ignore[method-assign]
 
     def dispatch(self, event: str, /, *args: Any, **kwargs: Any) -> None:
         super().dispatch(event, *args, **kwargs)
         self._on_event(event, args)
+
+    async def close(self) -> None:
+        """Close the connections; requests still running (nobody waits for them any
+        more, and this client is not used again) are cancelled."""
+        await super().close()
+        for task in list(self._requests):
+            task.cancel()
+
+
+def _retry_after(exc: discord.HTTPException) -> float:
+    """Seconds a 429 said to wait (``Retry-After``; a second if it said nothing)."""
+    try:
+        return max(0.05, float(exc.response.headers.get("Retry-After", "1")))
+    except (AttributeError, ValueError):
+        return 1.0
+
+
+def _settle_request(task: asyncio.Task[Any]) -> None:
+    """Read the outcome of a request whose caller stopped waiting (else asyncio logs
+    "exception was never retrieved")."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("discord: a request nobody waited for ended: {!r}", task.exception())
 
 
 # --------------------------------------------------------------------------- channel
@@ -1308,12 +1355,27 @@ class DiscordChannel:
     async def _call(self, what: str, channel_id: int, request: Callable[[], Awaitable[_T]]) -> _T:
         """Make one HTTP API request. discord.py waits out rate limits and repeats a
         5xx; this repeats a request that got no answer at all (a dropped connection,
-        a timeout), which is safe: messages carry nonces, edits and typing repeat
-        harmlessly."""
+        a timeout), and one discord.py gave up on after five 429s in a row (many
+        requests waking at once from the global limit, each getting the next 429),
+        after the 429's `Retry-After`. Repeating is safe: messages carry nonces, edits
+        and typing repeat harmlessly. What bounds the waiting is the caller's deadline
+        (the dispatcher's `deliver_timeout_seconds` for a reply)."""
         attempt = 0
         while True:
             try:
                 return await request()
+            except discord.HTTPException as exc:
+                if exc.status != 429:
+                    raise
+                delay = _retry_after(exc)
+                logger.warning(
+                    "discord: {} in channel {} still rate limited after discord.py's"
+                    " retries; again in {:g}s",
+                    what,
+                    channel_id,
+                    delay,
+                )
+                await anyio.sleep(delay)
             except discord.RateLimited as exc:
                 logger.error(
                     "discord: {} in channel {} rate limited for {:.0f}s, longer than we wait;"

@@ -1,0 +1,505 @@
+"""Benchmark of every chat channel end to end: messages per second from the platform
+into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
+Matrix, WhatsApp and email in one run.
+
+    .venv/bin/python bench/channels.py             # a table
+    .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
+    .venv/bin/python bench/channels.py --channels discord,telegram --json
+
+Each channel runs the real `gateway run` (a subprocess, file mode) against the
+platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
+Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook), Synapse for
+Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
+Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
+whose server is not installed is skipped with the reason. The model is the fake OpenAI
+server, answering at once (an echo).
+
+Per channel, after everyone wrote once and was answered (not measured):
+- `handed/s`: how fast the benchmark handed the burst to the platform (where that is a
+  request per message, to Synapse or Dovecot, in parallel): a ceiling of `intake/s`.
+- `intake/s`: `--messages` messages from `--users` people handed to the platform at
+  once; messages per second from the first handed over until the last is in the
+  journal (rows of the workspace's dedupe.sqlite, read from outside the process).
+- `e2e/s`: the same burst, until the last reply reached the platform.
+- `p50`/`p99`: handed over -> reply at the platform, for `--paced` messages sent at
+  `--rate` a second, or at half the channel's `e2e/s` when that is lower (`paced/s`), so
+  that no queue builds up and the latency is the path's own. The reply's
+  time is the platform's record of it where it keeps one (the fakes' clocks, Synapse's
+  `origin_server_ts`), else when the benchmark saw it (polled every 10 ms).
+
+The fakes keep the platforms' own limits: Discord's (5 messages per 5 s per channel,
+50 requests per second in all) and WhatsApp's (80 messages a second) bound their
+`e2e/s`; Telegram's and Slack's fakes have none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import datetime
+import json
+import random
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
+
+from tests.fakes._serving import free_port  # noqa: E402
+from tests.fakes.openai_server import FakeOpenAI  # noqa: E402
+from tests.gateway_process import GatewayProcess, telegram_env  # noqa: E402
+from tests.test_kill_delivery import (  # noqa: E402
+    TOKEN,
+    Message,
+    plan_messages,
+    pushing,
+    slack_env,
+)
+
+CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email")
+
+
+class Platform(Protocol):
+    """One channel's platform as the benchmark drives it."""
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]: ...
+
+    def ready(self) -> None:
+        """Called once the gateway is up (e.g. wait until it joined the rooms)."""
+
+    def send(self, message: Message) -> None:
+        """Hand `message` to the platform, as its sender would."""
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        """(when the platform got it, time.time(), or None if it keeps no time; text) of
+        every reply so far."""
+
+
+def answered_tokens(replies: list[tuple[float | None, str]]) -> dict[str, float | None]:
+    """The first reply's time per message token (``u017 m0042``) the replies echo."""
+    first: dict[str, float | None] = {}
+    for at, text in replies:
+        if "echo: " in text:
+            for token in TOKEN.findall(text):
+                first.setdefault(token, at)
+    return first
+
+
+# -- the platforms -----------------------------------------------------------------------
+
+
+class Telegram:
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.telegram_server import FakeTelegram
+
+        self.fake = stack.enter_context(FakeTelegram.in_thread(token="777:BENCH-channels"))
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        return telegram_env(workspace, llm, self.fake)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        chat = 7000 + message.user
+        self.fake.push_update(self.fake.user_message(chat, message.text, user_id=chat))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (c.timestamp, str(c.params.get("text", "")))
+            for c in self.fake.calls_to("sendMessage")
+            if c.ok
+        ]
+
+
+class Slack:
+    """Slack's Events API over HTTP (each event POSTed, signed, retried until a 2xx)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.slack_server import FakeSlack
+
+        self.fake = stack.enter_context(FakeSlack.in_thread())
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/slack/events"
+        self.deliveries: list[concurrent.futures.Future[Any]] = []
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        return slack_env(workspace, llm, self.fake, self.port)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        payload = self.fake.dm_message(f"U0B{message.user:03d}", message.text)
+        self.deliveries.append(self.fake.deliver_event_soon(self.url, payload))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (c.timestamp, str(c.params.get("text", "")))
+            for c in self.fake.calls_to("chat.postMessage")
+            if c.ok
+        ]
+
+
+class Discord:
+    """Everyone in a DM with the bot; the Gateway brings the messages in."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.discord_server import FakeDiscord
+        from tests.test_discord_kill import World
+
+        self.fake = stack.enter_context(FakeDiscord.in_thread())
+        self.world = World(self.fake, users, in_servers=0)
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.test_discord_kill import discord_env
+
+        return discord_env(workspace, llm, self.fake)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.world.send(message)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (datetime.datetime.fromisoformat(m["timestamp"]).timestamp(), str(m["content"]))
+            for m in self.fake.bot_messages()
+        ]
+
+
+class WhatsApp:
+    """Meta's webhook: each message POSTed, signed, retried until a 2xx."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.whatsapp_server import FakeWhatsApp
+
+        self.fake = stack.enter_context(FakeWhatsApp.in_thread())
+        self.port = free_port()
+        self.fake.webhook_url = f"http://127.0.0.1:{self.port}/whatsapp/webhook"
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.test_whatsapp_kill import whatsapp_env
+
+        return whatsapp_env(workspace, llm, self.fake, self.port)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.fake.deliver_soon(self.fake.text_message(f"49151{message.user:08d}", message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(s.at, s.text) for s in self.fake.sent if s.type == "text"]
+
+
+class Matrix:
+    """A real Synapse; one DM room per person with the bot."""
+
+    senders = 8  # each message is a request to Synapse: send the burst in parallel
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.synapse_server import start_synapse
+
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-synapse-")))
+        self.synapse = start_synapse(folder)
+        stack.callback(self.synapse.stop)
+        self.bot = self.synapse.register()
+        self.people = [self.synapse.register() for _ in range(users)]
+        self.rooms: Any = None
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.test_matrix_kill import matrix_env
+
+        return matrix_env(workspace, llm, self.synapse, self.bot)
+
+    def ready(self) -> None:
+        from tests.test_matrix_kill import Rooms
+
+        self.rooms = Rooms(self.synapse, self.bot, self.people)
+        self.rooms.wait_joined()
+
+    def send(self, message: Message) -> None:
+        self.rooms.send(message)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        found: list[tuple[float | None, str]] = []
+        for person, room in zip(self.people, self.rooms.rooms, strict=True):
+            for event in self.synapse.messages(person, room):
+                if event["sender"] == self.bot.user_id:
+                    body = str(event["content"].get("body", ""))
+                    found.append((event["origin_server_ts"] / 1000, body))
+        return found
+
+
+class Email:
+    """Dovecot's mailbox (IMAP IDLE) in, a local SMTP server out."""
+
+    senders = 4  # each mail is an IMAP APPEND: append the burst in parallel
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.dovecot_server import running_dovecot
+        from tests.email_gateway import BOT, BOT_PASSWORD
+        from tests.smtp_server import running_smtp
+
+        accounts = {BOT: BOT_PASSWORD}
+        self.dovecot = stack.enter_context(running_dovecot(accounts))
+        self.smtp = stack.enter_context(running_smtp(accounts, dovecot=self.dovecot))
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.email_gateway import email_env
+
+        return email_env(workspace, llm, self.dovecot, self.smtp)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        from tests.test_email_kill import push_mail
+
+        push_mail(self.dovecot, message)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(None, text) for text in self.smtp.texts()]
+
+
+PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
+    "telegram": Telegram,
+    "slack": Slack,
+    "discord": Discord,
+    "matrix": Matrix,
+    "whatsapp": WhatsApp,
+    "email": Email,
+}
+
+
+def unavailable(name: str) -> str | None:
+    """Why channel `name` cannot run here (its server is not installed), or None."""
+    if name == "matrix":
+        from tests.synapse_server import INSTALL_HINT, SYNAPSE_VENV
+
+        if not (SYNAPSE_VENV / "bin" / "python").exists():
+            return f"Synapse is not installed in {SYNAPSE_VENV} ({INSTALL_HINT})"
+    if name == "email":
+        from tests.dovecot_server import INSTALL, dovecot_missing
+
+        missing = dovecot_missing()
+        if missing is not None:
+            return f"{missing} ({INSTALL})"
+    return None
+
+
+# -- measuring ---------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    channel: str
+    messages: int = 0
+    handed_per_s: float | None = None
+    intake_per_s: float | None = None
+    e2e_per_s: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    paced_per_s: float | None = None
+    note: str = ""
+
+
+class Watch:
+    """The replies as they come: each message token's first reply time, the platform's
+    when it keeps one, else when this saw it (polled every 10 ms in a thread)."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.first: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replies", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            seen = time.time()
+            for token, at in answered_tokens(self.platform.replies()).items():
+                self.first.setdefault(token, at if at is not None else seen)
+
+    def wait_for(self, messages: list[Message], timeout: float) -> float:
+        """The time (time.time()) the last of `messages` was answered."""
+        deadline = time.monotonic() + timeout
+        wanted = [m.text for m in messages]
+        while time.monotonic() < deadline:
+            first = self.first
+            if all(text in first for text in wanted):
+                return max(first[text] for text in wanted)
+            time.sleep(0.02)
+        missing = sum(1 for text in wanted if text not in self.first)
+        raise TimeoutError(f"{missing} of {len(wanted)} messages unanswered after {timeout:g}s")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def journaled(database: Path) -> int:
+    """Messages in the journal: taken in and not answered yet, or answered."""
+    if not database.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(database, timeout=5)) as conn:
+        try:
+            row = conn.execute(
+                "SELECT (SELECT count(*) FROM inbox) + (SELECT count(*) FROM answered)"
+            ).fetchone()
+        except sqlite3.OperationalError:
+            return 0  # not created yet
+    return int(row[0])
+
+
+def wait_journaled(database: Path, count: int, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if journaled(database) >= count:
+            return time.time()
+        time.sleep(0.01)
+    raise TimeoutError(f"{journaled(database)} of {count} journaled after {timeout:g}s")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@contextlib.contextmanager
+def gateway_for(platform: Platform, workspace: Path, llm: FakeOpenAI) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(platform.env(workspace, llm), workspace.parent)
+    try:
+        process.wait_readyz(process.wait_ready(120), 60)
+        yield process
+    finally:
+        with contextlib.suppress(Exception):
+            process.terminate(30)
+        process.stop()
+
+
+def bench_channel(name: str, args: argparse.Namespace) -> Row:
+    reason = unavailable(name)
+    if reason is not None:
+        return Row(name, note=f"skipped: {reason}")
+    users, count = args.users, args.messages
+    with (
+        tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as folder,
+        contextlib.ExitStack() as stack,
+    ):
+        workspace = Path(folder) / "ws"
+        llm = stack.enter_context(FakeOpenAI.in_thread())
+        platform = PLATFORMS[name](stack, users)
+        gateway = stack.enter_context(gateway_for(platform, workspace, llm))
+        platform.ready()
+        watch = Watch(platform)
+        stack.callback(watch.close)
+        try:
+            # Everyone writes once first: DMs and rooms exist, every session is warm.
+            intro = [Message(n, n) for n in range(users)]
+            for message in intro:
+                platform.send(message)
+            watch.wait_for(intro, args.timeout)
+            database = workspace / "dedupe.sqlite"
+            before = journaled(database)
+
+            rng = random.Random(7)
+            burst = [Message(m.user, users + m.number) for m in plan_messages(count, users, rng)]
+            started = time.time()
+            senders = getattr(platform, "senders", 1)
+            with concurrent.futures.ThreadPoolExecutor(senders) as pool:
+                list(pool.map(platform.send, burst))
+            handed_over = time.time()
+            in_journal = wait_journaled(database, before + count, args.timeout)
+            answered = watch.wait_for(burst, args.timeout)
+            e2e = count / max(answered - started, 1e-6)
+            rate = min(args.rate, e2e / 2)
+
+            first = users + count
+            paced = [
+                Message(m.user, first + m.number) for m in plan_messages(args.paced, users, rng)
+            ]
+            handed: dict[str, float] = {}
+
+            def send_paced(message: Message) -> None:
+                handed[message.text] = time.time()
+                platform.send(message)
+
+            with pushing(paced, rate, send_paced):
+                pass
+            watch.wait_for(paced, args.timeout)
+        except TimeoutError as exc:
+            tail = "".join(gateway.log[-15:])
+            return Row(name, note=f"failed: {exc}; the gateway's last lines:\n{tail}")
+        latencies = [max(0.0, watch.first[m.text] - handed[m.text]) * 1000 for m in paced]
+    return Row(
+        name,
+        messages=count,
+        handed_per_s=count / max(handed_over - started, 1e-6),
+        intake_per_s=count / max(in_journal - started, 1e-6),
+        e2e_per_s=e2e,
+        p50_ms=statistics.median(latencies),
+        p99_ms=percentile(latencies, 0.99),
+        paced_per_s=rate,
+    )
+
+
+def show(rows: list[Row], args: argparse.Namespace) -> None:
+    print(
+        f"channels: burst of {args.messages} messages from {args.users} people; latency over"
+        f" {args.paced} messages at up to {args.rate:g}/s (paced/s); the model answers at once"
+    )
+    print(
+        f"{'channel':<10} {'handed/s':>9} {'intake/s':>9} {'e2e/s':>8} {'paced/s':>8} {'p50 ms':>8}"
+        f" {'p99 ms':>8}  note"
+    )
+
+    def cell(value: float | None, width: int) -> str:
+        return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+    for row in rows:
+        print(
+            f"{row.channel:<10} {cell(row.handed_per_s, 9)} {cell(row.intake_per_s, 9)}"
+            f" {cell(row.e2e_per_s, 8)}"
+            f" {cell(row.paced_per_s, 8)} {cell(row.p50_ms, 8)} {cell(row.p99_ms, 8)}"
+            f"  {row.note}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--channels", default=",".join(CHANNELS), help="comma-separated")
+    parser.add_argument("--messages", type=int, default=400, help="burst size")
+    parser.add_argument("--users", type=int, default=40)
+    parser.add_argument("--paced", type=int, default=200, help="messages for the latency")
+    parser.add_argument("--rate", type=float, default=10.0, help="paced messages a second")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--quick", action="store_true", help="a short run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.messages, args.users, args.paced = 60, 10, 30
+    names = [n.strip() for n in args.channels.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PLATFORMS]
+    if unknown:
+        parser.error(f"unknown channel(s) {', '.join(unknown)}; choose from {', '.join(CHANNELS)}")
+    rows = [bench_channel(name, args) for name in names]
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        show(rows, args)
+
+
+if __name__ == "__main__":
+    main()
