@@ -68,6 +68,33 @@ def refused(fake: FakeOpenAI) -> list[int]:
     return [i for i, r in enumerate(fake.chat_requests) if estimate_prompt_tokens(r.body) >= window]
 
 
+@pytest.mark.parametrize(("window", "tools_sent"), [(2048, False), (8192, True)])
+async def test_tools_are_left_out_of_a_window_they_would_crowd(
+    make_settings: Callable[..., Settings], window: int, tools_sent: bool
+) -> None:
+    """The tools' definitions (about a thousand tokens for the default ten) take more
+    than a quarter of llama-server's 2,048: the request goes without them, and fits;
+    a window of 8,192 carries them."""
+    logged: list[str] = []
+    sink = logger.add(lambda message: logged.append(str(message)), level="WARNING")
+    try:
+        async with server("llama.cpp", context_window=window) as fake:
+            gw = Gateway.build(quiet(make_settings, fake))
+            try:
+                assert gw.agent.tools.specs()  # the memory tools are on
+                for n in range(2):
+                    reply = await gw.agent.handle(inbound(f"hello {n}"))
+                    assert reply.text == f"echo: hello {n}", reply.text
+            finally:
+                await gw.aclose()
+    finally:
+        logger.remove(sink)
+    assert refused(fake) == []
+    assert [bool(r.body.get("tools")) for r in fake.chat_requests] == [tools_sent] * 2
+    warned = [line for line in logged if "too small for the tools" in line]
+    assert len(warned) == (0 if tools_sent else 1)  # said once, not per turn
+
+
 # -- asking the server --------------------------------------------------------------------
 
 

@@ -248,6 +248,7 @@ class AgentLoop:
         #: The tools' definitions last offered and their estimated tokens (the same
         #: specs turn after turn: estimating them is a JSON dump each).
         self._offered: tuple[tuple[ToolSpec, ...], int] = ((), 0)
+        self._toolless: set[tuple[str, int]] = set()  # (model, window) told of no tools
         #: The window each model's requests are fitted to (shared with consolidation).
         self.windows = windows or ContextWindows(
             configured=config.context_window,
@@ -691,6 +692,8 @@ class AgentLoop:
         specs = self.tools.specs()
         tool_tokens = self._tools_tokens(specs)
         await self.windows.ensure(model)  # asks the server once per model, bounded
+        if specs and tool_tokens > self.windows.known(model).tokens // 4:
+            specs, tool_tokens = self._without_tools(model, tool_tokens)
 
         def fit(history: Sequence[LLMMessage], cap: int | None = None) -> ContextPlan:
             window = self.windows.known(model).tokens
@@ -1046,6 +1049,24 @@ class AgentLoop:
         if exc.prompt_tokens:
             counted = TokenUsage(prompt_tokens=exc.prompt_tokens)
             self.context.observe(key, sent, counted, self._tools_tokens(specs))
+
+    def _without_tools(self, model: str, tool_tokens: int) -> tuple[list[ToolSpec], int]:
+        """No tools for a window they would crowd: their definitions take more than a
+        quarter of it (llama-server's 2,048 tokens hold ten tools and little else), so
+        the model answers without them rather than the request overflowing, or leaving
+        the reply a few dozen tokens. Said once per model and window size."""
+        window = self.windows.known(model)
+        if (model, window.tokens) not in self._toolless:
+            self._toolless.add((model, window.tokens))
+            logger.warning(
+                "{}'s context window of {:,} tokens is too small for the tools' "
+                "definitions (about {:,} tokens): the model answers without tools; give the "
+                "model's server a larger context size to use them",
+                model,
+                window.tokens,
+                tool_tokens,
+            )
+        return [], 0
 
     def _tools_tokens(self, specs: Sequence[ToolSpec]) -> int:
         """`estimate_tools_tokens(specs)`, estimated again only when the tools change."""
