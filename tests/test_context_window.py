@@ -76,7 +76,7 @@ async def test_tools_are_left_out_of_a_window_they_would_crowd(
     than a quarter of llama-server's 2,048: the request goes without them, and fits;
     a window of 8,192 carries them."""
     logged: list[str] = []
-    sink = logger.add(lambda message: logged.append(str(message)), level="WARNING")
+    sink = logger.add(lambda message: logged.append(str(message)), level="INFO")
     try:
         async with server("llama.cpp", context_window=window) as fake:
             gw = Gateway.build(quiet(make_settings, fake))

@@ -1058,7 +1058,8 @@ class AgentLoop:
         window = self.windows.known(model)
         if (model, window.tokens) not in self._toolless:
             self._toolless.add((model, window.tokens))
-            logger.warning(
+            # Info, not a warning: `gateway chat -m` shows warnings on every call.
+            logger.info(
                 "{}'s context window of {:,} tokens is too small for the tools' "
                 "definitions (about {:,} tokens): the model answers without tools; give the "
                 "model's server a larger context size to use them",
