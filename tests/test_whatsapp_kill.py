@@ -244,11 +244,15 @@ def test_a_kill_between_the_journal_and_the_200_loses_and_repeats_nothing(
         with pushing(sent, rate, deliver):
             for number in range(kills):
                 assert run.current is not None
-                run.current.wait_for_line("failpoint whatsapp.before_ack reached", timeout=30)
+                run.current.wait_logged("failpoint whatsapp.before_ack reached", timeout=30)
                 run.kill()
                 if number == kills - 1:
                     run.env = env  # the last one runs to the end
-                run.start()
+                    run.start()
+                else:
+                    # Deliveries keep coming: it may stop at the failpoint before it
+                    # logs "ready" or answers /readyz, so nothing is waited for here.
+                    run.launch()
         concurrent.futures.wait(futures, timeout=DELIVERY_MAX + 10)
         tally, statuses = finish(
             fake, run, sent, workspace, tmp_path, started, "whatsapp-before-ack"
