@@ -139,7 +139,7 @@ def tally_of(
         sent=sent,
         user_entries=user,
         assistant_entries=assistant,
-        reply_order=answered,
+        reply_order=[(text,) for text in answered],  # one message per reply
         other_replies=other,
         kills=run.kills,
         seconds=time.monotonic() - started,

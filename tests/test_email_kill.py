@@ -160,7 +160,7 @@ def tally(
         sent=sent,
         user_entries=user,
         assistant_entries=assistant,
-        reply_order=answered,
+        reply_order=[(text,) for text in answered],  # one message per reply
         other_replies=other,
         kills=gateways.kills,
         seconds=time.monotonic() - started,

@@ -203,7 +203,7 @@ class Tally:
     assistant_entries: Counter[str]
     #: The messages each reply answered, in the order the replies went out: one each,
     #: or in the steer mode a turn's own and those that joined it.
-    reply_order: Sequence[tuple[str, ...]] | Sequence[str]
+    reply_order: Sequence[tuple[str, ...]]
     other_replies: Sequence[str]
     kills: int
     seconds: float
@@ -220,10 +220,7 @@ class Tally:
     replies: Counter[str] = field(init=False)  # replies per message text
 
     def __post_init__(self) -> None:
-        # A channel whose replies each answer one message may give the texts alone.
-        order = [(r,) if isinstance(r, str) else tuple(r) for r in self.reply_order]
-        object.__setattr__(self, "reply_order", order)
-        object.__setattr__(self, "replies", Counter(answered_texts(order)))
+        object.__setattr__(self, "replies", Counter(answered_texts(self.reply_order)))
 
     @property
     def steered(self) -> int:
