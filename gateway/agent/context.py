@@ -721,13 +721,21 @@ def _near_duplicates(
 TOOL_GROUP_SLACK = 8
 
 
+def reserve_cap(context_window: int) -> int:
+    """The most of `context_window` set aside for the reply, and for the tools'
+    definitions, each: a quarter. Tools past it crowd the window (see the loop's
+    `_without_tools`)."""
+    return context_window // 4
+
+
 def reply_reserve_for(context_window: int, reserve: int, fixed_tokens: int = 0) -> int:
     """The tokens of `context_window` kept free of messages: `reserve` for the reply and
     `fixed_tokens` for what every request carries besides them (the tools' definitions),
-    each at most a quarter of the window. A reserve sized for a large window would leave
-    a small one, such as llama.cpp's 4,096 or Ollama's 2,048, little room for the prompt;
-    and a server whose chat template leaves the tools out does not count them at all."""
-    quarter = context_window // 4
+    each at most `reserve_cap` of the window. A reserve sized for a large window would
+    leave a small one, such as llama.cpp's 4,096 or Ollama's 2,048, little room for the
+    prompt; and a server whose chat template leaves the tools out does not count them at
+    all."""
+    quarter = reserve_cap(context_window)
     return max(0, min(reserve, quarter)) + max(0, min(fixed_tokens, quarter))
 
 

@@ -31,7 +31,7 @@ from gateway.agent.commands import (
     parse_command,
     unknown_command_text,
 )
-from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs
+from gateway.agent.context import ContextBuilder, ContextPlan, repair_tool_pairs, reserve_cap
 from gateway.agent.inputs import UserInput, read_user_input, with_images
 from gateway.agent.memory_tools import correct_text, facts_text, forget_text, memory_texts
 from gateway.agent.offline import is_stale, message_age, offline_notice
@@ -692,7 +692,7 @@ class AgentLoop:
         specs = self.tools.specs()
         tool_tokens = self._tools_tokens(specs)
         await self.windows.ensure(model)  # asks the server once per model, bounded
-        if specs and tool_tokens > self.windows.known(model).tokens // 4:
+        if specs and tool_tokens > reserve_cap(self.windows.known(model).tokens):
             specs, tool_tokens = self._without_tools(model, tool_tokens)
 
         def fit(history: Sequence[LLMMessage], cap: int | None = None) -> ContextPlan:
