@@ -309,8 +309,11 @@ class OpenAIRoutes:
         self, request: web.Request, door: Door, turn: DoorTurn, parsed: CompletionRequest
     ) -> web.StreamResponse:
         """Server-sent events; see the module doc for when the stream starts."""
-        deltas: asyncio.Queue[str] = asyncio.Queue()
+        # The turn's deltas, then None once it ends: one queue read per delta, and no
+        # task or wait per delta (a streamed reply has hundreds).
+        deltas: asyncio.Queue[str | None] = asyncio.Queue()
         run = asyncio.ensure_future(door.run(turn, deltas.put_nowait))
+        run.add_done_callback(lambda _: deltas.put_nowait(None))
         completion_id, created = _completion_id(), int(time.time())
         usage_on = parsed.include_usage
         response: web.StreamResponse | None = None
@@ -339,15 +342,8 @@ class OpenAIRoutes:
                 sent.append(text)
 
         try:
-            while not run.done():
-                getter = asyncio.ensure_future(deltas.get())
-                await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    await send(getter.result())
-                else:
-                    getter.cancel()
-            while not deltas.empty():
-                await send(deltas.get_nowait())
+            while (text := await deltas.get()) is not None:
+                await send(text)
             try:
                 reply = run.result()
             except OpenAIError as exc:
