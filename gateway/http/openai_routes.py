@@ -31,7 +31,7 @@ from aiohttp import hdrs, web
 from loguru import logger
 from pydantic import SecretStr
 
-from gateway.http.auth import BearerCheck, secret_value, www_authenticate
+from gateway.http.auth import BearerCheck, bearer_credentials, secret_value, www_authenticate
 from gateway.http.openai_api import (
     DEFAULT_CLIENT,
     IDEMPOTENCY_HEADER,
@@ -94,12 +94,9 @@ def find_client(
 ) -> tuple[BearerCheck, ApiClient | None]:
     """The client whose token the `Authorization` header carries. Every token is
     compared (no early exit), so the time taken does not say which one was close."""
-    if not authorization:
+    given = bearer_credentials(authorization)
+    if given is None:
         return BearerCheck.MISSING, None
-    scheme, _, credentials = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not credentials.strip():
-        return BearerCheck.MISSING, None
-    given = credentials.strip().encode("utf-8", "surrogateescape")
     found = None
     for client in clients:
         if hmac.compare_digest(given, client.token.encode("utf-8")) and found is None:
