@@ -31,7 +31,7 @@ from aiohttp import hdrs, web
 from loguru import logger
 from pydantic import SecretStr
 
-from gateway.http.auth import BearerCheck, bearer_credentials, secret_value, www_authenticate
+from gateway.http.auth import BearerCheck, bearer_credentials, secret_value
 from gateway.http.openai_api import (
     DEFAULT_CLIENT,
     IDEMPOTENCY_HEADER,
@@ -183,20 +183,11 @@ class OpenAIRoutes:
                 headers={hdrs.RETRY_AFTER: str(retry_after)},
             )
         checked, client = find_client(request.headers.get(hdrs.AUTHORIZATION), self.clients)
-        if checked is BearerCheck.INVALID:
-            throttle.failed(request.remote)
-        if client is None:
-            message = (
-                "missing bearer token; send Authorization: Bearer <token>"
-                if checked is BearerCheck.MISSING
-                else "invalid bearer token"
-            )
-            raise OpenAIError(
-                401,
-                message,
-                code="invalid_api_key",
-                headers={hdrs.WWW_AUTHENTICATE: www_authenticate(checked)},
-            )
+        refused = self.server.bearer_refusal(request, checked)
+        if refused is not None:
+            message, headers = refused
+            raise OpenAIError(401, message, code="invalid_api_key", headers=headers)
+        assert client is not None  # find_client finds one exactly when the check is OK
         if not self.server.health.accepting:
             raise OpenAIError(
                 503,
