@@ -40,6 +40,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from gateway.messages import session_key_from_name
+from gateway.queue_modes import QueueMode
 
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_NAME = "gateway.toml"
@@ -632,14 +633,14 @@ class DispatchSettings(_Section):
     max_queued_total: int = Field(
         10_000, ge=1, description="Messages waiting in all sessions together, at most."
     )
-    mode: Literal["followup", "collect", "steer", "interrupt"] = Field(
+    mode: QueueMode = Field(
         "followup",
         description="Messages sent while a conversation's turn runs: followup = a turn "
         "each, after it; collect = merged into the next turn; steer = joins the running "
         "turn at its next step (after its tool calls); interrupt = stops the running turn "
         "(as /stop) and starts the next with it. /queue MODE sets one conversation's.",
     )
-    channel_modes: dict[str, Literal["followup", "collect", "steer", "interrupt"]] = Field(
+    channel_modes: dict[str, QueueMode] = Field(
         default_factory=dict,
         description="A channel's own mode, in place of mode, one line each.",
     )

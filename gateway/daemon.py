@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
     from gateway.access import ChannelAccessPolicy, PairingBackend
     from gateway.agent.mcp import MCPServers, ServerState
+    from gateway.cursors import Lead
     from gateway.dedupe import DedupeStore
     from gateway.dispatch import SubmitStatus
     from gateway.http.admin import AdminPage
@@ -851,22 +852,25 @@ class Daemon:
         page.mount(self.http)
         return page
 
+    def _lead(self, role: str) -> Lead:
+        """Who reads a platform's stream and keeps its read position: this process, its
+        cursor in the workspace; or, in the shared mode, the one replica holding `role`
+        in PostgreSQL (`gateway.cursors_pg`)."""
+        from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
+
+        if self.router is not None:
+            from gateway.cursors_pg import lead_as
+
+            return lead_as(self.router.store.url, role)
+        return run_with(FileCursorStore(self.gateway.settings.workspace_path / CURSOR_FILE))
+
     def _email_channel(self) -> Channel:
         """The mailbox's channel: its read mark a cursor in the workspace, or in
         PostgreSQL under the "email watcher" role that one replica holds (it holds the
         IMAP connection; every replica sends replies)."""
         from channels.email import EmailChannel
-        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
 
-        settings = self.gateway.settings
-        lead: Lead
-        if self.router is not None:
-            from gateway.cursors_pg import lead_as
-
-            lead = lead_as(self.router.store.url, "email watcher")
-        else:
-            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
-        email = EmailChannel(settings.channels.email, lead=lead)
+        email = EmailChannel(self.gateway.settings.channels.email, lead=self._lead("email watcher"))
         metrics = self.metrics
 
         async def count_mail() -> None:
@@ -881,22 +885,17 @@ class Daemon:
         (Matrix allows one sync per device, and one user of its keys); the other replicas'
         replies to encrypted rooms go through that one (`gateway.relay_pg`)."""
         from channels.matrix import MatrixChannel
-        from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
 
         settings = self.gateway.settings
         matrix = MatrixChannel(
             settings.channels.matrix, token=settings.channels.matrix.resolved_token() or ""
         )
         matrix.invite_check = self.access.check
-        if self.router is not None:
-            from gateway.cursors_pg import lead_as
+        matrix.lead = self._lead("matrix sync")
+        if self.router is not None and settings.channels.matrix.encryption:
             from gateway.relay_pg import PostgresRelay
 
-            matrix.lead = lead_as(self.router.store.url, "matrix sync")
-            if settings.channels.matrix.encryption:
-                matrix.relay = PostgresRelay(self.router.store, "matrix sync")
-        else:
-            matrix.lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
+            matrix.relay = PostgresRelay(self.router.store, "matrix sync")
         return matrix
 
     def _whatsapp_channel(self) -> Channel:
@@ -943,21 +942,12 @@ class Daemon:
         PostgreSQL under the "discord gateway" role that one replica holds (it holds the
         Gateway connection and reads back; every replica sends replies)."""
         from channels.discord import DiscordChannel
-        from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
 
-        settings = self.gateway.settings
-        lead: Lead
-        if self.router is not None:
-            from gateway.cursors_pg import lead_as
-
-            lead = lead_as(self.router.store.url, "discord gateway")
-        else:
-            lead = run_with(FileCursorStore(settings.workspace_path / CURSOR_FILE))
-        section = settings.channels.discord
+        section = self.gateway.settings.channels.discord
         return DiscordChannel(
             section,
             token=section.resolved_token() or "",
-            lead=lead,
+            lead=self._lead("discord gateway"),
             replicas=self.router is not None,
         )
 

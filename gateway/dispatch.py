@@ -916,7 +916,9 @@ class Dispatcher:
         inbox = lane.inbox
         if inbox is None or not lane.current or item.skip or item not in lane.queue:
             return
-        if not self._may_join(item, item) or self._mode(item.message, inbox) != "interrupt":
+        # The mode first: a dict read, where `joinable` parses the text (a command?), and
+        # most sessions are not in the interrupt mode.
+        if self._mode(item.message, inbox) != "interrupt" or not self._may_join(item, item):
             return
         if inbox.stop():
             self._counters.interrupted_turns += 1

@@ -62,14 +62,22 @@ class BearerCheck(StrEnum):
     INVALID = "invalid"
 
 
-def check_bearer(authorization: str | None, token: str) -> BearerCheck:
-    """Check an `Authorization` header against the configured token (RFC 6750 bearer)."""
+def bearer_credentials(authorization: str | None) -> bytes | None:
+    """The token an `Authorization: Bearer <token>` header carries, as bytes to compare
+    in constant time (None: no header, another scheme, or an empty token)."""
     if not authorization:
-        return BearerCheck.MISSING
+        return None
     scheme, _, credentials = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not credentials.strip():
+        return None
+    return credentials.strip().encode("utf-8", "surrogateescape")
+
+
+def check_bearer(authorization: str | None, token: str) -> BearerCheck:
+    """Check an `Authorization` header against the configured token (RFC 6750 bearer)."""
+    given = bearer_credentials(authorization)
+    if given is None:
         return BearerCheck.MISSING
-    given = credentials.strip().encode("utf-8", "surrogateescape")
     if hmac.compare_digest(given, token.encode("utf-8")):
         return BearerCheck.OK
     return BearerCheck.INVALID

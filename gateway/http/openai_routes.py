@@ -31,7 +31,7 @@ from aiohttp import hdrs, web
 from loguru import logger
 from pydantic import SecretStr
 
-from gateway.http.auth import BearerCheck, secret_value, www_authenticate
+from gateway.http.auth import BearerCheck, bearer_credentials, secret_value
 from gateway.http.openai_api import (
     DEFAULT_CLIENT,
     IDEMPOTENCY_HEADER,
@@ -94,12 +94,9 @@ def find_client(
 ) -> tuple[BearerCheck, ApiClient | None]:
     """The client whose token the `Authorization` header carries. Every token is
     compared (no early exit), so the time taken does not say which one was close."""
-    if not authorization:
+    given = bearer_credentials(authorization)
+    if given is None:
         return BearerCheck.MISSING, None
-    scheme, _, credentials = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not credentials.strip():
-        return BearerCheck.MISSING, None
-    given = credentials.strip().encode("utf-8", "surrogateescape")
     found = None
     for client in clients:
         if hmac.compare_digest(given, client.token.encode("utf-8")) and found is None:
@@ -186,20 +183,11 @@ class OpenAIRoutes:
                 headers={hdrs.RETRY_AFTER: str(retry_after)},
             )
         checked, client = find_client(request.headers.get(hdrs.AUTHORIZATION), self.clients)
-        if checked is BearerCheck.INVALID:
-            throttle.failed(request.remote)
-        if client is None:
-            message = (
-                "missing bearer token; send Authorization: Bearer <token>"
-                if checked is BearerCheck.MISSING
-                else "invalid bearer token"
-            )
-            raise OpenAIError(
-                401,
-                message,
-                code="invalid_api_key",
-                headers={hdrs.WWW_AUTHENTICATE: www_authenticate(checked)},
-            )
+        refused = self.server.bearer_refusal(request, checked)
+        if refused is not None:
+            message, headers = refused
+            raise OpenAIError(401, message, code="invalid_api_key", headers=headers)
+        assert client is not None  # find_client finds one exactly when the check is OK
         if not self.server.health.accepting:
             raise OpenAIError(
                 503,
@@ -309,8 +297,11 @@ class OpenAIRoutes:
         self, request: web.Request, door: Door, turn: DoorTurn, parsed: CompletionRequest
     ) -> web.StreamResponse:
         """Server-sent events; see the module doc for when the stream starts."""
-        deltas: asyncio.Queue[str] = asyncio.Queue()
+        # The turn's deltas, then None once it ends: one queue read per delta, and no
+        # task or wait per delta (a streamed reply has hundreds).
+        deltas: asyncio.Queue[str | None] = asyncio.Queue()
         run = asyncio.ensure_future(door.run(turn, deltas.put_nowait))
+        run.add_done_callback(lambda _: deltas.put_nowait(None))
         completion_id, created = _completion_id(), int(time.time())
         usage_on = parsed.include_usage
         response: web.StreamResponse | None = None
@@ -339,15 +330,8 @@ class OpenAIRoutes:
                 sent.append(text)
 
         try:
-            while not run.done():
-                getter = asyncio.ensure_future(deltas.get())
-                await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    await send(getter.result())
-                else:
-                    getter.cancel()
-            while not deltas.empty():
-                await send(deltas.get_nowait())
+            while (text := await deltas.get()) is not None:
+                await send(text)
             try:
                 reply = run.result()
             except OpenAIError as exc:

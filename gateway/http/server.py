@@ -385,6 +385,22 @@ class HttpServer:
         body, content_type = await self.metrics.collect(request.headers.get(hdrs.ACCEPT, ""))
         return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type})
 
+    def bearer_refusal(
+        self, request: web.Request, checked: BearerCheck
+    ) -> tuple[str, dict[str, str]] | None:
+        """None for a good token; else the 401's message and headers (every API route
+        says the same). A wrong token counts against the client's address."""
+        if checked is BearerCheck.OK:
+            return None
+        if checked is BearerCheck.INVALID:
+            self.auth_throttle.failed(request.remote)
+        message = (
+            "missing bearer token; send Authorization: Bearer <token>"
+            if checked is BearerCheck.MISSING
+            else "invalid bearer token"
+        )
+        return message, {hdrs.WWW_AUTHENTICATE: www_authenticate(checked)}
+
     async def _chat_api(self, request: web.Request) -> web.Response:
         if self._token is None:
             return json_error(503, f"the chat API is off until a token is set: set {TOKEN_ENV}")
@@ -394,17 +410,9 @@ class HttpServer:
                 429, _too_many_failures(retry_after), headers={hdrs.RETRY_AFTER: str(retry_after)}
             )
         checked = check_bearer(request.headers.get(hdrs.AUTHORIZATION), self._token)
-        if checked is BearerCheck.INVALID:
-            self.auth_throttle.failed(request.remote)
-        if checked is not BearerCheck.OK:
-            message = (
-                "missing bearer token; send Authorization: Bearer <token>"
-                if checked is BearerCheck.MISSING
-                else "invalid bearer token"
-            )
-            return json_error(
-                401, message, headers={hdrs.WWW_AUTHENTICATE: www_authenticate(checked)}
-            )
+        refused = self.bearer_refusal(request, checked)
+        if refused is not None:
+            return json_error(401, refused[0], headers=refused[1])
         if not self.health.accepting:
             return self._not_accepting()
         if self._chat is None:
