@@ -41,13 +41,13 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from email import policy
 from email.message import EmailMessage, Message
 from email.parser import BytesParser
 from email.utils import formataddr, formatdate, parsedate_to_datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -71,7 +71,14 @@ from channels.email.headers import (
     sender_of,
     thread_root,
 )
-from channels.email.mailbox import Fetched, ImapOptions, ImapSession, MailboxError, network_errors
+from channels.email.mailbox import (
+    Fetched,
+    ImapOptions,
+    ImapSession,
+    MailboxError,
+    network_errors,
+    tls_context,
+)
 from channels.email.state import MailboxMark, MailboxMarks
 from gateway import failpoints
 from gateway.access import META_IS_GROUP, META_SENDER_NAME
@@ -89,6 +96,9 @@ from gateway.messages import (
 )
 from gateway.sessions.errors import SessionKeyError
 from gateway.sessions.keys import encode_key
+
+if TYPE_CHECKING:
+    import aiosmtplib
 
 CHANNEL = "email"
 THREAD = "thread"
@@ -446,6 +456,27 @@ def imap_options(settings: EmailSettings, password: str, timeout: float = 60.0) 
     )
 
 
+def smtp_port(settings: EmailSettings) -> int:
+    """The configured SMTP port, else the standard one for its TLS mode."""
+    return settings.smtp_port or (465 if settings.smtp_security == "tls" else 587)
+
+
+def smtp_client(settings: EmailSettings, *, timeout: float) -> aiosmtplib.SMTP:
+    """An SMTP client for the configured server, not yet connected (the channel's sends
+    and `gateway doctor` use the same port and TLS choice)."""
+    import aiosmtplib
+
+    security = settings.smtp_security
+    return aiosmtplib.SMTP(
+        hostname=settings.smtp_host,
+        port=smtp_port(settings),
+        use_tls=security == "tls",
+        start_tls=security == "starttls",
+        tls_context=tls_context(settings.tls_ca_file),
+        timeout=timeout,
+    )
+
+
 def check_settings(settings: EmailSettings) -> None:
     """Raise ConfigError naming what is missing for the channel to run."""
     missing = [
@@ -743,18 +774,7 @@ class EmailChannel:
         import aiosmtplib
 
         settings = self.settings
-        security = settings.smtp_security
-        port = settings.smtp_port or (465 if security == "tls" else 587)
-        from channels.email.mailbox import tls_context
-
-        smtp = aiosmtplib.SMTP(
-            hostname=settings.smtp_host,
-            port=port,
-            use_tls=security == "tls",
-            start_tls=security == "starttls",
-            tls_context=tls_context(settings.tls_ca_file),
-            timeout=self.pacing.timeout,
-        )
+        smtp = smtp_client(settings, timeout=self.pacing.timeout)
         sender = normalize_address(settings.address or "")
         data_sent = False
         try:
@@ -776,7 +796,7 @@ class EmailChannel:
             raise SendFailure(f"{exc.code} {exc.message}", retry=exc.code < 500) from None
         except aiosmtplib.SMTPNotSupported as exc:
             raise SendFailure(
-                f"{settings.smtp_host}:{port} does not offer it ({exc}); check "
+                f"{settings.smtp_host}:{smtp_port(settings)} does not offer it ({exc}); check "
                 "channels.email.smtp_security and smtp_port",
                 retry=False,
             ) from None
@@ -809,7 +829,7 @@ class EmailChannel:
             for folder in (self.settings.folder, self.settings.processed_folder):
                 if not folder:
                     continue
-                options = ImapOptions(**{**_options_dict(self.imap), "folder": folder})
+                options = replace(self.imap, folder=folder)
                 session = ImapSession.open(options, readonly=True)
                 try:
                     found = uid if session.uidvalidity == uidvalidity else None
@@ -848,10 +868,6 @@ class EmailChannel:
         return data
 
 
-def _options_dict(options: ImapOptions) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in ImapOptions.__dataclass_fields__}
-
-
 # --------------------------------------------------------------------------- doctor
 
 
@@ -884,18 +900,8 @@ async def check_mailbox(settings: EmailSettings) -> str:
         raise EmailSetupError(
             f"email: cannot reach IMAP at {options.host}:{options.port} ({exc})"
         ) from None
-    from channels.email.mailbox import tls_context
-
-    security = settings.smtp_security
-    port = settings.smtp_port or (465 if security == "tls" else 587)
-    smtp = aiosmtplib.SMTP(
-        hostname=settings.smtp_host,
-        port=port,
-        use_tls=security == "tls",
-        start_tls=security == "starttls",
-        tls_context=tls_context(settings.tls_ca_file),
-        timeout=15.0,
-    )
+    port = smtp_port(settings)
+    smtp = smtp_client(settings, timeout=15.0)
     try:
         await smtp.connect()
         username = settings.smtp_username or settings.username or settings.address or ""
