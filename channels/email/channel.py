@@ -41,6 +41,7 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from email import policy
@@ -114,6 +115,9 @@ _SIGNATURES = frozenset(
     {"application/pgp-signature", "application/pkcs7-signature", "application/x-pkcs7-signature"}
 )
 _PARSER = BytesParser(policy=policy.default)
+#: How long `fetch_file` keeps the mail it read last (a turn fetches a mail's files one
+#: after another, within seconds).
+MAIL_KEPT_SECONDS = 60.0
 
 
 class EmailSetupError(Exception):
@@ -527,6 +531,8 @@ class EmailChannel:
         #: Messages taken and confirmed since start, and those skipped (tests, metrics).
         self.taken = 0
         self.skipped = 0
+        #: The mail `fetch_file` read last: ((uidvalidity, uid, Message-ID), bytes, when).
+        self._last_mail: tuple[tuple[int, int, str], bytes, float] | None = None
 
     @property
     def mailbox(self) -> str:
@@ -821,9 +827,12 @@ class EmailChannel:
     async def fetch_file(self, attachment: Attachment, *, max_bytes: int) -> bytes:
         """A file of a mail: the mail is read again (over a connection of its own, on
         whichever replica runs the turn), found by UID or, after a move or a renumber,
-        by its Message-ID, and the file taken out of it."""
+        by its Message-ID, and the file taken out of it. The mail read last is kept for
+        `MAIL_KEPT_SECONDS`: a turn asks for a mail's files one after another, and each
+        would otherwise cost a login and the whole mail again."""
         uidvalidity, uid, index, mid = parse_file_id(attachment.file_id)
         limit = int(self.settings.max_message_mb * 2**20)
+        key = (uidvalidity, uid, mid)
 
         def read() -> bytes:
             for folder in (self.settings.folder, self.settings.processed_folder):
@@ -844,14 +853,18 @@ class EmailChannel:
                     session.close()
             raise MediaError("the mail is no longer in the mailbox")
 
-        def extract() -> bytes | None:
-            msg = _PARSER.parsebytes(read())
+        def extract(raw: bytes) -> bytes | None:
+            msg = _PARSER.parsebytes(raw)
             assert isinstance(msg, EmailMessage)
             parts = attachment_parts(msg)
             return attachment_bytes(parts[index]) if index < len(parts) else None
 
         try:
-            data = await anyio.to_thread.run_sync(extract)  # parsing too: off the loop
+            raw = self._kept_mail(key)
+            if raw is None:
+                raw = await anyio.to_thread.run_sync(read)
+                self._last_mail = (key, raw, time.monotonic())
+            data = await anyio.to_thread.run_sync(extract, raw)  # parsing too: off the loop
         except MailboxError as exc:
             raise MediaError(str(exc)) from None
         except network_errors() as exc:
@@ -866,6 +879,17 @@ class EmailChannel:
                 f"it is {len(data) / 2**20:.1f} MB; the limit is {max_bytes / 2**20:.0f} MB"
             )
         return data
+
+    def _kept_mail(self, key: tuple[int, int, str]) -> bytes | None:
+        """The mail `fetch_file` read last, if it is `key` and recent; it is let go
+        after `MAIL_KEPT_SECONDS` (it may be large)."""
+        kept = self._last_mail
+        if kept is None:
+            return None
+        if time.monotonic() - kept[2] > MAIL_KEPT_SECONDS:
+            self._last_mail = None
+            return None
+        return kept[1] if kept[0] == key else None
 
 
 # --------------------------------------------------------------------------- doctor
