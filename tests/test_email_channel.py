@@ -374,6 +374,42 @@ async def test_machines_mail_is_not_submitted_nor_flagged(
     assert flags_of(dovecot) == [set(), set(), set(), {SEEN}]
 
 
+def _logins(dovecot: Dovecot) -> int:
+    return dovecot.log_path.read_text(errors="replace").count(f"Login: user=<{BOT}>")
+
+
+async def test_a_mails_files_are_read_from_the_server_once(
+    servers: tuple[Dovecot, SmtpServer], tmp_path: Path
+) -> None:
+    """A turn asks for a mail's files one after another: the mail is fetched once, not
+    once per file (a login and the whole mail each time)."""
+    dovecot, smtp = servers
+    pdf, png = b"%PDF-1.4 " + b"p" * 500, b"\x89PNG\r\n\x1a\n" + b"x" * 700
+    dovecot.append(
+        BOT,
+        raw_mail(
+            "two files",
+            message_id="<two@example.org>",
+            files=[("a.pdf", "application/pdf", pdf), ("b.png", "image/png", png)],
+        ),
+    )
+    recorder = Recorder()
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=FAST)
+
+    async def body() -> None:
+        (message,) = await recorder.wait(1)
+        first, second = message.attachments
+        await until(lambda: _logins(dovecot) >= 2)  # the start's check and the watcher's
+        before = _logins(dovecot)
+        assert await channel.fetch_file(first, max_bytes=10_000) == pdf
+        await until(lambda: _logins(dovecot) == before + 1)
+        assert await channel.fetch_file(second, max_bytes=10_000) == png
+        await anyio.sleep(0.5)  # a second login would be in the log by now
+        assert _logins(dovecot) == before + 1
+
+    await run_channel(channel, recorder, body)
+
+
 async def test_processed_mail_is_moved_and_its_files_are_still_found(
     servers: tuple[Dovecot, SmtpServer], tmp_path: Path
 ) -> None:

@@ -41,13 +41,14 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from email import policy
 from email.message import EmailMessage, Message
 from email.parser import BytesParser
 from email.utils import formataddr, formatdate, parsedate_to_datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -71,7 +72,14 @@ from channels.email.headers import (
     sender_of,
     thread_root,
 )
-from channels.email.mailbox import Fetched, ImapOptions, ImapSession, MailboxError, network_errors
+from channels.email.mailbox import (
+    Fetched,
+    ImapOptions,
+    ImapSession,
+    MailboxError,
+    network_errors,
+    tls_context,
+)
 from channels.email.state import MailboxMark, MailboxMarks
 from gateway import failpoints
 from gateway.access import META_IS_GROUP, META_SENDER_NAME
@@ -90,6 +98,9 @@ from gateway.messages import (
 from gateway.sessions.errors import SessionKeyError
 from gateway.sessions.keys import encode_key
 
+if TYPE_CHECKING:
+    import aiosmtplib
+
 CHANNEL = "email"
 THREAD = "thread"
 #: Metadata: where the message was read, `<uidvalidity>:<uid>` of the watched folder.
@@ -104,6 +115,9 @@ _SIGNATURES = frozenset(
     {"application/pgp-signature", "application/pkcs7-signature", "application/x-pkcs7-signature"}
 )
 _PARSER = BytesParser(policy=policy.default)
+#: How long `fetch_file` keeps the mail it read last (a turn fetches a mail's files one
+#: after another, within seconds).
+MAIL_KEPT_SECONDS = 60.0
 
 
 class EmailSetupError(Exception):
@@ -446,6 +460,27 @@ def imap_options(settings: EmailSettings, password: str, timeout: float = 60.0) 
     )
 
 
+def smtp_port(settings: EmailSettings) -> int:
+    """The configured SMTP port, else the standard one for its TLS mode."""
+    return settings.smtp_port or (465 if settings.smtp_security == "tls" else 587)
+
+
+def smtp_client(settings: EmailSettings, *, timeout: float) -> aiosmtplib.SMTP:
+    """An SMTP client for the configured server, not yet connected (the channel's sends
+    and `gateway doctor` use the same port and TLS choice)."""
+    import aiosmtplib
+
+    security = settings.smtp_security
+    return aiosmtplib.SMTP(
+        hostname=settings.smtp_host,
+        port=smtp_port(settings),
+        use_tls=security == "tls",
+        start_tls=security == "starttls",
+        tls_context=tls_context(settings.tls_ca_file),
+        timeout=timeout,
+    )
+
+
 def check_settings(settings: EmailSettings) -> None:
     """Raise ConfigError naming what is missing for the channel to run."""
     missing = [
@@ -496,6 +531,8 @@ class EmailChannel:
         #: Messages taken and confirmed since start, and those skipped (tests, metrics).
         self.taken = 0
         self.skipped = 0
+        #: The mail `fetch_file` read last: ((uidvalidity, uid, Message-ID), bytes, when).
+        self._last_mail: tuple[tuple[int, int, str], bytes, float] | None = None
 
     @property
     def mailbox(self) -> str:
@@ -743,18 +780,7 @@ class EmailChannel:
         import aiosmtplib
 
         settings = self.settings
-        security = settings.smtp_security
-        port = settings.smtp_port or (465 if security == "tls" else 587)
-        from channels.email.mailbox import tls_context
-
-        smtp = aiosmtplib.SMTP(
-            hostname=settings.smtp_host,
-            port=port,
-            use_tls=security == "tls",
-            start_tls=security == "starttls",
-            tls_context=tls_context(settings.tls_ca_file),
-            timeout=self.pacing.timeout,
-        )
+        smtp = smtp_client(settings, timeout=self.pacing.timeout)
         sender = normalize_address(settings.address or "")
         data_sent = False
         try:
@@ -776,7 +802,7 @@ class EmailChannel:
             raise SendFailure(f"{exc.code} {exc.message}", retry=exc.code < 500) from None
         except aiosmtplib.SMTPNotSupported as exc:
             raise SendFailure(
-                f"{settings.smtp_host}:{port} does not offer it ({exc}); check "
+                f"{settings.smtp_host}:{smtp_port(settings)} does not offer it ({exc}); check "
                 "channels.email.smtp_security and smtp_port",
                 retry=False,
             ) from None
@@ -801,15 +827,18 @@ class EmailChannel:
     async def fetch_file(self, attachment: Attachment, *, max_bytes: int) -> bytes:
         """A file of a mail: the mail is read again (over a connection of its own, on
         whichever replica runs the turn), found by UID or, after a move or a renumber,
-        by its Message-ID, and the file taken out of it."""
+        by its Message-ID, and the file taken out of it. The mail read last is kept for
+        `MAIL_KEPT_SECONDS`: a turn asks for a mail's files one after another, and each
+        would otherwise cost a login and the whole mail again."""
         uidvalidity, uid, index, mid = parse_file_id(attachment.file_id)
         limit = int(self.settings.max_message_mb * 2**20)
+        key = (uidvalidity, uid, mid)
 
         def read() -> bytes:
             for folder in (self.settings.folder, self.settings.processed_folder):
                 if not folder:
                     continue
-                options = ImapOptions(**{**_options_dict(self.imap), "folder": folder})
+                options = replace(self.imap, folder=folder)
                 session = ImapSession.open(options, readonly=True)
                 try:
                     found = uid if session.uidvalidity == uidvalidity else None
@@ -824,14 +853,18 @@ class EmailChannel:
                     session.close()
             raise MediaError("the mail is no longer in the mailbox")
 
-        def extract() -> bytes | None:
-            msg = _PARSER.parsebytes(read())
+        def extract(raw: bytes) -> bytes | None:
+            msg = _PARSER.parsebytes(raw)
             assert isinstance(msg, EmailMessage)
             parts = attachment_parts(msg)
             return attachment_bytes(parts[index]) if index < len(parts) else None
 
         try:
-            data = await anyio.to_thread.run_sync(extract)  # parsing too: off the loop
+            raw = self._kept_mail(key)
+            if raw is None:
+                raw = await anyio.to_thread.run_sync(read)
+                self._last_mail = (key, raw, time.monotonic())
+            data = await anyio.to_thread.run_sync(extract, raw)  # parsing too: off the loop
         except MailboxError as exc:
             raise MediaError(str(exc)) from None
         except network_errors() as exc:
@@ -847,9 +880,16 @@ class EmailChannel:
             )
         return data
 
-
-def _options_dict(options: ImapOptions) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in ImapOptions.__dataclass_fields__}
+    def _kept_mail(self, key: tuple[int, int, str]) -> bytes | None:
+        """The mail `fetch_file` read last, if it is `key` and recent; it is let go
+        after `MAIL_KEPT_SECONDS` (it may be large)."""
+        kept = self._last_mail
+        if kept is None:
+            return None
+        if time.monotonic() - kept[2] > MAIL_KEPT_SECONDS:
+            self._last_mail = None
+            return None
+        return kept[1] if kept[0] == key else None
 
 
 # --------------------------------------------------------------------------- doctor
@@ -884,18 +924,8 @@ async def check_mailbox(settings: EmailSettings) -> str:
         raise EmailSetupError(
             f"email: cannot reach IMAP at {options.host}:{options.port} ({exc})"
         ) from None
-    from channels.email.mailbox import tls_context
-
-    security = settings.smtp_security
-    port = settings.smtp_port or (465 if security == "tls" else 587)
-    smtp = aiosmtplib.SMTP(
-        hostname=settings.smtp_host,
-        port=port,
-        use_tls=security == "tls",
-        start_tls=security == "starttls",
-        tls_context=tls_context(settings.tls_ca_file),
-        timeout=15.0,
-    )
+    port = smtp_port(settings)
+    smtp = smtp_client(settings, timeout=15.0)
     try:
         await smtp.connect()
         username = settings.smtp_username or settings.username or settings.address or ""
