@@ -193,6 +193,27 @@ async def test_models_and_an_unknown_model(
 # ---------------------------------------------------------------- raw HTTP edges
 
 
+async def test_errors_the_server_answers_before_a_route_are_in_openai_shape_under_v1(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """A wrong method or an unknown path under /v1/ is refused by the server itself, not
+    by the routes: still OpenAI's error object there, `/api/...`'s own shape elsewhere."""
+    settings = door_settings(make_settings, fake_openai)
+    async with running(settings) as (url, _), aiohttp.ClientSession(base_url=url) as http:
+        async with http.get("/v1/chat/completions", headers=AUTH) as resp:
+            assert resp.status == 405
+            body = await resp.json()
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["type"] == "invalid_request_error"
+        assert "POST" in body["error"]["message"]
+        async with http.get("/v1/embeddings", headers=AUTH) as resp:
+            assert resp.status == 404
+            assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+        async with http.get("/api/chat") as resp:
+            assert resp.status == 405
+            assert isinstance((await resp.json())["error"], str)
+
+
 async def test_raw_http_edges_speak_openai_shapes(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:

@@ -51,6 +51,7 @@ from gateway.http.auth import (
 from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
 from gateway.http.limits import BodyTimeout, ConnectionLimits, GuardedRunner, body_deadline
+from gateway.http.openai_api import error_body
 from gateway.http.openai_routes import (
     COMPLETIONS_PATH,
     MODELS_PATH,
@@ -142,6 +143,17 @@ async def check_listen(host: str, port: int) -> None:
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The one shape of every error the server answers: `{"error": message}`."""
     return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def edge_error(
+    request: web.Request, status: int, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An error the server answers before (or instead of) a route: in OpenAI's shape under
+    `/v1/` (its clients parse nothing else), `json_error`'s elsewhere."""
+    if not request.path.startswith("/v1/"):
+        return json_error(status, message, headers)
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return web.json_response(error_body(message, kind), status=status, headers=headers)
 
 
 def _too_many_failures(retry_after: int) -> str:
@@ -240,15 +252,16 @@ class HttpServer:
     def _gated(self, handler: Handler) -> Handler:
         async def gated(request: web.Request) -> web.StreamResponse:
             if not self.health.accepting:
-                return self._not_accepting()
+                return self._not_accepting(request)
             return await handler(request)
 
         return gated
 
-    def _not_accepting(self) -> web.Response:
+    def _not_accepting(self, request: web.Request) -> web.Response:
         phase = self.health.phase
         why = "is starting" if phase is Phase.STARTING else "is shutting down"
-        return json_error(
+        return edge_error(
+            request,
             503,
             f"the gateway {why}; retry in a few seconds",
             headers={hdrs.RETRY_AFTER: RETRY_AFTER_SECONDS},
@@ -316,7 +329,7 @@ class HttpServer:
             except BodyTimeout as exc:
                 status = 408
                 self._connection_dropped("body_timeout")
-                response = json_error(408, f"{exc}; send it faster, or a smaller one")
+                response = edge_error(request, 408, f"{exc}; send it faster, or a smaller one")
                 response.force_close()
                 return response
             except web.HTTPException as exc:
@@ -331,7 +344,7 @@ class HttpServer:
                     _loggable_path(request),
                     _formatted_exception(exc),
                 )
-                return json_error(500, "internal error; the gateway log has the details")
+                return edge_error(request, 500, "internal error; the gateway log has the details")
             finally:
                 self._record(request, status, time.perf_counter() - start)
 
@@ -354,7 +367,7 @@ class HttpServer:
             message = f"request body is over the {self.max_body_bytes}-byte limit"
         else:
             message = exc.reason
-        return json_error(exc.status, message, headers=headers)
+        return edge_error(request, exc.status, message, headers=headers)
 
     def _record(self, request: web.Request, status: int, seconds: float) -> None:
         method = request.method if request.method in _KNOWN_METHODS else "other"
@@ -414,7 +427,7 @@ class HttpServer:
         if refused is not None:
             return json_error(401, refused[0], headers=refused[1])
         if not self.health.accepting:
-            return self._not_accepting()
+            return self._not_accepting(request)
         if self._chat is None:
             return json_error(503, "no agent is attached to the chat API in this process")
         if request.content_type != "application/json" or (
