@@ -97,6 +97,7 @@ from gateway.config import ConfigError, DiscordSettings
 from gateway.cursors import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.media.download import download_capped
+from gateway.media.errors import FileTooLarge
 from gateway.messages import (
     META_EDIT_OF,
     META_QUOTED_SENDER,
@@ -1417,9 +1418,10 @@ class DiscordChannel:
         if url:
             try:
                 return await download_capped(url, max_bytes)
-            except MediaError as exc:
-                if "limit" in str(exc):
-                    raise
+            except FileTooLarge:
+                raise  # a fresh link would bring the same bytes
+            except MediaError:
+                pass  # most likely an expired link: ask for a fresh one
         fresh = await self._fresh_url(attachment)
         if fresh is None:
             raise MediaError("Discord no longer has the file")
