@@ -463,6 +463,28 @@ def intents_for(settings: DiscordSettings) -> discord.Intents:
     return intents
 
 
+async def log_in(client: discord.Client, token: str) -> discord.ClientUser:
+    """Log `client` in through the HTTP API (what the channel and `gateway doctor` both
+    do first); the bot's user. Raises DiscordSetupError saying what to fix, never
+    carrying the token."""
+    where = discord.http.Route.BASE
+    try:
+        await client.login(token)
+    except discord.LoginFailure:
+        raise DiscordSetupError(
+            f"discord: {where} refused the bot token; copy it again from the Developer "
+            f"Portal (Bot > Reset Token) into {ENV_TOKEN}"
+        ) from None
+    except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise DiscordSetupError(
+            f"discord: cannot reach the HTTP API at {where} ({type(exc).__name__}: {exc});"
+            " check the network or channels.discord.api_url"
+        ) from None
+    user = client.user
+    assert user is not None
+    return user
+
+
 class _ToLoguru(logging.Handler):
     """discord.py logs through the standard library: its warnings and errors (rate
     limits waited out, a connection it could not resume) go to the gateway's own log,
@@ -706,21 +728,7 @@ class DiscordChannel:
             raise failure
 
     async def _login(self, client: _Client) -> None:
-        where = discord.http.Route.BASE
-        try:
-            await client.login(self._token)
-        except discord.LoginFailure:
-            raise DiscordSetupError(
-                f"discord: {where} refused the bot token; copy it again from the Developer "
-                f"Portal (Bot > Reset Token) into {ENV_TOKEN}"
-            ) from None
-        except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise DiscordSetupError(
-                f"discord: cannot reach the HTTP API at {where} ({type(exc).__name__}: "
-                f"{exc}); check the network or channels.discord.api_url"
-            ) from None
-        user = client.user
-        assert user is not None
+        user = await log_in(client, self._token)
         self._bot_id = user.id
         logger.info("discord: logged in as @{} ({})", user.name, user.id)
 
@@ -1531,22 +1539,8 @@ async def check_credentials(settings: DiscordSettings, token: str) -> DiscordChe
         raise DiscordSetupError(f"discord: no bot token; set {ENV_TOKEN}")
     use_endpoints(settings)
     client = discord.Client(intents=intents_for(settings))
-    where = discord.http.Route.BASE
     try:
-        try:
-            await client.login(token)
-        except discord.LoginFailure:
-            raise DiscordSetupError(
-                f"discord: {where} refused the bot token; copy it again from the Developer "
-                f"Portal (Bot > Reset Token) into {ENV_TOKEN}"
-            ) from None
-        except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise DiscordSetupError(
-                f"discord: cannot reach the HTTP API at {where} ({type(exc).__name__}: {exc});"
-                " check the network or channels.discord.api_url"
-            ) from None
-        user = client.user
-        assert user is not None
+        user = await log_in(client, token)
         flags = client.application_flags
         content = bool(flags.gateway_message_content or flags.gateway_message_content_limited)
         identity = f"@{user.name} ({user.id})"
