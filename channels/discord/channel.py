@@ -91,6 +91,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from loguru import logger
 
 from channels.discord.format import DISCORD_LIMIT, discord_messages, split_discord
+from channels.notices import NoticeCooldown
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, DiscordSettings
@@ -662,7 +663,7 @@ class DiscordChannel:
         self._backoff: dict[int, float] = {}
         self._newest: dict[int, int] = {}  # conversation -> newest id seen live
         self._seen: OrderedDict[int, None] = OrderedDict()
-        self._noticed: dict[int, float] = {}
+        self._notices = NoticeCooldown()
         self._typing: dict[int, _Typing] = {}
         self._streams: dict[str, _Stream] = {}
         self.backfilled = 0  # messages read back through the HTTP API (tests, logs)
@@ -1245,13 +1246,8 @@ class DiscordChannel:
 
     async def _send_notice(self, notice: Notice) -> None:
         where = notice.place.channel_id
-        now = time.monotonic()
-        last = self._noticed.get(where)
-        if last is not None and now - last < self.pacing.notice_cooldown:
+        if not self._notices.allow(where, self.pacing.notice_cooldown):
             return
-        if len(self._noticed) > 10_000:
-            self._noticed.clear()
-        self._noticed[where] = now
         try:
             await self._post(where, notice.text, str(notice.message_id), "notice")
         except (discord.HTTPException, aiohttp.ClientError, OSError, DiscordSetupError) as exc:

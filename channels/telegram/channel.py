@@ -85,6 +85,7 @@ from telegram.error import (
 from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning
 
+from channels.notices import NoticeCooldown
 from channels.telegram.format import html_to_text, markdown_to_html, split_markdown
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.agent.commands import COMMANDS
@@ -554,7 +555,7 @@ class TelegramChannel:
         self._bot_username = ""
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._flood_until: dict[int | str, float] = {}
-        self._noticed: dict[int | str, float] = {}
+        self._notices = NoticeCooldown()
         self._typing: dict[Address, _Typing] = {}
         self._streams: dict[str, _Stream] = {}
         self.live = anyio.Event()  # set once updates flow (for tests and probes)
@@ -818,13 +819,8 @@ class TelegramChannel:
 
     async def _send_notice(self, notice: Notice) -> None:
         chat = notice.address.chat_id
-        now = time.monotonic()
-        last = self._noticed.get(chat)
-        if last is not None and now - last < self.pacing.notice_cooldown:
+        if not self._notices.allow(chat, self.pacing.notice_cooldown):
             return
-        if len(self._noticed) > 10_000:
-            self._noticed.clear()
-        self._noticed[chat] = now
         quote = notice.message_id if notice.address.is_group else None
         try:
             await self._send_piece(notice.address, notice.text, quote)
