@@ -92,6 +92,7 @@ from loguru import logger
 
 from channels.discord.format import DISCORD_LIMIT, discord_messages, split_discord
 from channels.notices import NoticeCooldown
+from channels.typing_indicators import TypingIndicators
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, DiscordSettings
@@ -589,12 +590,6 @@ _Item = _Live | _Sync | _Retry
 
 
 @dataclass
-class _Typing:
-    waiting: int = 0
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-
-@dataclass
 class _Stream:
     """A reply shown while it is written: one message, edited as text arrives."""
 
@@ -664,7 +659,7 @@ class DiscordChannel:
         self._newest: dict[int, int] = {}  # conversation -> newest id seen live
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._notices = NoticeCooldown()
-        self._typing: dict[int, _Typing] = {}
+        self._typing = TypingIndicators[int](self._send_typing)
         self._streams: dict[str, _Stream] = {}
         self.backfilled = 0  # messages read back through the HTTP API (tests, logs)
         self.live = anyio.Event()  # set once a session is up and read back (tests, probes)
@@ -1215,34 +1210,22 @@ class DiscordChannel:
 
     async def _typing_while_pending(self, ticket: Ticket, channel_id: int) -> None:
         """Show "typing" in the channel until the ticket's reply is ready."""
-        with anyio.move_on_after(self.pacing.typing_grace):
-            await ticket.reply()
-            return  # refused, ignored, a duplicate, or simply fast
-        state = self._typing.get(channel_id)
-        if state is None:
-            state = self._typing[channel_id] = _Typing()
-            self._spawn(self._typing_loop, channel_id, state)
-        state.waiting += 1
-        try:
-            with anyio.move_on_after(self.pacing.turn_limit):
-                await ticket.reply()
-        finally:
-            state.waiting -= 1
-            if state.waiting == 0:
-                state.scope.cancel()
-                if self._typing.get(channel_id) is state:
-                    del self._typing[channel_id]
+        await self._typing.while_pending(
+            ticket,
+            channel_id,
+            spawn=self._spawn,
+            grace=self.pacing.typing_grace,
+            interval=self.pacing.typing_interval,
+            limit=self.pacing.turn_limit,
+        )
 
-    async def _typing_loop(self, channel_id: int, state: _Typing) -> None:
-        with state.scope:
-            while True:
-                client = self._client
-                if client is not None:
-                    try:
-                        await client.http.send_typing(channel_id)
-                    except (discord.HTTPException, aiohttp.ClientError, OSError) as exc:
-                        logger.debug("discord: typing indicator failed: {}", exc)
-                await anyio.sleep(self.pacing.typing_interval)
+    async def _send_typing(self, channel_id: int) -> None:
+        client = self._client
+        if client is not None:
+            try:
+                await client.http.send_typing(channel_id)
+            except (discord.HTTPException, aiohttp.ClientError, OSError) as exc:
+                logger.debug("discord: typing indicator failed: {}", exc)
 
     async def _send_notice(self, notice: Notice) -> None:
         where = notice.place.channel_id

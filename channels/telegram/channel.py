@@ -87,6 +87,7 @@ from telegram.warnings import PTBDeprecationWarning
 
 from channels.notices import NoticeCooldown
 from channels.telegram.format import html_to_text, markdown_to_html, split_markdown
+from channels.typing_indicators import TypingIndicators
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.agent.commands import COMMANDS
 from gateway.channel import Submit, Ticket
@@ -484,12 +485,6 @@ def _not_modified(exc: TelegramError) -> bool:
 
 
 @dataclass
-class _Typing:
-    waiting: int = 0
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-
-@dataclass
 class _Stream:
     """A reply shown while it is written: one message, edited as text arrives."""
 
@@ -556,7 +551,7 @@ class TelegramChannel:
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._flood_until: dict[int | str, float] = {}
         self._notices = NoticeCooldown()
-        self._typing: dict[Address, _Typing] = {}
+        self._typing = TypingIndicators[Address](self._chat_action)
         self._streams: dict[str, _Stream] = {}
         self.live = anyio.Event()  # set once updates flow (for tests and probes)
 
@@ -831,29 +826,14 @@ class TelegramChannel:
 
     async def _typing_while_pending(self, ticket: Ticket, where: Address) -> None:
         """Show "typing" in `where` until the ticket's reply is ready (then it is sent)."""
-        with anyio.move_on_after(self.pacing.typing_grace):
-            await ticket.reply()
-            return  # refused, ignored, a duplicate, or simply fast
-        state = self._typing.get(where)
-        if state is None:
-            state = self._typing[where] = _Typing()
-            self._spawn(self._typing_loop, where, state)
-        state.waiting += 1
-        try:
-            with anyio.move_on_after(self.pacing.turn_limit):
-                await ticket.reply()
-        finally:
-            state.waiting -= 1
-            if state.waiting == 0:
-                state.scope.cancel()
-                if self._typing.get(where) is state:
-                    del self._typing[where]
-
-    async def _typing_loop(self, where: Address, state: _Typing) -> None:
-        with state.scope:
-            while True:
-                await self._chat_action(where)
-                await anyio.sleep(self.pacing.typing_interval)
+        await self._typing.while_pending(
+            ticket,
+            where,
+            spawn=self._spawn,
+            grace=self.pacing.typing_grace,
+            interval=self.pacing.typing_interval,
+            limit=self.pacing.turn_limit,
+        )
 
     async def _chat_action(self, where: Address) -> None:
         bot = self._client
