@@ -33,6 +33,7 @@ from channels.discord.format import discord_messages
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.config import ConfigError, DiscordSettings
 from gateway.cursors import FileCursorStore, Lead, run_with
+from gateway.media import MediaError
 from gateway.messages import (
     META_EDIT_OF,
     META_QUOTED_SENDER,
@@ -843,6 +844,32 @@ async def test_files_in_are_fetched_and_files_out_follow_the_text(fake: FakeDisc
     assert text["content"] == "Here it is."
     assert upload["content"] == "the report"
     assert upload["attachments"][0]["filename"] == "report.txt"
+
+
+async def test_a_file_over_the_limit_is_refused_without_asking_for_a_fresh_link(
+    fake: FakeDiscord,
+) -> None:
+    """Only a failed download (an expired link) is worth a fresh link; a file over the
+    limit would be just as large from a new one."""
+    alice = fake.add_user("alice")
+    dm = fake.dm_channel(alice)
+    big = fake.add_attachment("big.bin", b"x" * 5000)
+    recorder = Recorder()
+    async with running(fake, recorder) as channel:
+        fake.user_message(dm, alice, "look", attachments=[big])
+        [inbound] = await recorder.wait(1)
+        [attachment] = inbound.attachments
+        unsized = Attachment(
+            attachment.kind,
+            attachment.file_id,
+            attachment.name,
+            attachment.mime_type,
+            None,  # size unknown: the download itself finds it too large
+            attachment.url,
+        )
+        with pytest.raises(MediaError, match="limit"):
+            await channel.fetch_file(unsized, max_bytes=1000)
+    assert fake.calls_to_route("GET /channels/{channel_id}/messages/{message_id}") == []
 
 
 # -- setup failures -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from channels.discord.format import (
     defuse_mentions,
     discord_messages,
     markdown_to_discord,
+    split_discord,
 )
 
 _PINGS = re.compile(r"@everyone|@here|<@", re.IGNORECASE)
@@ -109,3 +110,30 @@ def test_any_text_gives_messages_that_cannot_ping_and_fit(parts: list[str]) -> N
 @settings(max_examples=200, deadline=None)
 def test_defusing_keeps_every_visible_character(text: str) -> None:
     assert defuse_mentions(text).replace(ZWSP, "") == text.replace(ZWSP, "")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=300),
+            st.just("```py\n" + "code line\n" * 120 + "```"),
+            st.just("**bold words** " * 60),
+            st.just("| a | b |\n|---|---|\n| 1 | 2 |"),
+        ),
+        max_size=40,
+    ),
+    st.integers(min_value=200, max_value=DISCORD_LIMIT),
+)
+def test_split_messages_hold_everything_in_order_with_their_code_blocks_closed(
+    pieces: list[str], limit: int
+) -> None:
+    text = markdown_to_discord("\n\n".join(pieces))
+    messages = split_discord(text, limit)
+    assert all(len(m) <= limit and m.strip() for m in messages)
+    for message in messages:  # every block opened in a message is closed in it
+        fences = [line for line in message.split("\n") if line.lstrip().startswith("```")]
+        assert len(fences) % 2 == 0, message
+    fence_free = [line for m in messages for line in m.split("\n") if not line.startswith("```")]
+    original = [line for line in text.split("\n") if not line.startswith("```")]
+    assert " ".join(fence_free).split() == " ".join(original).split()

@@ -91,12 +91,15 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from loguru import logger
 
 from channels.discord.format import DISCORD_LIMIT, discord_messages, split_discord
+from channels.notices import NoticeCooldown
+from channels.typing_indicators import TypingIndicators
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, DiscordSettings
 from gateway.cursors import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.media.download import download_capped
+from gateway.media.errors import FileTooLarge
 from gateway.messages import (
     META_EDIT_OF,
     META_QUOTED_SENDER,
@@ -462,6 +465,28 @@ def intents_for(settings: DiscordSettings) -> discord.Intents:
     return intents
 
 
+async def log_in(client: discord.Client, token: str) -> discord.ClientUser:
+    """Log `client` in through the HTTP API (what the channel and `gateway doctor` both
+    do first); the bot's user. Raises DiscordSetupError saying what to fix, never
+    carrying the token."""
+    where = discord.http.Route.BASE
+    try:
+        await client.login(token)
+    except discord.LoginFailure:
+        raise DiscordSetupError(
+            f"discord: {where} refused the bot token; copy it again from the Developer "
+            f"Portal (Bot > Reset Token) into {ENV_TOKEN}"
+        ) from None
+    except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise DiscordSetupError(
+            f"discord: cannot reach the HTTP API at {where} ({type(exc).__name__}: {exc});"
+            " check the network or channels.discord.api_url"
+        ) from None
+    user = client.user
+    assert user is not None
+    return user
+
+
 class _ToLoguru(logging.Handler):
     """discord.py logs through the standard library: its warnings and errors (rate
     limits waited out, a connection it could not resume) go to the gateway's own log,
@@ -565,12 +590,6 @@ _Item = _Live | _Sync | _Retry
 
 
 @dataclass
-class _Typing:
-    waiting: int = 0
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-
-@dataclass
 class _Stream:
     """A reply shown while it is written: one message, edited as text arrives."""
 
@@ -639,8 +658,8 @@ class DiscordChannel:
         self._backoff: dict[int, float] = {}
         self._newest: dict[int, int] = {}  # conversation -> newest id seen live
         self._seen: OrderedDict[int, None] = OrderedDict()
-        self._noticed: dict[int, float] = {}
-        self._typing: dict[int, _Typing] = {}
+        self._notices = NoticeCooldown()
+        self._typing = TypingIndicators[int](self._send_typing)
         self._streams: dict[str, _Stream] = {}
         self.backfilled = 0  # messages read back through the HTTP API (tests, logs)
         self.live = anyio.Event()  # set once a session is up and read back (tests, probes)
@@ -705,21 +724,7 @@ class DiscordChannel:
             raise failure
 
     async def _login(self, client: _Client) -> None:
-        where = discord.http.Route.BASE
-        try:
-            await client.login(self._token)
-        except discord.LoginFailure:
-            raise DiscordSetupError(
-                f"discord: {where} refused the bot token; copy it again from the Developer "
-                f"Portal (Bot > Reset Token) into {ENV_TOKEN}"
-            ) from None
-        except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise DiscordSetupError(
-                f"discord: cannot reach the HTTP API at {where} ({type(exc).__name__}: "
-                f"{exc}); check the network or channels.discord.api_url"
-            ) from None
-        user = client.user
-        assert user is not None
+        user = await log_in(client, self._token)
         self._bot_id = user.id
         logger.info("discord: logged in as @{} ({})", user.name, user.id)
 
@@ -1205,44 +1210,27 @@ class DiscordChannel:
 
     async def _typing_while_pending(self, ticket: Ticket, channel_id: int) -> None:
         """Show "typing" in the channel until the ticket's reply is ready."""
-        with anyio.move_on_after(self.pacing.typing_grace):
-            await ticket.reply()
-            return  # refused, ignored, a duplicate, or simply fast
-        state = self._typing.get(channel_id)
-        if state is None:
-            state = self._typing[channel_id] = _Typing()
-            self._spawn(self._typing_loop, channel_id, state)
-        state.waiting += 1
-        try:
-            with anyio.move_on_after(self.pacing.turn_limit):
-                await ticket.reply()
-        finally:
-            state.waiting -= 1
-            if state.waiting == 0:
-                state.scope.cancel()
-                if self._typing.get(channel_id) is state:
-                    del self._typing[channel_id]
+        await self._typing.while_pending(
+            ticket,
+            channel_id,
+            spawn=self._spawn,
+            grace=self.pacing.typing_grace,
+            interval=self.pacing.typing_interval,
+            limit=self.pacing.turn_limit,
+        )
 
-    async def _typing_loop(self, channel_id: int, state: _Typing) -> None:
-        with state.scope:
-            while True:
-                client = self._client
-                if client is not None:
-                    try:
-                        await client.http.send_typing(channel_id)
-                    except (discord.HTTPException, aiohttp.ClientError, OSError) as exc:
-                        logger.debug("discord: typing indicator failed: {}", exc)
-                await anyio.sleep(self.pacing.typing_interval)
+    async def _send_typing(self, channel_id: int) -> None:
+        client = self._client
+        if client is not None:
+            try:
+                await client.http.send_typing(channel_id)
+            except (discord.HTTPException, aiohttp.ClientError, OSError) as exc:
+                logger.debug("discord: typing indicator failed: {}", exc)
 
     async def _send_notice(self, notice: Notice) -> None:
         where = notice.place.channel_id
-        now = time.monotonic()
-        last = self._noticed.get(where)
-        if last is not None and now - last < self.pacing.notice_cooldown:
+        if not self._notices.allow(where, self.pacing.notice_cooldown):
             return
-        if len(self._noticed) > 10_000:
-            self._noticed.clear()
-        self._noticed[where] = now
         try:
             await self._post(where, notice.text, str(notice.message_id), "notice")
         except (discord.HTTPException, aiohttp.ClientError, OSError, DiscordSetupError) as exc:
@@ -1417,9 +1405,10 @@ class DiscordChannel:
         if url:
             try:
                 return await download_capped(url, max_bytes)
-            except MediaError as exc:
-                if "limit" in str(exc):
-                    raise
+            except FileTooLarge:
+                raise  # a fresh link would bring the same bytes
+            except MediaError:
+                pass  # most likely an expired link: ask for a fresh one
         fresh = await self._fresh_url(attachment)
         if fresh is None:
             raise MediaError("Discord no longer has the file")
@@ -1529,22 +1518,8 @@ async def check_credentials(settings: DiscordSettings, token: str) -> DiscordChe
         raise DiscordSetupError(f"discord: no bot token; set {ENV_TOKEN}")
     use_endpoints(settings)
     client = discord.Client(intents=intents_for(settings))
-    where = discord.http.Route.BASE
     try:
-        try:
-            await client.login(token)
-        except discord.LoginFailure:
-            raise DiscordSetupError(
-                f"discord: {where} refused the bot token; copy it again from the Developer "
-                f"Portal (Bot > Reset Token) into {ENV_TOKEN}"
-            ) from None
-        except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise DiscordSetupError(
-                f"discord: cannot reach the HTTP API at {where} ({type(exc).__name__}: {exc});"
-                " check the network or channels.discord.api_url"
-            ) from None
-        user = client.user
-        assert user is not None
+        user = await log_in(client, token)
         flags = client.application_flags
         content = bool(flags.gateway_message_content or flags.gateway_message_content_limited)
         identity = f"@{user.name} ({user.id})"

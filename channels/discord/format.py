@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
+from channels.markdown_tables import TABLE_DELIMITER, table_cells
 from channels.telegram.format import split_markdown
 
 DISCORD_LIMIT = 2000
@@ -42,7 +43,6 @@ _IMAGE = re.compile(r"!\[([^\]\n]*)\]\(\s*<?([^()<>\s]+)>?(?:\s+\"[^\"\n]*\")?\s
 _UNDERSCORE_STRONG = re.compile(r"(?<![\w_])__(?=\S)(.+?)(?<=\S)__(?![\w_])")
 _EVERYONE = re.compile(r"@(everyone|here)", re.IGNORECASE)
 _USER_MENTION = re.compile(r"<(@[!&]?)")
-_TABLE_DELIMITER = re.compile(r"^ {0,3}\|?[ \t]*:?-+:?[ \t]*(\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
 
 
 def defuse_mentions(text: str) -> str:
@@ -147,19 +147,15 @@ def _outside_code_spans(line: str, change: Callable[[str], str]) -> str:
 # --------------------------------------------------------------------------- tables
 
 
-def _cells(row: str) -> list[str]:
-    row = row.strip().removeprefix("|")
-    if row.endswith("|") and not row.endswith("\\|"):
-        row = row[:-1]
-    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)]
-
-
 def _table_at(lines: list[str], start: int) -> int:
     """How many lines from `start` make a Markdown table (a header row, a delimiter
-    row, then rows with pipes); 0 when none starts there."""
+    row, then rows with pipes); 0 when none starts there. Looser than
+    `channels.markdown_tables.table_at`, which Slack and WhatsApp use: the delimiter
+    row needs no pipe and no matching column count here, so a `---` rule under a line
+    holding a `|` is taken for a table."""
     if start + 1 >= len(lines) or "|" not in lines[start]:
         return 0
-    if not _TABLE_DELIMITER.match(lines[start + 1]) or "-" not in lines[start + 1]:
+    if not TABLE_DELIMITER.match(lines[start + 1]) or "-" not in lines[start + 1]:
         return 0
     end = start + 2
     while end < len(lines) and "|" in lines[end] and lines[end].strip():
@@ -169,7 +165,7 @@ def _table_at(lines: list[str], start: int) -> int:
 
 def _table_block(rows: list[str]) -> str:
     """A table as a code block with aligned columns (the delimiter row as dashes)."""
-    table = [_cells(row) for i, row in enumerate(rows) if i != 1]
+    table = [table_cells(row) for i, row in enumerate(rows) if i != 1]
     width = max(len(row) for row in table)
     table = [row + [""] * (width - len(row)) for row in table]
     sizes = [max(len(row[c]) for row in table) for c in range(width)]

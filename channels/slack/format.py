@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
+from channels.markdown_tables import table_at, table_cells
+
 #: A part's size for readability; Slack truncates a message's text at 40,000
 #: characters and asks apps to stay under 4,000.
 DEFAULT_PART_CHARS = 3_500
@@ -116,7 +118,7 @@ def _prose(text: str) -> str:
     lines = text.split("\n")
     i = 0
     while i < len(lines):
-        rows = _table_at(lines, i)
+        rows = table_at(lines, i)
         if rows:
             out.append(_table_block(lines[i : i + rows]))
             i += rows
@@ -130,33 +132,6 @@ def _prose(text: str) -> str:
 
 # --------------------------------------------------------------------------- tables
 
-_TABLE_DELIMITER = re.compile(r"^ {0,3}\|?[ \t]*:?-+:?[ \t]*(\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
-
-
-def _cells(row: str) -> list[str]:
-    """A table row's cells: split at `|` (not `\\|`), the outer pipes dropped."""
-    row = row.strip()
-    row = row.removeprefix("|")
-    if row.endswith("|") and not row.endswith("\\|"):
-        row = row[:-1]
-    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)]
-
-
-def _table_at(lines: list[str], start: int) -> int:
-    """How many lines from `start` form a GFM table (a header row with pipes, a
-    delimiter row with as many columns, then rows with pipes); 0 if none starts there."""
-    if start + 1 >= len(lines) or "|" not in lines[start]:
-        return 0
-    delimiter = lines[start + 1]
-    if "|" not in delimiter or not _TABLE_DELIMITER.match(delimiter):
-        return 0
-    if len(_cells(delimiter)) != len(_cells(lines[start])):
-        return 0
-    end = start + 2
-    while end < len(lines) and "|" in lines[end] and lines[end].strip():
-        end += 1
-    return end - start
-
 
 def _plain_cell(cell: str) -> str:
     """A cell's inline Markdown as the text it shows: Slack renders no markup inside a
@@ -169,11 +144,11 @@ def _plain_cell(cell: str) -> str:
 def _table_block(lines: list[str]) -> str:
     """A Markdown table as a code block with aligned columns: Slack has no tables, and
     a monospace grid is what keeps one readable."""
-    header, delimiter, body = _cells(lines[0]), _cells(lines[1]), lines[2:]
+    header, delimiter, body = table_cells(lines[0]), table_cells(lines[1]), lines[2:]
     width = len(header)
     rows = [[_plain_cell(c) for c in header]]
     for line in body:
-        cells = [_plain_cell(c) for c in _cells(line)][:width]
+        cells = [_plain_cell(c) for c in table_cells(line)][:width]
         rows.append(cells + [""] * (width - len(cells)))
     align = [
         "right"

@@ -85,7 +85,9 @@ from telegram.error import (
 from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning
 
+from channels.notices import NoticeCooldown
 from channels.telegram.format import html_to_text, markdown_to_html, split_markdown
+from channels.typing_indicators import TypingIndicators
 from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.agent.commands import COMMANDS
 from gateway.channel import Submit, Ticket
@@ -483,12 +485,6 @@ def _not_modified(exc: TelegramError) -> bool:
 
 
 @dataclass
-class _Typing:
-    waiting: int = 0
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-
-@dataclass
 class _Stream:
     """A reply shown while it is written: one message, edited as text arrives."""
 
@@ -554,8 +550,8 @@ class TelegramChannel:
         self._bot_username = ""
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._flood_until: dict[int | str, float] = {}
-        self._noticed: dict[int | str, float] = {}
-        self._typing: dict[Address, _Typing] = {}
+        self._notices = NoticeCooldown()
+        self._typing = TypingIndicators[Address](self._chat_action)
         self._streams: dict[str, _Stream] = {}
         self.live = anyio.Event()  # set once updates flow (for tests and probes)
 
@@ -818,13 +814,8 @@ class TelegramChannel:
 
     async def _send_notice(self, notice: Notice) -> None:
         chat = notice.address.chat_id
-        now = time.monotonic()
-        last = self._noticed.get(chat)
-        if last is not None and now - last < self.pacing.notice_cooldown:
+        if not self._notices.allow(chat, self.pacing.notice_cooldown):
             return
-        if len(self._noticed) > 10_000:
-            self._noticed.clear()
-        self._noticed[chat] = now
         quote = notice.message_id if notice.address.is_group else None
         try:
             await self._send_piece(notice.address, notice.text, quote)
@@ -835,29 +826,14 @@ class TelegramChannel:
 
     async def _typing_while_pending(self, ticket: Ticket, where: Address) -> None:
         """Show "typing" in `where` until the ticket's reply is ready (then it is sent)."""
-        with anyio.move_on_after(self.pacing.typing_grace):
-            await ticket.reply()
-            return  # refused, ignored, a duplicate, or simply fast
-        state = self._typing.get(where)
-        if state is None:
-            state = self._typing[where] = _Typing()
-            self._spawn(self._typing_loop, where, state)
-        state.waiting += 1
-        try:
-            with anyio.move_on_after(self.pacing.turn_limit):
-                await ticket.reply()
-        finally:
-            state.waiting -= 1
-            if state.waiting == 0:
-                state.scope.cancel()
-                if self._typing.get(where) is state:
-                    del self._typing[where]
-
-    async def _typing_loop(self, where: Address, state: _Typing) -> None:
-        with state.scope:
-            while True:
-                await self._chat_action(where)
-                await anyio.sleep(self.pacing.typing_interval)
+        await self._typing.while_pending(
+            ticket,
+            where,
+            spawn=self._spawn,
+            grace=self.pacing.typing_grace,
+            interval=self.pacing.typing_interval,
+            limit=self.pacing.turn_limit,
+        )
 
     async def _chat_action(self, where: Address) -> None:
         bot = self._client

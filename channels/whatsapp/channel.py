@@ -57,6 +57,7 @@ import anyio.abc
 from aiohttp import web
 from loguru import logger
 
+from channels.notices import NoticeCooldown
 from channels.whatsapp.format import markdown_to_whatsapp, plain_line, split_whatsapp
 from channels.whatsapp.store import HeldReply, SentMessage, WhatsAppStore
 from gateway import failpoints
@@ -618,7 +619,7 @@ class WhatsAppChannel:
         self._tg: anyio.abc.TaskGroup | None = None
         self._paused = False
         self._mounted = False
-        self._noticed: dict[str, float] = {}
+        self._notices = NoticeCooldown()
 
     @classmethod
     def from_settings(cls, settings: WhatsAppSettings, store: WhatsAppStore) -> WhatsAppChannel:
@@ -848,13 +849,8 @@ class WhatsAppChannel:
             logger.debug("whatsapp: read receipt for {} not sent: {}", wamid, exc)
 
     async def _send_notice(self, notice: Notice) -> None:
-        now = time.monotonic()
-        last = self._noticed.get(notice.chat)
-        if last is not None and now - last < self.retry.notice_cooldown:
+        if not self._notices.allow(notice.chat, self.retry.notice_cooldown):
             return
-        if len(self._noticed) > 10_000:
-            self._noticed.clear()
-        self._noticed[notice.chat] = now
         number, user = parse_chat(notice.chat)
         payload = _text_payload(user, notice.text, context=notice.wamid)
         try:

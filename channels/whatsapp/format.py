@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from channels.markdown_tables import table_at, table_cells
 from channels.telegram.format import split_markdown
 
 #: The most characters a text message's body may hold (the Cloud API's limit).
@@ -54,7 +55,6 @@ _STRONG_EM = re.compile(r"(\*\*\*|___)(?=\S)(.+?)(?<=\S)\1")
 _STRONG = re.compile(r"(\*\*|__)(?=\S)(.+?)(?<=\S)\1")
 _STRIKE = re.compile(r"~~(?=\S)(.+?)(?<=\S)~~")
 _EM = re.compile(r"(?<![*\w])\*(?=[^\s*])(.+?)(?<=[^\s*])\*(?![*\w])")
-_TABLE_DELIMITER = re.compile(r"^ {0,3}\|?[ \t]*:?-+:?[ \t]*(\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
 
 
 def markdown_to_whatsapp(markdown: str) -> str:
@@ -119,7 +119,7 @@ def _prose(text: str) -> str:
     lines = text.split("\n")
     i = 0
     while i < len(lines):
-        rows = _table_at(lines, i)
+        rows = table_at(lines, i)
         if rows:
             out.append(_table_block(lines[i : i + rows]))
             i += rows
@@ -148,28 +148,6 @@ def _prose_line(line: str) -> str:
 # --------------------------------------------------------------------------- tables
 
 
-def _cells(row: str) -> list[str]:
-    row = row.strip().removeprefix("|")
-    if row.endswith("|") and not row.endswith("\\|"):
-        row = row[:-1]
-    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)]
-
-
-def _table_at(lines: list[str], start: int) -> int:
-    """How many lines from `start` form a GFM table; 0 if none starts there."""
-    if start + 1 >= len(lines) or "|" not in lines[start]:
-        return 0
-    delimiter = lines[start + 1]
-    if "|" not in delimiter or not _TABLE_DELIMITER.match(delimiter):
-        return 0
-    if len(_cells(delimiter)) != len(_cells(lines[start])):
-        return 0
-    end = start + 2
-    while end < len(lines) and "|" in lines[end] and lines[end].strip():
-        end += 1
-    return end - start
-
-
 def _plain_cell(cell: str) -> str:
     cell = _LINK.sub(lambda m: f"{m.group(2)} ({m.group(3)})" if m.group(2) else m.group(3), cell)
     cell = _CODE_SPAN.sub(lambda m: m.group(2), cell)
@@ -178,11 +156,11 @@ def _plain_cell(cell: str) -> str:
 
 def _table_block(lines: list[str]) -> str:
     """A table as a monospace block with aligned columns: WhatsApp draws no tables."""
-    header = [_plain_cell(c) for c in _cells(lines[0])]
+    header = [_plain_cell(c) for c in table_cells(lines[0])]
     width = len(header)
     rows = [header]
     for line in lines[2:]:
-        cells = [_plain_cell(c) for c in _cells(line)][:width]
+        cells = [_plain_cell(c) for c in table_cells(line)][:width]
         rows.append(cells + [""] * (width - len(cells)))
     widths = [max(len(row[col]) for row in rows) for col in range(width)]
 

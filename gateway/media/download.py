@@ -5,12 +5,12 @@ from __future__ import annotations
 import httpx
 from loguru import logger
 
-from gateway.media.errors import MediaError
+from gateway.media.errors import FileTooLarge, MediaError
 
 
 async def download_capped(url: str, limit: int, headers: dict[str, str] | None = None) -> bytes:
-    """GET `url` into memory, refusing more than `limit` bytes. Errors name no URL (it
-    may hold a token)."""
+    """GET `url` into memory, refusing more than `limit` bytes (`FileTooLarge`). Errors
+    name no URL (it may hold a token)."""
     chunks: list[bytes] = []
     size = 0
     try:
@@ -23,7 +23,7 @@ async def download_capped(url: str, limit: int, headers: dict[str, str] | None =
             async for chunk in response.aiter_bytes():
                 size += len(chunk)
                 if size > limit:
-                    raise MediaError(f"it is larger than the {limit / 2**20:.0f} MB limit")
+                    raise FileTooLarge(f"it is larger than the {limit / 2**20:.0f} MB limit")
                 chunks.append(chunk)
     except httpx.HTTPError as exc:
         logger.warning("file download failed: {}", type(exc).__name__)
