@@ -137,3 +137,12 @@ def test_split_messages_hold_everything_in_order_with_their_code_blocks_closed(
     fence_free = [line for m in messages for line in m.split("\n") if not line.startswith("```")]
     original = [line for line in text.split("\n") if not line.startswith("```")]
     assert " ".join(fence_free).split() == " ".join(original).split()
+
+
+def test_a_rule_under_a_line_holding_a_pipe_is_not_a_table() -> None:
+    """A `---` rule under prose that happens to hold a `|` stays prose (GFM's table needs
+    a delimiter row with pipes and the header's columns), as Slack and WhatsApp read it."""
+    text = "Pipe it: ls | wc -l\n---\nNext part"
+    assert markdown_to_discord(text) == text
+    table = markdown_to_discord("| a | b |\n|---|---|\n| 1 | 2 |")
+    assert table.startswith("```") and "a | b" in table

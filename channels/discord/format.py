@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
-from channels.markdown_tables import TABLE_DELIMITER, table_cells
+from channels.markdown_tables import table_at, table_cells
 from channels.telegram.format import split_markdown
 
 DISCORD_LIMIT = 2000
@@ -109,7 +109,7 @@ def _prose(text: str) -> str:
     out: list[str] = []
     i = 0
     while i < len(lines):
-        rows = _table_at(lines, i)
+        rows = table_at(lines, i)
         if rows:
             out.append(_table_block(lines[i : i + rows]))
             i += rows
@@ -145,22 +145,6 @@ def _outside_code_spans(line: str, change: Callable[[str], str]) -> str:
 
 
 # --------------------------------------------------------------------------- tables
-
-
-def _table_at(lines: list[str], start: int) -> int:
-    """How many lines from `start` make a Markdown table (a header row, a delimiter
-    row, then rows with pipes); 0 when none starts there. Looser than
-    `channels.markdown_tables.table_at`, which Slack and WhatsApp use: the delimiter
-    row needs no pipe and no matching column count here, so a `---` rule under a line
-    holding a `|` is taken for a table."""
-    if start + 1 >= len(lines) or "|" not in lines[start]:
-        return 0
-    if not TABLE_DELIMITER.match(lines[start + 1]) or "-" not in lines[start + 1]:
-        return 0
-    end = start + 2
-    while end < len(lines) and "|" in lines[end] and lines[end].strip():
-        end += 1
-    return end - start
 
 
 def _table_block(rows: list[str]) -> str:
