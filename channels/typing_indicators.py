@@ -23,10 +23,17 @@ class _Typing:
 class TypingIndicators(Generic[Where]):
     """Per place (a chat, a channel, a topic), "typing" repeated every `interval` while
     any turn there waits for its reply; `show` sends one indicator (and deals with its
-    own errors). The loop stops when the last waiting turn's reply is ready."""
+    own errors). The loop stops when the last waiting turn's reply is ready; then `hide`
+    (for a platform whose indicator lasts until told otherwise, as Matrix's does) is
+    called, shielded, for at most two seconds."""
 
-    def __init__(self, show: Callable[[Where], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        show: Callable[[Where], Awaitable[None]],
+        hide: Callable[[Where], Awaitable[None]] | None = None,
+    ) -> None:
         self._show = show
+        self._hide = hide
         self._places: dict[Where, _Typing] = {}
 
     async def while_pending(
@@ -61,7 +68,12 @@ class TypingIndicators(Generic[Where]):
                     del self._places[where]
 
     async def _loop(self, where: Where, state: _Typing, interval: float) -> None:
-        with state.scope:
-            while True:
-                await self._show(where)
-                await anyio.sleep(interval)
+        try:
+            with state.scope:
+                while True:
+                    await self._show(where)
+                    await anyio.sleep(interval)
+        finally:
+            if self._hide is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                    await self._hide(where)

@@ -62,3 +62,28 @@ async def test_no_indicator_for_a_reply_ready_within_the_grace() -> None:
             turn, "chat", spawn=tg.start_soon, grace=0.5, interval=0.05, limit=5.0
         )
     assert shown == []
+
+
+async def test_hide_is_called_once_when_the_last_turn_of_a_place_is_answered() -> None:
+    """A platform whose indicator lasts until it is turned off (Matrix) is told once the
+    loop stops, even though the loop is stopped by cancellation."""
+    shown: list[str] = []
+    hidden: list[str] = []
+
+    async def show(where: str) -> None:
+        shown.append(where)
+
+    async def hide(where: str) -> None:
+        await anyio.sleep(0.01)  # a request: it runs although the loop was cancelled
+        hidden.append(where)
+
+    typing = TypingIndicators[str](show, hide)
+    turn = Turn()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            pace = {"spawn": tg.start_soon, "grace": 0.02, "interval": 60.0, "limit": 30.0}
+            tg.start_soon(lambda: typing.while_pending(turn, "room", **pace))
+            await anyio.sleep(0.2)
+            assert (shown, hidden) == (["room"], [])
+            turn.ready.set()
+    assert hidden == ["room"]

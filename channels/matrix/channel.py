@@ -84,6 +84,8 @@ from channels.matrix.format import (
     strip_reply_fallback,
     text_content,
 )
+from channels.notices import NoticeCooldown
+from channels.typing_indicators import TypingIndicators
 from gateway import failpoints
 from gateway.access import (
     META_IS_GROUP,
@@ -486,12 +488,6 @@ def _sync_filter(timeline_limit: int) -> dict[str, Any]:
 
 
 @dataclass
-class _Typing:
-    waiting: int = 0
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-
-@dataclass
 class _Stream:
     """A reply shown while it is written: one event, edited as text arrives."""
 
@@ -590,8 +586,8 @@ class MatrixChannel:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._invites_done: set[str] = set()
         self._refused: set[str] = set()
-        self._noticed: dict[str, float] = {}
-        self._typing: dict[str, _Typing] = {}
+        self._noticed = NoticeCooldown()
+        self._typing = TypingIndicators[str](self._typing_on, self._typing_off)
         self._streams: dict[str, _Stream] = {}
         self._edits: OrderedDict[str, str] = OrderedDict()  # edit event -> original
         #: Why encrypted rooms are refused (None: they are served with the device's keys).
@@ -1394,33 +1390,20 @@ class MatrixChannel:
 
     async def _typing_while_pending(self, ticket: Ticket, room_id: str) -> None:
         """Show "typing" in the room until the ticket's reply is ready."""
-        with anyio.move_on_after(self.pacing.typing_grace):
-            await ticket.reply()
-            return  # refused, ignored, a duplicate, or simply fast
-        state = self._typing.get(room_id)
-        if state is None:
-            state = self._typing[room_id] = _Typing()
-            self._spawn(self._typing_loop, room_id, state)
-        state.waiting += 1
-        try:
-            with anyio.move_on_after(self.pacing.turn_limit):
-                await ticket.reply()
-        finally:
-            state.waiting -= 1
-            if state.waiting == 0:
-                state.scope.cancel()
-                if self._typing.get(room_id) is state:
-                    del self._typing[room_id]
+        await self._typing.while_pending(
+            ticket,
+            room_id,
+            spawn=self._spawn,
+            grace=self.pacing.typing_grace,
+            interval=self.pacing.typing_timeout * 2 / 3,
+            limit=self.pacing.turn_limit,
+        )
 
-    async def _typing_loop(self, room_id: str, state: _Typing) -> None:
-        try:
-            with state.scope:
-                while True:
-                    await self._set_typing(room_id, True)
-                    await anyio.sleep(self.pacing.typing_timeout * 2 / 3)
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                await self._set_typing(room_id, False)
+    async def _typing_on(self, room_id: str) -> None:
+        await self._set_typing(room_id, True)
+
+    async def _typing_off(self, room_id: str) -> None:
+        await self._set_typing(room_id, False)
 
     async def _set_typing(self, room_id: str, typing: bool) -> None:
         client = self._client
@@ -1442,13 +1425,8 @@ class MatrixChannel:
             logger.debug("matrix: read receipt skipped: {}", exc)
 
     async def _send_notice(self, notice: Notice) -> None:
-        now = time.monotonic()
-        last = self._noticed.get(notice.room_id)
-        if last is not None and now - last < self.pacing.notice_cooldown:
+        if not self._noticed.allow(notice.room_id, self.pacing.notice_cooldown):
             return
-        if len(self._noticed) > 10_000:
-            self._noticed.clear()
-        self._noticed[notice.room_id] = now
         content = notice_content(notice.text) | reply_relation(notice.event_id, None)
         try:
             await self._send_event(
