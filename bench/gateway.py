@@ -46,9 +46,9 @@ from loguru import logger  # noqa: E402
 from gateway.agent import AgentConfig, AgentLoop, build_registry  # noqa: E402
 from gateway.config import SessionSettings, load_settings  # noqa: E402
 from gateway.daemon import SPARE_FILES, build_session_manager  # noqa: E402
-from gateway.dedupe import FileDedupeStore  # noqa: E402
-from gateway.dispatch import Dispatcher  # noqa: E402
+from gateway.dispatch.dispatcher import Dispatcher  # noqa: E402
 from gateway.gcpolicy import GCPolicy  # noqa: E402
+from gateway.journal.store import FileDedupeStore  # noqa: E402
 from gateway.llm.types import (  # noqa: E402
     LLMMessage,
     LLMResponse,
@@ -380,7 +380,7 @@ async def measure_parts() -> dict[str, float]:
 def measure_metrics() -> dict[str, float]:
     """What the metrics cost on the hot path (one turn served over HTTP records a turn
     and a request) and per scrape."""
-    from gateway.metrics import Metrics
+    from gateway.http.metrics import Metrics
 
     metrics = Metrics(version="bench")
     reply = OutboundMessage("api", "x", "ok", "api:x")

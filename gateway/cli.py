@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from gateway.config import Settings
     from gateway.memory.protocol import MemoryScope
     from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
-    from gateway.workspace import WorkspaceLock
+    from gateway.storage.workspace import WorkspaceLock
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -369,7 +369,7 @@ def _lock_workspace(
     """Hold the workspace's one-writer lock for `command` until this process ends, or
     raise `WorkspaceBusy` (one line: who holds it, and `fix`). Only in the file mode
     unless `always`: with `storage.url` the shared state is PostgreSQL's to guard."""
-    from gateway.workspace import WorkspaceLock
+    from gateway.storage.workspace import WorkspaceLock
 
     if settings.storage.url and not always:
         return None
@@ -713,7 +713,8 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_people(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.daemon import build_people_store
-    from gateway.people import PeopleError, cli_link, cli_list, cli_unlink
+    from gateway.people.commands import cli_link, cli_list, cli_unlink
+    from gateway.people.protocol import PeopleError
     from gateway.storage.stores import build_session_manager
 
     build_session_manager(settings).close()  # creates the private workspace if needed
@@ -738,7 +739,8 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
 
     from gateway.daemon import build_usage_meter
     from gateway.messages import session_key_from_name
-    from gateway.usage import day_of, usage_table
+    from gateway.usage.meter import usage_table
+    from gateway.usage.protocol import day_of
 
     key = session_key_from_name(args.session) if args.session else None
     since = day_of(time.time() - (args.days - 1) * 86400)
@@ -756,12 +758,8 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.access import (
-        PairingError,
-        cli_pairing_approve,
-        cli_pairing_list,
-        cli_pairing_revoke,
-    )
+    from gateway.access.commands import cli_pairing_approve, cli_pairing_list, cli_pairing_revoke
+    from gateway.access.protocol import PairingError
     from gateway.daemon import access_policies, build_pairing_store
     from gateway.storage.stores import build_session_manager
 
@@ -857,7 +855,7 @@ def cmd_db(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.storage.commands import storage_transfer
-    from gateway.workspace import WorkspaceBusy, holder
+    from gateway.storage.workspace import WorkspaceBusy, holder
 
     # A workspace a gateway writes to is neither copied (its newest appends would be
     # missed) nor written into: checked without leaving a lock file in a folder that
@@ -904,7 +902,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     from gateway.config import env_warnings
     from gateway.logs import setup_logging
-    from gateway.workspace import check_workspace
+    from gateway.storage.workspace import check_workspace
 
     _resolve_session_names(args)
     settings = _settings(args)
@@ -955,7 +953,7 @@ def _user_error_code(exc: BaseException) -> int | None:
     from gateway.llm.types import LLMConfigError
     from gateway.sessions.errors import SessionError
     from gateway.storage.postgres import StorageError, StorageUnavailable
-    from gateway.workspace import (
+    from gateway.storage.workspace import (
         EXIT_BUSY,
         WorkspaceBusy,
         WorkspaceError,

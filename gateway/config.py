@@ -39,8 +39,8 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from gateway.dispatch.queue_modes import QueueMode
 from gateway.messages import session_key_from_name
-from gateway.queue_modes import QueueMode
 
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_NAME = "gateway.toml"
@@ -683,7 +683,7 @@ class HeartbeatJobSettings(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> HeartbeatJobSettings:
-        from gateway.schedule import Schedule
+        from gateway.schedules.schedule import Schedule
 
         Schedule.build(
             every=self.every,
@@ -760,7 +760,7 @@ class ScheduleSettings(_Section):
     @field_validator("timezone")
     @classmethod
     def _known_zone(cls, value: str) -> str:
-        from gateway.schedule import zone
+        from gateway.schedules.schedule import zone
 
         zone(value)
         return value

@@ -19,7 +19,9 @@ from loguru import logger
 
 from gateway import __version__
 from gateway.agent import AgentConfig, AgentLoop
+from gateway.agent.consolidation import ConsolidationGuard, Consolidator
 from gateway.agent.memory_tools import memory_tools
+from gateway.agent.schedule_tools import Reminders, ScheduleLimits
 from gateway.agent.subagents import META_SUBAGENT, SubagentLimits, Subagents
 from gateway.agent.tool_outputs import OutputLimits, ToolOutputs
 from gateway.agent.tools import ToolRegistry
@@ -28,8 +30,9 @@ from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket, enrich_for_turn
 from gateway.config import AccessSection, ConfigError, Settings
-from gateway.dedupe import dedupe_key
+from gateway.dispatch.queue_modes import QueueModes
 from gateway.gcpolicy import GCPolicy
+from gateway.journal.protocol import dedupe_key
 from gateway.llm.breaker import CircuitBreaker
 from gateway.llm.credentials import check_provider_credentials
 from gateway.llm.failover import FailoverProvider, Route, RouteTable
@@ -38,7 +41,6 @@ from gateway.llm.types import DEFAULT_CONTEXT_WINDOW, LLMProvider
 from gateway.media import FileSource
 from gateway.media.build import build_media
 from gateway.memory import MemoryStore
-from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
 from gateway.messages import (
     META_API_STREAM,
@@ -46,33 +48,27 @@ from gateway.messages import (
     InboundMessage,
     OutboundMessage,
 )
-from gateway.queue_modes import QueueModes
-from gateway.reminders import (
-    JOBS_FILE,
-    META_SCHEDULE,
-    FileJobStore,
-    JobStore,
-    Reminders,
-    ScheduleLimits,
-)
+from gateway.schedules.protocol import META_SCHEDULE, JobStore
+from gateway.schedules.store import JOBS_FILE, FileJobStore
 from gateway.sessions import SessionManager
 from gateway.storage.stores import build_session_manager, shared_storage, shared_storage_open
-from gateway.usage import MeteredProvider, UsageMeter
-from gateway.workspace import cannot_write, write_denied
+from gateway.storage.workspace import cannot_write, write_denied
+from gateway.usage.meter import MeteredProvider, UsageMeter
 
 if TYPE_CHECKING:
     import aiohttp
 
-    from gateway.access import ChannelAccessPolicy, PairingBackend
+    from gateway.access.policy import ChannelAccessPolicy
+    from gateway.access.protocol import PairingBackend
     from gateway.agent.mcp import MCPServers, ServerState
-    from gateway.cursors import Lead
-    from gateway.dedupe import DedupeStore
-    from gateway.dispatch import SubmitStatus
+    from gateway.dispatch.lanes import SubmitStatus
+    from gateway.dispatch.router import SessionRouter
     from gateway.http.admin import AdminPage
-    from gateway.people import PeopleStore
-    from gateway.replicas import SessionRouter
+    from gateway.journal.cursors import Lead
+    from gateway.journal.protocol import DedupeStore
+    from gateway.people.protocol import PeopleStore
+    from gateway.storage.workspace import WorkspaceLock
     from gateway.telemetry import Telemetry
-    from gateway.workspace import WorkspaceLock
 
 
 def route_table(settings: Settings) -> RouteTable:
@@ -214,15 +210,10 @@ async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30
 def build_usage_meter(settings: Settings) -> UsageMeter:
     """Token usage totals with their prices and budgets: `usage.sqlite` in the
     workspace, or PostgreSQL with `storage.url` (a budget then holds across replicas)."""
-    from gateway.usage import (
-        USAGE_FILE,
-        Budgets,
-        PostgresUsageLedger,
-        Price,
-        PriceTable,
-        SqliteUsageLedger,
-        UsageLedger,
-    )
+    from gateway.usage.meter import Budgets, Price, PriceTable
+    from gateway.usage.pg_store import PostgresUsageLedger
+    from gateway.usage.protocol import UsageLedger
+    from gateway.usage.store import USAGE_FILE, SqliteUsageLedger
 
     section = settings.usage
     shared = shared_storage(settings)
@@ -338,7 +329,8 @@ def build_memory_backend(settings: Settings) -> MemoryBackend:
 
 def build_people_store(settings: Settings) -> PeopleStore:
     """Who is who across channels: `people.json` in the workspace, or PostgreSQL."""
-    from gateway.people import PEOPLE_FILE, FilePeopleStore, PostgresPeopleStore
+    from gateway.people.pg_store import PostgresPeopleStore
+    from gateway.people.store import PEOPLE_FILE, FilePeopleStore
 
     shared = shared_storage(settings)
     if shared is not None:
@@ -361,7 +353,7 @@ def build_memory(
     guard: ConsolidationGuard | None = None
     shared = shared_storage(settings)
     if shared is not None:
-        from gateway.dedupe_pg import new_replica_id
+        from gateway.journal.pg_store import new_replica_id
         from gateway.memory.pg_store import PostgresConsolidationGuard
 
         # Replicas share sessions: one consolidates a session at a time, never a span twice.
@@ -407,7 +399,7 @@ def build_job_store(settings: Settings) -> JobStore:
     with `storage.url` (then every replica sees them and a run fires once among them)."""
     shared = shared_storage(settings)
     if shared is not None:
-        from gateway.reminders_pg import PostgresJobStore
+        from gateway.schedules.pg_store import PostgresJobStore
 
         return PostgresJobStore(shared.sync)
     return FileJobStore(settings.workspace_path / JOBS_FILE)
@@ -550,7 +542,7 @@ TRUSTED_CHANNELS = frozenset({"cli", "system", "api"})
 
 
 def pairing_path(settings: Settings) -> Path:
-    from gateway.access import PAIRING_FILE
+    from gateway.access.store import PAIRING_FILE
 
     return settings.workspace_path / PAIRING_FILE
 
@@ -560,18 +552,18 @@ def build_pairing_store(settings: Settings) -> PairingBackend:
     `storage.url` (an approval given on one replica then counts on all)."""
     shared = shared_storage(settings)
     if shared is not None:
-        from gateway.access_pg import PostgresPairingStore
+        from gateway.access.pg_store import PostgresPairingStore
         from gateway.storage.postgres import redact_url
 
         return PostgresPairingStore(shared.sync, where=redact_url(shared.url))
-    from gateway.access import PairingStore
+    from gateway.access.store import PairingStore
 
     return PairingStore(pairing_path(settings))
 
 
 def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     """One access policy per chat platform, from its `[channels.NAME]` section."""
-    from gateway.access import ChannelAccessPolicy
+    from gateway.access.policy import ChannelAccessPolicy
 
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
@@ -660,11 +652,11 @@ class Daemon:
         interactive: bool | None = None,
         lock: WorkspaceLock | None = None,
     ) -> None:
-        from gateway.access import AccessGate
-        from gateway.dedupe import FileDedupeStore
-        from gateway.dispatch import Dispatcher
+        from gateway.access.policy import AccessGate
+        from gateway.dispatch.dispatcher import Dispatcher
         from gateway.http import HealthState, HttpServer
-        from gateway.metrics import Metrics
+        from gateway.http.metrics import Metrics
+        from gateway.journal.store import FileDedupeStore
 
         self.gateway = gateway
         self.lock = lock
@@ -676,8 +668,8 @@ class Daemon:
         self.gc_policy = GCPolicy()
         self.dedupe: DedupeStore
         if settings.storage.url:
-            from gateway.dedupe_pg import PostgresDedupeStore
-            from gateway.usage import PostgresUsageLedger
+            from gateway.journal.pg_store import PostgresDedupeStore
+            from gateway.usage.pg_store import PostgresUsageLedger
 
             # Shared with the other replicas: one claim per platform message wins.
             self.dedupe = PostgresDedupeStore(
@@ -719,8 +711,8 @@ class Daemon:
         )
         self.router: SessionRouter | None = None
         if settings.storage.url:
-            from gateway.dedupe_pg import PostgresDedupeStore
-            from gateway.replicas import SessionRouter
+            from gateway.dispatch.router import SessionRouter
+            from gateway.journal.pg_store import PostgresDedupeStore
 
             assert isinstance(self.dedupe, PostgresDedupeStore)
             self.router = SessionRouter(
@@ -730,13 +722,13 @@ class Daemon:
             # /stop reaches the turn wherever it runs.
             self.router.on_stop = gateway.agent.stop
             gateway.agent.stop_elsewhere = self.router.stop_elsewhere
-        from gateway.openai_door import AgentDoor
+        from gateway.http.door import AgentDoor
 
         #: The tracer `run` installs (None: the one `[telemetry]` describes).
         self.telemetry: Telemetry | None = None
         #: Where the text deltas of a streamed OpenAI-API reply go, by stream id.
         self.api_streams: dict[str, Callable[[str], None]] = {}
-        self.door = AgentDoor(self)
+        self.door = AgentDoor(gateway.agent, settings.llm, self.api_turn, self.api_streams)
         self.http = HttpServer(
             settings.http,
             health=self.health,
@@ -769,7 +761,7 @@ class Daemon:
                     target,
                 )
         if gateway.reminders is not None:
-            from gateway.reminders import ScheduleRunner
+            from channels.schedules import ScheduleRunner
 
             self.add_channel(ScheduleRunner(gateway.reminders))
         if settings.channels.telegram.enabled:
@@ -781,7 +773,7 @@ class Daemon:
             )
             telegram.mount(self.http)
             if self.router is not None and telegram_settings.mode == "polling":
-                from gateway.replicas import run_as_leader
+                from gateway.journal.pg_cursors import run_as_leader
 
                 url = self.router.store.url
                 telegram.poll_leader = functools.partial(run_as_leader, url, "telegram poller")
@@ -855,11 +847,11 @@ class Daemon:
     def _lead(self, role: str) -> Lead:
         """Who reads a platform's stream and keeps its read position: this process, its
         cursor in the workspace; or, in the shared mode, the one replica holding `role`
-        in PostgreSQL (`gateway.cursors_pg`)."""
-        from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
+        in PostgreSQL (`gateway.journal.pg_cursors`)."""
+        from gateway.journal.cursors import CURSOR_FILE, FileCursorStore, run_with
 
         if self.router is not None:
-            from gateway.cursors_pg import lead_as
+            from gateway.journal.pg_cursors import lead_as
 
             return lead_as(self.router.store.url, role)
         return run_with(FileCursorStore(self.gateway.settings.workspace_path / CURSOR_FILE))
@@ -883,7 +875,7 @@ class Daemon:
         """The Matrix channel: its sync token and its device's crypto store in the
         workspace, or in PostgreSQL under the "matrix sync" role that one replica holds
         (Matrix allows one sync per device, and one user of its keys); the other replicas'
-        replies to encrypted rooms go through that one (`gateway.relay_pg`)."""
+        replies to encrypted rooms go through that one (`gateway.journal.pg_relay`)."""
         from channels.matrix import MatrixChannel
 
         settings = self.gateway.settings
@@ -893,7 +885,7 @@ class Daemon:
         matrix.invite_check = self.access.check
         matrix.lead = self._lead("matrix sync")
         if self.router is not None and settings.channels.matrix.encryption:
-            from gateway.relay_pg import PostgresRelay
+            from gateway.journal.pg_relay import PostgresRelay
 
             matrix.relay = PostgresRelay(self.router.store, "matrix sync")
         return matrix
@@ -952,8 +944,9 @@ class Daemon:
         )
 
     def _heartbeat_channel(self) -> Channel:
-        from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
-        from gateway.schedule import Schedule
+        from channels.heartbeat import HeartbeatChannel, HeartbeatJob
+        from gateway.schedules.runs import STATE_FILE
+        from gateway.schedules.schedule import Schedule
 
         workspace = self.gateway.settings.workspace_path
         jobs = {
@@ -974,7 +967,7 @@ class Daemon:
         }
         state = None
         if self.router is not None:
-            from gateway.replicas import SharedRunState
+            from gateway.schedules.pg_store import SharedRunState
 
             state = SharedRunState(self.router.store)  # one run per due time, all replicas
         return HeartbeatChannel(
@@ -1095,7 +1088,7 @@ class Daemon:
                 metadata={**message.metadata, META_REPLY_WANTED: True},
             )
         ticket = await self.dispatcher.submit(message)
-        from gateway.dispatch import SubmitStatus
+        from gateway.dispatch.lanes import SubmitStatus
         from gateway.http.chat_api import ApiError
 
         if ticket.status is SubmitStatus.RETRY_LATER:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import anyio
 
 from gateway.config import ConfigError, Settings, env_warnings
-from gateway.workspace import WorkspaceError, holder, prepare_workspace
+from gateway.storage.workspace import WorkspaceError, holder, prepare_workspace
 
 Status = Literal["ok", "warn", "fail"]
 

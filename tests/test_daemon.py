@@ -544,7 +544,7 @@ async def test_pairing_end_to_end(
 async def test_groups_answer_only_when_mentioned(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
-    from gateway.access import META_IS_GROUP, META_MENTIONED
+    from gateway.messages import META_IS_GROUP, META_MENTIONED
 
     settings = daemon_settings(
         make_settings, fake_openai, channels__telegram__allow_from='["-100"]'

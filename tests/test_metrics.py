@@ -12,9 +12,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gateway import metrics as metrics_module
+from gateway.http import metrics as metrics_module
+from gateway.http.metrics import LATENCY_BUCKETS, Metrics, MirroredCounter
 from gateway.messages import OutboundMessage
-from gateway.metrics import LATENCY_BUCKETS, Metrics, MirroredCounter
 
 # --------------------------------------------------------------------------- a tiny parser
 

@@ -15,7 +15,8 @@ from loguru import logger
 
 from channels.slack import RetryPolicy, SlackChannel
 from channels.slack.format import markdown_to_mrkdwn, split_mrkdwn
-from gateway.access import PairingStore, cli_pairing_approve
+from gateway.access.commands import cli_pairing_approve
+from gateway.access.store import PairingStore
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway, pairing_path
 from gateway.http import SLACK_EVENTS_PATH

@@ -17,7 +17,8 @@ import pytest
 
 from channels.whatsapp import RetryPolicy, WhatsAppChannel, check_credentials
 from channels.whatsapp.store import FileWhatsAppStore
-from gateway.access import PairingStore, cli_pairing_approve
+from gateway.access.commands import cli_pairing_approve
+from gateway.access.store import PairingStore
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway, pairing_path
 from gateway.http import WHATSAPP_WEBHOOK_PATH

@@ -84,7 +84,7 @@ from gateway.memory.messages import (
 from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
 from gateway.memory.text import one_line, tokenize
-from gateway.people import PeopleStore, person_scope
+from gateway.people.protocol import PeopleStore, person_scope
 from gateway.storage import fence
 
 if TYPE_CHECKING:
@@ -786,7 +786,7 @@ _UNLOCK = f"SELECT pg_advisory_unlock({_LOCK_KEYS})"
 
 
 class PostgresConsolidationGuard:
-    """Consolidation state shared by replicas (`gateway.memory.consolidation.
+    """Consolidation state shared by replicas (`gateway.agent.consolidation.
     ConsolidationGuard`): one replica at a time consolidates a session, and the last
     consolidated span of each session is a row in ``gw_consolidations``."""
 

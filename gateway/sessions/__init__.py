@@ -26,16 +26,18 @@ from gateway.sessions.errors import (
     SessionKeyError,
     UnsupportedVersionError,
 )
-from gateway.sessions.hooks import (
+from gateway.sessions.hooks import CancelOperation, HookRegistry
+from gateway.sessions.keys import decode_key, encode_key, session_path
+from gateway.sessions.manager import (
+    ArchivedSessionInfo,
     BeforeCompactEvent,
     BeforeForkEvent,
-    CancelOperation,
     CompactEvent,
-    HookRegistry,
+    Session,
+    SessionInfo,
+    SessionManager,
     TreeEvent,
 )
-from gateway.sessions.keys import decode_key, encode_key, session_path
-from gateway.sessions.manager import ArchivedSessionInfo, Session, SessionInfo, SessionManager
 from gateway.sessions.store import FsyncPolicy, GroupCommitter, LoadReport
 from gateway.sessions.tree import SessionTree, TreeNode
 

@@ -62,7 +62,7 @@ from gateway.sessions.store import (
 )
 from gateway.sessions.tree import SessionTree
 from gateway.storage import fence
-from gateway.usage import riding_rows
+from gateway.usage.pg_store import riding_rows
 
 if TYPE_CHECKING:
     import psycopg

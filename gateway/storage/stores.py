@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config import Settings
 from gateway.sessions.manager import SessionManager
-from gateway.workspace import prepare_workspace
+from gateway.storage.workspace import prepare_workspace
 
 if TYPE_CHECKING:
     from gateway.storage.postgres import SharedStorage

@@ -55,16 +55,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO, TypeVar
 
-from channels.heartbeat import STATE_FILE as HEARTBEAT_STATE_FILE
-from channels.heartbeat import dump_run_times, parse_run_times
-from gateway.access import (
-    PAIRING_FILE,
-    ApprovedSender,
-    PairingState,
-    PendingRequest,
-    dump_pairing,
-    parse_pairing,
-)
+from gateway.access.protocol import ApprovedSender, PairingState, PendingRequest
+from gateway.access.store import PAIRING_FILE, dump_pairing, parse_pairing
 from gateway.fsutil import create_exclusive, ensure_private_dir, fsync_dir
 from gateway.memory.format import (
     heading_day,
@@ -90,8 +82,11 @@ from gateway.memory.pg_store import (
     search_terms,
 )
 from gateway.memory.scopes import MEMORY_DIRNAME, scope_dirname
-from gateway.people import PEOPLE_FILE, dump_people, parse_people
-from gateway.reminders import JOBS_FILE, ScheduledJob, dump_jobs, parse_jobs
+from gateway.people.store import PEOPLE_FILE, dump_people, parse_people
+from gateway.schedules.protocol import ScheduledJob
+from gateway.schedules.runs import STATE_FILE as HEARTBEAT_STATE_FILE
+from gateway.schedules.runs import dump_run_times, parse_run_times
+from gateway.schedules.store import JOBS_FILE, dump_jobs, parse_jobs
 from gateway.sessions.entries import SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionKeyError, UnsupportedVersionError
 from gateway.sessions.keys import SUFFIX, decode_key, encode_key, session_path
@@ -100,14 +95,8 @@ from gateway.sessions.outputs import HANDLE, OUTPUT_SUFFIX, OUTPUTS_DIR
 from gateway.sessions.pg_store import session_lines
 from gateway.sessions.store import ARCHIVE_DIR, archive_name
 from gateway.storage.postgres import StorageError, StorageUnavailable, redact_url, schema_status
-from gateway.usage import (
-    USAGE_COLUMNS,
-    USAGE_FILE,
-    SqliteUsageLedger,
-    UsageRow,
-    has_provider_column,
-    usage_row,
-)
+from gateway.usage.protocol import USAGE_COLUMNS, UsageRow, usage_row
+from gateway.usage.store import USAGE_FILE, SqliteUsageLedger, has_provider_column
 
 if TYPE_CHECKING:
     import psycopg

@@ -42,7 +42,7 @@ from gateway.memory.protocol import MemoryBackend
 from gateway.memory.text import one_line
 from gateway.sessions import EntryNotFoundError, Session, SessionContext, SessionManager
 from gateway.sessions.context import choose_cut
-from gateway.usage import usage_scope
+from gateway.usage.meter import usage_scope
 
 CONSOLIDATION_TOOL = "save_consolidation"
 MAX_FACTS = 100

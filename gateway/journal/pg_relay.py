@@ -31,7 +31,7 @@ import anyio
 from loguru import logger
 
 if TYPE_CHECKING:
-    from gateway.dedupe_pg import PostgresDedupeStore
+    from gateway.journal.pg_store import PostgresDedupeStore
 
 #: Notification channels, per schema (NOTIFY is database-wide): `<name>.<schema>`.
 ASK_CHANNEL = "gw_relay"
