@@ -332,12 +332,14 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     import anyio
     from loguru import logger
 
-    from gateway.daemon import Gateway, run_daemon, wait_for_shared_storage
+    from gateway.daemon import Gateway, run_daemon, wait_for_storage
+    from gateway.storage.seam import open_storage
 
     # Both runs on the same kind of loop: the wait's PostgreSQL connection outlives it.
     options = {"use_uvloop": settings.use_uvloop}
-    if settings.storage.url and not anyio.run(
-        wait_for_shared_storage, settings, backend_options=options
+    storage = open_storage(settings)
+    if not storage.connected() and not anyio.run(
+        wait_for_storage, storage, backend_options=options
     ):
         return EXIT_OK  # stopped by a signal while waiting
     gateway = Gateway.build(settings)
@@ -368,10 +370,11 @@ def _lock_workspace(
 ) -> WorkspaceLock | None:
     """Hold the workspace's one-writer lock for `command` until this process ends, or
     raise `WorkspaceBusy` (one line: who holds it, and `fix`). Only in the file mode
-    unless `always`: with `storage.url` the shared state is PostgreSQL's to guard."""
+    unless `always`: in the shared mode the state is the database's to guard."""
+    from gateway.storage.seam import open_storage
     from gateway.storage.workspace import WorkspaceLock
 
-    if settings.storage.url and not always:
+    if not always and not open_storage(settings).one_writer:
         return None
     lock = WorkspaceLock(folder or settings.workspace_path)
     lock.acquire(command, doing=f"{command} refused", fix=fix)
@@ -380,9 +383,9 @@ def _lock_workspace(
 
 
 def _manager(settings: Settings) -> SessionManager:
-    from gateway.storage.stores import build_session_manager
+    from gateway.storage.seam import open_storage
 
-    return build_session_manager(settings)
+    return open_storage(settings).sessions()
 
 
 def _existing(manager: SessionManager, key: str) -> Session:
@@ -568,7 +571,7 @@ _NOTHING_REMEMBERED = {
 
 
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.daemon import build_memory_backend
+    from gateway.storage.seam import open_storage
 
     if not settings.memory.enabled:
         raise CommandError("memory is disabled ([memory] enabled = false)")
@@ -576,7 +579,7 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
         _lock_workspace(settings, f"gateway memory {args.action}")
     if args.action == "compact":
         return _memory_compact(args, settings)
-    store = build_memory_backend(settings)
+    store = open_storage(settings).memory()
     messages = args.action == "search" and args.messages  # the sessions hold them, not memory
     if not messages and not store.exists(args.key):
         if args.action in ("correct", "forget"):
@@ -712,13 +715,13 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_people(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.daemon import build_people_store
     from gateway.people.commands import cli_link, cli_list, cli_unlink
     from gateway.people.protocol import PeopleError
-    from gateway.storage.stores import build_session_manager
+    from gateway.storage.seam import open_storage
 
-    build_session_manager(settings).close()  # creates the private workspace if needed
-    store = build_people_store(settings)
+    storage = open_storage(settings)
+    storage.sessions().close()  # creates the private workspace if needed
+    store = storage.people()
     try:
         if args.action == "link":
             print(cli_link(store, args.ids))
@@ -739,12 +742,13 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
 
     from gateway.daemon import build_usage_meter
     from gateway.messages import session_key_from_name
+    from gateway.storage.seam import open_storage
     from gateway.usage.meter import usage_table
     from gateway.usage.protocol import day_of
 
     key = session_key_from_name(args.session) if args.session else None
     since = day_of(time.time() - (args.days - 1) * 86400)
-    meter = build_usage_meter(settings)
+    meter = build_usage_meter(open_storage(settings))
     try:
         rows = meter.ledger.rows(since=since, session_key=key)
     finally:
@@ -760,8 +764,8 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.access.commands import cli_pairing_approve, cli_pairing_list, cli_pairing_revoke
     from gateway.access.protocol import PairingError
-    from gateway.daemon import access_policies, build_pairing_store
-    from gateway.storage.stores import build_session_manager
+    from gateway.daemon import access_policies
+    from gateway.storage.seam import open_storage
 
     channels = sorted(access_policies(settings))  # the platforms that pair senders
     if args.channel is not None and args.channel not in channels:
@@ -770,8 +774,9 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
             f"{', '.join(channels[:-1])} or {channels[-1]}",
             EXIT_USAGE,
         )
-    build_session_manager(settings).close()  # creates the private workspace if needed
-    store = build_pairing_store(settings)
+    storage = open_storage(settings)
+    storage.sessions().close()  # creates the private workspace if needed
+    store = storage.pairing()
     try:
         if args.action == "approve":
             print(cli_pairing_approve(store, args.channel, args.code))
@@ -875,9 +880,9 @@ def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
     import json
 
-    from gateway.daemon import build_job_store
+    from gateway.storage.seam import open_storage
 
-    store = build_job_store(settings)
+    store = open_storage(settings).jobs()
     if args.action == "cancel":
         job = store.remove(args.id)
         if job is None:

@@ -31,7 +31,8 @@ from channels.discord import (
 from channels.discord.channel import NO_PINGS, Positions, reply_nonce, snowflake_at, snowflake_time
 from channels.discord.format import discord_messages
 from gateway.config import ConfigError, DiscordSettings
-from gateway.journal.cursors import FileCursorStore, Lead, run_with
+from gateway.journal.cursors import FileCursorStore, run_with
+from gateway.journal.protocol import Lead
 from gateway.media import MediaError
 from gateway.messages import (
     META_EDIT_OF,

@@ -10,8 +10,9 @@ from typing import Any
 import anyio
 import pytest
 
-from gateway.journal.pg_relay import PostgresRelay, RelayRefused, RelayUnanswered
+from gateway.journal.pg_relay import PostgresRelay
 from gateway.journal.pg_store import PostgresDedupeStore
+from gateway.journal.protocol import RelayRefused, RelayUnanswered
 
 pytestmark = pytest.mark.anyio
 

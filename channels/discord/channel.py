@@ -95,7 +95,7 @@ from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, DiscordSettings
-from gateway.journal.cursors import CursorStore, Lead
+from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.media.errors import FileTooLarge

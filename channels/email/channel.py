@@ -84,7 +84,7 @@ from channels.email.state import MailboxMark, MailboxMarks
 from gateway import failpoints
 from gateway.channel import Submit
 from gateway.config import ConfigError, EmailSettings
-from gateway.journal.cursors import CursorStore, Lead
+from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.messages import (
     META_IS_GROUP,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.journal.cursors import CursorStore
+from gateway.journal.protocol import CursorStore
 
 #: Cursor names of the email channel: `email:<user>@<host>/<folder>`.
 CURSOR_PREFIX = "email:"

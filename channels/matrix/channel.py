@@ -90,7 +90,7 @@ from gateway import failpoints
 from gateway.access.policy import Allow, Challenge, Decision, Deny
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, MatrixSettings
-from gateway.journal.cursors import CursorStore, Lead
+from gateway.journal.protocol import CursorStore, Lead, Relay
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
@@ -111,7 +111,6 @@ from gateway.messages import (
 if TYPE_CHECKING:
     from nio import AsyncClient
 
-    from gateway.journal.pg_relay import PostgresRelay
 
 CHANNEL = "matrix"
 THREAD = "thread"
@@ -572,7 +571,7 @@ class MatrixChannel:
         self.invite_check: InviteCheck | None = None
         #: Several replicas: replies to encrypted rooms go through the replica that holds
         #: the device's keys (set by the daemon in the shared mode).
-        self.relay: PostgresRelay | None = None
+        self.relay: Relay | None = None
         self._client: AsyncClient | None = None
         self._submit: Submit | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -757,7 +756,7 @@ class MatrixChannel:
             self._crypto_ready = anyio.Event()
             raise
 
-    async def _serve_relay(self, relay: PostgresRelay) -> None:
+    async def _serve_relay(self, relay: Relay) -> None:
         """Encrypt and send the other replicas' events for encrypted rooms, once the
         rooms are known here."""
         await self._crypto_ready.wait()
@@ -1342,7 +1341,7 @@ class MatrixChannel:
                 f"send to {room_id}: the device's encryption keys are not loaded yet",
                 retryable=True,
             )
-        from gateway.journal.pg_relay import RelayRefused, RelayUnanswered
+        from gateway.journal.protocol import RelayRefused, RelayUnanswered
 
         request = {"room_id": room_id, "type": event_type, "content": dict(content), "txn": txn}
         try:
@@ -1360,7 +1359,7 @@ class MatrixChannel:
     async def _relayed_send(self, request: dict[str, Any]) -> dict[str, Any]:
         """Another replica's event for an encrypted room, sent here (the relay's handler):
         the same transaction id, so a repeat is the same event."""
-        from gateway.journal.pg_relay import RelayRefused
+        from gateway.journal.protocol import RelayRefused
 
         try:
             event_id = await self._send_event(

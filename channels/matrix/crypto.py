@@ -32,7 +32,7 @@ import aiohttp
 import anyio
 from loguru import logger
 
-from gateway.journal.cursors import CursorStore
+from gateway.journal.protocol import CursorStore
 
 if TYPE_CHECKING:
     from nio import AsyncClient, Event, MegolmEvent

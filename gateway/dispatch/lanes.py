@@ -8,11 +8,12 @@ shared mode by whoever assembles the two (`gateway.daemon`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
+import anyio.abc
 
 from gateway.messages import InboundMessage, OutboundMessage
 
@@ -118,3 +119,19 @@ class Router(Protocol):
     async def wait_reply(
         self, dedupe_key: str, *, fresh: bool = False
     ) -> OutboundMessage | None: ...
+
+
+class ReplicaRouter(Router, Protocol):
+    """The replica router as the daemon runs it (`gateway.dispatch.router.SessionRouter`,
+    opened by the storage seam in the shared mode)."""
+
+    #: Called with a session key when another replica passes a /stop on to this one.
+    on_stop: Callable[[str], object] | None
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def stop_elsewhere(self, session_key: str) -> bool: ...

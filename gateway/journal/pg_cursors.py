@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 from typing import TYPE_CHECKING
 
-from gateway.journal.cursors import CursorStore, Lead
+from gateway.journal.protocol import CursorStore, Lead
 
 if TYPE_CHECKING:
     import psycopg
@@ -68,7 +68,6 @@ class PostgresCursorStore:
 def lead_as(url: str, role: str) -> Lead:
     """The shared mode's `Lead`: the intake loop runs on the replica holding `role`, with
     cursors written on the connection that holds it."""
-    from gateway.journal.pg_cursors import run_as_leader_on
 
     async def lead(work: Callable[[CursorStore], Awaitable[None]]) -> None:
         async def with_store(conn: psycopg.AsyncConnection[Any]) -> None:

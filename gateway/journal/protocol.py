@@ -31,9 +31,9 @@ protocol, with a unique key on the platform message id in place of the in-memory
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from loguru import logger
 
@@ -150,3 +150,53 @@ class LeaseAsk:
     entry: Unanswered | None = None
     epoch: int | None = None
     sent: float = 0.0
+
+
+class CursorStore(Protocol):
+    """Named cursors (`matrix:@bot:example.org` -> a since token), and named blobs of
+    state that must move with them (`matrix-crypto:@bot:example.org:DEVICE` -> bytes)."""
+
+    async def load(self, name: str) -> str | None: ...
+
+    async def save(self, name: str, value: str) -> None: ...
+
+    async def load_blob(self, name: str) -> bytes | None: ...
+
+    async def save_blob(self, name: str, data: bytes) -> None: ...
+
+
+#: How a channel runs its intake loop with a store: at once (one process), or once this
+#: replica holds the channel's leader role, with a store that writes under it.
+Lead = Callable[[Callable[[CursorStore], Awaitable[None]]], Awaitable[None]]
+
+
+class RelayRefused(Exception):
+    """The role holder tried and could not do it (the message says why); asking again
+    will not help."""
+
+
+class RelayUnanswered(Exception):
+    """No answer before the deadline (no replica holds the role yet, or it is slow). The
+    request stays asked: the same key later returns its answer."""
+
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class Relay(Protocol):
+    """Work for the replica holding a role, asked for by the others (the shared mode's
+    `gateway.journal.pg_relay.PostgresRelay`, which says what it promises)."""
+
+    async def call(self, key: str, request: dict[str, Any], *, deadline: float) -> dict[str, Any]:
+        """Ask the holder to do `request`, once per `key`; its answer. `deadline` is a
+        `time.monotonic()` instant. Raises RelayRefused or RelayUnanswered."""
+        ...
+
+    async def listen(self) -> None:
+        """Wake `serve` for requests and `call` for answers, until cancelled."""
+        ...
+
+    async def serve(self, handle: Handler) -> None:
+        """Do the requests asked of the role holder, until cancelled (call it only while
+        holding the role); `handle` raises RelayRefused for one that cannot be done."""
+        ...

@@ -477,8 +477,7 @@ class FileMessageSource:
         """Each key's current file (one stat) and archived files: `/new` moves a session
         into the key's archive folder and never changes it there, so the folder is
         listed again only when its mtime says an entry came or went (one stat)."""
-        from gateway.sessions.keys import SUFFIX, encode_key
-        from gateway.sessions.store import ARCHIVE_DIR
+        from gateway.sessions.keys import ARCHIVE_DIR, SUFFIX, encode_key
 
         out: dict[str, SessionMark] = {}
         for key in self._keys():

@@ -786,8 +786,8 @@ _UNLOCK = f"SELECT pg_advisory_unlock({_LOCK_KEYS})"
 
 
 class PostgresConsolidationGuard:
-    """Consolidation state shared by replicas (`gateway.agent.consolidation.
-    ConsolidationGuard`): one replica at a time consolidates a session, and the last
+    """Consolidation state shared by replicas (`gateway.memory.protocol.ConsolidationGuard`):
+    one replica at a time consolidates a session, and the last
     consolidated span of each session is a row in ``gw_consolidations``."""
 
     def __init__(self, pool: ConnectionPool, replica: str) -> None:

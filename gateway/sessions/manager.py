@@ -53,6 +53,7 @@ from gateway.sessions.errors import (
 )
 from gateway.sessions.hooks import HookRegistry
 from gateway.sessions.keys import (
+    ARCHIVE_DIR,
     SUFFIX,
     decode_key,
     encode_key,
@@ -62,7 +63,6 @@ from gateway.sessions.keys import (
 from gateway.sessions.outputs import FileToolOutputs, MemoryToolOutputs, ToolOutputStore
 from gateway.sessions.spares import SPARES_DIR, SparePool
 from gateway.sessions.store import (
-    ARCHIVE_DIR,
     ARCHIVE_TAG,
     DIR_MODE,
     FILE_MODE,

@@ -53,13 +53,7 @@ from loguru import logger
 from gateway.sessions.entries import Entry, SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionExistsError
 from gateway.sessions.outputs import HANDLE, encode_output, new_handle
-from gateway.sessions.store import (
-    EntryFactory,
-    LoadReport,
-    build_entry,
-    encode_line,
-    new_header,
-)
+from gateway.sessions.store import EntryFactory, LoadReport, build_entry, encode_line, new_header
 from gateway.sessions.tree import SessionTree
 from gateway.storage import fence
 from gateway.usage.pg_store import riding_rows
