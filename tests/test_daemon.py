@@ -115,7 +115,7 @@ async def test_api_chat_probes_and_metrics(
 async def test_a_scrape_shows_exactly_the_documented_label_values(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
-    """gateway/metrics.py's docstring lists each label's values; a running daemon's
+    """gateway/http/metrics.py's docstring lists each label's values; a running daemon's
     scrape, after turns of every outcome, shows those and no others."""
     settings = daemon_settings(make_settings, fake_openai)
     daemon = Daemon(Gateway.build(settings), interactive=False)
