@@ -66,6 +66,10 @@ class FileStorage:
     def connected(self) -> bool:
         return True
 
+    def check(self) -> str:
+        # The workspace check makes and checks the folders; nothing more to ask here.
+        return f"state in workspace files under {self.settings.workspace_path}"
+
     def connect(self) -> None:
         return None
 

@@ -68,6 +68,13 @@ class Storage(Protocol):
         """Is everything the stores need open (always, for files)?"""
         ...
 
+    def check(self) -> str:
+        """Can the stores be opened? One line saying so, without changing anything (no
+        folder made, no migration applied): for `gateway doctor`. Raises
+        `StorageUnavailable` when the database does not answer, `StorageError` saying what
+        to do when it cannot be used."""
+        ...
+
     def connect(self) -> None:
         """Open what the mode needs before the first store (and migrate the schema):
         raises `StorageUnavailable` when the database does not answer, `StorageError`

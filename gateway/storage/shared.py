@@ -88,6 +88,30 @@ class PostgresStorage:
     def connected(self) -> bool:
         return connections_open(self.url)
 
+    def check(self) -> str:
+        from gateway.storage.postgres import (
+            StorageError,
+            connect,
+            redact_url,
+            schema_status,
+        )
+
+        where = redact_url(self.url)
+        with connect(self.url) as conn:
+            status = schema_status(conn)
+        if status.unknown:
+            raise StorageError(
+                f"the database at {where} has schema versions {list(status.unknown)} that "
+                "this gateway does not know (a newer version migrated it); upgrade this gateway"
+            )
+        if status.pending and self.settings.storage.migrate != "auto":
+            raise StorageError(
+                f"the database at {where} lacks {len(status.pending)} schema migrations and "
+                "storage.migrate is 'never'; run `gateway db migrate` first"
+            )
+        pending = f", {len(status.pending)} migrations to apply at start" if status.pending else ""
+        return f"state in PostgreSQL at {where} (schema version {status.current}{pending})"
+
     def connect(self) -> None:
         self.db  # noqa: B018 (opening is the point)
 
