@@ -25,18 +25,13 @@ from gateway.schedules.schedule import Schedule
 
 CHANNEL = "system"
 
-
 CHAT_PREFIX = "heartbeat:"
-
 
 DEFAULT_OK_TOKEN = "HEARTBEAT_OK"
 
-
 Route = Callable[[OutboundMessage], Awaitable[None]]
 
-
 Clock = Callable[[], datetime]
-
 
 Sleep = Callable[[float], Awaitable[None]]
 

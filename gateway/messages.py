@@ -337,14 +337,11 @@ def reply_for(
 #: True when the message comes from a group chat / channel rather than a DM.
 META_IS_GROUP = "is_group"
 
-
 #: True when the bot was @-mentioned in the message.
 META_MENTIONED = "mentioned"
 
-
 #: True when the message replies to one of the bot's messages.
 META_REPLY_TO_BOT = "reply_to_bot"
-
 
 #: The sender's display name, shown to the operator when approving (optional).
 META_SENDER_NAME = "sender_name"

@@ -50,14 +50,11 @@ from gateway.storage.postgres import StorageError
 
 DmPolicy = Literal["open", "allowlist", "pairing"]
 
-
 GroupPolicy = Literal["open", "allowlist", "disabled"]
-
 
 PAIRING_FULL_TEXT = (
     "Too many people are waiting for approval right now. Please try again in an hour."
 )
-
 
 UNAVAILABLE_TEXT = "I can't check who may talk to me right now. Please try again later."
 
@@ -148,7 +145,6 @@ class Challenge:
 
 
 Decision = Allow | Ignore | Deny | Challenge
-
 
 ALLOW = Allow()
 

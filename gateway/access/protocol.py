@@ -11,12 +11,9 @@ from typing import Protocol
 #: No 0/O, 1/I/L: a code read aloud or copied by hand survives.
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"
 
-
 CODE_LENGTH = 8
 
-
 WILDCARD = "*"
-
 
 #: Seconds before a pending pairing code is sent again to a sender who keeps writing.
 PAIRING_RESEND_INTERVAL = 300.0

@@ -33,10 +33,8 @@ from gateway.fsutil import atomic_write_text, ensure_private_dir
 
 FILE_VERSION = 1
 
-
 #: The pairing file, in the workspace folder.
 PAIRING_FILE = "pairing.json"
-
 
 _T = TypeVar("_T")
 

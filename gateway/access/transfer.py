@@ -58,7 +58,6 @@ _APPROVED = (
     "SELECT approved_at, label FROM gw_pairing_approved WHERE channel = %s AND sender_id = %s"
 )
 
-
 _PENDING = (
     "SELECT code, chat_id, label, created_at, expires_at FROM gw_pairing_pending "
     "WHERE channel = %s AND sender_id = %s"

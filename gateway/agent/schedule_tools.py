@@ -220,13 +220,11 @@ SCHEDULE_SPEC = ToolSpec(
     },
 )
 
-
 LIST_SPEC = ToolSpec(
     name="list_schedules",
     description="The reminders and scheduled tasks of this conversation, soonest first.",
     parameters={"type": "object", "properties": {}, "additionalProperties": False},
 )
-
 
 CANCEL_SPEC = ToolSpec(
     name="cancel_schedule",

@@ -60,17 +60,13 @@ if TYPE_CHECKING:
 #: on one database in two schemas must not wake each other): `<name>.<schema>`.
 NOTIFY_CHANNEL = "gw_replies"
 
-
 KICK_CHANNEL = "gw_kicks"
 
-
 STOP_CHANNEL = "gw_stops"
-
 
 #: How often a waiting `/api/chat` request asks the database for its reply, in case the
 #: NOTIFY was lost (a reconnect): rarely, since each ask is a round trip per request.
 REPLY_POLL = 5.0
-
 
 # Taken (its epoch), or held elsewhere (NULL): then the holder is told in the same round
 # trip.
@@ -87,7 +83,6 @@ WHERE NOT EXISTS (SELECT FROM taken)
 """
 )
 
-
 # Only a lease still at the epoch this replica holds it under: a renewal never brings
 # back a lease another replica took meanwhile (and perhaps released again).
 _RENEW = """
@@ -97,7 +92,6 @@ WHERE l.session_key = held.key AND l.epoch = held.epoch AND l.owner = %(me)s
 RETURNING l.session_key
 """
 
-
 # Released: expired at once, the row and its epoch kept (`gateway.storage.fence`).
 _RELEASE_IF_EMPTY = """
 UPDATE gw_session_leases l SET expires_at = 0
@@ -105,17 +99,14 @@ WHERE l.session_key = %(key)s AND l.owner = %(me)s AND l.epoch = %(epoch)s AND N
     SELECT 1 FROM gw_inbound i WHERE i.session_key = %(key)s AND i.state = 'journaled')
 """
 
-
 _OWED = """
 SELECT dedupe_key, message::text, reply_id, reply::text FROM gw_inbound
 WHERE session_key = %s AND state = 'journaled' ORDER BY seq LIMIT %s
 """
 
-
 #: Replies up to this many bytes ride in their notification (NOTIFY's payload must stay
 #: under 8000 bytes): the waiting replica needs no round trip to read them.
 NOTE_REPLY_MAX = 7000
-
 
 # Answered, with the reply kept for a client's retry, and the waiter told: one statement,
 # behind the turn's fence. The notification says `<length of key>:<key><reply>`, the reply
@@ -148,7 +139,6 @@ SELECT pg_notify(%(stops)s || '.' || current_schema(), session_key) FROM gw_sess
 WHERE session_key = %(key)s AND owner <> %(me)s
   AND expires_at > extract(epoch FROM clock_timestamp())
 """
-
 
 _UNLEASED = """
 SELECT DISTINCT i.session_key FROM gw_inbound i

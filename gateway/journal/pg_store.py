@@ -123,7 +123,6 @@ _CLAIM_AND_LOOK = (
     + ", NULL\nFROM claimed c\n"
 )
 
-
 _TAKE_OVER = """
 UPDATE gw_inbound AS row SET claimed_by = %(me)s
 WHERE row.state = 'journaled' AND (row.claimed_by = %(me)s OR NOT EXISTS (

@@ -41,7 +41,6 @@ from gateway.messages import InboundMessage, OutboundMessage
 
 DEFAULT_TTL = 7 * 24 * 3600.0
 
-
 DEFAULT_MAX_ENTRIES = 100_000
 
 

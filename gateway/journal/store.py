@@ -28,7 +28,6 @@ from gateway.messages import InboundMessage, OutboundMessage
 
 SCHEMA_VERSION = 3
 
-
 _T = TypeVar("_T")
 
 

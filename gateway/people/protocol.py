@@ -21,10 +21,8 @@ from typing import Protocol
 #: Channels whose direct conversations can belong to a person.
 DM_CHANNELS = frozenset({"telegram", "slack", "matrix", "discord"})
 
-
 #: The prefix of a person's memory scope (a sender id cannot start with it).
 PERSON_SCOPE_PREFIX = "person:"
-
 
 # What a sender id looks like on each platform people can be linked on.
 _ID_PATTERNS = {

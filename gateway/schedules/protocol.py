@@ -15,7 +15,6 @@ from gateway.schedules.schedule import cron_next, zone
 #: Metadata of a message a scheduled job sends into its conversation: the job's id.
 META_SCHEDULE = "schedule"
 
-
 Clock = Callable[[], datetime]
 
 

@@ -20,9 +20,7 @@ if TYPE_CHECKING:
 
 _S = TypeVar("_S")
 
-
 Outcome = Literal["moved", "present", "damaged", "conflict"]
-
 
 _OUTCOMES: tuple[Outcome, ...] = ("moved", "present", "damaged", "conflict")
 

@@ -81,7 +81,6 @@ IMPORTS: dict[str, Step] = {
     "people": import_people,
 }
 
-
 EXPORTS: dict[str, Step] = {
     "sessions": export_sessions,
     "tool_outputs": export_tool_outputs,

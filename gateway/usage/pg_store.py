@@ -39,9 +39,7 @@ def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[bool], None]] | None:
 
 _PG_INSERT = f"INSERT INTO gw_usage ({USAGE_COLUMNS}) VALUES "
 
-
 _PG_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-
 
 _PG_UPSERT = (
     f" ON CONFLICT ({USAGE_KEY}) DO UPDATE SET "
@@ -50,7 +48,6 @@ _PG_UPSERT = (
     "completion_tokens = gw_usage.completion_tokens + excluded.completion_tokens, "
     "cost = gw_usage.cost + excluded.cost"
 )
-
 
 _PG_ADD = _PG_INSERT + _PG_ROW + _PG_UPSERT
 

@@ -11,9 +11,7 @@ from typing import Any, Literal, Protocol
 
 UsageKind = Literal["turn", "heartbeat", "consolidation", "transcription"]
 
-
 USAGE_KINDS: tuple[UsageKind, ...] = ("turn", "heartbeat", "consolidation", "transcription")
-
 
 #: The session key of calls made outside any conversation (none today; kept honest).
 UNSCOPED = "-"
@@ -93,7 +91,6 @@ USAGE_COLUMNS = (
     "day, session_key, channel, model, kind, calls, prompt_tokens, completion_tokens, cost, "
     "provider"
 )
-
 
 #: The columns of a total's key, in the order of `UsageRow`'s.
 USAGE_KEY = "day, session_key, channel, model, kind, provider"

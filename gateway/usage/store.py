@@ -21,7 +21,6 @@ from gateway.usage.protocol import (
 #: The file mode's ledger, in the workspace folder.
 USAGE_FILE = "usage.sqlite"
 
-
 _SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
     day TEXT NOT NULL,
@@ -38,7 +37,6 @@ CREATE TABLE IF NOT EXISTS usage (
 )
 """
 
-
 _UPSERT = (
     f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     f"ON CONFLICT ({USAGE_KEY}) DO UPDATE SET "
@@ -46,7 +44,6 @@ _UPSERT = (
     "completion_tokens = completion_tokens + excluded.completion_tokens, "
     "cost = cost + excluded.cost"
 )
-
 
 _BUSY_TIMEOUT_MS = 5000  # open_sqlite's default
 

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 #: written before providers were counted, whose file is read as it is.
 UsageKey = tuple[str, str, str, str, str, str]
 
-
 UsageCounts = tuple[int, int, int, float]
 
 
