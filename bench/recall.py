@@ -57,6 +57,7 @@ from loguru import logger
 from gateway.agent.memory_tools import recall_lines, relevant_memory
 from gateway.memory import MemoryManager
 from gateway.memory.dense import DenseIndex, StaticEmbedder, dense_available
+from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import parse_fact
 from gateway.memory.messages import DENSE_WEIGHT, MessageIndex, StoredMessage
 from gateway.memory.text import normalize_text
@@ -138,6 +139,10 @@ def load_conversation(path: Path) -> Conversation:
         if evidence:
             conv.questions.append(Question(qa["question"], int(qa["category"]), evidence))
     return conv
+
+
+#: A distinct fact: its text, its session's time, and the turn it cites first (its origin).
+FactRow = tuple[str, datetime, str]
 
 
 def session_of(dia_id: str) -> int:
@@ -222,16 +227,13 @@ class OursRecall(Retriever):
 
     name = "ours"
 
-    def __init__(
-        self, root: Path, conv: Conversation, fact_rows: Sequence[tuple[str, datetime]]
-    ) -> None:
+    def __init__(self, root: Path, conv: Conversation, fact_rows: Sequence[FactRow]) -> None:
         summaries = [(text, when) for _, text, when in conv.summaries]
-        self.facts = OursFacts(root, fact_rows, summaries)
+        self.facts = OursFacts(root, fact_rows, conv.turns, summaries)
         self.manager = self.facts.manager
-        self.manager.messages = OursMessages(conv.turns).index
         self.by_message = {message_of(t): i for i, t in enumerate(conv.turns)}
         self.fact_count = len(fact_rows)
-        self.memory = self.facts.memory + self.manager.messages.memory_bytes()
+        self.memory = self.facts.memory
 
     def search(self, query: str, k: int) -> list[int]:
         out: list[int] = []
@@ -250,33 +252,40 @@ class OursRecall(Retriever):
 
 
 class OursFacts(Retriever):
-    """The agent's per-turn recall over MEMORY.md facts (`relevant_memory`); with
-    `summaries`, HISTORY.md holds them too (for the blended recall)."""
+    """The agent's per-turn recall over MEMORY.md facts (`relevant_memory`), each fact
+    written with its origin (the turn it cites, as consolidation records the message a
+    fact came from) and the turns in the message index; with `summaries`, HISTORY.md
+    holds them too (for the blended recall)."""
 
     name = "ours"
 
     def __init__(
         self,
         root: Path,
-        facts: Sequence[tuple[str, datetime]],
+        facts: Sequence[FactRow],
+        turns: Sequence[Turn],
         summaries: Sequence[tuple[str, datetime]] = (),
     ) -> None:
         self.when = datetime.now(UTC)
         self.manager = MemoryManager(root, "locomo", clock=lambda: self.when)
-        by_day: dict[date, list[tuple[str, str]]] = {}
-        for text, when in facts:
-            by_day.setdefault(when.date(), []).append(("learned_fact", text))
+        entry_of = {t.dia_id: str(i) for i, t in enumerate(turns)}
+        by_day: dict[date, list[NewFact]] = {}
+        for text, when, dia in facts:
+            origin = Origin("locomo", entry_of[dia]) if dia in entry_of else None
+            by_day.setdefault(when.date(), []).append(NewFact("learned_fact", text, origin))
         for day, items in sorted(by_day.items()):
             self.manager.append_facts(items, day=day)
         for text, when in summaries:
             self.when = when
             self.manager.append_history(text)
         self.manager.load_indexes()
+        self.manager.messages = OursMessages(turns).index
         self.positions: dict[str, int] = {}
-        for i, (text, _) in enumerate(facts):
+        for i, (text, _, _) in enumerate(facts):
             self.positions.setdefault(normalize_text(text), i)
         index = self.manager._memory_index.current()  # the bench measures it
-        self.memory = index.memory_bytes() if index is not None else 0
+        facts_memory = index.memory_bytes() if index is not None else 0
+        self.memory = facts_memory + self.manager.messages.memory_bytes()
 
     def search(self, query: str, k: int) -> list[int]:
         out: list[int] = []
@@ -459,14 +468,14 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
         ceiling += [float(bool(q.evidence & cited)) for q in conv.questions if q.category != 5]
         # facts: one document per distinct fact text, standing for every turn it cites
         fact_units: dict[str, set[str]] = {}
-        fact_rows: list[tuple[str, datetime]] = []
+        fact_rows: list[FactRow] = []
         for text, dia, when in conv.facts:
             key = normalize_text(text)
             if key not in fact_units:
                 fact_units[key] = set()
-                fact_rows.append((text, when))
+                fact_rows.append((text, when, dia))
             fact_units[key].add(dia)
-        fact_texts = [text for text, _ in fact_rows]
+        fact_texts = [text for text, _, _ in fact_rows]
         fact_sets = [fact_units[normalize_text(t)] for t in fact_texts]
         messages = [f"{t.speaker}: {t.text}" for t in conv.turns]
         message_sets = [{t.dia_id} for t in conv.turns]
@@ -485,7 +494,7 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                 (
                     "facts",
                     {
-                        "ours": partial(OursFacts, Path(tmp) / "f", fact_rows),
+                        "ours": partial(OursFacts, Path(tmp) / "f", fact_rows, conv.turns),
                         "rank_bm25": partial(RankBM25, fact_texts),
                         "dense": partial(Dense, fact_texts),
                     },

@@ -22,6 +22,7 @@ from gateway.llm.types import ToolSpec
 from gateway.memory.facts import Fact, NewFact, Origin, find_facts, normalize_id
 from gateway.memory.format import CATEGORIES, normalize_category, parse_fact
 from gateway.memory.knowledge import entry_id
+from gateway.memory.messages import MessageHit
 from gateway.memory.protocol import Found, MemoryBackend, MemoryScope
 from gateway.memory.text import normalize_text, one_line
 
@@ -81,6 +82,10 @@ def _compact(lines: list[str], empty: str) -> str:
     return "\n".join(out) if out else empty
 
 
+#: How many of the best past messages for a query lend it the facts they gave.
+FACTS_FROM_MESSAGES = 10
+
+
 def relevant_memory(
     manager: MemoryScope,
     query: str,
@@ -88,11 +93,20 @@ def relevant_memory(
     category: str | None = None,
     limit: int = 8,
     wait: float | None = None,
+    messages: Sequence[MessageHit] | None = None,
 ) -> Found:
     """`[category] text` lines of MEMORY.md facts and knowledge entries for `query`,
     best first, each once, and whether they come from all the facts (`wait` bounds the
     wait for a facts index being built; None waits for it). Blocking: call it from a
     worker thread.
+
+    Facts rank by their own words fused (`blend_recall`) with the rank of the message
+    each came from among the past messages found for `query` (`messages`, the best
+    `FACTS_FROM_MESSAGES`; searched here when not given). A fact is a short restatement
+    of its message; the message keeps its context (the message before it, its date),
+    which keyword search finds more often: on LoCoMo's development half
+    (bench/recall.py) an evidence-citing fact is in the top 8 for 63% of questions by
+    the facts' words alone and for 70% fused.
 
     The agent's memory block and the `memory_search` tool both use it.
     """
@@ -106,12 +120,20 @@ def relevant_memory(
         seen.add(key)
         lines.append(f"[{category_name}] {text}" if category_name else text)
 
-    facts = manager.search_memory(query, max_results=limit, category=category, wait=wait)
-    for line in facts:
+    facts = manager.search_memory(query, max_results=2 * limit, category=category, wait=wait)
+    if messages is None:
+        messages = manager.search_messages(
+            query, max_results=FACTS_FROM_MESSAGES, context=False, wait=wait
+        )
+    said = [hit.entry_id for hit in messages[:FACTS_FROM_MESSAGES]]
+    given = manager.facts_from_messages(said) if said else {}
+    lent = [line for entry in said for line in given.get(entry, ())]
+    for line in blend_recall([list(facts), lent]):
         fact = parse_fact(line)
         if fact is not None:
-            add(fact.category, fact.text)
-        else:
+            if category is None or fact.category.lower() == category.lower():
+                add(fact.category, fact.text)
+        elif category is None:
             add(None, line.lstrip("-*+ ").strip())
     for entry in manager.knowledge.search(query, category=category, max_results=limit):
         add(entry.category, entry.content)
@@ -158,15 +180,20 @@ def recall_lines(
     its `[category]`, a summary and a message where and when they are from. Blocking."""
     if not query.strip():
         return Found()
-    relevant = relevant_memory(manager, query, limit=limit, wait=wait)
+    found = manager.search_messages(
+        query,
+        max_results=max(limit, FACTS_FROM_MESSAGES),
+        exclude=exclude,
+        context=False,
+        wait=wait,
+    )
+    relevant = relevant_memory(manager, query, limit=limit, wait=wait, messages=found)
     history = [
         _history_line(line) for line in manager.search_history(query, max_results=limit, wait=wait)
     ]
     messages = [
         f"[earlier message, {hit.when} UTC, {hit.role} in {hit.session_key}] {one_line(hit.text)}"
-        for hit in manager.search_messages(
-            query, max_results=limit, exclude=exclude, context=False, wait=wait
-        )
+        for hit in found[:limit]
     ]
     return Found(blend_recall([list(relevant), history, messages]), complete=relevant.complete)
 
