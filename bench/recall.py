@@ -8,11 +8,15 @@ here may be tuned to it.
 
 What is judged, per layer, each searched with the question as the query:
 - facts: the observations LoCoMo extracted per turn, written as MEMORY.md facts (one
-  `- [learned_fact] text` bullet each, under the session's day). "ours" is the per-turn
-  recall the agent uses (`relevant_memory`, top 8). A fact hits when the turn it cites
-  is one of the question's evidence turns.
+  `- [learned_fact] text` bullet each, under the session's day, with the turn it cites
+  as its origin, as consolidation records the message a fact came from). "ours" is the
+  per-turn recall the agent uses (`relevant_memory`, top 8: the facts' own ranks fused
+  with their origin messages' ranks in message search). A fact hits when the turn it
+  cites is one of the question's evidence turns.
 - messages: every turn as one message (`Speaker: text`, an image's caption appended),
-  as the message index holds them. A message hits when it is an evidence turn.
+  as the message index holds them ("ours"; "ours+dense": with wordllama's similarity
+  fused in, as `MessageIndex` does when given a dense index). A message hits when it
+  is an evidence turn.
 - sessions: the sessions ranked by history search over their summaries (one HISTORY.md
   line each, stamped with the session's time; "ours"), and by their best messages
   (`MessageIndex.rank_sessions`; "ours-msgs"). A session hits when an evidence turn is
@@ -59,7 +63,7 @@ from gateway.memory import MemoryManager
 from gateway.memory.dense import DenseIndex, StaticEmbedder, dense_available
 from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import parse_fact
-from gateway.memory.messages import DENSE_WEIGHT, MessageIndex, StoredMessage
+from gateway.memory.messages import DENSE_WEIGHT, FUSION_DEPTH, MessageIndex, StoredMessage
 from gateway.memory.text import normalize_text
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
@@ -506,7 +510,6 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                     {
                         "ours": partial(OursMessages, conv.turns),
                         "ours+dense": partial(OursHybrid, conv.turns),
-                        "ours+dense1": partial(OursHybrid, conv.turns, 1.0),
                         "rank_bm25": partial(RankBM25, messages),
                         "dense": partial(Dense, messages),
                     },
@@ -628,7 +631,8 @@ class ScaleRow:
 
 def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list[ScaleRow]:
     """Latency at `size` messages (the LoCoMo turns repeated as further sessions): the
-    message index's BM25, the dense part alone, and both fused."""
+    message index's BM25, both fused, and the dense part of a fused search alone (coding
+    the query and comparing it with BM25's candidates)."""
     turns = [t for conv in convs for t in conv.turns]
     questions = [q.text for conv in convs for q in conv.questions][:queries]
     batches: list[tuple[str, list[StoredMessage]]] = []
@@ -650,9 +654,7 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
     engines: list[tuple[str, Callable[[], MessageIndex]]] = [("bm25", MessageIndex)]
     if dense_available():
         embedder = StaticEmbedder()
-        engines.append(
-            ("bm25+dense", lambda: MessageIndex(dense=DenseIndex(embedder), dense_weight=1.0))
-        )
+        engines.append(("bm25+dense", lambda: MessageIndex(dense=DenseIndex(embedder))))
     for name, make in engines:
         start = time.perf_counter()
         index = make()
@@ -676,12 +678,13 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
                 round(1e6 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
             )
         )
-        dense = index._dense  # the dense part alone, as fusing adds it to a search
+        dense = index._dense  # what fusing adds to a search: code the query, compare 50
         if dense is not None:
+            candidates = [h.doc_id for h in index._index.search("warm up", FUSION_DEPTH)]
             lat = []
             for question in questions:
                 t0 = time.perf_counter()
-                dense.search(question, 50)
+                dense.similarities(dense.query_code(question), candidates)
                 lat.append(time.perf_counter() - t0)
             lat.sort()
             rows.append(

@@ -134,7 +134,8 @@ class DenseIndex:
 
     def query_code(self, query: str) -> npt.NDArray[np.uint64]:
         """The query's sign code (embedded once per search, ~60 us)."""
-        return sign_codes(self._embedder.embed([query]))[0]
+        code: npt.NDArray[np.uint64] = sign_codes(self._embedder.embed([query]))[0]
+        return code
 
     def similarities(self, code: npt.NDArray[np.uint64], doc_ids: Sequence[int]) -> list[float]:
         """Per document (0 for one not indexed): `1 - hamming / 128`, in [-1, 1], the
