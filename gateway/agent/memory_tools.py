@@ -82,10 +82,6 @@ def _compact(lines: list[str], empty: str) -> str:
     return "\n".join(out) if out else empty
 
 
-#: How many of the best past messages for a query lend it the facts they gave.
-FACTS_FROM_MESSAGES = 10
-
-
 def relevant_memory(
     manager: MemoryScope,
     query: str,
@@ -101,12 +97,12 @@ def relevant_memory(
     worker thread.
 
     Facts rank by their own words fused (`blend_recall`) with the rank of the message
-    each came from among the past messages found for `query` (`messages`, the best
-    `FACTS_FROM_MESSAGES`; searched here when not given). A fact is a short restatement
-    of its message; the message keeps its context (the message before it, its date),
-    which keyword search finds more often: on LoCoMo's development half
-    (bench/recall.py) an evidence-citing fact is in the top 8 for 63% of questions by
-    the facts' words alone and for 70% fused.
+    each came from among the best `limit` past messages for `query` (`messages`;
+    searched here when not given). A fact is a short restatement of its message; the
+    message keeps its context (the message before it, its date), which keyword search
+    finds more often: on LoCoMo's development half (bench/recall.py) an evidence-citing
+    fact is in the top 8 for 63% of questions by the facts' words alone and for 69.5%
+    fused (70% with twice as deep a search of each; not worth its 0.15 ms a turn).
 
     The agent's memory block and the `memory_search` tool both use it.
     """
@@ -120,15 +116,15 @@ def relevant_memory(
         seen.add(key)
         lines.append(f"[{category_name}] {text}" if category_name else text)
 
-    facts = manager.search_memory(query, max_results=2 * limit, category=category, wait=wait)
+    facts = manager.search_memory(query, max_results=limit, category=category, wait=wait)
     if messages is None:
-        messages = manager.search_messages(
-            query, max_results=FACTS_FROM_MESSAGES, context=False, wait=wait
-        )
-    said = [hit.entry_id for hit in messages[:FACTS_FROM_MESSAGES]]
+        messages = manager.search_messages(query, max_results=limit, context=False, wait=wait)
+    said = [hit.entry_id for hit in messages[:limit]]
     given = manager.facts_from_messages(said) if said else {}
     lent = [line for entry in said for line in given.get(entry, ())]
     for line in blend_recall([list(facts), lent]):
+        if len(lines) >= limit:
+            break
         fact = parse_fact(line)
         if fact is not None:
             if category is None or fact.category.lower() == category.lower():
@@ -175,17 +171,14 @@ def recall_lines(
     exclude: Iterable[str] = (),
 ) -> Found:
     """The memory relevant to `query`, one ranking: facts and knowledge
-    (`relevant_memory`), history summaries and past messages not in `exclude`, each
-    layer's best `limit` blended by `blend_recall`. Each line says what it is: a fact
-    its `[category]`, a summary and a message where and when they are from. Blocking."""
+    (`relevant_memory`, lent facts by the same messages), history summaries and past
+    messages not in `exclude`, each layer's best `limit` blended by `blend_recall`.
+    Each line says what it is: a fact its `[category]`, a summary and a message where
+    and when they are from. Blocking."""
     if not query.strip():
         return Found()
     found = manager.search_messages(
-        query,
-        max_results=max(limit, FACTS_FROM_MESSAGES),
-        exclude=exclude,
-        context=False,
-        wait=wait,
+        query, max_results=limit, exclude=exclude, context=False, wait=wait
     )
     relevant = relevant_memory(manager, query, limit=limit, wait=wait, messages=found)
     history = [
@@ -193,7 +186,7 @@ def recall_lines(
     ]
     messages = [
         f"[earlier message, {hit.when} UTC, {hit.role} in {hit.session_key}] {one_line(hit.text)}"
-        for hit in found[:limit]
+        for hit in found
     ]
     return Found(blend_recall([list(relevant), history, messages]), complete=relevant.complete)
 
