@@ -135,7 +135,7 @@ class MemoryManager:
         # someone edited the file by hand, and the index is rebuilt.
         self._memory_seen: tuple[int, int] | None = self._memory_stat()
         # MEMORY.md's fact lines by their origin message's entry id, with the file's stat
-        # when read (`facts_from_messages`); our own appends keep it current.
+        # when read (`facts_from_messages`); appended facts keep it current.
         self._origins: tuple[tuple[int, int] | None, dict[str, list[str]]] | None = None
         self._history_index = FileIndex(
             self.dir / HISTORY_INDEX_FILE,
@@ -176,17 +176,11 @@ class MemoryManager:
             return
         with self._locked():
             self._notice_memory_edits()
-            before = self._memory_seen
             append_text(self.memory_path, text, fsync=self.fsync_appends)
             docs, _ = _memory_docs(text, None)
             self._memory_index.appended(text.encode(), docs)
             self._memory_seen = self._memory_stat()
             self._last_day_stat = None
-            if self._origins is not None and self._origins[0] == before:
-                origins = self._origins[1]
-                for entry, lines in facts_by_origin(text).items():
-                    origins.setdefault(entry, []).extend(lines)
-                self._origins = (self._memory_seen, origins)
 
     def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
         """Append `- [category] text` bullets under today's (or `day`'s) heading; a
@@ -208,8 +202,15 @@ class MemoryManager:
             if self._last_heading_day() != day:
                 lead = "\n" if self._memory_size() > 0 else ""
                 block = f"{lead}{consolidated_heading(day)}\n{block}"
+            # The facts' origins, when read and current, learn the new lines too.
+            current = self._origins is not None and self._origins[0] == self._memory_stat()
             self.append_to_memory(block)
             self._remember_last_day(day)
+            if current and self._origins is not None:
+                origins = self._origins[1]
+                for entry, lines in facts_by_origin(block).items():
+                    origins.setdefault(entry, []).extend(lines)
+                self._origins = (self._memory_stat(), origins)
         return len(bullets)
 
     def search_memory(
@@ -242,7 +243,7 @@ class MemoryManager:
     def facts_from_messages(self, entry_ids: Iterable[str]) -> dict[str, list[str]]:
         """MEMORY.md's fact lines (as `search_memory` gives them) by the entry id of the
         message each came from, for these messages. MEMORY.md is read again only when
-        something other than `append_to_memory` changed it (one stat a call)."""
+        something other than `append_facts` changed it (one stat a call)."""
         wanted = list(entry_ids)
         if not wanted:
             return {}
