@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-from loguru import logger
 
 from gateway.fsutil import probe_writable
 from gateway.llm import LLMMessage
+from gateway.logs import logger
 from gateway.sessions.context import SessionContext, choose_cut
 from gateway.sessions.entries import (
     BranchEntry,

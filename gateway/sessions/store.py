@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
 import anyio
 import anyio.to_thread
-from loguru import logger
+
+from gateway.logs import logger
 
 if TYPE_CHECKING:
     from loguru import Logger
