@@ -9,17 +9,17 @@ from __future__ import annotations
 import atexit
 from typing import TYPE_CHECKING
 
-from gateway.config import Settings
 from gateway.sessions.manager import SessionManager
 from gateway.workspace import prepare_workspace
 
 if TYPE_CHECKING:
+    from gateway.config import PartialSettings, Settings
     from gateway.storage.postgres import SharedStorage
 
 _shared_storage: dict[str, SharedStorage] = {}
 
 
-def shared_storage(settings: Settings) -> SharedStorage | None:
+def shared_storage(settings: Settings | PartialSettings) -> SharedStorage | None:
     """The process's connections to `storage.url` (opened on first use, closed at exit),
     or None in the file mode."""
     url = settings.storage.url
@@ -43,7 +43,9 @@ def shared_storage_open(url: str) -> bool:
     return url in _shared_storage
 
 
-def build_session_manager(settings: Settings, *, spare_files: int = 0) -> SessionManager:
+def build_session_manager(
+    settings: Settings | PartialSettings, *, spare_files: int = 0
+) -> SessionManager:
     """The sessions of the workspace (or of PostgreSQL, `storage.url`), once the
     workspace's folders are made and writable (WorkspaceError otherwise); a long-running
     gateway passes `spare_files` (see `gateway.sessions.spares`), one-shot commands do not."""
