@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gateway.config import PartialSettings, Settings
     from gateway.memory.protocol import MemoryScope
     from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
+    from gateway.sessions.listing import SessionListing
     from gateway.workspace import WorkspaceLock
 
 EXIT_OK = 0
@@ -440,6 +441,15 @@ def _entry_summary(entry: Any) -> str:
 
 
 def cmd_sessions(args: argparse.Namespace, settings: Settings | PartialSettings) -> int:
+    if args.action == "list":
+        from gateway.storage.stores import open_session_listing
+
+        listing = open_session_listing(settings)
+        try:
+            _list_sessions(listing, include_archived=args.all, as_json=args.json)
+        finally:
+            listing.close()
+        return EXIT_OK
     if args.action in ("delete", "fork"):
         _lock_workspace(settings, f"gateway sessions {args.action}")
     manager = _manager(settings)
@@ -458,9 +468,6 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
         if forked is None:
             raise CommandError("fork cancelled by a hook")
         print(forked.key)
-        return EXIT_OK
-    if action == "list":
-        _list_sessions(manager, include_archived=args.all, as_json=args.json)
         return EXIT_OK
     if args.archived is not None:
         session = manager.open_archived(args.key, args.archived)
@@ -490,14 +497,14 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
     raise CommandError(f"unknown action {action}", EXIT_USAGE)
 
 
-def _list_sessions(manager: SessionManager, *, include_archived: bool, as_json: bool) -> None:
+def _list_sessions(listing: SessionListing, *, include_archived: bool, as_json: bool) -> None:
     """Current sessions, most recently active first; with `include_archived`, each
     key's archived sessions follow it (most recent first)."""
     import json
 
-    current = manager.list_sessions()
+    current = listing.list_sessions()
     archived: dict[str, list[ArchivedSessionInfo]] = {}
-    for info in manager.list_archived() if include_archived else []:
+    for info in listing.list_archived() if include_archived else []:
         archived.setdefault(info.key, []).append(info)
     # A key whose current session is gone still lists its archive, after the others.
     keys = [i.key for i in current] + sorted(set(archived) - {i.key for i in current})
