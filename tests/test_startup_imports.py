@@ -122,7 +122,7 @@ def test_sessions_list_loads_the_sessions_and_not_the_agent(tmp_path: Path) -> N
     manager.close()
     code, modules = loaded_by(["sessions", "list"], base_env(tmp_path), tmp_path)
     assert code == 0
-    assert "gateway.sessions.manager" in modules  # it did list them
+    assert "gateway.sessions.listing" in modules  # it did list them
     assert present(modules, UNUSED_BY_CHAT + TURN_ONLY) == []
 
 
@@ -149,15 +149,26 @@ SESSIONS_CONFIG = [
 ]
 
 
+#: The session machinery a listing of files does without (gateway.sessions.listing).
+SESSION_MACHINERY = (
+    "gateway.sessions.manager",
+    "gateway.sessions.store",
+    "gateway.sessions.entries",
+    "gateway.llm",
+)
+
+
 def test_sessions_list_builds_only_the_configuration_it_reads(tmp_path: Path) -> None:
-    """Most of `sessions list`'s start went to building every section's model and to
-    loguru (with asyncio and multiprocessing); bench/startup.py has the times."""
+    """Most of `sessions list`'s start went to building every section's model, to
+    loguru (with asyncio and multiprocessing) and to the session machinery; the times
+    are bench/startup.py's."""
     make_session(tmp_path / "ws", "telegram:42")
     for args in (["sessions", "list"], ["sessions", "list", "--all", "--json"]):
         code, modules = loaded_by(args, base_env(tmp_path), tmp_path)
         assert code == 0
         assert sorted(m for m in modules if m.startswith("gateway.config.")) == SESSIONS_CONFIG
         assert present(modules, ("loguru", "asyncio", "multiprocessing")) == []
+        assert present(modules, SESSION_MACHINERY) == []
 
 
 def test_a_sessions_command_logs_as_configured_though_it_loads_loguru_late(
@@ -262,7 +273,9 @@ def test_run_without_a_model_does_not_wait_for_postgresql(tmp_path: Path) -> Non
     assert "waiting for PostgreSQL" not in done.stderr
 
 
-@pytest.mark.parametrize("package", ["gateway.memory", "gateway.cache", "gateway.config"])
+@pytest.mark.parametrize(
+    "package", ["gateway.memory", "gateway.cache", "gateway.config", "gateway.sessions"]
+)
 def test_a_lazy_package_still_exports_every_name(package: str) -> None:
     module = importlib.import_module(package)
     for name in module.__all__:
