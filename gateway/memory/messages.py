@@ -507,7 +507,7 @@ class FileMessageSource:
         into the key's archive folder and never changes it there, so the folder is
         listed again only when its mtime says an entry came or went (one stat)."""
         from gateway.sessions.keys import SUFFIX, encode_key
-        from gateway.sessions.store import ARCHIVE_DIR
+        from gateway.sessions.listing import ARCHIVE_DIR
 
         out: dict[str, SessionMark] = {}
         for key in self._keys():

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from loguru import logger
+from gateway.logs import logger
 
 if TYPE_CHECKING:
     from gateway.sessions.entries import BranchEntry, CompactionEntry, LeafEntry

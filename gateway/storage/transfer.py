@@ -95,10 +95,10 @@ from gateway.reminders import JOBS_FILE, ScheduledJob, dump_jobs, parse_jobs
 from gateway.sessions.entries import SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionKeyError, UnsupportedVersionError
 from gateway.sessions.keys import SUFFIX, decode_key, encode_key, session_path
-from gateway.sessions.manager import list_archived_files, list_session_files
+from gateway.sessions.listing import ARCHIVE_DIR, list_archived_files, list_session_files
 from gateway.sessions.outputs import HANDLE, OUTPUT_SUFFIX, OUTPUTS_DIR
 from gateway.sessions.pg_store import session_lines
-from gateway.sessions.store import ARCHIVE_DIR, archive_name
+from gateway.sessions.store import archive_name
 from gateway.storage.postgres import StorageError, StorageUnavailable, redact_url, schema_status
 from gateway.usage import (
     USAGE_COLUMNS,
