@@ -8,11 +8,15 @@ here may be tuned to it.
 
 What is judged, per layer, each searched with the question as the query:
 - facts: the observations LoCoMo extracted per turn, written as MEMORY.md facts (one
-  `- [learned_fact] text` bullet each, under the session's day). "ours" is the per-turn
-  recall the agent uses (`relevant_memory`, top 8). A fact hits when the turn it cites
-  is one of the question's evidence turns.
+  `- [learned_fact] text` bullet each, under the session's day, with the turn it cites
+  as its origin, as consolidation records the message a fact came from). "ours" is the
+  per-turn recall the agent uses (`relevant_memory`, top 8: the facts' own ranks fused
+  with their origin messages' ranks in message search). A fact hits when the turn it
+  cites is one of the question's evidence turns.
 - messages: every turn as one message (`Speaker: text`, an image's caption appended),
-  as the message index holds them. A message hits when it is an evidence turn.
+  as the message index holds them ("ours"; "ours+dense": with wordllama's similarity
+  fused in, as `MessageIndex` does when given a dense index). A message hits when it
+  is an evidence turn.
 - sessions: the sessions ranked by history search over their summaries (one HISTORY.md
   line each, stamped with the session's time; "ours"), and by their best messages
   (`MessageIndex.rank_sessions`; "ours-msgs"). A session hits when an evidence turn is
@@ -57,8 +61,9 @@ from loguru import logger
 from gateway.agent.memory_tools import recall_lines, relevant_memory
 from gateway.memory import MemoryManager
 from gateway.memory.dense import DenseIndex, StaticEmbedder, dense_available
+from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import parse_fact
-from gateway.memory.messages import DENSE_WEIGHT, MessageIndex, StoredMessage
+from gateway.memory.messages import DENSE_WEIGHT, FUSION_DEPTH, MessageIndex, StoredMessage
 from gateway.memory.text import normalize_text
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
@@ -138,6 +143,10 @@ def load_conversation(path: Path) -> Conversation:
         if evidence:
             conv.questions.append(Question(qa["question"], int(qa["category"]), evidence))
     return conv
+
+
+#: A distinct fact: its text, its session's time, and the turn it cites first (its origin).
+FactRow = tuple[str, datetime, str]
 
 
 def session_of(dia_id: str) -> int:
@@ -222,16 +231,13 @@ class OursRecall(Retriever):
 
     name = "ours"
 
-    def __init__(
-        self, root: Path, conv: Conversation, fact_rows: Sequence[tuple[str, datetime]]
-    ) -> None:
+    def __init__(self, root: Path, conv: Conversation, fact_rows: Sequence[FactRow]) -> None:
         summaries = [(text, when) for _, text, when in conv.summaries]
-        self.facts = OursFacts(root, fact_rows, summaries)
+        self.facts = OursFacts(root, fact_rows, conv.turns, summaries)
         self.manager = self.facts.manager
-        self.manager.messages = OursMessages(conv.turns).index
         self.by_message = {message_of(t): i for i, t in enumerate(conv.turns)}
         self.fact_count = len(fact_rows)
-        self.memory = self.facts.memory + self.manager.messages.memory_bytes()
+        self.memory = self.facts.memory
 
     def search(self, query: str, k: int) -> list[int]:
         out: list[int] = []
@@ -250,33 +256,40 @@ class OursRecall(Retriever):
 
 
 class OursFacts(Retriever):
-    """The agent's per-turn recall over MEMORY.md facts (`relevant_memory`); with
-    `summaries`, HISTORY.md holds them too (for the blended recall)."""
+    """The agent's per-turn recall over MEMORY.md facts (`relevant_memory`), each fact
+    written with its origin (the turn it cites, as consolidation records the message a
+    fact came from) and the turns in the message index; with `summaries`, HISTORY.md
+    holds them too (for the blended recall)."""
 
     name = "ours"
 
     def __init__(
         self,
         root: Path,
-        facts: Sequence[tuple[str, datetime]],
+        facts: Sequence[FactRow],
+        turns: Sequence[Turn],
         summaries: Sequence[tuple[str, datetime]] = (),
     ) -> None:
         self.when = datetime.now(UTC)
         self.manager = MemoryManager(root, "locomo", clock=lambda: self.when)
-        by_day: dict[date, list[tuple[str, str]]] = {}
-        for text, when in facts:
-            by_day.setdefault(when.date(), []).append(("learned_fact", text))
+        entry_of = {t.dia_id: str(i) for i, t in enumerate(turns)}
+        by_day: dict[date, list[NewFact]] = {}
+        for text, when, dia in facts:
+            origin = Origin("locomo", entry_of[dia]) if dia in entry_of else None
+            by_day.setdefault(when.date(), []).append(NewFact("learned_fact", text, origin))
         for day, items in sorted(by_day.items()):
             self.manager.append_facts(items, day=day)
         for text, when in summaries:
             self.when = when
             self.manager.append_history(text)
         self.manager.load_indexes()
+        self.manager.messages = OursMessages(turns).index
         self.positions: dict[str, int] = {}
-        for i, (text, _) in enumerate(facts):
+        for i, (text, _, _) in enumerate(facts):
             self.positions.setdefault(normalize_text(text), i)
         index = self.manager._memory_index.current()  # the bench measures it
-        self.memory = index.memory_bytes() if index is not None else 0
+        facts_memory = index.memory_bytes() if index is not None else 0
+        self.memory = facts_memory + self.manager.messages.memory_bytes()
 
     def search(self, query: str, k: int) -> list[int]:
         out: list[int] = []
@@ -459,14 +472,14 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
         ceiling += [float(bool(q.evidence & cited)) for q in conv.questions if q.category != 5]
         # facts: one document per distinct fact text, standing for every turn it cites
         fact_units: dict[str, set[str]] = {}
-        fact_rows: list[tuple[str, datetime]] = []
+        fact_rows: list[FactRow] = []
         for text, dia, when in conv.facts:
             key = normalize_text(text)
             if key not in fact_units:
                 fact_units[key] = set()
-                fact_rows.append((text, when))
+                fact_rows.append((text, when, dia))
             fact_units[key].add(dia)
-        fact_texts = [text for text, _ in fact_rows]
+        fact_texts = [text for text, _, _ in fact_rows]
         fact_sets = [fact_units[normalize_text(t)] for t in fact_texts]
         messages = [f"{t.speaker}: {t.text}" for t in conv.turns]
         message_sets = [{t.dia_id} for t in conv.turns]
@@ -485,7 +498,7 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                 (
                     "facts",
                     {
-                        "ours": partial(OursFacts, Path(tmp) / "f", fact_rows),
+                        "ours": partial(OursFacts, Path(tmp) / "f", fact_rows, conv.turns),
                         "rank_bm25": partial(RankBM25, fact_texts),
                         "dense": partial(Dense, fact_texts),
                     },
@@ -497,7 +510,6 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                     {
                         "ours": partial(OursMessages, conv.turns),
                         "ours+dense": partial(OursHybrid, conv.turns),
-                        "ours+dense1": partial(OursHybrid, conv.turns, 1.0),
                         "rank_bm25": partial(RankBM25, messages),
                         "dense": partial(Dense, messages),
                     },
@@ -619,7 +631,8 @@ class ScaleRow:
 
 def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list[ScaleRow]:
     """Latency at `size` messages (the LoCoMo turns repeated as further sessions): the
-    message index's BM25, the dense part alone, and both fused."""
+    message index's BM25, both fused, and the dense part of a fused search alone (coding
+    the query and comparing it with BM25's candidates)."""
     turns = [t for conv in convs for t in conv.turns]
     questions = [q.text for conv in convs for q in conv.questions][:queries]
     batches: list[tuple[str, list[StoredMessage]]] = []
@@ -641,9 +654,7 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
     engines: list[tuple[str, Callable[[], MessageIndex]]] = [("bm25", MessageIndex)]
     if dense_available():
         embedder = StaticEmbedder()
-        engines.append(
-            ("bm25+dense", lambda: MessageIndex(dense=DenseIndex(embedder), dense_weight=1.0))
-        )
+        engines.append(("bm25+dense", lambda: MessageIndex(dense=DenseIndex(embedder))))
     for name, make in engines:
         start = time.perf_counter()
         index = make()
@@ -667,12 +678,13 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
                 round(1e6 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
             )
         )
-        dense = index._dense  # the dense part alone, as fusing adds it to a search
+        dense = index._dense  # what fusing adds to a search: code the query, compare 50
         if dense is not None:
+            candidates = [h.doc_id for h in index._index.search("warm up", FUSION_DEPTH)]
             lat = []
             for question in questions:
                 t0 = time.perf_counter()
-                dense.search(question, 50)
+                dense.similarities(dense.query_code(question), candidates)
                 lat.append(time.perf_counter() - t0)
             lat.sort()
             rows.append(

@@ -22,9 +22,10 @@ from gateway import __version__
 # uses, so `gateway --help` does not load pydantic and `gateway sessions list` does not
 # load the LLM client, numpy or the platforms' libraries (tests/test_startup_imports.py).
 if TYPE_CHECKING:
-    from gateway.config import Settings
+    from gateway.config import PartialSettings, Settings
     from gateway.memory.protocol import MemoryScope
     from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
+    from gateway.sessions.listing import SessionListing
     from gateway.storage.workspace import WorkspaceLock
 
 EXIT_OK = 0
@@ -244,13 +245,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace) -> Settings:
-    from gateway.config import load_settings
+#: The sections of the configuration the `sessions` commands read: the storage mode, the
+#: sessions' own, the log's, and memory's (whether the workspace has a memory folder).
+#: They load only these (`load_sections`): a mistake in another section is reported by
+#: `gateway run`, `gateway doctor` and the other commands, not by these.
+SESSIONS_SECTIONS = ("sessions", "memory", "storage", "log")
 
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The configuration's keys the global options set."""
     overrides: dict[str, Any] = {"workspace": args.workspace, "llm.model": args.model}
     if args.log_level:
         overrides["log.level"] = args.log_level
-    return load_settings(args.config, overrides=overrides)
+    return overrides
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    from gateway.config import load_settings
+
+    return load_settings(args.config, overrides=_overrides(args))
 
 
 # ----------------------------------------------------------------------------- commands
@@ -361,7 +374,7 @@ _held: list[WorkspaceLock] = []
 
 
 def _lock_workspace(
-    settings: Settings,
+    settings: Settings | PartialSettings,
     command: str,
     *,
     fix: str = "it writes this workspace; stop it first, then run this again",
@@ -382,7 +395,7 @@ def _lock_workspace(
     return lock
 
 
-def _manager(settings: Settings) -> SessionManager:
+def _manager(settings: Settings | PartialSettings) -> SessionManager:
     from gateway.storage.seam import open_storage
 
     return open_storage(settings).sessions()
@@ -430,7 +443,16 @@ def _entry_summary(entry: Any) -> str:
     return f"<{kind}> {text if len(text) <= 70 else text[:67] + '...'}"
 
 
-def cmd_sessions(args: argparse.Namespace, settings: Settings) -> int:
+def cmd_sessions(args: argparse.Namespace, settings: Settings | PartialSettings) -> int:
+    if args.action == "list":
+        from gateway.storage.seam import open_storage
+
+        listing = open_storage(settings).session_listing()
+        try:
+            _list_sessions(listing, include_archived=args.all, as_json=args.json)
+        finally:
+            listing.close()
+        return EXIT_OK
     if args.action in ("delete", "fork"):
         _lock_workspace(settings, f"gateway sessions {args.action}")
     manager = _manager(settings)
@@ -449,9 +471,6 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
         if forked is None:
             raise CommandError("fork cancelled by a hook")
         print(forked.key)
-        return EXIT_OK
-    if action == "list":
-        _list_sessions(manager, include_archived=args.all, as_json=args.json)
         return EXIT_OK
     if args.archived is not None:
         session = manager.open_archived(args.key, args.archived)
@@ -481,14 +500,14 @@ def _sessions_action(args: argparse.Namespace, manager: SessionManager) -> int:
     raise CommandError(f"unknown action {action}", EXIT_USAGE)
 
 
-def _list_sessions(manager: SessionManager, *, include_archived: bool, as_json: bool) -> None:
+def _list_sessions(listing: SessionListing, *, include_archived: bool, as_json: bool) -> None:
     """Current sessions, most recently active first; with `include_archived`, each
     key's archived sessions follow it (most recent first)."""
     import json
 
-    current = manager.list_sessions()
+    current = listing.list_sessions()
     archived: dict[str, list[ArchivedSessionInfo]] = {}
-    for info in manager.list_archived() if include_archived else []:
+    for info in listing.list_archived() if include_archived else []:
         archived.setdefault(info.key, []).append(info)
     # A key whose current session is gone still lists its archive, after the others.
     keys = [i.key for i in current] + sorted(set(archived) - {i.key for i in current})
@@ -903,23 +922,20 @@ def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return cmd_init(args)
-    from loguru import logger
-
-    from gateway.config import env_warnings
-    from gateway.logs import setup_logging
-    from gateway.storage.workspace import check_workspace
-
     _resolve_session_names(args)
+    if args.command == "sessions":
+        from gateway.config import load_sections
+
+        partial = load_sections(args.config, SESSIONS_SECTIONS, overrides=_overrides(args))
+        # The modules a sessions command runs, in either storage mode, log through
+        # gateway.logs' logger: loguru is imported, and set up, only if something is logged.
+        _start(args, partial, sections=SESSIONS_SECTIONS, defer=True)
+        return cmd_sessions(args, partial)
     settings = _settings(args)
-    setup_logging(_log_level(args, settings), settings.log.format, settings.secrets())
-    if args.command != "doctor":  # the doctor reports these among its findings instead
-        for warning in env_warnings(os.environ):
-            logger.warning(warning)
-        check_workspace(settings)
+    _start(args, settings)
     handlers: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
         "run": cmd_run,
         "chat": cmd_chat,
-        "sessions": cmd_sessions,
         "cache": cmd_cache,
         "pairing": cmd_pairing,
         "schedules": cmd_schedules,
@@ -933,15 +949,38 @@ def _dispatch(args: argparse.Namespace) -> int:
     return handlers[args.command](args, settings)
 
 
-def _log_level(args: argparse.Namespace, settings: Settings) -> str:
+def _start(
+    args: argparse.Namespace,
+    settings: Settings | PartialSettings,
+    *,
+    sections: Sequence[str] | None = None,
+    defer: bool = False,
+) -> None:
+    """Set up logging (`defer`: at its first use), then warn of misspelt GATEWAY_*
+    variables (of `sections` only, when given) and check the workspace; the doctor
+    reports those two among its findings instead."""
+    from gateway.config import env_warnings
+    from gateway.logs import logger, setup_logging
+    from gateway.storage.workspace import check_workspace
+
+    level = _log_level(args, settings)
+    setup_logging(level, settings.log.format, settings.secrets(), defer=defer)
+    if args.command != "doctor":
+        for warning in env_warnings(os.environ, sections):
+            logger.warning(warning)
+        check_workspace(settings)
+
+
+def _log_level(args: argparse.Namespace, settings: Settings | PartialSettings) -> str:
     """The daemon logs at `log.level`. Everything else a person runs in a terminal (the
     terminal chat, a one-shot `chat -m`, `sessions`, `memory`...) shows only warnings
     and errors, unless `-v` or `--log-level` asks for more: its output is the answer."""
     level = settings.log.level
     if args.log_level:
         return level
-    terminal_chat = settings.channels.cli.enabled and sys.stdin.isatty()
-    daemon = args.command == "run" and not terminal_chat
+    run = args.command == "run"
+    terminal_chat = run and settings.channels.cli.enabled and sys.stdin.isatty()
+    daemon = run and not terminal_chat
     if args.verbose:
         return "INFO" if level in ("WARNING", "ERROR", "CRITICAL") else level
     if args.command == "memory" and level not in ("TRACE", "DEBUG"):

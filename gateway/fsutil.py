@@ -28,7 +28,8 @@ from typing import TypeVar
 
 import anyio
 import anyio.to_thread
-from loguru import logger
+
+from gateway.logs import logger
 
 _T = TypeVar("_T")
 

@@ -9,6 +9,12 @@ the usual way a secret leaks into a log).
 Fluent Bit, Loki, Datadog) index without a parser: `time`, `level`, `message`,
 `session`, `channel`, `logger`, then for an error `error.type`, `error.message`,
 `error.stack`, then any other bound values under their own names.
+
+`logger` here is loguru's, imported at its first use: loguru brings asyncio and
+multiprocessing along, a third of a one-shot `gateway sessions list`'s start. The modules
+such a command runs (`gateway.sessions`, `gateway.fsutil`) log through it, and the
+command sets logging up with `defer=True`: loguru is imported, and set up, only if
+something is logged.
 """
 
 from __future__ import annotations
@@ -18,12 +24,10 @@ import re
 import sys
 import traceback
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
-
-from loguru import logger
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    from loguru import Message, Record
+    from loguru import Logger, Message, Record
 
 # Shapes of secrets worth catching even when not configured: bearer tokens, `api_key=`
 # values, OpenAI keys (`sk-` only at a word start: "ask-questions" is not a key), Slack
@@ -120,7 +124,29 @@ def _nothing(record: Record) -> str:
     return ""
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = ()) -> None:
+#: The set-up `setup_logging(defer=True)` left for loguru's first use.
+_deferred: tuple[str, str, list[str]] | None = None
+
+
+def setup_logging(
+    level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = (), *, defer: bool = False
+) -> None:
+    """Log to stderr at `level` and above, as text or JSON lines (`fmt`), with
+    `secrets` redacted. With `defer`, while loguru is not imported yet, this is done at
+    the first use of `logger` instead: a command that logs nothing never imports it. A
+    deferring caller must log only through `logger` (loguru imported by another module
+    would log unconfigured)."""
+    global _deferred
+    if defer and "loguru" not in sys.modules:
+        _deferred = (level, fmt, list(secrets))
+        return
+    _deferred = None
+    _configure(level, fmt, secrets)
+
+
+def _configure(level: str, fmt: str, secrets: Iterable[str]) -> None:
+    from loguru import logger
+
     logger.remove()
     redactor = Redactor(secrets)
     if fmt == "json":
@@ -134,3 +160,29 @@ def setup_logging(level: str = "INFO", fmt: str = "text", secrets: Iterable[str]
             diagnose=False,  # tracebacks must not print local variables (secrets)
         )
     logger.configure(extra={"session": "-"})
+
+
+def _loguru() -> Logger:
+    """loguru's logger, set up as `setup_logging` deferred it on first use."""
+    global _deferred
+    from loguru import logger
+
+    if _deferred is not None:
+        deferred, _deferred = _deferred, None
+        _configure(*deferred)
+    return logger
+
+
+class _LazyLogger:
+    """Stands for loguru's logger; each attribute is the real logger's (`_loguru`). A
+    method is looked up here and called by the caller, so loguru's record names the
+    caller's module and line, as with loguru's logger itself."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_loguru(), name)
+
+
+#: loguru's logger, imported at first use (see the module's docstring).
+logger = cast("Logger", _LazyLogger())

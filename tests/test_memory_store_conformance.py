@@ -365,6 +365,42 @@ def test_facts_have_stable_ids_and_point_back_to_their_session_entry(
     assert make_backend().for_session("telegram:1").list_facts() == facts
 
 
+def test_facts_are_found_by_the_message_they_came_from(
+    make_backend: MakeBackend, clock: Clock
+) -> None:
+    memory = make_backend().for_session("telegram:1")
+    puppy, odd = Origin("telegram:1", "e1"), Origin("telegram:1", "e_%1")
+    memory.record_consolidation(
+        [
+            NewFact("learned_fact", "Owns a dog named Max", puppy),
+            NewFact("user_preference", "Walks Max at dawn", puppy),
+            NewFact("learned_fact", "Likes LIKE patterns", odd),
+            ("learned_fact", "Has a cat"),
+        ],
+        "s",
+    )
+    lent = {
+        "e1": ["- [learned_fact] Owns a dog named Max", "- [user_preference] Walks Max at dawn"],
+        "e_%1": ["- [learned_fact] Likes LIKE patterns"],
+    }
+    # Lines as fact search gives them; a message that gave no fact is left out, and an
+    # entry id is matched whole ("e" is no prefix match, "_" and "%" are no wildcards).
+    assert memory.facts_from_messages(["e1", "e_%1", "e2", "e", "e_1"]) == lent
+    assert memory.facts_from_messages([]) == {}
+    # Appended, corrected and forgotten facts show, change and go, in any process.
+    clock.now = T0 + timedelta(days=1)
+    memory.append_facts([NewFact("learned_fact", "Max is a beagle", puppy)])
+    dog = next(f for f in memory.list_facts() if f.text == "Owns a dog named Max")
+    memory.correct_fact(dog.id, "Owns a beagle named Max", by="telegram:1")
+    walks = next(f for f in memory.list_facts() if f.text == "Walks Max at dawn")
+    memory.forget_fact(walks.id)
+    for view in (memory, make_backend().for_session("telegram:1")):
+        assert view.facts_from_messages(["e1"]) == {
+            "e1": ["- [learned_fact] Owns a beagle named Max", "- [learned_fact] Max is a beagle"]
+        }
+    assert make_backend().for_session("telegram:2").facts_from_messages(["e1"]) == {}
+
+
 def test_lines_without_ids_get_ids_derived_from_their_day_and_text(backend: MemoryBackend) -> None:
     memory = backend.for_session("telegram:1")
     memory.append_facts([("learned_fact", "Lives in Lyon")], day=date(2024, 1, 2))

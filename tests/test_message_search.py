@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from gateway.agent.memory_tools import blend_recall, memory_texts, memory_tools
+from gateway.agent.memory_tools import blend_recall, memory_texts, memory_tools, relevant_memory
 from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.llm import LLMMessage, ToolCall
 from gateway.memory import MemoryStore
@@ -258,6 +258,32 @@ def test_the_memory_block_blends_facts_history_and_messages_not_in_the_window(
     assert old not in block  # entry ids are not shown to the model
 
 
+def test_a_fact_is_found_through_the_message_it_came_from(
+    sessions: SessionManager, store: MemoryBackend
+) -> None:
+    told = say(sessions, ALICE, "I got a new puppy yesterday, Max!", "congratulations")
+    say(sessions, ALICE, "the weather is grim", "bring an umbrella")
+    memory = store.for_session(ALICE)
+    memory.record_consolidation(
+        [
+            NewFact("learned_fact", "Owns a dog named Max", Origin(ALICE, told)),
+            NewFact("user_preference", "Likes grim weather jokes"),
+        ],
+        "s",
+    )
+    # Not one word of the fact is in the question; the message it came from has one.
+    assert memory.search_memory("which puppy was adopted") == []
+    assert relevant_memory(memory, "which puppy was adopted") == [
+        "[learned_fact] Owns a dog named Max"
+    ]
+    assert relevant_memory(memory, "which puppy was adopted", category="user_preference") == []
+    block = memory_texts(store, ALICE, "which puppy was adopted")[0].splitlines()
+    assert "[learned_fact] Owns a dog named Max" in block
+    # Words of the fact itself still find it, and another scope's messages lend nothing.
+    assert relevant_memory(memory, "dog") == ["[learned_fact] Owns a dog named Max"]
+    assert relevant_memory(store.for_session(BOB), "which puppy was adopted") == []
+
+
 # -- dense similarity fused with BM25 ----------------------------------------------------
 
 
@@ -275,6 +301,24 @@ def test_dense_ranks_find_a_paraphrase_and_never_a_forgotten_message() -> None:
     assert index.search("dog", 1)[0].text == "my puppy Max chewed the sofa"
     index.forget_entries(["e0"])
     assert "my puppy Max chewed the sofa" not in [h.text for h in index.search("dog", 3)]
+
+
+def test_dense_similarity_reorders_what_the_keywords_found_equally() -> None:
+    pytest.importorskip("wordllama")
+    from gateway.memory.dense import DenseIndex, StaticEmbedder
+    from gateway.memory.messages import MessageIndex, StoredMessage
+
+    texts = ["bought food for my puppy", "bought food for my printer"]  # the second newer
+    messages = [StoredMessage("k", "s", f"e{i}", 1e9 + i, "user", t) for i, t in enumerate(texts)]
+    keyword = MessageIndex()
+    keyword.add("s", messages)
+    hybrid = MessageIndex(dense=DenseIndex(StaticEmbedder()), dense_weight=0.2)
+    hybrid.add("s", messages)
+    # The same BM25 score: keywords alone put the newer first; a fifth of the score from
+    # dense similarity is enough to put the one about a dog first (a dense rank added to
+    # a keyword rank, as reciprocal rank fusion does, is not).
+    assert [h.text for h in keyword.search("dog food", 2)] == texts[::-1]
+    assert [h.text for h in hybrid.search("dog food", 2)] == texts
 
 
 def test_a_turn_does_not_wait_long_for_a_scopes_first_reading() -> None:

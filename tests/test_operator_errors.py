@@ -135,10 +135,12 @@ def test_a_misspelt_variable_is_warned_about_with_the_closest_key(
 
 
 def test_a_quoted_boolean_in_the_config_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "gateway.toml").write_text('[cache]\nenabled = "yes"\n')
+    # [memory], which `sessions list` reads: it checks no section it does not read
+    # (tests/test_startup_imports.py).
+    (tmp_path / "gateway.toml").write_text('[memory]\nenabled = "yes"\n')
     out = run_gateway(["sessions", "list"], base_env(tmp_path), tmp_path)
     assert out.returncode == EX_CONFIG
-    assert_one_line(out.stderr, "cache.enabled: expected true or false, got 'yes'")
+    assert_one_line(out.stderr, "memory.enabled: expected true or false, got 'yes'")
 
 
 def test_memory_commands_for_an_unknown_key_create_nothing(tmp_path: Path) -> None:

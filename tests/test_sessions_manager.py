@@ -25,7 +25,9 @@ from gateway.sessions import (
     SessionKeyError,
     SessionManager,
     TreeEvent,
+    encode_key,
 )
+from gateway.sessions.listing import FileSessionListing
 from tests.llm_messages import user
 
 
@@ -224,6 +226,26 @@ def test_archived_sessions_are_listed_and_readable(folder: Path) -> None:
     with pytest.raises(SessionError, match="it has none"):
         manager.open_archived("slack:C1", 1)
     assert SessionManager.in_memory().list_archived() == []
+
+
+def test_a_folder_listing_lists_what_the_manager_lists(folder: Path) -> None:
+    """`gateway sessions list` reads a folder through FileSessionListing, without the
+    manager: the same sessions, in the same order, current and archived."""
+    manager = SessionManager(folder, fsync="never")
+    for n, key in enumerate(("telegram:1", "cli:work", "slack:C1:thread:2.5", "x")):
+        manager.get_or_create(key).add_message(user(f"m{n}"))
+        os.utime(folder / f"{encode_key(key)}.jsonl", (1_700_000_000 - n, 1_700_000_000 - n))
+    manager.reset("telegram:1")
+    manager.reset("cli:work")
+    manager.get_or_create("telegram:1").add_message(user("again"))
+    manager.reset("telegram:1")
+    (folder / "stray.txt").write_text("not a session\n")
+    listing = FileSessionListing(folder)
+    assert [i.key for i in listing.list_sessions()] == ["slack:C1:thread:2.5", "x"]
+    assert listing.list_sessions() == manager.list_sessions()
+    assert listing.list_archived() == manager.list_archived()
+    assert [a.number for a in listing.list_archived("telegram:1")] == [1, 2]
+    assert listing.list_archived("telegram:1") == manager.list_archived("telegram:1")
 
 
 def test_reset_of_unsaved_session(manager: SessionManager) -> None:

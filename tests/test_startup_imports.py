@@ -122,8 +122,111 @@ def test_sessions_list_loads_the_sessions_and_not_the_agent(tmp_path: Path) -> N
     manager.close()
     code, modules = loaded_by(["sessions", "list"], base_env(tmp_path), tmp_path)
     assert code == 0
-    assert "gateway.sessions.manager" in modules  # it did list them
+    assert "gateway.sessions.listing" in modules  # it did list them
     assert present(modules, UNUSED_BY_CHAT + TURN_ONLY) == []
+
+
+def make_session(workspace: Path, key: str) -> Path:
+    from gateway.llm import LLMMessage
+    from gateway.sessions import SessionManager
+
+    manager = SessionManager(workspace / "sessions")
+    manager.get_or_create(key).add_message(LLMMessage(role="user", content="hi"))
+    manager.close()
+    return workspace / "sessions"
+
+
+#: What the sessions commands read of the configuration (`cli.SESSIONS_SECTIONS`): the
+#: loader, the base of the models, the top level and those four sections' models.
+SESSIONS_CONFIG = [
+    "gateway.config.loader",
+    "gateway.config.log",
+    "gateway.config.memory",
+    "gateway.config.section",
+    "gateway.config.sessions",
+    "gateway.config.storage",
+    "gateway.config.toplevel",
+]
+
+
+#: The session machinery a listing of files does without (gateway.sessions.listing).
+SESSION_MACHINERY = (
+    "gateway.sessions.manager",
+    "gateway.sessions.store",
+    "gateway.sessions.entries",
+    "gateway.llm",
+)
+
+
+def test_sessions_list_builds_only_the_configuration_it_reads(tmp_path: Path) -> None:
+    """Most of `sessions list`'s start went to building every section's model, to
+    loguru (with asyncio and multiprocessing) and to the session machinery; the times
+    are bench/startup.py's."""
+    make_session(tmp_path / "ws", "telegram:42")
+    for args in (["sessions", "list"], ["sessions", "list", "--all", "--json"]):
+        code, modules = loaded_by(args, base_env(tmp_path), tmp_path)
+        assert code == 0
+        assert sorted(m for m in modules if m.startswith("gateway.config.")) == SESSIONS_CONFIG
+        assert present(modules, ("loguru", "asyncio", "multiprocessing")) == []
+        assert present(modules, SESSION_MACHINERY) == []
+
+
+def test_a_sessions_command_logs_as_configured_though_it_loads_loguru_late(
+    tmp_path: Path,
+) -> None:
+    """Logging is set up at the first line logged: in the configured format, at the
+    configured level, with the secrets redacted, those of sections not loaded too."""
+    folder = make_session(tmp_path / "ws", "cli:plain-unread-token")
+    with (folder / "cli%3Aplain-unread-token.jsonl").open("a") as fh:
+        fh.write("not json\n")  # an unreadable line, reported when the file is read
+    env = base_env(tmp_path) | {
+        "GATEWAY_LOG__FORMAT": "json",
+        "GATEWAY_CHANNELS__TELEGRAM__TOKEN": "plain-unread-token",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "sessions", "show", "plain-unread-token"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[user] hi\n"
+    [line] = done.stderr.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "WARNING" and record["logger"] == "gateway.sessions.store"
+    assert "skipped 1 unreadable line(s)" in record["message"]
+    assert "plain-unread-token" not in done.stderr and "***" in record["message"]
+
+
+@pytest.mark.parametrize("command", [["run"], ["doctor"], ["sessions", "list"]])
+def test_a_mistake_in_a_section_is_reported_by_the_commands_that_read_it(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """The sessions commands do not read [channels]: they list on, while the daemon and
+    the doctor refuse the configuration (gateway/config/loader.py says why)."""
+    make_session(tmp_path / "ws", "telegram:42")
+    env = base_env(tmp_path) | {"GATEWAY_CHANNELS__TELEGRAM__ENABLED": "maybe"}
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *command],
+        env=env,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if command[0] == "sessions":
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("telegram:42 ")
+    else:
+        assert done.returncode == 78
+        assert done.stderr == (
+            "gateway: config error: channels.telegram.enabled: expected true or false, got "
+            "'maybe' (write it without quotes); fix it in gateway.toml or "
+            "GATEWAY_CHANNELS__TELEGRAM__ENABLED\n"
+        )
 
 
 def test_chat_without_a_model_refuses_before_loading_the_agent(tmp_path: Path) -> None:
@@ -170,7 +273,9 @@ def test_run_without_a_model_does_not_wait_for_postgresql(tmp_path: Path) -> Non
     assert "waiting for PostgreSQL" not in done.stderr
 
 
-@pytest.mark.parametrize("package", ["gateway.memory", "gateway.cache"])
+@pytest.mark.parametrize(
+    "package", ["gateway.memory", "gateway.cache", "gateway.config", "gateway.sessions"]
+)
 def test_a_lazy_package_still_exports_every_name(package: str) -> None:
     module = importlib.import_module(package)
     for name in module.__all__:
@@ -178,3 +283,27 @@ def test_a_lazy_package_still_exports_every_name(package: str) -> None:
     assert set(module.__all__) <= set(dir(module))
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         module.nothing_here  # noqa: B018
+
+
+def test_a_sessions_command_of_the_shared_mode_logs_as_configured_too(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The shared mode's modules log through the same late-set-up logger: the first start
+    on an empty schema logs its migrations in the configured format."""
+    env = base_env(tmp_path) | {
+        "GATEWAY_STORAGE__URL": pg_url,
+        "GATEWAY_LOG__FORMAT": "json",
+        "GATEWAY_LOG__LEVEL": "INFO",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "-v", "sessions", "list"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines()]
+    applied = [r for r in records if r["message"].startswith("storage: applied migration")]
+    assert applied and all(r["logger"] == "gateway.storage.postgres" for r in applied)

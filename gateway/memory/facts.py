@@ -29,6 +29,7 @@ from gateway.memory.format import (
     is_heading,
     normalize_category,
     parse_bullet,
+    without_fact_comment,
 )
 from gateway.memory.knowledge import KnowledgeEntry
 from gateway.memory.text import normalize_text, one_line
@@ -179,6 +180,26 @@ def memory_facts(content: str) -> list[Fact]:
         if fact is not None:
             facts.append(fact)
     return facts
+
+
+def origin_marker(entry_id: str) -> str:
+    """What the comment of every fact line that came from session entry `entry_id` holds
+    (a space either side), to find those lines by substring."""
+    return f" entry {_quote(entry_id)} "
+
+
+def facts_by_origin(content: str) -> dict[str, list[str]]:
+    """A MEMORY.md text's fact lines by the entry id of the message each came from, as
+    search finds them (`- [category] text`, without the comment); a fact without an
+    origin is not in it."""
+    out: dict[str, list[str]] = {}
+    for raw in content.splitlines():
+        if "<!--" not in raw:  # no comment, no origin
+            continue
+        fact = parse_fact_line(raw, None)
+        if fact is not None and fact.origin is not None:
+            out.setdefault(fact.origin.entry_id, []).append(without_fact_comment(raw.strip()))
+    return out
 
 
 def rewrite_memory(

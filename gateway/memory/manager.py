@@ -58,6 +58,7 @@ from gateway.memory.facts import (
     all_facts,
     corrected,
     correction_now,
+    facts_by_origin,
     knowledge_fact,
     memory_facts,
     new_facts,
@@ -133,6 +134,9 @@ class MemoryManager:
         # (size, mtime_ns) of MEMORY.md after our last write: a different stat means
         # someone edited the file by hand, and the index is rebuilt.
         self._memory_seen: tuple[int, int] | None = self._memory_stat()
+        # MEMORY.md's fact lines by their origin message's entry id, with the file's stat
+        # when read (`facts_from_messages`); appended facts keep it current.
+        self._origins: tuple[tuple[int, int] | None, dict[str, list[str]]] | None = None
         self._history_index = FileIndex(
             self.dir / HISTORY_INDEX_FILE,
             lambda: [*self.history_archives(), self.history_path],
@@ -198,8 +202,15 @@ class MemoryManager:
             if self._last_heading_day() != day:
                 lead = "\n" if self._memory_size() > 0 else ""
                 block = f"{lead}{consolidated_heading(day)}\n{block}"
+            # The facts' origins, when read and current, learn the new lines too.
+            current = self._origins is not None and self._origins[0] == self._memory_stat()
             self.append_to_memory(block)
             self._remember_last_day(day)
+            if current and self._origins is not None:
+                origins = self._origins[1]
+                for entry, lines in facts_by_origin(block).items():
+                    origins.setdefault(entry, []).extend(lines)
+                self._origins = (self._memory_stat(), origins)
         return len(bullets)
 
     def search_memory(
@@ -228,6 +239,20 @@ class MemoryManager:
             if not hits and not _has_words(query):
                 hits = index.latest(max_results, tag=tag)
             return Found((hit.text for hit in hits), complete=complete)
+
+    def facts_from_messages(self, entry_ids: Iterable[str]) -> dict[str, list[str]]:
+        """MEMORY.md's fact lines (as `search_memory` gives them) by the entry id of the
+        message each came from, for these messages. MEMORY.md is read again only when
+        something other than `append_facts` changed it (one stat a call)."""
+        wanted = list(entry_ids)
+        if not wanted:
+            return {}
+        with self._lock:
+            stat = self._memory_stat()
+            if self._origins is None or self._origins[0] != stat:
+                self._origins = (stat, facts_by_origin(self.read_memory()))
+            found = self._origins[1]
+            return {entry: list(found[entry]) for entry in wanted if entry in found}
 
     def compact_memory(self, similarity_threshold: float = 0.85) -> int:
         """Remove facts that another kept fact implies; return how many were removed.

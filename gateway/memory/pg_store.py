@@ -55,6 +55,7 @@ from gateway.memory.facts import (
     correction_now,
     knowledge_fact,
     new_facts,
+    origin_marker,
     parse_fact_line,
     same_text,
     written_fact,
@@ -122,6 +123,11 @@ def search_query(query: str) -> str | None:
     if not tokens:
         return None
     return " | ".join("'" + t.replace("\\", "\\\\").replace("'", "''") + "'" for t in tokens)
+
+
+def _like_escaped(text: str) -> str:
+    """`text` as a literal inside a LIKE pattern (backslash is LIKE's default escape)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def knowledge_entry(row: Sequence[Any]) -> KnowledgeEntry:
@@ -469,6 +475,24 @@ class PostgresMemoryScope(_Scoped):
                 conn, "gw_memory_facts", "line", self._key, query, max_results, category=tag
             )
         return Found(without_fact_comment(line) for line in lines)
+
+    def facts_from_messages(self, entry_ids: Iterable[str]) -> dict[str, list[str]]:
+        wanted = list(dict.fromkeys(entry_ids))
+        if not wanted:
+            return {}
+        patterns = [f"%{_like_escaped(origin_marker(entry))}%" for entry in wanted]
+        with self._pool.connection() as conn:
+            rows = conn.execute(
+                "SELECT day, line FROM gw_memory_facts WHERE scope = %s AND line LIKE ANY(%s)"
+                " ORDER BY id",
+                (self._key, patterns),
+            ).fetchall()
+        found: dict[str, list[str]] = {}
+        for day, line in rows:
+            fact = parse_fact_line(str(line), day)
+            if fact is not None and fact.origin is not None and fact.origin.entry_id in wanted:
+                found.setdefault(fact.origin.entry_id, []).append(without_fact_comment(str(line)))
+        return found
 
     # -- seeing, correcting, forgetting facts ----------------------------------------
 

@@ -162,6 +162,12 @@ class MemoryScope(Protocol):
         long as it takes)."""
         ...
 
+    def facts_from_messages(self, entry_ids: Iterable[str]) -> dict[str, list[str]]:
+        """The fact lines (as `search_memory` gives them) that came from each of these
+        past messages, by the message's entry id: the origin consolidation recorded for
+        each fact. A message that gave no fact is left out."""
+        ...
+
     def load_indexes(self, progress: IndexProgress | None = None) -> None:
         """Have the scope's search indexes ready now, waiting for any build (told to
         `progress` as it goes), so that searches answer at once and complete."""

@@ -30,7 +30,7 @@ from gateway.people.protocol import PeopleStore, person_scope
 
 def session_keys(sessions_dir: Path) -> set[str]:
     """Every session key with a current or an archived session file in `sessions_dir`."""
-    from gateway.sessions.manager import list_archived_files, list_session_files
+    from gateway.sessions.listing import list_archived_files, list_session_files
 
     try:
         keys = {info.key for info in list_session_files(sessions_dir)}

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
-from loguru import logger
+from gateway.logs import logger
 
 HookEvent = Literal[
     "session_before_fork", "session_tree", "session_before_compact", "session_compact"

@@ -86,7 +86,3 @@ def key_from_filename(name: str) -> str | None:
         return decode_key(name[: -len(SUFFIX)])
     except SessionKeyError:
         return None
-
-
-#: ``archive/<stem>/<ARCHIVE_TAG time>-<session id>.jsonl``.
-ARCHIVE_DIR = "archive"

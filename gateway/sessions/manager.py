@@ -13,22 +13,20 @@ and hop to a worker thread otherwise.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-from loguru import logger
 
 from gateway.fsutil import probe_writable
 from gateway.llm import LLMMessage
+from gateway.logs import logger
 from gateway.sessions.context import SessionContext, choose_cut
 from gateway.sessions.entries import (
     BranchEntry,
@@ -49,21 +47,19 @@ from gateway.sessions.errors import (
     EntryNotFoundError,
     SessionError,
     SessionExistsError,
-    SessionKeyError,
 )
 from gateway.sessions.hooks import HookRegistry
-from gateway.sessions.keys import (
-    ARCHIVE_DIR,
-    SUFFIX,
-    decode_key,
-    encode_key,
-    key_from_filename,
-    session_path,
+from gateway.sessions.keys import SUFFIX, encode_key, session_path
+from gateway.sessions.listing import (
+    ArchivedSessionInfo,
+    SessionInfo,
+    list_archived_files,
+    list_session_files,
+    most_recent_first,
 )
 from gateway.sessions.outputs import FileToolOutputs, MemoryToolOutputs, ToolOutputStore
 from gateway.sessions.spares import SPARES_DIR, SparePool
 from gateway.sessions.store import (
-    ARCHIVE_TAG,
     DIR_MODE,
     FILE_MODE,
     STORE_OPEN_FLAGS,
@@ -436,106 +432,6 @@ class Session:
         return 0 if entry is None else cut
 
 
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    """A session file as seen in a directory listing (no parsing involved)."""
-
-    key: str
-    path: Path | None
-    updated_at: float
-    size_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class ArchivedSessionInfo:
-    """A session `/new` replaced, kept in the archive. `number` counts back from the
-    key's most recently archived session (1), as `sessions show KEY --archived N` does."""
-
-    key: str
-    number: int
-    session_id: str
-    archived_at: float
-    path: Path
-    size_bytes: int
-
-
-# ``<time>-<session id>.jsonl``, with ``-N`` after it when the name was taken.
-_ARCHIVED_NAME = re.compile(r"(\d{8}T\d{12}Z)-([0-9A-Za-z]+)" + re.escape(SUFFIX) + r"(?:-\d+)?")
-
-
-def _archived_in(folder: Path, key: str) -> list[ArchivedSessionInfo]:
-    """The archived sessions of `key` in its archive folder, most recent first."""
-    found: list[tuple[str, str, str, int]] = []
-    try:
-        with os.scandir(folder) as it:
-            items = list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for item in items:
-        match = _ARCHIVED_NAME.fullmatch(item.name)
-        if match is None:
-            continue
-        try:
-            if not item.is_file(follow_symlinks=False):
-                continue
-            size = item.stat(follow_symlinks=False).st_size
-        except OSError:
-            continue  # removed meanwhile
-        found.append((match.group(1), item.name, match.group(2), size))
-    found.sort(reverse=True)
-    return [
-        ArchivedSessionInfo(
-            key=key,
-            number=n,
-            session_id=session_id,
-            archived_at=datetime.strptime(tag, ARCHIVE_TAG).replace(tzinfo=UTC).timestamp(),
-            path=folder / name,
-            size_bytes=size,
-        )
-        for n, (tag, name, session_id, size) in enumerate(found, start=1)
-    ]
-
-
-def list_session_files(sessions_dir: Path) -> list[SessionInfo]:
-    """The current session files in ``sessions_dir`` (unsorted), from the directory
-    listing and ``stat`` alone; other files (sidecars, temp files) are not sessions."""
-    infos: list[SessionInfo] = []
-    with os.scandir(sessions_dir) as it:
-        for item in it:
-            key = key_from_filename(item.name)
-            if key is None:
-                continue
-            try:
-                if not item.is_file(follow_symlinks=False):
-                    continue
-                st = item.stat(follow_symlinks=False)
-            except OSError:
-                continue  # removed meanwhile
-            infos.append(SessionInfo(key, Path(item.path), st.st_mtime, st.st_size))
-    return infos
-
-
-def list_archived_files(sessions_dir: Path, key: str | None = None) -> list[ArchivedSessionInfo]:
-    """The archived session files under ``sessions_dir`` (of `key`, or of every key),
-    each key's most recent first."""
-    archive = sessions_dir / ARCHIVE_DIR
-    if key is not None:
-        return _archived_in(archive / encode_key(key), key)
-    infos: list[ArchivedSessionInfo] = []
-    try:
-        with os.scandir(archive) as it:
-            folders = sorted(it, key=lambda item: item.name)
-    except FileNotFoundError:
-        return []
-    for folder in folders:
-        try:
-            folder_key = decode_key(folder.name)
-        except SessionKeyError:
-            continue  # not ours
-        infos.extend(_archived_in(Path(folder.path), folder_key))
-    return infos
-
-
 class SessionManager:
     """Owns the sessions of one folder: ``<sessions_dir>/<encoded key>.jsonl``.
 
@@ -854,8 +750,7 @@ class SessionManager:
             infos = [SessionInfo(s.key, None, s.updated_at, 0) for s in sessions]
         else:
             infos = list_session_files(self._dir)
-        infos.sort(key=lambda info: info.updated_at, reverse=True)
-        return infos
+        return most_recent_first(infos)
 
     def list_archived(self, key: str | None = None) -> list[ArchivedSessionInfo]:
         """The sessions `/new` replaced (of `key`, or of every key), each key's most

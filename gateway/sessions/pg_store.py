@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from loguru import logger
 
+from gateway.logs import logger
 from gateway.sessions.entries import Entry, SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionExistsError
 from gateway.sessions.outputs import HANDLE, encode_output, new_handle

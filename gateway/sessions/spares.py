@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from loguru import logger
+from gateway.logs import logger
 
 SPARE_PREFIX = "spare-"
 #: The pool's folder inside the sessions folder (same file system, so links work).

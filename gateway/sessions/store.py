@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
 import anyio
 import anyio.to_thread
-from loguru import logger
+
+from gateway.logs import logger
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -56,7 +57,8 @@ from gateway.sessions.entries import (
     new_entry_id,
 )
 from gateway.sessions.errors import SessionError, SessionExistsError, UnsupportedVersionError
-from gateway.sessions.keys import ARCHIVE_DIR, SUFFIX
+from gateway.sessions.keys import SUFFIX
+from gateway.sessions.listing import ARCHIVE_DIR, ARCHIVE_TAG
 from gateway.sessions.spares import SparePool
 from gateway.sessions.tree import SessionTree
 
@@ -70,8 +72,6 @@ EntryFactory = Callable[[SessionTree, str, float], E]
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-#: Folder (inside the sessions folder) of the sessions `/new` replaced:
-ARCHIVE_TAG = "%Y%m%dT%H%M%S%fZ"
 _OPEN_FLAGS = STORE_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 _datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from gateway.fsutil import create_exclusive, ensure_private_dir
 from gateway.sessions.entries import SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionKeyError, UnsupportedVersionError
-from gateway.sessions.keys import ARCHIVE_DIR, decode_key, encode_key, session_path
-from gateway.sessions.manager import list_archived_files, list_session_files
+from gateway.sessions.keys import decode_key, encode_key, session_path
+from gateway.sessions.listing import ARCHIVE_DIR, list_archived_files, list_session_files
 from gateway.sessions.outputs import HANDLE, OUTPUT_SUFFIX, OUTPUTS_DIR
 from gateway.sessions.pg_store import session_lines
 from gateway.sessions.store import archive_name

@@ -16,9 +16,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from loguru import logger
-
 from gateway.llm import LLMMessage
+from gateway.logs import logger
 from gateway.sessions.context import SessionContext, branch_summary_message, custom_message
 from gateway.sessions.entries import (
     BranchEntry,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from gateway.config import Settings
+    from gateway.config import PartialSettings, Settings
     from gateway.storage.postgres import SharedStorage
 
 _T = TypeVar("_T")
@@ -24,5 +24,5 @@ class Backends(Generic[_T]):
     workspace's files) and from the shared mode's connections. `Storage.open` calls the
     one of its mode."""
 
-    files: Callable[[Settings], _T]
+    files: Callable[[Settings | PartialSettings], _T]
     postgresql: Callable[[SharedStorage], _T]

@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from gateway.access.protocol import PairingBackend
-    from gateway.config import Settings
+    from gateway.config import PartialSettings, Settings
     from gateway.dispatch.lanes import Lanes, ReplicaRouter
     from gateway.journal.protocol import DedupeStore, Lead, Relay
     from gateway.memory.protocol import ConsolidationGuard, MemoryBackend
     from gateway.people.protocol import PeopleStore
     from gateway.schedules.protocol import JobStore
     from gateway.schedules.runs import RunState
+    from gateway.sessions.listing import SessionListing
     from gateway.sessions.manager import SessionManager
     from gateway.storage.backends import Backends, Leader
     from gateway.usage.protocol import UsageLedger
@@ -40,7 +41,7 @@ _T = TypeVar("_T")
 JOURNAL_FILE = "dedupe.sqlite"
 
 
-def pairing_path(settings: Settings) -> Path:
+def pairing_path(settings: Settings | PartialSettings) -> Path:
     """The workspace's pairing file."""
     from gateway.access.store import PAIRING_FILE
 
@@ -54,7 +55,7 @@ class FileStorage:
     title = "workspace files"
     one_writer = True
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings | PartialSettings) -> None:
         self.settings = settings
 
     def describe(self) -> str:
@@ -87,6 +88,13 @@ class FileStorage:
             spare_files=spare_files,
             io_on_loop=settings.io_on_loop,
         )
+
+    def session_listing(self) -> SessionListing:
+        from gateway.sessions.listing import FileSessionListing
+        from gateway.storage.workspace import prepare_workspace
+
+        prepare_workspace(self.settings)
+        return FileSessionListing(self.settings.sessions_dir)
 
     def memory(self) -> MemoryBackend:
         from gateway.memory.store import MemoryStore

@@ -27,13 +27,14 @@ _T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from gateway.access.protocol import PairingBackend
-    from gateway.config import Settings
+    from gateway.config import PartialSettings, Settings
     from gateway.dispatch.lanes import Lanes, ReplicaRouter
     from gateway.journal.protocol import DedupeStore, Lead, Relay
     from gateway.memory.protocol import ConsolidationGuard, MemoryBackend
     from gateway.people.protocol import PeopleStore
     from gateway.schedules.protocol import JobStore
     from gateway.schedules.runs import RunState
+    from gateway.sessions.listing import SessionListing
     from gateway.sessions.manager import SessionManager
     from gateway.usage.protocol import UsageLedger
 
@@ -43,7 +44,7 @@ class Storage(Protocol):
     event loop runs, or from a worker thread); the shared mode's connections are opened
     once per process and closed at exit."""
 
-    settings: Settings
+    settings: Settings | PartialSettings
     #: The mode, for machines (/readyz while waiting): "files" or "postgresql".
     kind: str
     #: The mode, for people (log lines): "workspace files" or "PostgreSQL".
@@ -85,6 +86,12 @@ class Storage(Protocol):
         """The sessions, once the workspace's folders are made and writable
         (`WorkspaceError` otherwise); a long-running gateway passes `spare_files` (see
         `gateway.sessions.spares`), one-shot commands do not."""
+        ...
+
+    def session_listing(self) -> SessionListing:
+        """The sessions as `sessions()`' manager lists them, for a command that only lists
+        them (the files mode reads the folder without the session machinery). Close it
+        after use."""
         ...
 
     def memory(self) -> MemoryBackend:
@@ -148,7 +155,7 @@ class Storage(Protocol):
         ...
 
 
-def open_storage(settings: Settings) -> Storage:
+def open_storage(settings: Settings | PartialSettings) -> Storage:
     """The storage of the mode `settings` asks for: PostgreSQL when `storage.url` is set,
     else the workspace's files. The only place the mode is chosen."""
     if settings.storage.url:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from gateway.access.protocol import PairingBackend
-    from gateway.config import Settings
+    from gateway.config import PartialSettings, Settings
     from gateway.dispatch.lanes import Lanes, ReplicaRouter
     from gateway.journal.pg_store import PostgresDedupeStore
     from gateway.journal.protocol import DedupeStore, Lead, Relay
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from gateway.people.protocol import PeopleStore
     from gateway.schedules.protocol import JobStore
     from gateway.schedules.runs import RunState
+    from gateway.sessions.listing import SessionListing
     from gateway.sessions.manager import SessionManager
     from gateway.storage.backends import Backends, Leader
     from gateway.storage.postgres import SharedStorage
@@ -62,7 +63,7 @@ class PostgresStorage:
     title = "PostgreSQL"
     one_writer = False
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings | PartialSettings) -> None:
         assert settings.storage.url
         self.settings = settings
         self.url = settings.storage.url
@@ -127,6 +128,9 @@ class PostgresStorage:
             max_cache_size=settings.sessions.max_cache_size,
             max_cache_bytes=settings.sessions.max_cache_mb * 1024 * 1024,
         )
+
+    def session_listing(self) -> SessionListing:
+        return self.sessions()
 
     def memory(self) -> MemoryBackend:
         from gateway.memory.pg_store import PostgresMemoryStore

@@ -18,10 +18,13 @@ import pwd
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gateway.config import Settings
 from gateway.fsutil import ensure_private_dir, probe_writable
 from gateway.memory.scopes import MEMORY_DIRNAME
+
+if TYPE_CHECKING:
+    from gateway.config import PartialSettings, Settings
 
 #: errno values that mean "this user may not write here", not a passing condition:
 #: restarting cannot fix them. (A full disk can heal by itself, so ENOSPC is not one.)
@@ -69,7 +72,7 @@ def cannot_write(path: str | os.PathLike[str], exc: OSError) -> WorkspaceError:
     return WorkspaceError(f"cannot write in {path} ({exc.strerror or exc}): {fix}")
 
 
-def workspace_folders(settings: Settings) -> list[Path]:
+def workspace_folders(settings: Settings | PartialSettings) -> list[Path]:
     """The folders `gateway run` writes in, the workspace first."""
     folders = [settings.workspace_path, settings.sessions_dir]
     if settings.memory.enabled:
@@ -77,7 +80,7 @@ def workspace_folders(settings: Settings) -> list[Path]:
     return folders
 
 
-def check_workspace(settings: Settings) -> None:
+def check_workspace(settings: Settings | PartialSettings) -> None:
     """Probe every workspace folder that exists for a new file; creates nothing that
     stays. Raises WorkspaceError for the first one this user cannot write in."""
     for folder in workspace_folders(settings):
@@ -105,7 +108,7 @@ def make_folder(folder: Path) -> None:
         ) from None
 
 
-def prepare_workspace(settings: Settings) -> None:
+def prepare_workspace(settings: Settings | PartialSettings) -> None:
     """Make the workspace's folders (0700) where missing and check each can be
     written; WorkspaceError if not. What `gateway run` and `gateway doctor` both do."""
     for folder in workspace_folders(settings):

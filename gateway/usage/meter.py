@@ -30,9 +30,9 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from loguru import logger
 
 from gateway.llm.types import LLMMessage, LLMProvider, LLMResponse, StreamDelta, ToolSpec
+from gateway.logs import logger
 from gateway.usage.protocol import (
     UNSCOPED,
     UsageKind,

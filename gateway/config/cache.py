@@ -1,0 +1,34 @@
+"""`[cache]`: the shared response cache."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gateway.config.section import Section
+
+
+class CacheSettingsSection(Section):
+    enabled: bool = Field(True, description="Answer repeated questions from the cache.")
+    url: str | None = Field(
+        None,
+        description="Backend: unset for a SQLite file in the workspace, or redis://host:port/db "
+        "to share the cache between replicas.",
+        examples=["redis://127.0.0.1:6379/0"],
+    )
+    namespace: str = Field("gateway:cache:", description="Redis key prefix.")
+    ttl_seconds: float = Field(3600.0, gt=0, description="How long an answer stays valid.")
+    max_entries: int = Field(10_000, ge=1, description="Entries kept; least recently used go.")
+    max_temperature: float = Field(
+        0.3, ge=0, description="Replies sampled hotter than this are not cached."
+    )
+    near_duplicates: bool = Field(
+        False,
+        description="Also match paraphrases of standalone questions (needs the "
+        "cache-neardup extra).",
+    )
+    near_duplicate_threshold: float = Field(
+        0.7, gt=0, le=1, description="Cosine similarity a paraphrase must reach."
+    )
+    disabled_channels: list[str] = Field(
+        default_factory=list, description='Channels that never use the cache, e.g. ["slack"].'
+    )
