@@ -39,14 +39,14 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
-from gateway.memory.index import IndexFileError, SearchIndex
+from gateway.memory.index import IndexFileError, SearchIndex, release_freed_memory
 
 Doc = tuple[str, str | None, float | None]
 # Parse stream text into documents; the float is the timestamp carried from the line
@@ -296,6 +296,7 @@ class FileIndex:
             self._install(*self._build(index, cover, start))
             if todo > self.sync_bytes:
                 self.save()  # a large build is saved at once, not by a later append
+                release_freed_memory()
             return
         generation = self._generation
         self._progress = (0, max(todo, 1))
@@ -334,17 +335,23 @@ class FileIndex:
         # of the current file, which keeps the stream's bytes (and offsets) the same.
         rest = self._sources()[len(cover.archives) :]
         data = _read_from(rest, start)
-        carry, done, added = cover.carry, 0, 0
-        while done < len(data):
-            # Cut at a newline: it never falls inside a UTF-8 character.
-            cut = data.find(b"\n", done + _BUILD_CHUNK)
-            end = len(data) if cut < 0 else cut + 1
-            docs, carry = self._parse(data[done:end].decode("utf-8", errors="replace"), carry)
-            index.add_many(docs)
-            added += len(docs)
-            done = end
-            if report:
-                self._progress = (done, max(len(data), 1))
+        carry = cover.carry
+
+        def docs() -> Iterator[Doc]:
+            nonlocal carry
+            done = 0
+            while done < len(data):
+                # Cut at a newline: it never falls inside a UTF-8 character.
+                cut = data.find(b"\n", done + _BUILD_CHUNK)
+                end = len(data) if cut < 0 else cut + 1
+                found, carry = self._parse(data[done:end].decode("utf-8", errors="replace"), carry)
+                yield from found
+                done = end
+                if report:
+                    self._progress = (done, max(len(data), 1))
+
+        # One batch: the index folds it into its segment in one merge, however large.
+        added = len(index.add_many(docs()))
         crc = zlib.crc32(data, cover.rest_crc)
         return index, _Coverage(cover.archives, start + len(data), crc, carry), added
 
@@ -375,6 +382,7 @@ class FileIndex:
             finally:
                 self._builder = None
                 self._built.notify_all()
+        release_freed_memory()  # the build's temporary arrays and lists are gone now
 
     def _verify(self, index: SearchIndex, generation: int) -> None:
         """Check a loaded index's checksum off the search path; drop it if damaged."""
