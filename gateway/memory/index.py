@@ -264,6 +264,7 @@ class SearchIndex:
         self._tail_live: list[bool] = []
         self._live = 0
         self._total_length = 0
+        self._dead_texts = 0  # removed documents whose text the segment still holds
         self.scored_postings = 0  # postings scored by the last search (for the benchmark)
         self._payload: memoryview | None = None  # the mapped file's payload, if loaded
         self._payload_crc = 0
@@ -348,8 +349,9 @@ class SearchIndex:
         for text, tokens, tag, ts in held:
             batch.add(text, tokens, self._tag_id(tag), ts)
         del held
+        tokens_of = _LineTokens()
         for text, tag, ts in stream:
-            batch.add(text, tokenize(text), self._tag_id(tag), ts)
+            batch.add(text, tokens_of(text), self._tag_id(tag), ts)
         self._fold(batch)
         return list(range(first, self.doc_count))
 
@@ -361,6 +363,7 @@ class SearchIndex:
         terms = set(tokenize(self.text(doc_id)))
         if doc_id < seg.n:
             self._seg_live[doc_id] = False
+            self._dead_texts += 1
             length = int(seg.d_len[doc_id])
             for term in terms:
                 tid = seg.term_ids.get(term)
@@ -380,8 +383,11 @@ class SearchIndex:
         self._total_length -= length
 
     def merge(self) -> None:
-        """Fold the tail into the segment now (`save` does; so may a bulk build)."""
-        self._merge()
+        """Fold the tail into the segment now (`save` does; so may a bulk build). The
+        texts of removed documents leave the segment then too: a saved index never
+        holds the words of a document removed before the save."""
+        if self._tail_text or self._dead_texts:
+            self._fold(None)
 
     # -- reading -----------------------------------------------------------------
 
@@ -582,6 +588,7 @@ class SearchIndex:
         index._tag_ids = {t: i for i, t in enumerate(index._tag_names)}
         index._live = int(index._seg_live.sum())
         index._total_length = int(seg.d_len[index._seg_live].sum())
+        index._dead_texts = int((np.diff(seg.d_off)[~index._seg_live] > 0).sum())
         index._payload, index._payload_crc = payload, int(header["crc32"])
         index.attached = {
             name[len(_ATTACHED) :]: array
@@ -809,6 +816,13 @@ class SearchIndex:
         order = np.argsort(tids, kind="stable")
         tids, docs, tfs = tids[order], docs[order], tfs[order]
         del order
+        counts = np.bincount(tids, minlength=len(terms))
+        if bool((counts == 0).any()):  # terms only removed documents had go too
+            kept = counts > 0
+            tids = (np.cumsum(kept) - 1)[tids].astype(np.int32)
+            terms = [term for term, keep in zip(terms, kept.tolist(), strict=True) if keep]
+            vocab = {term: i for i, term in enumerate(terms)}
+        del counts
         ref = max(float(d_len[live].sum()) / max(int(live.sum()), 1), 1.0)
         norm = d_len[docs].astype(np.float32)
         norm *= np.float32(self.k1 * self.b / ref)
@@ -850,6 +864,12 @@ class SearchIndex:
         del joined
         d_off = _cat([seg.d_off, seg.d_off[-1] + np.cumsum(sizes)])
         blob = _cat([seg.text_blob, np.frombuffer(added, np.uint8)])
+        own = np.diff(d_off)
+        if bool((own[~live] > 0).any()):  # removed documents' texts go
+            blob = blob[np.repeat(live, own)]
+            own[~live] = 0
+            d_off = np.concatenate(([0], np.cumsum(own))).astype(np.int64)
+        del own
         arrays: dict[str, Any] = {
             "t_off": t_off,
             "p_doc": docs,
@@ -872,6 +892,7 @@ class SearchIndex:
         self._tail_post = {}
         self._tail_text, self._tail_tag, self._tail_ts = [], [], []
         self._tail_len, self._tail_live = [], []
+        self._dead_texts = 0
         if batch is not None:
             self._live += len(batch.texts)
             self._total_length += int(sum(batch.lengths))
@@ -883,6 +904,35 @@ def _cat(arrays: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
     if len(full) == 1:
         return full[0]
     return np.concatenate(arrays) if full else arrays[0][:0].copy()
+
+
+class _LineTokens:
+    """`tokenize` of a document line by line, a line that the document or the one before
+    it already held not tokenized again (a message is indexed with the message before
+    it: bench/recall.py). Exact, as tokens never span a line (tests/test_search_index.py
+    pins that of `tokenize`)."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[str, list[str]] = {}
+
+    def __call__(self, text: str) -> list[str]:
+        if "\n" not in text:
+            return tokenize(text)
+        last = self._last
+        seen: dict[str, list[str]] = {}
+        out: list[str] = []
+        for line in text.split("\n"):
+            tokens = seen.get(line)
+            if tokens is None:
+                tokens = last.get(line)
+                if tokens is None:
+                    tokens = tokenize(line)
+                seen[line] = tokens
+            out += tokens
+        self._last = seen
+        return out
 
 
 class _Batch:

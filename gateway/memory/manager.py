@@ -77,7 +77,7 @@ from gateway.memory.format import (
 )
 from gateway.memory.knowledge import KnowledgeBase, KnowledgeEntry
 from gateway.memory.live import Doc, FileIndex
-from gateway.memory.messages import MessageHit, MessageIndex, MessageSource
+from gateway.memory.messages import MESSAGE_INDEX_FILE, MessageHit, MessageIndex, MessageSource
 from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import WORKSPACE_SCOPE, scope_dir
 from gateway.memory.text import one_line, tokenize
@@ -154,7 +154,11 @@ class MemoryManager:
         )
         # The scope's past messages (`gateway.memory.messages`), when the store knows
         # where its sessions are.
-        self.messages = MessageIndex(messages) if messages is not None else None
+        self.messages = (
+            MessageIndex(messages, saved=self.dir / MESSAGE_INDEX_FILE)
+            if messages is not None
+            else None
+        )
 
     # -- MEMORY.md ---------------------------------------------------------------
 
@@ -492,6 +496,8 @@ class MemoryManager:
         with self._lock:
             self._memory_index.save()
             self._history_index.save()
+        if self.messages is not None:
+            self.messages.save()
 
     def close(self) -> None:
         self.flush()
