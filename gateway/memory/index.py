@@ -74,6 +74,7 @@ _MAGIC = b"gateway-search-index v1\n"
 # scored: float32 impacts summed in another order may differ in the last bits.
 _BOUND_SLACK = 1e-6
 _FIRST_BATCH = 4  # blocks scored before the first threshold check; doubles after
+_ONE_BATCH_DOCS = 2048  # a segment this small is scored in one batch of all its blocks
 _BLOCK_OFFSETS = np.arange(1 << _BLOCK_SHIFT, dtype=np.int64)
 
 FloatArray = npt.NDArray[np.float64]
@@ -686,10 +687,16 @@ class SearchIndex:
     ) -> list[tuple[float, int]]:
         """Merge the segment's top k into `top` by block-max pruning (module doc)."""
         seg = self._seg
-        bound = np.zeros(seg.blocks)
-        for idf, tid in terms:
-            s, e = seg.b_off[tid], seg.b_off[tid + 1]
-            bound[seg.b_blk[s:e]] += idf * seg.b_max[s:e].astype(np.float64)
+        # The query's (term, block) entries, term after term, with their term's idf: a
+        # batch of blocks is then scored in a few array operations whatever the number
+        # of terms (a document's sum still adds its terms in the query's order).
+        spans = [(int(seg.b_off[tid]), int(seg.b_off[tid + 1])) for _, tid in terms]
+        entries = np.concatenate([np.arange(s, e) for s, e in spans])
+        entry_idf = np.repeat([idf for idf, _ in terms], [e - s for s, e in spans])
+        entry_blk = seg.b_blk[entries]
+        bound: FloatArray = np.bincount(
+            entry_blk, entry_idf * seg.b_max[entries].astype(np.float64), minlength=seg.blocks
+        ).astype(np.float64, copy=False)
         if rate:
             bound *= _weights(seg.block_newest, rate, clock)
         candidates = np.flatnonzero(bound > 0)
@@ -699,7 +706,9 @@ class SearchIndex:
         best_d = np.array([d for _, d in top], np.int64)
         acc = np.zeros(seg.n)
         mark = np.zeros(seg.blocks, np.bool_)
-        pos, batch = 0, _FIRST_BATCH
+        # A small segment is scored in one batch: the rounds of pruning cost more than
+        # the postings they would skip (bench/memory.py, messages at 1,000).
+        pos, batch = 0, len(order) if seg.n <= _ONE_BATCH_DOCS else _FIRST_BATCH
         while pos < len(order):
             theta = best_s[k - 1] if len(best_s) >= k else -math.inf
             # Blocks are in decreasing bound order: stop at the first that cannot win.
@@ -711,14 +720,13 @@ class SearchIndex:
             pos, batch = end, batch * 2
             mark[:] = False
             mark[selected] = True
-            for idf, tid in terms:
-                s, e = int(seg.b_off[tid]), int(seg.b_off[tid + 1])
-                hit = np.flatnonzero(mark[seg.b_blk[s:e]]) + s
-                if not len(hit):
-                    continue
-                where = _ranges(seg.b_start[hit].astype(np.int64), seg.b_end[hit].astype(np.int64))
-                docs = seg.p_doc[where]
-                acc[docs] += idf * seg.p_imp[where].astype(np.float64)
+            hit = np.flatnonzero(mark[entry_blk])
+            if len(hit):
+                first = seg.b_start[entries[hit]].astype(np.int64)
+                last = seg.b_end[entries[hit]].astype(np.int64)
+                where = _ranges(first, last)
+                weights = np.repeat(entry_idf[hit], last - first)
+                np.add.at(acc, seg.p_doc[where], weights * seg.p_imp[where].astype(np.float64))
                 self.scored_postings += len(where)
             # Candidates: documents of the selected blocks that scored (blocks are
             # disjoint id ranges, so no sort or dedupe is needed).
