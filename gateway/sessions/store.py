@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -296,14 +297,40 @@ class _Pending:
         self.error: OSError | None = None
 
 
+# fsyncs of one group-commit round run at most this many at a time. ext4 (and XFS)
+# fold concurrent fsyncs into one journal commit: measured on the machine of
+# bench/sessions.py, 500 files' fdatasyncs took 860-1670 ms one after the other and
+# 57-72 ms four to sixteen at a time.
+_SYNC_THREADS = 16
+_sync_pool: ThreadPoolExecutor | None = None
+_sync_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _sync_pool
+    with _sync_pool_lock:
+        if _sync_pool is None:
+            _sync_pool = ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="fsync")
+        return _sync_pool
+
+
+def _sync_one(handle: _FileHandle) -> OSError | None:
+    try:
+        handle.sync()
+    except OSError as exc:
+        return exc
+    return None
+
+
 def _sync_handles(batch: list[_Pending]) -> dict[int, OSError]:
-    errors: dict[int, OSError] = {}
-    for h in {id(p.handle): p.handle for p in batch}.values():
-        try:
-            h.sync()
-        except OSError as exc:
-            errors[id(h)] = exc
-    return errors
+    """fsync each file of a round once; several files at once (`_SYNC_THREADS`), and
+    only when all are done does the round end: no append is acknowledged before."""
+    handles = [h for h in {id(p.handle): p.handle for p in batch}.values() if h.dirty]
+    if len(handles) <= 1:
+        outcomes = [_sync_one(h) for h in handles]
+    else:
+        outcomes = list(_pool().map(_sync_one, handles))
+    return {id(h): exc for h, exc in zip(handles, outcomes, strict=True) if exc is not None}
 
 
 class GroupCommitter:
