@@ -314,23 +314,28 @@ def _pool() -> ThreadPoolExecutor:
         return _sync_pool
 
 
-def _sync_one(handle: _FileHandle) -> OSError | None:
-    try:
-        handle.sync()
-    except OSError as exc:
-        return exc
-    return None
+def _sync_some(handles: list[_FileHandle]) -> dict[int, OSError]:
+    errors: dict[int, OSError] = {}
+    for handle in handles:
+        try:
+            handle.sync()
+        except OSError as exc:
+            errors[id(handle)] = exc
+    return errors
 
 
 def _sync_handles(batch: list[_Pending]) -> dict[int, OSError]:
-    """fsync each file of a round once; several files at once (`_SYNC_THREADS`), and
-    only when all are done does the round end: no append is acknowledged before."""
+    """fsync each file of a round once, `_SYNC_THREADS` at a time (each thread a share
+    of the files), and only when all are done does the round end: no append is
+    acknowledged before its file's fsync."""
     handles = [h for h in {id(p.handle): p.handle for p in batch}.values() if h.dirty]
     if len(handles) <= 1:
-        outcomes = [_sync_one(h) for h in handles]
-    else:
-        outcomes = list(_pool().map(_sync_one, handles))
-    return {id(h): exc for h, exc in zip(handles, outcomes, strict=True) if exc is not None}
+        return _sync_some(handles)
+    shares = [handles[i::_SYNC_THREADS] for i in range(min(_SYNC_THREADS, len(handles)))]
+    errors: dict[int, OSError] = {}
+    for found in _pool().map(_sync_some, shares):
+        errors.update(found)
+    return errors
 
 
 class GroupCommitter:
