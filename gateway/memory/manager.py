@@ -12,8 +12,9 @@ Invariants:
 - Searches never read the files: each index is saved next to the files it indexes
   (`MEMORY.md.index`, `HISTORY.md.index`), checked against them and caught up when a
   scope's first append or search opens it, built in the background when missing or
-  stale, and every append queues its documents for it (`gateway.memory.live`), so the
-  saved index stays current whether or not the scope is searched. A search answers
+  stale, and every append queues its bytes for it (`gateway.memory.live`), so the
+  saved index stays current whether or not the scope is searched. The past messages'
+  index is saved beside them too (`messages.index`, `gateway.memory.messages`). A search answers
   from the whole scope: it waits for a build, unless its caller bounded the wait, and
   then it answers from the newest lines and says so (`Found.complete`). MEMORY.md is
   meant to be edited by people: a search notices a hand edit (by the file's size and
