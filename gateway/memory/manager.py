@@ -497,12 +497,15 @@ class MemoryManager:
         with self._lock:
             self._memory_index.save()
             self._history_index.save()
-        if self.messages is not None:
-            self.messages.save()
 
     def close(self) -> None:
+        """Flush, and save the message index (not saved by every flush: a scope of
+        100,000 messages writes tens of MB; it saves itself as it grows, and a restart
+        reads what it lacks from the sessions). The manager stays usable."""
         self.flush()
         self.knowledge.close()
+        if self.messages is not None:
+            self.messages.save()
         with self._lock:
             self._file_lock.close()
 

@@ -18,7 +18,7 @@ removed; one that shrank (rewritten by maintenance) is read again.
 The file mode saves the index in the scope's folder (`messages.index`: the search
 index, and a table of the messages with their session, entry id, time and speaker)
 after a large catch-up, every `SAVE_EVERY` messages or a quarter more, and when the
-store flushes; a restarted scope's first search loads it (its checksum verified first)
+store closes; a restarted scope's first search loads it (its checksum verified first)
 and reads only what the sessions gained since (bench/memory.py: 100,000 messages, a
 fraction of a second instead of reading them all). A scope never read before, or whose
 file is damaged (reported, kept as `messages.index.damaged`) or made by another version
@@ -220,7 +220,7 @@ class MessageIndex:
 
     With `saved` (the file mode: `<scope dir>/messages.index`), the index is saved
     there after a large catch-up, every `max(SAVE_EVERY, a quarter)` messages after,
-    and at `save` (the owner's flush), and a restarted scope starts from it: its first
+    and at `save` (the owner's close), and a restarted scope starts from it: its first
     search reads only what the sessions gained since (`_load`)."""
 
     def __init__(
