@@ -608,6 +608,15 @@ def bench_messages(sizes: list[int], rows: list[Row]) -> None:
                 times.append(time.perf_counter() - start)
             after = _ms(statistics.median(times))
             rows.append(row("messages: search after one append (catch-up)", n, after, "ms"))
+            # A turn's share of everything the index does: 200 turns of two messages and
+            # a search each, merges included (the mean, not the median).
+            start = time.process_time()
+            for i in range(200):
+                session.add_message(LLMMessage("user", corpus.sentence()))
+                session.add_message(LLMMessage("assistant", corpus.sentence()))
+                memory.search_messages(queries[i % QUERIES], 8, context=False)
+            per = _ms((time.process_time() - start) / 200)
+            rows.append(row("messages: a turn (2 stored + search), mean CPU", n, per, "ms"))
             index = memory.messages
             size = index.memory_bytes() / 2**20 if index is not None else 0.0
             rows.append(row("messages: index memory (heap + mapped)", n, round(size, 2), "MB"))
