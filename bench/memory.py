@@ -13,6 +13,17 @@ common words plus one rare word held by one line), the first search after a rest
 base's add and reload, and `append_history` into a fresh scope and into one with a
 large index.
 
+Issue 29's "must not get slower" rows (`--code OTHER_CHECKOUT`, repeatable): the
+append, build, compaction and per-turn recall measures, each in a child process, run
+against our code and each other checkout alternately (medians of three), so a noisy
+machine's load falls on both alike; the table gives each and the ratio. The CPU time
+(`time.process_time`) is the steadier figure; the wall time adds fsync waits.
+
+    git worktree add /tmp/before-indexes dc5b0ff     # before the indexes were saved
+    git worktree add /tmp/before-messages cc4cbcb    # before messages were indexed
+    .venv/bin/python bench/memory.py --only-compare \
+        --code /tmp/before-indexes --code /tmp/before-messages
+
 Issue 31's rows (item 3): every search row counts the time to the first *complete*
 answer (a search waits for an index being built), and the cold-start section runs the
 shape that once answered from the newest 64 kB: 20,000 lines appended to a never
@@ -27,6 +38,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import random
 import resource
 import statistics
@@ -41,7 +53,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# A child run for another checkout (--code) imports that checkout's gateway.
+sys.path.insert(0, os.environ.get("BENCH_CODE") or str(Path(__file__).resolve().parent.parent))
 
 from gateway.memory import CATEGORIES, KnowledgeBase, MemoryManager
 from gateway.memory.text import STOPWORDS
@@ -547,10 +560,13 @@ def bench_messages(sizes: list[int], rows: list[Row]) -> None:
     """Issue 29's rows: every past message searchable. Messages are written through the
     session API into session files (20 per session, as `/new` would leave them); the
     message index reads them at a scope's first search and then only what was appended
-    since, so a turn's append does no indexing work at all (no row for it: the session
-    write path is unchanged; bench/sessions.py times it)."""
+    since, so a turn's append does no indexing work (the session write path is
+    unchanged: bench/sessions.py; what a turn's recall costs: the compare rows). The
+    index is saved in the scope's folder: a restarted store's first search loads it and
+    must answer as before the restart (checked on every query)."""
     from gateway.llm import LLMMessage
     from gateway.memory import MemoryStore
+    from gateway.memory.messages import MESSAGE_INDEX_FILE
     from gateway.sessions import SessionManager
 
     corpus = Corpus()
@@ -570,12 +586,18 @@ def bench_messages(sizes: list[int], rows: list[Row]) -> None:
             start = time.perf_counter()
             memory.search_messages("warm up", 1)
             first = _ms(time.perf_counter() - start)
-            rows.append(row("messages: first search (reads every session)", n, first, "ms"))
+            rows.append(row("messages: first search, never read (every session)", n, first, "ms"))
             search = functools.partial(memory.search_messages, max_results=8, context=False)
             med, p95 = _median_ms(search, queries)
             limit = 1 if n <= 1000 else 5 if n >= 100_000 else None
             rows.append(row("messages: search median", n, med, "ms", limit))
             rows.append(row("messages: search p95", n, p95, "ms"))
+            cpu = []
+            for query in queries:
+                start = time.process_time()
+                search(query)
+                cpu.append(time.process_time() - start)
+            rows.append(row("messages: search median (CPU)", n, _ms(statistics.median(cpu)), "ms"))
             times = []
             session = sessions.get_or_create(key)
             for query in queries:
@@ -586,11 +608,196 @@ def bench_messages(sizes: list[int], rows: list[Row]) -> None:
                 times.append(time.perf_counter() - start)
             after = _ms(statistics.median(times))
             rows.append(row("messages: search after one append (catch-up)", n, after, "ms"))
+            # A turn's share of everything the index does: 200 turns of two messages and
+            # a search each, merges included (the mean, not the median).
+            start = time.process_time()
+            for i in range(200):
+                session.add_message(LLMMessage("user", corpus.sentence()))
+                session.add_message(LLMMessage("assistant", corpus.sentence()))
+                memory.search_messages(queries[i % QUERIES], 8, context=False)
+            per = _ms((time.process_time() - start) / 200)
+            rows.append(row("messages: a turn (2 stored + search), mean CPU", n, per, "ms"))
             index = memory.messages
             size = index.memory_bytes() / 2**20 if index is not None else 0.0
-            rows.append(row("messages: index memory", n, round(size, 2), "MB"))
+            rows.append(row("messages: index memory (heap + mapped)", n, round(size, 2), "MB"))
+            before = [[h.entry_id for h in search(q)] for q in queries]
+            store.close()
+            saved = (memory.dir / MESSAGE_INDEX_FILE).stat().st_size / 2**20
+            rows.append(row("messages: saved index file", n, round(saved, 2), "MB"))
+            store = MemoryStore(Path(tmp) / "ws", sessions_dir=Path(tmp) / "sessions")
+            memory = store.for_session(key)
+            start = time.perf_counter()
+            memory.search_messages("warm up", 1)
+            first = _ms(time.perf_counter() - start)
+            rows.append(row("messages: first search after a restart (saved)", n, first, "ms"))
+            search = functools.partial(memory.search_messages, max_results=8, context=False)
+            same = sum(
+                [h.entry_id for h in search(q)] == b for q, b in zip(queries, before, strict=True)
+            )
+            rows.append(
+                at_least("  same answers as before the restart", n, same, "queries", QUERIES)
+            )
             store.close()
             sessions.close()
+
+
+# -- issue 29: ours against earlier checkouts -----------------------------------------
+
+COMPARE_ROUNDS = 3
+# (measure, size, what the child reports, unit, label)
+COMPARED = [
+    ("append_to_memory", 5_000, "us", "us", "append_to_memory, fresh scope (wall)"),
+    ("append_to_memory", 5_000, "cpu_us", "us CPU", "append_to_memory, fresh scope (CPU)"),
+    ("append_history", 5_000, "us", "us", "append_history, fresh scope (wall)"),
+    ("append_history", 5_000, "cpu_us", "us CPU", "append_history, fresh scope (CPU)"),
+    ("history_build", 100_000, "seconds", "s", "history index build, first search (wall)"),
+    ("history_build", 100_000, "cpu", "s CPU", "history index build, first search (CPU)"),
+    ("history_build", 100_000, "rss_mb", "MB", "  RSS after the build"),
+    ("compact", 10_000, "ms", "ms", "compact_memory (wall)"),
+    ("compact", 10_000, "cpu_ms", "ms CPU", "compact_memory (CPU)"),
+    ("turn", 10_000, "ms", "ms", "a turn: 2 messages stored + memory_texts recall"),
+    ("turn", 10_000, "cpu_ms", "ms CPU", "a turn: 2 messages stored + memory_texts (CPU)"),
+]
+
+
+def _compare_child(what: str, size: int) -> dict[str, float]:
+    """One measure of `bench_compare`, in this process, on whatever gateway it imports
+    (ours, or `BENCH_CODE`'s): only API every compared checkout has."""
+    from loguru import logger
+
+    logger.remove()
+    corpus = Corpus(SEED + 7)
+    with tempfile.TemporaryDirectory() as tmp:
+        if what in ("append_to_memory", "append_history"):
+            manager = MemoryManager(Path(tmp), "bench:append")
+            if what == "append_to_memory":
+                entries = [f"- [learned_fact] {corpus.sentence()}" for _ in range(size)]
+                call: Callable[[str], object] = manager.append_to_memory
+            else:
+                entries = [corpus.sentence() for _ in range(size)]
+                call = manager.append_history
+            start, cpu = time.perf_counter(), time.process_time()
+            for entry in entries:
+                call(entry)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            manager.close()
+            return {"us": wall / size * 1e6, "cpu_us": cpu / size * 1e6}
+        if what == "history_build":
+            manager = MemoryManager(Path(tmp), "bench:build", history_max_bytes=512_000)
+            write_history(manager.dir, corpus, size)
+            gc.collect()
+            start, cpu = time.perf_counter(), time.process_time()
+            manager.search_history("kalo mira")
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            gc.collect()
+            return {"seconds": wall, "cpu": cpu, "rss_mb": _rss_mb()}
+        if what == "compact":
+            manager = MemoryManager(Path(tmp), "bench:compact")
+            manager.memory_path.write_text(memory_text(corpus, size, duplicates=0.15))
+            manager.close()
+            manager = MemoryManager(Path(tmp), "bench:compact")
+            start, cpu = time.perf_counter(), time.process_time()
+            manager.compact_memory()
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            return {"ms": wall * 1e3, "cpu_ms": cpu * 1e3}
+        if what == "turn":
+            return _turn_child(Path(tmp), corpus, size)
+    raise SystemExit(f"unknown measure {what}")
+
+
+def _turn_child(tmp: Path, corpus: Corpus, size: int, turns: int = 200) -> dict[str, float]:
+    """A conversation of `size` messages (20 a session, as `/new` leaves them) with
+    facts and summaries; each turn stores its two messages and asks the per-turn
+    recall (`memory_texts`), as the agent does. Where messages are not searchable yet
+    (an earlier checkout) the store takes no sessions folder."""
+    from gateway.agent.memory_tools import memory_texts
+    from gateway.llm import LLMMessage
+    from gateway.memory import MemoryStore
+    from gateway.sessions import SessionManager
+
+    key = "telegram:42"
+    sessions = SessionManager(tmp / "sessions", fsync="never")
+    for i in range(size):
+        if i and i % 20 == 0:
+            sessions.reset(key)
+        role = "user" if i % 2 == 0 else "assistant"
+        sessions.get_or_create(key).add_message(LLMMessage(role, corpus.sentence()))
+    try:
+        store = MemoryStore(tmp / "ws", sessions_dir=tmp / "sessions")  # type: ignore[call-arg]
+    except TypeError:
+        store = MemoryStore(tmp / "ws")
+    memory = store.for_session(key)
+    for _ in range(200):
+        memory.append_to_memory(f"- [learned_fact] {corpus.sentence(4, 10)}")
+        memory.append_history(corpus.sentence())
+    queries = [corpus.sentence(4, 10) for _ in range(turns)]
+    memory_texts(store, key, queries[0])  # the scope's first reading, not a turn's cost
+    session = sessions.get_or_create(key)
+    start, cpu = time.perf_counter(), time.process_time()
+    for query in queries:
+        session.add_message(LLMMessage("user", query))
+        session.add_message(LLMMessage("assistant", corpus.sentence()))
+        memory_texts(store, key, query)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    store.close()
+    sessions.close()
+    return {"ms": wall / turns * 1e3, "cpu_ms": cpu / turns * 1e3}
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def _label(code: Path) -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(code), "rev-parse", "--short", "HEAD"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return code.name
+
+
+def bench_compare(codes: list[Path], rows: list[Row], rounds: int = COMPARE_ROUNDS) -> None:
+    """Issue 29's rows (module doc): each measure in child processes, ours and every
+    checkout of `codes` alternately, `rounds` times; medians, and ours / theirs."""
+    sides: list[tuple[str, Path | None]] = [("ours", None)] + [(_label(c), c) for c in codes]
+    measures = sorted({(what, size) for what, size, *_ in COMPARED}, key=str)
+    found: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+    for _ in range(rounds):
+        for what, size in measures:
+            for name, code in sides:
+                env = dict(os.environ)
+                if code is not None:
+                    env["BENCH_CODE"] = str(code)
+                done = subprocess.run(
+                    [sys.executable, __file__, "--compare-child", what, "--size", str(size)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
+                if done.returncode == 0:
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                    found.setdefault((name, what, size), []).append(result)
+    for what, size, field, unit, label in COMPARED:
+        ours = [r[field] for r in found.get(("ours", what, size), [])]
+        if not ours:
+            continue
+        mine = statistics.median(ours)
+        rows.append(row(label, size, round(mine, 3), unit))
+        for name, _ in sides[1:]:
+            theirs = [r[field] for r in found.get((name, what, size), [])]
+            if not theirs:
+                rows.append(row(f"  at {name}: cannot run this measure", size, 0, "-"))
+                continue
+            other = statistics.median(theirs)
+            rows.append(row(f"  at {name}", size, round(other, 3), unit))
+            rows.append(row(f"  ours / {name}", size, round(mine / other, 3), "x"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -614,10 +821,25 @@ def main(argv: list[str] | None = None) -> int:
         help="postgres: the search rows against PostgreSQL (bench/memory_pg.py)",
     )
     parser.add_argument("--pg-url", help="PostgreSQL for --backend postgres (a scratch schema)")
+    parser.add_argument(
+        "--code",
+        type=Path,
+        action="append",
+        default=[],
+        help="an earlier checkout to run issue 29's compare rows against (repeatable)",
+    )
+    parser.add_argument(
+        "--only-compare", action="store_true", help="run only issue 29's compare rows"
+    )
+    parser.add_argument("--compare-child", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--compact-child", help=argparse.SUPPRESS)
     parser.add_argument("--restart-child", help=argparse.SUPPRESS)
     parser.add_argument("--query", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.compare_child:
+        print(json.dumps(_compare_child(args.compare_child, args.size)))
+        return 0
     if args.compact_child:
         _compact_child(args.compact_child)
         return 0
@@ -632,9 +854,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "postgres":
         from bench.memory_pg import bench_postgres
 
-        bench_postgres([int(s) for s in args.sizes.split(",")], args.common_size, args.pg_url, rows)
+        message_sizes = [int(s) for s in args.message_sizes.split(",") if s.strip()]
+        if args.only_messages:
+            from bench.memory_pg import DEFAULT_URL, bench_pg_messages
+
+            bench_pg_messages(message_sizes, args.pg_url or DEFAULT_URL, rows)
+            return _report(rows, args.json)
+        bench_postgres(
+            [int(s) for s in args.sizes.split(",")],
+            args.common_size,
+            args.pg_url,
+            rows,
+            message_sizes,
+        )
         return _report(rows, args.json)
     message_sizes = [int(s) for s in args.message_sizes.split(",") if s.strip()]
+    if args.only_compare:
+        bench_compare(args.code, rows)
+        return _report(rows, args.json)
     if args.only_messages:
         bench_messages(message_sizes, rows)
         return _report(rows, args.json)
@@ -645,6 +882,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_restart(args.restart_size, rows)
     bench_cold_start(rows)
     bench_messages(message_sizes, rows)
+    if args.code:
+        bench_compare(args.code, rows)
     return _report(rows, args.json)
 
 

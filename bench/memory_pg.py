@@ -6,6 +6,11 @@ lines, and the common-word corpus (30 words, each in ~27% of lines). The lines a
 bulk-loaded (COPY) into a scratch schema, dropped afterwards; appends are timed through
 `PostgresMemoryScope` itself. PostgreSQL scores every matching row (no pruning), so
 the common-word rows show its worst case.
+
+Issue 29's rows (`--message-sizes`): a conversation's past messages, 20 a session (each
+archived by `/new` but the last), COPYed into the session tables as the session API
+writes them; searched through `PostgresMemoryStore` (its message index lives in the
+replica's memory and asks PostgreSQL what is new at each search, one round trip).
 """
 
 from __future__ import annotations
@@ -106,10 +111,111 @@ def load_facts(pool: Any, scope: str, corpus: Corpus, n: int) -> None:
     bulk_load(pool, scope, "gw_memory_facts", "day, category, line, created_at", data)
 
 
-def bench_postgres(sizes: list[int], common: int, url: str | None, rows: list[Row]) -> None:
+def load_sessions(pool: Any, key: str, corpus: Corpus, messages: int, per: int = 20) -> None:
+    """`messages` messages of `key`, `per` a session, COPYed as the session store writes
+    them (the header and entries as JSON lines); every session but the last archived."""
+    import time
+
+    from gateway.llm import LLMMessage
+    from gateway.sessions.entries import MessageEntry, new_entry_id
+    from gateway.sessions.store import encode_line, new_header
+
+    now = time.time() - messages * 60.0
+    sessions: list[tuple[Any, ...]] = []
+    entries: list[tuple[Any, ...]] = []
+    for first in range(0, messages, per):
+        header = new_header(key)
+        parent = None
+        count = min(per, messages - first)
+        for seq in range(1, count + 1):
+            role = "user" if (first + seq) % 2 else "assistant"
+            entry = MessageEntry(
+                id=new_entry_id(),
+                parent_id=parent,
+                timestamp=now + (first + seq) * 60.0,
+                message=LLMMessage(role, corpus.sentence()),
+            )
+            body = encode_line(entry)[:-1]
+            entries.append((header.id, seq, entry.id, parent, "message", body))
+            parent = entry.id
+        archived = None if first + per >= messages else now + (first + count) * 60.0
+        sessions.append((header.id, key, encode_line(header)[:-1], now, now, count, 0, archived))
+    with pool.connection() as conn, conn.transaction():
+        with (
+            conn.cursor() as cur,
+            cur.copy(
+                "COPY gw_sessions (session_id, key, header, created_at, updated_at, last_seq,"
+                " bytes, archived_at) FROM STDIN"
+            ) as copy,
+        ):
+            for values in sessions:
+                copy.write_row(values)
+        with (
+            conn.cursor() as cur,
+            cur.copy(
+                "COPY gw_session_entries (session_id, seq, entry_id, parent_id, type, body)"
+                " FROM STDIN"
+            ) as copy,
+        ):
+            for values in entries:
+                copy.write_row(values)
+    with pool.connection() as conn:
+        conn.execute("ANALYZE gw_sessions")
+        conn.execute("ANALYZE gw_session_entries")
+
+
+def bench_pg_messages(sizes: list[int], url: str, rows: list[Row]) -> None:
+    """Issue 29's message rows in the PostgreSQL mode (module doc)."""
+    import statistics
+    import time
+
+    from gateway.llm import LLMMessage
+    from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.sessions import SessionManager
+    from gateway.sessions.pg_store import PostgresSessions
+
+    corpus = Corpus()
+    queries = [corpus.query() for _ in range(QUERIES)]
+    key = "bench:messages"
+    for n in sizes:
+        with scratch_pool(url) as pool:
+            load_sessions(pool, key, corpus, n)
+            store = PostgresMemoryStore(pool)
+            memory = store.for_session(key)
+            start = time.perf_counter()
+            memory.search_messages("warm up", 1)
+            first = _ms(time.perf_counter() - start)
+            rows.append(row("pg: messages: first search (reads every session)", n, first, "ms"))
+            search = lambda q, m=memory: m.search_messages(q, 8, context=False)  # noqa: E731
+            med, p95 = _median_ms(search, queries)
+            limit = 1 if n <= 1000 else 5 if n >= 100_000 else None
+            rows.append(row("pg: messages: search median", n, med, "ms", limit))
+            rows.append(row("pg: messages: search p95", n, p95, "ms"))
+            sessions = SessionManager.shared(PostgresSessions(pool))
+            session = sessions.get_or_create(key)
+            times = []
+            for query in queries:
+                session.add_message(LLMMessage("user", corpus.sentence()))
+                start = time.perf_counter()
+                search(query)
+                times.append(time.perf_counter() - start)
+            after = _ms(statistics.median(times))
+            rows.append(row("pg: messages: search after one append (catch-up)", n, after, "ms"))
+            sessions.close()
+
+
+def bench_postgres(
+    sizes: list[int],
+    common: int,
+    url: str | None,
+    rows: list[Row],
+    message_sizes: list[int] | None = None,
+) -> None:
     import time
 
     url = url or DEFAULT_URL
+    if message_sizes:
+        bench_pg_messages(message_sizes, url, rows)
     corpus = Corpus()
     queries = [corpus.query() for _ in range(QUERIES)]
     for n in sizes:

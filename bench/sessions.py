@@ -1,7 +1,13 @@
 """Benchmark of the session store: per-turn persist cost, write amplification, cold
 load, many sessions, listing. Prints a table with targets; ``--json`` for machines.
 
-    .venv/bin/python bench/sessions.py [--json]
+    .venv/bin/python bench/sessions.py [--json] [--code OTHER_CHECKOUT]
+
+Issue 29's rows: 1,000 users x 20 turns through the session API on one event loop
+(`aget_or_create`, `aadd_message`: how the gateway runs turns), with ``fsync="batch"``
+(the default: a group commit) and ``"never"``, each in a child process. With ``--code``
+(e.g. a ``git worktree`` of turn 2's commit) the same rows run against that checkout
+too, alternating with ours, and the table gives both and their ratio (medians).
 
 A turn is a user message (80 chars) and an assistant reply (240 chars) appended with
 `Session.add_message`. Everything runs in a temporary folder that is removed afterwards.
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -22,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# A child run for another checkout (--code) imports that checkout's gateway.
+sys.path.insert(0, os.environ.get("BENCH_CODE") or str(Path(__file__).resolve().parents[1]))
 
 from loguru import logger
 
@@ -213,6 +221,86 @@ def bench_many(root: Path) -> list[Result]:
     ]
 
 
+def concurrent_users(
+    folder: Path, fsync: str, users: int = 1_000, turns: int = 20
+) -> tuple[float, float]:
+    """`users` conversations taking `turns` turns each at once on one event loop, through
+    the session API the gateway uses there; (seconds, CPU seconds of the process)."""
+    import anyio
+
+    async def run() -> tuple[float, float]:
+        manager = SessionManager(folder, fsync=fsync)  # type: ignore[arg-type]
+        keys = [f"telegram:{100000 + i}" for i in range(users)]
+
+        async def user(key: str) -> None:
+            for _ in range(turns):
+                session = await manager.aget_or_create(key)
+                await session.aadd_message(USER)
+                await session.aadd_message(ASSISTANT)
+
+        start, cpu = time.perf_counter(), time.process_time()
+        async with anyio.create_task_group() as group:
+            for key in keys:
+                group.start_soon(user, key)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        manager.close()
+        return elapsed, cpu
+
+    return anyio.run(run)
+
+
+def _child(args: list[str], code: Path | None) -> dict[str, float]:
+    env = dict(os.environ)
+    if code is not None:
+        env["BENCH_CODE"] = str(code)
+    out = subprocess.run(
+        [sys.executable, __file__, *args], check=True, capture_output=True, text=True, env=env
+    ).stdout
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def bench_concurrent(root: Path, code: Path | None, rounds: int = 3) -> list[Result]:
+    """Issue 29's rows (module doc): medians of `rounds`, ours and `code`'s alternating.
+    The CPU time is the steadier figure on a shared machine; the wall time is what a
+    batch fsync's waits add."""
+    results: list[Result] = []
+    sides: list[tuple[str, Path | None]] = [("ours", None)]
+    if code is not None:
+        sides.append((_label(code), code))
+    for mode in ("batch", "never"):
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
+        for run in range(rounds):
+            for name, which in sides:
+                folder = root / f"concurrent-{mode}-{run}-{name}"
+                runs[name].append(_child(["--concurrent", str(folder), "--fsync", mode], which))
+        for what, unit in (("seconds", "s"), ("cpu", "s CPU")):
+            ours = statistics.median(r[what] for r in runs["ours"])
+            label = "" if what == "seconds" else " (CPU)"
+            results.append(
+                Result(f"1,000 users x 20 turns at once, fsync={mode}{label}", ours, unit)
+            )
+            for name, _ in sides[1:]:
+                theirs = statistics.median(r[what] for r in runs[name])
+                ratio = ours / theirs
+                results.append(Result(f"  same at {name}", theirs, unit))
+                # Within 10%: the noise of a shared machine between two medians of 3.
+                results.append(Result(f"  ours / {name}", ratio, "x", "<= 1.1", ratio <= 1.1))
+    return results
+
+
+def _label(code: Path) -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(code), "rev-parse", "--short", "HEAD"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return code.name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -222,16 +310,28 @@ def main() -> int:
         default=None,
         help="where to make the temporary folder (default: TMPDIR)",
     )
+    parser.add_argument(
+        "--code", type=Path, help="another checkout (e.g. turn 2's) to run issue 29's rows against"
+    )
+    parser.add_argument("--only-concurrent", action="store_true", help="run only issue 29's rows")
     parser.add_argument("--many", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=int, default=200, help=argparse.SUPPRESS)
+    parser.add_argument("--concurrent", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--fsync", default="batch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logger.remove()
     if args.many:
         print(json.dumps(many_sessions(args.many, args.cache)))
         return 0
+    if args.concurrent:
+        seconds, cpu = concurrent_users(args.concurrent, args.fsync)
+        print(json.dumps({"seconds": seconds, "cpu": cpu}))
+        return 0
     root = Path(tempfile.mkdtemp(prefix="bench-sessions-", dir=args.dir))
     try:
-        results = bench_turns(root) + bench_bytes(root) + bench_load(root) + bench_many(root)
+        results = bench_concurrent(root, args.code)
+        if not args.only_concurrent:
+            results += bench_turns(root) + bench_bytes(root) + bench_load(root) + bench_many(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     all_pass = all(r.passed is not False for r in results)

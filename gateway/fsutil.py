@@ -22,9 +22,10 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -62,10 +63,17 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace `path` with `data` via temp file + fsync + rename (+ folder fsync)."""
+    atomic_write_chunks(path, (data,))
+
+
+def atomic_write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
+    """`atomic_write_bytes` of the chunks' concatenation, written one after the other
+    (a large file made of arrays is never joined into one more copy in memory)."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for chunk in chunks:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp_name, FILE_MODE)
@@ -88,33 +96,86 @@ def append_text(path: Path, text: str, *, fsync: bool = False) -> int:
     If the file is non-empty and does not end with a newline, a newline is written
     first so the appended text starts on its own line. Returns the file's new size.
     """
-    data = text.encode("utf-8")
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    return append_bytes(path, text.encode("utf-8"), fsync=fsync).after.st_size
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """What `append_bytes` did: the file's status just before and just after the write
+    (from its open descriptor: the file written, whatever its name points to now), and
+    the bytes written."""
+
+    before: os.stat_result
+    after: os.stat_result
+    data: bytes
+
+
+def append_bytes(
+    path: str | Path,
+    data: bytes,
+    *,
+    fsync: bool = False,
+    ends_at: tuple[int, int] | None = None,
+) -> Appended:
+    """`append_text` for bytes, saying what it did (`Appended`): a caller that keeps
+    the file's size and mtime learns them without a second look at the path.
+    `ends_at`: the (size, mtime_ns) at which the caller knows the file ends with a
+    newline (it wrote the last line itself); found so, no byte is read back to check."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
     try:
-        size = os.fstat(fd).st_size
-        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+        before = os.fstat(fd)
+        size = before.st_size
+        known = ends_at == (size, before.st_mtime_ns)
+        if size > 0 and not known and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data
         written = 0
         while written < len(data):
             written += os.write(fd, data[written:])
         if fsync:
             os.fsync(fd)
-        return size + len(data)
+        return Appended(before, os.fstat(fd), data)
     finally:
         os.close(fd)
 
 
+class FileLock:
+    """An exclusive `flock` on `path` (created 0600 if missing), held by `with lock:`:
+    how processes sharing a workspace file take turns changing it. The descriptor stays
+    open between uses (opening the file costs several times the lock) until `close` or
+    the object's end. Not reentrant: pair it with a thread lock taken first. The lock
+    file itself must never be deleted (a process holding it open would lock a file
+    others no longer see)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+        self._file: BinaryIO | None = None
+
+    def __enter__(self) -> None:
+        if self._file is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+            self._file = os.fdopen(fd, "r+b", buffering=0)
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Close the descriptor (releasing the lock if held); the next use reopens it."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive `flock` on `path` (created 0600 if missing) until the block
-    ends: how processes sharing a workspace file take turns changing it. Not reentrant
-    within a process on the same path: pair it with a thread lock taken first."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """Hold a `FileLock` on `path` for one block, its descriptor closed after."""
+    lock = FileLock(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        with lock:
+            yield
     finally:
-        os.close(fd)  # releases the flock
+        lock.close()
 
 
 def create_exclusive(path: Path, data: bytes) -> None:

@@ -318,3 +318,109 @@ def test_damaged_index_file_is_refused(tmp_path: Path, cut: int) -> None:
         SearchIndex.load(path)
     with pytest.raises(IndexFileError, match="no index"):
         SearchIndex.load(tmp_path / "missing.index")
+
+
+# -- bulk building, one-batch scoring, what a saved file holds ---------------------------
+
+
+@pytest.mark.parametrize("one_batch_docs", [0, 1 << 30], ids=["pruned", "one-batch"])
+def test_both_ways_of_scoring_a_segment_equal_brute_force(
+    one_batch_docs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small segment is scored in one batch, a large one block by block: both exact
+    (pinned to each way here, whatever the segment's size)."""
+    import gateway.memory.index as index_module
+
+    monkeypatch.setattr(index_module, "_ONE_BATCH_DOCS", one_batch_docs)
+    rng = random.Random(17)
+    index, docs = _random_index(rng, 25, 12, 1500)
+    vocabulary = [f"w{i}" for i in range(25)]
+    now = 2_000_000_000.0
+    for _ in range(40):
+        query = " ".join(rng.choices(vocabulary, k=rng.randint(1, 6)))
+        for k, tag, rate in [(10, None, 0.0), (1, None, 0.0), (3, "a", 0.0), (5, None, 0.01)]:
+            got = [h.score for h in index.search(query, k, tag=tag, decay_rate=rate, now=now)]
+            want = _reference(index, docs, query, k, tag, rate, now)
+            assert got == pytest.approx(want, rel=1e-6), (query, k, tag, rate)
+
+
+def test_a_bulk_batch_indexes_exactly_as_documents_added_one_by_one() -> None:
+    """`add_many` of a batch past the merge threshold builds the segment at once (flat
+    term lists, one merge): the same ids, texts, scores and order as `add` one by one
+    and a merge (impacts are against the average length at the last merge)."""
+    rng = random.Random(5)
+    vocabulary = [f"w{i}" for i in range(40)]
+    docs = [
+        (
+            # Multi-line documents repeat lines, as a message indexed with the one before.
+            "\n".join(" ".join(rng.choices(vocabulary, k=rng.randint(1, 8))) for _ in range(2)),
+            rng.choice(["a", "b", None]),
+            float(i) if i % 13 else None,
+        )
+        for i in range(3000)
+    ]
+    for i in range(1, len(docs)):  # each document's second line is the next one's first
+        text, tag, ts = docs[i]
+        docs[i] = (docs[i - 1][0].split("\n")[1] + "\n" + text.split("\n")[1], tag, ts)
+    one = SearchIndex()
+    for text, tag, ts in docs:
+        one.add(text, tag=tag, timestamp=ts)
+    one.merge()
+    bulk = SearchIndex()
+    assert bulk.add_many(iter(docs)) == list(range(len(docs)))
+    assert bulk.unmerged == 0 and len(bulk) == len(one) == len(docs)
+    assert bulk.reference_length == pytest.approx(one.reference_length)
+    for doc in (0, 1, 1234, 2999):
+        assert bulk.text(doc) == one.text(doc)
+        assert bulk.timestamp(doc) == one.timestamp(doc)
+    for doc in rng.sample(range(len(docs)), 100):
+        bulk.remove(doc)
+        one.remove(doc)
+    for _ in range(50):
+        query = " ".join(rng.choices(vocabulary, k=rng.randint(1, 5)))
+        for kwargs in ({}, {"tag": "a"}, {"decay_rate": 0.5, "now": 4000.0}):
+            want = [(h.doc_id, h.score) for h in one.search(query, 9, **kwargs)]  # type: ignore[arg-type]
+            got = [(h.doc_id, h.score) for h in bulk.search(query, 9, **kwargs)]  # type: ignore[arg-type]
+            assert [d for d, _ in got] == [d for d, _ in want]
+            assert [s for _, s in got] == pytest.approx([s for _, s in want], rel=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    first=st.text(alphabet=st.characters(blacklist_characters="\n"), max_size=40),
+    second=st.text(alphabet=st.characters(blacklist_characters="\n"), max_size=40),
+)
+def test_tokens_never_span_a_line(first: str, second: str) -> None:
+    """What the bulk build relies on to tokenize a document line by line (a line it
+    tokenized for the document before is not tokenized again)."""
+    assert tokenize(f"{first}\n{second}") == tokenize(first) + tokenize(second)
+
+
+def test_an_index_saved_by_another_tokenizer_is_refused_as_out_of_date(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gateway.memory.index as index_module
+
+    index = SearchIndex()
+    index.add("deploying databases")
+    path = tmp_path / "x.index"
+    index.save(path, {})
+    monkeypatch.setattr(index_module, "TOKENIZER", "another")
+    with pytest.raises(IndexFileError, match="out of date"):
+        SearchIndex.load(path)
+
+
+def test_a_saved_index_holds_no_word_of_a_removed_document(tmp_path: Path) -> None:
+    index = SearchIndex()
+    index.add_many((f"ordinary line {i}", None, None) for i in range(2000))
+    secret = index.add("the vault combination is quokkaseven")
+    kept = index.add("another ordinary line")
+    index.merge()
+    index.remove(secret)
+    path = tmp_path / "x.index"
+    index.save(path, {})
+    assert b"quokkaseven" not in path.read_bytes()
+    loaded, _ = SearchIndex.load(path)
+    assert loaded.search("quokkaseven") == []
+    assert loaded.search("another")[0].doc_id == kept
+    assert loaded.doc_count == index.doc_count  # ids are never reused

@@ -70,6 +70,8 @@ def format_fact(category: str, text: str) -> str:
 def without_fact_comment(line: str) -> str:
     """A MEMORY.md line as people and searches see it: its fact comment (id, origin)
     taken off."""
+    if "<!--" not in line:  # most lines: no regex run from every position of the line
+        return line
     match = FACT_COMMENT_RE.search(line)
     return line if match is None else line[: match.start()].rstrip()
 

@@ -45,6 +45,7 @@ Not thread-safe: the owner (MemoryManager, KnowledgeBase) holds a lock around it
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import json
 import math
@@ -52,7 +53,7 @@ import mmap
 import os
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gateway.fsutil import atomic_write_bytes
+from gateway.fsutil import atomic_write_chunks
 from gateway.memory.text import tokenize
 
 # 16 documents per block. Lucene's 128 proved too coarse here: on the common-word corpus
@@ -73,6 +74,7 @@ _MAGIC = b"gateway-search-index v1\n"
 # scored: float32 impacts summed in another order may differ in the last bits.
 _BOUND_SLACK = 1e-6
 _FIRST_BATCH = 4  # blocks scored before the first threshold check; doubles after
+_ONE_BATCH_DOCS = 2048  # a segment this small is scored in one batch of all its blocks
 _BLOCK_OFFSETS = np.arange(1 << _BLOCK_SHIFT, dtype=np.int64)
 
 FloatArray = npt.NDArray[np.float64]
@@ -81,6 +83,47 @@ IntArray = npt.NDArray[np.int64]
 
 class IndexFileError(Exception):
     """A saved index could not be used (missing, damaged, or of another version)."""
+
+
+class _Stale(Exception):
+    """A well-formed saved index made by another tokenizer: rebuilt, not reported."""
+
+
+def _tokenizer_mark() -> str:
+    """What `tokenize` makes of a probe text that exercises each of its rules (case,
+    Unicode, contractions, stopwords, stems): a saved index whose postings another
+    tokenizer made would silently miss matches, so `load` refuses it (rebuilt)."""
+    probe = "The Users' DATABASES weren't deploying; she's moved to Zürich (東京) in 2023!"
+    digest = zlib.crc32("\x1f".join(tokenize(probe)).encode())
+    return f"{digest:08x}"
+
+
+#: The tokenizer's mark, saved in every index (`_tokenizer_mark`).
+TOKENIZER = _tokenizer_mark()
+# Names of the owner's attached arrays in the file start with this.
+_ATTACHED = "+"
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None  # not glibc: nothing to do
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed by a large build back to the system (glibc's
+    `malloc_trim`; a no-op elsewhere); its owner calls it once the build's temporary
+    objects are gone. glibc raises its mmap threshold to the largest block freed so
+    far, so a build's temporary arrays and lists (tens of MB at 100,000 lines) come
+    from the heap and stay in the process's RSS after they are freed: measured in
+    bench/memory.py, 236 MB after a 100,000-line history build without this, 111 MB
+    with it."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +160,15 @@ class _Segment:
         "text_blob",
     )
 
-    def __init__(self, arrays: dict[str, Any], terms: list[str], ref: float) -> None:
+    def __init__(
+        self,
+        arrays: dict[str, Any],
+        terms: list[str],
+        ref: float,
+        term_ids: dict[str, int] | None = None,
+    ) -> None:
         self.terms = terms
-        self.term_ids = {t: i for i, t in enumerate(terms)}
+        self.term_ids = term_ids if term_ids is not None else {t: i for i, t in enumerate(terms)}
         self.ref = ref
         self.t_off = arrays["t_off"]
         self.p_doc = arrays["p_doc"]
@@ -216,9 +265,13 @@ class SearchIndex:
         self._tail_live: list[bool] = []
         self._live = 0
         self._total_length = 0
+        self._dead_texts = 0  # removed documents whose text the segment still holds
         self.scored_postings = 0  # postings scored by the last search (for the benchmark)
         self._payload: memoryview | None = None  # the mapped file's payload, if loaded
         self._payload_crc = 0
+        #: The owner's arrays saved with the index (`save(attached=...)`), once loaded:
+        #: read-only views of the mapped file.
+        self.attached: dict[str, npt.NDArray[Any]] = {}
 
     def __len__(self) -> int:
         return self._live
@@ -274,14 +327,34 @@ class SearchIndex:
         return doc_id
 
     def add_many(self, docs: Iterable[tuple[str, str | None, float | None]]) -> list[int]:
-        """Index `(text, tag, timestamp)` documents (merged into the segment as needed)."""
-        ids: list[int] = []
-        for text, tag, ts in docs:
-            ids.append(self._append(text, tokenize(text), tag, ts))
-            if len(self._tail_text) >= 4 * self._merge_threshold():
-                self._merge()
-        self._maybe_merge()
-        return ids
+        """Index `(text, tag, timestamp)` documents and return their ids, in order.
+
+        A batch of at least the merge threshold (a build, a catch-up) is tokenized into
+        flat arrays and folded into the segment in one vectorized merge, together with
+        the tail: no per-term dicts, and one merge however large the batch. A smaller
+        batch goes into the tail, as `add` does."""
+        first = self.doc_count
+        threshold = self._merge_threshold()
+        held: list[tuple[str, list[str], str | None, float | None]] = []
+        stream = iter(docs)
+        for text, tag, ts in stream:
+            held.append((text, tokenize(text), tag, ts))
+            if len(held) >= threshold:
+                break
+        if len(held) < threshold:
+            for text, tokens, tag, ts in held:
+                self._append(text, tokens, tag, ts)
+            self._maybe_merge()
+            return list(range(first, self.doc_count))
+        batch = _Batch(self._seg.term_ids)
+        for text, tokens, tag, ts in held:
+            batch.add(text, tokens, self._tag_id(tag), ts)
+        del held
+        tokens_of = _LineTokens()
+        for text, tag, ts in stream:
+            batch.add(text, tokens_of(text), self._tag_id(tag), ts)
+        self._fold(batch)
+        return list(range(first, self.doc_count))
 
     def remove(self, doc_id: int) -> None:
         """Drop a document; its id is never reused. Removing twice is a no-op."""
@@ -291,6 +364,7 @@ class SearchIndex:
         terms = set(tokenize(self.text(doc_id)))
         if doc_id < seg.n:
             self._seg_live[doc_id] = False
+            self._dead_texts += 1
             length = int(seg.d_len[doc_id])
             for term in terms:
                 tid = seg.term_ids.get(term)
@@ -310,8 +384,11 @@ class SearchIndex:
         self._total_length -= length
 
     def merge(self) -> None:
-        """Fold the tail into the segment now (`save` does; so may a bulk build)."""
-        self._merge()
+        """Fold the tail into the segment now (`save` does; so may a bulk build). The
+        texts of removed documents leave the segment then too: a saved index never
+        holds the words of a document removed before the save."""
+        if self._tail_text or self._dead_texts:
+            self._fold(None)
 
     # -- reading -----------------------------------------------------------------
 
@@ -380,8 +457,15 @@ class SearchIndex:
 
     # -- persistence ---------------------------------------------------------------
 
-    def save(self, path: Path, meta: dict[str, Any]) -> None:
-        """Merge the tail and write the index with `meta` (the owner's watermark)."""
+    def save(
+        self,
+        path: Path,
+        meta: dict[str, Any],
+        attached: dict[str, npt.NDArray[Any]] | None = None,
+    ) -> None:
+        """Merge the tail and write the index with `meta` (the owner's watermark) and
+        `attached` arrays (the owner's, kept under the same checksum; `load` gives
+        them back as `attached`). The arrays are written as they are, not copied."""
         self.merge()
         seg = self._seg
         arrays: dict[str, npt.NDArray[Any]] = {
@@ -403,31 +487,32 @@ class SearchIndex:
             "df": self._seg_df,
             "terms": np.frombuffer("\n".join(seg.terms).encode(), np.uint8),
         }
+        for name, array in (attached or {}).items():
+            arrays[_ATTACHED + name] = array
         specs: list[list[Any]] = []
-        chunks: list[bytes] = []
-        offset = 0
+        chunks: list[bytes | memoryview] = []
+        offset = crc = 0
         for name, array in arrays.items():
-            data = np.ascontiguousarray(array).tobytes()
+            data = np.ascontiguousarray(array).data.cast("B")
             specs.append([name, array.dtype.str, int(array.size), offset])
-            pad = -len(data) % 8
-            chunks.append(data + b"\0" * pad)
-            offset += len(data) + pad
-        payload = b"".join(chunks)
+            pad = b"\0" * (-len(data) % 8)
+            crc = zlib.crc32(pad, zlib.crc32(data, crc))
+            chunks += (data, pad)
+            offset += len(data) + len(pad)
         header = {
             "k1": self.k1,
             "b": self.b,
             "ref": seg.ref,
             "tags": self._tag_names,
+            "tokenizer": TOKENIZER,
             "arrays": specs,
-            "payload": len(payload),
-            "crc32": zlib.crc32(payload),
+            "payload": offset,
+            "crc32": crc,
             "meta": meta,
         }
         head = json.dumps(header).encode()
-        pad = -(len(_MAGIC) + 8 + len(head)) % 8
-        head += b" " * pad
-        blob = _MAGIC + len(head).to_bytes(8, "little") + head + payload
-        atomic_write_bytes(path, blob)
+        head += b" " * (-(len(_MAGIC) + 8 + len(head)) % 8)
+        atomic_write_chunks(path, [_MAGIC, len(head).to_bytes(8, "little"), head, *chunks])
 
     @classmethod
     def load(cls, path: Path, *, verify: bool = True) -> tuple[SearchIndex, dict[str, Any]]:
@@ -451,6 +536,8 @@ class SearchIndex:
             index, meta = cls._parse(data)
             if verify and not index.verify():
                 raise ValueError("checksum mismatch")
+        except _Stale as exc:
+            raise IndexFileError(f"{path.name}: out of date ({exc})") from None
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise IndexFileError(f"{path.name}: damaged ({exc})") from None
         return index, meta
@@ -470,6 +557,8 @@ class SearchIndex:
         head_len = int.from_bytes(data[start : start + 8], "little")
         head_end = start + 8 + head_len
         header = json.loads(data[start + 8 : head_end])
+        if header.get("tokenizer") != TOKENIZER:
+            raise _Stale("made with another tokenizer")
         payload = memoryview(data)[head_end:]
         if len(payload) != header["payload"]:
             raise ValueError("truncated")
@@ -500,7 +589,13 @@ class SearchIndex:
         index._tag_ids = {t: i for i, t in enumerate(index._tag_names)}
         index._live = int(index._seg_live.sum())
         index._total_length = int(seg.d_len[index._seg_live].sum())
+        index._dead_texts = int((np.diff(seg.d_off)[~index._seg_live] > 0).sum())
         index._payload, index._payload_crc = payload, int(header["crc32"])
+        index.attached = {
+            name[len(_ATTACHED) :]: array
+            for name, array in arrays.items()
+            if name.startswith(_ATTACHED)
+        }
         meta = header["meta"]
         if not isinstance(meta, dict):
             raise ValueError("meta is not an object")
@@ -592,10 +687,16 @@ class SearchIndex:
     ) -> list[tuple[float, int]]:
         """Merge the segment's top k into `top` by block-max pruning (module doc)."""
         seg = self._seg
-        bound = np.zeros(seg.blocks)
-        for idf, tid in terms:
-            s, e = seg.b_off[tid], seg.b_off[tid + 1]
-            bound[seg.b_blk[s:e]] += idf * seg.b_max[s:e].astype(np.float64)
+        # The query's (term, block) entries, term after term, with their term's idf: a
+        # batch of blocks is then scored in a few array operations whatever the number
+        # of terms (a document's sum still adds its terms in the query's order).
+        spans = [(int(seg.b_off[tid]), int(seg.b_off[tid + 1])) for _, tid in terms]
+        entries = np.concatenate([np.arange(s, e) for s, e in spans])
+        entry_idf = np.repeat([idf for idf, _ in terms], [e - s for s, e in spans])
+        entry_blk = seg.b_blk[entries]
+        bound: FloatArray = np.bincount(
+            entry_blk, entry_idf * seg.b_max[entries].astype(np.float64), minlength=seg.blocks
+        ).astype(np.float64, copy=False)
         if rate:
             bound *= _weights(seg.block_newest, rate, clock)
         candidates = np.flatnonzero(bound > 0)
@@ -605,7 +706,9 @@ class SearchIndex:
         best_d = np.array([d for _, d in top], np.int64)
         acc = np.zeros(seg.n)
         mark = np.zeros(seg.blocks, np.bool_)
-        pos, batch = 0, _FIRST_BATCH
+        # A small segment is scored in one batch: the rounds of pruning cost more than
+        # the postings they would skip (bench/memory.py, messages at 1,000).
+        pos, batch = 0, len(order) if seg.n <= _ONE_BATCH_DOCS else _FIRST_BATCH
         while pos < len(order):
             theta = best_s[k - 1] if len(best_s) >= k else -math.inf
             # Blocks are in decreasing bound order: stop at the first that cannot win.
@@ -617,14 +720,13 @@ class SearchIndex:
             pos, batch = end, batch * 2
             mark[:] = False
             mark[selected] = True
-            for idf, tid in terms:
-                s, e = int(seg.b_off[tid]), int(seg.b_off[tid + 1])
-                hit = np.flatnonzero(mark[seg.b_blk[s:e]]) + s
-                if not len(hit):
-                    continue
-                where = _ranges(seg.b_start[hit].astype(np.int64), seg.b_end[hit].astype(np.int64))
-                docs = seg.p_doc[where]
-                acc[docs] += idf * seg.p_imp[where].astype(np.float64)
+            hit = np.flatnonzero(mark[entry_blk])
+            if len(hit):
+                first = seg.b_start[entries[hit]].astype(np.int64)
+                last = seg.b_end[entries[hit]].astype(np.int64)
+                where = _ranges(first, last)
+                weights = np.repeat(entry_idf[hit], last - first)
+                np.add.at(acc, seg.p_doc[where], weights * seg.p_imp[where].astype(np.float64))
                 self.scored_postings += len(where)
             # Candidates: documents of the selected blocks that scored (blocks are
             # disjoint id ranges, so no sort or dedupe is needed).
@@ -651,72 +753,250 @@ class SearchIndex:
 
     def _merge(self) -> None:
         """Fold the tail into a new segment (vectorized; see the module docstring)."""
-        if not self._tail_text:
-            return
+        if self._tail_text:
+            self._fold(None)
+
+    def _fold(self, batch: _Batch | None) -> None:
+        """A new segment: the old one, the tail, then `batch` (documents in id order).
+
+        Written for a build's peak memory as much as for its time: 32-bit ids, no copy
+        where a part is empty, temporaries dropped as soon as they are used."""
         seg = self._seg
-        base, count = seg.n, len(self._tail_text)
-        n = base + count
-        terms = list(seg.terms)
-        term_ids = dict(seg.term_ids)
+        base = seg.n
+        vocab = batch.vocab if batch is not None else dict(seg.term_ids)
         t_tids: list[int] = []
         t_docs: list[int] = []
         t_tfs: list[int] = []
         for term, postings in self._tail_post.items():
-            tid = term_ids.get(term)
+            tid = vocab.get(term)
             if tid is None:
-                tid = term_ids[term] = len(terms)
-                terms.append(term)
+                tid = vocab[term] = len(vocab)
             t_tids.extend([tid] * len(postings))
             t_docs.extend(postings)
             t_tfs.extend(postings.values())
-        live = np.concatenate((self._seg_live, np.array(self._tail_live, np.bool_)))
-        d_len = np.concatenate((seg.d_len, np.array(self._tail_len, np.int32)))
-        old_tids = np.repeat(np.arange(len(seg.terms), dtype=np.int64), np.diff(seg.t_off))
-        tids = np.concatenate((old_tids, np.array(t_tids, np.int64)))
-        docs = np.concatenate((seg.p_doc.astype(np.int64), np.array(t_docs, np.int64)))
-        tfs = np.concatenate((seg.p_tf, np.minimum(np.array(t_tfs, np.int64), 65535)))
-        keep = live[docs]  # postings of removed documents go now
-        tids, docs, tfs = tids[keep], docs[keep], tfs[keep].astype(np.uint16)
-        # Old postings are in (term, doc) order and every tail doc id is larger than
-        # every old one, so a stable sort by term alone gives (term, doc) order.
-        order = np.lexsort((docs, tids))
+        parts = [
+            (
+                np.repeat(np.arange(len(seg.terms), dtype=np.int32), np.diff(seg.t_off)),
+                seg.p_doc,
+                seg.p_tf,
+            ),
+            (
+                np.array(t_tids, np.int32),
+                np.array(t_docs, np.int32),
+                np.minimum(np.array(t_tfs, np.int64), 65535).astype(np.uint16),
+            ),
+        ]
+        del t_tids, t_docs, t_tfs
+        texts = self._tail_text
+        metas = [
+            (
+                np.array(self._tail_tag, np.int16),
+                np.array(self._tail_ts, np.float64),
+                np.array(self._tail_len, np.int32),
+                np.array(self._tail_live, np.bool_),
+            )
+        ]
+        if batch is not None:
+            parts.append(batch.postings(base + len(texts), len(vocab)))
+            texts = texts + batch.texts
+            metas.append(
+                (
+                    np.array(batch.tags, np.int16),
+                    np.array(batch.stamps, np.float64),
+                    np.array(batch.lengths, np.int32),
+                    np.ones(len(batch.texts), np.bool_),
+                )
+            )
+        count = len(texts)
+        terms = seg.terms + list(vocab)[len(seg.terms) :]
+        tags, stamps, lengths, new_live = (_cat([m[i] for m in metas]) for i in range(4))
+        live = _cat([self._seg_live, new_live])
+        d_len = _cat([seg.d_len, lengths])
+        tids, docs, tfs = (_cat([p[i] for p in parts]) for i in range(3))
+        del parts
+        if not live.all():
+            keep = live[docs]  # postings of removed documents go now
+            tids, docs, tfs = tids[keep], docs[keep], tfs[keep]
+            del keep
+        # Old postings are in (term, doc) order, new ones in doc order per term, and
+        # every new doc id is larger than every old one: a stable sort by term alone
+        # gives (term, doc) order.
+        order = np.argsort(tids, kind="stable")
         tids, docs, tfs = tids[order], docs[order], tfs[order]
+        del order
+        counts = np.bincount(tids, minlength=len(terms))
+        if bool((counts == 0).any()):  # terms only removed documents had go too
+            kept = counts > 0
+            tids = (np.cumsum(kept) - 1)[tids].astype(np.int32)
+            terms = [term for term, keep in zip(terms, kept.tolist(), strict=True) if keep]
+            vocab = {term: i for i, term in enumerate(terms)}
+        del counts
         ref = max(float(d_len[live].sum()) / max(int(live.sum()), 1), 1.0)
-        tf64 = tfs.astype(np.float64)
-        norm = self.k1 * (1.0 - self.b + self.b * d_len[docs] / ref)
-        imp = (tf64 * (self.k1 + 1.0) / (tf64 + norm)).astype(np.float32)
+        norm = d_len[docs].astype(np.float32)
+        norm *= np.float32(self.k1 * self.b / ref)
+        norm += np.float32(self.k1 * (1.0 - self.b))
+        imp = tfs.astype(np.float32)
+        norm += imp
+        imp *= np.float32(self.k1 + 1.0)
+        imp /= norm
+        del norm
         t_off = np.searchsorted(tids, np.arange(len(terms) + 1)).astype(np.int64)
-        blocks_of = tids * ((n >> _BLOCK_SHIFT) + 1) + (docs >> _BLOCK_SHIFT)
         if len(docs):
-            starts = np.flatnonzero(np.diff(blocks_of, prepend=-1))
+            # A (term, block) pair starts where the term or the block changes.
+            block = docs >> _BLOCK_SHIFT
+            change = np.empty(len(docs), np.bool_)
+            change[0] = True
+            np.not_equal(block[1:], block[:-1], out=change[1:])
+            change[t_off[1:-1][t_off[1:-1] < len(docs)]] = True
+            starts = np.flatnonzero(change)
+            del change
             b_max = np.maximum.reduceat(imp, starts)
+            b_blk = block[starts]
+            del block
         else:
             starts = np.zeros(0, np.int64)
             b_max = np.zeros(0, np.float32)
+            b_blk = np.zeros(0, np.int32)
         b_end = np.append(starts[1:], len(docs)).astype(np.int32)
         b_off = np.searchsorted(tids[starts], np.arange(len(terms) + 1)).astype(np.int64)
-        texts = [t.encode() for t in self._tail_text]
-        lengths = np.fromiter((len(t) for t in texts), np.int64, count)
-        d_off = np.concatenate((seg.d_off, seg.d_off[-1] + np.cumsum(lengths)))
+        del tids
+        joined = "".join(texts)
+        if joined.isascii():  # one byte a character: no text encoded twice
+            sizes = np.fromiter((len(t) for t in texts), np.int64, count)
+            added = joined.encode()
+        else:
+            encoded = [t.encode() for t in texts]
+            sizes = np.fromiter((len(t) for t in encoded), np.int64, count)
+            added = b"".join(encoded)
+            del encoded
+        del joined
+        d_off = _cat([seg.d_off, seg.d_off[-1] + np.cumsum(sizes)])
+        blob = _cat([seg.text_blob, np.frombuffer(added, np.uint8)])
+        own = np.diff(d_off)
+        if bool((own[~live] > 0).any()):  # removed documents' texts go
+            blob = blob[np.repeat(live, own)]
+            own[~live] = 0
+            d_off = np.concatenate(([0], np.cumsum(own))).astype(np.int64)
+        del own
         arrays: dict[str, Any] = {
             "t_off": t_off,
-            "p_doc": docs.astype(np.int32),
+            "p_doc": docs,
             "p_imp": imp,
             "p_tf": tfs,
             "b_off": b_off,
-            "b_blk": (docs[starts] >> _BLOCK_SHIFT).astype(np.int32),
+            "b_blk": b_blk.astype(np.int32),
             "b_max": b_max.astype(np.float32),
             "b_start": starts.astype(np.int32),
             "b_end": b_end,
             "d_len": d_len,
-            "d_tag": np.concatenate((seg.d_tag, np.array(self._tail_tag, np.int16))),
-            "d_ts": np.concatenate((seg.d_ts, np.array(self._tail_ts, np.float64))),
+            "d_tag": _cat([seg.d_tag, tags]),
+            "d_ts": _cat([seg.d_ts, stamps]),
             "d_off": d_off,
-            "text_blob": np.frombuffer(seg.text_blob.tobytes() + b"".join(texts), np.uint8),
+            "text_blob": blob,
         }
-        self._seg = _Segment(arrays, terms, ref)
-        self._seg_live = live
-        self._seg_df = np.diff(np.searchsorted(tids, np.arange(len(terms) + 1))).astype(np.int64)
+        self._seg = _Segment(arrays, terms, ref, vocab)
+        self._seg_live = live if live.flags.writeable else live.copy()
+        self._seg_df = np.diff(t_off).astype(np.int64)
         self._tail_post = {}
         self._tail_text, self._tail_tag, self._tail_ts = [], [], []
         self._tail_len, self._tail_live = [], []
+        self._dead_texts = 0
+        if batch is not None:
+            self._live += len(batch.texts)
+            self._total_length += int(sum(batch.lengths))
+
+
+def _cat(arrays: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    """`np.concatenate`, without a copy when only one of the arrays holds anything."""
+    full = [a for a in arrays if len(a)]
+    if len(full) == 1:
+        return full[0]
+    return np.concatenate(arrays) if full else arrays[0][:0].copy()
+
+
+class _LineTokens:
+    """`tokenize` of a document line by line, a line that the document or the one before
+    it already held not tokenized again (a message is indexed with the message before
+    it: bench/recall.py). Exact, as tokens never span a line (tests/test_search_index.py
+    pins that of `tokenize`)."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[str, list[str]] = {}
+
+    def __call__(self, text: str) -> list[str]:
+        if "\n" not in text:
+            return tokenize(text)
+        last = self._last
+        seen: dict[str, list[str]] = {}
+        out: list[str] = []
+        for line in text.split("\n"):
+            tokens = seen.get(line)
+            if tokens is None:
+                tokens = last.get(line)
+                if tokens is None:
+                    tokens = tokenize(line)
+                seen[line] = tokens
+            out += tokens
+        self._last = seen
+        return out
+
+
+class _Batch:
+    """Documents added in bulk, tokenized into flat lists (a term id per token), so a
+    large batch costs no per-term dict of postings; `SearchIndex._fold` merges them."""
+
+    __slots__ = ("lengths", "stamps", "tags", "texts", "tids", "vocab")
+
+    def __init__(self, term_ids: dict[str, int]) -> None:
+        self.vocab = dict(term_ids)  # the segment's terms, then new ones (ids in order)
+        self.texts: list[str] = []
+        self.tags: list[int] = []
+        self.stamps: list[float] = []
+        self.lengths: list[int] = []
+        self.tids: list[int] = []
+
+    def add(self, text: str, tokens: list[str], tag_id: int, ts: float | None) -> None:
+        vocab = self.vocab
+        ids = [vocab.get(token) for token in tokens]
+        if None in ids:
+            for i, token in enumerate(tokens):
+                if ids[i] is None:
+                    tid = vocab.get(token)
+                    if tid is None:
+                        tid = vocab[token] = len(vocab)
+                    ids[i] = tid
+        self.tids.extend(ids)  # type: ignore[arg-type]  # no None is left
+        self.texts.append(text)
+        self.tags.append(tag_id)
+        self.stamps.append(math.nan if ts is None else ts)
+        self.lengths.append(len(tokens))
+
+    def postings(
+        self, first: int, terms: int
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.uint16]]:
+        """(term id, doc id, term frequency) of the batch, in doc order, its documents
+        numbered from `first`."""
+        owner = np.repeat(
+            np.arange(len(self.texts), dtype=np.int64), np.array(self.lengths, np.int64)
+        )
+        key = owner  # doc * terms + term, sorted: a posting per run of equal keys
+        key *= terms
+        key += np.array(self.tids, np.int64)
+        key.sort()
+        if not len(key):
+            empty = np.zeros(0, np.int32)
+            return empty, empty, np.zeros(0, np.uint16)
+        change = np.empty(len(key), np.bool_)
+        change[0] = True
+        np.not_equal(key[1:], key[:-1], out=change[1:])
+        starts = np.flatnonzero(change)
+        del change
+        tfs = np.minimum(np.diff(np.append(starts, len(key))), 65535).astype(np.uint16)
+        key = key[starts]
+        del starts
+        tids = (key % terms).astype(np.int32)
+        key //= terms
+        key += first
+        return tids, key.astype(np.int32), tfs

@@ -20,8 +20,9 @@ Invariants:
 - The first append opens the index (loading the saved one and catching up, or starting
   its build), so appends keep it current and saved whether or not anyone searches:
   the next start loads it instead of building from scratch.
-- Appends are not tokenized when they are written: their documents wait in a pending
-  list and are indexed in one batch by the next search or save (or past `_PENDING_MAX`).
+- Appends are neither parsed nor tokenized when they are written: their bytes wait in a
+  pending list and are indexed in one batch by the next search or save (or past
+  `_PENDING_MAX` lines), so an append costs the index a checksum update.
 - A damaged index file is reported and kept as `<name>.damaged` (the last one), never
   trusted; a stale one is simply replaced by the rebuilt index.
 - An index is saved only when the files still hold exactly the bytes it covers (checked
@@ -39,14 +40,14 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
-from gateway.memory.index import IndexFileError, SearchIndex
+from gateway.memory.index import IndexFileError, SearchIndex, release_freed_memory
 
 Doc = tuple[str, str | None, float | None]
 # Parse stream text into documents; the float is the timestamp carried from the line
@@ -140,7 +141,9 @@ class FileIndex:
         self.partial_bytes = partial_bytes
         self._index: SearchIndex | None = None
         self._cover = _Coverage()
-        self._pending: list[Doc] = []
+        # Appended bytes not indexed yet, and their lines (`appended`).
+        self._pending: list[bytes] = []
+        self._pending_lines = 0
         self._unsaved = 0
         self._partial: SearchIndex | None = None
         self._builder: threading.Thread | None = None
@@ -197,8 +200,9 @@ class FileIndex:
             self._partial = self._scan_index()
         return self._partial
 
-    def appended(self, data: bytes, docs: list[Doc]) -> None:
-        """We appended `data` (holding `docs`) to the current file."""
+    def appended(self, data: bytes) -> None:
+        """We appended `data` (whole lines) to the current file. Its documents are
+        parsed and indexed with the next batch (`_index_pending`), not here."""
         if self._index is None and self._builder is None:
             # Opened now, from the files (this append included), so that the index stays
             # current whether or not anyone searches. An append never fails for it.
@@ -210,23 +214,25 @@ class FileIndex:
         if self._index is not None:
             self._cover.rest_bytes += len(data)
             self._cover.rest_crc = zlib.crc32(data, self._cover.rest_crc)
-            if docs:
-                self._cover.carry = docs[-1][2] if docs[-1][2] is not None else self._cover.carry
-            self._pending.extend(docs)
-            self._unsaved += len(docs)
-            if len(self._pending) >= _PENDING_MAX:
+            self._pending.append(data)
+            lines = data.count(b"\n")
+            self._pending_lines += lines
+            self._unsaved += lines
+            if self._pending_lines >= _PENDING_MAX:
                 self._index_pending()
             # Saved again once a quarter more is unsaved (O(1) amortized per line); a
             # crash loses only that much, caught up from the files at the next open.
             if self._unsaved >= max(4096, len(self._index) // 4):
                 self.save()
         elif self._partial is not None:
+            docs, _ = self._parse(data.decode("utf-8", errors="replace"), None)
             self._partial.add_many(docs)
 
     def invalidate(self) -> None:
         """The files were rewritten: forget the index (rebuilt on next use)."""
         self._index = None
         self._pending = []
+        self._pending_lines = 0
         self._partial = None
         self._builder = None
         self._build_failed = False
@@ -296,6 +302,7 @@ class FileIndex:
             self._install(*self._build(index, cover, start))
             if todo > self.sync_bytes:
                 self.save()  # a large build is saved at once, not by a later append
+                release_freed_memory()
             return
         generation = self._generation
         self._progress = (0, max(todo, 1))
@@ -334,17 +341,23 @@ class FileIndex:
         # of the current file, which keeps the stream's bytes (and offsets) the same.
         rest = self._sources()[len(cover.archives) :]
         data = _read_from(rest, start)
-        carry, done, added = cover.carry, 0, 0
-        while done < len(data):
-            # Cut at a newline: it never falls inside a UTF-8 character.
-            cut = data.find(b"\n", done + _BUILD_CHUNK)
-            end = len(data) if cut < 0 else cut + 1
-            docs, carry = self._parse(data[done:end].decode("utf-8", errors="replace"), carry)
-            index.add_many(docs)
-            added += len(docs)
-            done = end
-            if report:
-                self._progress = (done, max(len(data), 1))
+        carry = cover.carry
+
+        def docs() -> Iterator[Doc]:
+            nonlocal carry
+            done = 0
+            while done < len(data):
+                # Cut at a newline: it never falls inside a UTF-8 character.
+                cut = data.find(b"\n", done + _BUILD_CHUNK)
+                end = len(data) if cut < 0 else cut + 1
+                found, carry = self._parse(data[done:end].decode("utf-8", errors="replace"), carry)
+                yield from found
+                done = end
+                if report:
+                    self._progress = (done, max(len(data), 1))
+
+        # One batch: the index folds it into its segment in one merge, however large.
+        added = len(index.add_many(docs()))
         crc = zlib.crc32(data, cover.rest_crc)
         return index, _Coverage(cover.archives, start + len(data), crc, carry), added
 
@@ -375,6 +388,7 @@ class FileIndex:
             finally:
                 self._builder = None
                 self._built.notify_all()
+        release_freed_memory()  # the build's temporary arrays and lists are gone now
 
     def _verify(self, index: SearchIndex, generation: int) -> None:
         """Check a loaded index's checksum off the search path; drop it if damaged."""
@@ -393,14 +407,18 @@ class FileIndex:
         self._cover = cover
         self._partial = None
         self._pending = []
+        self._pending_lines = 0
         self._unsaved = added or (0 if self.path.exists() else 1)
         self._log.debug("Search index ready: {} documents", len(index))
 
     def _index_pending(self) -> None:
-        """Index the appended documents waiting in the pending list, in one batch."""
+        """Parse and index the appended bytes waiting in the pending list, in one batch."""
         if self._pending and self._index is not None:
-            self._index.add_many(self._pending)
-            self._pending = []
+            text = b"".join(self._pending).decode("utf-8", errors="replace")
+            docs, self._cover.carry = self._parse(text, self._cover.carry)
+            self._index.add_many(docs)
+        self._pending = []
+        self._pending_lines = 0
 
     def _scan_index(self) -> SearchIndex:
         data = _read_tail(self._sources(), self.partial_bytes)

@@ -12,8 +12,9 @@ Invariants:
 - Searches never read the files: each index is saved next to the files it indexes
   (`MEMORY.md.index`, `HISTORY.md.index`), checked against them and caught up when a
   scope's first append or search opens it, built in the background when missing or
-  stale, and every append queues its documents for it (`gateway.memory.live`), so the
-  saved index stays current whether or not the scope is searched. A search answers
+  stale, and every append queues its bytes for it (`gateway.memory.live`), so the
+  saved index stays current whether or not the scope is searched. The past messages'
+  index is saved beside them too (`messages.index`, `gateway.memory.messages`). A search answers
   from the whole scope: it waits for a build, unless its caller bounded the wait, and
   then it answers from the newest lines and says so (`Found.complete`). MEMORY.md is
   meant to be edited by people: a search notices a hand edit (by the file's size and
@@ -34,7 +35,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -42,12 +43,12 @@ from pathlib import Path
 from loguru import logger
 
 from gateway.fsutil import (
-    append_text,
+    FileLock,
+    append_bytes,
     atomic_write_bytes,
     atomic_write_text,
     create_exclusive,
     ensure_private_dir,
-    file_lock,
     read_text,
 )
 from gateway.memory.dedupe import redundant_facts
@@ -78,7 +79,7 @@ from gateway.memory.format import (
 )
 from gateway.memory.knowledge import KnowledgeBase, KnowledgeEntry
 from gateway.memory.live import Doc, FileIndex
-from gateway.memory.messages import MessageHit, MessageIndex, MessageSource
+from gateway.memory.messages import MESSAGE_INDEX_FILE, MessageHit, MessageIndex, MessageSource
 from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import WORKSPACE_SCOPE, scope_dir
 from gateway.memory.text import one_line, tokenize
@@ -122,11 +123,16 @@ class MemoryManager:
         ensure_private_dir(self.dir)
         self.memory_path = self.dir / MEMORY_FILE
         self.history_path = self.dir / HISTORY_FILE
+        # As strings for the append paths (a Path costs a conversion per system call).
+        self._memory_file = str(self.memory_path)
+        self._history_file = str(self.history_path)
+        self._history_end: tuple[int, int] | None = None  # HISTORY.md after our append
         self.history_max_bytes = history_max_bytes
         self.fsync_appends = fsync_appends
         self._clock = clock
         self._lock = threading.RLock()
         self._file_lock_depth = 0  # under `_lock`: the flock is taken by the outermost
+        self._file_lock = FileLock(self.dir / MEMORY_LOCK_FILE)
         self._log = logger.bind(memory_scope=scope)
         self._memory_index = FileIndex(
             self.dir / MEMORY_INDEX_FILE, lambda: [self.memory_path], _memory_docs, self._lock
@@ -153,7 +159,11 @@ class MemoryManager:
         )
         # The scope's past messages (`gateway.memory.messages`), when the store knows
         # where its sessions are.
-        self.messages = MessageIndex(messages) if messages is not None else None
+        self.messages = (
+            MessageIndex(messages, saved=self.dir / MESSAGE_INDEX_FILE)
+            if messages is not None
+            else None
+        )
 
     # -- MEMORY.md ---------------------------------------------------------------
 
@@ -175,11 +185,15 @@ class MemoryManager:
         if not text.strip():
             return
         with self._locked():
-            self._notice_memory_edits()
-            append_text(self.memory_path, text, fsync=self.fsync_appends)
-            docs, _ = _memory_docs(text, None)
-            self._memory_index.appended(text.encode(), docs)
-            self._memory_seen = self._memory_stat()
+            done = append_bytes(self._memory_file, text.encode(), fsync=self.fsync_appends)
+            # The file as found before the write (one look, through the descriptor):
+            # not as we left it means edited by hand, and the index is rebuilt.
+            if (done.before.st_size, done.before.st_mtime_ns) != self._memory_seen and (
+                self._memory_seen is not None or done.before.st_size
+            ):
+                self._memory_index.invalidate()
+            self._memory_index.appended(done.data)
+            self._memory_seen = (done.after.st_size, done.after.st_mtime_ns)
             self._last_day_stat = None
 
     def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
@@ -310,11 +324,15 @@ class MemoryManager:
             return ""
         line = format_history_line(entry, self._clock())
         with self._lock:
-            size = append_text(self.history_path, line, fsync=self.fsync_appends)
-            stripped = line.strip()
-            doc: Doc = (stripped, None, history_timestamp(stripped))
-            self._history_index.appended(line.encode(), [doc])
-            if size > self.history_max_bytes:
+            done = append_bytes(
+                self._history_file,
+                line.encode(),
+                fsync=self.fsync_appends,
+                ends_at=self._history_end,
+            )
+            self._history_end = (done.after.st_size, done.after.st_mtime_ns)
+            self._history_index.appended(done.data)
+            if done.after.st_size > self.history_max_bytes:
                 self._rotate_history()
         return line.rstrip("\n")
 
@@ -506,8 +524,15 @@ class MemoryManager:
             self._history_index.save()
 
     def close(self) -> None:
+        """Flush, and save the message index (not saved by every flush: a scope of
+        100,000 messages writes tens of MB; it saves itself as it grows, and a restart
+        reads what it lacks from the sessions). The manager stays usable."""
         self.flush()
         self.knowledge.close()
+        if self.messages is not None:
+            self.messages.save()
+        with self._lock:
+            self._file_lock.close()
 
     def __enter__(self) -> MemoryManager:
         return self
@@ -517,23 +542,9 @@ class MemoryManager:
 
     # -- internals ---------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> _Locked:
         """This manager's lock and, held by the outermost caller, MEMORY.md's flock."""
-        with self._lock:
-            if self._file_lock_depth:
-                self._file_lock_depth += 1
-                try:
-                    yield
-                finally:
-                    self._file_lock_depth -= 1
-                return
-            with file_lock(self.dir / MEMORY_LOCK_FILE):
-                self._file_lock_depth = 1
-                try:
-                    yield
-                finally:
-                    self._file_lock_depth = 0
+        return _Locked(self)
 
     def _notice_memory_edits(self) -> None:
         """Drop the facts index if MEMORY.md changed behind our back (one stat)."""
@@ -615,6 +626,37 @@ class MemoryManager:
                 end = start
         self._last_day, self._last_day_stat = day, stat
         return day
+
+
+class _Locked:
+    """`MemoryManager._locked`: a class, not a generator, as appends take it each time."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: MemoryManager) -> None:
+        self._manager = manager
+
+    def __enter__(self) -> None:
+        manager = self._manager
+        manager._lock.acquire()
+        if manager._file_lock_depth:
+            manager._file_lock_depth += 1
+            return
+        try:
+            manager._file_lock.__enter__()
+        except BaseException:
+            manager._lock.release()
+            raise
+        manager._file_lock_depth = 1
+
+    def __exit__(self, *exc: object) -> None:
+        manager = self._manager
+        manager._file_lock_depth -= 1
+        try:
+            if not manager._file_lock_depth:
+                manager._file_lock.__exit__()
+        finally:
+            manager._lock.release()
 
 
 def _said_by(facts: Iterable[Fact]) -> list[tuple[str | None, str]]:

@@ -8,19 +8,34 @@ the message before and after each.
 
 The sessions stay the truth; this index is a view of them kept in step lazily. Every
 search first asks its `MessageSource` what the scope's sessions hold now (in files, two
-stats per session key: its current file and its archive folder; in PostgreSQL, one
-query) and reads only what was appended since the last look: indexing costs a turn
-nothing when it is written, and a search pays only for the messages new since the
-previous search. A session that is gone (deleted) has its messages removed; one that
-shrank (rewritten by maintenance) is read again. The index lives in memory: a scope's
-first search after a start reads all its sessions (bench/memory.py times it), in the
-background when its caller bounds the wait.
+stats per session key: its current file and its archive folder, whose sessions are one
+group the index skips while the folder is unchanged; in PostgreSQL, one query) and reads
+only what was appended since the last look: indexing costs a turn nothing when it is
+written, and a search pays only for the messages new since the previous search (one
+batch however many sessions grew). A session that is gone (deleted) has its messages
+removed; one that shrank (rewritten by maintenance) is read again.
+
+The file mode saves the index in the scope's folder (`messages.index`: the search
+index, and a table of the messages with their session, entry id, time and speaker)
+after a large catch-up, every `SAVE_EVERY` messages or a quarter more, and when the
+store closes; a restarted scope's first search loads it (its checksum verified first)
+and reads only what the sessions gained since (bench/memory.py: 100,000 messages, a
+fraction of a second instead of reading them all). A scope never read before, or whose
+file is damaged (reported, kept as `messages.index.damaged`) or made by another version
+(another tokenizer, another way of indexing a message), reads all its sessions, in the
+background when its caller bounds the wait. In PostgreSQL the index lives in memory.
 
 Invariants:
 - Forgotten messages never come back: `forget_entries` records their entry ids in the
   scope's tombstones (`MessageSource.forget`, durable), removes them from the index,
   and every later read skips them, whatever the transcript still holds (a fork's copy
-  of a message keeps its entry id, so it is forgotten too).
+  of a message keeps its entry id, so it is forgotten too). The message after a
+  forgotten one is indexed again without its words, the saved file is written again
+  without them, and tombstones recorded while a saved index was not rewritten (another
+  process) are applied when it is loaded.
+- A search answers only from a complete index: a loaded saved index is checked
+  (checksum, layout, the tokenizer's and the documents' marks) and caught up with the
+  sessions before it answers.
 - Only `user` and `assistant` messages with text are indexed (tool calls and results,
   system lines and summaries are not a person's words).
 - Results are the index's exact BM25 top-k (`gateway.memory.index`) over the live
@@ -32,19 +47,24 @@ Thread-safe: `MessageIndex` holds a lock around every method.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 from loguru import logger
 
 from gateway.memory.dense import DenseIndex
-from gateway.memory.index import SearchIndex
+from gateway.memory.index import IndexFileError, SearchIndex, release_freed_memory
 from gateway.memory.text import one_line
 
 #: The roles whose messages are a person's or the assistant's words.
@@ -52,14 +72,19 @@ INDEXED_ROLES = frozenset({"user", "assistant"})
 # Context shown around a hit, per neighbour, in characters.
 CONTEXT_CHARS = 160
 FORGOTTEN_FILE = "messages.forgotten"
+#: Where the file mode saves a scope's message index (`MessageIndex(saved=...)`).
+MESSAGE_INDEX_FILE = "messages.index"
 # How many BM25 candidates the dense similarity re-ranks (and fills up to when the
 # keywords find fewer).
 FUSION_DEPTH = 50
 #: The dense similarity's share of a fused score when a dense index is given
 #: (`MessageIndex._ranked`; bench/recall.py).
 DENSE_WEIGHT = 0.2
-# Unmerged messages past which a search first merges them into the index's segment.
+# Unmerged messages past which a search first merges them into the index's segment: at
+# least this many, and this share of the index (a merge at 100,000 messages takes about
+# 0.2 s of CPU; every 256 messages, that was 1.5 ms a turn).
 MERGE_AFTER = 256
+MERGE_SHARE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +142,24 @@ class SessionMark:
     mark: int
 
 
+#: What `MessageSource.sessions` returns: the sessions by handle, whole or in groups.
+Sessions = Mapping[str, SessionMark] | Sequence[Mapping[str, SessionMark]]
+
+
 class MessageSource(Protocol):
     """Where a scope's sessions live (files or PostgreSQL). Blocking: worker thread."""
 
-    def sessions(self) -> dict[str, SessionMark]:
-        """The scope's sessions now, by a handle stable for the session's life."""
+    def sessions(self) -> Sessions:
+        """The scope's sessions now, by a handle stable for the session's life: one
+        mapping, or several (e.g. each key's current session, and its archived ones).
+        A group handed out again as the very same object has not changed since, and
+        `MessageIndex.sync` skips it: thousands of archived sessions cost nothing."""
         ...
 
     def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
-        """The messages of session `handle` after mark `start`, and the new mark."""
+        """The messages of session `handle` after mark `start`, and the new mark. (A
+        source may also offer `read_many([(handle, start), ...])` -> {handle: (messages,
+        mark)}, reading several in one go: the index then uses it.)"""
         ...
 
     def forgotten(self) -> set[str]:
@@ -158,6 +192,17 @@ def searchable_text(message: StoredMessage, previous: str) -> str:
     return f"{own}\n{previous}\n{day}" if previous else f"{own}\n{day}"
 
 
+def _documents_mark() -> str:
+    """What `searchable_text` makes of a probe message: a saved message index whose
+    documents were made another way is rebuilt, not trusted (`_Docs.load`)."""
+    probe = StoredMessage("k", "s", "e", 1_700_000_000.0, "user", "Probe: what is indexed?")
+    return f"{zlib.crc32(searchable_text(probe, 'The message before.').encode()):08x}"
+
+
+#: The mark of how messages are indexed (`_documents_mark`), saved with the index.
+DOCUMENTS = _documents_mark()
+
+
 def message_text(raw: object) -> tuple[str, str] | None:
     """(role, text) of a stored message entry's `message` object, or None when it is not
     a user or assistant message with text."""
@@ -175,7 +220,12 @@ def message_text(raw: object) -> tuple[str, str] | None:
 
 
 class MessageIndex:
-    """The searchable messages of one scope, caught up from its source at each search."""
+    """The searchable messages of one scope, caught up from its source at each search.
+
+    With `saved` (the file mode: `<scope dir>/messages.index`), the index is saved
+    there after a large catch-up, every `max(SAVE_EVERY, a quarter)` messages after,
+    and at `save` (the owner's close), and a restarted scope starts from it: its first
+    search reads only what the sessions gained since (`_load`)."""
 
     def __init__(
         self,
@@ -183,21 +233,26 @@ class MessageIndex:
         *,
         dense: DenseIndex | None = None,
         dense_weight: float = DENSE_WEIGHT,
+        saved: Path | None = None,
     ) -> None:
         """`dense`: static-embedding similarity fused with BM25, its share of the fused
-        score `dense_weight` (`_ranked`)."""
+        score `dense_weight` (`_ranked`). An index with `dense` is not saved (its vectors
+        are not part of the file)."""
         self._source = source
         self._lock = threading.RLock()
         self._index = SearchIndex()
         self._dense = dense
         self.dense_weight = dense_weight
         # Per document id: (session handle, position in the session, StoredMessage).
-        self._docs: dict[int, tuple[str, int, StoredMessage]] = {}
+        self._docs = _Docs()
         # Per session handle: its mark, and its document ids in session order.
         self._marks: dict[str, SessionMark] = {}
-        self._seen: dict[str, SessionMark] = {}  # the source's marks at the last sync
+        self._groups: list[Mapping[str, SessionMark]] = []  # the source's at the last sync
         self._order: dict[str, list[int]] = {}
         self._forgotten: set[str] | None = None
+        self._saved = saved if dense is None else None
+        self._unsaved = 0  # messages added or removed since the index was saved
+        self._opened = saved is None  # the saved index was looked for
         # Set once the first catch-up (which reads every session: seconds for a scope of
         # 100,000 messages) is done; a caller that cannot wait that long has it done in
         # a background thread meanwhile (`search(wait=...)`).
@@ -213,37 +268,51 @@ class MessageIndex:
             return len(self._index)
 
     def memory_bytes(self) -> int:
-        """An estimate of the memory held (the text index plus ~150 bytes a message)."""
+        """An estimate of the memory held (the text index, the messages loaded from a
+        saved index, ~150 bytes a message added since)."""
         dense = self._dense.memory_bytes() if self._dense is not None else 0
-        return self._index.memory_bytes() + 150 * len(self._docs) + dense
+        return self._index.memory_bytes() + self._docs.memory_bytes() + dense
 
     # -- writing -----------------------------------------------------------------
 
     def add(self, handle: str, messages: Iterable[StoredMessage]) -> None:
         """Index messages of session `handle` in order (a source-less index, or a test)."""
         with self._lock:
-            self._add(handle, messages)
+            self._add([(handle, list(messages))])
 
-    def _add(self, handle: str, messages: Iterable[StoredMessage]) -> None:
+    def _add(self, batches: list[tuple[str, list[StoredMessage]]]) -> None:
+        """Index the messages of several sessions, each in order, as one batch (the
+        search index folds a large one into its segment in one merge)."""
         forgotten = self._tombstones()
-        order = self._order.setdefault(handle, [])
-        previous = self._docs[order[-1]][2].text if order else ""
-        kept: list[StoredMessage] = []
+        kept: list[tuple[str, StoredMessage]] = []
         texts: list[str] = []
-        for message in messages:
-            if message.entry_id in forgotten:
-                continue
-            kept.append(message)
-            texts.append(searchable_text(message, previous))
-            previous = message.text
+        for handle, messages in batches:
+            order = self._order.setdefault(handle, [])
+            previous = self._last_text(order)
+            for message in messages:
+                if message.entry_id in forgotten:
+                    continue
+                kept.append((handle, message))
+                texts.append(searchable_text(message, previous))
+                previous = message.text
         added = self._index.add_many(
-            (text, None, m.timestamp) for text, m in zip(texts, kept, strict=True)
+            (text, None, m.timestamp) for text, (_, m) in zip(texts, kept, strict=True)
         )
-        for doc, message in zip(added, kept, strict=True):
+        for doc, (handle, message) in zip(added, kept, strict=True):
+            order = self._order[handle]
             self._docs[doc] = (handle, len(order), message)
             order.append(doc)
         if self._dense is not None:
             self._dense.add(added, texts)
+        self._unsaved += len(added)
+
+    def _last_text(self, order: list[int]) -> str:
+        """The text of a session's last message still indexed ('' if none)."""
+        for doc in reversed(order):
+            entry = self._docs.get(doc)
+            if entry is not None:
+                return entry[2].text
+        return ""
 
     def _drop_session(self, handle: str) -> None:
         for doc in self._order.pop(handle, []):
@@ -254,27 +323,70 @@ class MessageIndex:
         """Catch up with the source: new sessions and appended messages in, deleted
         sessions out, rewritten ones read again."""
         if self._source is None:
+            with self._lock:
+                self._merge_if_due()
             return
         with self._lock:
-            now = self._source.sessions()
-            # Set operations on the dicts (in C): with thousands of sessions, only those
-            # that came, went or grew are looked at. A source hands out the same mark
-            # object for a session that did not change, so most compare by identity.
-            for handle in self._seen.keys() - now.keys():
+            self._open_saved()
+            found = self._source.sessions()
+            groups = [found] if isinstance(found, Mapping) else list(found)
+            before = {id(group) for group in self._groups}
+            fresh = [group for group in groups if id(group) not in before]
+            if fresh or len(groups) != len(self._groups):
+                self._catch_up(groups, fresh)
+            self._groups = groups
+            self._merge_if_due()
+            self._caught_up.set()
+            if self._saved is not None and self._unsaved >= max(SAVE_EVERY, len(self._index) // 4):
+                self._save_and_map()
+
+    def _catch_up(
+        self, groups: list[Mapping[str, SessionMark]], fresh: list[Mapping[str, SessionMark]]
+    ) -> None:
+        """Sessions of groups gone out; those of new groups read where they grew."""
+        now = {id(group) for group in groups}
+        gone = [group for group in self._groups if id(group) not in now]
+        if not self._groups and self._marks:
+            # The first look since a saved index was loaded: its sessions are the past.
+            gone = [self._marks]
+        if gone:
+            if len(groups) == 1:  # one mapping each time: a set difference, in C
+                vanished = set().union(*gone) - groups[0].keys()
+            else:
+                vanished = {h for g in gone for h in g if not any(h in n for n in groups)}
+            for handle in vanished:
                 self._drop_session(handle)
-            for handle, mark in now.items() - self._seen.items():
+        wanted: list[tuple[str, int]] = []
+        grown: list[SessionMark] = []
+        for group in fresh:
+            for handle, mark in group.items():
                 known = self._marks.get(handle)
-                if known is not None and mark.mark == known.mark:
+                if known is mark or (known is not None and mark.mark == known.mark):
                     continue
                 if known is not None and mark.mark < known.mark:
                     self._drop_session(handle)
                     known = None
-                start = known.mark if known is not None else 0
-                messages, end = self._source.read(handle, start)
-                self._add(handle, messages)
-                self._marks[handle] = SessionMark(mark.session_key, mark.session_id, end)
-            self._seen = now
-            self._caught_up.set()
+                wanted.append((handle, known.mark if known is not None else 0))
+                grown.append(mark)
+        if not wanted:
+            return
+        source = self._source
+        assert source is not None
+        read_many = getattr(source, "read_many", None)  # a source may read all at once
+        found = read_many(wanted) if read_many is not None else None
+        batches: list[tuple[str, list[StoredMessage]]] = []
+        for (handle, start), mark in zip(wanted, grown, strict=True):
+            messages, end = found[handle] if found is not None else source.read(handle, start)
+            batches.append((handle, messages))
+            self._marks[handle] = SessionMark(mark.session_key, mark.session_id, end)
+        self._add(batches)
+
+    def _merge_if_due(self) -> None:
+        """The messages since the last merge are scanned by every search: they are
+        folded into the segment (whose search prunes) once they are this many. A merge
+        costs O(index): merging at a share of it keeps that O(1) a message."""
+        if self._index.unmerged >= max(MERGE_AFTER, len(self._index) // MERGE_SHARE):
+            self._index.merge()
 
     def _warm(self) -> None:
         try:
@@ -283,6 +395,7 @@ class MessageIndex:
             logger.warning("reading past messages for search failed: {}", exc)
         finally:
             self._warming = None
+            release_freed_memory()  # a scope's first reading leaves much garbage
 
     def ready(self, wait: float | None = None) -> bool:
         """Has the first catch-up been done? With `wait`, it is started in a background
@@ -300,57 +413,180 @@ class MessageIndex:
     def forget_entries(self, entry_ids: Iterable[str]) -> int:
         """Forget messages by entry id: out of the index now and skipped by every later
         read. How many indexed messages went."""
+        with self._lock:
+            gone = self._forget_entries(entry_ids)
+            if gone:
+                self._save_forgetting()
+            return gone
+
+    def _forget_entries(self, entry_ids: Iterable[str]) -> int:
         wanted = set(entry_ids)
         if not wanted:
             return 0
-        with self._lock:
-            if self._source is not None:
-                self._source.forget(wanted)
-            self._tombstones().update(wanted)
-            gone = [doc for doc, (_, _, m) in self._docs.items() if m.entry_id in wanted]
-            for doc in gone:
-                self._forget_doc(doc)
-            return len(gone)
+        self._open_saved()  # so that the saved file is written again without them
+        if self._source is not None:
+            self._source.forget(wanted)
+        self._tombstones().update(wanted)
+        return self._forget_docs(self._docs.with_entry_ids(wanted))
+
+    def _forget_docs(self, docs: list[int]) -> int:
+        """Take documents out, and index again the message after each (it was indexed
+        with the words of the one before it: `searchable_text`), so that no forgotten
+        word is found through its neighbour. How many went."""
+        rows = [row for row in map(self._forget_doc, docs) if row is not None]
+        after: dict[tuple[str, int], int] = {}
+        for handle, pos, _ in rows:
+            order = self._order.get(handle, [])
+            for at in range(pos + 1, len(order)):
+                if order[at] in self._docs:
+                    after[(handle, at)] = order[at]
+                    break
+        for (handle, at), doc in sorted(after.items()):
+            row = self._forget_doc(doc)
+            if row is None:
+                continue
+            order = self._order[handle]
+            message = row[2]
+            text = searchable_text(message, self._last_text(order[:at]))
+            [new] = self._index.add_many([(text, None, message.timestamp)])
+            self._docs[new] = (handle, at, message)
+            order[at] = new
+            if self._dense is not None:
+                self._dense.add([new], [text])
+        return len(rows)
 
     def forget_matching(self, text: str) -> int:
         """Forget every message that says `text` (all of its search words, e.g. a fact
         being forgotten); how many went."""
+        with self._lock:
+            gone = self._forget_matching(text)
+            if gone:
+                self._save_forgetting()
+            return gone
+
+    def _forget_matching(self, text: str) -> int:
         from gateway.memory.text import tokenize
 
         words = set(tokenize(text))
         if not words:
             return 0
-        with self._lock:
-            self.sync()
-            hits = self._index.search(text, max(len(self._index), 1))
-            pairs = []
-            for hit in hits:
-                if words <= set(tokenize(self._docs[hit.doc_id][2].text)):
-                    pairs.append(self._docs[hit.doc_id][2].entry_id)
-            return self.forget_entries(pairs)
+        self.sync()
+        hits = self._index.search(text, max(len(self._index), 1))
+        pairs = []
+        for hit in hits:
+            if words <= set(tokenize(self._docs[hit.doc_id][2].text)):
+                pairs.append(self._docs[hit.doc_id][2].entry_id)
+        return self._forget_entries(pairs)
 
     def forget_facts(self, facts: Iterable[tuple[str | None, str]]) -> int:
         """Take out of search what a forgotten or corrected fact came from: for each
         (origin entry id or None, old text), the origin message and every message saying
         all of the text's words. How many messages went."""
         pairs = list(facts)
-        gone = self.forget_entries(origin for origin, _ in pairs if origin)
-        for _, text in pairs:
-            gone += self.forget_matching(text)
-        return gone
+        with self._lock:
+            gone = self._forget_entries(origin for origin, _ in pairs if origin)
+            for _, text in pairs:
+                gone += self._forget_matching(text)
+            if gone:
+                self._save_forgetting()
+            return gone
 
-    def _forget_doc(self, doc: int) -> None:
+    def _forget_doc(self, doc: int) -> Row | None:
         entry = self._docs.pop(doc, None)
         if entry is None:
-            return
+            return None
         self._index.remove(doc)
         if self._dense is not None:
             self._dense.remove(doc)
+        self._unsaved += 1
+        return entry
 
     def _tombstones(self) -> set[str]:
         if self._forgotten is None:
             self._forgotten = self._source.forgotten() if self._source is not None else set()
         return self._forgotten
+
+    # -- saving and loading ----------------------------------------------------------
+
+    def save(self) -> None:
+        """Write the index to its file if it changed (no-op without one); the file holds
+        no text of a forgotten message (see `_save_forgetting`)."""
+        with self._lock:
+            path = self._saved
+            if path is None or not self._opened or not (self._unsaved or not path.exists()):
+                return
+            meta: dict[str, object] = {
+                "format": _SAVED_FORMAT,
+                "documents": DOCUMENTS,
+                "tombstones": _tombstone_mark(self._tombstones()),
+            }
+            handles = list(self._order)
+            meta["sessions"] = [[h, *_mark_row(self._marks.get(h))] for h in handles]
+            self._index.merge()  # doc_count is final: the table covers every id
+            attached = self._docs.arrays(self._index.doc_count, handles, self._order)
+            try:
+                self._index.save(path, meta, attached)
+            except OSError as exc:
+                logger.warning("message index not saved ({}); rebuilt when needed", exc)
+                return
+            self._unsaved = 0
+
+    def _save_and_map(self) -> None:
+        """Save, then answer from the file just written: the messages added since the
+        last save leave the heap for the mapped file (a scope's first reading of 100,000
+        messages holds ~170 MB of objects; mapped, the pages are the page cache's)."""
+        self.save()
+        path = self._saved
+        if self._unsaved or path is None:
+            return  # not saved: keep what is in memory
+        try:
+            index, meta = SearchIndex.load(path, verify=False)  # written just now
+            docs, marks, order = _Docs.load(index, meta)
+        except IndexFileError as exc:
+            logger.warning("message index kept in memory: {}", exc)
+            return
+        self._index, self._docs, self._marks, self._order = index, docs, marks, order
+        release_freed_memory()
+
+    def _save_forgetting(self) -> None:
+        """After forgetting: the saved index is written again at once, so its file no
+        longer holds the forgotten messages' words (the session files still do: they
+        are the transcript); it is deleted if it cannot be."""
+        if self._saved is None:
+            return
+        self.save()
+        if self._unsaved and self._saved.exists():
+            with contextlib.suppress(OSError):
+                os.unlink(self._saved)
+
+    def _open_saved(self) -> None:
+        if not self._opened:
+            self._opened = True
+            self._load()
+
+    def _load(self) -> None:
+        """Start from the saved index if it is whole and of this version: its checksum
+        is verified here, before a search answers from it. A damaged file is reported
+        and kept as `<name>.damaged`; a stale or foreign one is rebuilt from the
+        sessions. Messages forgotten since it was saved are taken out."""
+        path = self._saved
+        if path is None or self._index.doc_count:
+            return
+        try:
+            index, meta = SearchIndex.load(path)
+            docs, marks, order = _Docs.load(index, meta)
+        except IndexFileError as exc:
+            if path.exists():
+                logger.warning("message index rebuilt from the sessions: {}", exc)
+                if "damaged" in str(exc):
+                    with contextlib.suppress(OSError):
+                        os.replace(path, path.with_name(path.name + ".damaged"))
+            return
+        self._index, self._docs, self._marks, self._order = index, docs, marks, order
+        forgotten = self._tombstones()
+        if meta.get("tombstones") != _tombstone_mark(forgotten):
+            self._forget_docs(self._docs.with_entry_ids(forgotten))
+        logger.debug("message index loaded: {} messages", len(index))
 
     # -- reading -----------------------------------------------------------------
 
@@ -413,10 +649,6 @@ class MessageIndex:
         messages worse (75.5 -> 73.3 hit@8): it lets a dense rank far down the list
         count as much as a keyword rank, while scores keep how much better the first
         keyword match is than the tenth."""
-        if self._index.unmerged >= MERGE_AFTER:
-            # Many messages arrived at once (a scope's first search): fold them into the
-            # index's segment, whose search prunes, instead of scanning them each time.
-            self._index.merge()
         if self._dense is None or self.dense_weight <= 0:
             return [
                 (h.doc_id, h.score) for h in self._index.search(query, want, decay_rate=decay_rate)
@@ -475,15 +707,258 @@ class MessageIndex:
         return f"{entry[2].role}: {_clip(entry[2].text)}"
 
 
+# -- the messages behind document ids -------------------------------------------------
+
+_ROLES = ("user", "assistant")  # INDEXED_ROLES, numbered in a saved index
+# The saved message index's own layout (its search index has its own checks).
+_SAVED_FORMAT = 1
+#: Messages added or removed after which a saved message index is written again (and
+#: at least a quarter of the index: O(1) amortized per message).
+SAVE_EVERY = 4096
+
+Row = tuple[str, int, StoredMessage]
+
+
+class _Docs:
+    """Document id -> (session handle, position in the session, StoredMessage): the
+    messages added since start in a dict, and those of a loaded saved index read from
+    its mapped arrays when asked (no Python object per message until then)."""
+
+    __slots__ = (
+        "_alive",
+        "_count",
+        "_eid",
+        "_eid_off",
+        "_extra",
+        "_n",
+        "_pos",
+        "_role",
+        "_sess",
+        "_sessions",
+        "_ts",
+        "_txt",
+        "_txt_off",
+    )
+
+    def __init__(self) -> None:
+        self._extra: dict[int, Row] = {}
+        self._n = 0  # rows of the loaded table: document ids below it
+        self._count = 0  # of those, still indexed
+        self._alive = np.zeros(0, np.bool_)
+        self._sessions: list[tuple[str, str, str]] = []  # (handle, key, session id)
+        empty_i = np.zeros(0, np.int32)
+        self._sess, self._pos = empty_i, empty_i
+        self._role = np.zeros(0, np.int8)
+        self._ts = np.zeros(0, np.float64)
+        self._eid_off = self._txt_off = np.zeros(1, np.int64)
+        self._eid = self._txt = np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return self._count + len(self._extra)
+
+    def __contains__(self, doc: object) -> bool:
+        if doc in self._extra:
+            return True
+        return isinstance(doc, int) and 0 <= doc < self._n and bool(self._alive[doc])
+
+    def __getitem__(self, doc: int) -> Row:
+        row = self.get(doc)
+        if row is None:
+            raise KeyError(doc)
+        return row
+
+    def __setitem__(self, doc: int, row: Row) -> None:
+        self._extra[doc] = row
+
+    def get(self, doc: int, default: Row | None = None) -> Row | None:
+        row = self._extra.get(doc)
+        if row is not None:
+            return row
+        if not (0 <= doc < self._n and self._alive[doc]):
+            return default
+        handle, key, session_id = self._sessions[int(self._sess[doc])]
+        message = StoredMessage(
+            key,
+            session_id,
+            _decode(self._eid, self._eid_off, doc),
+            float(self._ts[doc]),
+            _ROLES[int(self._role[doc])],
+            _decode(self._txt, self._txt_off, doc),
+        )
+        return handle, int(self._pos[doc]), message
+
+    def pop(self, doc: int, default: Row | None = None) -> Row | None:
+        row = self._extra.pop(doc, None)
+        if row is not None:
+            return row
+        row = self.get(doc)
+        if row is None:
+            return default
+        self._alive[doc] = False
+        self._count -= 1
+        return row
+
+    def with_entry_ids(self, wanted: set[str]) -> list[int]:
+        """The documents whose message has one of these entry ids."""
+        found = [doc for doc, (_, _, m) in self._extra.items() if m.entry_id in wanted]
+        if self._count and wanted:
+            keys = {e.encode() for e in wanted}
+            blob, off = self._eid.tobytes(), self._eid_off
+            for doc in np.flatnonzero(self._alive).tolist():
+                if blob[off[doc] : off[doc + 1]] in keys:
+                    found.append(doc)
+        return found
+
+    def memory_bytes(self) -> int:
+        arrays = (self._alive, self._sess, self._pos, self._role, self._ts)
+        mapped = (self._eid_off, self._eid, self._txt_off, self._txt)
+        return 150 * len(self._extra) + sum(a.nbytes for a in (*arrays, *mapped))
+
+    def arrays(
+        self, n: int, handles: list[str], order: dict[str, list[int]]
+    ) -> dict[str, npt.NDArray[Any]]:
+        """The table of documents 0 .. n-1 to save with the search index: per document
+        its session's row in `handles`, position, role, time, entry id and text (a
+        removed document: row -1, no text), and each session's documents in order."""
+        row_of = {handle: i for i, handle in enumerate(handles)}
+        sess = np.full(n, -1, np.int32)
+        pos = np.zeros(n, np.int32)
+        role = np.zeros(n, np.int8)
+        ts = np.zeros(n, np.float64)
+        b = self._n
+        eid_sizes = np.zeros(n, np.int64)
+        txt_sizes = np.zeros(n, np.int64)
+        eid_parts: list[bytes | npt.NDArray[np.uint8]] = []
+        txt_parts: list[bytes | npt.NDArray[np.uint8]] = []
+        if b:
+            alive = self._alive
+            remap = np.array([row_of.get(h, -1) for h, _, _ in self._sessions] + [-1], np.int32)
+            sess[:b] = np.where(alive, remap[self._sess], -1)
+            pos[:b], role[:b], ts[:b] = self._pos, self._role, self._ts
+            for sizes, blob, off, parts in (
+                (eid_sizes, self._eid, self._eid_off, eid_parts),
+                (txt_sizes, self._txt, self._txt_off, txt_parts),
+            ):
+                own = np.diff(off)
+                parts.append(blob[np.repeat(alive, own)])  # a removed message's text goes
+                sizes[:b] = np.where(alive, own, 0)
+        eids: list[bytes] = []
+        texts: list[bytes] = []
+        for doc in range(b, n):
+            row = self._extra.get(doc)
+            if row is None:
+                eids.append(b"")
+                texts.append(b"")
+                continue
+            handle, at, message = row
+            sess[doc], pos[doc] = row_of[handle], at
+            role[doc], ts[doc] = _ROLES.index(message.role), message.timestamp
+            eids.append(message.entry_id.encode())
+            texts.append(message.text.encode())
+        eid_sizes[b:] = [len(e) for e in eids]
+        txt_sizes[b:] = [len(t) for t in texts]
+        eid_parts.append(b"".join(eids))
+        txt_parts.append(b"".join(texts))
+        runs = [order[h] for h in handles]
+        return {
+            "sess": sess,
+            "pos": pos,
+            "role": role,
+            "ts": ts,
+            "eid_off": np.concatenate(([0], np.cumsum(eid_sizes))).astype(np.int64),
+            "eid": _joined(eid_parts),
+            "txt_off": np.concatenate(([0], np.cumsum(txt_sizes))).astype(np.int64),
+            "txt": _joined(txt_parts),
+            "order_off": np.concatenate(([0], np.cumsum([len(r) for r in runs]))).astype(np.int64),
+            "order": np.fromiter(itertools.chain.from_iterable(runs), np.int32),
+        }
+
+    @classmethod
+    def load(
+        cls, index: SearchIndex, meta: dict[str, Any]
+    ) -> tuple[_Docs, dict[str, SessionMark], dict[str, list[int]]]:
+        """The table saved with `index` (`arrays`), its sessions' marks and orders;
+        `IndexFileError` when it is of another version or does not hold together."""
+        if meta.get("format") != _SAVED_FORMAT or meta.get("documents") != DOCUMENTS:
+            raise IndexFileError("out of date (another layout or document text)")
+        try:
+            return cls._parse(index, meta)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise IndexFileError(f"damaged ({exc})") from None
+
+    @classmethod
+    def _parse(
+        cls, index: SearchIndex, meta: dict[str, Any]
+    ) -> tuple[_Docs, dict[str, SessionMark], dict[str, list[int]]]:
+        a = index.attached
+        n = index.doc_count
+        rows = [(str(h), str(k), str(s), int(m)) for h, k, s, m in meta["sessions"]]
+        order_off, order_docs = a["order_off"], a["order"]
+        sess = a["sess"]
+        checks = (
+            len(sess) == len(a["pos"]) == len(a["role"]) == len(a["ts"]) == n,
+            len(a["eid_off"]) == len(a["txt_off"]) == n + 1,
+            int(a["eid_off"][-1]) == len(a["eid"]) and int(a["txt_off"][-1]) == len(a["txt"]),
+            bool(np.all(np.diff(a["eid_off"]) >= 0) and np.all(np.diff(a["txt_off"]) >= 0)),
+            len(order_off) == len(rows) + 1 and int(order_off[-1]) == len(order_docs),
+            bool(np.all(np.diff(order_off) >= 0)),
+            n == 0 or (int(sess.max()) < len(rows) and int(sess.min()) >= -1),
+            len(order_docs) == 0 or (int(order_docs.min()) >= 0 and int(order_docs.max()) < n),
+            int(a["role"].max(initial=0)) < len(_ROLES) and int(a["role"].min(initial=0)) >= 0,
+            int((sess >= 0).sum()) == len(index),
+        )
+        if not all(checks):
+            raise ValueError("inconsistent arrays")
+        docs = cls()
+        docs._n = n
+        docs._alive = sess >= 0
+        docs._count = int(docs._alive.sum())
+        docs._sessions = [(h, k, s) for h, k, s, _ in rows]
+        docs._sess, docs._pos, docs._role, docs._ts = sess, a["pos"], a["role"], a["ts"]
+        docs._eid_off, docs._eid = a["eid_off"], a["eid"]
+        docs._txt_off, docs._txt = a["txt_off"], a["txt"]
+        marks = {h: SessionMark(k, s, m) for h, k, s, m in rows}
+        bounds = order_off.tolist()
+        order = {
+            row[0]: order_docs[bounds[i] : bounds[i + 1]].tolist() for i, row in enumerate(rows)
+        }
+        return docs, marks, order
+
+
+def _decode(blob: npt.NDArray[np.uint8], off: npt.NDArray[np.int64], doc: int) -> str:
+    return blob[int(off[doc]) : int(off[doc + 1])].tobytes().decode()
+
+
+def _joined(parts: list[bytes | npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint8]:
+    return np.concatenate(
+        [np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p for p in parts]
+    )
+
+
+def _mark_row(mark: SessionMark | None) -> list[Any]:
+    if mark is None:
+        return ["", "", 0]
+    return [mark.session_key, mark.session_id, mark.mark]
+
+
+def _tombstone_mark(forgotten: set[str]) -> list[int]:
+    """What a saved index records of the tombstones it has applied."""
+    return [len(forgotten), zlib.crc32("\n".join(sorted(forgotten)).encode())]
+
+
 # -- the file mode's source ------------------------------------------------------------
 
 
 class FileMessageSource:
     """The session files of one scope: each key's current file and its archived ones.
 
-    `keys()` says which session keys belong to the scope (one for a per-conversation
-    scope; for the workspace or a person, every key the store maps there). Tombstones
-    are one line per forgotten message's entry id in `<scope dir>/messages.forgotten`.
+    A session's handle is its id, which its file's header holds and an archived file's
+    name repeats: `/new` renames a session into the archive under the same id, so it is
+    neither read twice nor missed, and the new file under the current name is a new
+    session, read from its start. `keys()` says which session keys belong to the scope
+    (one for a per-conversation scope; for the workspace or a person, every key the
+    store maps there). Tombstones are one line per forgotten message's entry id in
+    `<scope dir>/messages.forgotten`.
     """
 
     def __init__(
@@ -497,30 +972,25 @@ class FileMessageSource:
         self._keys = keys
         # Per archive folder: its mtime when listed, and its sessions then.
         self._archives: dict[str, tuple[int, dict[str, SessionMark]]] = {}
-        # A session's handle is its file's (device, inode): `/new` renames the file into
-        # the archive, which keeps both, so an archived session is not read twice, and a
-        # new file under the current name is a new session, read from its start.
-        self._paths: dict[str, str] = {}
+        # Per key: its current file's (device, inode), size, session id, and group.
+        self._current: dict[str, tuple[tuple[int, int], int, str, dict[str, SessionMark]]] = {}
+        self._paths: dict[str, str] = {}  # session id -> its file
 
-    def sessions(self) -> dict[str, SessionMark]:
-        """Each key's current file (one stat) and archived files: `/new` moves a session
-        into the key's archive folder and never changes it there, so the folder is
-        listed again only when its mtime says an entry came or went (one stat)."""
+    def sessions(self) -> list[Mapping[str, SessionMark]]:
+        """Per key two groups: its current file (one stat; its header read once per
+        file) and its archived files. `/new` moves a session into the key's archive
+        folder and never changes it there, so the folder is listed again only when its
+        mtime says an entry came or went (one stat), and the group is the same object
+        meanwhile."""
         from gateway.sessions.keys import SUFFIX, encode_key
         from gateway.sessions.listing import ARCHIVE_DIR
 
-        out: dict[str, SessionMark] = {}
+        groups: list[Mapping[str, SessionMark]] = []
         for key in self._keys():
             name = encode_key(key)
-            current = os.path.join(self.sessions_dir, f"{name}{SUFFIX}")
-            try:
-                st = os.stat(current)
-            except FileNotFoundError:
-                pass
-            else:
-                handle = f"{st.st_dev}:{st.st_ino}"
-                self._paths[handle] = current
-                out[handle] = SessionMark(key, "", st.st_size)
+            current = self._current_group(key, os.path.join(self.sessions_dir, f"{name}{SUFFIX}"))
+            if current is not None:
+                groups.append(current)
             folder = os.path.join(self.sessions_dir, ARCHIVE_DIR, name)
             try:
                 stamp = os.stat(folder).st_mtime_ns
@@ -531,13 +1001,34 @@ class FileMessageSource:
             if known is None or known[0] != stamp:
                 known = (stamp, self._list_archive(key, folder))
                 self._archives[folder] = known
-            out.update(known[1])
-        for handle in self._paths.keys() - out.keys():
-            del self._paths[handle]
-        return out
+            groups.append(known[1])
+        return groups
+
+    def _current_group(self, key: str, path: str) -> dict[str, SessionMark] | None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._current.pop(key, None)
+            return None
+        file = (st.st_dev, st.st_ino)
+        known = self._current.get(key)
+        if known is not None and known[0] == file:
+            if known[1] == st.st_size:
+                return known[3]
+            session_id = known[2]
+        else:
+            read_id = _header_id(path)
+            if read_id is None:
+                return None  # no whole header yet (or a damaged one the store reports)
+            session_id = read_id
+        group = {session_id: SessionMark(key, session_id, st.st_size)}
+        self._current[key] = (file, st.st_size, session_id, group)
+        self._paths[session_id] = path
+        return group
 
     def _list_archive(self, key: str, folder: str) -> dict[str, SessionMark]:
         from gateway.sessions.keys import SUFFIX
+        from gateway.sessions.listing import archived_session_id
 
         found: dict[str, SessionMark] = {}
         try:
@@ -545,13 +1036,15 @@ class FileMessageSource:
                 for item in it:
                     if SUFFIX not in item.name:
                         continue
+                    session_id = archived_session_id(item.name) or _header_id(item.path)
+                    if session_id is None:
+                        continue
                     try:
-                        st = item.stat()
+                        size = item.stat().st_size
                     except FileNotFoundError:
                         continue
-                    handle = f"{st.st_dev}:{st.st_ino}"
-                    self._paths[handle] = item.path
-                    found[handle] = SessionMark(key, "", st.st_size)
+                    self._paths[session_id] = item.path
+                    found[session_id] = SessionMark(key, session_id, size)
         except (FileNotFoundError, NotADirectoryError):
             pass
         return found
@@ -572,6 +1065,8 @@ class FileMessageSource:
             session_id, key = str(header["id"]), str(header["key"])
         except (ValueError, KeyError, TypeError):
             return [], start  # a damaged header: the session store reports it
+        if session_id != handle:
+            return [], start  # the file holds another session now: the next look finds it
         cut = data.rfind(b"\n")
         if cut < 0:
             return [], start  # only a torn line so far: read it when it is whole
@@ -606,3 +1101,14 @@ class FileMessageSource:
         if lines:
             ensure_private_dir(self.scope_dir)
             append_text(self.scope_dir / FORGOTTEN_FILE, lines, fsync=True)
+
+
+def _header_id(path: str) -> str | None:
+    """The session id in a session file's header line, or None (none, or damaged)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.readline(1 << 16)
+        header = json.loads(head)
+        return str(header["id"]) if isinstance(header, dict) and "id" in header else None
+    except (OSError, ValueError):
+        return None

@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, date, datetime
@@ -838,7 +838,12 @@ MESSAGE_INDEXES_KEPT = 128
 
 class PostgresMessageSource:
     """The sessions of one scope in PostgreSQL (`gateway.memory.messages.MessageSource`):
-    a session's mark is its `last_seq`; tombstones are `gw_memory_forgotten_messages`."""
+    a session's mark is its `last_seq`; tombstones are `gw_memory_forgotten_messages`.
+
+    Two groups of sessions: the current ones (each search reads their marks) and the
+    archived ones, which never change: one round trip reads the current marks with the
+    archived sessions' count and latest archiving time, and the archived sessions are
+    read again only when those change (thousands of them cost a search nothing)."""
 
     def __init__(
         self, pool: ConnectionPool, scope: str, belongs: Callable[[str], bool] | None = None
@@ -849,49 +854,83 @@ class PostgresMessageSource:
         self._scope = scope
         self._key = scope_dirname(scope)
         self._belongs = belongs
+        self._current: dict[str, SessionMark] = {}
+        self._archived: dict[str, SessionMark] = {}
+        self._archived_seen: tuple[int, float | None] | None = None
 
-    def sessions(self) -> dict[str, SessionMark]:
+    def sessions(self) -> list[Mapping[str, SessionMark]]:
         belongs = self._belongs
+        where = "WHERE key = %s" if belongs is None else ""
+        params = (self._scope,) if belongs is None else ()
         with self._pool.connection() as conn:
-            if belongs is None:
-                # One conversation's scope: its key's sessions (current and archived).
-                rows = conn.execute(
-                    "SELECT session_id, key, last_seq FROM gw_sessions WHERE key = %s",
-                    (self._scope,),
+            rows = conn.execute(
+                "SELECT session_id, key, last_seq, NULL FROM gw_sessions "
+                f"{where} {'AND' if where else 'WHERE'} archived_at IS NULL "
+                "UNION ALL SELECT NULL, NULL, count(*), max(archived_at) FROM gw_sessions "
+                f"{where} {'AND' if where else 'WHERE'} archived_at IS NOT NULL",
+                params * 2,
+            ).fetchall()
+            summary = next((int(n), at) for sid, _, n, at in rows if sid is None)
+            if summary != self._archived_seen:
+                archived = conn.execute(
+                    "SELECT session_id, key, last_seq FROM gw_sessions "
+                    f"{where} {'AND' if where else 'WHERE'} archived_at IS NOT NULL",
+                    params,
                 ).fetchall()
-            else:
-                rows = conn.execute("SELECT session_id, key, last_seq FROM gw_sessions").fetchall()
-        return {
+                self._archived = self._group(archived, self._archived)
+                self._archived_seen = summary
+        current = [(sid, key, seq) for sid, key, seq, _ in rows if sid is not None]
+        self._current = self._group(current, self._current)
+        return [self._current, self._archived]
+
+    def _group(
+        self, rows: Iterable[tuple[Any, Any, Any]], known: dict[str, SessionMark]
+    ) -> dict[str, SessionMark]:
+        """The sessions of `rows` that are the scope's; `known` itself when none changed
+        (the index then skips the group)."""
+        belongs = self._belongs
+        found = {
             str(sid): SessionMark(str(key), str(sid), int(seq))
             for sid, key, seq in rows
             if belongs is None or belongs(str(key))
         }
+        same = found.keys() == known.keys() and all(
+            known[sid].mark == mark.mark for sid, mark in found.items()
+        )
+        return known if same else found
 
     def read(self, handle: str, start: int) -> tuple[list[StoredMessage], int]:
+        return self.read_many([(handle, start)])[handle]
+
+    def read_many(
+        self, wanted: Sequence[tuple[str, int]]
+    ) -> dict[str, tuple[list[StoredMessage], int]]:
+        """`read` of several sessions in one round trip (a scope's first reading is one
+        query, not two per session)."""
+        handles = [handle for handle, _ in wanted]
+        starts = [start for _, start in wanted]
         with self._pool.connection() as conn:
-            key_row = conn.execute(
-                "SELECT key FROM gw_sessions WHERE session_id = %s", (handle,)
-            ).fetchone()
             rows = conn.execute(
-                "SELECT seq, entry_id, CASE WHEN type = 'message' THEN body END "
-                "FROM gw_session_entries WHERE session_id = %s AND seq > %s ORDER BY seq",
-                (handle, start),
+                "SELECT e.session_id, s.key, e.seq, e.entry_id, "
+                "CASE WHEN e.type = 'message' THEN e.body END "
+                "FROM unnest(%s::text[], %s::bigint[]) AS w(session_id, start) "
+                "JOIN gw_sessions s ON s.session_id = w.session_id "
+                "JOIN gw_session_entries e ON e.session_id = w.session_id AND e.seq > w.start "
+                "ORDER BY e.session_id, e.seq",
+                (handles, starts),
             ).fetchall()
-        if key_row is None:
-            return [], start
-        key = str(key_row[0])
-        out: list[StoredMessage] = []
-        end = start
-        for seq, ident, body in rows:
-            end = max(end, int(seq))
+        out: dict[str, tuple[list[StoredMessage], int]] = {h: ([], s) for h, s in wanted}
+        for handle, key, seq, ident, body in rows:
+            messages, end = out[handle]
+            out[handle] = (messages, max(end, int(seq)))
             if not isinstance(body, dict):
                 continue
             found = message_text(body.get("message"))
             ts = body.get("timestamp")
             if found is None or not isinstance(ts, int | float):
                 continue
-            out.append(StoredMessage(key, handle, str(ident), float(ts), *found))
-        return out, end
+            messages.append(StoredMessage(str(key), handle, str(ident), float(ts), *found))
+        return out
 
     def forgotten(self) -> set[str]:
         with self._pool.connection() as conn:

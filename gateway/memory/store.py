@@ -148,7 +148,11 @@ class MemoryStore:
             manager.flush()
 
     def close(self) -> None:
-        """Flush everything and drop the cache (managers still in use stay valid)."""
-        self.flush()
+        """Close every live manager (saving what a flush does not: the message indexes)
+        and drop the cache; managers still in use stay valid."""
+        with self._lock:
+            managers = list(self._alive.values())
+        for manager in managers:
+            manager.close()
         with self._lock:
             self._recent.clear()

@@ -51,6 +51,13 @@ class ArchivedSessionInfo:
 _ARCHIVED_NAME = re.compile(r"(\d{8}T\d{12}Z)-([0-9A-Za-z]+)" + re.escape(SUFFIX) + r"(?:-\d+)?")
 
 
+def archived_session_id(name: str) -> str | None:
+    """The session id an archived session's file name holds, or None when the name is
+    not an archived session's."""
+    match = _ARCHIVED_NAME.fullmatch(name)
+    return match.group(2) if match is not None else None
+
+
 def _archived_in(folder: Path, key: str) -> list[ArchivedSessionInfo]:
     """The archived sessions of `key` in its archive folder, most recent first."""
     found: list[tuple[str, str, str, int]] = []

@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -294,13 +295,44 @@ class _Pending:
         self.error: OSError | None = None
 
 
-def _sync_handles(batch: list[_Pending]) -> dict[int, OSError]:
+# fsyncs of one group-commit round run at most this many at a time. ext4 (and XFS)
+# fold concurrent fsyncs into one journal commit: measured on the machine of
+# bench/sessions.py, 500 files' fdatasyncs took 860-1670 ms one after the other and
+# 57-72 ms four to sixteen at a time.
+_SYNC_THREADS = 16
+_sync_pool: ThreadPoolExecutor | None = None
+_sync_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _sync_pool
+    with _sync_pool_lock:
+        if _sync_pool is None:
+            _sync_pool = ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="fsync")
+        return _sync_pool
+
+
+def _sync_some(handles: list[_FileHandle]) -> dict[int, OSError]:
     errors: dict[int, OSError] = {}
-    for h in {id(p.handle): p.handle for p in batch}.values():
+    for handle in handles:
         try:
-            h.sync()
+            handle.sync()
         except OSError as exc:
-            errors[id(h)] = exc
+            errors[id(handle)] = exc
+    return errors
+
+
+def _sync_handles(batch: list[_Pending]) -> dict[int, OSError]:
+    """fsync each file of a round once, `_SYNC_THREADS` at a time (each thread a share
+    of the files), and only when all are done does the round end: no append is
+    acknowledged before its file's fsync."""
+    handles = [h for h in {id(p.handle): p.handle for p in batch}.values() if h.dirty]
+    if len(handles) <= 1:
+        return _sync_some(handles)
+    shares = [handles[i::_SYNC_THREADS] for i in range(min(_SYNC_THREADS, len(handles)))]
+    errors: dict[int, OSError] = {}
+    for found in _pool().map(_sync_some, shares):
+        errors.update(found)
     return errors
 
 
