@@ -329,6 +329,8 @@ def test_the_map_names_only_files_and_modules_that_exist() -> None:
         if "<" not in path and not (ROOT / path).exists():
             missing.append(path)
     for name in set(re.findall(r"`((?:gateway|channels)(?:\.\w+)+)", text)):
+        if (ROOT / name).is_file():
+            continue  # a file at the top, such as gateway.toml
         module = _resolve(name, KNOWN)
         if module is None:
             missing.append(name)
