@@ -1,14 +1,15 @@
 """The import rules of docs/architecture.md, checked over the source with `ast`.
 
-1. No import circles between modules of `gateway/` and `channels/`, counting every import:
-   at the top, inside functions, and under `if TYPE_CHECKING:`.
+1. No import circles between modules of `gateway/`, `channels/` and `bench/`, counting
+   every import: at the top, inside functions, and under `if TYPE_CHECKING:`.
 2. Layers import only downward: a module imports modules of its own layer or of layers
    below it (`LAYERS`, top first). Inside the state layer no package imports another that
    imports it back.
 3. The storage mode is chosen in one place: only the storage seam opens a store's file or
    PostgreSQL backend (`BACKENDS`); other code asks the `Storage` it was given. A
    PostgreSQL backend may also be imported by another module of the shared mode (the
-   replica router, a PostgreSQL store built on the journal's connections).
+   replica router, a PostgreSQL store built on the journal's connections). Benchmarks,
+   like tests, measure the backends themselves.
 4. Only the seam reads `storage.url`.
 
 A rule broken on purpose is listed in `ALLOWED` with its reason; an entry that no longer
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gateway", "channels")
+PACKAGES = ("gateway", "channels", "bench")
 
 #: Top first. A module belongs to the layer of its longest listed prefix.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("benchmarks", ("bench",)),
     ("edges", ("gateway.cli", "gateway.doctor", "gateway.daemon")),
     (
         "storage seam",
@@ -290,6 +292,8 @@ def test_only_the_storage_seam_opens_a_backend() -> None:
             return True  # a package uses its own backends
         if found.importer in SEAM or found.importer == "gateway.storage.transfer":
             return True
+        if found.importer.startswith("bench."):
+            return True  # a benchmark measures a backend itself
         # The shared mode's modules build on each other (the journal's connections).
         return BACKENDS[backend] == "postgresql" and BACKENDS.get(found.importer) == "postgresql"
 
