@@ -22,12 +22,12 @@ import anyio
 from loguru import logger
 from pydantic import SecretStr
 
-from gateway.access import PairingStore
+from gateway.access.store import PairingStore
 from gateway.config import HTTPSettings
 from gateway.http import HealthState, HttpServer
 from gateway.http.admin import AdminPage, AdminSources
+from gateway.http.metrics import Metrics
 from gateway.llm import LLMMessage
-from gateway.metrics import Metrics
 from gateway.sessions import SessionManager
 
 TOKEN = "bench-token-0123456789"

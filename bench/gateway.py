@@ -45,10 +45,10 @@ from loguru import logger  # noqa: E402
 
 from gateway.agent import AgentConfig, AgentLoop, build_registry  # noqa: E402
 from gateway.config import SessionSettings, load_settings  # noqa: E402
-from gateway.daemon import SPARE_FILES, build_session_manager  # noqa: E402
-from gateway.dedupe import FileDedupeStore  # noqa: E402
-from gateway.dispatch import Dispatcher  # noqa: E402
+from gateway.daemon import SPARE_FILES  # noqa: E402
+from gateway.dispatch.dispatcher import Dispatcher  # noqa: E402
 from gateway.gcpolicy import GCPolicy  # noqa: E402
+from gateway.journal.store import FileDedupeStore  # noqa: E402
 from gateway.llm.types import (  # noqa: E402
     LLMMessage,
     LLMResponse,
@@ -58,6 +58,7 @@ from gateway.llm.types import (  # noqa: E402
 )
 from gateway.messages import InboundMessage, OutboundMessage  # noqa: E402
 from gateway.sessions import SessionManager  # noqa: E402
+from gateway.storage.seam import open_storage  # noqa: E402
 
 FSYNC: Literal["never"] = "never"
 CACHE_SIZE = SessionSettings().max_cache_size  # the default, as `gateway run` uses it
@@ -160,7 +161,7 @@ def daemon_sessions(folder: Path) -> SessionManager:
             "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
         },
     )
-    return build_session_manager(settings, spare_files=SPARE_FILES)
+    return open_storage(settings).sessions(spare_files=SPARE_FILES)
 
 
 async def run_scenario(sc: Scenario, folder: Path) -> Outcome:
@@ -380,7 +381,7 @@ async def measure_parts() -> dict[str, float]:
 def measure_metrics() -> dict[str, float]:
     """What the metrics cost on the hot path (one turn served over HTTP records a turn
     and a request) and per scrape."""
-    from gateway.metrics import Metrics
+    from gateway.http.metrics import Metrics
 
     metrics = Metrics(version="bench")
     reply = OutboundMessage("api", "x", "ok", "api:x")
@@ -421,7 +422,8 @@ async def run_http(sessions: int, clients: int, warmup: float, window: float) ->
             "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
         },
     )
-    sessions_mgr = build_session_manager(settings, spare_files=SPARE_FILES)
+    storage = open_storage(settings)
+    sessions_mgr = storage.sessions(spare_files=SPARE_FILES)
     provider = BenchProvider(0)
     agent = AgentLoop(
         sessions=sessions_mgr,
@@ -429,7 +431,7 @@ async def run_http(sessions: int, clients: int, warmup: float, window: float) ->
         config=AgentConfig(model="bench-model"),
         tools=build_registry(["current_time"]),
     )
-    gateway = Gateway(settings=settings, agent=agent)
+    gateway = Gateway(settings=settings, agent=agent, storage=storage)
     daemon = Daemon(gateway, interactive=False)
     latencies: list[float] = []
     measuring = False

@@ -50,7 +50,7 @@ def measure(keys: int, runs: int, folder: Path) -> tuple[int, float, float]:
     from nio.crypto import Olm
     from nio.store import SqliteMemoryStore
 
-    from gateway.cursors import FileCursorStore
+    from gateway.journal.cursors import FileCursorStore
 
     memory = SqliteMemoryStore(USER, DEVICE)
     olm = Olm(USER, DEVICE, memory)

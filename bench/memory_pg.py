@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
-from bench.memory import (
+from bench.corpus import (
     QUERIES,
     SEED,
     Corpus,

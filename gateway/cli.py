@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from gateway.memory.protocol import MemoryScope
     from gateway.sessions import ArchivedSessionInfo, Session, SessionManager
     from gateway.sessions.listing import SessionListing
-    from gateway.workspace import WorkspaceLock
+    from gateway.storage.workspace import WorkspaceLock
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -345,12 +345,14 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     import anyio
     from loguru import logger
 
-    from gateway.daemon import Gateway, run_daemon, wait_for_shared_storage
+    from gateway.daemon import Gateway, run_daemon, wait_for_storage
+    from gateway.storage.seam import open_storage
 
     # Both runs on the same kind of loop: the wait's PostgreSQL connection outlives it.
     options = {"use_uvloop": settings.use_uvloop}
-    if settings.storage.url and not anyio.run(
-        wait_for_shared_storage, settings, backend_options=options
+    storage = open_storage(settings)
+    if not storage.connected() and not anyio.run(
+        wait_for_storage, storage, backend_options=options
     ):
         return EXIT_OK  # stopped by a signal while waiting
     gateway = Gateway.build(settings)
@@ -381,10 +383,11 @@ def _lock_workspace(
 ) -> WorkspaceLock | None:
     """Hold the workspace's one-writer lock for `command` until this process ends, or
     raise `WorkspaceBusy` (one line: who holds it, and `fix`). Only in the file mode
-    unless `always`: with `storage.url` the shared state is PostgreSQL's to guard."""
-    from gateway.workspace import WorkspaceLock
+    unless `always`: in the shared mode the state is the database's to guard."""
+    from gateway.storage.seam import open_storage
+    from gateway.storage.workspace import WorkspaceLock
 
-    if settings.storage.url and not always:
+    if not always and not open_storage(settings).one_writer:
         return None
     lock = WorkspaceLock(folder or settings.workspace_path)
     lock.acquire(command, doing=f"{command} refused", fix=fix)
@@ -393,9 +396,9 @@ def _lock_workspace(
 
 
 def _manager(settings: Settings | PartialSettings) -> SessionManager:
-    from gateway.storage.stores import build_session_manager
+    from gateway.storage.seam import open_storage
 
-    return build_session_manager(settings)
+    return open_storage(settings).sessions()
 
 
 def _existing(manager: SessionManager, key: str) -> Session:
@@ -442,9 +445,9 @@ def _entry_summary(entry: Any) -> str:
 
 def cmd_sessions(args: argparse.Namespace, settings: Settings | PartialSettings) -> int:
     if args.action == "list":
-        from gateway.storage.stores import open_session_listing
+        from gateway.storage.seam import open_storage
 
-        listing = open_session_listing(settings)
+        listing = open_storage(settings).session_listing()
         try:
             _list_sessions(listing, include_archived=args.all, as_json=args.json)
         finally:
@@ -587,7 +590,7 @@ _NOTHING_REMEMBERED = {
 
 
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.daemon import build_memory_backend
+    from gateway.storage.seam import open_storage
 
     if not settings.memory.enabled:
         raise CommandError("memory is disabled ([memory] enabled = false)")
@@ -595,7 +598,7 @@ def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
         _lock_workspace(settings, f"gateway memory {args.action}")
     if args.action == "compact":
         return _memory_compact(args, settings)
-    store = build_memory_backend(settings)
+    store = open_storage(settings).memory()
     messages = args.action == "search" and args.messages  # the sessions hold them, not memory
     if not messages and not store.exists(args.key):
         if args.action in ("correct", "forget"):
@@ -731,12 +734,13 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_people(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.daemon import build_people_store
-    from gateway.people import PeopleError, cli_link, cli_list, cli_unlink
-    from gateway.storage.stores import build_session_manager
+    from gateway.people.commands import cli_link, cli_list, cli_unlink
+    from gateway.people.protocol import PeopleError
+    from gateway.storage.seam import open_storage
 
-    build_session_manager(settings).close()  # creates the private workspace if needed
-    store = build_people_store(settings)
+    storage = open_storage(settings)
+    storage.sessions().close()  # creates the private workspace if needed
+    store = storage.people()
     try:
         if args.action == "link":
             print(cli_link(store, args.ids))
@@ -757,11 +761,13 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
 
     from gateway.daemon import build_usage_meter
     from gateway.messages import session_key_from_name
-    from gateway.usage import day_of, usage_table
+    from gateway.storage.seam import open_storage
+    from gateway.usage.meter import usage_table
+    from gateway.usage.protocol import day_of
 
     key = session_key_from_name(args.session) if args.session else None
     since = day_of(time.time() - (args.days - 1) * 86400)
-    meter = build_usage_meter(settings)
+    meter = build_usage_meter(open_storage(settings))
     try:
         rows = meter.ledger.rows(since=since, session_key=key)
     finally:
@@ -775,14 +781,10 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.access import (
-        PairingError,
-        cli_pairing_approve,
-        cli_pairing_list,
-        cli_pairing_revoke,
-    )
-    from gateway.daemon import access_policies, build_pairing_store
-    from gateway.storage.stores import build_session_manager
+    from gateway.access.commands import cli_pairing_approve, cli_pairing_list, cli_pairing_revoke
+    from gateway.access.protocol import PairingError
+    from gateway.daemon import access_policies
+    from gateway.storage.seam import open_storage
 
     channels = sorted(access_policies(settings))  # the platforms that pair senders
     if args.channel is not None and args.channel not in channels:
@@ -791,8 +793,9 @@ def cmd_pairing(args: argparse.Namespace, settings: Settings) -> int:
             f"{', '.join(channels[:-1])} or {channels[-1]}",
             EXIT_USAGE,
         )
-    build_session_manager(settings).close()  # creates the private workspace if needed
-    store = build_pairing_store(settings)
+    storage = open_storage(settings)
+    storage.sessions().close()  # creates the private workspace if needed
+    store = storage.pairing()
     try:
         if args.action == "approve":
             print(cli_pairing_approve(store, args.channel, args.code))
@@ -876,7 +879,7 @@ def cmd_db(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.storage.commands import storage_transfer
-    from gateway.workspace import WorkspaceBusy, holder
+    from gateway.storage.workspace import WorkspaceBusy, holder
 
     # A workspace a gateway writes to is neither copied (its newest appends would be
     # missed) nor written into: checked without leaving a lock file in a folder that
@@ -896,9 +899,9 @@ def cmd_storage(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_schedules(args: argparse.Namespace, settings: Settings) -> int:
     import json
 
-    from gateway.daemon import build_job_store
+    from gateway.storage.seam import open_storage
 
-    store = build_job_store(settings)
+    store = open_storage(settings).jobs()
     if args.action == "cancel":
         job = store.remove(args.id)
         if job is None:
@@ -924,9 +927,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from gateway.config import load_sections
 
         partial = load_sections(args.config, SESSIONS_SECTIONS, overrides=_overrides(args))
-        # The modules of the file mode log through gateway.logs' logger, so loguru is
-        # imported only if something is logged; PostgreSQL's use loguru's own.
-        _start(args, partial, sections=SESSIONS_SECTIONS, defer=not partial.storage.url)
+        # The modules a sessions command runs, in either storage mode, log through
+        # gateway.logs' logger: loguru is imported, and set up, only if something is logged.
+        _start(args, partial, sections=SESSIONS_SECTIONS, defer=True)
         return cmd_sessions(args, partial)
     settings = _settings(args)
     _start(args, settings)
@@ -958,7 +961,7 @@ def _start(
     reports those two among its findings instead."""
     from gateway.config import env_warnings
     from gateway.logs import logger, setup_logging
-    from gateway.workspace import check_workspace
+    from gateway.storage.workspace import check_workspace
 
     level = _log_level(args, settings)
     setup_logging(level, settings.log.format, settings.secrets(), defer=defer)
@@ -994,7 +997,7 @@ def _user_error_code(exc: BaseException) -> int | None:
     from gateway.llm.types import LLMConfigError
     from gateway.sessions.errors import SessionError
     from gateway.storage.postgres import StorageError, StorageUnavailable
-    from gateway.workspace import (
+    from gateway.storage.workspace import (
         EXIT_BUSY,
         WorkspaceBusy,
         WorkspaceError,

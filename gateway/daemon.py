@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import signal
 import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -19,7 +17,9 @@ from loguru import logger
 
 from gateway import __version__
 from gateway.agent import AgentConfig, AgentLoop
+from gateway.agent.consolidation import Consolidator
 from gateway.agent.memory_tools import memory_tools
+from gateway.agent.schedule_tools import Reminders, ScheduleLimits
 from gateway.agent.subagents import META_SUBAGENT, SubagentLimits, Subagents
 from gateway.agent.tool_outputs import OutputLimits, ToolOutputs
 from gateway.agent.tools import ToolRegistry
@@ -28,8 +28,9 @@ from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket, enrich_for_turn
 from gateway.config import AccessSection, ConfigError, Settings
-from gateway.dedupe import dedupe_key
+from gateway.dispatch.queue_modes import QueueModes
 from gateway.gcpolicy import GCPolicy
+from gateway.journal.protocol import dedupe_key
 from gateway.llm.breaker import CircuitBreaker
 from gateway.llm.credentials import check_provider_credentials
 from gateway.llm.failover import FailoverProvider, Route, RouteTable
@@ -37,8 +38,6 @@ from gateway.llm.openai_provider import OpenAIProvider, display_url
 from gateway.llm.types import DEFAULT_CONTEXT_WINDOW, LLMProvider
 from gateway.media import FileSource
 from gateway.media.build import build_media
-from gateway.memory import MemoryStore
-from gateway.memory.consolidation import ConsolidationGuard, Consolidator
 from gateway.memory.protocol import MemoryBackend
 from gateway.messages import (
     META_API_STREAM,
@@ -46,33 +45,22 @@ from gateway.messages import (
     InboundMessage,
     OutboundMessage,
 )
-from gateway.queue_modes import QueueModes
-from gateway.reminders import (
-    JOBS_FILE,
-    META_SCHEDULE,
-    FileJobStore,
-    JobStore,
-    Reminders,
-    ScheduleLimits,
-)
+from gateway.schedules.protocol import META_SCHEDULE
 from gateway.sessions import SessionManager
-from gateway.storage.stores import build_session_manager, shared_storage, shared_storage_open
-from gateway.usage import MeteredProvider, UsageMeter
-from gateway.workspace import cannot_write, write_denied
+from gateway.storage.seam import Storage, open_storage
+from gateway.storage.workspace import cannot_write, write_denied
+from gateway.usage.meter import MeteredProvider, UsageMeter
 
 if TYPE_CHECKING:
     import aiohttp
 
-    from gateway.access import ChannelAccessPolicy, PairingBackend
+    from gateway.access.policy import ChannelAccessPolicy
     from gateway.agent.mcp import MCPServers, ServerState
-    from gateway.cursors import Lead
-    from gateway.dedupe import DedupeStore
-    from gateway.dispatch import SubmitStatus
+    from gateway.dispatch.lanes import ReplicaRouter, SubmitStatus
     from gateway.http.admin import AdminPage
-    from gateway.people import PeopleStore
-    from gateway.replicas import SessionRouter
+    from gateway.journal.protocol import DedupeStore
+    from gateway.storage.workspace import WorkspaceLock
     from gateway.telemetry import Telemetry
-    from gateway.workspace import WorkspaceLock
 
 
 def route_table(settings: Settings) -> RouteTable:
@@ -138,27 +126,27 @@ def build_provider(settings: Settings) -> FailoverProvider:
 SPARE_FILES = 64
 
 
-async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30.0) -> bool:
-    """Before a shared-mode gateway starts: connect to PostgreSQL (and migrate), retrying
-    with backoff while it does not answer, with one log line saying what it waits for.
-    Meanwhile the HTTP port answers /healthz 200 and /readyz 503, so an orchestrator
-    sees a live process that is not ready. False when a signal stopped the wait."""
+async def wait_for_storage(storage: Storage, *, max_backoff: float = 30.0) -> bool:
+    """Before a gateway starts: open its storage (for PostgreSQL: connect, and migrate),
+    retrying with backoff while the database does not answer, with one log line saying
+    what it waits for. Meanwhile the HTTP port answers /healthz 200 and /readyz 503, so
+    an orchestrator sees a live process that is not ready. False when a signal stopped
+    the wait; True at once when there is nothing to wait for (files, or open already)."""
+    if storage.connected():
+        return True
     from aiohttp import web
 
     from gateway.http.limits import ConnectionLimits, GuardedRunner
-    from gateway.storage.postgres import StorageUnavailable, redact_url
+    from gateway.storage.postgres import StorageUnavailable
 
-    url = settings.storage.url
-    assert url
-    if shared_storage_open(url):
-        return True
+    settings = storage.settings
     reason = ["starting"]
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def readyz(request: web.Request) -> web.Response:
-        body = {"status": "starting", "waiting_for": "postgresql", "reason": reason[0]}
+        body = {"status": "starting", "waiting_for": storage.kind, "reason": reason[0]}
         return web.json_response(body, status=503)
 
     app = web.Application()
@@ -184,14 +172,15 @@ async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30
             tg.start_soon(on_signal)
             while True:
                 try:
-                    await anyio.to_thread.run_sync(shared_storage, settings)
+                    await anyio.to_thread.run_sync(storage.connect)
                     break
                 except StorageUnavailable as exc:
                     if reason[0] == "starting":
                         logger.error(
-                            "storage: waiting for PostgreSQL at {} ({}); retrying with backoff "
+                            "storage: waiting for {} at {} ({}); retrying with backoff "
                             "up to every {:g}s, /readyz answers 503 meanwhile",
-                            redact_url(url),
+                            storage.title,
+                            storage.where(),
                             exc,
                             max_backoff,
                         )
@@ -207,30 +196,18 @@ async def wait_for_shared_storage(settings: Settings, *, max_backoff: float = 30
     if stopped.is_set():
         return False
     if reason[0] != "starting":
-        logger.info("storage: PostgreSQL at {} answers; starting", redact_url(url))
+        logger.info("storage: {} at {} answers; starting", storage.title, storage.where())
     return True
 
 
-def build_usage_meter(settings: Settings) -> UsageMeter:
-    """Token usage totals with their prices and budgets: `usage.sqlite` in the
-    workspace, or PostgreSQL with `storage.url` (a budget then holds across replicas)."""
-    from gateway.usage import (
-        USAGE_FILE,
-        Budgets,
-        PostgresUsageLedger,
-        Price,
-        PriceTable,
-        SqliteUsageLedger,
-        UsageLedger,
-    )
+def build_usage_meter(storage: Storage) -> UsageMeter:
+    """Token usage totals with their prices and budgets, in the storage's ledger (in the
+    shared mode a budget holds across replicas)."""
+    from gateway.usage.meter import Budgets, Price, PriceTable
 
+    settings = storage.settings
     section = settings.usage
-    shared = shared_storage(settings)
-    ledger: UsageLedger
-    if shared is not None:
-        ledger = PostgresUsageLedger(shared.sync)
-    else:
-        ledger = SqliteUsageLedger(settings.workspace_path / USAGE_FILE)
+    ledger = storage.usage_ledger()
     prices = {
         name: Price(p.prompt, p.completion, p.per_minute) for name, p in section.prices.items()
     }
@@ -317,55 +294,19 @@ def build_cache(settings: Settings) -> SemanticCache | None:
         raise ConfigError(f"cache: {exc}") from None
 
 
-def build_memory_backend(settings: Settings) -> MemoryBackend:
-    """Long-term memory in workspace files, or in PostgreSQL with `storage.url` (then
-    shared by every replica)."""
-    shared = shared_storage(settings)
-    if shared is not None:
-        from gateway.memory.pg_store import PostgresMemoryStore
-
-        return PostgresMemoryStore(
-            shared.sync, mode=settings.memory.scope, people=build_people_store(settings)
-        )
-    return MemoryStore(
-        settings.workspace_path,
-        mode=settings.memory.scope,
-        history_max_bytes=settings.memory.history_max_bytes,
-        people=build_people_store(settings),
-        sessions_dir=settings.sessions_dir,
-    )
-
-
-def build_people_store(settings: Settings) -> PeopleStore:
-    """Who is who across channels: `people.json` in the workspace, or PostgreSQL."""
-    from gateway.people import PEOPLE_FILE, FilePeopleStore, PostgresPeopleStore
-
-    shared = shared_storage(settings)
-    if shared is not None:
-        return PostgresPeopleStore(shared.sync)
-    return FilePeopleStore(settings.workspace_path / PEOPLE_FILE)
-
-
 def build_memory(
-    settings: Settings,
+    storage: Storage,
     sessions: SessionManager,
     provider: LLMProvider,
     windows: ContextWindows | None = None,
 ) -> tuple[MemoryBackend | None, Consolidator | None]:
     """The memory store and, with auto_consolidate, its background consolidator (its
     requests fitted to `windows`, the agent's context windows)."""
+    settings = storage.settings
     section = settings.memory
     if not section.enabled:
         return None, None
-    memory = build_memory_backend(settings)
-    guard: ConsolidationGuard | None = None
-    shared = shared_storage(settings)
-    if shared is not None:
-        from gateway.dedupe_pg import new_replica_id
-        from gateway.memory.pg_store import PostgresConsolidationGuard
-
-        # Replicas share sessions: one consolidates a session at a time, never a span twice.
-        guard = PostgresConsolidationGuard(shared.sync, new_replica_id())
+    memory = storage.memory()
     consolidator = Consolidator(
         sessions,
         memory,
@@ -378,7 +319,7 @@ def build_memory(
         timeout=section.consolidation_timeout,
         retry_base=section.retry_base_seconds,
         retry_max=section.retry_max_seconds,
-        guard=guard,
+        guard=storage.consolidation_guard(),
         windows=windows,
     )
     return memory, consolidator
@@ -402,24 +343,13 @@ def build_subagents(settings: Settings, agent: AgentLoop) -> Subagents | None:
     return subagents
 
 
-def build_job_store(settings: Settings) -> JobStore:
-    """Where reminders and scheduled tasks live: the workspace's jobs file, or PostgreSQL
-    with `storage.url` (then every replica sees them and a run fires once among them)."""
-    shared = shared_storage(settings)
-    if shared is not None:
-        from gateway.reminders_pg import PostgresJobStore
-
-        return PostgresJobStore(shared.sync)
-    return FileJobStore(settings.workspace_path / JOBS_FILE)
-
-
-def build_reminders(settings: Settings, agent: AgentLoop) -> Reminders | None:
+def build_reminders(storage: Storage, agent: AgentLoop) -> Reminders | None:
     """The schedule tools, registered with the agent's tools, when `[schedules]` is on."""
-    section = settings.schedules
+    section = storage.settings.schedules
     if not section.enabled:
         return None
     reminders = Reminders(
-        build_job_store(settings),
+        storage.jobs(),
         ScheduleLimits(
             timezone=section.timezone,
             max_per_conversation=section.max_per_conversation,
@@ -439,6 +369,8 @@ class Gateway:
 
     settings: Settings
     agent: AgentLoop
+    #: Where every store of the mode chosen at start comes from.
+    storage: Storage
     subagents: Subagents | None = None
     reminders: Reminders | None = None
     #: The MCP servers whose tools the agent offers (None: none configured).
@@ -467,10 +399,11 @@ class Gateway:
 
     @classmethod
     def build(cls, settings: Settings) -> Gateway:
+        storage = open_storage(settings)
         tools = build_tools(settings)
         mcp = build_mcp(settings, tools)
-        sessions = build_session_manager(settings, spare_files=SPARE_FILES)
-        usage = build_usage_meter(settings)
+        sessions = storage.sessions(spare_files=SPARE_FILES)
+        usage = build_usage_meter(storage)
         # Every model call (turns, heartbeats, consolidation) is counted at this one seam.
         provider: LLMProvider = MeteredProvider(build_provider(settings), usage)
         # Which context window each model is used with: one view for turns and upkeep.
@@ -480,7 +413,7 @@ class Gateway:
             routes=window_routes(provider),
         )
         cache = build_cache(settings)
-        memory, consolidator = build_memory(settings, sessions, provider, windows)
+        memory, consolidator = build_memory(storage, sessions, provider, windows)
         if memory is not None:
             for tool in memory_tools(memory, cache):
                 tools.register(tool)
@@ -493,7 +426,7 @@ class Gateway:
             memory=memory,
             consolidator=consolidator,
             usage=usage,
-            people=build_people_store(settings) if settings.memory.scope == "person" else None,
+            people=storage.people() if settings.memory.scope == "person" else None,
             media=build_media(settings, usage),
             windows=windows,
             outputs=build_tool_outputs(settings, sessions, tools),
@@ -501,8 +434,9 @@ class Gateway:
         return cls(
             settings=settings,
             agent=agent,
+            storage=storage,
             subagents=build_subagents(settings, agent),
-            reminders=build_reminders(settings, agent),
+            reminders=build_reminders(storage, agent),
             mcp=mcp,
         )
 
@@ -549,29 +483,9 @@ class Gateway:
 TRUSTED_CHANNELS = frozenset({"cli", "system", "api"})
 
 
-def pairing_path(settings: Settings) -> Path:
-    from gateway.access import PAIRING_FILE
-
-    return settings.workspace_path / PAIRING_FILE
-
-
-def build_pairing_store(settings: Settings) -> PairingBackend:
-    """Approvals and pending codes: the workspace's pairing file, or PostgreSQL with
-    `storage.url` (an approval given on one replica then counts on all)."""
-    shared = shared_storage(settings)
-    if shared is not None:
-        from gateway.access_pg import PostgresPairingStore
-        from gateway.storage.postgres import redact_url
-
-        return PostgresPairingStore(shared.sync, where=redact_url(shared.url))
-    from gateway.access import PairingStore
-
-    return PairingStore(pairing_path(settings))
-
-
 def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
     """One access policy per chat platform, from its `[channels.NAME]` section."""
-    from gateway.access import ChannelAccessPolicy
+    from gateway.access.policy import ChannelAccessPolicy
 
     sections: dict[str, AccessSection] = {
         "telegram": settings.channels.telegram,
@@ -660,11 +574,10 @@ class Daemon:
         interactive: bool | None = None,
         lock: WorkspaceLock | None = None,
     ) -> None:
-        from gateway.access import AccessGate
-        from gateway.dedupe import FileDedupeStore
-        from gateway.dispatch import Dispatcher
+        from gateway.access.policy import AccessGate
+        from gateway.dispatch.dispatcher import Dispatcher
         from gateway.http import HealthState, HttpServer
-        from gateway.metrics import Metrics
+        from gateway.http.metrics import Metrics
 
         self.gateway = gateway
         self.lock = lock
@@ -674,33 +587,14 @@ class Daemon:
         if gateway.agent.usage is not None:
             gateway.agent.usage.on_record(self.metrics.observe_usage)
         self.gc_policy = GCPolicy()
-        self.dedupe: DedupeStore
-        if settings.storage.url:
-            from gateway.dedupe_pg import PostgresDedupeStore
-            from gateway.usage import PostgresUsageLedger
-
-            # Shared with the other replicas: one claim per platform message wins.
-            self.dedupe = PostgresDedupeStore(
-                settings.storage.url,
-                ttl=settings.dispatch.dedupe_ttl_seconds,
-                pool_size=settings.storage.pool_size,
-            )
-            # A turn's appends and usage row go over the journal's event-loop pool, not
-            # a worker thread each (see `gateway.sessions.pg_store`).
-            gateway.sessions.use_loop_connections(self.dedupe.connection)
-            ledger = gateway.agent.usage.ledger if gateway.agent.usage is not None else None
-            if isinstance(ledger, PostgresUsageLedger):
-                ledger.aconnect = self.dedupe.connection
-        else:
-            self.dedupe = FileDedupeStore(
-                settings.workspace_path / "dedupe.sqlite",
-                ttl=settings.dispatch.dedupe_ttl_seconds,
-                io_on_loop=settings.io_on_loop,
-                # Power-cut safe like the sessions: what a platform was told we have is
-                # fsynced before it is told.
-                durable=settings.sessions.fsync != "never",
-            )
-        self.pairing = build_pairing_store(settings)
+        storage = gateway.storage
+        usage = gateway.agent.usage
+        self.dedupe: DedupeStore = storage.journal(
+            ttl=settings.dispatch.dedupe_ttl_seconds,
+            sessions=gateway.sessions,
+            usage=usage.ledger if usage is not None else None,
+        )
+        self.pairing = storage.pairing()
         self.access = AccessGate(access_policies(settings), self.pairing, trusted=TRUSTED_CHANNELS)
         self.dispatcher = Dispatcher(
             self._handle,
@@ -717,26 +611,19 @@ class Daemon:
             deliver_timeout=settings.dispatch.deliver_timeout_seconds,
             urgent=_is_stop,
         )
-        self.router: SessionRouter | None = None
-        if settings.storage.url:
-            from gateway.dedupe_pg import PostgresDedupeStore
-            from gateway.replicas import SessionRouter
-
-            assert isinstance(self.dedupe, PostgresDedupeStore)
-            self.router = SessionRouter(
-                self.dedupe, self.dispatcher, lease_ttl=settings.storage.lease_ttl_seconds
-            )
+        self.router: ReplicaRouter | None = storage.router(self.dispatcher)
+        if self.router is not None:
             self.dispatcher.router = self.router
             # /stop reaches the turn wherever it runs.
             self.router.on_stop = gateway.agent.stop
             gateway.agent.stop_elsewhere = self.router.stop_elsewhere
-        from gateway.openai_door import AgentDoor
+        from gateway.http.door import AgentDoor
 
         #: The tracer `run` installs (None: the one `[telemetry]` describes).
         self.telemetry: Telemetry | None = None
         #: Where the text deltas of a streamed OpenAI-API reply go, by stream id.
         self.api_streams: dict[str, Callable[[str], None]] = {}
-        self.door = AgentDoor(self)
+        self.door = AgentDoor(gateway.agent, settings.llm, self.api_turn, self.api_streams)
         self.http = HttpServer(
             settings.http,
             health=self.health,
@@ -769,7 +656,7 @@ class Daemon:
                     target,
                 )
         if gateway.reminders is not None:
-            from gateway.reminders import ScheduleRunner
+            from channels.schedules import ScheduleRunner
 
             self.add_channel(ScheduleRunner(gateway.reminders))
         if settings.channels.telegram.enabled:
@@ -780,11 +667,9 @@ class Daemon:
                 telegram_settings, token=telegram_settings.resolved_token() or ""
             )
             telegram.mount(self.http)
-            if self.router is not None and telegram_settings.mode == "polling":
-                from gateway.replicas import run_as_leader
-
-                url = self.router.store.url
-                telegram.poll_leader = functools.partial(run_as_leader, url, "telegram poller")
+            if telegram_settings.mode == "polling":
+                # With replicas, one polls (Telegram allows one getUpdates at a time).
+                telegram.poll_leader = storage.leader("telegram poller")
             self.add_channel(telegram)
         if settings.channels.slack.enabled:
             from channels.slack import SlackChannel
@@ -829,10 +714,8 @@ class Daemon:
         """The operator's page under /admin, on the stores this daemon runs on."""
         from gateway.http.admin import AdminPage, AdminSources, TurnWindow
         from gateway.http.auth import secret_value
-        from gateway.storage.postgres import redact_url
 
         settings = self.gateway.settings
-        url = settings.storage.url
         sources = AdminSources(
             health=self.health,
             sessions=self.gateway.sessions,
@@ -845,24 +728,12 @@ class Daemon:
             dispatcher_stats=self.dispatcher.stats,
             llm_errors=self.gateway.agent.llm_errors,
             providers=getattr(self.gateway.provider, "statuses", None),
-            storage=f"shared, {redact_url(url)}" if url else "workspace files",
+            storage=self.gateway.storage.describe(),
         )
         token = secret_value(settings.http.admin_token) or secret_value(settings.http.token)
         page = AdminPage(token, sources)
         page.mount(self.http)
         return page
-
-    def _lead(self, role: str) -> Lead:
-        """Who reads a platform's stream and keeps its read position: this process, its
-        cursor in the workspace; or, in the shared mode, the one replica holding `role`
-        in PostgreSQL (`gateway.cursors_pg`)."""
-        from gateway.cursors import CURSOR_FILE, FileCursorStore, run_with
-
-        if self.router is not None:
-            from gateway.cursors_pg import lead_as
-
-            return lead_as(self.router.store.url, role)
-        return run_with(FileCursorStore(self.gateway.settings.workspace_path / CURSOR_FILE))
 
     def _email_channel(self) -> Channel:
         """The mailbox's channel: its read mark a cursor in the workspace, or in
@@ -870,7 +741,9 @@ class Daemon:
         IMAP connection; every replica sends replies)."""
         from channels.email import EmailChannel
 
-        email = EmailChannel(self.gateway.settings.channels.email, lead=self._lead("email watcher"))
+        email = EmailChannel(
+            self.gateway.settings.channels.email, lead=self.gateway.storage.lead("email watcher")
+        )
         metrics = self.metrics
 
         async def count_mail() -> None:
@@ -883,7 +756,7 @@ class Daemon:
         """The Matrix channel: its sync token and its device's crypto store in the
         workspace, or in PostgreSQL under the "matrix sync" role that one replica holds
         (Matrix allows one sync per device, and one user of its keys); the other replicas'
-        replies to encrypted rooms go through that one (`gateway.relay_pg`)."""
+        replies to encrypted rooms go through that one (`gateway.journal.pg_relay`)."""
         from channels.matrix import MatrixChannel
 
         settings = self.gateway.settings
@@ -891,35 +764,22 @@ class Daemon:
             settings.channels.matrix, token=settings.channels.matrix.resolved_token() or ""
         )
         matrix.invite_check = self.access.check
-        matrix.lead = self._lead("matrix sync")
-        if self.router is not None and settings.channels.matrix.encryption:
-            from gateway.relay_pg import PostgresRelay
-
-            matrix.relay = PostgresRelay(self.router.store, "matrix sync")
+        matrix.lead = self.gateway.storage.lead("matrix sync")
+        if settings.channels.matrix.encryption:
+            # Replies to encrypted rooms go through the replica that holds the keys.
+            matrix.relay = self.gateway.storage.relay("matrix sync")
         return matrix
 
     def _whatsapp_channel(self) -> Channel:
         """The WhatsApp channel: its webhook on this server (in the shared mode every
         replica takes deliveries), its windows, statuses and held replies in the
         workspace or PostgreSQL; counted on /metrics, held replies on the admin page."""
-        from channels.whatsapp import (
-            STORE_FILE,
-            FileWhatsAppStore,
-            PostgresWhatsAppStore,
-            WhatsAppChannel,
-            WhatsAppStore,
-        )
+        from channels.whatsapp import WhatsAppChannel
         from channels.whatsapp.channel import FAILURE_NAMES, STATUSES
+        from channels.whatsapp.store import BACKENDS
 
         settings = self.gateway.settings
-        shared = shared_storage(settings)
-        store: WhatsAppStore = (
-            PostgresWhatsAppStore(shared.sync)
-            if shared is not None
-            else FileWhatsAppStore(
-                settings.workspace_path / STORE_FILE, io_on_loop=settings.io_on_loop
-            )
-        )
+        store = self.gateway.storage.open(BACKENDS)
         channel = WhatsAppChannel.from_settings(settings.channels.whatsapp, store)
         channel.mount(self.http)
         self.admin.sources.undeliverable = store.held
@@ -947,13 +807,14 @@ class Daemon:
         return DiscordChannel(
             section,
             token=section.resolved_token() or "",
-            lead=self._lead("discord gateway"),
+            lead=self.gateway.storage.lead("discord gateway"),
             replicas=self.router is not None,
         )
 
     def _heartbeat_channel(self) -> Channel:
-        from channels.heartbeat import STATE_FILE, HeartbeatChannel, HeartbeatJob
-        from gateway.schedule import Schedule
+        from channels.heartbeat import HeartbeatChannel, HeartbeatJob
+        from gateway.schedules.runs import STATE_FILE
+        from gateway.schedules.schedule import Schedule
 
         workspace = self.gateway.settings.workspace_path
         jobs = {
@@ -972,13 +833,11 @@ class Daemon:
             )
             for name, job in self.gateway.settings.heartbeat.jobs.items()
         }
-        state = None
-        if self.router is not None:
-            from gateway.replicas import SharedRunState
-
-            state = SharedRunState(self.router.store)  # one run per due time, all replicas
         return HeartbeatChannel(
-            jobs, state_path=workspace / STATE_FILE, route=self.deliver, state=state
+            jobs,
+            state_path=workspace / STATE_FILE,
+            route=self.deliver,
+            state=self.gateway.storage.heartbeat_runs(),
         )
 
     def _watch_mcp(self) -> None:
@@ -1095,7 +954,7 @@ class Daemon:
                 metadata={**message.metadata, META_REPLY_WANTED: True},
             )
         ticket = await self.dispatcher.submit(message)
-        from gateway.dispatch import SubmitStatus
+        from gateway.dispatch.lanes import SubmitStatus
         from gateway.http.chat_api import ApiError
 
         if ticket.status is SubmitStatus.RETRY_LATER:
@@ -1281,10 +1140,9 @@ class Daemon:
         whose shared cache is down, is not ready. The first round runs before start-up
         is reported done."""
         from gateway.cache import CacheUnavailable
-        from gateway.storage.postgres import StorageError, redact_url
+        from gateway.storage.postgres import StorageError
 
-        where = self.gateway.settings.storage.url
-        where = redact_url(where) if where else str(self.gateway.settings.sessions_dir)
+        where = self.gateway.storage.where()
         sessions = self.health.component("sessions")
         cache = self.gateway.cache
         # A cache outage is shown, not fatal: answers bypass it (a whole fleet leaving

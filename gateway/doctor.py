@@ -14,7 +14,7 @@ from typing import Any, Literal
 import anyio
 
 from gateway.config import ConfigError, Settings, env_warnings
-from gateway.workspace import WorkspaceError, holder, prepare_workspace
+from gateway.storage.workspace import WorkspaceError, holder, prepare_workspace
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -673,6 +673,21 @@ async def check_tools(settings: Settings) -> list[Finding]:
     return findings
 
 
+async def check_storage(settings: Settings) -> list[Finding]:
+    """The storage of the configured mode can be opened (asked without changing it: no
+    migration is applied by the doctor)."""
+    from gateway.storage.postgres import StorageError, StorageUnavailable
+    from gateway.storage.seam import open_storage
+
+    storage = open_storage(settings)
+    try:
+        return [Finding("ok", await anyio.to_thread.run_sync(storage.check))]
+    except StorageUnavailable as exc:
+        return [Finding("fail", f"storage: {exc}", "start PostgreSQL or fix storage.url")]
+    except StorageError as exc:
+        return [Finding("fail", f"storage: {exc}")]
+
+
 async def run_checks(settings: Settings, *, config_path: Path | None = None) -> list[Finding]:
     """Everything `gateway run` will need, checked the way `run` uses it: the workspace
     is made, the HTTP port is listened on, the LLM and platforms are asked."""
@@ -680,6 +695,7 @@ async def run_checks(settings: Settings, *, config_path: Path | None = None) -> 
     findings += [Finding("warn", warning) for warning in env_warnings(os.environ)]
     findings += check_config_file(config_path)
     findings += check_workspace(settings, config_path=config_path)
+    findings += await check_storage(settings)
     findings += await check_llm(settings)
     findings += await check_http(settings)
     findings += await check_cache(settings)

@@ -26,17 +26,17 @@ META_REPLY_ENTRY = "reply_entry"
 #: Metadata of a message the shared mode's router hands over for the first time, under
 #: a session lease this replica has held since its previous turn of the session: no
 #: turn of it can have begun, and no other replica wrote to the session meanwhile, so
-#: the session as cached here is current (`gateway.replicas`).
+#: the session as cached here is current (`gateway.dispatch.router`).
 META_SESSION_CURRENT = "session_current"
 #: Metadata of a message whose sender waits for the reply on its HTTP request
 #: (`/api/chat`): in the shared mode its reply is handed to the replica holding that
-#: request, wherever the turn ran (`gateway.replicas`).
+#: request, wherever the turn ran (`gateway.dispatch.router`).
 META_REPLY_WANTED = "reply_wanted"
 #: Metadata of a stateless call of the OpenAI-compatible API: its session is thrown
 #: away after the turn, so nothing of it reaches memory (no consolidation).
 META_EPHEMERAL = "ephemeral"
 #: Metadata of an OpenAI-compatible API message whose client reads the reply as it is
-#: written: the id of the stream its text deltas go to (`gateway.openai_door`).
+#: written: the id of the stream its text deltas go to (`gateway.http.door`).
 META_API_STREAM = "api_stream"
 
 #: Metadata naming the platform message as the person sees it (Telegram `chat:message_id`,
@@ -332,3 +332,16 @@ def reply_for(
         metadata=metadata or {},
         files=files,
     )
+
+
+#: True when the message comes from a group chat / channel rather than a DM.
+META_IS_GROUP = "is_group"
+
+#: True when the bot was @-mentioned in the message.
+META_MENTIONED = "mentioned"
+
+#: True when the message replies to one of the bot's messages.
+META_REPLY_TO_BOT = "reply_to_bot"
+
+#: The sender's display name, shown to the operator when approving (optional).
+META_SENDER_NAME = "sender_name"

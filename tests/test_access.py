@@ -12,32 +12,36 @@ from typing import Any
 import anyio
 import pytest
 
-from gateway.access import (
-    CODE_ALPHABET,
-    CODE_LENGTH,
-    EMPTY_STATE,
-    META_IS_GROUP,
-    META_MENTIONED,
-    META_REPLY_TO_BOT,
-    META_SENDER_NAME,
+from gateway.access.commands import cli_pairing_approve, cli_pairing_list, cli_pairing_revoke
+from gateway.access.policy import (
     PAIRING_FULL_TEXT,
-    PAIRING_RESEND_INTERVAL,
     AccessGate,
     Allow,
     Challenge,
     ChannelAccessPolicy,
     Deny,
     Ignore,
-    PairingError,
-    PairingStore,
-    cli_pairing_approve,
-    cli_pairing_list,
-    cli_pairing_revoke,
     decide,
+)
+from gateway.access.protocol import (
+    CODE_ALPHABET,
+    CODE_LENGTH,
+    EMPTY_STATE,
+    PAIRING_RESEND_INTERVAL,
+    PairingError,
     new_pairing_code,
 )
-from gateway.dispatch import Dispatcher, SubmitStatus
-from gateway.messages import InboundMessage, OutboundMessage
+from gateway.access.store import PairingStore
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.lanes import SubmitStatus
+from gateway.messages import (
+    META_IS_GROUP,
+    META_MENTIONED,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
+    InboundMessage,
+    OutboundMessage,
+)
 
 NOW = 1_700_000_000.0
 

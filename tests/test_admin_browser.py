@@ -99,9 +99,9 @@ def _remember(env: dict[str, str]) -> None:
     """What the gateway remembers about Telegram user 4242 before it starts (memory is
     plain files a person may also write)."""
     from gateway.config import load_settings
-    from gateway.daemon import build_memory_backend
+    from gateway.storage.seam import open_storage
 
-    memory = build_memory_backend(load_settings(None, environ=env))
+    memory = open_storage(load_settings(None, environ=env)).memory()
     scope = memory.for_session(f"telegram:{USER}")
     scope.record_consolidation(
         [("user_preference", "prefers short answers"), ("learned_fact", "lives in Lisbon")],

@@ -16,7 +16,7 @@ import aiohttp
 import anyio
 import pytest
 
-from gateway.access import PendingRequest
+from gateway.access.protocol import PendingRequest
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
 from gateway.http.admin.auth import COOKIE_NAME, AdminKeys

@@ -15,10 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.llm import LLMMessage, LLMResponse, TokenUsage, ToolCall
-from gateway.llm.openai_provider import OpenAIProvider
-from gateway.memory import MemoryStore
-from gateway.memory.consolidation import (
+from gateway.agent.consolidation import (
     CONSOLIDATION_TOOL,
     ConsolidationError,
     Consolidator,
@@ -28,6 +25,9 @@ from gateway.memory.consolidation import (
     plan_compaction,
     retry_delay,
 )
+from gateway.llm import LLMMessage, LLMResponse, TokenUsage, ToolCall
+from gateway.llm.openai_provider import OpenAIProvider
+from gateway.memory import MemoryStore
 from gateway.memory.facts import Origin
 from gateway.sessions import CompactionEntry, Session, SessionContext, SessionManager
 from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply
@@ -667,7 +667,7 @@ def test_the_module_imports_first_in_a_fresh_interpreter() -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", "import gateway.memory.consolidation"],
+        [sys.executable, "-c", "import gateway.agent.consolidation"],
         capture_output=True,
         text=True,
         timeout=60,

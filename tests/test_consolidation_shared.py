@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 import pytest
 
+from gateway.agent.consolidation import Consolidator
 from gateway.llm.openai_provider import OpenAIProvider
-from gateway.memory.consolidation import Consolidator
 from gateway.memory.pg_store import PostgresConsolidationGuard, PostgresMemoryStore
 from gateway.sessions import SessionManager
 from gateway.sessions.pg_store import PostgresSessions

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.agent.consolidation import needs_consolidation, plan_compaction
 from gateway.agent.context import (
     MEMORY_PREFIX,
     ContextBuilder,
@@ -24,7 +25,6 @@ from gateway.agent.context import (
 from gateway.agent.tokens import estimate_messages_tokens, estimate_text_tokens
 from gateway.agent.tools import ToolContext, build_registry
 from gateway.llm import LLMMessage, TokenUsage, ToolCall
-from gateway.memory.consolidation import needs_consolidation, plan_compaction
 from gateway.memory.text import tokenize
 from gateway.sessions import SessionManager
 from tests.llm_messages import assert_well_paired, assistant, call, result, user

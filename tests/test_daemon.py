@@ -115,7 +115,7 @@ async def test_api_chat_probes_and_metrics(
 async def test_a_scrape_shows_exactly_the_documented_label_values(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
-    """gateway/metrics.py's docstring lists each label's values; a running daemon's
+    """gateway/http/metrics.py's docstring lists each label's values; a running daemon's
     scrape, after turns of every outcome, shows those and no others."""
     settings = daemon_settings(make_settings, fake_openai)
     daemon = Daemon(Gateway.build(settings), interactive=False)
@@ -544,7 +544,7 @@ async def test_pairing_end_to_end(
 async def test_groups_answer_only_when_mentioned(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
-    from gateway.access import META_IS_GROUP, META_MENTIONED
+    from gateway.messages import META_IS_GROUP, META_MENTIONED
 
     settings = daemon_settings(
         make_settings, fake_openai, channels__telegram__allow_from='["-100"]'

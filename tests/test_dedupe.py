@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.dedupe import DedupeStore, FileDedupeStore, MemoryDedupeStore, dedupe_key
+from gateway.journal.protocol import DedupeStore, dedupe_key
+from gateway.journal.store import FileDedupeStore, MemoryDedupeStore
 from gateway.messages import InboundMessage
 from tests.loop_probe import hold_sqlite_write_lock, loop_ticks
 
@@ -50,7 +51,7 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> MakeStore:
         if request.param == "memory":
             return MemoryDedupeStore(clock=clock, ttl=ttl)
         if request.param == "postgres":
-            from gateway.dedupe_pg import PostgresDedupeStore
+            from gateway.journal.pg_store import PostgresDedupeStore
 
             return PostgresDedupeStore(url, clock=clock, ttl=ttl)
         return FileDedupeStore(tmp_path / "dedupe.sqlite3", clock=clock, ttl=ttl)

@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 import pytest
 
-from gateway.dedupe import dedupe_key
-from gateway.dedupe_pg import ClaimBusy, LeaseAsk, PostgresDedupeStore
+from gateway.journal.pg_store import PostgresDedupeStore
+from gateway.journal.protocol import ClaimBusy, LeaseAsk, dedupe_key
 from gateway.messages import InboundMessage
 from tests.test_dedupe import Clock
 
@@ -161,8 +161,8 @@ async def test_an_answered_message_is_a_duplicate_everywhere_until_ttl(replica: 
 async def test_an_unreadable_journal_row_leaves_the_queue_and_is_kept(replica: Replica) -> None:
     """A session must not wait forever behind a row nobody can read: it leaves the
     queue (marked answered, its text kept until the ttl) and the rest runs."""
-    from gateway.dispatch import Dispatcher
-    from gateway.replicas import SessionRouter
+    from gateway.dispatch.dispatcher import Dispatcher
+    from gateway.dispatch.router import SessionRouter
 
     async def never(message: InboundMessage) -> Any:
         raise AssertionError("nothing runs here")
@@ -194,7 +194,8 @@ async def test_a_delivery_of_a_message_another_replica_is_journaling_is_not_take
 ) -> None:
     """The dispatcher answers `ClaimBusy` with "not taken" (the platform sends it again),
     as no error: nothing failed, the other replica is a few milliseconds from its journal."""
-    from gateway.dispatch import Dispatcher, SubmitStatus
+    from gateway.dispatch.dispatcher import Dispatcher
+    from gateway.dispatch.lanes import SubmitStatus
 
     async def never(message: Any) -> Any:
         raise AssertionError("nothing runs here")

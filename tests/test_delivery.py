@@ -15,8 +15,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gateway.dedupe import FileDedupeStore, MemoryDedupeStore, dedupe_key
-from gateway.dispatch import Dispatcher, SubmitStatus
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.lanes import SubmitStatus
+from gateway.journal.protocol import dedupe_key
+from gateway.journal.store import FileDedupeStore, MemoryDedupeStore
 from gateway.messages import (
     META_IN_SESSION,
     META_REPLAYED,
@@ -300,7 +302,7 @@ async def test_a_reply_recorded_for_a_merged_turn_is_sent_once(tmp_path: Path) -
 async def test_a_replayed_message_no_longer_allowed_leaves_the_journal(tmp_path: Path) -> None:
     """A replayed message the access policy now refuses (the sender's pairing was
     revoked) does not run, and it does not come back at every start."""
-    from gateway.access import Ignore
+    from gateway.access.policy import Ignore
 
     class RefuseAll:
         async def check(self, msg: InboundMessage) -> Ignore:

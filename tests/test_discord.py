@@ -30,14 +30,18 @@ from channels.discord import (
 )
 from channels.discord.channel import NO_PINGS, Positions, reply_nonce, snowflake_at, snowflake_time
 from channels.discord.format import discord_messages
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.config import ConfigError, DiscordSettings
-from gateway.cursors import FileCursorStore, Lead, run_with
+from gateway.journal.cursors import FileCursorStore, run_with
+from gateway.journal.protocol import Lead
 from gateway.media import MediaError
 from gateway.messages import (
     META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
     META_SENT_AT,
     Attachment,
     InboundMessage,

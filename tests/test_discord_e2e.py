@@ -19,8 +19,8 @@ import pytest
 from channels.discord import DiscordChannel
 from channels.discord.channel import Positions
 from gateway.config import Settings
-from gateway.cursors import CURSOR_FILE
 from gateway.daemon import Daemon, Gateway
+from gateway.journal.cursors import CURSOR_FILE
 from gateway.sessions.keys import encode_key
 from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeOpenAI

@@ -17,21 +17,21 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gateway.access import ALLOW, Decision
-from gateway.dedupe import FileDedupeStore, MemoryDedupeStore, dedupe_key
-from gateway.dispatch import (
+from gateway.access.policy import ALLOW, Decision
+from gateway.dispatch.dispatcher import (
     BUSY_TEXT,
     DRAINING_TEXT,
     ERROR_TEXT,
-    MERGED_IDS_KEY,
     RESTART_TEXT,
     Dispatcher,
     Handler,
-    SubmitStatus,
     merge_messages,
 )
-from gateway.messages import InboundMessage, OutboundMessage
-from gateway.queue_modes import QueueMode, TurnInbox, current_inbox
+from gateway.dispatch.lanes import SubmitStatus
+from gateway.dispatch.queue_modes import QueueMode, TurnInbox, current_inbox
+from gateway.journal.protocol import dedupe_key
+from gateway.journal.store import FileDedupeStore, MemoryDedupeStore
+from gateway.messages import MERGED_IDS_KEY, InboundMessage, OutboundMessage
 
 pytestmark = pytest.mark.anyio
 
@@ -672,7 +672,8 @@ class PairingAccess:
     """The real access gate with a pairing policy on the `test` channel."""
 
     def __init__(self, path: Path) -> None:
-        from gateway.access import AccessGate, ChannelAccessPolicy, PairingStore
+        from gateway.access.policy import AccessGate, ChannelAccessPolicy
+        from gateway.access.store import PairingStore
 
         self.store = PairingStore(path)
         self.gate = AccessGate({"test": ChannelAccessPolicy(dm_policy="pairing")}, self.store)
@@ -690,7 +691,8 @@ def dm(sender: str, text: str, **meta: object) -> InboundMessage:
 async def test_strangers_get_a_pairing_code_and_reach_the_agent_once_approved(
     tmp_path: Path,
 ) -> None:
-    from gateway.access import META_IS_GROUP, PairingStore
+    from gateway.access.store import PairingStore
+    from gateway.messages import META_IS_GROUP
 
     handled: list[str] = []
 

@@ -409,3 +409,50 @@ def test_discord_is_checked_token_intent_and_gateway(
         fine = doctor(env | {"GATEWAY_CHANNELS__DISCORD__MESSAGE_CONTENT": "false"}, tmp_path)
         assert fine.returncode == 0, fine.stdout
     assert "Traceback" not in good.stderr + wrong.stderr + off.stderr
+
+
+def test_the_files_mode_names_where_the_state_is(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    env = base_env(tmp_path) | {"OPENAI_BASE_URL": fake_openai_thread.base_url}
+    out = doctor(env, tmp_path)
+    assert f"ok    state in workspace files under {tmp_path / 'ws'}" in out.stdout
+
+
+def test_the_shared_storage_is_checked_without_being_migrated(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI, pg_url: str
+) -> None:
+    # An empty schema: the doctor says the start will migrate it, and migrates nothing.
+    from gateway.storage.postgres import connect, migrations, schema_status
+
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "GATEWAY_STORAGE__URL": pg_url,
+    }
+    out = doctor(env, tmp_path)
+    line = f"schema version 0, {len(migrations())} migrations to apply at start"
+    assert "ok    state in PostgreSQL at " in out.stdout and line in out.stdout, out.stdout
+    with connect(pg_url) as conn:
+        assert schema_status(conn).applied == ()
+    # With migrations left to `gateway db migrate`, the same database is a problem.
+    out = doctor(env | {"GATEWAY_STORAGE__MIGRATE": "never"}, tmp_path)
+    assert out.returncode == 1
+    assert "FAIL  storage: the database at " in out.stdout
+    assert "run `gateway db migrate` first" in out.stdout
+
+
+def test_unreachable_shared_storage_is_named_with_a_fix(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "GATEWAY_STORAGE__URL": f"postgresql://gw@127.0.0.1:{port}/gw",
+    }
+    out = doctor(env, tmp_path)
+    assert out.returncode == 1
+    assert f"FAIL  storage: PostgreSQL at postgresql://gw@127.0.0.1:{port}/gw" in out.stdout
+    assert "fix: start PostgreSQL or fix storage.url" in out.stdout
+    assert "Traceback" not in out.stderr

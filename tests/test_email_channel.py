@@ -17,7 +17,8 @@ from channels.email import EmailChannel, EmailSetupError, Pacing, check_mailbox
 from channels.email.channel import SendFailure
 from channels.email.state import MailboxMark, MailboxMarks
 from gateway.config import EmailSettings
-from gateway.cursors import CURSOR_FILE, FileCursorStore, Lead, run_with
+from gateway.journal.cursors import CURSOR_FILE, FileCursorStore, run_with
+from gateway.journal.protocol import Lead
 from gateway.media import MediaError
 from gateway.messages import InboundMessage, OutboundMessage, reply_for
 from tests.dovecot_server import Dovecot, running_dovecot

@@ -1,5 +1,5 @@
 """How far each mailbox was read (channels.email.state): a mark per mailbox, kept as a
-channel cursor (gateway.cursors; the shared mode's store is exercised by the failover
+channel cursor (gateway.journal.cursors; the shared mode's store is exercised by the failover
 kill test, tests/test_email_kill.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from channels.email.state import MailboxMark, MailboxMarks
-from gateway.cursors import CURSOR_FILE, FileCursorStore
+from gateway.journal.cursors import CURSOR_FILE, FileCursorStore
 
 pytestmark = pytest.mark.anyio
 

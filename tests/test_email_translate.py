@@ -28,7 +28,7 @@ from channels.email.headers import (
     sender_of,
     thread_root,
 )
-from gateway.access import Allow, Deny, Ignore, decide
+from gateway.access.policy import Allow, Deny, Ignore, decide
 from gateway.config import EmailSettings, load_settings
 from gateway.daemon import access_policies
 from gateway.messages import META_REPLY_CONTEXT, InboundMessage, OutboundFile, reply_for
@@ -397,7 +397,7 @@ def test_allow_from_takes_addresses_and_domains_and_refuses_silently(tmp_path: A
     )
     policy_ = access_policies(settings)["email"]
     assert policy_.dm_policy == "allowlist"
-    from gateway.access import EMPTY_STATE
+    from gateway.access.protocol import EMPTY_STATE
 
     def verdict(address: str) -> object:
         msg = InboundMessage("email", address, "hi", sender_id=address)

@@ -16,15 +16,15 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from gateway.dedupe import dedupe_key
-from gateway.dedupe_pg import LEASE_TAKE, PostgresDedupeStore
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.router import SessionRouter
+from gateway.journal.pg_store import LEASE_TAKE, PostgresDedupeStore
+from gateway.journal.protocol import dedupe_key
 from gateway.llm.types import LLMMessage
 from gateway.memory.pg_store import PostgresConsolidationGuard, PostgresMemoryStore
 from gateway.messages import InboundMessage, OutboundMessage, reply_for
-from gateway.reminders import ScheduledJob
-from gateway.reminders_pg import PostgresJobStore
-from gateway.replicas import SessionRouter
+from gateway.schedules.pg_store import PostgresJobStore
+from gateway.schedules.protocol import ScheduledJob
 from gateway.sessions import SessionManager
 from gateway.sessions.pg_store import PostgresSessions
 from gateway.storage.fence import Fence, FencedOut, fenced

@@ -19,7 +19,7 @@ from pydantic import SecretStr
 
 from gateway.config import EXIT_CONFIG, HTTPSettings, load_settings
 from gateway.http import HealthState, HttpServer
-from gateway.metrics import Metrics
+from gateway.http.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -19,8 +19,8 @@ from pydantic import SecretStr
 
 from gateway.config import ConfigError, HTTPSettings, load_settings
 from gateway.http import HealthState, HttpServer
+from gateway.http.metrics import Metrics
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.metrics import Metrics
 from tests.test_metrics import parse_exposition
 
 pytestmark = pytest.mark.anyio

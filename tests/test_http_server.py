@@ -25,8 +25,8 @@ from gateway.http import (
     HttpConfigError,
     HttpServer,
 )
+from gateway.http.metrics import Metrics
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.metrics import Metrics
 from tests.test_metrics import check_histogram, parse_exposition
 
 pytestmark = pytest.mark.anyio

@@ -17,8 +17,8 @@ import pytest
 
 from channels.matrix import ENCRYPTED_REFUSAL, MatrixChannel, Pacing
 from gateway.config import Settings
-from gateway.cursors import CURSOR_FILE
 from gateway.daemon import Daemon, Gateway
+from gateway.journal.cursors import CURSOR_FILE
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
 from tests.synapse_server import MatrixUser, Synapse

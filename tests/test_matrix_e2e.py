@@ -16,10 +16,10 @@ import pytest
 
 from channels.matrix import MatrixChannel, Pacing
 from channels.matrix.channel import UNREADABLE_NOTICE
-from gateway.access import Allow, Decision
+from gateway.access.policy import Allow, Decision
 from gateway.config import MatrixSettings, Settings
-from gateway.cursors import STATE_DIR
-from gateway.dispatch import Ticket
+from gateway.dispatch.lanes import Ticket
+from gateway.journal.cursors import STATE_DIR
 from gateway.messages import InboundMessage
 from tests.fakes.openai_server import FakeOpenAI
 from tests.matrix_peer import Peer, start_peer
@@ -345,9 +345,9 @@ class Replica:
     PostgreSQL, the relay, and a dispatcher stand-in that records what it took."""
 
     def __init__(self, settings: MatrixSettings, token: str, url: str) -> None:
-        from gateway.cursors_pg import lead_as
-        from gateway.dedupe_pg import PostgresDedupeStore
-        from gateway.relay_pg import PostgresRelay
+        from gateway.journal.pg_cursors import lead_as
+        from gateway.journal.pg_relay import PostgresRelay
+        from gateway.journal.pg_store import PostgresDedupeStore
 
         self.store = PostgresDedupeStore(url)
         self.channel = MatrixChannel(settings, token=token)

@@ -21,10 +21,15 @@ from channels.matrix.format import (
     strip_reply_fallback,
     text_content,
 )
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT
 from gateway.config import ConfigError, load_settings
-from gateway.cursors import FileCursorStore
-from gateway.messages import META_EDIT_OF, META_QUOTED_TEXT
+from gateway.journal.cursors import FileCursorStore
+from gateway.messages import (
+    META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
+    META_QUOTED_TEXT,
+    META_REPLY_TO_BOT,
+)
 
 ME = Identity("@bot:example.org", "Gateway")
 DM = RoomFacts(member_count=2, names={"@alice:example.org": "Alice"})

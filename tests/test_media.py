@@ -13,7 +13,6 @@ import docx.shared
 import pytest
 from PIL import Image
 
-from gateway.access import META_IS_GROUP, META_SENDER_NAME
 from gateway.agent.inputs import with_images
 from gateway.agent.speakers import speaker_header, with_speaker
 from gateway.agent.tools import ToolContext, build_registry
@@ -26,9 +25,11 @@ from gateway.media.documents import DocumentLimits, document_text
 from gateway.media.images import prepare_image
 from gateway.media.outbound import code_blocks_as_files, safe_file_name
 from gateway.messages import (
+    META_IS_GROUP,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
     META_REPLAYED,
+    META_SENDER_NAME,
     Attachment,
     InboundMessage,
     OutboundFile,

@@ -12,9 +12,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gateway import metrics as metrics_module
+from gateway.http import metrics as metrics_module
+from gateway.http.metrics import LATENCY_BUCKETS, Metrics, MirroredCounter
 from gateway.messages import OutboundMessage
-from gateway.metrics import LATENCY_BUCKETS, Metrics, MirroredCounter
 
 # --------------------------------------------------------------------------- a tiny parser
 
@@ -355,7 +355,7 @@ DOCUMENTED = {
 
 
 def documented_label_values() -> dict[str, set[str]]:
-    """`- turn outcome: ok | error | ...` lines of gateway/metrics.py's docstring."""
+    """`- turn outcome: ok | error | ...` lines of gateway/http/metrics.py's docstring."""
     found = {}
     for line in (metrics_module.__doc__ or "").splitlines():
         match = re.fullmatch(r"- ([a-z ]+): ([\w |]+)", line.strip())

@@ -1,4 +1,4 @@
-"""Pairing through both backends (`gateway.access.PairingBackend`): the workspace file and
+"""Pairing through both backends (`gateway.access.protocol.PairingBackend`): the workspace file and
 PostgreSQL. Two store instances over the same storage stand for the daemon and the
 operator's CLI, or for two replicas: an approval given through one counts in the other."""
 
@@ -10,20 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from gateway.access import (
+from gateway.access.commands import cli_pairing_approve, cli_pairing_list
+from gateway.access.policy import (
     PAIRING_FULL_TEXT,
     AccessGate,
     Allow,
     Challenge,
     ChannelAccessPolicy,
     Deny,
-    PairingBackend,
-    PairingStore,
-    PendingRequest,
-    cli_pairing_approve,
-    cli_pairing_list,
-    new_pairing_code,
 )
+from gateway.access.protocol import PairingBackend, PendingRequest, new_pairing_code
+from gateway.access.store import PairingStore
 from gateway.messages import InboundMessage
 
 NOW = 1_700_000_000.0
@@ -55,7 +52,7 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> 
             return PairingStore(tmp_path / "ws" / "pairing.json", clock=clock)
 
     else:
-        from gateway.access_pg import PostgresPairingStore
+        from gateway.access.pg_store import PostgresPairingStore
 
         pools = request.getfixturevalue("pg_pools")
 
@@ -162,7 +159,7 @@ async def test_postgresql_down_closes_the_gate(clock: Clock) -> None:
     pytest.importorskip("psycopg_pool")
     from psycopg_pool import ConnectionPool
 
-    from gateway.access_pg import PostgresPairingStore
+    from gateway.access.pg_store import PostgresPairingStore
 
     pool = ConnectionPool("postgresql://postgres@127.0.0.1:1/none", timeout=0.5, open=False)
     pool.open(wait=False)

@@ -15,15 +15,10 @@ import pytest
 from gateway.config import Settings
 from gateway.daemon import Gateway
 from gateway.messages import InboundMessage
-from gateway.people import (
-    FilePeopleStore,
-    PeopleError,
-    PeopleStore,
-    PostgresPeopleStore,
-    cli_link,
-    cli_unlink,
-    parse_sender_id,
-)
+from gateway.people.commands import cli_link, cli_unlink
+from gateway.people.pg_store import PostgresPeopleStore
+from gateway.people.protocol import PeopleError, PeopleStore, parse_sender_id
+from gateway.people.store import FilePeopleStore
 from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply
 from tests.test_cli_e2e import llm_env, run_gateway
 

@@ -14,12 +14,13 @@ import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
-from gateway.dedupe_pg import PostgresDedupeStore
+from gateway.journal.pg_store import PostgresDedupeStore
 from gateway.llm.types import LLMMessage
 from gateway.sessions import SessionManager
 from gateway.sessions.entries import MessageEntry
 from gateway.sessions.pg_store import PostgresSessions
-from gateway.usage import PostgresUsageLedger, PriceTable, UsageMeter, UsageScope, riding_rows
+from gateway.usage.meter import PriceTable, UsageMeter, UsageScope
+from gateway.usage.pg_store import PostgresUsageLedger, riding_rows
 
 pytestmark = pytest.mark.anyio
 

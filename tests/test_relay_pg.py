@@ -1,4 +1,4 @@
-"""gateway.relay_pg against a real PostgreSQL (a schema per test): the promises of its
+"""gateway.journal.pg_relay against a real PostgreSQL (a schema per test): the promises of its
 module docstring, with two stores standing for two replicas."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from typing import Any
 import anyio
 import pytest
 
-from gateway.dedupe_pg import PostgresDedupeStore
-from gateway.relay_pg import PostgresRelay, RelayRefused, RelayUnanswered
+from gateway.journal.pg_relay import PostgresRelay
+from gateway.journal.pg_store import PostgresDedupeStore
+from gateway.journal.protocol import RelayRefused, RelayUnanswered
 
 pytestmark = pytest.mark.anyio
 

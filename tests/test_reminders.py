@@ -14,17 +14,13 @@ from zoneinfo import ZoneInfo
 import anyio
 import pytest
 
+from channels.schedules import ScheduleRunner
+from gateway.agent.schedule_tools import Reminders, ScheduleLimits
 from gateway.agent.tools import ToolContext
 from gateway.config import Settings
 from gateway.messages import InboundMessage
-from gateway.reminders import (
-    JOBS_FILE,
-    FileJobStore,
-    Reminders,
-    ScheduledJob,
-    ScheduleLimits,
-    ScheduleRunner,
-)
+from gateway.schedules.protocol import ScheduledJob
+from gateway.schedules.store import JOBS_FILE, FileJobStore
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply, content_text
 from tests.fakes.telegram_server import FakeTelegram

@@ -12,20 +12,16 @@ from typing import Any
 import anyio
 import pytest
 
+from channels.schedules import ScheduleRunner
+from gateway.agent.schedule_tools import Reminders, ScheduleLimits
 from gateway.config import Settings
 from gateway.daemon import Gateway
-from gateway.dedupe_pg import PostgresDedupeStore
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.journal.pg_store import PostgresDedupeStore
 from gateway.messages import META_NOTICE, InboundMessage, OutboundMessage, reply_for
-from gateway.reminders import (
-    JOBS_FILE,
-    FileJobStore,
-    JobStore,
-    Reminders,
-    ScheduleLimits,
-    ScheduleRunner,
-)
-from gateway.reminders_pg import PostgresJobStore
+from gateway.schedules.pg_store import PostgresJobStore
+from gateway.schedules.protocol import JobStore
+from gateway.schedules.store import JOBS_FILE, FileJobStore
 from tests.fakes.openai_server import FakeOpenAI
 from tests.test_reminders import KEY, context, due_on_one_day, job
 

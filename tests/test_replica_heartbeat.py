@@ -12,11 +12,11 @@ import anyio
 import pytest
 
 from channels.heartbeat import HeartbeatChannel, HeartbeatJob
-from gateway.dedupe_pg import PostgresDedupeStore
-from gateway.dispatch import Ticket
+from gateway.dispatch.lanes import Ticket
+from gateway.journal.pg_store import PostgresDedupeStore
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.replicas import SharedRunState
-from gateway.schedule import Schedule
+from gateway.schedules.pg_store import SharedRunState
+from gateway.schedules.schedule import Schedule
 
 pytestmark = pytest.mark.anyio
 

@@ -11,11 +11,12 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from gateway.access import AccessGate, ChannelAccessPolicy
-from gateway.access_pg import PostgresPairingStore
-from gateway.dedupe import dedupe_key
-from gateway.dedupe_pg import PostgresDedupeStore
-from gateway.dispatch import Dispatcher
+from gateway.access.pg_store import PostgresPairingStore
+from gateway.access.policy import AccessGate, ChannelAccessPolicy
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.router import SessionRouter, reply_note
+from gateway.journal.pg_store import PostgresDedupeStore
+from gateway.journal.protocol import dedupe_key
 from gateway.messages import (
     META_REPLAYED,
     META_REPLY_WANTED,
@@ -24,7 +25,6 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
-from gateway.replicas import SessionRouter, reply_note
 
 pytestmark = pytest.mark.anyio
 
@@ -275,7 +275,7 @@ async def test_an_api_reply_outlives_its_waiter_so_a_retry_elsewhere_gets_it(
     The message is marked answered and the reply kept in one statement."""
     import psycopg
 
-    from gateway.dedupe import dedupe_key
+    from gateway.journal.protocol import dedupe_key
 
     ran: list[tuple[str, str, float]] = []
     async with replicas(migrated_pg_url, ran) as (a, b):
@@ -384,7 +384,7 @@ async def test_two_deployments_in_two_schemas_of_one_database_keep_apart(
     get its own Telegram poller, and another schema's kicks must not reach its pumps."""
     import psycopg
 
-    from gateway.replicas import run_as_leader
+    from gateway.journal.pg_cursors import run_as_leader
     from gateway.storage.postgres import connect, migrate
     from tests.local_pg import PG_URL, schema_url
 
@@ -438,7 +438,7 @@ async def test_a_lost_database_mid_turn_neither_drops_the_lease_nor_the_mark(
     on b gets it."""
     import psycopg
 
-    from gateway.dedupe import dedupe_key
+    from gateway.journal.protocol import dedupe_key
     from tests.fakes.tcp_proxy import tcp_proxy
     from tests.local_pg import PG_URL
 

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from channels.heartbeat import HeartbeatChannel, HeartbeatJob
-from gateway.dispatch import Ticket
+from gateway.dispatch.lanes import Ticket
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.schedule import (
+from gateway.schedules.schedule import (
     CronRhythm,
     Schedule,
     cron_next,

@@ -82,10 +82,11 @@ async def test_a_turns_session_steps_on_the_loop_are_one_round_trip_each(
     """Over the loop's pool (the journal's): a new key's session is created with its
     first entry in one round trip, a current session's entry appended in one, and the
     cached session checked in one."""
-    from gateway.dedupe_pg import PostgresDedupeStore
+    from gateway.journal.pg_store import PostgresDedupeStore
     from gateway.sessions import SessionManager
     from gateway.sessions.pg_store import PostgresSessions
-    from gateway.usage import PostgresUsageLedger, PriceTable, UsageMeter, UsageScope
+    from gateway.usage.meter import PriceTable, UsageMeter, UsageScope
+    from gateway.usage.pg_store import PostgresUsageLedger
 
     parts = urlsplit(migrated_pg_url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 5432

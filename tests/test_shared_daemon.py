@@ -87,7 +87,7 @@ async def test_an_api_message_another_replica_is_taking_in_is_answered_503_not_n
     import anyio
 
     from gateway.daemon import Daemon, Gateway
-    from gateway.dedupe_pg import PostgresDedupeStore
+    from gateway.journal.pg_store import PostgresDedupeStore
     from gateway.messages import InboundMessage
 
     token = "shared-api-token-0123456789abcdef"
@@ -98,7 +98,7 @@ async def test_an_api_message_another_replica_is_taking_in_is_answered_503_not_n
     held = InboundMessage(
         channel="api", chat_id="held", sender_id="api", text="x", message_id="m-1"
     )
-    from gateway.dedupe import dedupe_key
+    from gateway.journal.protocol import dedupe_key
 
     key = dedupe_key(held)
     assert key is not None

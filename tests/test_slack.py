@@ -20,11 +20,13 @@ from channels.slack import (
     check_credentials,
     translate_event,
 )
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT
 from gateway.config import ConfigError, SlackSettings
 from gateway.messages import (
     META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
     META_POST_ID,
+    META_REPLY_TO_BOT,
     META_SENT_AT,
     InboundMessage,
     OutboundMessage,

@@ -13,8 +13,8 @@ import pytest
 from gateway import fsutil
 from gateway.cache.backend import CacheRecord
 from gateway.cache.sqlite_backend import SqliteCacheBackend
-from gateway.dedupe import FileDedupeStore
 from gateway.fsutil import SqliteFile
+from gateway.journal.store import FileDedupeStore
 from tests.loop_probe import hold_sqlite_write_lock, loop_ticks
 
 pytestmark = pytest.mark.anyio
@@ -153,7 +153,7 @@ async def test_the_journal_is_fsynced_when_durable_and_answers_are_not(tmp_path:
     """A durable journal (the daemon's default) fsyncs what a platform is told we
     have before `journal` returns; answered marks ride plain commits. Observed with
     SQLite's statement trace on the store's connection."""
-    from gateway.dedupe import FileDedupeStore
+    from gateway.journal.store import FileDedupeStore
     from gateway.messages import InboundMessage
 
     store = FileDedupeStore(tmp_path / "j.sqlite", durable=True)

@@ -283,3 +283,27 @@ def test_a_lazy_package_still_exports_every_name(package: str) -> None:
     assert set(module.__all__) <= set(dir(module))
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         module.nothing_here  # noqa: B018
+
+
+def test_a_sessions_command_of_the_shared_mode_logs_as_configured_too(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The shared mode's modules log through the same late-set-up logger: the first start
+    on an empty schema logs its migrations in the configured format."""
+    env = base_env(tmp_path) | {
+        "GATEWAY_STORAGE__URL": pg_url,
+        "GATEWAY_LOG__FORMAT": "json",
+        "GATEWAY_LOG__LEVEL": "INFO",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "-v", "sessions", "list"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines()]
+    applied = [r for r in records if r["message"].startswith("storage: applied migration")]
+    assert applied and all(r["logger"] == "gateway.storage.postgres" for r in applied)

@@ -1,4 +1,4 @@
-"""Messages that arrive while a turn runs (`gateway.queue_modes`): the whole daemon with
+"""Messages that arrive while a turn runs (`gateway.dispatch.queue_modes`): the whole daemon with
 Telegram (the real python-telegram-bot against the fake Bot API, the real openai client
 against the fake OpenAI server), a slow model or a slow tool keeping the turn busy.
 
@@ -30,8 +30,9 @@ from gateway.agent.loop import STOPPED_EMPTY_TEXT
 from gateway.agent.tools import Tool, ToolContext
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
-from gateway.dedupe import FileDedupeStore, dedupe_key
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.journal.protocol import dedupe_key
+from gateway.journal.store import FileDedupeStore
 from gateway.llm.types import LLMMessage, ToolCall, ToolSpec
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.keys import encode_key
@@ -670,8 +671,8 @@ async def test_a_message_the_gateway_made_is_a_turn_of_its_own(
 ) -> None:
     """A reminder firing (or a subagent's result) while a steered turn runs does not join
     it: it is the gateway's, not something the person added."""
-    from gateway.access import META_MENTIONED
-    from gateway.reminders import META_SCHEDULE
+    from gateway.messages import META_MENTIONED
+    from gateway.schedules.protocol import META_SCHEDULE
 
     slow = GatedTool()
     fake_openai.add_tool_call("slow_lookup", {})
@@ -703,7 +704,7 @@ async def test_a_turn_asked_to_stop_before_its_model_call_stops_there(
     """The interrupt mode can ask a turn to stop before it reaches its model call (it
     was still building its context): it stops there, as /stop would have, and the model
     is not asked."""
-    from gateway.queue_modes import TurnInbox, receiving
+    from gateway.dispatch.queue_modes import TurnInbox, receiving
 
     settings = make_settings(fake_openai, memory__auto_consolidate=False)
     gw = Gateway.build(settings)

@@ -13,17 +13,20 @@ from typing import Any
 
 import pytest
 
-from channels.heartbeat import HeartbeatState
-from gateway.access import PairingStore, PendingRequest
+from gateway.access.protocol import PendingRequest
+from gateway.access.store import PairingStore
 from gateway.memory import MemoryStore
 from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import memory_documents
 from gateway.memory.manager import MemoryManager
-from gateway.people import FilePeopleStore
-from gateway.reminders import FileJobStore, ScheduledJob
+from gateway.people.store import FilePeopleStore
+from gateway.schedules.protocol import ScheduledJob
+from gateway.schedules.runs import HeartbeatState
+from gateway.schedules.store import FileJobStore
 from gateway.sessions import SessionManager
 from gateway.sessions.keys import encode_key
-from gateway.usage import SqliteUsageLedger, UsageRow
+from gateway.usage.protocol import UsageRow
+from gateway.usage.store import SqliteUsageLedger
 from tests.llm_messages import assistant, user
 from tests.test_cli_e2e import base_env, run_gateway
 
@@ -590,10 +593,10 @@ def test_every_kind_of_state_goes_files_to_postgresql_to_files(
 
     # The shared mode reads what the files held.
     from gateway.memory.pg_store import PostgresMemoryStore
-    from gateway.people import PostgresPeopleStore
-    from gateway.reminders_pg import PostgresJobStore
+    from gateway.people.pg_store import PostgresPeopleStore
+    from gateway.schedules.pg_store import PostgresJobStore
     from gateway.storage.postgres import sync_pool
-    from gateway.usage import PostgresUsageLedger
+    from gateway.usage.pg_store import PostgresUsageLedger
 
     files_usage = SqliteUsageLedger(source / "usage.sqlite")
     with sync_pool(migrated_pg_url, max_size=1) as pool:
@@ -649,12 +652,12 @@ def test_every_kind_of_state_goes_postgresql_to_files_to_postgresql(
 ) -> None:
     import psycopg
 
-    from gateway.access_pg import PostgresPairingStore
+    from gateway.access.pg_store import PostgresPairingStore
     from gateway.memory.pg_store import PostgresMemoryStore
-    from gateway.people import PostgresPeopleStore
-    from gateway.reminders_pg import PostgresJobStore
+    from gateway.people.pg_store import PostgresPeopleStore
+    from gateway.schedules.pg_store import PostgresJobStore
     from gateway.storage.postgres import sync_pool
-    from gateway.usage import PostgresUsageLedger
+    from gateway.usage.pg_store import PostgresUsageLedger
 
     clock = [DAY_ONE]
     with sync_pool(migrated_pg_url, max_size=1) as pool:
@@ -741,10 +744,10 @@ def test_a_second_state_import_skips_and_a_replicas_writes_are_left_alone(
     assert dump_state_rows(migrated_pg_url) == rows
 
     from gateway.memory.pg_store import PostgresMemoryStore
-    from gateway.people import PostgresPeopleStore
-    from gateway.reminders_pg import PostgresJobStore
+    from gateway.people.pg_store import PostgresPeopleStore
+    from gateway.schedules.pg_store import PostgresJobStore
     from gateway.storage.postgres import sync_pool
-    from gateway.usage import PostgresUsageLedger
+    from gateway.usage.pg_store import PostgresUsageLedger
 
     # What replicas do after an import: counters grow, a task runs, a link is added.
     with sync_pool(migrated_pg_url, max_size=1) as pool:

@@ -30,9 +30,17 @@ from channels.telegram import (
     translate_update,
 )
 from channels.telegram.format import markdown_to_html, split_markdown
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.config import ConfigError, TelegramSettings
-from gateway.messages import META_EDIT_OF, META_SENT_AT, InboundMessage, OutboundMessage
+from gateway.messages import (
+    META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
+    META_SENT_AT,
+    InboundMessage,
+    OutboundMessage,
+)
 from tests.fakes.telegram_server import FakeTelegram, parse_html
 
 pytestmark = pytest.mark.anyio

@@ -16,16 +16,10 @@ from gateway.config import ConfigError, Settings, load_settings
 from gateway.daemon import Gateway
 from gateway.messages import InboundMessage
 from gateway.sessions.keys import encode_key
-from gateway.usage import (
-    PostgresUsageLedger,
-    Price,
-    PriceTable,
-    SqliteUsageLedger,
-    UsageLedger,
-    UsageMeter,
-    UsageRow,
-    usage_table,
-)
+from gateway.usage.meter import Price, PriceTable, UsageMeter, usage_table
+from gateway.usage.pg_store import PostgresUsageLedger
+from gateway.usage.protocol import UsageLedger, UsageRow
+from gateway.usage.store import SqliteUsageLedger
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram
 from tests.test_cli_e2e import base_env, llm_env, run_gateway

@@ -14,8 +14,8 @@ import pytest
 from channels.whatsapp import FileWhatsAppStore, RetryPolicy, WhatsAppChannel
 from gateway.config import Settings, WhatsAppSettings
 from gateway.http import WHATSAPP_WEBHOOK_PATH, HealthState, HttpServer
+from gateway.http.metrics import Metrics
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.metrics import Metrics
 from tests.fakes.whatsapp_server import PHONE_NUMBER_ID, FakeWhatsApp
 
 pytestmark = pytest.mark.anyio

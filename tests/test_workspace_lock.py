@@ -1,4 +1,4 @@
-"""One gateway per workspace (`gateway.workspace.WorkspaceLock`): a second `gateway run` on
+"""One gateway per workspace (`gateway.storage.workspace.WorkspaceLock`): a second `gateway run` on
 a workspace is refused in one line naming the first one's pid and address; commands that
 only read run beside it, commands that change the workspace say it must be stopped first;
 `gateway doctor` reports it; a SIGKILLed gateway leaves no stale lock. With real
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.workspace import EXIT_BUSY, LOCK_FILE, WorkspaceBusy, WorkspaceLock, holder
+from gateway.storage.workspace import EXIT_BUSY, LOCK_FILE, WorkspaceBusy, WorkspaceLock, holder
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_process import ROOT, GatewayProcess, base_env
 

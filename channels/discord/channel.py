@@ -17,7 +17,7 @@ of docs/delivery.md is kept anyway, by these rules (tested in tests/test_discord
 and tests/test_discord_kill.py):
 - Journal, then move on: every message is submitted (journaled by the dispatcher,
   deduped by its message id, a snowflake) one at a time, in the order it arrived, and
-  only then is its conversation's position (`gateway.cursors`) moved past it. A message
+  only then is its conversation's position (`gateway.journal.cursors`) moved past it. A message
   that was not taken (the journal failed) stops its conversation: nothing after it is
   submitted until a backfill from the position brings it again, retried with backoff.
 - Backfill on every new session: after READY (a start, or a session Discord would not
@@ -93,17 +93,20 @@ from loguru import logger
 from channels.discord.format import DISCORD_LIMIT, discord_messages, split_discord
 from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, DiscordSettings
-from gateway.cursors import CursorStore, Lead
+from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.media.errors import FileTooLarge
 from gateway.messages import (
     META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
     META_SENT_AT,
     Attachment,
     InboundMessage,
@@ -163,7 +166,7 @@ class Pacing:
 
 @dataclass(frozen=True, slots=True)
 class Positions:
-    """The bot's read positions, saved as one cursor (`gateway.cursors`) named
+    """The bot's read positions, saved as one cursor (`gateway.journal.cursors`) named
     `discord:<bot id>`: each conversation's last settled message id with when it moved,
     and the watermark (a snowflake: the last moment, less a margin, at which everything
     the bot can read had been read; None before the first)."""
@@ -609,7 +612,7 @@ class DiscordChannel:
     """The Discord adapter; see the module docstring for what it promises.
 
     Build it from `settings.channels.discord`, the resolved token and the store of read
-    positions (`gateway.cursors`), and add it to the daemon.
+    positions (`gateway.journal.cursors`), and add it to the daemon.
     """
 
     name = CHANNEL
@@ -631,8 +634,8 @@ class DiscordChannel:
         self.settings = settings
         self.pacing = pacing or Pacing()
         #: Runs the Gateway connection with the store of read positions: at once (one
-        #: process, `gateway.cursors.run_with`), or once this replica holds the "discord
-        #: gateway" role (`gateway.cursors_pg.lead_as`), its positions written on the
+        #: process, `gateway.journal.cursors.run_with`), or once this replica holds the "discord
+        #: gateway" role (`gateway.journal.pg_cursors.lead_as`), its positions written on the
         #: connection that holds it.
         self.lead = lead
         #: Several replicas share the bot: every one logs in for the HTTP API (replies,

@@ -82,13 +82,14 @@ from channels.email.mailbox import (
 )
 from channels.email.state import MailboxMark, MailboxMarks
 from gateway import failpoints
-from gateway.access import META_IS_GROUP, META_SENDER_NAME
 from gateway.channel import Submit
 from gateway.config import ConfigError, EmailSettings
-from gateway.cursors import CursorStore, Lead
+from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.messages import (
+    META_IS_GROUP,
     META_REPLY_CONTEXT,
+    META_SENDER_NAME,
     META_SENT_AT,
     Attachment,
     InboundMessage,
@@ -506,8 +507,8 @@ class EmailChannel:
     """The email adapter; see the module docstring for what it promises.
 
     `lead` runs the watch loop with the cursor store that keeps the mailbox's mark: at
-    once with the workspace's cursor file (`gateway.cursors.run_with`), or in the shared
-    mode once this replica holds the "email watcher" role (`gateway.cursors_pg.lead_as`),
+    once with the workspace's cursor file (`gateway.journal.cursors.run_with`), or in the shared
+    mode once this replica holds the "email watcher" role (`gateway.journal.pg_cursors.lead_as`),
     so exactly one replica holds the IMAP connection that watches the folder; every
     replica sends replies.
     """

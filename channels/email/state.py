@@ -1,5 +1,5 @@
 """How far the email channel has read each mailbox: the folder's UIDVALIDITY and the
-highest UID it has taken in, kept as a channel cursor (`gateway.cursors`): the
+highest UID it has taken in, kept as a channel cursor (`gateway.journal.cursors`): the
 workspace's cursor file, or in the shared mode `gw_channel_cursors`, written on the
 connection that holds the "email watcher" role, so a replica that lost the role cannot
 write it any more and the one that took over goes on from it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.cursors import CursorStore
+from gateway.journal.protocol import CursorStore
 
 #: Cursor names of the email channel: `email:<user>@<host>/<folder>`.
 CURSOR_PREFIX = "email:"

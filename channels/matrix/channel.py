@@ -13,7 +13,7 @@ a reply to the message (a thread reply inside a thread).
 
 Promises (each one tested in tests/test_matrix*.py against Synapse, and by the kill test):
 - Journal before confirm: `/sync`'s `since` token is Matrix's confirmation. The token
-  after a batch is stored (`gateway.cursors`) only once `submit` returned for every
+  after a batch is stored (`gateway.journal.cursors`) only once `submit` returned for every
   message of the batch; a kill at any moment leaves every event either in the journal or
   still after the stored token, where the next `/sync` finds it again. A timeline the
   homeserver cut short (`limited`) is filled from `/messages` back to the stored token
@@ -34,7 +34,7 @@ Promises (each one tested in tests/test_matrix*.py against Synapse, and by the k
   answered with the device's keys (`channels.matrix.crypto`): a message is decrypted
   before it is translated; a reply, an edit, a notice and a file into an encrypted room
   always go out encrypted, never in clear (another replica's reply is encrypted by the
-  sync leader, through `gateway.relay_pg`). A message whose room key has not come waits
+  sync leader, through `gateway.journal.pg_relay`). A message whose room key has not come waits
   for it (`room_key_wait`), and so do the later messages of its room, in order; the
   stored token never passes a waiting message, so a restart finds it again. Past the
   wait, its sender is told once that it could not be read. The crypto state is durable
@@ -87,25 +87,20 @@ from channels.matrix.format import (
 from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
 from gateway import failpoints
-from gateway.access import (
-    META_IS_GROUP,
-    META_MENTIONED,
-    META_REPLY_TO_BOT,
-    META_SENDER_NAME,
-    Allow,
-    Challenge,
-    Decision,
-    Deny,
-)
+from gateway.access.policy import Allow, Challenge, Decision, Deny
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, MatrixSettings
-from gateway.cursors import CursorStore, Lead
+from gateway.journal.protocol import CursorStore, Lead, Relay
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
     META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
     META_SENT_AT,
     Attachment,
     InboundMessage,
@@ -116,7 +111,6 @@ from gateway.messages import (
 if TYPE_CHECKING:
     from nio import AsyncClient
 
-    from gateway.relay_pg import PostgresRelay
 
 CHANNEL = "matrix"
 THREAD = "thread"
@@ -577,7 +571,7 @@ class MatrixChannel:
         self.invite_check: InviteCheck | None = None
         #: Several replicas: replies to encrypted rooms go through the replica that holds
         #: the device's keys (set by the daemon in the shared mode).
-        self.relay: PostgresRelay | None = None
+        self.relay: Relay | None = None
         self._client: AsyncClient | None = None
         self._submit: Submit | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -762,7 +756,7 @@ class MatrixChannel:
             self._crypto_ready = anyio.Event()
             raise
 
-    async def _serve_relay(self, relay: PostgresRelay) -> None:
+    async def _serve_relay(self, relay: Relay) -> None:
         """Encrypt and send the other replicas' events for encrypted rooms, once the
         rooms are known here."""
         await self._crypto_ready.wait()
@@ -1347,7 +1341,7 @@ class MatrixChannel:
                 f"send to {room_id}: the device's encryption keys are not loaded yet",
                 retryable=True,
             )
-        from gateway.relay_pg import RelayRefused, RelayUnanswered
+        from gateway.journal.protocol import RelayRefused, RelayUnanswered
 
         request = {"room_id": room_id, "type": event_type, "content": dict(content), "txn": txn}
         try:
@@ -1365,7 +1359,7 @@ class MatrixChannel:
     async def _relayed_send(self, request: dict[str, Any]) -> dict[str, Any]:
         """Another replica's event for an encrypted room, sent here (the relay's handler):
         the same transaction id, so a repeat is the same event."""
-        from gateway.relay_pg import RelayRefused
+        from gateway.journal.protocol import RelayRefused
 
         try:
             event_id = await self._send_event(

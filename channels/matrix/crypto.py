@@ -1,6 +1,6 @@
 """End-to-end encryption for the Matrix channel: the bot device's Olm account, its Olm
 and Megolm sessions and the devices it knows (matrix-nio's machine over vodozemac), held
-in memory and persisted as one blob (`gateway.cursors.CursorStore.save_blob`: a private
+in memory and persisted as one blob (`gateway.journal.cursors.CursorStore.save_blob`: a private
 workspace file, or PostgreSQL on the sync leader's lock connection).
 
 Promises kept here:
@@ -32,7 +32,7 @@ import aiohttp
 import anyio
 from loguru import logger
 
-from gateway.cursors import CursorStore
+from gateway.journal.protocol import CursorStore
 
 if TYPE_CHECKING:
     from nio import AsyncClient, Event, MegolmEvent

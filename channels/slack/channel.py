@@ -81,7 +81,6 @@ from channels.slack.format import (
     slack_to_plain,
     split_mrkdwn,
 )
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit
 from gateway.config import ConfigError, SlackSettings
 from gateway.http import SLACK_EVENTS_PATH, HttpServer, json_error
@@ -89,9 +88,13 @@ from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
     META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
     META_POST_ID,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
     META_SENT_AT,
     Attachment,
     InboundMessage,

@@ -88,7 +88,6 @@ from telegram.warnings import PTBDeprecationWarning
 from channels.notices import NoticeCooldown
 from channels.telegram.format import html_to_text, markdown_to_html, split_markdown
 from channels.typing_indicators import TypingIndicators
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.agent.commands import COMMANDS
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, TelegramSettings
@@ -97,8 +96,12 @@ from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
     META_EDIT_OF,
+    META_IS_GROUP,
+    META_MENTIONED,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
     META_SENT_AT,
     Attachment,
     InboundMessage,
@@ -518,7 +521,7 @@ class TelegramChannel:
                 "channels.telegram.token: set GATEWAY_CHANNELS__TELEGRAM__TOKEN (the token "
                 "@BotFather gave you) or channels.telegram.token_file"
             )
-        #: Shared mode (`gateway.replicas.run_as_leader`): runs the poll loop once this
+        #: Shared mode (`gateway.journal.pg_cursors.run_as_leader`): runs the poll loop once this
         #: replica is the one that polls; None polls at once.
         self.poll_leader: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None
         if settings.mode == "webhook" and not settings.webhook_url:

@@ -61,14 +61,17 @@ from channels.notices import NoticeCooldown
 from channels.whatsapp.format import markdown_to_whatsapp, plain_line, split_whatsapp
 from channels.whatsapp.store import HeldReply, SentMessage, WhatsAppStore
 from gateway import failpoints
-from gateway.access import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT, META_SENDER_NAME
 from gateway.channel import Submit, Ticket
 from gateway.config import ConfigError, WhatsAppSettings
 from gateway.http import WHATSAPP_WEBHOOK_PATH, HttpServer, json_error
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
+    META_IS_GROUP,
+    META_MENTIONED,
     META_POST_ID,
+    META_REPLY_TO_BOT,
+    META_SENDER_NAME,
     META_SENT_AT,
     Attachment,
     InboundMessage,

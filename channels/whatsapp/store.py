@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio.to_thread
 
 from gateway.fsutil import SqliteFile
+from gateway.storage.backends import Backends
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
@@ -439,4 +440,14 @@ class PostgresWhatsAppStore:
         return int(await self._call(self._q.held_count))
 
     async def aclose(self) -> None:
-        return None  # the pool is the process's (`gateway.storage.stores.shared_storage`)
+        return None  # the pool is the process's (`gateway.storage.shared.shared_connections`)
+
+
+#: Both of the channel's stores, for the storage seam to open the one of its mode
+#: (`gateway.storage.seam.Storage.open`).
+BACKENDS: Backends[WhatsAppStore] = Backends(
+    files=lambda settings: FileWhatsAppStore(
+        settings.workspace_path / STORE_FILE, io_on_loop=settings.io_on_loop
+    ),
+    postgresql=lambda db: PostgresWhatsAppStore(db.sync),
+)

@@ -22,7 +22,6 @@ import anyio.lowlevel
 from loguru import logger
 
 from gateway import failpoints
-from gateway.access import META_IS_GROUP
 from gateway.agent.commands import (
     PRIVILEGED,
     Command,
@@ -48,6 +47,16 @@ from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.agent.turns import META_STEERED, EarlierTurn, find_turn, user_entry_meta
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheContext, SemanticCache, digest_messages, strip_nocache
+from gateway.dispatch.queue_modes import (
+    MODE_TEXTS,
+    QUEUE_MODE_INFO,
+    QUEUE_MODES,
+    QueueMode,
+    QueueModes,
+    TurnInbox,
+    current_inbox,
+    stored_mode,
+)
 from gateway.llm.types import (
     DEFAULT_CONTEXT_WINDOW,
     ContextOverflow,
@@ -65,6 +74,7 @@ from gateway.messages import (
     META_EDIT_OF,
     META_EPHEMERAL,
     META_IN_SESSION,
+    META_IS_GROUP,
     META_NOTICE,
     META_REPLAYED,
     META_REPLY_ENTRY,
@@ -74,24 +84,14 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
-from gateway.people import DM_CHANNELS, PeopleStore
-from gateway.queue_modes import (
-    MODE_TEXTS,
-    QUEUE_MODE_INFO,
-    QUEUE_MODES,
-    QueueMode,
-    QueueModes,
-    TurnInbox,
-    current_inbox,
-    stored_mode,
-)
+from gateway.people.protocol import DM_CHANNELS, PeopleStore
 from gateway.sessions.errors import SessionError, SessionKeyError
 from gateway.telemetry import telemetry
-from gateway.usage import UsageMeter, usage_scope
+from gateway.usage.meter import UsageMeter, usage_scope
 
 if TYPE_CHECKING:
     # Type-only: importing these at run time would make an import cycle.
-    from gateway.memory.consolidation import Consolidator
+    from gateway.agent.consolidation import Consolidator
     from gateway.memory.protocol import MemoryBackend
     from gateway.sessions import Session, SessionContext, SessionManager
 
@@ -554,7 +554,7 @@ class AgentLoop:
             return None
 
     def queue_mode(self, inbound: InboundMessage) -> QueueMode:
-        """The queue mode of `inbound`'s conversation (`gateway.queue_modes`): its own
+        """The queue mode of `inbound`'s conversation (`gateway.dispatch.queue_modes`): its own
         (`/queue`) when its session is in memory here, else its channel's. Never reads
         the store: the dispatcher asks it on the event loop. A running turn tells its
         inbox the mode as it read it from the session (`TurnInbox.mode`)."""

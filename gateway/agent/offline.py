@@ -12,7 +12,7 @@ from __future__ import annotations
 from gateway.messages import META_SENT_AT, InboundMessage
 
 #: Channels whose messages are never "old": scheduled jobs have their own policy for a
-#: run missed while the gateway was down (`gateway.schedule`).
+#: run missed while the gateway was down (`gateway.schedules.schedule`).
 _TIMELESS_CHANNELS = frozenset({"system"})
 
 

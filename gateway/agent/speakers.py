@@ -13,8 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.access import META_IS_GROUP, META_SENDER_NAME
-from gateway.messages import META_QUOTED_SENDER, META_QUOTED_TEXT
+from gateway.messages import META_IS_GROUP, META_QUOTED_SENDER, META_QUOTED_TEXT, META_SENDER_NAME
 
 MAX_NAME_CHARS = 80
 MAX_QUOTE_CHARS = 500

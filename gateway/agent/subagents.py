@@ -23,11 +23,10 @@ import anyio
 import anyio.abc
 from loguru import logger
 
-from gateway.access import META_MENTIONED
 from gateway.agent.commands import parse_command
 from gateway.agent.tools import Tool, ToolContext
 from gateway.llm.types import ToolSpec
-from gateway.messages import InboundMessage, subagent_depth, subagent_session_key
+from gateway.messages import META_MENTIONED, InboundMessage, subagent_depth, subagent_session_key
 
 if TYPE_CHECKING:
     from gateway.agent.loop import AgentLoop

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from gateway.config.section import Section
-from gateway.queue_modes import QueueMode
+from gateway.dispatch.queue_modes import QueueMode
 
 
 class DispatchSettings(Section):

@@ -23,7 +23,7 @@ class HeartbeatJobSettings(Section):
 
     @model_validator(mode="after")
     def _check(self) -> HeartbeatJobSettings:
-        from gateway.schedule import Schedule
+        from gateway.schedules.schedule import Schedule
 
         Schedule.build(
             every=self.every,

@@ -43,7 +43,7 @@ class ScheduleSettings(Section):
     @field_validator("timezone")
     @classmethod
     def _known_zone(cls, value: str) -> str:
-        from gateway.schedule import zone
+        from gateway.schedules.schedule import zone
 
         zone(value)
         return value

@@ -75,7 +75,7 @@ class ConnectionLimits:
         )
 
 
-#: Told why the server closed a connection: one of `gateway.metrics.HTTP_DROP_REASONS`.
+#: Told why the server closed a connection: one of `gateway.http.metrics.HTTP_DROP_REASONS`.
 OnDrop = Callable[[str], None]
 
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible routes: `POST /v1/chat/completions` and `GET /v1/models`.
 
 The shapes are `gateway.http.openai_api`'s; the turn is the `Door`'s (the daemon's
-`gateway.openai_door.AgentDoor`), so these handlers only authenticate, parse, check the
+`gateway.http.door.AgentDoor`), so these handlers only authenticate, parse, check the
 client's view of the conversation and write the answer.
 
 Invariants (tested in tests/test_openai_api.py):
@@ -54,7 +54,8 @@ from gateway.http.openai_api import (
 )
 
 if TYPE_CHECKING:
-    from gateway.http.server import HttpServer
+    from gateway.http.health import HealthState
+    from gateway.http.throttle import AuthThrottle
 
 COMPLETIONS_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
@@ -150,10 +151,23 @@ def _error(exc: OpenAIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
+class RouteHost(Protocol):
+    """What the routes need of the HTTP server they are added to (`HttpServer`)."""
+
+    app: web.Application
+    auth_throttle: AuthThrottle
+    health: HealthState
+    max_body_bytes: int
+
+    def bearer_refusal(
+        self, request: web.Request, checked: BearerCheck
+    ) -> tuple[str, dict[str, str]] | None: ...
+
+
 class OpenAIRoutes:
     """The two routes, on `server`'s app (see the module doc)."""
 
-    def __init__(self, server: HttpServer, clients: Sequence[ApiClient], door: Door | None):
+    def __init__(self, server: RouteHost, clients: Sequence[ApiClient], door: Door | None):
         self.server = server
         self.clients = list(clients)
         self.door = door

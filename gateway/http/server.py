@@ -51,6 +51,7 @@ from gateway.http.auth import (
 from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
 from gateway.http.limits import BodyTimeout, ConnectionLimits, GuardedRunner, body_deadline
+from gateway.http.metrics import Metrics
 from gateway.http.openai_api import error_body
 from gateway.http.openai_routes import (
     COMPLETIONS_PATH,
@@ -62,7 +63,6 @@ from gateway.http.openai_routes import (
 )
 from gateway.http.throttle import AuthThrottle, client_address, parse_networks
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.metrics import Metrics
 
 ChatHandler = Callable[[InboundMessage], Awaitable[OutboundMessage | None]]
 

@@ -7,7 +7,7 @@ from gateway.llm.openai_provider import DEFAULT_BASE_URL
 from gateway.media.documents import DocumentLimits
 from gateway.media.prepare import MediaConfig, MediaPreparer
 from gateway.media.transcribe import Transcriber
-from gateway.usage import UsageMeter
+from gateway.usage.meter import UsageMeter
 
 _MB = 1024 * 1024
 

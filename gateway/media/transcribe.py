@@ -12,7 +12,7 @@ import anyio.to_thread
 from loguru import logger
 
 from gateway.media.errors import MediaError
-from gateway.usage import UsageMeter, count_transcription
+from gateway.usage.meter import UsageMeter, count_transcription
 
 # The openai client is imported and made at the first voice note: most turns have none,
 # and a one-shot `gateway chat -m` should not pay for loading it.

@@ -85,7 +85,7 @@ from gateway.memory.messages import (
 from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
 from gateway.memory.text import one_line, tokenize
-from gateway.people import PeopleStore, person_scope
+from gateway.people.protocol import PeopleStore, person_scope
 from gateway.storage import fence
 
 if TYPE_CHECKING:
@@ -810,8 +810,8 @@ _UNLOCK = f"SELECT pg_advisory_unlock({_LOCK_KEYS})"
 
 
 class PostgresConsolidationGuard:
-    """Consolidation state shared by replicas (`gateway.memory.consolidation.
-    ConsolidationGuard`): one replica at a time consolidates a session, and the last
+    """Consolidation state shared by replicas (`gateway.memory.protocol.ConsolidationGuard`):
+    one replica at a time consolidates a session, and the last
     consolidated span of each session is a row in ``gw_consolidations``."""
 
     def __init__(self, pool: ConnectionPool, replica: str) -> None:

@@ -223,3 +223,32 @@ class MemoryBackend(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class ConsolidationLease(Protocol):
+    """A session's consolidation held by this process (`ConsolidationGuard.acquire`)."""
+
+    def consolidated(self) -> tuple[str, str] | None:
+        """`(session_id, first_kept_entry_id)` of the session's last recorded
+        consolidation, or None."""
+        ...
+
+    def record(
+        self, session_id: str, first_kept_entry_id: str, *, summarized: int, facts: int
+    ) -> None:
+        """Store how far the session is consolidated now."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class ConsolidationGuard(Protocol):
+    """Consolidation state shared by replicas: who runs a session's consolidation now,
+    and how far it went (`gateway.memory.pg_store.PostgresConsolidationGuard`, opened by the
+    storage seam). Blocking:
+    called in worker threads. Without one (the file mode: one process owns the
+    workspace) the consolidator's per-session lock is enough."""
+
+    def acquire(self, session_key: str) -> ConsolidationLease | None:
+        """The session's lease, or None while another replica holds it."""
+        ...

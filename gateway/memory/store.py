@@ -25,7 +25,7 @@ from gateway.memory.scopes import (
     scope_dirname,
     scope_for_session,
 )
-from gateway.people import PeopleStore, person_scope
+from gateway.people.protocol import PeopleStore, person_scope
 
 
 def session_keys(sessions_dir: Path) -> set[str]:

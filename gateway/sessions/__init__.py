@@ -36,17 +36,17 @@ if TYPE_CHECKING:
         SessionKeyError,
         UnsupportedVersionError,
     )
-    from gateway.sessions.hooks import (
-        BeforeCompactEvent,
-        BeforeForkEvent,
-        CancelOperation,
-        CompactEvent,
-        HookRegistry,
-        TreeEvent,
-    )
+    from gateway.sessions.hooks import CancelOperation, HookRegistry
     from gateway.sessions.keys import decode_key, encode_key, session_path
     from gateway.sessions.listing import ArchivedSessionInfo, SessionInfo
-    from gateway.sessions.manager import Session, SessionManager
+    from gateway.sessions.manager import (
+        BeforeCompactEvent,
+        BeforeForkEvent,
+        CompactEvent,
+        Session,
+        SessionManager,
+        TreeEvent,
+    )
     from gateway.sessions.store import FsyncPolicy, GroupCommitter, LoadReport
     from gateway.sessions.tree import SessionTree, TreeNode
 
@@ -78,17 +78,17 @@ __getattr__, __dir__ = lazy_exports(
             "SessionKeyError",
             "UnsupportedVersionError",
         ),
-        "hooks": (
-            "BeforeCompactEvent",
-            "BeforeForkEvent",
-            "CancelOperation",
-            "CompactEvent",
-            "HookRegistry",
-            "TreeEvent",
-        ),
+        "hooks": ("CancelOperation", "HookRegistry"),
         "keys": ("decode_key", "encode_key", "session_path"),
         "listing": ("ArchivedSessionInfo", "SessionInfo"),
-        "manager": ("Session", "SessionManager"),
+        "manager": (
+            "BeforeCompactEvent",
+            "BeforeForkEvent",
+            "CompactEvent",
+            "Session",
+            "SessionManager",
+            "TreeEvent",
+        ),
         "store": ("FsyncPolicy", "GroupCommitter", "LoadReport"),
         "tree": ("SessionTree", "TreeNode"),
     },

@@ -1,18 +1,15 @@
 """Session hooks: extensions observe tree navigation and compaction, and may veto forks
-and compactions before they happen."""
+and compactions before they happen. The events they get are `gateway.sessions.manager`'s
+(`TreeEvent`, `CompactEvent`, `BeforeForkEvent`, `BeforeCompactEvent`), which carry the
+`Session` they happen to."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 from gateway.logs import logger
-
-if TYPE_CHECKING:
-    from gateway.sessions.entries import BranchEntry, CompactionEntry, LeafEntry
-    from gateway.sessions.manager import Session
 
 HookEvent = Literal[
     "session_before_fork", "session_tree", "session_before_compact", "session_compact"
@@ -25,37 +22,6 @@ Hook = Callable[[Any], object]
 
 class CancelOperation(Exception):
     """Raise from a ``before`` hook to cancel the operation (same as returning False)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BeforeForkEvent:
-    session: Session
-    entry_id: str | None
-    new_key: str
-
-
-@dataclass(frozen=True, slots=True)
-class TreeEvent:
-    """The leaf moved: `Session.branch` (a leaf entry) or `branch_with_summary`."""
-
-    session: Session
-    old_leaf_id: str | None
-    new_leaf_id: str | None
-    entry: LeafEntry | BranchEntry
-
-
-@dataclass(frozen=True, slots=True)
-class BeforeCompactEvent:
-    session: Session
-    summary: str
-    first_kept_entry_id: str | None
-    tokens_before: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class CompactEvent:
-    session: Session
-    entry: CompactionEntry
 
 
 class HookRegistry:

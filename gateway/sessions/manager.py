@@ -17,6 +17,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,13 +48,7 @@ from gateway.sessions.errors import (
     SessionError,
     SessionExistsError,
 )
-from gateway.sessions.hooks import (
-    BeforeCompactEvent,
-    BeforeForkEvent,
-    CompactEvent,
-    HookRegistry,
-    TreeEvent,
-)
+from gateway.sessions.hooks import HookRegistry
 from gateway.sessions.keys import SUFFIX, encode_key, session_path
 from gateway.sessions.listing import (
     ArchivedSessionInfo,
@@ -95,6 +90,39 @@ def _message_factory(msg: LLMMessage, meta: Mapping[str, Any] | None) -> EntryFa
     return lambda tree, eid, ts: MessageEntry(
         id=eid, parent_id=tree.leaf_id, timestamp=ts, message=msg, meta=meta_dict
     )
+
+
+@dataclass(frozen=True, slots=True)
+class BeforeForkEvent:
+    """A fork is about to happen (`session_before_fork`; a hook may veto it)."""
+
+    session: Session
+    entry_id: str | None
+    new_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class TreeEvent:
+    """The leaf moved: `Session.branch` (a leaf entry) or `branch_with_summary`."""
+
+    session: Session
+    old_leaf_id: str | None
+    new_leaf_id: str | None
+    entry: LeafEntry | BranchEntry
+
+
+@dataclass(frozen=True, slots=True)
+class BeforeCompactEvent:
+    session: Session
+    summary: str
+    first_kept_entry_id: str | None
+    tokens_before: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CompactEvent:
+    session: Session
+    entry: CompactionEntry
 
 
 class Session:
@@ -621,7 +649,7 @@ class SessionManager:
         """The cached session of ``key`` as it is, without reading its store; None when
         it is not cached or the cache is busy. Only for a caller that knows no other
         process wrote to the session since this one last read it (the shared mode's
-        session lease, `gateway.replicas`)."""
+        session lease, `gateway.dispatch.router`)."""
         if not self._lock.acquire(blocking=False):
             return None
         try:

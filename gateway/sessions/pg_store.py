@@ -48,21 +48,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from loguru import logger
 
+from gateway.logs import logger
 from gateway.sessions.entries import Entry, SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionExistsError
 from gateway.sessions.outputs import HANDLE, encode_output, new_handle
-from gateway.sessions.store import (
-    EntryFactory,
-    LoadReport,
-    build_entry,
-    encode_line,
-    new_header,
-)
+from gateway.sessions.store import EntryFactory, LoadReport, build_entry, encode_line, new_header
 from gateway.sessions.tree import SessionTree
 from gateway.storage import fence
-from gateway.usage import riding_rows
+from gateway.usage.pg_store import riding_rows
 
 if TYPE_CHECKING:
     import psycopg

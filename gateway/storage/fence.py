@@ -1,7 +1,7 @@
 """Fencing tokens: a turn's writes in the shared mode carry its session lease's epoch, and
 PostgreSQL refuses them once the lease has moved on (migration 0010, ``gw_fence``).
 
-The promise kept here, with `gateway.replicas` and `gateway.dispatch`: a replica whose
+The promise kept here, with `gateway.dispatch.router` and `gateway.dispatch`: a replica whose
 lease of a session went to another replica while it was paused (a stop-the-world GC, a
 VM migration, a CPU quota, SIGSTOP) stores nothing and sends nothing for that session
 when it wakes up. At most the one send already under way when it froze can still go out.

@@ -29,7 +29,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from loguru import logger
+from gateway.logs import logger
 
 if TYPE_CHECKING:
     import psycopg

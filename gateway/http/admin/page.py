@@ -61,9 +61,9 @@ from gateway.messages import OutboundMessage
 from gateway.sessions.errors import SessionKeyError
 
 if TYPE_CHECKING:
-    from gateway.access import PairingBackend
+    from gateway.access.protocol import PairingBackend
     from gateway.cache import SemanticCache
-    from gateway.dispatch import DispatcherStats
+    from gateway.dispatch.dispatcher import DispatcherStats
     from gateway.http.server import HttpServer
     from gateway.llm.breaker import BreakerStatus
     from gateway.memory.protocol import MemoryBackend
@@ -524,7 +524,7 @@ class AdminPage:
         if channel not in self.sources.pairing_channels or not code:
             return await self.pairing(request, login, error="Choose a channel and enter a code.")
         store = self.sources.pairing
-        from gateway.access import normalize_code
+        from gateway.access.protocol import normalize_code
 
         wanted = normalize_code(code)
 

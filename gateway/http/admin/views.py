@@ -15,8 +15,8 @@ from typing import Literal
 
 from markupsafe import Markup, escape
 
+from gateway.http.metrics import turn_outcome
 from gateway.messages import OutboundMessage
-from gateway.metrics import turn_outcome
 from gateway.sessions import SessionInfo
 from gateway.sessions.entries import (
     BranchEntry,

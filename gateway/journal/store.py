@@ -1,32 +1,6 @@
-"""The inbound journal: what a platform handed over is answered once, and never lost.
-
-Platforms redeliver: Slack retries an event it thinks was not acknowledged, Telegram
-hands out the same updates again until a later `getUpdates` confirms them. The
-dispatcher asks a `DedupeStore` about every message that carries a platform id and
-drops the ones it has seen; it journals the others before the channel confirms them to
-the platform, and records each reply in an outbox before it is sent.
-
-The delivery promise, in ARCHITECTURE terms ("Delivery"): a message a platform handed
-us is answered exactly once; when the process dies at the worst moment, its reply is
-sent at most one extra time; it is never lost. The store keeps its part of it:
-- `seen_or_add(key)` is an atomic check-and-claim: of two calls with one key, exactly
-  one gets False ("new: answer it"), whatever their interleaving. `release(key)` gives
-  a claim back (the message could not be journaled: the platform must send it again).
-- `journal(key, msg)` returns once `msg` would survive a crash of the process; a
-  channel confirms a message to its platform only after that (journal before confirm).
-- `record_reply(keys, reply)` returns once the reply would survive a crash; the
-  dispatcher calls it before the reply is sent, so after a crash the replay re-sends
-  that reply instead of running the turn again (the outbox).
-- `mark_done(key)`, after the reply went out, makes the key a duplicate for good (for
-  `ttl` seconds, across restarts) and drops its journal and outbox rows.
-- `unanswered()` gives back what a crash left between `journal` and `mark_done`,
-  oldest first, each with its recorded reply if there was one, for the replay.
-
-`FileDedupeStore` (one SQLite file in the workspace) is the embedded default and
-assumes one daemon per workspace; `MemoryDedupeStore` is for tests and one-shot runs
-and journals nothing. A shared store for replicas (PostgreSQL) implements the same
-protocol, with a unique key on the platform message id in place of the in-memory claims.
-"""
+"""The inbound journal of one gateway: `FileDedupeStore`, one SQLite file in the workspace
+(the embedded default, one daemon per workspace), and `MemoryDedupeStore` for tests and
+one-shot runs, which journals nothing. The promises are `gateway.journal.protocol`'s."""
 
 from __future__ import annotations
 
@@ -36,9 +10,8 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -46,96 +19,16 @@ import anyio.to_thread
 from loguru import logger
 
 from gateway.fsutil import SqliteFile
+from gateway.journal.protocol import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_TTL,
+    Unanswered,
+)
 from gateway.messages import InboundMessage, OutboundMessage
 
-DEFAULT_TTL = 7 * 24 * 3600.0
-DEFAULT_MAX_ENTRIES = 100_000
 SCHEMA_VERSION = 3
 
 _T = TypeVar("_T")
-
-
-def dedupe_key(msg: InboundMessage) -> str | None:
-    """The identity of a platform message, or None when it has no id (never deduped).
-
-    The chat id is part of it because platform ids are unique per chat only (Telegram
-    message ids, Slack `ts`). Length prefixes keep the parts apart whatever they hold.
-    """
-    if not msg.message_id:
-        return None
-    channel, chat = msg.channel, msg.chat_id
-    return f"{len(channel)}:{channel}:{len(chat)}:{chat}:{msg.message_id}"
-
-
-class ClaimBusy(Exception):
-    """`seen_or_add` cannot say yet: another process claimed the message and has not
-    journaled it (a replica, for a few milliseconds). The message is not taken now; the
-    platform, not told we have it, sends it again."""
-
-
-@dataclass(frozen=True, slots=True)
-class Unanswered:
-    """A journaled message a crash left unanswered, and the reply recorded for it
-    before the crash (None: the turn never finished; it has to run)."""
-
-    message: InboundMessage
-    reply: OutboundMessage | None = None
-    #: One id per recorded reply: messages merged into one turn share it.
-    reply_id: str | None = None
-
-    @classmethod
-    def from_stored(
-        cls, raw: str, reply_id: str | None, raw_reply: str | None
-    ) -> Unanswered | None:
-        """A journal row as stored (the message's and the reply's JSON); None, logged,
-        when the message cannot be read. An unreadable reply is dropped: the turn then
-        runs again, since a second answer beats none."""
-        try:
-            message = InboundMessage.from_dict(json.loads(raw))
-        except (ValueError, TypeError, KeyError) as exc:
-            logger.error("dedupe: an unreadable journaled message is skipped: {}", exc)
-            return None
-        reply = None
-        if raw_reply is not None:
-            try:
-                reply = OutboundMessage.from_dict(json.loads(raw_reply))
-            except (ValueError, TypeError, KeyError) as exc:
-                logger.error("dedupe: an unreadable recorded reply is skipped: {}", exc)
-        return cls(message, reply, reply_id if reply is not None else None)
-
-
-@runtime_checkable
-class DedupeStore(Protocol):
-    """Remembers which platform messages were already taken in (see the module)."""
-
-    async def seen_or_add(self, key: str) -> bool:
-        """True if `key` was seen (a duplicate); else remember it and return False.
-        Raises `ClaimBusy` when another process holds a claim it has not journaled."""
-        ...
-
-    async def release(self, key: str) -> None:
-        """Forget the claim `seen_or_add` made (the message was not taken in)."""
-        ...
-
-    async def mark_done(self, key: str) -> None:
-        """The message of `key` was answered: a redelivery is a duplicate for good,
-        also after a restart; its journal and outbox rows go."""
-        ...
-
-    async def journal(self, key: str, msg: InboundMessage) -> None:
-        """Keep `msg` until `mark_done(key)`: returns once it would survive a crash."""
-        ...
-
-    async def record_reply(self, keys: Sequence[str], reply: OutboundMessage) -> None:
-        """The reply to the messages of `keys`, about to be sent: returns once it would
-        survive a crash (until `mark_done`)."""
-        ...
-
-    async def unanswered(self) -> list[Unanswered]:
-        """Journaled messages never answered (oldest first): what a crash left."""
-        ...
-
-    async def aclose(self) -> None: ...
 
 
 class MemoryDedupeStore:

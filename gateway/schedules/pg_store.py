@@ -1,6 +1,6 @@
 """Reminders and scheduled tasks in PostgreSQL (`gw_schedules`), shared by every replica.
 
-The same rules as the jobs file (`gateway.reminders.JobStore`): a conversation holds at
+The same rules as the jobs file (`gateway.schedules.protocol.JobStore`): a conversation holds at
 most `limit` jobs (adds for one owner are serialized by a transaction-level advisory
 lock, so the count holds across replicas), and `advance` is a compare-and-set on the
 job's due time. Each replica's runner sees a due job; all submit its run under the same
@@ -12,13 +12,21 @@ under the same lock: every replica asking for one run gets the same grant.
 from __future__ import annotations
 
 import json
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from gateway.journal.pg_store import PostgresDedupeStore
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import date, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from datetime import date, timedelta
+from typing import TYPE_CHECKING
 
-from gateway.reminders import RunGrant, ScheduledJob, grant_run
+from gateway.schedules.protocol import RunGrant, ScheduledJob, grant_run
 from gateway.storage import fence
 from gateway.storage.postgres import StorageUnavailable
 
@@ -129,3 +137,35 @@ class PostgresJobStore:
                 (owner, day - timedelta(days=1)),
             )
         return grant
+
+
+class SharedRunState:
+    """Heartbeat jobs' last runs in PostgreSQL (``gw_heartbeat_runs``), so that of all the
+    replicas due at once exactly one runs each job (`claim` is a compare-and-set)."""
+
+    def __init__(self, store: PostgresDedupeStore) -> None:
+        self.store = store
+
+    async def alast_run(self, job: str) -> datetime | None:
+        async with self.store.connection() as conn:
+            cur = await conn.execute(
+                "SELECT last_run FROM gw_heartbeat_runs WHERE job = %s", (job,)
+            )
+            row = await cur.fetchone()
+        return None if row is None else row[0]  # type: ignore[no-any-return]
+
+    async def claim(self, job: str, expected: datetime | None, when: datetime) -> bool:
+        async with self.store.connection() as conn:
+            if expected is None:
+                cur = await conn.execute(
+                    "INSERT INTO gw_heartbeat_runs (job, last_run) VALUES (%s, %s) "
+                    "ON CONFLICT (job) DO NOTHING RETURNING job",
+                    (job, when),
+                )
+            else:
+                cur = await conn.execute(
+                    "UPDATE gw_heartbeat_runs SET last_run = %s WHERE job = %s "
+                    "AND last_run = %s RETURNING job",
+                    (when, job, expected),
+                )
+            return await cur.fetchone() is not None

@@ -1,6 +1,6 @@
 """The inbound journal in PostgreSQL: one dedupe and one journal for every replica.
 
-The same `DedupeStore` protocol and promises as `gateway.dedupe` (read its docstring), kept
+The same `DedupeStore` protocol and promises as `gateway.journal` (read its docstring), kept
 across processes and machines by one table, ``gw_inbound``, whose primary key is the
 platform message's dedupe key:
 - `seen_or_add` is an ``INSERT ... ON CONFLICT``: of any number of replicas claiming one
@@ -28,13 +28,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from loguru import logger
 
-from gateway.dedupe import DEFAULT_TTL, ClaimBusy, Unanswered
+from gateway.journal.protocol import DEFAULT_TTL, ClaimBusy, LeaseAsk, Unanswered
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.storage import fence
 
@@ -81,7 +80,7 @@ _OTHERS = """ARRAY(SELECT i.dedupe_key FROM gw_inbound i
     WHERE i.session_key = c.session_key AND i.state = 'journaled' LIMIT %(look)s)"""
 
 # `take_in` with a `LeaseAsk`: the claim and journal of `_CLAIM`, and in the same round
-# trip the session's lease taken for this replica (as `gateway.replicas` takes it), or,
+# trip the session's lease taken for this replica (as `gateway.dispatch.router` takes it), or,
 # when another live replica holds it, that replica kicked (NOTIFY) to run the message;
 # and the look at the session's other journaled messages.
 #: A session's lease taken for replica ``%(me)s`` for ``%(ttl)s`` seconds when it is free
@@ -123,31 +122,6 @@ _CLAIM_AND_LOOK = (
     + _OTHERS
     + ", NULL\nFROM claimed c\n"
 )
-
-
-@dataclass
-class LeaseAsk:
-    """`take_in`'s request to take the message's session lease too (`gateway.replicas`):
-    for `ttl` seconds, else to kick its holder on channel `kicks`; with `take` False (a
-    pump of this replica runs the session) only the look below. Once the message is
-    journaled, `taken` says how the lease went (None for a duplicate or a claim that
-    waited), and `others` holds the dedupe keys of the session's other journaled
-    messages as the same statement saw them (None: more than `look`), with `entry` the
-    message as a read of its row would give it: the router hands it over without that
-    read when it knows all the others. When the lease was taken, `epoch` is its fencing
-    token and `sent` the `time.monotonic()` at which the statement was sent (the lease
-    runs at least `ttl` seconds from then)."""
-
-    ttl: float
-    kicks: str
-    take: bool = True
-    look: int = 16
-    taken: bool | None = None
-    others: list[str] | None = None
-    entry: Unanswered | None = None
-    epoch: int | None = None
-    sent: float = 0.0
-
 
 _TAKE_OVER = """
 UPDATE gw_inbound AS row SET claimed_by = %(me)s

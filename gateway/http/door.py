@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -31,8 +32,15 @@ from gateway.messages import META_API_STREAM, META_EPHEMERAL, InboundMessage
 from gateway.sessions.entries import MessageEntry
 
 if TYPE_CHECKING:
-    from gateway.daemon import Daemon
-    from gateway.usage import UsageRow
+    from gateway.agent import AgentLoop
+    from gateway.config import LLMSettings
+    from gateway.dispatch.lanes import SubmitStatus
+    from gateway.messages import OutboundMessage
+    from gateway.usage.protocol import UsageRow
+
+#: How a message of the API is run and answered: the daemon's `api_turn` (its submit
+#: status and its reply; ApiError(503) when it was not taken in).
+ApiTurn = Callable[[InboundMessage], Awaitable[tuple["SubmitStatus", "OutboundMessage | None"]]]
 
 #: Seconds a client is asked to wait before sending again (429, 503).
 RETRY_AFTER_SECONDS = "2"
@@ -41,22 +49,33 @@ _POLL_SECONDS = 0.1
 
 
 class AgentDoor:
-    """`gateway.http.openai_routes.Door` over a running `Daemon`."""
+    """`gateway.http.openai_routes.Door` over a running daemon: its agent, its `[llm]`
+    settings, how it runs an API message (`api_turn`), and where a streamed reply's text
+    deltas go (`streams`, by stream id, which the daemon's delivery writes to)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        agent: AgentLoop,
+        llm: LLMSettings,
+        api_turn: ApiTurn,
+        streams: dict[str, Callable[[str], None]],
+    ) -> None:
+        self.agent = agent
+        self.llm = llm
+        self.api_turn = api_turn
+        self.streams = streams
         self._usage: dict[str, Counter[str]] = {}
         self._usage_lock = threading.Lock()
-        usage = daemon.gateway.agent.usage
+        usage = agent.usage
         if usage is not None:
             usage.on_record(self._count)
 
     def models(self) -> list[str]:
-        llm = self.daemon.gateway.settings.llm
+        llm = self.llm
         return list(dict.fromkeys([llm.model, *llm.fallback_models, *llm.aliases]))
 
     async def stored_user_texts(self, session_key: str) -> list[str]:
-        session = await self.daemon.gateway.sessions.aget_or_create(session_key)
+        session = await self.agent.sessions.aget_or_create(session_key)
         branch = await anyio.to_thread.run_sync(session.get_branch)
         return [
             entry.message.content
@@ -80,7 +99,7 @@ class AgentDoor:
     # ------------------------------------------------------------------ the turn
 
     async def run(self, turn: DoorTurn, on_delta: DeltaSink | None) -> DoorReply:
-        from gateway.dispatch import SubmitStatus
+        from gateway.dispatch.lanes import SubmitStatus
 
         key = turn.session_key
         _, _, chat_id = key.partition(":")
@@ -89,7 +108,7 @@ class AgentDoor:
         if on_delta is not None:
             stream_id = uuid.uuid4().hex
             metadata[META_API_STREAM] = stream_id
-            self.daemon.api_streams[stream_id] = on_delta
+            self.streams[stream_id] = on_delta
         if turn.stateless:
             metadata[META_EPHEMERAL] = True
         message = InboundMessage(
@@ -107,7 +126,7 @@ class AgentDoor:
             if turn.stateless:
                 await self._seed(key, turn)
             try:
-                status, reply = await self.daemon.api_turn(message)
+                status, reply = await self.api_turn(message)
             except ApiError as exc:
                 raise OpenAIError(
                     exc.status,
@@ -120,7 +139,7 @@ class AgentDoor:
             with self._usage_lock:
                 self._usage.pop(key, None)
             if stream_id is not None:
-                self.daemon.api_streams.pop(stream_id, None)
+                self.streams.pop(stream_id, None)
             if turn.stateless and turn.message_id is None:
                 await self._discard(key)
         if status is SubmitStatus.REJECTED_FULL:
@@ -155,8 +174,8 @@ class AgentDoor:
     async def _earlier_reply(self, key: str, message_id: str) -> str:
         """The reply its session holds for `message_id`, waited for while its turn runs;
         OpenAIError(503) when none comes in time."""
-        session = await self.daemon.gateway.sessions.aget_or_create(key)
-        with anyio.move_on_after(self.daemon.gateway.settings.llm.timeout * 3):
+        session = await self.agent.sessions.aget_or_create(key)
+        with anyio.move_on_after(self.llm.timeout * 3):
             while True:
                 await anyio.to_thread.run_sync(session.refresh)
                 branch = await anyio.to_thread.run_sync(session.get_branch)
@@ -182,7 +201,7 @@ class AgentDoor:
 
     async def _seed(self, key: str, turn: DoorTurn) -> None:
         """A stateless call's throwaway session, holding the client's messages."""
-        session = await self.daemon.gateway.sessions.aget_or_create(key)
+        session = await self.agent.sessions.aget_or_create(key)
         if not turn.earlier or session.message_count > 0:
             return  # nothing to hold, or a retry's session, seeded already
         for said in turn.earlier:
@@ -191,7 +210,7 @@ class AgentDoor:
     async def _discard(self, key: str) -> None:
         try:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.daemon.gateway.sessions.delete, key)
-                self.daemon.gateway.agent.forget(key)
+                await anyio.to_thread.run_sync(self.agent.sessions.delete, key)
+                self.agent.forget(key)
         except Exception as exc:  # a leftover file is harmless; say so, do not fail
             logger.warning("stateless session {} was not deleted: {}", key, exc)

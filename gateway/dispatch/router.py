@@ -1,7 +1,7 @@
 """Replicas: which gateway runs a session's turns when several share one PostgreSQL.
 
 Any replica may take a message in (a webhook, a Slack retry, `/api/chat`): it claims and
-journals it in ``gw_inbound`` (`gateway.dedupe_pg`) before the platform is told, exactly
+journals it in ``gw_inbound`` (`gateway.journal.pg_store`) before the platform is told, exactly
 as one gateway does. The journal is then the queue. One replica at a time holds a
 session's lease (``gw_session_leases``) and works through that session's journaled
 messages in journal order (``seq``, the order they were taken in, whichever replica took
@@ -39,30 +39,31 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 from loguru import logger
 
-from gateway.dedupe import Unanswered
-from gateway.dedupe_pg import LEASE_TAKE, LeaseAsk
+from gateway.journal.pg_store import LEASE_TAKE
+from gateway.journal.protocol import LeaseAsk, Unanswered
 from gateway.messages import META_REPLY_WANTED, OutboundMessage
 from gateway.storage import fence as fencing
 from gateway.storage.fence import Fence
 
 if TYPE_CHECKING:
-    import psycopg
+    from gateway.dispatch.lanes import Lanes, Ticket
+    from gateway.journal.pg_store import PostgresDedupeStore
 
-    from gateway.dedupe_pg import PostgresDedupeStore
-    from gateway.dispatch import Dispatcher, Ticket
 
 #: Notification channels, one pair per schema (NOTIFY is database-wide; two deployments
 #: on one database in two schemas must not wake each other): `<name>.<schema>`.
 NOTIFY_CHANNEL = "gw_replies"
+
 KICK_CHANNEL = "gw_kicks"
+
 STOP_CHANNEL = "gw_stops"
+
 #: How often a waiting `/api/chat` request asks the database for its reply, in case the
 #: NOTIFY was lost (a reconnect): rarely, since each ask is a round trip per request.
 REPLY_POLL = 5.0
@@ -155,7 +156,7 @@ class SessionRouter:
     def __init__(
         self,
         store: PostgresDedupeStore,
-        dispatcher: Dispatcher,
+        dispatcher: Lanes,
         *,
         lease_ttl: float = 10.0,
         sweep_interval: float = 2.0,
@@ -741,116 +742,3 @@ async def _first_of(
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(one)
-
-
-class SharedRunState:
-    """Heartbeat jobs' last runs in PostgreSQL (``gw_heartbeat_runs``), so that of all the
-    replicas due at once exactly one runs each job (`claim` is a compare-and-set)."""
-
-    def __init__(self, store: PostgresDedupeStore) -> None:
-        self.store = store
-
-    async def alast_run(self, job: str) -> datetime | None:
-        async with self.store.connection() as conn:
-            cur = await conn.execute(
-                "SELECT last_run FROM gw_heartbeat_runs WHERE job = %s", (job,)
-            )
-            row = await cur.fetchone()
-        return None if row is None else row[0]  # type: ignore[no-any-return]
-
-    async def claim(self, job: str, expected: datetime | None, when: datetime) -> bool:
-        async with self.store.connection() as conn:
-            if expected is None:
-                cur = await conn.execute(
-                    "INSERT INTO gw_heartbeat_runs (job, last_run) VALUES (%s, %s) "
-                    "ON CONFLICT (job) DO NOTHING RETURNING job",
-                    (job, when),
-                )
-            else:
-                cur = await conn.execute(
-                    "UPDATE gw_heartbeat_runs SET last_run = %s WHERE job = %s "
-                    "AND last_run = %s RETURNING job",
-                    (when, job, expected),
-                )
-            return await cur.fetchone() is not None
-
-
-#: First key of the advisory locks naming a replica's role ("gwld" in ASCII); the second
-#: is the hash of the schema and the role name (advisory locks are database-wide).
-LEADER_LOCK = 0x67776C64
-
-
-async def run_as_leader(
-    url: str,
-    role: str,
-    work: Callable[[], Awaitable[None]],
-    *,
-    retry: float = 1.0,
-    check: float = 2.0,
-) -> None:
-    """Run `work` once this replica holds the advisory lock of `role` (waiting for it
-    meanwhile), and only while it holds it.
-
-    The lock lives on a connection of its own: when the holder dies, PostgreSQL sees the
-    connection close and frees the lock at once, and a standby takes it within `retry`
-    seconds. Losing the connection while holding it stops `work` (by raising), since
-    another replica may be about to take over.
-    """
-
-    async def run(_conn: psycopg.AsyncConnection[Any]) -> None:
-        await work()
-
-    await run_as_leader_on(url, role, run, retry=retry, check=check)
-
-
-async def run_as_leader_on(
-    url: str,
-    role: str,
-    work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]],
-    *,
-    retry: float = 1.0,
-    check: float = 2.0,
-) -> None:
-    """`run_as_leader`, handing `work` the connection that holds the lock: a write made
-    on it commits only while this replica still holds the role (a fenced write)."""
-    import psycopg
-
-    logged = False
-    while True:
-        conn: psycopg.AsyncConnection[Any] | None = None
-        try:
-            conn = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=5)
-            cur = await conn.execute(
-                "SELECT pg_try_advisory_lock(%s::int4, hashtext(current_schema() || ':' || %s))",
-                (LEADER_LOCK, role),
-            )
-            row = await cur.fetchone()
-            if row is not None and row[0]:
-                break
-            if not logged:
-                logger.info("replicas: another replica is the {}; standing by", role)
-                logged = True
-        except psycopg.Error as exc:
-            logger.warning("replicas: cannot ask for the {} role ({}); retrying", role, exc)
-        if conn is not None:
-            await conn.close()
-        await anyio.sleep(retry)
-    logger.info("replicas: this replica is now the {}", role)
-    held = conn
-
-    async def watch() -> None:
-        while True:
-            await anyio.sleep(check)
-            try:
-                await held.execute("SELECT 1")
-            except psycopg.Error as exc:
-                raise RuntimeError(f"lost the {role} role: {exc}") from None
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch)
-            await work(held)
-            tg.cancel_scope.cancel()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await held.close()  # frees the lock for the standbys

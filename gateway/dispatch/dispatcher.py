@@ -1,7 +1,7 @@
 """The dispatcher: one FIFO lane per session key, a global cap on concurrent turns.
 
 Channel adapters `submit` inbound messages and return at once; the dispatcher checks
-access (optional, `gateway.access.AccessGate`) and dedupe, runs one turn at a time per
+access (optional, `gateway.access.policy.AccessGate`) and dedupe, runs one turn at a time per
 session through the handler (`AgentLoop.handle`) and hands every reply to `deliver`.
 The promises it keeps (each one tested in tests/test_dispatch.py):
 
@@ -15,7 +15,7 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   (the handler's, a short error reply if the handler raised, or at a drain deadline a
   "please send it again" notice), and every refused one is told why and counted.
 - A message carrying a platform id is answered once, also when the platform
-  redelivers it after a restart (see `gateway.dedupe`). `submit` returns only once it
+  redelivers it after a restart (see `gateway.journal`). `submit` returns only once it
   is journaled (journal before confirm: the channel confirms it to the platform after
   that); a message that cannot be journaled is not taken (`Ticket.taken` is False), so
   the platform keeps it and sends it again.
@@ -28,7 +28,7 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   lane, after the access check: it never waits behind the turn it is meant to stop.
   It is not journaled (it acts on what runs now, which a crash ends anyway).
 - A message that arrives while its session's turn runs does what the session's queue
-  mode says (`gateway.queue_modes`; `mode_for`): waits for a turn of its own
+  mode says (`gateway.dispatch.queue_modes`; `mode_for`): waits for a turn of its own
   (followup), is merged into the next turn (collect), joins the running turn when the
   turn takes it (steer: `TurnInbox.take`), or stops the running turn and is merged into
   the next (interrupt). Whatever the mode, a session's messages keep their order, each
@@ -50,20 +50,21 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.abc
 from loguru import logger
 
+from gateway.dispatch.lanes import Router, SubmitStatus, Ticket
+
 if TYPE_CHECKING:
-    from gateway.dedupe_pg import LeaseAsk
-    from gateway.replicas import SessionRouter
+    from gateway.journal.protocol import LeaseAsk
 
 from gateway import failpoints
-from gateway.access import Allow, Challenge, Decision, Deny, Ignore
-from gateway.dedupe import ClaimBusy, DedupeStore, Unanswered, dedupe_key
+from gateway.access.policy import Allow, Challenge, Decision, Deny, Ignore
+from gateway.dispatch.queue_modes import QUEUE_MODES, Accept, QueueMode, TurnInbox, receiving
+from gateway.journal.protocol import ClaimBusy, DedupeStore, Unanswered, dedupe_key
 from gateway.messages import (
     MERGED_IDS_KEY,
     META_IN_SESSION,
@@ -75,7 +76,6 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
-from gateway.queue_modes import QUEUE_MODES, Accept, QueueMode, TurnInbox, receiving
 from gateway.storage.fence import Fence, FencedOut, fenced
 from gateway.telemetry import META_TRACEPARENT, SpanLike, Telemetry, telemetry, trace_id_of
 
@@ -90,7 +90,7 @@ RESENT_REMEMBERED = 4096
 
 
 class AccessCheck(Protocol):
-    """Who may talk to the bot (`gateway.access.AccessGate`)."""
+    """Who may talk to the bot (`gateway.access.policy.AccessGate`)."""
 
     async def check(self, msg: InboundMessage) -> Decision: ...
 
@@ -106,70 +106,6 @@ ERROR_TEXT = "Something went wrong while answering that. Please try again."
 RESTART_TEXT = (
     "I was restarting and could not answer your last message. Please send it again in a minute."
 )
-
-
-class SubmitStatus(StrEnum):
-    ACCEPTED = "accepted"
-    DUPLICATE = "duplicate"
-    DENIED = "denied"  # the access policy said no; the sender got its reply (or a code)
-    IGNORED = "ignored"  # not for the bot (group chatter, unknown channel); no reply
-    REJECTED_FULL = "rejected_full"
-    REJECTED_DRAINING = "rejected_draining"
-    # Not journaled (the journal failed): not taken; the platform must send it again.
-    RETRY_LATER = "retry_later"
-
-
-class Ticket:
-    """What `submit` hands back: the status, and the reply to await if wanted.
-
-    `reply()` returns the reply that was (or is being) delivered for this message: the
-    turn's reply, an error or a refusal notice; None for a duplicate. In collect mode
-    every message of a merged turn gets the one reply of that turn.
-    """
-
-    __slots__ = ("_done", "_event", "_reply", "marked", "message", "status")
-
-    def __init__(self, message: InboundMessage) -> None:
-        self.message = message
-        self.status = SubmitStatus.ACCEPTED
-        #: Its message is marked answered in the journal (the mark committed): a read
-        #: of the journal from now on no longer finds it.
-        self.marked = False
-        self._event = anyio.Event()
-        self._done = anyio.Event()
-        self._reply: OutboundMessage | None = None
-
-    def __repr__(self) -> str:
-        return f"Ticket({self.message.session_key!r}, {self.status.value})"
-
-    @property
-    def answered(self) -> bool:
-        return self._event.is_set()
-
-    @property
-    def taken(self) -> bool:
-        """May the platform forget the message? True once it is journaled (or settled:
-        a duplicate, refused or ignored, its sender told); False when the gateway could
-        not keep it, so the channel must not confirm it."""
-        return self.status is not SubmitStatus.RETRY_LATER
-
-    async def reply(self) -> OutboundMessage | None:
-        await self._event.wait()
-        return self._reply
-
-    @property
-    def finished(self) -> bool:
-        """Nothing more happens for this message here: its reply went out and it was
-        marked answered, or it was dropped, refused or handed to another replica."""
-        return self._done.is_set()
-
-    async def wait_finished(self) -> None:
-        await self._done.wait()
-
-    def _resolve(self, reply: OutboundMessage | None) -> None:
-        if not self._event.is_set():
-            self._reply = reply
-            self._event.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +281,7 @@ class Dispatcher:
     `mode` is every session's queue mode, unless `mode_for` says a message's session's
     (`AgentLoop.queue_mode`); `joinable` says which messages may join another's turn at
     all (`AgentLoop.may_join`: not a command, not a file). The handler's turn finds its
-    `TurnInbox` with `gateway.queue_modes.current_inbox`.
+    `TurnInbox` with `gateway.dispatch.queue_modes.current_inbox`.
     """
 
     def __init__(
@@ -404,10 +340,10 @@ class Dispatcher:
         self._resent: set[str] = set()  # recorded replies the replay has sent again
         # Replies of replayed turns sent, by session entry (bounded: a replay's own).
         self._resent_entries: deque[str] = deque(maxlen=RESENT_REMEMBERED)
-        #: In the shared mode (`gateway.replicas`): journaled messages are handed to the
+        #: In the shared mode (`gateway.dispatch.router`): journaled messages are handed to the
         #: router, which feeds each session's messages, in journal order, to the one
         #: replica holding that session's lease.
-        self.router: SessionRouter | None = None
+        self.router: Router | None = None
 
     # ------------------------------------------------------------------ service
 
@@ -659,9 +595,7 @@ class Dispatcher:
                 taken += 1
         return taken
 
-    def _forward(
-        self, item: _Item, key: str, router: SessionRouter, ask: LeaseAsk | None = None
-    ) -> None:
+    def _forward(self, item: _Item, key: str, router: Router, ask: LeaseAsk | None = None) -> None:
         """Shared mode: the journal is the queue. The lane drops the item; the router
         feeds it, in journal order, to whichever replica holds the session's lease
         (`ask`: what the journal's round trip found about that lease and the session)."""
@@ -675,7 +609,7 @@ class Dispatcher:
             ticket._resolve(None)
         router.journaled_here(item.message.session_key, key, ask)
 
-    async def _await_remote_reply(self, ticket: Ticket, key: str, router: SessionRouter) -> None:
+    async def _await_remote_reply(self, ticket: Ticket, key: str, router: Router) -> None:
         try:
             ticket._resolve(await router.wait_reply(key, fresh=True))
         finally:

@@ -22,30 +22,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sqlite3
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import anyio
 import anyio.to_thread
-from loguru import logger
 
-from gateway.fsutil import open_sqlite
 from gateway.llm.types import LLMMessage, LLMProvider, LLMResponse, StreamDelta, ToolSpec
-
-UsageKind = Literal["turn", "heartbeat", "consolidation", "transcription"]
-USAGE_KINDS: tuple[UsageKind, ...] = ("turn", "heartbeat", "consolidation", "transcription")
-#: The file mode's ledger, in the workspace folder.
-USAGE_FILE = "usage.sqlite"
-#: The session key of calls made outside any conversation (none today; kept honest).
-UNSCOPED = "-"
+from gateway.logs import logger
+from gateway.usage.protocol import (
+    UNSCOPED,
+    UsageKind,
+    UsageLedger,
+    UsageRow,
+    day_of,
+    next_day_start,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,18 +72,16 @@ class _Riding:
 _riding: ContextVar[_Riding | None] = ContextVar("gateway_usage_riding", default=None)
 
 
-def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[bool], None]] | None:
-    """For the shared session store's next append: the data-modifying statement that
-    writes the current turn's pending usage rows (for a CTE), its parameters, and what
-    to call with the outcome (True: committed; False: not, and the rows wait for the
-    next append or the turn's end). None when nothing rides."""
+def take_riding() -> tuple[list[UsageRow], Callable[[bool], None]] | None:
+    """The rows the current turn counted and has not written yet, taken (a call counted
+    meanwhile waits for the next append), and what to call with the outcome of their
+    write (True: committed and recorded; False: not, and they wait for the next append
+    or the turn's end). None when nothing rides (`gateway.usage.pg_store.riding_rows`)."""
     riding = _riding.get()
     if riding is None or not riding.rows:
         return None
     rows = list(riding.rows.values())
-    riding.rows.clear()  # taken: a call counted meanwhile waits for the next append
-    values = ", ".join([_PG_ROW] * len(rows))
-    params = tuple(value for row in rows for value in _pg_params(row))
+    riding.rows.clear()
 
     def settle(committed: bool) -> None:
         for row in rows:
@@ -97,7 +90,7 @@ def riding_rows() -> tuple[str, tuple[Any, ...], Callable[[bool], None]] | None:
             else:
                 riding.hold(row)
 
-    return _PG_INSERT + values + _PG_UPSERT, params, settle
+    return rows, settle
 
 
 def _row_key(row: UsageRow) -> tuple[str, str, str, str, str, str]:
@@ -120,16 +113,6 @@ def usage_scope(session_key: str, kind: UsageKind | None = None) -> Iterator[Usa
         yield scope
     finally:
         _scope.reset(token)
-
-
-def day_of(timestamp: float) -> str:
-    """The UTC day a timestamp falls on, `YYYY-MM-DD` (budgets reset at 00:00 UTC)."""
-    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d")
-
-
-def next_day_start(timestamp: float) -> datetime:
-    day = datetime.fromtimestamp(timestamp, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    return day + timedelta(days=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,235 +160,6 @@ class PriceTable:
         return tokens + audio_seconds / 60 * price.per_minute
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRow:
-    """Totals of one (day, conversation, channel, model, kind, provider).
-
-    `audio_seconds` is the audio a transcription call reported; it reaches the
-    `UsageMeter.on_record` listeners (metrics) and its cost is in `cost`, but neither
-    ledger keeps it (``gw_usage`` has no column for it): rows read back hold 0.
-    `provider` is the provider that answered ("" for calls counted before providers
-    were: rows of older ledgers, and transcriptions)."""
-
-    day: str
-    session_key: str
-    channel: str
-    model: str
-    kind: str
-    calls: int
-    prompt_tokens: int
-    completion_tokens: int
-    cost: float
-    audio_seconds: float = 0.0
-    provider: str = ""
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "day": self.day,
-            "session_key": self.session_key,
-            "channel": self.channel,
-            "model": self.model,
-            "kind": self.kind,
-            "provider": self.provider,
-            "calls": self.calls,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "tokens": self.tokens,
-            "cost_usd": round(self.cost, 6),
-        }
-
-
-class UsageLedger(Protocol):
-    """Durable usage totals (blocking calls: run them in a worker thread)."""
-
-    def add(self, row: UsageRow) -> None:
-        """Add one call's counts to its (day, conversation, channel, model, kind,
-        provider) totals."""
-
-    def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
-        """Totals from day `since` on (all days without), of one conversation or all."""
-
-    def tokens(self, day: str, session_key: str | None = None) -> int:
-        """Tokens of `day`, of one conversation or of all, for budgets (turns,
-        heartbeats and the tokens a transcription was billed; consolidation is upkeep
-        and never stops a conversation)."""
-
-    def close(self) -> None: ...
-
-
-USAGE_COLUMNS = (
-    "day, session_key, channel, model, kind, calls, prompt_tokens, completion_tokens, cost, "
-    "provider"
-)
-#: The columns of a total's key, in the order of `UsageRow`'s.
-USAGE_KEY = "day, session_key, channel, model, kind, provider"
-
-_SQLITE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage (
-    day TEXT NOT NULL,
-    session_key TEXT NOT NULL,
-    channel TEXT NOT NULL,
-    model TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    calls INTEGER NOT NULL,
-    prompt_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL,
-    cost REAL NOT NULL,
-    provider TEXT NOT NULL DEFAULT '',
-    PRIMARY KEY (day, session_key, channel, model, kind, provider)
-)
-"""
-_UPSERT = (
-    f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-    f"ON CONFLICT ({USAGE_KEY}) DO UPDATE SET "
-    "calls = calls + excluded.calls, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
-    "completion_tokens = completion_tokens + excluded.completion_tokens, "
-    "cost = cost + excluded.cost"
-)
-_BUSY_TIMEOUT_MS = 5000  # open_sqlite's default
-
-
-def _upsert_values(row: UsageRow) -> tuple[object, ...]:
-    return (
-        row.day, row.session_key, row.channel, row.model, row.kind,
-        row.calls, row.prompt_tokens, row.completion_tokens, row.cost, row.provider,
-    )  # fmt: skip
-
-
-def usage_row(values: Sequence[Any]) -> UsageRow:
-    """A row of `USAGE_COLUMNS` as read from either ledger."""
-    day, key, channel, model, kind, calls, prompt, completion, cost, provider = values
-    return UsageRow(
-        str(day), str(key), str(channel), str(model), str(kind),
-        int(calls), int(prompt), int(completion), float(cost), provider=str(provider),
-    )  # fmt: skip
-
-
-def has_provider_column(conn: sqlite3.Connection) -> bool:
-    """Whether a usage.sqlite's table has the provider column (files written before
-    providers were counted have not)."""
-    columns = conn.execute("SELECT name FROM pragma_table_info('usage')").fetchall()
-    return ("provider",) in columns
-
-
-def _where(since: str | None, session_key: str | None, mark: str) -> tuple[str, list[Any]]:
-    clauses, params = [], []
-    if since is not None:
-        clauses.append(f"day >= {mark}")
-        params.append(since)
-    if session_key is not None:
-        clauses.append(f"session_key = {mark}")
-        params.append(session_key)
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
-
-
-def _budget_sql(table: str, day: str, session_key: str | None, mark: str) -> tuple[str, list[Any]]:
-    sql = (
-        f"SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM {table} "
-        f"WHERE day = {mark} AND kind != 'consolidation'"
-    )
-    if session_key is None:
-        return sql, [day]
-    return f"{sql} AND session_key = {mark}", [day, session_key]
-
-
-def _create_usage_table(conn: sqlite3.Connection) -> None:
-    """The ledger's table, made or brought up to date: a file of an older version gets
-    the provider column (its totals under provider "") in one transaction, as a new
-    table, since the column joins the key."""
-    exists = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage'").fetchone()
-    if exists is None or has_provider_column(conn):
-        conn.execute(_SQLITE_SCHEMA)
-        return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        if not has_provider_column(conn):  # another process may have done it meanwhile
-            conn.execute("ALTER TABLE usage RENAME TO usage_before_providers")
-            conn.execute(_SQLITE_SCHEMA)
-            old = USAGE_COLUMNS.removesuffix(", provider")
-            conn.execute(
-                f"INSERT INTO usage ({USAGE_COLUMNS}) SELECT {old}, '' FROM usage_before_providers"
-            )
-            conn.execute("DROP TABLE usage_before_providers")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
-
-class SqliteUsageLedger:
-    """The file mode's ledger: `usage.sqlite` in the workspace (WAL, one writer lock)."""
-
-    def __init__(self, path: Path) -> None:
-        self._lock = threading.Lock()
-        # 0600 like every workspace database (it names conversations), and a damaged file
-        # is moved aside, not overwritten.
-        self._db = open_sqlite(path, what="usage ledger", init=_create_usage_table)
-
-    def add(self, row: UsageRow) -> None:
-        with self._lock:
-            self._db.execute(_UPSERT, _upsert_values(row))
-
-    def try_add_nowait(self, row: UsageRow) -> bool:
-        """`add` here and now, on the event loop, when that cannot wait (the connection
-        free, the file not locked by another writer); False, nothing written, else. An
-        upsert in WAL mode without fsync takes microseconds: cheaper than a thread hop."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            self._db.execute("PRAGMA busy_timeout = 0")
-            try:
-                self._db.execute(_UPSERT, _upsert_values(row))
-                return True
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) or "busy" in str(exc):
-                    return False
-                raise
-            finally:
-                self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-        finally:
-            self._lock.release()
-
-    def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
-        where, params = _where(since, session_key, "?")
-        sql = (
-            f"SELECT {USAGE_COLUMNS} FROM usage{where} "
-            "ORDER BY day, session_key, kind, model, provider"
-        )
-        with self._lock:
-            return [usage_row(values) for values in self._db.execute(sql, params)]
-
-    def tokens(self, day: str, session_key: str | None = None) -> int:
-        sql, params = _budget_sql("usage", day, session_key, "?")
-        with self._lock:
-            (total,) = self._db.execute(sql, params).fetchone()
-        return int(total)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-
-_PG_INSERT = f"INSERT INTO gw_usage ({USAGE_COLUMNS}) VALUES "
-_PG_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-_PG_UPSERT = (
-    f" ON CONFLICT ({USAGE_KEY}) DO UPDATE SET "
-    "calls = gw_usage.calls + excluded.calls, "
-    "prompt_tokens = gw_usage.prompt_tokens + excluded.prompt_tokens, "
-    "completion_tokens = gw_usage.completion_tokens + excluded.completion_tokens, "
-    "cost = gw_usage.cost + excluded.cost"
-)
-_PG_ADD = _PG_INSERT + _PG_ROW + _PG_UPSERT
-
-
-def _pg_params(row: UsageRow) -> tuple[Any, ...]:
-    return _upsert_values(row)
-
-
 def _merged(a: UsageRow, b: UsageRow) -> UsageRow:
     """Two calls' rows of one key as one (the ledger adds them up the same way)."""
     return dataclasses.replace(
@@ -416,50 +170,6 @@ def _merged(a: UsageRow, b: UsageRow) -> UsageRow:
         cost=a.cost + b.cost,
         audio_seconds=a.audio_seconds + b.audio_seconds,
     )
-
-
-class PostgresUsageLedger:
-    """The shared mode's ledger (`gw_usage`, migrations 0007 and 0014): replicas add to
-    the same totals, so a budget holds across them."""
-
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
-        #: A connection of the event loop's pool (`PostgresDedupeStore.connection`), for
-        #: `aadd`; None until the gateway gives one.
-        self.aconnect: Callable[[], AbstractAsyncContextManager[Any]] | None = None
-
-    def add(self, row: UsageRow) -> None:
-        with self._pool.connection() as conn:
-            conn.execute(_PG_ADD, _pg_params(row))
-
-    async def aadd(self, row: UsageRow) -> bool:
-        """`add` on the event loop over its pool (no worker thread: see
-        `gateway.sessions.pg_store` on what a thread hop per call costs a turn's
-        latency); False, nothing added, when the gateway gave no loop pool."""
-        if self.aconnect is None:
-            return False
-        with anyio.CancelScope(shield=True):  # a stopped turn's call still counts
-            async with self.aconnect() as conn:
-                await conn.execute(_PG_ADD, _pg_params(row))
-        return True
-
-    def rows(self, *, since: str | None = None, session_key: str | None = None) -> list[UsageRow]:
-        where, params = _where(since, session_key, "%s")
-        sql = (
-            f"SELECT {USAGE_COLUMNS} FROM gw_usage{where} "
-            "ORDER BY day, session_key, kind, model, provider"
-        )
-        with self._pool.connection() as conn:
-            return [usage_row(values) for values in conn.execute(sql, params).fetchall()]
-
-    def tokens(self, day: str, session_key: str | None = None) -> int:
-        sql, params = _budget_sql("gw_usage", day, session_key, "%s")
-        with self._pool.connection() as conn:
-            row = conn.execute(sql, params).fetchone()
-        return int(row[0]) if row else 0
-
-    def close(self) -> None:
-        pass  # the pool belongs to the shared storage
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ from prometheus_client.registry import Collector
 
 from gateway.llm.breaker import STATE_VALUES, BreakerStatus
 from gateway.messages import OutboundMessage
-from gateway.usage import UsageRow
+from gateway.usage.protocol import UsageRow
 
 # `*_created` series double every counter and histogram in the text format and no
 # dashboard of ours reads them. The switch is process-wide in the library; the gateway

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from loguru import logger
 
+from gateway.journal.protocol import Handler, RelayRefused, RelayUnanswered
+
 if TYPE_CHECKING:
-    from gateway.dedupe_pg import PostgresDedupeStore
+    from gateway.journal.pg_store import PostgresDedupeStore
 
 #: Notification channels, per schema (NOTIFY is database-wide): `<name>.<schema>`.
 ASK_CHANNEL = "gw_relay"
@@ -59,19 +60,6 @@ WITH answered AS (
 SELECT pg_notify(%(channel)s || '.' || current_schema(), %(role)s || E'\\n' || key)
 FROM answered
 """
-
-
-class RelayRefused(Exception):
-    """The role holder tried and could not do it (the message says why); asking again
-    will not help."""
-
-
-class RelayUnanswered(Exception):
-    """No answer before the deadline (no replica holds the role yet, or it is slow). The
-    request stays asked: the same key later returns its answer."""
-
-
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 class PostgresRelay:

@@ -26,7 +26,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskStatus
@@ -38,11 +38,11 @@ from gateway.agent.windows import ContextWindows
 from gateway.llm.types import ContextOverflow, LLMError, LLMMessage, LLMProvider, ToolSpec
 from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import CATEGORIES, normalize_category
-from gateway.memory.protocol import MemoryBackend
+from gateway.memory.protocol import ConsolidationGuard, ConsolidationLease, MemoryBackend
 from gateway.memory.text import one_line
 from gateway.sessions import EntryNotFoundError, Session, SessionContext, SessionManager
 from gateway.sessions.context import choose_cut
-from gateway.usage import usage_scope
+from gateway.usage.meter import usage_scope
 
 CONSOLIDATION_TOOL = "save_consolidation"
 MAX_FACTS = 100
@@ -461,34 +461,6 @@ class _Snapshot:
     session_id: str
     plan: CompactionPlan
     lease: ConsolidationLease | None = None
-
-
-class ConsolidationLease(Protocol):
-    """A session's consolidation held by this process (`ConsolidationGuard.acquire`)."""
-
-    def consolidated(self) -> tuple[str, str] | None:
-        """`(session_id, first_kept_entry_id)` of the session's last recorded
-        consolidation, or None."""
-        ...
-
-    def record(
-        self, session_id: str, first_kept_entry_id: str, *, summarized: int, facts: int
-    ) -> None:
-        """Store how far the session is consolidated now."""
-        ...
-
-    def release(self) -> None: ...
-
-
-class ConsolidationGuard(Protocol):
-    """Consolidation state shared by replicas: who runs a session's consolidation now,
-    and how far it went (`gateway.memory.pg_store.PostgresConsolidationGuard`). Blocking:
-    called in worker threads. Without one (the file mode: one process owns the
-    workspace) the consolidator's per-session lock is enough."""
-
-    def acquire(self, session_key: str) -> ConsolidationLease | None:
-        """The session's lease, or None while another replica holds it."""
-        ...
 
 
 class Consolidator:

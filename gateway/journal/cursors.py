@@ -19,35 +19,17 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
 
 import anyio.to_thread
 from loguru import logger
 
 from gateway.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
+from gateway.journal.protocol import CursorStore, Lead
 
 #: The cursor file, in the workspace folder.
 CURSOR_FILE = "channel-cursors.json"
 #: The folder of channel state blobs, in the workspace folder.
 STATE_DIR = "channel-state"
-
-
-class CursorStore(Protocol):
-    """Named cursors (`matrix:@bot:example.org` -> a since token), and named blobs of
-    state that must move with them (`matrix-crypto:@bot:example.org:DEVICE` -> bytes)."""
-
-    async def load(self, name: str) -> str | None: ...
-
-    async def save(self, name: str, value: str) -> None: ...
-
-    async def load_blob(self, name: str) -> bytes | None: ...
-
-    async def save_blob(self, name: str, data: bytes) -> None: ...
-
-
-#: How a channel runs its intake loop with a store: at once (one process), or once this
-#: replica holds the channel's leader role, with a store that writes under it.
-Lead = Callable[[Callable[[CursorStore], Awaitable[None]]], Awaitable[None]]
 
 
 class FileCursorStore:

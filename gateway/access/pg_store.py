@@ -1,6 +1,6 @@
 """DM pairing in PostgreSQL: approvals and pending codes shared by every gateway replica.
 
-The same rules as the pairing file (`gateway.access.PairingBackend`): one live request per
+The same rules as the pairing file (`gateway.access.protocol.PairingBackend`): one live request per
 sender, an earlier one winning a race; at most `max_pending` live requests per channel;
 an expired request never counts and is dropped by the next write on its channel; a code
 approves only a live request of its channel. An approval committed on one replica is
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from gateway.access import (
+from gateway.access.protocol import (
     ApprovedSender,
     PairingListing,
     PairingState,
