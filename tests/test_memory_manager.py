@@ -111,7 +111,26 @@ def test_appends_never_read_the_whole_file(
     monkeypatch.setattr(Path, "read_text", no_full_read)
     mm.append_to_memory("- [learned_fact] y")
     mm.append_history("an entry")
-    assert reads and all(n == 1 for n in reads)
+    assert all(n == 1 for n in reads)  # at most the last byte, for its newline
+
+
+def test_an_append_after_a_rewrite_or_an_edit_without_final_newline_starts_a_line(
+    mm: MemoryManager,
+) -> None:
+    """An append reads no byte back only where the file surely ends with a line of
+    ours; after a rewrite or an edit whose last line has no newline it still starts a
+    line of its own."""
+    mm.write_memory("- [learned_fact] no newline")
+    mm.append_to_memory("- [learned_fact] next")
+    mm.append_to_memory("- [learned_fact] third")
+    assert mm.read_memory() == (
+        "- [learned_fact] no newline\n- [learned_fact] next\n- [learned_fact] third\n"
+    )
+    with mm.memory_path.open("a") as handle:
+        handle.write("- [learned_fact] typed by hand")
+    mm.append_to_memory("- [learned_fact] after the edit")
+    assert mm.read_memory().endswith("typed by hand\n- [learned_fact] after the edit\n")
+    assert mm.search_memory("edit") == ["- [learned_fact] after the edit"]
 
 
 def test_search_memory_ranks_by_relevance_and_filters_category(mm: MemoryManager) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import unicodedata
 from collections import Counter
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.memory import text as text_module
 from gateway.memory.index import IndexFileError, SearchIndex
-from gateway.memory.text import normalize_text, stem, tokenize
+from gateway.memory.text import _WORD_RE as WORD_RE
+from gateway.memory.text import STOPWORDS, normalize_text, stem, tokenize, words
 
 # -- tokenizer -------------------------------------------------------------------
 
@@ -31,6 +34,52 @@ def test_tokenize_keeps_negations_and_resolves_contractions() -> None:
     assert tokenize("She doesn't like cron") == ["not", "like", "cron"]
     assert tokenize("never deploy on fridays") == ["never", "deploy", "friday"]
     assert tokenize("the user's laptop") == ["user", "laptop"]
+
+
+def _reference_words(text: str) -> list[str]:
+    """`words` as its docstring defines it, on any text (no ASCII fast path)."""
+    out: list[str] = []
+    for word in WORD_RE.findall(unicodedata.normalize("NFKC", text).casefold()):
+        if "'" in word or "\u2019" in word:
+            word = word.replace("\u2019", "'")
+            if word.endswith("n't"):
+                out += [*{"can't": ["can"], "won't": ["will"]}.get(word, []), "not"]
+                continue
+            word = word.split("'", 1)[0]
+        out.append(word)
+    return out
+
+
+def _reference_tokens(text: str) -> list[str]:
+    """`tokenize` as its docstring defines it, word by word (no table, no fast path)."""
+    return [stem(w) for w in _reference_words(text) if w not in STOPWORDS]
+
+
+_TEXTS = st.text(
+    alphabet=st.sampled_from(list("abcXYZ019 '\u2019\n\t_-.!éßİ東京ﬁ\uff21")) | st.characters(),
+    max_size=80,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_TEXTS)
+def test_words_and_tokenize_agree_with_their_definition_on_any_text(text: str) -> None:
+    """The per-word table and the ASCII fast path change the cost, never the tokens:
+    same as the plain definition, on first sight of a word and from the table after."""
+    assert words(text) == _reference_words(text)
+    expected = _reference_tokens(text)
+    assert tokenize(text) == expected
+    assert tokenize(text) == expected  # every word in the table now
+
+
+def test_tokenize_table_is_bounded_and_refills(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(text_module, "_TOKENS_MAX", 8)
+    text_module._TOKENS.clear()
+    sentence = " ".join(f"pear{chr(97 + i)}s" for i in range(26)) + " the can't"
+    first = tokenize(sentence)
+    assert len(text_module._TOKENS) <= 8
+    assert first == tokenize(sentence) == _reference_tokens(sentence)
+    assert len(first) == 27 and first[0] == "peara" and first[-1] == "not"
 
 
 def test_stem_joins_common_inflections() -> None:

@@ -140,6 +140,9 @@ class MemoryManager:
         # (size, mtime_ns) of MEMORY.md after our last write: a different stat means
         # someone edited the file by hand, and the index is rebuilt.
         self._memory_seen: tuple[int, int] | None = self._memory_stat()
+        # (size, mtime) at which MEMORY.md ends with a line we wrote whole: an append
+        # found at that point needs no byte read back (`append_bytes`' ends_at).
+        self._memory_ends: tuple[int, int] | None = None
         # MEMORY.md's fact lines by their origin message's entry id, with the file's stat
         # when read (`facts_from_messages`); appended facts keep it current.
         self._origins: tuple[tuple[int, int] | None, dict[str, list[str]]] | None = None
@@ -177,6 +180,7 @@ class MemoryManager:
             atomic_write_text(self.memory_path, content)
             self._memory_index.invalidate()
             self._memory_seen = self._memory_stat()
+            self._memory_ends = self._memory_seen if content.endswith("\n") else None
             self._last_day_stat = None
 
     def append_to_memory(self, entry: str) -> None:
@@ -185,7 +189,12 @@ class MemoryManager:
         if not text.strip():
             return
         with self._locked():
-            done = append_bytes(self._memory_file, text.encode(), fsync=self.fsync_appends)
+            done = append_bytes(
+                self._memory_file,
+                text.encode(),
+                fsync=self.fsync_appends,
+                ends_at=self._memory_ends,  # as we left it: no byte read back
+            )
             # The file as found before the write (one look, through the descriptor):
             # not as we left it means edited by hand, and the index is rebuilt.
             if (done.before.st_size, done.before.st_mtime_ns) != self._memory_seen and (
@@ -194,6 +203,7 @@ class MemoryManager:
                 self._memory_index.invalidate()
             self._memory_index.appended(done.data)
             self._memory_seen = (done.after.st_size, done.after.st_mtime_ns)
+            self._memory_ends = self._memory_seen
             self._last_day_stat = None
 
     def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
@@ -320,7 +330,7 @@ class MemoryManager:
         amortized). Returns the line written (without newline), or '' for an empty
         entry (nothing is written).
         """
-        if not one_line(entry):
+        if not entry.strip():
             return ""
         line = format_history_line(entry, self._clock())
         with self._lock:

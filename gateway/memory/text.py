@@ -17,6 +17,8 @@ from functools import lru_cache
 # it whole so contractions can be handled ("don't", "user's").
 _WORD_RE = re.compile(r"[^\W_]+(?:['\u2019][^\W_]+)*")
 _SPACE_RE = re.compile(r"\s+")
+# `_WORD_RE` on casefolded ASCII text (where it can only match these), a third faster.
+_ASCII_WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
 
 NEGATIONS: frozenset[str] = frozenset(
     {"not", "no", "never", "nor", "none", "nothing", "neither", "without", "cannot"}
@@ -58,10 +60,14 @@ def words(text: str) -> list[str]:
     "n't" contractions become "not" ("doesn't" -> "not": the auxiliary is a stopword
     anyway); other apostrophe suffixes are dropped ("user's" -> "user").
     """
-    if not text.isascii():
-        text = unicodedata.normalize("NFKC", text)
+    if text.isascii():
+        found = _ASCII_WORD_RE.findall(text.lower())
+        if "'" not in text:
+            return found  # no contraction to resolve
+    else:
+        found = _WORD_RE.findall(unicodedata.normalize("NFKC", text).casefold())
     out: list[str] = []
-    for word in _WORD_RE.findall(text.casefold()):
+    for word in found:
         if "'" in word or "\u2019" in word:
             word = word.replace("\u2019", "'")
             if word.endswith("n't"):
@@ -107,5 +113,36 @@ def _undouble(word: str) -> str:
 
 
 def tokenize(text: str) -> list[str]:
-    """Search tokens: casefolded words minus stopwords, lightly stemmed, in order."""
-    return [stem(w) for w in words(text) if w not in STOPWORDS]
+    """Search tokens: casefolded words minus stopwords, lightly stemmed, in order.
+
+    The same as ``[stem(w) for w in words(text) if w not in STOPWORDS]``, computed per
+    raw word through a table (`_token_of`): every append to a memory file and every
+    stored message is tokenized, and the table turns the per-word work into one dict
+    lookup (tests/test_memory_text.py checks that the two agree)."""
+    if text.isascii():
+        found = _ASCII_WORD_RE.findall(text.lower())
+    else:
+        found = _WORD_RE.findall(unicodedata.normalize("NFKC", text).casefold())
+    tokens = list(map(_TOKENS.get, found))
+    if None in tokens:
+        tokens = [_token_of(w) if t is None else t for w, t in zip(found, tokens, strict=True)]
+    return [t for t in tokens if t]
+
+
+#: Raw casefolded word -> its search token, or "" when it gives none (a stopword).
+#: Bounded: cleared when full (a rare refill, cheaper than an LRU's bookkeeping).
+_TOKENS: dict[str, str] = {}
+_TOKENS_MAX = 200_000
+
+
+def _token_of(word: str) -> str:
+    """The one token a raw word (a `_WORD_RE` match, casefolded) gives, or "". A
+    contraction gives at most one once stopwords go ("can't" -> "can", "not", and "can"
+    is a stopword); the assertion keeps that true if the lists ever change."""
+    found = [stem(w) for w in words(word) if w not in STOPWORDS]
+    assert len(found) <= 1, f"{word!r} gives several tokens: {found}"
+    token = found[0] if found else ""
+    if len(_TOKENS) >= _TOKENS_MAX:
+        _TOKENS.clear()
+    _TOKENS[word] = token
+    return token
