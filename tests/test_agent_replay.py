@@ -72,19 +72,22 @@ def test_find_turn_reads_the_branch() -> None:
         entry("assistant", "", tool_calls=[call]),
     ]
     assert find_turn(branch, "42:1") == EarlierTurn(
-        reply="it is noon", is_latest=True, reply_entry="eit is noon"
+        reply="it is noon", is_latest=True, reply_entry="eit is noon", turn_entry="ea"
     )
-    assert find_turn(branch, "42:3") == EarlierTurn(reply=None, is_latest=True)
+    assert find_turn(branch, "42:3") == EarlierTurn(reply=None, is_latest=True, turn_entry="eb")
     assert find_turn(branch, "42:9") is None
     interrupted = [branch[0], entry("user", "c", {"message_id": "42:4"})]
-    assert find_turn(interrupted, "42:1") == EarlierTurn(reply=None, is_latest=False)
+    assert find_turn(interrupted, "42:1") == EarlierTurn(
+        reply=None, is_latest=False, turn_entry="ea"
+    )
     assert find_turn([entry("user", "x")], "42:1") is None  # no meta: not that message
 
 
 def test_find_turn_counts_a_message_that_joined_a_turn_as_part_of_it() -> None:
     """A message steered into a running turn neither ends that turn nor starts another:
     the turn's lead and the joined message both find the turn's one reply, and a turn
-    cut short after the joined message was stored can still go on."""
+    cut short after the joined message was stored can still go on, from its lead (the
+    turn's first user entry, for both)."""
     call = ToolCall(id="c1", function_name="current_time")
     steered = {"message_id": "42:2", META_STEERED: True}
     branch = [
@@ -94,15 +97,17 @@ def test_find_turn_counts_a_message_that_joined_a_turn_as_part_of_it() -> None:
         entry("user", "b", steered),
         entry("assistant", "both answered"),
     ]
-    answered = EarlierTurn(reply="both answered", is_latest=True, reply_entry="eboth answered")
+    answered = EarlierTurn(
+        reply="both answered", is_latest=True, reply_entry="eboth answered", turn_entry="ea"
+    )
     assert find_turn(branch, "42:1") == answered
     assert find_turn(branch, "42:2") == answered
     cut = branch[:4]  # the crash came after the joined message was stored
-    assert find_turn(cut, "42:1") == EarlierTurn(reply=None, is_latest=True)
-    assert find_turn(cut, "42:2") == EarlierTurn(reply=None, is_latest=True)
+    assert find_turn(cut, "42:1") == EarlierTurn(reply=None, is_latest=True, turn_entry="ea")
+    assert find_turn(cut, "42:2") == EarlierTurn(reply=None, is_latest=True, turn_entry="ea")
     # A later message of its own (not steered) still ends the earlier turn.
     later = [*cut[:3], entry("user", "c", {"message_id": "42:3"})]
-    assert find_turn(later, "42:1") == EarlierTurn(reply=None, is_latest=False)
+    assert find_turn(later, "42:1") == EarlierTurn(reply=None, is_latest=False, turn_entry="ea")
 
 
 # --------------------------------------------------------------------------- the agent

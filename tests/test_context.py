@@ -88,6 +88,7 @@ plain_messages = st.lists(
     st.integers(200, 4000),
     st.one_of(st.none(), st.text(min_size=1, max_size=300)),
     st.lists(st.text(max_size=80), max_size=3),
+    st.one_of(st.none(), st.integers(min_value=0, max_value=15)),
 )
 def test_one_pass_plan_for_plain_histories_equals_the_steps(
     history: list[LLMMessage],
@@ -95,8 +96,10 @@ def test_one_pass_plan_for_plain_histories_equals_the_steps(
     window: int,
     summary: str | None,
     memory: list[str],
+    turn_start: int | None,
 ) -> None:
-    """The fast path (plain messages that all fit) plans exactly what the steps do."""
+    """The fast path (plain messages that all fit) plans exactly what the steps do,
+    wherever the running turn starts."""
     import gateway.agent.context as context
 
     args = dict(
@@ -107,6 +110,7 @@ def test_one_pass_plan_for_plain_histories_equals_the_steps(
         context_window=window,
         reply_reserve=100,
         max_messages=max_messages,
+        turn_start=turn_start,
     )
     fast = fit_context(**args)  # type: ignore[arg-type]
     context._PLAIN_FAST_PATH = False

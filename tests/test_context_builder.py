@@ -248,6 +248,64 @@ def test_window_cap_counts_messages_but_never_cuts_a_tool_pair() -> None:
     assert {p.index: p.reason for p in plan.pruned} == {0: "window"}
 
 
+def steered_turn(joined: int) -> list[LLMMessage]:
+    """A turn of the steer mode: its user message, a tool round, then `joined` messages
+    that joined it (stored after the round's results)."""
+    return [user("look it up"), call("t"), result("t"), *(user(f"and {i}") for i in range(joined))]
+
+
+def test_the_window_never_cuts_into_a_turn_that_messages_joined() -> None:
+    """Nine messages joined a turn: with a window of 11 messages the turn's own message
+    was cut, so the model never saw it and the turn's one reply did not answer it."""
+    before = [user("earlier"), assistant("earlier answer")]
+    history = [*before, *steered_turn(9)]
+    plan = fit_context(
+        system_prompt="s", history=history, context_window=10**6, max_messages=11, turn_start=2
+    )
+    assert list(plan.history_messages) == history[2:]
+    assert plan.protected_from == 2
+    assert {p.index: p.reason for p in plan.pruned} == {0: "window", 1: "window"}
+    # The budget cannot prune the turn either: the older exchange goes, the turn stays.
+    tight = fit_context(
+        system_prompt="s",
+        history=[user(filler(0)), assistant(filler(1)), *steered_turn(9)],
+        context_window=120,
+        turn_start=2,
+    )
+    assert tight.kept_indices == tuple(range(2, 14))
+
+
+def test_the_builder_considers_the_whole_running_turn() -> None:
+    """The builder looks at a tail of the branch only (twice its window, and some); a
+    turn longer than that is still sent whole."""
+    builder = ContextBuilder(context_window=10**6, reply_reserve=0, max_messages=2)
+    turn = steered_turn(20)
+    history = [user("earlier"), assistant("earlier answer"), *turn]
+    plan = builder.build(system_prompt="s", history=history, turn_start=2)
+    assert list(plan.history_messages) == turn
+
+
+@given(
+    history=st.lists(history_items, max_size=20),
+    joined=st.integers(min_value=1, max_value=12),
+    window=st.integers(min_value=20, max_value=3000),
+    max_messages=st.integers(min_value=0, max_value=12),
+)
+def test_a_running_turn_is_kept_whole(
+    history: list[LLMMessage], joined: int, window: int, max_messages: int
+) -> None:
+    turn = steered_turn(joined)
+    plan = fit_context(
+        system_prompt="s",
+        history=[*history, *turn],
+        context_window=window,
+        max_messages=max_messages,
+        turn_start=len(history),
+    )
+    assert list(plan.history_messages[-len(turn) :]) == turn
+    assert plan.protected_from <= len(history)
+
+
 def test_orphans_are_reported_and_unanswered_calls_answered() -> None:
     history = [result("gone"), user("hi"), call("a"), user("next")]
     plan = fit_context(system_prompt="s", history=history, context_window=5000)

@@ -11,7 +11,10 @@ against the fake OpenAI server), a slow model or a slow tool keeping the turn bu
 - `/queue MODE` is kept in the session (a restart keeps it), `[dispatch] channel_modes`
   gives a channel's default;
 - a crash replay of a turn a message joined neither runs that message as a new turn nor
-  loses it, and sends the turn's reply once.
+  loses it, and sends the turn's reply once;
+- however many messages join a turn, every request of the turn holds all of them and
+  the turn's own message (the context's window never cuts into the running turn), also
+  when a replay goes on with the turn.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from gateway.journal.store import FileDedupeStore
 from gateway.llm.types import LLMMessage, ToolCall, ToolSpec
 from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.keys import encode_key
-from tests.fakes.openai_server import FakeOpenAI, Reply
+from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply
 from tests.fakes.telegram_server import FakeTelegram
 from tests.test_telegram_e2e import CHAT, gateway, wait_sent
 
@@ -429,6 +432,104 @@ async def test_a_replay_runs_the_turn_a_message_joined_once_and_sends_one_reply(
     assert contents.count("look it up") == 1 and contents.count("and in Paris too") == 1
     assert contents[-1] == expected
     assert len(fake_openai.chat_requests) == (0 if answered else 1)
+
+
+def echo_the_turn(body: dict[str, Any]) -> Reply:
+    """A model for steered turns (as in tests/test_kill_delivery.py): a turn's first call
+    asks for `current_time`; the call after its result answers ``echo: `` and the user
+    messages of the turn (since the last final answer), joined by `` | ``."""
+    turn: list[dict[str, Any]] = []
+    for message in body["messages"]:
+        if message["role"] == "assistant" and not message.get("tool_calls"):
+            turn = []
+        elif message["role"] != "system":
+            turn.append(message)
+    if not any(m["role"] == "tool" for m in turn):
+        return Reply(tool_calls=(FakeToolCall("current_time", {}),))
+    return Reply(text="echo: " + " | ".join(m["content"] for m in turn if m["role"] == "user"))
+
+
+#: The turn's own message and nine that join it: with the default window of ten
+#: messages (`agent.memory_window`), the window cut the turn's own message.
+TURN = [_said("look it up", 1), *(_said(f"and {n}", n) for n in range(2, 11))]
+TURN_REPLY = "echo: " + " | ".join(m.text for m in TURN)
+
+
+async def test_steer_a_turn_that_many_messages_joined_answers_every_one(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    from gateway.dispatch.queue_modes import TurnInbox, receiving
+
+    fake_openai.responder = echo_the_turn
+    settings = make_settings(fake_openai, dispatch__mode="steer", memory__auto_consolidate=False)
+    gw = Gateway.build(settings)
+    waiting = TURN[1:]
+
+    def take(accept: Callable[[InboundMessage], bool]) -> list[InboundMessage]:
+        taken = [m for m in waiting if accept(m)]
+        waiting.clear()
+        return taken
+
+    try:
+        await gw.agent.handle(_said("before", 0))  # an earlier exchange, left out first
+        with receiving(TurnInbox(KEY, take)):
+            reply = await gw.agent.handle(TURN[0])
+    finally:
+        await gw.aclose()
+    assert reply.text == TURN_REPLY
+    final = fake_openai.chat_requests[-1].messages
+    assert [m["content"] for m in final if m["role"] == "user"] == [m.text for m in TURN]
+    contents = [e["message"].get("content") for e in stored(settings)]
+    assert contents[-1] == TURN_REPLY
+
+
+async def test_a_replay_goes_on_with_a_turn_that_many_messages_joined(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The kill came after nine messages joined a turn (stored after its tool round),
+    before its final answer; all ten are journaled. The replay goes on with the turn:
+    the model sees all ten, its one reply answers them all and goes out once, and all
+    are marked answered."""
+    fake_openai.responder = echo_the_turn
+    settings = make_settings(fake_openai, dispatch__mode="steer", memory__auto_consolidate=False)
+    before = FileDedupeStore(settings.workspace_path / "dedupe.sqlite")
+    for msg in TURN:
+        key = dedupe_key(msg)
+        assert key is not None and not await before.seen_or_add(key)
+        await before.journal(key, msg)
+    await before.aclose()  # the kill; what follows is the restarted gateway
+    journal = FileDedupeStore(settings.workspace_path / "dedupe.sqlite")
+    gw = Gateway.build(settings)
+    session = await gw.sessions.aget_or_create(KEY)
+    call = ToolCall(id="c1", function_name="current_time")
+    session.add_message(LLMMessage("user", TURN[0].text), {"message_id": TURN[0].message_id})
+    session.add_message(LLMMessage("assistant", "", tool_calls=[call]))
+    session.add_message(LLMMessage("tool", "noon", tool_call_id="c1", name="current_time"))
+    for msg in TURN[1:]:
+        session.add_message(
+            LLMMessage("user", msg.text), {"message_id": msg.message_id, "steered": True}
+        )
+    sent: list[OutboundMessage] = []
+
+    async def deliver(reply: OutboundMessage) -> None:
+        sent.append(reply)
+
+    dispatcher = Dispatcher(gw.agent.handle, deliver, dedupe=journal)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(dispatcher.run)
+            assert await dispatcher.replay() == len(TURN)
+            with anyio.fail_after(10):
+                while dispatcher.stats().turns_finished < len(TURN):  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            await dispatcher.drain(5)
+        left = await journal.unanswered()
+    finally:
+        await journal.aclose()
+        await gw.aclose()
+    assert [r.text for r in sent] == [TURN_REPLY]
+    assert left == []
+    assert len(fake_openai.chat_requests) == 1
 
 
 async def test_undo_after_a_steered_turn_takes_back_the_whole_turn(

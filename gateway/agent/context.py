@@ -5,8 +5,9 @@ The fitting policy (`fit_context`) keeps these promises, each tested:
 
 - the estimated tokens of the result stay within ``context_window - reply_reserve``
   unless nothing but the protected messages is left;
-- the protected messages are never pruned: the new user message (everything from the
-  last user message on), and the previous user/assistant exchange when it fits;
+- the protected messages are never pruned: the running turn (everything from its user
+  message on, the messages that joined it included; by default from the last user
+  message), and the previous user/assistant exchange when it fits;
 - kept messages keep their order, and tool calls stay paired with their results (a
   pruned tool call takes its results with it; see `repair_tool_pairs`);
 - old tool results leave first: before any message is dropped, the tool results
@@ -448,6 +449,7 @@ def fit_context(
     max_messages: int = 0,
     usage: UsageHint | None = None,
     policy: PruningPolicy | None = None,
+    turn_start: int | None = None,
 ) -> ContextPlan:
     """Fit system prompt, summary, memory and the recent history into
     ``context_window - reply_reserve`` tokens (see the module docstring's promises).
@@ -457,6 +459,10 @@ def fit_context(
     for the new message, then the knowledge base's export); `query` defaults to the
     last user message; `max_messages` caps the history messages considered (0: no
     cap; a tool call is never cut from its results, so a few more may stay).
+    `turn_start` is the index in `history` of the running turn's user message, when
+    messages joined that turn after it (the steer mode): the turn is protected from
+    there on, so its one reply can answer every message of it. None: the turn starts at
+    the last user message.
 
     Steps, each recorded in the plan:
 
@@ -525,6 +531,9 @@ def fit_context(
             head.append(memory_message)
     head_tokens = sum(map(tokens_of, head))
 
+    users = [i for i, m in enumerate(history) if m.role == "user"]
+    if turn_start is None or not 0 <= turn_start < len(history):
+        turn_start = users[-1] if users else len(history) - 1
     if plain and history and (max_messages <= 0 or len(history) <= max_messages):
         # The common turn: plain messages, all inside the window and the budget. The
         # steps below would keep everything and protect from the previous user
@@ -532,8 +541,8 @@ def fit_context(
         history_tokens = sum(map(tokens_of, history))
         raw = head_tokens + history_tokens
         if raw <= limit and history_tokens <= policy.horizon * limit:
-            users = [i for i, m in enumerate(history) if m.role == "user"]
-            protected = users[-2] if len(users) >= 2 else users[-1] if users else len(history) - 1
+            earlier = [i for i in users if i < turn_start]
+            protected = earlier[-1] if earlier else turn_start
             return ContextPlan(
                 messages=(*head, *history),
                 kept_indices=tuple(range(len(history))),
@@ -551,13 +560,16 @@ def fit_context(
 
     # 2. window and protection ------------------------------------------------------
     units = _split_units(repaired, indices)
-    protected_at = len(units)  # units from here on are never pruned
-    last_user = next(
-        (i for i in range(len(units) - 1, -1, -1) if units[i].messages[0].role == "user"),
-        len(units) - 1,
+    # Units from the first that holds a message of the running turn on are never pruned
+    # (with no such unit, the last).
+    protected_at = next(
+        (
+            i
+            for i, unit in enumerate(units)
+            if any(index is not None and index >= turn_start for index in unit.indices)
+        ),
+        max(0, len(units) - 1),
     )
-    if units:
-        protected_at = last_user
     start = 0
     if max_messages > 0:
         start = len(units)
@@ -777,6 +789,7 @@ class ContextBuilder:
         usage: UsageHint | None = None,
         context_window: int | None = None,
         fixed_tokens: int = 0,
+        turn_start: int | None = None,
     ) -> ContextPlan:
         """The plan for one request; `usage` defaults to what `observe` last learned
         for `session_key`, `context_window` to the builder's. `fixed_tokens` are sent
@@ -790,7 +803,11 @@ class ContextBuilder:
         if usage is None and session_key is not None:
             usage = self._hints.get(session_key)
         if self.max_messages:
-            history = history[-(2 * self.max_messages + TOOL_GROUP_SLACK) :]
+            cut = max(0, len(history) - (2 * self.max_messages + TOOL_GROUP_SLACK))
+            if turn_start is not None:
+                cut = min(cut, turn_start)  # the running turn is considered whole
+                turn_start -= cut
+            history = history[cut:]
         window = context_window or self.context_window
         return fit_context(
             system_prompt=system_prompt,
@@ -803,6 +820,7 @@ class ContextBuilder:
             max_messages=self.max_messages,
             usage=usage,
             policy=self.policy,
+            turn_start=turn_start,
         )
 
     def observe(

@@ -187,6 +187,17 @@ class _Progress:
         return f"{said}\n\n(stopped)" if said else STOPPED_EMPTY_TEXT
 
 
+def _turn_start(ctx: SessionContext, turn_entry: str | None) -> int | None:
+    """The position in `ctx.messages` of the running turn's user message: `turn_entry`'s,
+    else the last user message (None: there is none)."""
+    if turn_entry is not None and turn_entry in ctx.entry_ids:
+        return ctx.entry_ids.index(turn_entry)
+    return next(
+        (i for i in range(len(ctx.messages) - 1, -1, -1) if ctx.messages[i].role == "user"),
+        None,
+    )
+
+
 class AgentLoop:
     """Runs turns. The promises it keeps:
 
@@ -207,7 +218,9 @@ class AgentLoop:
     - a message that joins a running turn (the `steer` queue mode) is stored once, in
       arrival order: after the tool results of the step it joined, with its platform id
       and `steered` in its entry's meta; the model sees it at its next call, and the
-      turn's one reply answers it. A turn that has its final answer takes nothing more.
+      turn's one reply answers it. Every request of the turn holds the turn's own
+      message and all that joined it (the context's window never cuts into the running
+      turn). A turn that has its final answer takes nothing more.
     """
 
     def __init__(
@@ -449,6 +462,7 @@ class AgentLoop:
                 nocache=nocache,
                 token_budget=token_budget,
                 images=said.images,
+                turn_entry=earlier.turn_entry if earlier is not None else None,
             )
         except LLMError as exc:
             logger.error("turn failed: {}", exc)
@@ -686,8 +700,14 @@ class AgentLoop:
         nocache: bool = False,
         token_budget: int | None = None,
         images: tuple[str, ...] = (),
+        turn_entry: str | None = None,
     ) -> _TurnResult:
+        """The model's answer to the turn whose context is `ctx`: its user message is
+        `turn_entry`'s (a replayed turn that goes on, perhaps with messages that joined
+        it before the crash), else the last user message of `ctx` (the one just stored).
+        Every request of the turn holds everything from that message on."""
         model = ctx.model or self.config.model
+        turn_start = _turn_start(ctx, turn_entry)
         query = ctx.messages[-1].content or "" if ctx.messages else ""
         specs = self.tools.specs()
         tool_tokens = self._tools_tokens(specs)
@@ -706,6 +726,7 @@ class AgentLoop:
                 session_key=session.key,
                 context_window=min(window, cap) if cap else window,
                 fixed_tokens=tool_tokens,
+                turn_start=turn_start,
             )
             if not images:
                 return plan

@@ -26,13 +26,16 @@ META_STEERED = "steered"
 @dataclass(frozen=True, slots=True)
 class EarlierTurn:
     """A turn that began before a crash: its final reply (None: it never finished) and
-    that reply's entry id, and whether the message is still in the branch's latest turn
-    (only then can the turn go on). Messages that joined a turn (`META_STEERED`) are
-    part of it: they neither end it nor start another."""
+    that reply's entry id, whether the message is still in the branch's latest turn
+    (only then can the turn go on), and the id of the user entry the turn began with
+    (the message's own, or for a message that joined a turn, that turn's first).
+    Messages that joined a turn (`META_STEERED`) are part of it: they neither end it
+    nor start another."""
 
     reply: str | None
     is_latest: bool
     reply_entry: str | None = None
+    turn_entry: str | None = None
 
 
 def user_entry_meta(inbound: InboundMessage) -> dict[str, Any] | None:
@@ -70,6 +73,7 @@ def find_turn(branch: Sequence[Entry], message_id: str) -> EarlierTurn | None:
             and _carries(entry.meta, message_id)
         ):
             continue
+        first = _turn_entry(branch, index)
         for later in branch[index + 1 :]:
             if not isinstance(later, MessageEntry):
                 continue
@@ -77,9 +81,25 @@ def find_turn(branch: Sequence[Entry], message_id: str) -> EarlierTurn | None:
             if message.role == "user":
                 if later.meta and later.meta.get(META_STEERED):
                     continue  # joined this turn: the turn goes on past it
-                return EarlierTurn(reply=None, is_latest=False)
+                return EarlierTurn(reply=None, is_latest=False, turn_entry=first)
             if message.role == "assistant" and not message.tool_calls:
                 reply = message.content or ""
-                return EarlierTurn(reply=reply, is_latest=True, reply_entry=later.id)
-        return EarlierTurn(reply=None, is_latest=True)
+                return EarlierTurn(
+                    reply=reply, is_latest=True, reply_entry=later.id, turn_entry=first
+                )
+        return EarlierTurn(reply=None, is_latest=True, turn_entry=first)
     return None
+
+
+def _turn_entry(branch: Sequence[Entry], index: int) -> str:
+    """The id of the user entry that began the turn of `branch[index]` (a user entry):
+    itself, or for one that joined a turn, the nearest earlier user entry that did not."""
+    for earlier in range(index, -1, -1):
+        entry = branch[earlier]
+        if (
+            isinstance(entry, MessageEntry)
+            and entry.message.role == "user"
+            and not (entry.meta and entry.meta.get(META_STEERED))
+        ):
+            return entry.id
+    return branch[index].id
