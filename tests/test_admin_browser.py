@@ -138,7 +138,7 @@ def site(tmp_path: Path) -> Iterator[Site]:
 
 
 def _wait_text(driver: Any, css: str, text: str) -> Any:
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.by import By
 
     def found() -> bool:
@@ -147,6 +147,12 @@ def _wait_text(driver: Any, css: str, text: str) -> Any:
             return any(text in e.text for e in elements)
         except StaleElementReferenceException:  # the page changed under us: look again
             return False
+        except WebDriverException as exc:
+            # Chromium reports an element of the page just left this way under load,
+            # not as stale: the same case, anything else is a failure.
+            if "does not belong to the document" in str(exc):
+                return False
+            raise
 
     wait_until(found, WAIT, f"{text!r} in {css}")
     return driver.find_element(By.CSS_SELECTOR, css)
