@@ -17,7 +17,10 @@ Issue 29's "must not get slower" rows (`--code OTHER_CHECKOUT`, repeatable): the
 append, build, compaction and per-turn recall measures, each in a child process, run
 against our code and each other checkout alternately (medians of three), so a noisy
 machine's load falls on both alike; the table gives each and the ratio. The CPU time
-(`time.process_time`) is the steadier figure; the wall time adds fsync waits.
+(`time.process_time`) is the steadier figure; the wall time adds fsync waits. An
+append row alone hides a trade: a checkout that indexes a fact only when the scope is
+searched pays at its first search, so "append_to_memory, then the first search" gives
+the whole cost of a fact until it can be found. `--measures` runs some of them only.
 
     git worktree add /tmp/before-indexes dc5b0ff     # before the indexes were saved
     git worktree add /tmp/before-messages cc4cbcb    # before messages were indexed
@@ -564,6 +567,13 @@ COMPARED = [
     ("append_to_memory", 5_000, "cpu_us", "us CPU", "append_to_memory, fresh scope (CPU)"),
     ("append_history", 5_000, "us", "us", "append_history, fresh scope (wall)"),
     ("append_history", 5_000, "cpu_us", "us CPU", "append_history, fresh scope (CPU)"),
+    (
+        "append_then_search",
+        5_000,
+        "cpu_us",
+        "us CPU",
+        "append_to_memory, then the first search (CPU a fact)",
+    ),
     ("history_build", 100_000, "seconds", "s", "history index build, first search (wall)"),
     ("history_build", 100_000, "cpu", "s CPU", "history index build, first search (CPU)"),
     ("history_build", 100_000, "rss_mb", "MB", "  RSS after the build"),
@@ -594,6 +604,19 @@ def _compare_child(what: str, size: int) -> dict[str, float]:
             for entry in entries:
                 call(entry)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            manager.close()
+            return {"us": wall / size * 1e6, "cpu_us": cpu / size * 1e6}
+        if what == "append_then_search":
+            # The whole cost of a fact until it can be found: an append that leaves the
+            # indexing to the first search is cheap only until that search.
+            manager = MemoryManager(Path(tmp), "bench:append")
+            entries = [f"- [learned_fact] {corpus.sentence()}" for _ in range(size)]
+            start, cpu = time.perf_counter(), time.process_time()
+            for entry in entries:
+                manager.append_to_memory(entry)
+            found = manager.search_memory(entries[size // 2].split("] ", 1)[1], 1)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            assert found, "the first search found nothing"
             manager.close()
             return {"us": wall / size * 1e6, "cpu_us": cpu / size * 1e6}
         if what == "history_build":
@@ -677,11 +700,19 @@ def _label(code: Path) -> str:
         return code.name
 
 
-def bench_compare(codes: list[Path], rows: list[Row], rounds: int = COMPARE_ROUNDS) -> None:
+def bench_compare(
+    codes: list[Path],
+    rows: list[Row],
+    rounds: int = COMPARE_ROUNDS,
+    only: frozenset[str] = frozenset(),
+) -> None:
     """Issue 29's rows (module doc): each measure in child processes, ours and every
-    checkout of `codes` alternately, `rounds` times; medians, and ours / theirs."""
+    checkout of `codes` alternately, `rounds` times; medians, and ours / theirs.
+    `only`: these measures alone (all when empty)."""
     sides: list[tuple[str, Path | None]] = [("ours", None)] + [(_label(c), c) for c in codes]
-    measures = sorted({(what, size) for what, size, *_ in COMPARED}, key=str)
+    measures = sorted(
+        {(what, size) for what, size, *_ in COMPARED if not only or what in only}, key=str
+    )
     found: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for _ in range(rounds):
         for what, size in measures:
@@ -745,6 +776,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only-compare", action="store_true", help="run only issue 29's compare rows"
     )
+    parser.add_argument(
+        "--measures",
+        default="",
+        help="comma-separated compare measures to run (default all): "
+        + ", ".join(sorted({what for what, *_ in COMPARED})),
+    )
     parser.add_argument("--compare-child", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--compact-child", help=argparse.SUPPRESS)
@@ -783,8 +820,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return _report(rows, args.json)
     message_sizes = [int(s) for s in args.message_sizes.split(",") if s.strip()]
+    only = frozenset(m.strip() for m in args.measures.split(",") if m.strip())
     if args.only_compare:
-        bench_compare(args.code, rows)
+        bench_compare(args.code, rows, only=only)
         return _report(rows, args.json)
     if args.only_messages:
         bench_messages(message_sizes, rows)
@@ -797,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cold_start(rows)
     bench_messages(message_sizes, rows)
     if args.code:
-        bench_compare(args.code, rows)
+        bench_compare(args.code, rows, only=only)
     return _report(rows, args.json)
 
 
