@@ -17,6 +17,7 @@ from gateway.agent.tools import ToolContext, ToolRegistry
 from gateway.llm import LLMMessage, ToolCall
 from gateway.memory import MemoryStore
 from gateway.memory.facts import NewFact, Origin
+from gateway.memory.messages import MessageHit
 from gateway.memory.protocol import MemoryBackend
 from gateway.sessions import SessionManager
 
@@ -256,6 +257,16 @@ def test_the_memory_block_blends_facts_history_and_messages_not_in_the_window(
     assert " UTC, " in said[0]
     assert not any("Comet chewed" in line for line in said)  # in the window already
     assert old not in block  # entry ids are not shown to the model
+
+
+@pytest.mark.parametrize(
+    ("timestamp", "shown"),
+    [(0.0, "1970-01-01 00:00"), (1_700_000_059.9, "2023-11-14 22:14"), (1e10, "2286-11-20 17:46")],
+)
+def test_a_hit_says_when_in_utc_to_the_minute(timestamp: float, shown: str) -> None:
+    hit = MessageHit("telegram:1", "s", "e", timestamp, "user", "hello", 1.0)
+    assert hit.when == shown
+    assert hit.describe(context=False).startswith(f"[{shown} UTC, telegram:1, user, entry e]")
 
 
 def test_a_fact_is_found_through_the_message_it_came_from(

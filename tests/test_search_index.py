@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import unicodedata
 from collections import Counter
 from pathlib import Path
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from gateway.memory import text as text_module
 from gateway.memory.index import IndexFileError, SearchIndex
 from gateway.memory.text import _WORD_RE as WORD_RE
-from gateway.memory.text import STOPWORDS, normalize_text, stem, tokenize, words
+from gateway.memory.text import STOPWORDS, normalize_text, one_line, stem, tokenize, words
 
 # -- tokenizer -------------------------------------------------------------------
 
@@ -70,6 +71,17 @@ def test_words_and_tokenize_agree_with_their_definition_on_any_text(text: str) -
     expected = _reference_tokens(text)
     assert tokenize(text) == expected
     assert tokenize(text) == expected  # every word in the table now
+
+
+@settings(max_examples=400, deadline=None)
+@given(_TEXTS)
+def test_one_line_and_normalize_text_agree_with_their_definition_on_any_text(
+    text: str,
+) -> None:
+    """Their fast path (a text already folded is returned as it is) changes nothing."""
+    assert one_line(text) == re.sub(r"\s+", " ", text).strip()
+    nfkc = unicodedata.normalize("NFKC", text)
+    assert normalize_text(text) == re.sub(r"\s+", " ", nfkc.casefold()).strip()
 
 
 def test_tokenize_table_is_bounded_and_refills(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,8 +30,6 @@ DEFAULT_CATEGORY = "learned_fact"
 
 HISTORY_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 _HISTORY_TS_RE = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?: UTC)?\]")
-# Text that `one_line` leaves as it is (words with single spaces): checked, not rebuilt.
-_ONE_LINE_RE = re.compile(r"\S+(?: \S+)*")
 _FACT_RE = re.compile(r"^[-*+]\s+\[([A-Za-z_][A-Za-z0-9_]*)\]\s*(.*)$")
 _BULLET_RE = re.compile(r"^[-*+]\s+(.*)$")
 _HEADING_PREFIX = "### Consolidated "
@@ -151,7 +149,7 @@ def format_history_line(text: str, when: datetime) -> str:
     """`[YYYY-MM-DD HH:MM:SS] text` + newline, in UTC; the entry is folded to one line."""
     t = when.astimezone(UTC)  # HISTORY_TIME_FORMAT, without strftime's cost per line
     stamp = f"{t.year:04d}-{t.month:02d}-{t.day:02d} {t.hour:02d}:{t.minute:02d}:{t.second:02d}"
-    return f"[{stamp}] {text if _ONE_LINE_RE.fullmatch(text) else one_line(text)}\n"
+    return f"[{stamp}] {one_line(text)}\n"
 
 
 def history_timestamp(line: str) -> float | None:
