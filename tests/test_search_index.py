@@ -84,6 +84,13 @@ def test_one_line_and_normalize_text_agree_with_their_definition_on_any_text(
     assert normalize_text(text) == re.sub(r"\s+", " ", nfkc.casefold()).strip()
 
 
+def test_a_contraction_gives_one_token_at_most() -> None:
+    """What the tokenizer's per-word table relies on (`_token_of` asserts it at run
+    time): the auxiliaries "n't" contractions expand to are stopwords."""
+    assert tokenize("can't won't doesn't user's") == ["not", "not", "not", "user"]
+    assert {"can", "will"} <= STOPWORDS
+
+
 def test_tokenize_table_is_bounded_and_refills(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(text_module, "_TOKENS_MAX", 8)
     text_module._TOKENS.clear()

@@ -14,8 +14,8 @@ from gateway.storage.items import (
     DamagedFile,
     Outcome,
     Transfer,
-    damaged_state_file,
     read_state_file,
+    rows_to_import,
     write_state_file,
 )
 
@@ -28,6 +28,12 @@ def _parse_pairing(text: str) -> PairingState:
     if bad:
         raise ValueError(f"{bad} unreadable entries")
     return state
+
+
+def _pairing_file_rows(path: Path) -> dict[tuple[str, str, str], tuple[Any, ...]] | None:
+    """The pairing file's rows (`_pairing_rows`); None when there is no file."""
+    state = read_state_file(path, _parse_pairing)
+    return _pairing_rows(state) if state is not None else None
 
 
 def _pairing_rows(state: PairingState) -> dict[tuple[str, str, str], tuple[Any, ...]]:
@@ -68,13 +74,9 @@ def import_pairing(conn: psycopg.Connection[Any], workspace: Path, transfer: Tra
     """The pairing file's approvals and pending codes (expired ones too: the next write
     on their channel drops them, as in the file) into PostgreSQL, one row per item."""
     path = workspace / PAIRING_FILE
-    try:
-        state = read_state_file(path, _parse_pairing)
-    except DamagedFile as exc:
-        damaged_state_file(transfer, "pairing", path, exc)
+    rows = rows_to_import(transfer, "pairing", path, lambda: _pairing_file_rows(path))
+    if rows is None:
         return
-    rows = _pairing_rows(state) if state is not None else {}
-    transfer.start("pairing", len(rows), path)
     for n, (which, row) in enumerate(rows.items(), start=1):
         table, channel, sender = which
         item, detail = _describe_pairing(which, row)

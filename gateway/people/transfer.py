@@ -11,8 +11,8 @@ from gateway.storage.items import (
     DamagedFile,
     Outcome,
     Transfer,
-    damaged_state_file,
     read_state_file,
+    rows_to_import,
     write_state_file,
 )
 
@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 #: ("person", person id) -> the ids linked as that person (sorted), or
 #: ("dm", session key) -> the sender whose direct conversation it is
 PeopleRows = dict[tuple[str, str], tuple[str, ...] | str]
+
+
+def _people_file_rows(path: Path) -> PeopleRows | None:
+    """people.json's rows (`_people_rows`); None when there is no file."""
+    data = read_state_file(path, parse_people)
+    return _people_rows(data) if data is not None else None
 
 
 def _people_rows(data: dict[str, dict[str, str]]) -> PeopleRows:
@@ -83,13 +89,9 @@ def import_people(conn: psycopg.Connection[Any], workspace: Path, transfer: Tran
     one item per person (all its ids, in one transaction: a person is never half linked)
     and one per direct conversation."""
     path = workspace / PEOPLE_FILE
-    try:
-        data = read_state_file(path, parse_people)
-    except DamagedFile as exc:
-        damaged_state_file(transfer, "people", path, exc)
+    rows = rows_to_import(transfer, "people", path, lambda: _people_file_rows(path))
+    if rows is None:
         return
-    rows = _people_rows(data) if data is not None else {}
-    transfer.start("people", len(rows), path)
     for n, (which, value) in enumerate(rows.items(), start=1):
         item, detail = _describe_people(which, value)
         outcome: Outcome = "moved"

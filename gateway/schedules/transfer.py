@@ -17,8 +17,8 @@ from gateway.storage.items import (
     DamagedFile,
     Outcome,
     Transfer,
-    damaged_state_file,
     read_state_file,
+    rows_to_import,
     write_state_file,
 )
 
@@ -42,12 +42,9 @@ def import_heartbeat(conn: psycopg.Connection[Any], workspace: Path, transfer: T
     """Each heartbeat job's last run into ``gw_heartbeat_runs``, so that the fleet makes
     up a missed run once instead of running every job at its first start."""
     path = workspace / HEARTBEAT_STATE_FILE
-    try:
-        runs = read_state_file(path, _parse_runs) or {}
-    except DamagedFile as exc:
-        damaged_state_file(transfer, "heartbeat", path, exc)
+    runs = rows_to_import(transfer, "heartbeat", path, lambda: read_state_file(path, _parse_runs))
+    if runs is None:
         return
-    transfer.start("heartbeat", len(runs), path)
     for n, (job, when) in enumerate(sorted(runs.items()), start=1):
         item, detail = _describe_run(job, when)
         outcome: Outcome = "moved"
@@ -117,12 +114,11 @@ def import_schedules(conn: psycopg.Connection[Any], workspace: Path, transfer: T
     """Reminders and scheduled tasks (schedules.json) into ``gw_schedules``, one per job.
     The per-conversation limit is not applied: what the file holds is kept."""
     path = workspace / JOBS_FILE
-    try:
-        jobs = read_state_file(path, _parse_schedules) or {}
-    except DamagedFile as exc:
-        damaged_state_file(transfer, "schedules", path, exc)
+    jobs = rows_to_import(
+        transfer, "schedules", path, lambda: read_state_file(path, _parse_schedules)
+    )
+    if jobs is None:
         return
-    transfer.start("schedules", len(jobs), path)
     for n, (job_id, job) in enumerate(sorted(jobs.items()), start=1):
         item, detail = _describe_job(job_id, job)
         outcome: Outcome = "moved"

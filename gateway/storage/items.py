@@ -6,7 +6,7 @@ the promises every part keeps)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 
 _S = TypeVar("_S")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 Outcome = Literal["moved", "present", "damaged", "conflict"]
 
@@ -124,6 +126,20 @@ def damaged_state_file(transfer: Transfer, kind: str, path: Path, exc: DamagedFi
     """A state file that cannot be read: reported as one damaged item, kept as it is."""
     transfer.start(kind, 1, path)
     transfer.note(kind, "damaged", path.name, f"{exc}; the file stays as it is", (1, 1))
+
+
+def rows_to_import(
+    transfer: Transfer, kind: str, path: Path, read: Callable[[], Mapping[_K, _V] | None]
+) -> Mapping[_K, _V] | None:
+    """An import's rows from its state file (`read`: none when there is no file), with
+    the count started; None when the file is damaged (reported as one item and kept)."""
+    try:
+        rows = read() or {}
+    except DamagedFile as exc:
+        damaged_state_file(transfer, kind, path, exc)
+        return None
+    transfer.start(kind, len(rows), path)
+    return rows
 
 
 def write_state_file(

@@ -15,7 +15,7 @@ from gateway.storage.items import (
     DamagedFile,
     Outcome,
     Transfer,
-    damaged_state_file,
+    rows_to_import,
     write_state_file,
 )
 from gateway.usage.protocol import USAGE_COLUMNS, UsageRow, usage_row
@@ -90,12 +90,9 @@ def import_usage(conn: psycopg.Connection[Any], workspace: Path, transfer: Trans
     the shared mode having counted the same day, conversation, model and kind before the
     import; the detail line says how much more the database has."""
     path = workspace / USAGE_FILE
-    try:
-        rows = _read_usage_file(path) or {}
-    except DamagedFile as exc:
-        damaged_state_file(transfer, "usage", path, exc)
+    rows = rows_to_import(transfer, "usage", path, lambda: _read_usage_file(path))
+    if rows is None:
         return
-    transfer.start("usage", len(rows), path)
     for n, (key, counts) in enumerate(sorted(rows.items()), start=1):
         item, detail = _describe_usage(key, counts)
         outcome: Outcome = "moved"
