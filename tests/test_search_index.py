@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.memory import text as text_module
 from gateway.memory.index import IndexFileError, SearchIndex
 from gateway.memory.text import _WORD_RE as WORD_RE
 from gateway.memory.text import STOPWORDS, normalize_text, one_line, stem, tokenize, words
@@ -52,7 +51,7 @@ def _reference_words(text: str) -> list[str]:
 
 
 def _reference_tokens(text: str) -> list[str]:
-    """`tokenize` as its docstring defines it, word by word (no table, no fast path)."""
+    """`tokenize` as its docstring defines it, word by word (no fast path)."""
     return [stem(w) for w in _reference_words(text) if w not in STOPWORDS]
 
 
@@ -65,12 +64,10 @@ _TEXTS = st.text(
 @settings(max_examples=400, deadline=None)
 @given(_TEXTS)
 def test_words_and_tokenize_agree_with_their_definition_on_any_text(text: str) -> None:
-    """The per-word table and the ASCII fast path change the cost, never the tokens:
-    same as the plain definition, on first sight of a word and from the table after."""
+    """The ASCII fast path changes the cost, never the words or the tokens."""
     assert words(text) == _reference_words(text)
     expected = _reference_tokens(text)
     assert tokenize(text) == expected
-    assert tokenize(text) == expected  # every word in the table now
 
 
 @settings(max_examples=400, deadline=None)
@@ -85,20 +82,10 @@ def test_one_line_and_normalize_text_agree_with_their_definition_on_any_text(
 
 
 def test_a_contraction_gives_one_token_at_most() -> None:
-    """What the tokenizer's per-word table relies on (`_token_of` asserts it at run
-    time): the auxiliaries "n't" contractions expand to are stopwords."""
+    """The auxiliaries "n't" contractions expand to are stopwords: a contraction is
+    searched as its negation."""
     assert tokenize("can't won't doesn't user's") == ["not", "not", "not", "user"]
     assert {"can", "will"} <= STOPWORDS
-
-
-def test_tokenize_table_is_bounded_and_refills(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(text_module, "_TOKENS_MAX", 8)
-    text_module._TOKENS.clear()
-    sentence = " ".join(f"pear{chr(97 + i)}s" for i in range(26)) + " the can't"
-    first = tokenize(sentence)
-    assert len(text_module._TOKENS) <= 8
-    assert first == tokenize(sentence) == _reference_tokens(sentence)
-    assert len(first) == 27 and first[0] == "peara" and first[-1] == "not"
 
 
 def test_stem_joins_common_inflections() -> None:

@@ -58,18 +58,22 @@ def one_line(text: str) -> str:
     return text if _FOLDED_RE.fullmatch(text) else _SPACE_RE.sub(" ", text).strip()
 
 
+def _raw_words(text: str) -> list[str]:
+    """`_WORD_RE`'s matches in the casefolded NFKC text (ASCII text: a third faster)."""
+    if text.isascii():
+        return _ASCII_WORD_RE.findall(text.lower())
+    return _WORD_RE.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
 def words(text: str) -> list[str]:
     """Casefolded words of `text`, contractions resolved, nothing removed or stemmed.
 
     "n't" contractions become "not" ("doesn't" -> "not": the auxiliary is a stopword
     anyway); other apostrophe suffixes are dropped ("user's" -> "user").
     """
-    if text.isascii():
-        found = _ASCII_WORD_RE.findall(text.lower())
-        if "'" not in text:
-            return found  # no contraction to resolve
-    else:
-        found = _WORD_RE.findall(unicodedata.normalize("NFKC", text).casefold())
+    found = _raw_words(text)
+    if "'" not in text and "\u2019" not in text:
+        return found  # no contraction to resolve
     out: list[str] = []
     for word in found:
         if "'" in word or "\u2019" in word:
@@ -117,36 +121,5 @@ def _undouble(word: str) -> str:
 
 
 def tokenize(text: str) -> list[str]:
-    """Search tokens: casefolded words minus stopwords, lightly stemmed, in order.
-
-    The same as ``[stem(w) for w in words(text) if w not in STOPWORDS]``, computed per
-    raw word through a table (`_token_of`): every append to a memory file and every
-    stored message is tokenized, and the table turns the per-word work into one dict
-    lookup (tests/test_memory_text.py checks that the two agree)."""
-    if text.isascii():
-        found = _ASCII_WORD_RE.findall(text.lower())
-    else:
-        found = _WORD_RE.findall(unicodedata.normalize("NFKC", text).casefold())
-    tokens = list(map(_TOKENS.get, found))
-    if None in tokens:
-        tokens = [_token_of(w) if t is None else t for w, t in zip(found, tokens, strict=True)]
-    return [t for t in tokens if t]
-
-
-#: Raw casefolded word -> its search token, or "" when it gives none (a stopword).
-#: Bounded: cleared when full (a rare refill, cheaper than an LRU's bookkeeping).
-_TOKENS: dict[str, str] = {}
-_TOKENS_MAX = 200_000
-
-
-def _token_of(word: str) -> str:
-    """The one token a raw word (a `_WORD_RE` match, casefolded) gives, or "". A
-    contraction gives at most one once stopwords go ("can't" -> "can", "not", and "can"
-    is a stopword); the assertion keeps that true if the lists ever change."""
-    found = [stem(w) for w in words(word) if w not in STOPWORDS]
-    assert len(found) <= 1, f"{word!r} gives several tokens: {found}"
-    token = found[0] if found else ""
-    if len(_TOKENS) >= _TOKENS_MAX:
-        _TOKENS.clear()
-    _TOKENS[word] = token
-    return token
+    """Search tokens: casefolded words minus stopwords, lightly stemmed, in order."""
+    return [stem(w) for w in words(text) if w not in STOPWORDS]
