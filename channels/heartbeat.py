@@ -154,6 +154,12 @@ class HeartbeatChannel:
                     message_id=f"{job.name}@{started.isoformat()}",
                 )
             )
+            if not ticket.taken:
+                # The gateway is full or stopping: this run is skipped, the next one
+                # comes at its time.
+                logger.warning(
+                    "heartbeat {}: not queued (the gateway is full or stopping)", job.name
+                )
             await ticket.reply()
         if not claimed:
             await self.state.claim(job.name, await self.state.alast_run(job.name), started)

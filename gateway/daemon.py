@@ -945,14 +945,13 @@ class Daemon:
         """An HTTP API's message (/api/chat, /v1/chat/completions): its submit status and
         its reply. ApiError(503) when it was not taken in, or is a retry of one still
         being answered (the client must send it again)."""
+        # Its sender waits on the request: a full queue may refuse it (429), which loses
+        # nothing, where a platform's message is never refused.
+        message = replace(message, metadata={**message.metadata, META_REPLY_WANTED: True})
         if self.router is not None:
             # Shared mode: journaled like a platform message, so whichever replica holds
             # the session runs it; the reply comes back here.
-            message = replace(
-                message,
-                message_id=message.message_id or uuid.uuid4().hex,
-                metadata={**message.metadata, META_REPLY_WANTED: True},
-            )
+            message = replace(message, message_id=message.message_id or uuid.uuid4().hex)
         ticket = await self.dispatcher.submit(message)
         from gateway.dispatch.lanes import SubmitStatus
         from gateway.http.chat_api import ApiError

@@ -305,6 +305,9 @@ async def test_a_replayed_message_no_longer_allowed_leaves_the_journal(tmp_path:
     from gateway.access.policy import Ignore
 
     class RefuseAll:
+        def screen(self, msg: InboundMessage) -> None:
+            return None
+
         async def check(self, msg: InboundMessage) -> Ignore:
             return Ignore("revoked")
 

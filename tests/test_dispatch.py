@@ -17,7 +17,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gateway.access.policy import ALLOW, Decision
+from gateway.access.policy import ALLOW, AccessGate, ChannelAccessPolicy, Decision, Ignore
+from gateway.access.store import PairingStore
 from gateway.dispatch.dispatcher import (
     BUSY_TEXT,
     DRAINING_TEXT,
@@ -31,7 +32,13 @@ from gateway.dispatch.lanes import SubmitStatus
 from gateway.dispatch.queue_modes import QueueMode, TurnInbox, current_inbox
 from gateway.journal.protocol import dedupe_key
 from gateway.journal.store import FileDedupeStore, MemoryDedupeStore
-from gateway.messages import MERGED_IDS_KEY, InboundMessage, OutboundMessage
+from gateway.messages import (
+    MERGED_IDS_KEY,
+    META_IS_GROUP,
+    META_MENTIONED,
+    InboundMessage,
+    OutboundMessage,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -80,6 +87,10 @@ async def running(dispatcher: Dispatcher, grace: float = 5.0) -> AsyncIterator[D
 
 class SlowOpenAccess:
     """An access check that lets everyone in after a random delay (a thread hop)."""
+
+    def screen(self, msg: InboundMessage) -> None:
+
+        return None
 
     async def check(self, msg: InboundMessage) -> Decision:
         await anyio.sleep(random.random() * 0.002)
@@ -293,6 +304,205 @@ async def test_a_failing_delivery_is_counted_and_the_lane_goes_on() -> None:
     assert d.stats().delivery_failures == 1
 
 
+# ----------------------------------------------------------------- busy rooms, backlogs
+
+
+def room_gate(tmp_path: Path) -> AccessGate:
+    """The real access gate: the `test` channel's groups open to all, answered only when
+    the bot is mentioned (the default `require_mention`)."""
+    policy = ChannelAccessPolicy(dm_policy="open", group_policy="open")
+    return AccessGate({"test": policy}, PairingStore(tmp_path / "pairing.json"))
+
+
+async def settle_lanes(dispatcher: Dispatcher) -> None:
+    with anyio.fail_after(10):
+        while dispatcher.stats().queued_total or dispatcher.stats().in_flight:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
+
+
+def in_room(sender: str, text: str, message_id: str, *, mention: bool) -> InboundMessage:
+    return InboundMessage(
+        channel="test",
+        chat_id="room",
+        sender_id=sender,
+        text=text,
+        message_id=message_id,
+        metadata={META_IS_GROUP: True, META_MENTIONED: mention},
+    )
+
+
+async def test_a_busy_room_queues_only_what_addresses_the_bot_and_tells_bystanders_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 37's live Discord shape: a mention while the model is slow, 60 messages
+    that do not address the bot, then a second mention, in a lane bounded at 3. The
+    chatter takes no place in the queue and gets no notice; both mentions are answered,
+    each to the person who wrote it."""
+    release = anyio.Event()
+    handled: list[str] = []
+
+    async def slow(msg: InboundMessage) -> OutboundMessage:
+        handled.append(msg.text)
+        await release.wait()
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    bounded = Dispatcher(
+        slow, outbox.deliver, dedupe=store, access=room_gate(tmp_path), max_queue_per_lane=3
+    )
+    async with running(bounded) as d:
+        first = await d.submit(in_room("alice", "@bot one", "1", mention=True))
+        chatter = [
+            await d.submit(in_room(f"user{i}", f"chatter {i}", str(100 + i), mention=False))
+            for i in range(60)
+        ]
+        second = await d.submit(in_room("bob", "@bot two", "2", mention=True))
+        assert {t.status for t in chatter} == {SubmitStatus.IGNORED}
+        assert first.status is second.status is SubmitStatus.ACCEPTED
+        assert d.stats().queue_depths == {"test:room": 1}  # only the second mention waits
+        release.set()
+        replies = [await first.reply(), await second.reply()]
+    await store.aclose()
+    assert handled == ["@bot one", "@bot two"]
+    assert [(o.text, o.reply_to) for o in outbox.sent] == [
+        ("re: @bot one", "1"),
+        ("re: @bot two", "2"),
+    ]
+    assert [r.text for r in replies if r is not None] == ["re: @bot one", "re: @bot two"]
+    assert d.stats().dropped_full == 0 and d.stats().ignored == 60
+
+
+async def test_a_backlog_longer_than_the_lane_is_answered_once_each_in_order(
+    tmp_path: Path,
+) -> None:
+    """A catch-up after downtime hands one conversation a backlog of 500 platform
+    messages at once, ten times the lane bound: each is journaled and taken (the channel
+    may confirm it), none is refused, and each is answered once, in order."""
+    started = anyio.Event()
+    release = anyio.Event()
+    handled: list[str] = []
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        handled.append(msg.text)
+        started.set()
+        await release.wait()
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    bounded = Dispatcher(handler, outbox.deliver, dedupe=store, max_queue_per_lane=50)
+    texts = [f"m{i:03d}" for i in range(500)]
+    async with running(bounded) as d:
+        tickets = [await d.submit(inbound("a", t, message_id=t)) for t in texts]
+        await started.wait()
+        assert all(t.taken and t.status is SubmitStatus.ACCEPTED for t in tickets)
+        assert len(await store.unanswered()) == 500  # all journaled before being taken
+        release.set()
+        for ticket in tickets:
+            await ticket.reply()
+        await settle_lanes(d)
+    assert await store.unanswered() == []
+    await store.aclose()
+    assert handled == texts
+    assert outbox.texts("a") == [f"re: {t}" for t in texts]
+    assert d.stats().dropped_full == 0
+
+
+async def test_past_the_total_bound_a_platform_message_is_left_with_the_platform(
+    tmp_path: Path,
+) -> None:
+    """At `max_queued_total` the gateway takes no more in: a platform's message is not
+    taken (the channel does not confirm it, the platform hands it over again) and nobody
+    is told anything; a message its sender holds (no platform id) is refused with a
+    notice, as before. Once there is room, the redelivered message is answered."""
+    release = anyio.Event()
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        await release.wait()
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    full = Dispatcher(handler, outbox.deliver, dedupe=store, max_queued_total=3)
+    async with running(full) as d:
+        accepted = [await d.submit(inbound(f"s{i}", "hi", message_id=str(i))) for i in range(3)]
+        left = await d.submit(inbound("late", "from the platform", message_id="9"))
+        refused = await d.submit(inbound("api", "from the chat API"))
+        assert left.status is SubmitStatus.RETRY_LATER and not left.taken
+        assert await left.reply() is None
+        assert refused.status is SubmitStatus.REJECTED_FULL
+        release.set()
+        for ticket in accepted:
+            await ticket.reply()
+        again = await d.submit(inbound("late", "from the platform", message_id="9"))
+        assert again.status is SubmitStatus.ACCEPTED
+        await again.reply()
+    await store.aclose()
+    assert outbox.texts("late") == ["re: from the platform"]
+    assert outbox.texts("api") == [BUSY_TEXT]
+
+
+async def test_while_draining_a_platform_message_is_left_with_the_platform(
+    tmp_path: Path,
+) -> None:
+    """A platform's message that comes in during a drain is not taken and its sender is
+    told nothing (the platform hands it to the next start); group chatter is ignored."""
+    started = anyio.Event()
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        started.set()
+        await anyio.sleep(0.2)
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    dispatcher = Dispatcher(handler, outbox.deliver, dedupe=store, access=room_gate(tmp_path))
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        await dispatcher.submit(in_room("alice", "@bot hi", "1", mention=True))
+        await started.wait()
+        tg.start_soon(dispatcher.drain, 5)
+        await anyio.sleep(0.01)
+        late = await dispatcher.submit(in_room("bob", "@bot late", "2", mention=True))
+        chatter = await dispatcher.submit(in_room("carol", "chatter", "3", mention=False))
+    await store.aclose()
+    assert late.status is SubmitStatus.RETRY_LATER and not late.taken
+    assert chatter.status is SubmitStatus.IGNORED
+    assert [o.text for o in outbox.sent] == ["re: @bot hi"]
+
+
+async def test_at_the_drain_deadline_journaled_messages_wait_for_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """A journaled message still waiting at the drain deadline is not answered with
+    "send it again" (its sender would then send it twice): the next start's replay
+    answers it, once."""
+    path = tmp_path / "dedupe.sqlite3"
+
+    async def stuck(msg: InboundMessage) -> OutboundMessage:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    outbox = Outbox()
+    store = FileDedupeStore(path)
+    async with running(Dispatcher(stuck, outbox.deliver, dedupe=store), grace=0.05) as d:
+        for i in range(3):
+            await d.submit(inbound("a", f"q{i}", message_id=str(i)))
+        await d.submit(inbound("b", "no platform id"))
+        await anyio.sleep(0.05)
+    await store.aclose()
+    assert outbox.texts("a") == [] and outbox.texts("b") == [RESTART_TEXT]
+
+    store = FileDedupeStore(path)
+    async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
+        assert await d.replay() == 3
+        await settle_lanes(d)
+    await store.aclose()
+    assert outbox.texts("a") == ["re: q0", "re: q1", "re: q2"]
+
+
 # --------------------------------------------------------------------------- dedupe
 
 
@@ -347,7 +557,8 @@ async def test_a_message_cut_off_by_a_restart_is_answered_when_redelivered(
         await d.submit(inbound("a", "question", message_id="7"))
         await started.wait()
     await store.aclose()
-    assert outbox.texts("a") == [RESTART_TEXT]
+    # Journaled: its sender is not asked to send it again (it would be answered twice).
+    assert outbox.texts("a") == []
 
     store = FileDedupeStore(path)  # the platform redelivers after the restart
     async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
@@ -678,6 +889,9 @@ class PairingAccess:
         self.store = PairingStore(path)
         self.gate = AccessGate({"test": ChannelAccessPolicy(dm_policy="pairing")}, self.store)
 
+    def screen(self, msg: InboundMessage) -> Ignore | None:
+        return self.gate.screen(msg)
+
     async def check(self, msg: InboundMessage) -> Decision:
         return await self.gate.check(msg)
 
@@ -725,6 +939,9 @@ async def test_strangers_get_a_pairing_code_and_reach_the_agent_once_approved(
 
 async def test_a_broken_access_check_lets_nobody_through() -> None:
     class Broken:
+        def screen(self, msg: InboundMessage) -> None:
+            return None
+
         async def check(self, msg: InboundMessage) -> Decision:
             raise OSError("disk gone")
 
@@ -737,6 +954,9 @@ async def test_a_broken_access_check_lets_nobody_through() -> None:
 
 async def test_a_submit_cancelled_during_the_access_check_lets_nothing_through() -> None:
     class Slow:
+        def screen(self, msg: InboundMessage) -> None:
+            return None
+
         async def check(self, msg: InboundMessage) -> Decision:
             await anyio.sleep(1)
             return ALLOW

@@ -197,14 +197,23 @@ def decide(
     return Challenge(code, pairing_reply(request, now), request, is_new=True)
 
 
-def _decide_group(
-    msg: InboundMessage, policy: ChannelAccessPolicy, pairing: PairingState
-) -> Decision:
+def screen_group(msg: InboundMessage, policy: ChannelAccessPolicy) -> Ignore | None:
+    """`Ignore` for a group message the bot never answers whoever sent it (groups off,
+    or not addressed to the bot where a mention is required), else None. Pure and cheap:
+    judged before the message takes a place in its conversation's queue."""
     if policy.group_policy == "disabled":
         return Ignore("groups are disabled on this channel")
     addressed = msg.metadata.get(META_MENTIONED) or msg.metadata.get(META_REPLY_TO_BOT)
     if policy.require_mention and not addressed:
         return Ignore("group message not addressed to the bot")
+    return None
+
+
+def _decide_group(
+    msg: InboundMessage, policy: ChannelAccessPolicy, pairing: PairingState
+) -> Decision:
+    if (ignored := screen_group(msg, policy)) is not None:
+        return ignored
     if policy.group_policy == "open" or policy.lists(msg):
         return ALLOW
     if msg.sender_id and pairing.is_approved(msg.channel, msg.sender_id):
@@ -240,6 +249,16 @@ class AccessGate:
         self._clock = clock
         # (channel, sender id) -> (the code last sent to them, when)
         self._codes_sent: dict[tuple[str, str], tuple[str, float]] = {}
+
+    def screen(self, msg: InboundMessage) -> Ignore | None:
+        """`Ignore` for a group message `check` would ignore whatever the pairing state
+        says (chatter not addressed to the bot, groups off), else None: `check` decides.
+        No I/O and no log line: a busy room's chatter costs a dict lookup, never a place
+        in a conversation's queue."""
+        if not msg.metadata.get(META_IS_GROUP) or msg.channel in self.trusted:
+            return None
+        policy = self.policies.get(msg.channel)
+        return screen_group(msg, policy) if policy is not None else None
 
     async def check(self, msg: InboundMessage) -> Decision:
         if msg.channel in self.trusted:

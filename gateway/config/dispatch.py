@@ -13,10 +13,17 @@ class DispatchSettings(Section):
         8, ge=1, le=10_000, description="Turns running at once across all sessions."
     )
     max_queue_per_lane: int = Field(
-        50, ge=1, description="Messages waiting per session before senders are told to wait."
+        50,
+        ge=1,
+        description="Messages of the chat APIs, the terminal and scheduled runs waiting per "
+        "session before their senders are told to wait. A platform's message is never "
+        "refused: it is journaled and waits its turn.",
     )
     max_queued_total: int = Field(
-        10_000, ge=1, description="Messages waiting in all sessions together, at most."
+        10_000,
+        ge=1,
+        description="Messages waiting in all sessions together, at most; past it a "
+        "platform's message is left with the platform, which sends it again.",
     )
     mode: QueueMode = Field(
         "followup",

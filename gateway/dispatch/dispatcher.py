@@ -11,9 +11,20 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
 - A slow session never delays another: a lane takes a slot of the global cap only
   when it starts a turn, and lanes wait for slots independently (no head-of-line
   blocking); a reply is delivered after the slot is given back.
+- A message the bot never answers whoever sent it (group chatter not addressed to the
+  bot: `AccessCheck.screen`) is judged first, before it takes a place in a queue or
+  costs a journal write, and its sender is told nothing, whatever the gateway is doing.
 - A queued message is never silently dropped: every accepted message ends in a reply
-  (the handler's, a short error reply if the handler raised, or at a drain deadline a
-  "please send it again" notice), and every refused one is told why and counted.
+  (the handler's, or a short error reply if the handler raised), and every refused one
+  is told why and counted.
+- A platform's message (it has a platform id and is journaled) is never refused for want
+  of room: the lane bound (`max_queue_per_lane`) holds only for messages whose sender
+  still has them (the chat APIs, the terminal, scheduled runs), so a backlog after
+  downtime waits its turn however long it is. Past `max_queued_total`, or while
+  draining, a platform's message is not taken (`SubmitStatus.RETRY_LATER`): the
+  channel does not confirm it and the platform hands it over again; nobody is told.
+  At a drain deadline a journaled message waits for the next start's replay; only
+  senders who hold their message get a "please send it again" notice.
 - A message carrying a platform id is answered once, also when the platform
   redelivers it after a restart (see `gateway.journal`). `submit` returns only once it
   is journaled (journal before confirm: the channel confirms it to the platform after
@@ -91,6 +102,12 @@ RESENT_REMEMBERED = 4096
 
 class AccessCheck(Protocol):
     """Who may talk to the bot (`gateway.access.policy.AccessGate`)."""
+
+    def screen(self, msg: InboundMessage) -> Ignore | None:
+        """`Ignore` for a message never answered whoever sent it (group chatter not
+        addressed to the bot), judged without I/O before it takes a place in a queue;
+        None when `check` decides."""
+        ...
 
     async def check(self, msg: InboundMessage) -> Decision: ...
 
@@ -416,9 +433,26 @@ class Dispatcher:
             msg = _traced_intake(tracing, msg, self._replica())
         ticket = Ticket(msg)
         key = msg.session_key
+        if self._tg is None and not self._stopped:
+            raise RuntimeError("Dispatcher.run is not running; start it first")
+        if recorded is None and self._access is not None:
+            # Addressing is judged before anything else: a message the bot never answers
+            # (a busy room's chatter) takes no place in a queue, costs no journal write
+            # and is never told anything, whatever the gateway is doing.
+            ignored = self._access.screen(msg)
+            if ignored is not None:
+                self._counters.ignored += 1
+                ticket.status = SubmitStatus.IGNORED
+                ticket._resolve(None)
+                ticket._done.set()
+                return ticket
+        # A platform's message is never refused for want of room, only left with the
+        # platform, which hands it over again (see `_leave`).
+        redelivered = recorded is None and not self._sender_holds(msg)
         if self._draining or self._tg is None:
-            if self._tg is None and not self._stopped:
-                raise RuntimeError("Dispatcher.run is not running; start it first")
+            if redelivered:
+                self._leave(ticket, "the gateway is stopping")
+                return ticket
             self._counters.rejected_draining += 1
             with logger.contextualize(session=key):
                 logger.info("message refused: draining")
@@ -432,7 +466,10 @@ class Dispatcher:
         # A replayed message was taken before the crash: the bounds never refuse it.
         bounded = recorded is None
         if bounded and self._outstanding >= self.max_queued_total:
-            # Bounded memory however many sessions write at once: told, counted, logged.
+            # Bounded memory however many sessions write at once.
+            if redelivered:
+                self._leave(ticket, f"the gateway is full ({self._outstanding} waiting)")
+                return ticket
             self._counters.dropped_full += 1
             with logger.contextualize(session=key):
                 logger.warning(
@@ -445,7 +482,10 @@ class Dispatcher:
         if lane is None:
             lane = self._lanes[key] = _Lane(key)
             self._tg.start_soon(self._run_lane, lane, name=f"lane {key}")
-        if bounded and len(lane.queue) >= self.max_queue_per_lane:
+        # The lane bound refuses only what its sender still holds (the chat API, the
+        # terminal, a scheduled run): a platform's message, journaled, waits its turn
+        # however long the conversation's backlog (memory: `max_queued_total`).
+        if bounded and not redelivered and len(lane.queue) >= self.max_queue_per_lane:
             self._counters.dropped_full += 1
             with logger.contextualize(session=key):
                 logger.warning(
@@ -472,6 +512,29 @@ class Dispatcher:
             self._counters.accepted += 1
             self._interrupt_for(lane, item)
         return ticket
+
+    def _sender_holds(self, msg: InboundMessage) -> bool:
+        """Does the sender still hold `msg`, so that refusing it loses nothing? True for
+        one without a platform id (the terminal, a scheduled run) or whose sender waits
+        on its request (the chat APIs: a 429 or 503 asks them to send it again). False
+        for a platform's message, which is journaled: from the moment the channel
+        confirms it, only we hold it."""
+        return (
+            self._dedupe is None
+            or msg.message_id is None
+            or bool(msg.metadata.get(META_REPLY_WANTED))
+        )
+
+    def _leave(self, ticket: Ticket, why: str) -> None:
+        """Not taken: the message stays with its platform, which hands it over again
+        (`Ticket.taken` is False, so the channel does not confirm it). Nobody is told
+        anything: its sender gets the answer once the gateway can take it in."""
+        ticket.status = SubmitStatus.RETRY_LATER
+        self._counters.not_taken += 1
+        ticket._resolve(None)
+        ticket._done.set()
+        with logger.contextualize(session=ticket.message.session_key):
+            logger.info("message left with the platform for now: {}", why)
 
     def _replica(self) -> str:
         """This replica's id in traces ("" in the file mode: one process)."""
@@ -1123,16 +1186,31 @@ class Dispatcher:
             await self._run_done.wait()
         in_flight, queued, left = self._unanswered()
         if left:
+            # A message with a platform id is in the journal (answered by the replay at
+            # the next start) or was never confirmed (the platform sends it again): its
+            # sender is told nothing, or they would send it twice. Only senders who hold
+            # their message themselves (the chat API, the terminal) are told to resend.
+            holds = self._sender_holds
+            kept = {k: [i for i in v if not holds(i.message)] for k, v in left.items()}
+            told = {k: [i for i in v if holds(i.message)] for k, v in left.items()}
             logger.warning(
                 "drain deadline: {} turns in flight and {} queued messages left in {} "
-                "sessions; telling those senders to send again",
+                "sessions; {} kept for the next start, the senders of {} told to send again",
                 in_flight,
                 queued,
                 len(left),
+                sum(map(len, kept.values())),
+                sum(map(len, told.values())),
             )
+            for items in kept.values():
+                for item in items:
+                    item.ticket._resolve(None)
+                    item.ticket._done.set()
             with anyio.move_on_after(min(self.deliver_timeout, 5.0)):
                 async with anyio.create_task_group() as tg:
-                    for items in left.values():
+                    for items in told.values():
+                        if not items:
+                            continue
                         notice = reply_for(items[-1].message, RESTART_TEXT, is_error=True)
                         for item in items:
                             item.ticket._resolve(notice)
