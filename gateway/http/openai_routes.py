@@ -384,11 +384,15 @@ class OpenAIRoutes:
             await response.write(SSE_DONE)
             await response.write_eof()
             return response
-        except (ConnectionResetError, asyncio.CancelledError):
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
             # The client went away: the turn goes on in its lane and is stored; a retry
             # with the same Idempotency-Key gets its reply.
             logger.info("openai api: the client left a streamed reply")
-            raise
+            if isinstance(exc, asyncio.CancelledError) or response is None:
+                raise
+            # aiohttp ends a response whose client is gone quietly; raised, a hang-up
+            # would be logged as the gateway's own failure (a 500 and a traceback).
+            return response
 
 
 async def _end_with_error(
