@@ -551,6 +551,35 @@ async def test_a_stream_cut_off_ends_with_an_error_event_and_done_on_the_wire(
     assert said == FIRST_25_WORDS
 
 
+async def test_a_streamed_turn_that_ends_in_a_notice_before_any_text_says_so(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The model refuses before its first word: the notice is the streamed reply's
+    text, ended as an answer is, and the response carries X-Gateway-Notice as an
+    answer that is not streamed does."""
+    settings = door_settings(make_settings, fake_openai, llm__stream="true")
+    fake_openai.add_error(400)
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "this fails"}],
+        "user": "noticed",
+        "stream": True,
+    }
+    async with (
+        running(settings) as (url, _),
+        aiohttp.ClientSession(base_url=url) as http,
+        http.post("/v1/chat/completions", json=body, headers=AUTH) as resp,
+    ):
+        notice_header = resp.headers.get("X-Gateway-Notice")
+        raw = (await resp.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    said = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert notice_header == "true"
+    assert said and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 async def test_a_client_gone_before_the_model_breaks_off_does_not_matter(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:

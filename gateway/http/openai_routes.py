@@ -337,15 +337,16 @@ class OpenAIRoutes:
                 )
             )
 
-        async def send(text: str) -> None:
+        async def send(text: str, *, notice: bool = False) -> None:
             nonlocal response
             if response is None:
-                response = web.StreamResponse(
-                    headers={
-                        hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
-                        hdrs.CACHE_CONTROL: "no-cache",
-                    }
-                )
+                headers: dict[str, str] = {
+                    hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
+                    hdrs.CACHE_CONTROL: "no-cache",
+                }
+                if notice:  # the whole reply is the gateway's notice
+                    headers[NOTICE_HEADER] = "true"
+                response = web.StreamResponse(headers=headers)
                 await response.prepare(request)
                 await response.write(chunk({"role": "assistant", "content": "", "refusal": None}))
             if text:
@@ -375,7 +376,8 @@ class OpenAIRoutes:
                 return await _end_with_error(response, failed)
             # What was not streamed (no streaming configured, a cached answer, a retried
             # message): the rest of the reply's text, or all of it.
-            await send(reply.text[len(streamed) :] if reply.text.startswith(streamed) else "")
+            rest = reply.text[len(streamed) :] if reply.text.startswith(streamed) else ""
+            await send(rest, notice=reply.is_notice)
             assert response is not None
             await response.write(chunk({}, finish_reason="stop"))
             if usage_on:
