@@ -276,6 +276,59 @@ async def test_broken_stream_raises_connection_error(
     assert "".join(seen) == "one "
 
 
+def _chunked_body(raw: bytes) -> tuple[bytes, bool]:
+    """The data of a chunked HTTP body as far as it came, and whether its last chunk
+    (`0\\r\\n\\r\\n`, the end of a whole body) was among it."""
+    data = b""
+    while raw:
+        size_line, sep, rest = raw.partition(b"\r\n")
+        if not sep:
+            break
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return data, True
+        if len(rest) < size + 2:
+            return data + rest[:size], False
+        data, raw = data + rest[:size], rest[size + 2 :]
+    return data, False
+
+
+@pytest.mark.anyio
+async def test_a_broken_stream_is_cut_on_the_wire_like_a_dying_servers(fake: FakeOpenAI) -> None:
+    """`break_after` closes the socket in the middle of the body, as the kernel does for a
+    server killed mid-answer: the events before the cut arrive whole, then the
+    connection ends, with no last chunk, no finish_reason and no `[DONE]`."""
+    words = " ".join(f"w{i}" for i in range(40))
+    fake.add(Reply(text=words, break_after=26))  # the role event, then 25 words
+    body = json.dumps({"model": "m", "messages": USER_HI, "stream": True}).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + f"Authorization: Bearer {fake.api_key}\r\n".encode()
+        + b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    port = int(fake.url.rsplit(":", 1)[1])
+    received = b""
+    with anyio.fail_after(5):  # the server closes the connection: no hang
+        async with await anyio.connect_tcp("127.0.0.1", port) as conn:
+            await conn.send(request)
+            with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                while True:
+                    received += await conn.receive()
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    data, whole = _chunked_body(rest)
+    assert not whole  # the body never ended: the connection did
+    events = [e for e in data.decode().split("\n\n") if e]
+    assert "data: [DONE]" not in events
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events]
+    assert len(chunks) == 26
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 26
+    said = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert said == words[: len(said)] and said.split() == words.split()[:25]
+
+
 @pytest.mark.anyio
 async def test_models_endpoint(client: openai.AsyncOpenAI) -> None:
     models = await client.models.list()

@@ -14,6 +14,7 @@ import aiohttp
 import anyio
 import openai
 import pytest
+from loguru import logger
 
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
@@ -422,6 +423,206 @@ async def test_a_client_that_leaves_a_stream_does_not_stop_the_turn(
     assert len(fake_openai.chat_requests) == 2  # the slow answer once, and the failing one
     assert notice[:2] == (200, "true")
     assert notice[2]["choices"][0]["message"]["content"]  # the notice's text
+
+
+# ---------------------------------------------------------------- a stream cut off
+
+#: The notice docs/failover.md promises when a streamed answer breaks off.
+CUT_OFF_NOTICE = "The model's answer was cut off. Please try again."
+LONG_ANSWER = " ".join(f"word{i}" for i in range(40))
+#: What the client has of LONG_ANSWER when the model server dies 25 words into it.
+FIRST_25_WORDS = " ".join(LONG_ANSWER.split()[:25]) + " "
+
+
+def cut_off_after(words: int, **kw: Any) -> Reply:
+    """LONG_ANSWER from a model server that dies after `words` words (its first event
+    carries only the role)."""
+    return Reply(text=LONG_ANSWER, break_after=words + 1, **kw)
+
+
+def stored_messages(daemon: Daemon, key: str) -> list[tuple[str, str]]:
+    session = daemon.gateway.sessions.get_or_create(key)
+    session.refresh()
+    return [(m.role, str(m.content)) for m in session.messages]
+
+
+async def test_a_stream_the_model_breaks_off_makes_the_openai_client_raise(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], storage: dict[str, Any]
+) -> None:
+    """The model server dies 25 words into a streamed answer. The client has those 25
+    words, then the openai client (async and sync) raises APIError with the cut-off
+    notice: never a finish_reason "stop" nor a usage chunk that would pass the partial
+    text for the answer. The session keeps the questions, not the partial answers (the
+    turns failed), and answers the next question."""
+    settings = door_settings(make_settings, fake_openai, llm__stream="true", **storage)
+    fake_openai.add(cut_off_after(25))
+    fake_openai.add(cut_off_after(25))
+    async with running(settings) as (url, daemon):
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0)
+        stream = await aclient.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "tell me a long story"}],
+            user="cut",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = []
+        with pytest.raises(openai.APIError) as caught:
+            async for chunk in stream:
+                chunks.append(chunk)
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0)
+
+        def sync_cut() -> tuple[str, openai.APIError]:
+            streamed = client.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=[{"role": "user", "content": "and again?"}],
+                user="cut",
+                stream=True,
+            )
+            pieces = []
+            try:
+                for chunk in streamed:
+                    pieces.append(chunk.choices[0].delta.content or "")
+            except openai.APIError as exc:
+                return "".join(pieces), exc
+            raise AssertionError("the sync client read the cut-off stream as complete")
+
+        sync_text, sync_error = await anyio.to_thread.run_sync(sync_cut)
+        answer = await aclient.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "back?"}], user="cut"
+        )
+        await aclient.close()
+        stored = stored_messages(daemon, "api:default:cut")
+    said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert said == FIRST_25_WORDS and sync_text == FIRST_25_WORDS
+    assert all(c.choices and c.choices[0].finish_reason is None for c in chunks)
+    for error in (caught.value, sync_error):
+        # The model's connection broke, not the client's: the gateway says so itself.
+        assert not isinstance(error, openai.APIConnectionError)
+        assert error.message == CUT_OFF_NOTICE
+        assert (error.code, error.type) == ("answer_cut_off", "server_error")
+    assert answer.choices[0].message.content == "echo: back?"
+    assert stored == [
+        ("user", "tell me a long story"),
+        ("user", "and again?"),
+        ("user", "back?"),
+        ("assistant", "echo: back?"),
+    ]
+
+
+async def test_a_stream_cut_off_ends_with_an_error_event_and_done_on_the_wire(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The exact end of a stream the model broke off: the text sent as it was, one
+    error event in OpenAI's error shape, `data: [DONE]`, and a whole HTTP body (the
+    gateway's response ends cleanly; only the model's connection broke)."""
+    settings = door_settings(make_settings, fake_openai, llm__stream="true")
+    fake_openai.add(cut_off_after(25))
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "user": "wire",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        running(settings) as (url, _),
+        aiohttp.ClientSession(base_url=url) as http,
+        http.post("/v1/chat/completions", json=body, headers=AUTH) as resp,
+    ):
+        assert resp.status == 200
+        raw = (await resp.read()).decode()  # ClientPayloadError if it were cut
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: ")) == {
+        "error": {
+            "message": CUT_OFF_NOTICE,
+            "type": "server_error",
+            "param": None,
+            "code": "answer_cut_off",
+        }
+    }
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * len(chunks)
+    assert [c["usage"] for c in chunks] == [None] * len(chunks)
+    said = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert said == FIRST_25_WORDS
+
+
+async def test_a_streamed_turn_that_ends_in_a_notice_before_any_text_says_so(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The model refuses before its first word: the notice is the streamed reply's
+    text, ended as an answer is, and the response carries X-Gateway-Notice as an
+    answer that is not streamed does."""
+    settings = door_settings(make_settings, fake_openai, llm__stream="true")
+    fake_openai.add_error(400)
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "this fails"}],
+        "user": "noticed",
+        "stream": True,
+    }
+    async with (
+        running(settings) as (url, _),
+        aiohttp.ClientSession(base_url=url) as http,
+        http.post("/v1/chat/completions", json=body, headers=AUTH) as resp,
+    ):
+        notice_header = resp.headers.get("X-Gateway-Notice")
+        raw = (await resp.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    said = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert notice_header == "true"
+    assert said and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_client_gone_before_the_model_breaks_off_does_not_matter(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """The client hangs up while the answer streams, then the model server dies: the
+    turn ends as cut off (the question kept, no partial answer) with nobody to tell,
+    and the session answers the next question. A hang-up is no failure of the
+    gateway's: no error is logged for the request."""
+    settings = door_settings(make_settings, fake_openai, llm__stream="true")
+    fake_openai.add(cut_off_after(25, chunk_delay=0.05))
+    errors: list[str] = []
+    sink = logger.add(lambda message: errors.append(str(message)), level="ERROR")
+    try:
+        async with running(settings) as (url, daemon):
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0)
+            stream = await client.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=[{"role": "user", "content": "tell me a long story"}],
+                user="gone",
+                stream=True,
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    break  # the first word read: hang up
+            await stream.close()
+            # Queued in the session's lane behind the turn, which goes on to the break.
+            answer = await client.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=[{"role": "user", "content": "still there?"}],
+                user="gone",
+            )
+            await client.close()
+            stored = stored_messages(daemon, "api:default:gone")
+            failed = dict(daemon.gateway.agent.llm_errors)
+    finally:
+        logger.remove(sink)
+    assert failed == {"LLMError": 1}  # the first turn met the broken stream
+    assert [line for line in errors if "turn failed" not in line] == []
+    assert answer.choices[0].message.content == "echo: still there?"
+    assert stored == [
+        ("user", "tell me a long story"),
+        ("user", "still there?"),
+        ("assistant", "echo: still there?"),
+    ]
 
 
 # ---------------------------------------------------------------- pure policies

@@ -14,6 +14,11 @@ Invariants (tested in tests/test_openai_api.py):
   a refusal found before (queue full, a conflict, a retry of a message still running)
   is still an HTTP error with its status. The turn never waits for a slow reader and
   goes on (and is stored) when the client goes away.
+- A stream ends with finish_reason "stop" only when the text it sent is the answer. A
+  turn that ends in the gateway's notice after text was sent (the model's stream broke
+  off) ends its stream as OpenAI-compatible servers end a failed one: the text sent
+  stays, then one error event whose message is the notice, then `data: [DONE]`; no
+  finish_reason, no usage chunk. The `openai` client raises `APIError` on it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from gateway.http.openai_api import (
     allowed_name,
     chunk_body,
     completion_body,
+    error_body,
     history_conflict,
     idempotency_id,
     models_body,
@@ -62,6 +68,9 @@ MODELS_PATH = "/v1/models"
 #: A response header set on a reply that is the gateway's notice (an error the turn
 #: met, a budget used up), not the model's answer.
 NOTICE_HEADER = "X-Gateway-Notice"
+#: The `code` of the error event that ends a stream whose answer broke off after some of
+#: its text was sent.
+CUT_OFF_CODE = "answer_cut_off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,15 +337,16 @@ class OpenAIRoutes:
                 )
             )
 
-        async def send(text: str) -> None:
+        async def send(text: str, *, notice: bool = False) -> None:
             nonlocal response
             if response is None:
-                response = web.StreamResponse(
-                    headers={
-                        hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
-                        hdrs.CACHE_CONTROL: "no-cache",
-                    }
-                )
+                headers: dict[str, str] = {
+                    hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
+                    hdrs.CACHE_CONTROL: "no-cache",
+                }
+                if notice:  # the whole reply is the gateway's notice
+                    headers[NOTICE_HEADER] = "true"
+                response = web.StreamResponse(headers=headers)
                 await response.prepare(request)
                 await response.write(chunk({"role": "assistant", "content": "", "refusal": None}))
             if text:
@@ -351,13 +361,23 @@ class OpenAIRoutes:
             except OpenAIError as exc:
                 if response is None:
                     return _error(exc)
-                await response.write(sse_event(exc.body()))
-                await response.write(SSE_DONE)
-                return response
+                return await _end_with_error(response, exc.body())
             streamed = "".join(sent)
+            if streamed and reply.is_notice:
+                # The text sent is not the answer (the model's stream broke off): a
+                # "stop" would pass it for a whole one.
+                assert response is not None
+                logger.info(
+                    "openai api: the streamed answer ended in a notice after {} characters; "
+                    "the client gets an error event",
+                    len(streamed),
+                )
+                failed = error_body(reply.text, "server_error", CUT_OFF_CODE)
+                return await _end_with_error(response, failed)
             # What was not streamed (no streaming configured, a cached answer, a retried
             # message): the rest of the reply's text, or all of it.
-            await send(reply.text[len(streamed) :] if reply.text.startswith(streamed) else "")
+            rest = reply.text[len(streamed) :] if reply.text.startswith(streamed) else ""
+            await send(rest, notice=reply.is_notice)
             assert response is not None
             await response.write(chunk({}, finish_reason="stop"))
             if usage_on:
@@ -366,11 +386,26 @@ class OpenAIRoutes:
             await response.write(SSE_DONE)
             await response.write_eof()
             return response
-        except (ConnectionResetError, asyncio.CancelledError):
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
             # The client went away: the turn goes on in its lane and is stored; a retry
             # with the same Idempotency-Key gets its reply.
             logger.info("openai api: the client left a streamed reply")
-            raise
+            if isinstance(exc, asyncio.CancelledError) or response is None:
+                raise
+            # aiohttp ends a response whose client is gone quietly; raised, a hang-up
+            # would be logged as the gateway's own failure (a 500 and a traceback).
+            return response
+
+
+async def _end_with_error(
+    response: web.StreamResponse, error: dict[str, Any]
+) -> web.StreamResponse:
+    """End a started stream as a failed one: an error event in OpenAI's shape (the
+    `openai` client raises `APIError` with its message), then `data: [DONE]`."""
+    await response.write(sse_event(error))
+    await response.write(SSE_DONE)
+    await response.write_eof()
+    return response
 
 
 def _completion_id() -> str:

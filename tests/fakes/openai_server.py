@@ -145,8 +145,9 @@ class Reply:
     `raw` is sent as the whole JSON body of a non-streamed success instead (a server
     whose answer is not the chat completion format, or one with fields of its own).
     `delay` waits before answering (timeouts, slow models); `chunk_delay` waits between
-    streamed events; `break_after` drops the connection after that many streamed `data:`
-    events (the first one carries only the assistant role). `model` restricts which
+    streamed events; `break_after` closes the connection after that many streamed `data:`
+    events (the first one carries only the assistant role), as a server killed mid-answer
+    does: no last chunk, no finish_reason, no `[DONE]`. `model` restricts which
     requests may consume this reply; `prompt_tokens`/`completion_tokens` override the
     usage estimate.
     """
