@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
 
 from channels.email import EmailChannel, Pacing, translate_mail  # noqa: E402
-from gateway.config import EmailSettings  # noqa: E402
+from channels.email.settings import EmailSettings  # noqa: E402
 from gateway.journal.cursors import CURSOR_FILE, FileCursorStore, run_with  # noqa: E402
 from gateway.messages import InboundMessage, OutboundMessage  # noqa: E402
 from tests.dovecot_server import running_dovecot  # noqa: E402

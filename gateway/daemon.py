@@ -6,16 +6,16 @@ import contextlib
 import signal
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 from loguru import logger
 
-from gateway import __version__
+from gateway import __version__, failpoints
 from gateway.agent import AgentConfig, AgentLoop
 from gateway.agent.consolidation import Consolidator
 from gateway.agent.memory_tools import memory_tools
@@ -27,7 +27,7 @@ from gateway.agent.toolset import build_mcp, build_tools
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
 from gateway.channel import Channel, Ticket, enrich_for_turn
-from gateway.config import AccessSection, ConfigError, Settings
+from gateway.config import ConfigError, Settings
 from gateway.dispatch.queue_modes import QueueModes
 from gateway.gcpolicy import GCPolicy
 from gateway.journal.protocol import dedupe_key
@@ -45,6 +45,7 @@ from gateway.messages import (
     InboundMessage,
     OutboundMessage,
 )
+from gateway.registry import ChannelServices, installed
 from gateway.schedules.protocol import META_SCHEDULE
 from gateway.sessions import SessionManager
 from gateway.storage.seam import Storage, open_storage
@@ -54,7 +55,7 @@ from gateway.usage.meter import MeteredProvider, UsageMeter
 if TYPE_CHECKING:
     import aiohttp
 
-    from gateway.access.policy import ChannelAccessPolicy
+    from gateway.access.rules import ChannelAccessPolicy
     from gateway.agent.mcp import MCPServers, ServerState
     from gateway.dispatch.lanes import ReplicaRouter, SubmitStatus
     from gateway.http.admin import AdminPage
@@ -484,39 +485,12 @@ TRUSTED_CHANNELS = frozenset({"cli", "system", "api"})
 
 
 def access_policies(settings: Settings) -> dict[str, ChannelAccessPolicy]:
-    """One access policy per chat platform, from its `[channels.NAME]` section."""
-    from gateway.access.policy import ChannelAccessPolicy
-
-    sections: dict[str, AccessSection] = {
-        "telegram": settings.channels.telegram,
-        "slack": settings.channels.slack,
-        "matrix": settings.channels.matrix,
-        "whatsapp": settings.channels.whatsapp,
-        "discord": settings.channels.discord,
+    """One access policy per installed chat platform, from its `[channels.NAME]` section
+    as its spec reads it (`ChannelSpec.access`)."""
+    specs = installed().specs
+    return {
+        name: specs[name].access(section) for name, section in settings.channels.platforms().items()
     }
-    policies = {
-        name: ChannelAccessPolicy(
-            dm_policy=section.dm_policy,
-            allow_from=frozenset(section.allow_from),
-            group_policy=section.group_policy,
-            require_mention=section.require_mention,
-            pairing_ttl=section.pairing_ttl_seconds,
-        )
-        for name, section in sections.items()
-    }
-    email = settings.channels.email
-    # Email lists addresses and whole domains, compared in lower case; a refusal is
-    # silent unless asked for (most refused mail is spam with a forged sender).
-    entries = [entry.strip().lower() for entry in email.allow_from]
-    policies["email"] = ChannelAccessPolicy(
-        dm_policy=email.dm_policy,
-        allow_from=frozenset(e for e in entries if "@" in e[1:] or e == "*"),
-        allow_domains=frozenset(e.lstrip("@") for e in entries if "@" not in e[1:] and e != "*"),
-        group_policy="disabled",
-        pairing_ttl=email.pairing_ttl_seconds,
-        silent_refusals=not email.refusal_replies,
-    )
-    return policies
 
 
 def _joins_turns(agent: AgentLoop) -> Callable[[InboundMessage], bool]:
@@ -659,32 +633,7 @@ class Daemon:
             from channels.schedules import ScheduleRunner
 
             self.add_channel(ScheduleRunner(gateway.reminders))
-        if settings.channels.telegram.enabled:
-            from channels.telegram import TelegramChannel
-
-            telegram_settings = settings.channels.telegram
-            telegram = TelegramChannel(
-                telegram_settings, token=telegram_settings.resolved_token() or ""
-            )
-            telegram.mount(self.http)
-            if telegram_settings.mode == "polling":
-                # With replicas, one polls (Telegram allows one getUpdates at a time).
-                telegram.poll_leader = storage.leader("telegram poller")
-            self.add_channel(telegram)
-        if settings.channels.slack.enabled:
-            from channels.slack import SlackChannel
-
-            slack = SlackChannel.from_settings(settings.channels.slack)
-            slack.mount(self.http)
-            self.add_channel(slack)
-        if settings.channels.email.enabled:
-            self.add_channel(self._email_channel())
-        if settings.channels.matrix.enabled:
-            self.add_channel(self._matrix_channel())
-        if settings.channels.whatsapp.enabled:
-            self.add_channel(self._whatsapp_channel())
-        if settings.channels.discord.enabled:
-            self.add_channel(self._discord_channel())
+        self._add_platforms()
 
     # ----------------------------------------------------------------- assembly
 
@@ -735,79 +684,63 @@ class Daemon:
         page.mount(self.http)
         return page
 
-    def _email_channel(self) -> Channel:
-        """The mailbox's channel: its read mark a cursor in the workspace, or in
-        PostgreSQL under the "email watcher" role that one replica holds (it holds the
-        IMAP connection; every replica sends replies)."""
-        from channels.email import EmailChannel
-
-        email = EmailChannel(
-            self.gateway.settings.channels.email, lead=self.gateway.storage.lead("email watcher")
-        )
-        metrics = self.metrics
-
-        async def count_mail() -> None:
-            metrics.mirror_email({"taken": email.taken, "not_answered": email.skipped})
-
-        metrics.on_scrape("email", count_mail)
-        return email
-
-    def _matrix_channel(self) -> Channel:
-        """The Matrix channel: its sync token and its device's crypto store in the
-        workspace, or in PostgreSQL under the "matrix sync" role that one replica holds
-        (Matrix allows one sync per device, and one user of its keys); the other replicas'
-        replies to encrypted rooms go through that one (`gateway.journal.pg_relay`)."""
-        from channels.matrix import MatrixChannel
-
+    def _add_platforms(self) -> None:
+        """Build every enabled chat platform from its spec (`gateway.registry`). One that
+        cannot be built (its library is missing, its package is broken, its settings are
+        incomplete) is one logged line and a failed, not required, component of /readyz:
+        the others run."""
         settings = self.gateway.settings
-        matrix = MatrixChannel(
-            settings.channels.matrix, token=settings.channels.matrix.resolved_token() or ""
-        )
-        matrix.invite_check = self.access.check
-        matrix.lead = self.gateway.storage.lead("matrix sync")
-        if settings.channels.matrix.encryption:
-            # Replies to encrypted rooms go through the replica that holds the keys.
-            matrix.relay = self.gateway.storage.relay("matrix sync")
-        return matrix
+        registry = installed()
+        for spec in registry.specs.values():
+            failpoints.declare(spec.failpoints)
+        failpoints.check_armed()
+        unusable = settings.channels.unusable()
+        for name, section in settings.channels.platforms().items():
+            spec = registry.specs[name]
+            if not spec.enabled(section):
+                continue
+            problem = unusable.get(name)
+            if problem is None:
+                try:
+                    channel = spec.build(section, self._services(name))
+                except ConfigError as exc:
+                    problem = str(exc)
+                except Exception as exc:
+                    problem = (
+                        f"channels.{name}: {spec.distribution} failed to build the channel "
+                        f"({type(exc).__name__}: {exc}); see its documentation: {spec.docs}"
+                    )
+                else:
+                    self.add_channel(channel)
+                    continue
+            self._unusable(name, problem)
+        for name, broken in registry.broken.items():
+            if name in unusable:
+                self._unusable(name, unusable[name])
+            else:
+                logger.warning(
+                    "{} (it has no section here: nothing else is affected)", broken.line()
+                )
 
-    def _whatsapp_channel(self) -> Channel:
-        """The WhatsApp channel: its webhook on this server (in the shared mode every
-        replica takes deliveries), its windows, statuses and held replies in the
-        workspace or PostgreSQL; counted on /metrics, held replies on the admin page."""
-        from channels.whatsapp import WhatsAppChannel
-        from channels.whatsapp.channel import FAILURE_NAMES, STATUSES
-        from channels.whatsapp.store import BACKENDS
+    def _unusable(self, name: str, problem: str) -> None:
+        logger.error("{}", problem)
+        component = self.health.component(name, required=False)
+        component.healthy(False, problem, fix=problem.rpartition("; ")[2])
 
-        settings = self.gateway.settings
-        store = self.gateway.storage.open(BACKENDS)
-        channel = WhatsAppChannel.from_settings(settings.channels.whatsapp, store)
-        channel.mount(self.http)
-        self.admin.sources.undeliverable = store.held
-        metrics, stats = self.metrics, channel.stats
+    def _services(self, name: str) -> ChannelServices:
+        """What channel `name`'s spec may use to build it."""
+        admin = self.admin
 
-        async def refresh() -> None:
-            for status in STATUSES:
-                metrics.whatsapp_statuses.set_total(stats.statuses[status], status)
-            for name in FAILURE_NAMES:
-                metrics.whatsapp_failures.set_total(stats.failures[name], name)
-            metrics.whatsapp_templates.set_total(stats.templates)
-            metrics.whatsapp_bad_signatures.set_total(stats.bad_signatures)
-            metrics.whatsapp_held.set(await store.held_count())
+        class Admin:
+            def undeliverable(self, source: Callable[[], Awaitable[list[Any]]]) -> None:
+                admin.sources.undeliverable = source
 
-        metrics.on_scrape("whatsapp", refresh)
-        return channel
-
-    def _discord_channel(self) -> Channel:
-        """The Discord channel, its read positions a cursor in the workspace, or in
-        PostgreSQL under the "discord gateway" role that one replica holds (it holds the
-        Gateway connection and reads back; every replica sends replies)."""
-        from channels.discord import DiscordChannel
-
-        section = self.gateway.settings.channels.discord
-        return DiscordChannel(
-            section,
-            token=section.resolved_token() or "",
-            lead=self.gateway.storage.lead("discord gateway"),
+        return ChannelServices(
+            http=self.http,
+            storage=self.gateway.storage,
+            metrics=self.metrics.for_channel(name),
+            admin=Admin(),
+            access_check=self.access.check,
             replicas=self.router is not None,
         )
 

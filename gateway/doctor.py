@@ -6,28 +6,16 @@ import os
 import re
 import stat
 import tomllib
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 
 from gateway.config import ConfigError, Settings, env_warnings
+from gateway.registry import Finding
 from gateway.storage.workspace import WorkspaceError, holder, prepare_workspace
-
-Status = Literal["ok", "warn", "fail"]
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    status: Status
-    what: str
-    fix: str = ""
-
-    def line(self) -> str:
-        mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}[self.status]
-        return f"{mark}  {self.what}" + (f"\n      fix: {self.fix}" if self.fix else "")
 
 
 def check_workspace(
@@ -358,72 +346,36 @@ async def check_cache(settings: Settings) -> list[Finding]:
     return [Finding("ok", f"response cache ({backend.name}) at {backend.where} is usable")]
 
 
-ChannelCheck = Callable[[Settings], Awaitable[list[Finding]]]
-
-
 async def check_channels(settings: Settings) -> list[Finding]:
-    findings: list[Finding] = []
-    tg = settings.channels.telegram
-    if tg.enabled:
-        token = tg.resolved_token()
-        if not token:
+    """Each enabled chat platform's own checks (its `ChannelSpec.checks`), and one line
+    for a section the gateway cannot run (its library missing, its package broken)."""
+    from gateway.registry import installed
+
+    registry = installed()
+    unusable = settings.channels.unusable()
+    findings: list[Finding] = [
+        Finding("fail", problem.partition("; ")[0], problem.rpartition("; ")[2])
+        for problem in unusable.values()
+    ]
+    findings += [
+        Finding("warn", broken.line().partition("; ")[0], "reinstall or remove the package")
+        for name, broken in registry.broken.items()
+        if name not in unusable
+    ]
+    for name, section in settings.channels.platforms().items():
+        spec = registry.specs[name]
+        if not spec.enabled(section) or name in unusable or spec.checks is None:
+            continue
+        try:
+            findings += await spec.checks(section)
+        except Exception as exc:  # a channel package's own check: never a traceback here
             findings.append(
                 Finding(
                     "fail",
-                    "telegram is enabled without a bot token",
-                    "set GATEWAY_CHANNELS__TELEGRAM__TOKEN (from @BotFather)",
+                    f"{name}: its check failed ({type(exc).__name__}: {exc})",
+                    f"see {spec.docs}",
                 )
             )
-        else:
-            findings.append(await _remote_check("telegram", _telegram_identity(settings, token)))
-        if tg.mode == "webhook" and not (tg.webhook_url and tg.webhook_secret):
-            findings.append(
-                Finding(
-                    "fail",
-                    "telegram webhook mode needs webhook_url and a secret",
-                    "set channels.telegram.webhook_url and "
-                    "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET",
-                )
-            )
-    slack = settings.channels.slack
-    if slack.enabled:
-        bot = slack.bot_token.get_secret_value() if slack.bot_token else ""
-        if not bot:
-            findings.append(
-                Finding(
-                    "fail",
-                    "slack is enabled without a bot token",
-                    "set GATEWAY_CHANNELS__SLACK__BOT_TOKEN (xoxb-...)",
-                )
-            )
-        else:
-            app = slack.app_token.get_secret_value() if slack.app_token else None
-            findings.append(await _remote_check("slack", _slack_identity(settings, bot, app)))
-        if slack.mode == "socket" and not slack.app_token:
-            findings.append(
-                Finding(
-                    "fail",
-                    "slack Socket Mode needs an app-level token",
-                    "set GATEWAY_CHANNELS__SLACK__APP_TOKEN (xapp-...)",
-                )
-            )
-        if slack.mode == "http" and not slack.signing_secret:
-            findings.append(
-                Finding(
-                    "fail",
-                    "slack HTTP mode needs the signing secret",
-                    "set GATEWAY_CHANNELS__SLACK__SIGNING_SECRET",
-                )
-            )
-    if settings.channels.email.enabled:
-        findings += await check_email(settings)
-    matrix = settings.channels.matrix
-    if matrix.enabled:
-        findings.extend(await _matrix_findings(settings))
-    if settings.channels.whatsapp.enabled:
-        findings.extend(await _whatsapp_findings(settings))
-    if settings.channels.discord.enabled:
-        findings += await check_discord(settings)
     for job, target in settings.undeliverable_heartbeats():
         channel = target.partition(":")[0]
         findings.append(
@@ -436,191 +388,6 @@ async def check_channels(settings: Settings) -> list[Finding]:
     if not findings:
         findings.append(Finding("ok", "no chat platform enabled (terminal and HTTP API only)"))
     return findings
-
-
-async def check_email(settings: Settings) -> list[Finding]:
-    """The mailbox: IMAP login and its folders, SMTP login, and who may write."""
-    from channels.email import EmailSetupError, check_mailbox
-
-    email = settings.channels.email
-    findings = []
-    try:
-        with anyio.fail_after(40):
-            found = await check_mailbox(email)
-        findings.append(Finding("ok", f"email works: {found}"))
-    except ConfigError as exc:
-        findings.append(Finding("fail", f"email is enabled but incomplete: {exc}"))
-    except (EmailSetupError, TimeoutError) as exc:
-        findings.append(
-            Finding(
-                "fail",
-                f"email: {exc}".replace("email: email: ", "email: "),
-                "fix the [channels.email] settings or the password; docs/email.md",
-            )
-        )
-    if email.dm_policy == "allowlist" and not email.allow_from:
-        findings.append(
-            Finding(
-                "warn",
-                "email answers nobody: dm_policy is allowlist and allow_from is empty",
-                'list addresses or domains in channels.email.allow_from (e.g. ["example.com"])',
-            )
-        )
-    if email.dm_policy != "allowlist" and not email.require_auth:
-        findings.append(
-            Finding(
-                "warn",
-                f"email answers unknown senders (dm_policy = {email.dm_policy!r}) without "
-                "checking who sent the mail: a forged sender gets the reply",
-                'set channels.email.require_auth = ["dmarc"] and authserv_id',
-            )
-        )
-    return findings
-
-
-async def _telegram_identity(settings: Settings, token: str) -> str:
-    from channels.telegram import check_credentials
-
-    return str(await check_credentials(settings.channels.telegram, token))
-
-
-async def _slack_identity(settings: Settings, token: str, app_token: str | None) -> str:
-    from channels.slack import check_credentials
-
-    socket = settings.channels.slack.mode == "socket"
-    return await check_credentials(
-        settings.channels.slack, token, app_token=app_token if socket else None
-    )
-
-
-async def _matrix_findings(settings: Settings) -> list[Finding]:
-    """The Matrix account: settings present, the homeserver reachable, the token logged in
-    as `user_id`."""
-    matrix = settings.channels.matrix
-    missing = [
-        (what, fix)
-        for what, fix, present in (
-            (
-                "homeserver",
-                "set channels.matrix.homeserver (e.g. https://matrix.example.org)",
-                matrix.homeserver,
-            ),
-            ("user_id", "set channels.matrix.user_id (e.g. @gateway:example.org)", matrix.user_id),
-            (
-                "access token",
-                "set GATEWAY_CHANNELS__MATRIX__ACCESS_TOKEN (docs/matrix.md)",
-                matrix.resolved_token(),
-            ),
-        )
-        if not present
-    ]
-    if missing:
-        return [
-            Finding("fail", f"matrix is enabled without its {what}", fix) for what, fix in missing
-        ]
-    from channels.matrix import check_credentials
-
-    token = matrix.resolved_token() or ""
-    return [await _remote_check("matrix", check_credentials(matrix, token))]
-
-
-async def _whatsapp_findings(settings: Settings) -> list[Finding]:
-    """WhatsApp: the numbers, the webhook's verify token and app secret set, and the
-    Graph API token valid for every number."""
-    wa = settings.channels.whatsapp
-    prefix = "GATEWAY_CHANNELS__WHATSAPP__"
-    missing = [
-        Finding("fail", f"whatsapp is enabled without {what}", fix)
-        for what, fix, present in (
-            (
-                "phone_number_ids",
-                'set channels.whatsapp.phone_number_ids = ["<id>"] (WhatsApp Manager > API Setup)',
-                wa.phone_number_ids,
-            ),
-            (
-                "the webhook's verify token",
-                f"set {prefix}VERIFY_TOKEN to the token typed in the App Dashboard",
-                wa.verify_token and wa.verify_token.get_secret_value(),
-            ),
-            (
-                "the app secret",
-                f"set {prefix}APP_SECRET (App Dashboard > App settings > Basic); every "
-                "delivery is checked against it",
-                wa.app_secret and wa.app_secret.get_secret_value(),
-            ),
-            (
-                "an access token",
-                f"set {prefix}ACCESS_TOKEN to a system user's token (docs/whatsapp.md)",
-                wa.resolved_token(),
-            ),
-        )
-        if not present
-    ]
-    if missing:
-        return missing
-    from channels.whatsapp import check_credentials
-
-    return [await _remote_check("whatsapp", check_credentials(wa, wa.resolved_token() or ""))]
-
-
-async def check_discord(settings: Settings) -> list[Finding]:
-    """The bot token (logged in through the HTTP API), the Message Content intent
-    enabled for the app when the bot asks for it, and the Gateway answering."""
-    section = settings.channels.discord
-    token = section.resolved_token()
-    if not token:
-        return [
-            Finding(
-                "fail",
-                "discord is enabled without a bot token",
-                "set GATEWAY_CHANNELS__DISCORD__TOKEN (Developer Portal > Bot > Reset Token)",
-            )
-        ]
-    from channels.discord import check_credentials
-
-    try:
-        with anyio.fail_after(30):
-            found = await check_credentials(section, token)
-    except Exception as exc:
-        return [Finding("fail", f"discord credentials were not accepted: {exc}")]
-    findings = [Finding("ok", f"discord credentials work: {found.identity}")]
-    if section.message_content and not found.message_content_enabled:
-        findings.append(
-            Finding(
-                "fail",
-                "discord: the Message Content intent is not enabled for the app; the "
-                "Gateway would refuse the bot (close code 4014)",
-                "Developer Portal > your app > Bot > Privileged Gateway Intents > Message "
-                "Content Intent, or set channels.discord.message_content = false (the bot "
-                "then reads only DMs and messages that mention it)",
-            )
-        )
-    elif section.message_content:
-        findings.append(Finding("ok", "discord: the Message Content intent is enabled"))
-    if found.gateway_problem:
-        findings.append(
-            Finding(
-                "fail",
-                f"discord: {found.gateway_problem}",
-                "check the network, or channels.discord.gateway_url",
-            )
-        )
-    else:
-        findings.append(Finding("ok", "discord: the Gateway answers"))
-    return findings
-
-
-async def _remote_check(name: str, probe: Awaitable[str]) -> Finding:
-    try:
-        with anyio.fail_after(15):
-            who = await probe
-    except Exception as exc:
-        return Finding(
-            "fail",
-            f"{name} credentials were not accepted: {exc}",
-            f"check the {name} token in the environment",
-        )
-    return Finding("ok", f"{name} credentials work: {who}")
 
 
 async def check_tools(settings: Settings) -> list[Finding]:

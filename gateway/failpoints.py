@@ -13,17 +13,17 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
 before the user's message is stored (or one that joined the running turn), before the
 reply is recorded in the outbox, before it is sent, and before the message is marked
-answered; and, for the Matrix channel, just before and just after a batch's since token
-is stored (the kill test's worst moments); for WhatsApp's webhook, a message journaled,
-its delivery not yet answered 200; and, on email, between the journal and the `\\Seen`
-flag that confirms a mail to the server.
+answered. A channel declares its own (its `ChannelSpec.failpoints`, e.g. just before and
+after a read position is stored, or between the journal and the platform's confirmation);
+the daemon declares them (`declare`) and then checks that every armed name is known
+(`check_armed`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from loguru import logger
 
@@ -35,15 +35,10 @@ POINTS = frozenset(
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",
-        # A mail is journaled and not yet flagged \Seen on the IMAP server (channels.email).
-        "email.before_confirm",
-        # Matrix's sync loop, around storing a batch's since token (its confirmation).
-        "matrix.before_cursor",
-        "matrix.after_cursor",
-        # A WhatsApp message journaled, its webhook delivery not yet answered 200.
-        "whatsapp.before_ack",
     }
 )
+#: The core's places and those the channels declared.
+_declared: set[str] = set(POINTS)
 ENV = "GATEWAY_FAILPOINTS"
 
 Action = Callable[[str, str], Awaitable[None]]
@@ -59,12 +54,31 @@ async def _sigstop(name: str, session_key: str) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)  # a test sends SIGCONT
 
 
+def declare(names: Iterable[str]) -> None:
+    """Make a channel's failpoints known (its `ChannelSpec.failpoints`)."""
+    _declared.update(names)
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(_declared))}")
+
+
 def arm(name: str, action: Action, session_key: str | None = None) -> None:
     """Run `action(name, session_key)` the first time a turn of `session_key` (any
-    session: None) reaches failpoint `name`."""
-    if name not in POINTS:
-        raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(POINTS))}")
+    session: None) reaches failpoint `name`. A core place must be one of `POINTS`; a
+    channel's is checked once the channels declared theirs (`check_armed`)."""
+    core = {point.partition(".")[0] for point in POINTS}
+    if name not in _declared and name.partition(".")[0] in core:
+        raise _unknown(name)
     _armed[name] = (session_key, action)
+
+
+def check_armed() -> None:
+    """ValueError naming an armed failpoint nobody declared (a typo in
+    ``GATEWAY_FAILPOINTS``, or a channel that is not installed)."""
+    for name in _armed:
+        if name not in _declared:
+            raise _unknown(name)
 
 
 def disarm_all() -> None:

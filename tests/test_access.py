@@ -27,10 +27,10 @@ from gateway.access.protocol import (
     CODE_ALPHABET,
     CODE_LENGTH,
     EMPTY_STATE,
-    PAIRING_RESEND_INTERVAL,
     PairingError,
     new_pairing_code,
 )
+from gateway.access.rules import PAIRING_RESEND_INTERVAL
 from gateway.access.store import PairingStore
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.lanes import SubmitStatus

@@ -11,6 +11,11 @@
    replica router, a PostgreSQL store built on the journal's connections). Benchmarks,
    like tests, measure the backends themselves.
 4. Only the seam reads `storage.url`.
+5. The core names no platform: no module of `gateway/` imports a platform's package
+   (`channels/<platform>/`), and the daemon, `gateway doctor`, the configuration, the admin
+   page (its templates too), the metrics and the failpoints hold no identifier or string
+   naming one (docstrings and comments may use one as an example). A platform is known to
+   them only through its `gateway.registry.ChannelSpec`.
 
 A rule broken on purpose is listed in `ALLOWED` with its reason; an entry that no longer
 matches any import fails the test too, so the list only shrinks.
@@ -72,6 +77,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gateway.dispatch.queue_modes",
             "gateway.schedules.schedule",
             "gateway.http.throttle",
+            # Who may talk to the bot, as a channel's settings say it (`ChannelSpec.access`).
+            "gateway.access.rules",
+            # What a chat platform declares and where the declarations are found: the
+            # configuration reads each channel's section through it.
+            "gateway.registry",
         ),
     ),
     (
@@ -346,3 +356,82 @@ def test_the_map_names_only_files_and_modules_that_exist() -> None:
     assert sorted(missing) == []
     for layer, _prefixes in LAYERS:
         assert f"| {layer} |" in text, f"the map's layer table lacks {layer}"
+
+
+#: The modules that learn every platform from its spec, never by name.
+PLATFORM_FREE = (
+    "gateway.daemon",
+    "gateway.doctor",
+    "gateway.config",
+    "gateway.http.admin",
+    "gateway.http.metrics",
+    "gateway.failpoints",
+    "gateway.registry",
+)
+
+
+def platforms() -> list[str]:
+    """The platform packages under channels/ (each a folder with an __init__.py)."""
+    return sorted(p.parent.name for p in (ROOT / "channels").glob("*/__init__.py"))
+
+
+def test_no_core_module_imports_a_platform_package() -> None:
+    packages = tuple(f"channels.{name}" for name in platforms())
+    assert "channels.telegram" in packages
+    found = [
+        i
+        for i in IMPORTS
+        if i.importer.startswith("gateway.")
+        and (i.imported in packages or i.imported.startswith(tuple(p + "." for p in packages)))
+    ]
+    assert not found, "the core imports a platform's package:\n" + describe(found)
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the string nodes that are docstrings (a module's, a class's, a
+    function's first statement)."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+def _words_of(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """(line, text) of every identifier and non-docstring string of `tree`."""
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            yield node.lineno, node.value
+        elif isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, ast.alias):
+            yield getattr(node, "lineno", 0), node.name
+
+
+def test_the_core_names_no_platform() -> None:
+    import re
+
+    names = platforms()
+    pattern = re.compile(r"(?<![a-z])(" + "|".join(names) + r")(?![a-z])", re.IGNORECASE)
+    found = []
+    for module, path in KNOWN.items():
+        if not any(module == m or module.startswith(m + ".") for m in PLATFORM_FREE):
+            continue
+        for line, text in _words_of(parsed(path)):
+            if pattern.search(text):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {text[:80]!r}")
+    for template in sorted((ROOT / "gateway" / "http" / "admin").rglob("*")):
+        if template.suffix in (".html", ".js", ".css"):
+            for number, text in enumerate(template.read_text(encoding="utf-8").splitlines(), 1):
+                if pattern.search(text):
+                    found.append(f"{template.relative_to(ROOT)}:{number}: {text.strip()[:80]!r}")
+    assert found == [], "platforms named in the core:\n" + "\n".join(found)

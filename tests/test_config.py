@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_shipped_gateway_toml_is_the_documented_default() -> None:
     shipped = (ROOT / "gateway.toml").read_text(encoding="utf-8")
-    assert shipped == starter_toml(), "regenerate gateway.toml from gateway.config.starter_toml()"
+    assert shipped == starter_toml("chat-gateway"), (
+        'regenerate gateway.toml from gateway.config.starter_toml("chat-gateway")'
+    )
     assert Settings.model_validate(tomllib.loads(shipped)) == Settings()
 
 

@@ -30,7 +30,8 @@ from channels.discord import (
 )
 from channels.discord.channel import NO_PINGS, Positions, reply_nonce, snowflake_at, snowflake_time
 from channels.discord.format import discord_messages
-from gateway.config import ConfigError, DiscordSettings
+from channels.discord.settings import DiscordSettings
+from gateway.config import ConfigError
 from gateway.journal.cursors import FileCursorStore, run_with
 from gateway.journal.protocol import Lead
 from gateway.media import MediaError

@@ -15,8 +15,8 @@ import pytest
 
 from channels.email import EmailChannel, EmailSetupError, Pacing, check_mailbox
 from channels.email.channel import SendFailure
+from channels.email.settings import EmailSettings
 from channels.email.state import MailboxMark, MailboxMarks
-from gateway.config import EmailSettings
 from gateway.journal.cursors import CURSOR_FILE, FileCursorStore, run_with
 from gateway.journal.protocol import Lead
 from gateway.media import MediaError
@@ -584,8 +584,13 @@ async def test_doctor_logs_in_to_both_servers_and_names_what_is_wrong(
 async def test_doctor_warns_when_nobody_or_anybody_may_write(
     servers: tuple[Dovecot, SmtpServer], tmp_path: Path
 ) -> None:
-    from gateway.config import load_settings
-    from gateway.doctor import check_email
+    from channels.email.spec import SPEC
+    from gateway.config import Settings, load_settings
+    from gateway.registry import Finding
+
+    async def check_email(settings: Settings) -> list[Finding]:
+        assert SPEC.checks is not None
+        return await SPEC.checks(settings.channels.email)
 
     dovecot, smtp = servers
     prefix = "GATEWAY_CHANNELS__EMAIL__"

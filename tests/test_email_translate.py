@@ -28,8 +28,9 @@ from channels.email.headers import (
     sender_of,
     thread_root,
 )
+from channels.email.settings import EmailSettings
 from gateway.access.policy import Allow, Deny, Ignore, decide
-from gateway.config import EmailSettings, load_settings
+from gateway.config import load_settings
 from gateway.daemon import access_policies
 from gateway.messages import META_REPLY_CONTEXT, InboundMessage, OutboundFile, reply_for
 

@@ -16,10 +16,10 @@ from aiohttp import web
 from loguru import logger
 from pydantic import SecretStr
 
+from channels.slack.channel import SLACK_EVENTS_PATH
+from channels.telegram.channel import TELEGRAM_WEBHOOK_PATH
 from gateway.config import HTTPSettings
 from gateway.http import (
-    SLACK_EVENTS_PATH,
-    TELEGRAM_WEBHOOK_PATH,
     HealthState,
     HttpBindError,
     HttpConfigError,

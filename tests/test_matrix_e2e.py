@@ -16,8 +16,9 @@ import pytest
 
 from channels.matrix import MatrixChannel, Pacing
 from channels.matrix.channel import UNREADABLE_NOTICE
+from channels.matrix.settings import MatrixSettings
 from gateway.access.policy import Allow, Decision
-from gateway.config import MatrixSettings, Settings
+from gateway.config import Settings
 from gateway.dispatch.lanes import Ticket
 from gateway.journal.cursors import STATE_DIR
 from gateway.messages import InboundMessage

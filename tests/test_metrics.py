@@ -162,7 +162,6 @@ EXPECTED_SERIES = {
     "gateway_dropped_messages_total": ("counter", {"channel", "reason"}),
     "gateway_duplicates_total": ("counter", {"channel"}),
     "gateway_channel_up": ("gauge", {"channel"}),
-    "gateway_email_mail_total": ("counter", {"outcome"}),
     "gateway_consolidations_total": ("counter", {"outcome"}),
     "gateway_memory_search_incomplete_total": ("counter", set()),
     "gateway_http_requests_total": ("counter", {"method", "route", "status"}),
@@ -179,7 +178,6 @@ def test_every_series_of_before_keeps_its_name_type_and_labels() -> None:
     metrics.llm_errors.set_total(2, "LLMError")
     metrics.mirror_drops("all", {"lane_full": 3})
     metrics.duplicates.set_total(1, "all")
-    metrics.mirror_email({"taken": 2})
     metrics.channel_up.labels("telegram").set(1)
     metrics.http_requests.labels("GET", "/healthz", "200").inc()
     metrics.http_request_seconds.labels("/healthz").observe(0.001)
@@ -200,6 +198,30 @@ def test_every_series_of_before_keeps_its_name_type_and_labels() -> None:
     assert families["gateway_queue_depth"].value() == 4
     assert families["gateway_inflight_turns"].value() == 1
     assert families["gateway_build_info"].value(version="1.2.3") == 1
+
+
+def test_a_channel_names_its_own_series_under_its_name() -> None:
+    """A platform's series (`ChannelSpec.build` gets `for_channel`) are
+    gateway_<channel>_<name>, refreshed before each scrape, and two channels may use the
+    same short name without clashing."""
+    metrics = Metrics()
+    mail = metrics.for_channel("email").counter("mail_total", "Mail read.", ("outcome",))
+    other = metrics.for_channel("example").counter("mail_total", "Another channel's.")
+    held = metrics.for_channel("example").gauge("held_replies", "Replies held.")
+    counts = {"taken": 0}
+
+    async def refresh() -> None:
+        mail.set_total(counts["taken"], "taken")
+
+    metrics.for_channel("email").on_scrape(refresh)
+    other.set_total(5)
+    held.set(2)
+    counts["taken"] = 3
+    body, _ = anyio.run(metrics.collect)
+    families = parse_exposition(body.decode())
+    assert families["gateway_email_mail_total"].value(outcome="taken") == 3
+    assert families["gateway_example_mail_total"].value() == 5
+    assert families["gateway_example_held_replies"].value() == 2
 
 
 def test_the_library_process_collector_reports_this_process() -> None:
@@ -350,7 +372,6 @@ DOCUMENTED = {
     "llm error kind": ("gateway_llm_errors_total", "kind"),
     "consolidation outcome": ("gateway_consolidations_total", "outcome"),
     "connection drop reason": ("gateway_http_connections_dropped_total", "reason"),
-    "email mail outcome": ("gateway_email_mail_total", "outcome"),
 }
 
 

@@ -20,7 +20,8 @@ from channels.slack import (
     check_credentials,
     translate_event,
 )
-from gateway.config import ConfigError, SlackSettings
+from channels.slack.settings import SlackSettings
+from gateway.config import ConfigError
 from gateway.messages import (
     META_EDIT_OF,
     META_IS_GROUP,

@@ -14,12 +14,12 @@ import pytest
 from loguru import logger
 
 from channels.slack import RetryPolicy, SlackChannel
+from channels.slack.channel import SLACK_EVENTS_PATH
 from channels.slack.format import markdown_to_mrkdwn, split_mrkdwn
 from gateway.access.commands import cli_pairing_approve
 from gateway.access.store import PairingStore
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
-from gateway.http import SLACK_EVENTS_PATH
 from gateway.sessions.keys import encode_key
 from gateway.storage.files import pairing_path
 from tests.fakes.openai_server import FakeOpenAI

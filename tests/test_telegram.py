@@ -30,7 +30,8 @@ from channels.telegram import (
     translate_update,
 )
 from channels.telegram.format import markdown_to_html, split_markdown
-from gateway.config import ConfigError, TelegramSettings
+from channels.telegram.settings import TelegramSettings
+from gateway.config import ConfigError
 from gateway.messages import (
     META_EDIT_OF,
     META_IS_GROUP,

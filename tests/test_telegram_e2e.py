@@ -14,10 +14,10 @@ import anyio
 import pytest
 
 from channels.telegram import TelegramChannel
+from channels.telegram.channel import TELEGRAM_WEBHOOK_PATH
 from channels.telegram.format import markdown_to_html, split_markdown
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
-from gateway.http import TELEGRAM_WEBHOOK_PATH
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_server import FakeTelegram, parse_html, utf16_len

@@ -16,12 +16,12 @@ import anyio
 import pytest
 
 from channels.whatsapp import RetryPolicy, WhatsAppChannel, check_credentials
+from channels.whatsapp.channel import WHATSAPP_WEBHOOK_PATH
 from channels.whatsapp.store import FileWhatsAppStore
 from gateway.access.commands import cli_pairing_approve
 from gateway.access.store import PairingStore
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
-from gateway.http import WHATSAPP_WEBHOOK_PATH
 from gateway.messages import OutboundMessage
 from gateway.storage.files import pairing_path
 from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder

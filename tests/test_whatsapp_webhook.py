@@ -12,8 +12,10 @@ import anyio
 import pytest
 
 from channels.whatsapp import FileWhatsAppStore, RetryPolicy, WhatsAppChannel
-from gateway.config import Settings, WhatsAppSettings
-from gateway.http import WHATSAPP_WEBHOOK_PATH, HealthState, HttpServer
+from channels.whatsapp.channel import WHATSAPP_WEBHOOK_PATH
+from channels.whatsapp.settings import WhatsAppSettings
+from gateway.config import Settings
+from gateway.http import HealthState, HttpServer
 from gateway.http.metrics import Metrics
 from gateway.messages import InboundMessage, OutboundMessage
 from tests.fakes.whatsapp_server import PHONE_NUMBER_ID, FakeWhatsApp

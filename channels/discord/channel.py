@@ -91,10 +91,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from loguru import logger
 
 from channels.discord.format import DISCORD_LIMIT, discord_messages, split_discord
+from channels.discord.settings import DiscordSettings
 from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
 from gateway.channel import Submit, Ticket
-from gateway.config import ConfigError, DiscordSettings
+from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.media.download import download_capped

@@ -80,10 +80,11 @@ from channels.email.mailbox import (
     network_errors,
     tls_context,
 )
+from channels.email.settings import EmailSettings
 from channels.email.state import MailboxMark, MailboxMarks
 from gateway import failpoints
 from gateway.channel import Submit
-from gateway.config import ConfigError, EmailSettings
+from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
 from gateway.messages import (

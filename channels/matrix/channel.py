@@ -84,12 +84,13 @@ from channels.matrix.format import (
     strip_reply_fallback,
     text_content,
 )
+from channels.matrix.settings import MatrixSettings
 from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
 from gateway import failpoints
 from gateway.access.policy import Allow, Challenge, Decision, Deny
 from gateway.channel import Submit, Ticket
-from gateway.config import ConfigError, MatrixSettings
+from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead, Relay
 from gateway.media import MediaError
 from gateway.media.download import download_capped

@@ -81,9 +81,10 @@ from channels.slack.format import (
     slack_to_plain,
     split_mrkdwn,
 )
+from channels.slack.settings import SlackSettings
 from gateway.channel import Submit
-from gateway.config import ConfigError, SlackSettings
-from gateway.http import SLACK_EVENTS_PATH, HttpServer, json_error
+from gateway.config import ConfigError
+from gateway.http import json_error
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
@@ -101,6 +102,10 @@ from gateway.messages import (
     OutboundFile,
     OutboundMessage,
 )
+from gateway.registry import Mount
+
+#: Where the platform posts its events on the gateway's HTTP port.
+SLACK_EVENTS_PATH = "/slack/events"
 
 CHANNEL = "slack"
 THREAD_KIND = "thread"
@@ -526,7 +531,7 @@ class SlackChannel:
 
     # ----------------------------------------------------------------- intake
 
-    def mount(self, http: HttpServer) -> bool:
+    def mount(self, http: Mount) -> bool:
         """HTTP mode: route Slack's Events API (`POST /slack/events`) on the daemon's
         server to this channel; call before the server runs. Socket Mode mounts
         nothing. Returns whether it mounted."""

@@ -87,11 +87,12 @@ from telegram.warnings import PTBDeprecationWarning
 
 from channels.notices import NoticeCooldown
 from channels.telegram.format import html_to_text, markdown_to_html, split_markdown
+from channels.telegram.settings import TelegramSettings
 from channels.typing_indicators import TypingIndicators
 from gateway.agent.commands import COMMANDS
 from gateway.channel import Submit, Ticket
-from gateway.config import ConfigError, TelegramSettings
-from gateway.http import TELEGRAM_WEBHOOK_PATH, HttpServer, json_error
+from gateway.config import ConfigError
+from gateway.http import json_error
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
@@ -108,6 +109,10 @@ from gateway.messages import (
     OutboundFile,
     OutboundMessage,
 )
+from gateway.registry import Mount
+
+#: Where the platform posts its events on the gateway's HTTP port.
+TELEGRAM_WEBHOOK_PATH = "/telegram/webhook"
 
 CHANNEL = "telegram"
 TOPIC = "topic"
@@ -560,7 +565,7 @@ class TelegramChannel:
 
     # ----------------------------------------------------------------- wiring
 
-    def mount(self, http: HttpServer) -> bool:
+    def mount(self, http: Mount) -> bool:
         """Webhook mode: route `POST /telegram/webhook` to this channel (before the
         server runs). Polling mode mounts nothing. Returns whether it mounted."""
         if self.settings.mode != "webhook":

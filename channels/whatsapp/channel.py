@@ -59,11 +59,12 @@ from loguru import logger
 
 from channels.notices import NoticeCooldown
 from channels.whatsapp.format import markdown_to_whatsapp, plain_line, split_whatsapp
+from channels.whatsapp.settings import WhatsAppSettings
 from channels.whatsapp.store import HeldReply, SentMessage, WhatsAppStore
 from gateway import failpoints
 from gateway.channel import Submit, Ticket
-from gateway.config import ConfigError, WhatsAppSettings
-from gateway.http import WHATSAPP_WEBHOOK_PATH, HttpServer, json_error
+from gateway.config import ConfigError
+from gateway.http import json_error
 from gateway.media import MediaError
 from gateway.media.download import download_capped
 from gateway.messages import (
@@ -78,6 +79,10 @@ from gateway.messages import (
     OutboundFile,
     OutboundMessage,
 )
+from gateway.registry import Mount
+
+#: Where the platform posts its events on the gateway's HTTP port.
+WHATSAPP_WEBHOOK_PATH = "/whatsapp/webhook"
 
 CHANNEL = "whatsapp"
 SIGNATURE_HEADER = "X-Hub-Signature-256"
@@ -643,7 +648,7 @@ class WhatsAppChannel:
 
     # ----------------------------------------------------------------- wiring
 
-    def mount(self, http: HttpServer) -> bool:
+    def mount(self, http: Mount) -> bool:
         """Route Meta's webhook (`GET` handshake, `POST` deliveries) on the daemon's
         server to this channel; call before the server runs."""
         http.mount("GET", WHATSAPP_WEBHOOK_PATH, self._handshake, require_ready=False)

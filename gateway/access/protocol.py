@@ -13,11 +13,6 @@ CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"
 
 CODE_LENGTH = 8
 
-WILDCARD = "*"
-
-#: Seconds before a pending pairing code is sent again to a sender who keeps writing.
-PAIRING_RESEND_INTERVAL = 300.0
-
 
 class PairingError(Exception):
     """An operator command that cannot be done; the message says why and what to do."""

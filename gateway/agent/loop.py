@@ -84,7 +84,7 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
-from gateway.people.protocol import DM_CHANNELS, PeopleStore
+from gateway.people.protocol import PeopleStore, dm_channels
 from gateway.sessions.errors import SessionError, SessionKeyError
 from gateway.telemetry import telemetry
 from gateway.usage.meter import UsageMeter, usage_scope
@@ -518,7 +518,7 @@ class AgentLoop:
         """Record whose direct conversation this is (once per process and session)."""
         if inbound.metadata.get(META_IS_GROUP) is not False or not inbound.sender_id:
             return
-        if inbound.channel not in DM_CHANNELS:
+        if inbound.channel not in dm_channels():
             return
         key, sender = inbound.session_key, f"{inbound.channel}:{inbound.sender_id}"
         if self._dm_owners.get(key) == sender or self.people is None:

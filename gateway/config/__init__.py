@@ -2,7 +2,8 @@
 validated into frozen settings with errors a person can act on.
 
 One package by section: each section's model in its own module (`llm`, `sessions`,
-`channels`, ... one per key of `SECTIONS`), the keys outside any section in `toplevel`,
+`channels`, ... one per key of `SECTIONS`; a chat platform's section is its channel
+package's, `access` what they share), the keys outside any section in `toplevel`,
 the whole (`Settings`) in `settings`, and one loader (`loader`: `load_settings` for all
 of it, `load_sections` for the sections one command reads). The starter file of `gateway
 init` is `starter`'s.
@@ -16,19 +17,10 @@ from typing import TYPE_CHECKING
 from gateway.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from gateway.config.access import AccessSection
     from gateway.config.agent import AgentSettings
     from gateway.config.cache import CacheSettingsSection
-    from gateway.config.channels import (
-        AccessSection,
-        ChannelsSettings,
-        CLIChannelSettings,
-        DiscordSettings,
-        EmailSettings,
-        MatrixSettings,
-        SlackSettings,
-        TelegramSettings,
-        WhatsAppSettings,
-    )
+    from gateway.config.channels import ChannelsSettings, CLIChannelSettings
     from gateway.config.dispatch import DispatchSettings
     from gateway.config.heartbeat import HeartbeatJobSettings, HeartbeatSettings
     from gateway.config.http import ApiTokenSettings, HTTPSettings
@@ -73,17 +65,8 @@ __getattr__, __dir__ = lazy_exports(
     {
         "agent": ("AgentSettings",),
         "cache": ("CacheSettingsSection",),
-        "channels": (
-            "AccessSection",
-            "CLIChannelSettings",
-            "ChannelsSettings",
-            "DiscordSettings",
-            "EmailSettings",
-            "MatrixSettings",
-            "SlackSettings",
-            "TelegramSettings",
-            "WhatsAppSettings",
-        ),
+        "access": ("AccessSection",),
+        "channels": ("CLIChannelSettings", "ChannelsSettings"),
         "dispatch": ("DispatchSettings",),
         "heartbeat": ("HeartbeatJobSettings", "HeartbeatSettings"),
         "http": ("ApiTokenSettings", "HTTPSettings"),
@@ -134,9 +117,7 @@ __all__ = [
     "CacheSettingsSection",
     "ChannelsSettings",
     "ConfigError",
-    "DiscordSettings",
     "DispatchSettings",
-    "EmailSettings",
     "FailoverSettings",
     "HTTPSettings",
     "HeartbeatJobSettings",
@@ -146,7 +127,6 @@ __all__ = [
     "LogSettings",
     "MCPServerSettings",
     "MCPSettings",
-    "MatrixSettings",
     "MediaSettings",
     "MemorySettings",
     "ModelPriceSettings",
@@ -155,16 +135,13 @@ __all__ = [
     "Section",
     "SessionSettings",
     "Settings",
-    "SlackSettings",
     "StorageSettings",
     "SubagentSettings",
-    "TelegramSettings",
     "TelemetrySettings",
     "ToolsSettings",
     "TopLevelSettings",
     "UsageSettings",
     "WebFetchSettings",
-    "WhatsAppSettings",
     "all_keys",
     "env_warnings",
     "find_config_path",

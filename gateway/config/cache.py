@@ -30,5 +30,5 @@ class CacheSettingsSection(Section):
         0.7, gt=0, le=1, description="Cosine similarity a paraphrase must reach."
     )
     disabled_channels: list[str] = Field(
-        default_factory=list, description='Channels that never use the cache, e.g. ["slack"].'
+        default_factory=list, description='Channels that never use the cache, e.g. ["api"].'
     )

@@ -17,7 +17,9 @@ class HeartbeatJobSettings(Section):
         None, description="File with the prompt, relative to the workspace (HEARTBEAT.md)."
     )
     deliver_to: str | None = Field(
-        None, description="Where replies go: telegram:<chat> or slack:<channel>; unset = log."
+        None,
+        description="Where replies go: CHANNEL:CHAT, the chat as its session key names it; "
+        "unset = log.",
     )
     ok_token: str = Field("HEARTBEAT_OK", description="A reply of only this is not delivered.")
 
@@ -36,7 +38,9 @@ class HeartbeatJobSettings(Section):
         if self.deliver_to is not None:
             channel, sep, chat = self.deliver_to.partition(":")
             if not (channel and sep and chat):
-                raise ValueError("deliver_to: use channel:chat, e.g. 'telegram:123456'")
+                raise ValueError(
+                    "deliver_to: use CHANNEL:CHAT, the chat as its session key names it"
+                )
         return self
 
 

@@ -14,7 +14,10 @@ class MediaSettings(Section):
 
     enabled: bool = Field(True, description="Read images, voice messages and documents.")
     max_download_mb: float = Field(
-        20.0, gt=0, le=2000, description="Largest file fetched (Telegram bots get 20 MB at most)."
+        20.0,
+        gt=0,
+        le=2000,
+        description="Largest file fetched (a platform may allow its bots less).",
     )
     image_max_side: int = Field(
         2048, ge=64, le=16384, description="Longer images are scaled down to this many pixels."

@@ -53,19 +53,9 @@ class Settings(TopLevelSettings):
     def undeliverable_heartbeats(self) -> list[tuple[str, str]]:
         """(job, deliver_to) of heartbeat jobs whose target channel is not enabled: their
         replies would only reach the log."""
-        enabled = {
-            name
-            for name, on in (
-                ("cli", self.channels.cli.enabled),
-                ("telegram", self.channels.telegram.enabled),
-                ("slack", self.channels.slack.enabled),
-                ("email", self.channels.email.enabled),
-                ("matrix", self.channels.matrix.enabled),
-                ("whatsapp", self.channels.whatsapp.enabled),
-                ("discord", self.channels.discord.enabled),
-            )
-            if on
-        }
+        enabled = set(self.channels.enabled())
+        if self.channels.cli.enabled:
+            enabled.add("cli")
         return [
             (name, job.deliver_to)
             for name, job in self.heartbeat.jobs.items()

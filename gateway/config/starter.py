@@ -3,6 +3,7 @@ description, commented where it has no value."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import tomli_w
@@ -10,14 +11,19 @@ from pydantic import BaseModel
 
 from gateway.config.loader import SECRET_KEYS
 from gateway.config.settings import Settings
+from gateway.registry import installed
 
 
-def _commented_section(model: type[BaseModel], instance: BaseModel, header: str) -> list[str]:
+def _commented_section(
+    model: type[BaseModel], instance: BaseModel, header: str, skip: Collection[str] = ()
+) -> list[str]:
     lines: list[str] = []
     nested: list[tuple[str, type[BaseModel], BaseModel]] = []
     body: list[str] = []
     for name, field in model.model_fields.items():
         value = getattr(instance, name)
+        if f"{header}.{name}" in skip:
+            continue
         if isinstance(value, BaseModel):
             nested.append((name, type(value), value))
             continue
@@ -42,7 +48,9 @@ def _commented_section(model: type[BaseModel], instance: BaseModel, header: str)
         lines.extend(body)
         lines.append("")
     for name, sub_model, sub in nested:
-        lines.extend(_commented_section(sub_model, sub, f"{header}.{name}" if header else name))
+        lines.extend(
+            _commented_section(sub_model, sub, f"{header}.{name}" if header else name, skip)
+        )
     return lines
 
 
@@ -68,8 +76,8 @@ _EXAMPLES: dict[str, list[str]] = {
         '# api_tokens.ide = { token_file = "/run/secrets/ide-token", sessions = ["ide-"] }',
     ],
     "dispatch.channel_modes": [
-        '# channel_modes.telegram = "steer"',
-        '# channel_modes.slack = "collect"',
+        '# channel_modes.cli = "steer"',
+        '# channel_modes.api = "collect"',
     ],
     "usage.prices": [
         '# prices."gpt-4o-mini" = { prompt = 0.15, completion = 0.6 }',
@@ -78,18 +86,26 @@ _EXAMPLES: dict[str, list[str]] = {
 }
 
 
-def starter_toml() -> str:
-    """The documented default configuration, as a commented gateway.toml."""
+def starter_toml(distribution: str | None = None) -> str:
+    """The documented default configuration, as a commented gateway.toml: with a section
+    for every installed chat platform, or only for those `distribution` provides (the
+    project's own gateway.toml holds the built-in ones, whatever else is installed)."""
     head = [
         "# gateway.toml: configuration of the chat gateway.",
         "# Every key can be overridden from the environment as GATEWAY_<SECTION>__<KEY>,",
         "# e.g. GATEWAY_LLM__MODEL=gpt-4o or GATEWAY_HTTP__PORT=9000.",
         "# Secrets never go here: set them in the environment (OPENAI_API_KEY or",
         "# GATEWAY_LLM__API_KEY, GATEWAY_HTTP__TOKEN, ...) or name a file holding each one",
-        '# (api_key_file, token_file, ...: e.g. token_file = "/run/secrets/telegram-token").',
+        '# (api_key_file, token_file, ...: e.g. token_file = "/run/secrets/bot-token").',
         "",
     ]
-    return "\n".join(head + _commented_section(Settings, Settings(), "")).rstrip() + "\n"
+    skip = [
+        f"channels.{spec.name}"
+        for spec in installed().specs.values()
+        if distribution is not None and spec.distribution != distribution
+    ]
+    body = _commented_section(Settings, Settings(), "", skip)
+    return "\n".join(head + body).rstrip() + "\n"
 
 
 def write_starter_config(path: Path) -> None:

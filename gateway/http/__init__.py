@@ -6,9 +6,6 @@ from gateway.http.chat_api import API_CHANNEL, ApiError, ChatRequest, api_sessio
 from gateway.http.health import ComponentHealth, HealthState, Phase, Readiness
 from gateway.http.server import (
     DEFAULT_MAX_BODY_BYTES,
-    SLACK_EVENTS_PATH,
-    TELEGRAM_WEBHOOK_PATH,
-    WHATSAPP_WEBHOOK_PATH,
     ChatHandler,
     HttpBindError,
     HttpServer,
@@ -19,9 +16,6 @@ from gateway.http.server import (
 __all__ = [
     "API_CHANNEL",
     "DEFAULT_MAX_BODY_BYTES",
-    "SLACK_EVENTS_PATH",
-    "TELEGRAM_WEBHOOK_PATH",
-    "WHATSAPP_WEBHOOK_PATH",
     "ApiError",
     "ChatHandler",
     "ChatRequest",

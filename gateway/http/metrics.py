@@ -18,9 +18,10 @@ the start (at 0), so a rate or an alert has a series before the first event. The
 - llm error kind: LLMError | LLMConfigError
 - consolidation outcome: ok | failed | skipped
 - connection drop reason: header_timeout | body_timeout | over_limit | idle_evicted
-- email mail outcome: taken | not_answered
-- WhatsApp status: sent | delivered | read | failed; WhatsApp failure: re_engagement
-  (131047) | undeliverable (131026) | throughput (130429, 131056, 80007, 4) | other
+
+A chat platform adds its own series, named ``gateway_<channel>_<name>``, through
+`ChannelSeries` (its `ChannelSpec.build` gets one: `gateway.registry.ChannelMetrics`); their
+labels are the channel's own fixed sets, documented in its module.
 
 Token usage (`gateway_llm_calls_total`, `gateway_llm_tokens_total`,
 `gateway_llm_cost_usd_total`) appears per channel and model once used: its `kind` is
@@ -82,9 +83,6 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 TURN_OUTCOMES = ("ok", "error", "cached", "command")
 DROP_REASONS = ("lane_full", "draining", "access_denied")
-#: What became of a mail the email channel read (channels.email): journaled then
-#: confirmed, or not answered (machines, lists, bounces, unauthenticated or empty mail).
-EMAIL_OUTCOMES = ("taken", "not_answered")
 LLM_ERROR_KINDS = ("LLMError", "LLMConfigError")
 CONSOLIDATION_OUTCOMES = ("ok", "failed", "skipped")
 
@@ -207,13 +205,6 @@ class Metrics:
             "Inbound messages ignored as platform redeliveries.",
             ("channel",),
         )
-        self.email_mail = self._mirror(
-            "gateway_email_mail_total",
-            "Mail the email channel read, by outcome: taken (journaled, then flagged or "
-            "moved), not_answered (machines, lists, bounces, unauthenticated, empty).",
-            ("outcome",),
-        )
-        self.mirror_email({})  # every outcome at 0 from the start
         self.channel_up = Gauge(
             "gateway_channel_up",
             "1 while a channel is connected, else 0.",
@@ -311,30 +302,6 @@ class Metrics:
             ("provider",),
             registry=registry,
         )
-        self.whatsapp_statuses = self._mirror(
-            "gateway_whatsapp_statuses_total",
-            "WhatsApp status callbacks that moved a sent message on, by status.",
-            ("status",),
-        )
-        self.whatsapp_failures = self._mirror(
-            "gateway_whatsapp_failures_total",
-            "WhatsApp messages that failed (refused when sent, or a failed status), by error.",
-            ("error",),
-        )
-        self.whatsapp_templates = self._mirror(
-            "gateway_whatsapp_template_sends_total",
-            "Replies outside WhatsApp's 24-hour window sent as the configured template.",
-        )
-        self.whatsapp_bad_signatures = self._mirror(
-            "gateway_whatsapp_bad_signatures_total",
-            "WhatsApp webhook deliveries refused for a missing or wrong X-Hub-Signature-256.",
-        )
-        self.whatsapp_held = Gauge(
-            "gateway_whatsapp_held_replies",
-            "WhatsApp replies kept as undeliverable (outside the window without a template, "
-            "or refused); the admin page lists them.",
-            registry=registry,
-        )
         self.build_info = Gauge(
             "gateway_build_info",
             "Always 1; the gateway's version as a label.",
@@ -381,10 +348,6 @@ class Metrics:
         if row.kind == "transcription":
             self.transcribed_audio.labels(row.channel, row.model).inc(row.audio_seconds)
 
-    def mirror_email(self, by_outcome: Mapping[str, int]) -> None:
-        for outcome in EMAIL_OUTCOMES:
-            self.email_mail.set_total(by_outcome.get(outcome, 0), outcome)
-
     def mirror_providers(self, statuses: Iterable[BreakerStatus]) -> None:
         """Copy each provider's breaker counts and state (before a scrape, and once at
         start so every provider has its series)."""
@@ -399,6 +362,10 @@ class Metrics:
     def mirror_drops(self, channel: str, by_reason: Mapping[str, int]) -> None:
         for reason in DROP_REASONS:
             self.dropped_messages.set_total(by_reason.get(reason, 0), channel, reason)
+
+    def for_channel(self, channel: str) -> ChannelSeries:
+        """The series of chat platform `channel`, in this registry."""
+        return ChannelSeries(self, channel)
 
     # ----------------------------------------------------------------- scraping
 
@@ -450,3 +417,27 @@ class Metrics:
         """Refresh, then render: what a scrape returns."""
         await self.refresh()
         return self.render(accept)
+
+
+class ChannelSeries:
+    """One chat platform's own series (`gateway.registry.ChannelMetrics`), each named
+    ``gateway_<channel>_<name>`` so that two channels never clash, refreshed before each
+    scrape by the channel's `on_scrape`."""
+
+    def __init__(self, metrics: Metrics, channel: str) -> None:
+        self._metrics = metrics
+        self._channel = channel
+
+    def _name(self, name: str) -> str:
+        return f"gateway_{self._channel}_{name}"
+
+    def counter(
+        self, name: str, documentation: str, labels: tuple[str, ...] = ()
+    ) -> MirroredCounter:
+        return self._metrics._mirror(self._name(name), documentation, labels)
+
+    def gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(self._name(name), documentation, registry=self._metrics.registry)
+
+    def on_scrape(self, refresh: Refresher) -> None:
+        self._metrics.on_scrape(f"channel:{self._channel}", refresh)

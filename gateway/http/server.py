@@ -1,5 +1,5 @@
 """The daemon's one HTTP server (aiohttp.web): probes, metrics, the chat API, and mount
-points for channel adapters (the Telegram webhook, Slack's events endpoint).
+points for channel adapters (a platform's webhook, at `/<channel>/...` by convention).
 
 Routes:
   GET  /healthz   200 "ok" while the process is alive (liveness; stays 200 while draining)
@@ -8,7 +8,6 @@ Routes:
   POST /api/chat  {"session", "text"} -> {"session", "reply", "error"}; bearer token
   POST /v1/chat/completions, GET /v1/models  the OpenAI-compatible API
                   (`gateway.http.openai_routes`); bearer tokens of named clients
-  GET|POST /whatsapp/webhook  Meta's handshake and deliveries (when WhatsApp is on)
   anything mounted with `mount()` before `run()`
 
 Invariants (tested in tests/test_http_server.py):
@@ -69,11 +68,6 @@ ChatHandler = Callable[[InboundMessage], Awaitable[OutboundMessage | None]]
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 RETRY_AFTER_SECONDS = "5"
-
-# Documented mount points for channel adapters (`server.mount("POST", PATH, handler)`).
-TELEGRAM_WEBHOOK_PATH = "/telegram/webhook"
-SLACK_EVENTS_PATH = "/slack/events"
-WHATSAPP_WEBHOOK_PATH = "/whatsapp/webhook"
 
 _BUILTIN_PATHS = frozenset(
     {"/healthz", "/readyz", "/metrics", "/api/chat", COMPLETIONS_PATH, MODELS_PATH}

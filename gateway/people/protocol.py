@@ -1,8 +1,9 @@
 """People across channels: which sender ids are one person, and whose DM a session is.
 
 With `memory.scope = "person"`, a direct conversation's memory is its person's: the
-same facts in their Telegram DM and their Slack DM once an operator links the two ids
-(`gateway people link telegram:42 slack:U123`). The promises kept here:
+same facts in their DMs on two platforms once an operator links the two ids (`gateway
+people link CHANNEL:ID CHANNEL:ID`, each id as its channel writes it). The promises kept
+here:
 
 - Only direct conversations ever resolve to a person. A group or channel keeps the
   memory of its own session, so what was said in a group never reaches anyone's DM,
@@ -15,31 +16,27 @@ same facts in their Telegram DM and their Slack DM once an operator links the tw
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Protocol
 
-#: Channels whose direct conversations can belong to a person.
-DM_CHANNELS = frozenset({"telegram", "slack", "matrix", "discord"})
+from gateway.registry import PersonIds, installed
 
 #: The prefix of a person's memory scope (a sender id cannot start with it).
 PERSON_SCOPE_PREFIX = "person:"
 
-# What a sender id looks like on each platform people can be linked on.
-_ID_PATTERNS = {
-    "telegram": (
-        re.compile(r"[1-9][0-9]{0,19}"),
-        "a Telegram user id is a number, e.g. telegram:42",
-    ),
-    "slack": (re.compile(r"[UW][A-Z0-9]{2,20}"), "a Slack user id looks like slack:U0123ABC"),
-    "matrix": (
-        re.compile(r"@[a-z0-9._=/+-]+:[A-Za-z0-9.-]+(:[0-9]{1,5})?"),
-        "a Matrix user id looks like matrix:@alice:example.org",
-    ),
-    "discord": (
-        re.compile(r"[1-9][0-9]{15,19}"),
-        "a Discord user id is a number of 16 to 20 digits, e.g. discord:80351110224678912",
-    ),
-}
+
+def person_channels() -> dict[str, PersonIds]:
+    """The installed chat platforms people can be linked on, with what a sender id looks
+    like on each (their `ChannelSpec.people`)."""
+    return {name: spec.people for name, spec in installed().specs.items() if spec.people}
+
+
+@functools.cache
+def dm_channels() -> frozenset[str]:
+    """Channels whose direct conversations can belong to a person (a DM's session key
+    is the person's sender id there)."""
+    return frozenset(name for name, ids in person_channels().items() if ids.dm_keyed)
 
 
 class PeopleError(ValueError):
@@ -49,14 +46,15 @@ class PeopleError(ValueError):
 def parse_sender_id(text: str) -> str:
     """`channel:user` checked against what its platform's user ids look like."""
     channel, sep, user = text.strip().partition(":")
-    known = ", ".join(sorted(_ID_PATTERNS))
-    if not sep or channel not in _ID_PATTERNS:
+    patterns = person_channels()
+    known = ", ".join(sorted(patterns))
+    if not sep or channel not in patterns:
         raise PeopleError(
             f"{text!r} is not a sender id: write CHANNEL:USER_ID with CHANNEL one of {known}"
         )
-    pattern, example = _ID_PATTERNS[channel]
-    if not pattern.fullmatch(user):
-        raise PeopleError(f"{text!r} is not a sender id: {example}")
+    ids = patterns[channel]
+    if not re.fullmatch(ids.pattern, user):
+        raise PeopleError(f"{text!r} is not a sender id: {ids.hint}")
     return f"{channel}:{user}"
 
 

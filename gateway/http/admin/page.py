@@ -103,7 +103,7 @@ class AdminSources:
     health: HealthState
     sessions: SessionManager
     pairing: PairingBackend
-    pairing_channels: tuple[str, ...] = ("telegram", "slack", "matrix")
+    pairing_channels: tuple[str, ...] = ()
     memory: MemoryBackend | None = None
     cache: SemanticCache | None = None
     #: Sends a message to a channel (the daemon's `deliver`), for approval notices.
