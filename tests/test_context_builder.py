@@ -4,6 +4,7 @@ example, and a long scripted conversation through a real session."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 import anyio
@@ -15,6 +16,7 @@ from gateway.agent.consolidation import needs_consolidation, plan_compaction
 from gateway.agent.context import (
     MEMORY_PREFIX,
     ContextBuilder,
+    ContextPlan,
     PruningPolicy,
     UsageHint,
     estimate_branch_tokens,
@@ -140,10 +142,11 @@ def test_oldest_unimportant_messages_go_first() -> None:
     plan = fit_context(system_prompt="sys", history=history, context_window=700, reply_reserve=0)
     reasons = {p.index: p.reason for p in plan.pruned}
     assert reasons and min(reasons) == 0
-    assert set(reasons.values()) <= {"oldest", "least_important", "last_resort"}
+    assert set(reasons.values()) <= {"oldest", "least_important", "last_resort", "leading"}
     assert "oldest" in reasons.values()
     kept = [i for i in plan.kept_indices if i is not None]
     assert kept == list(range(kept[0], 13))  # a contiguous recent tail
+    assert history[kept[0]].role == "user"  # an answer whose question went goes too
     assert plan.raw_tokens <= 700
 
 
@@ -242,10 +245,156 @@ def test_memory_block_is_cut_to_its_share_and_dropped_last() -> None:
 
 
 def test_window_cap_counts_messages_but_never_cuts_a_tool_pair() -> None:
+    """The cap counts messages. A tool call at its edge is not kept without its results,
+    nor with them: the window starts at a user message, so the call's turn goes."""
+    history = [user("a"), call("x", "y"), result("x"), result("y"), assistant("b"), user("c")]
+    plan = fit_context(system_prompt="s", history=history, context_window=5000, max_messages=6)
+    assert plan.kept_indices == tuple(range(6)) and not plan.pruned
+    plan = fit_context(system_prompt="s", history=history, context_window=5000, max_messages=5)
+    assert plan.kept_indices == (5,)
+    assert {p.index: p.reason for p in plan.pruned} == {i: "window" for i in range(5)}
+
+
+# -- the request's history starts at a user message ----------------------------------------
+
+
+def opening(plan: ContextPlan) -> str:
+    """The role of the first message after the system part."""
+    return next(m.role for m in plan.messages if m.role != "system")
+
+
+def test_a_pruned_user_message_takes_its_turns_tool_calls_along() -> None:
+    """Issue 37, item 7: a tight window dropped an old turn's user message and kept its
+    tool call and result, so the request went system prompt, then an assistant tool call,
+    which Mistral's and Gemma's chat templates refuse."""
+    history = [user(filler(0, 1200)), call("a"), result("a", "sunny"), assistant("It is sunny.")]
+    history += [user("and tomorrow?")]
+    full = estimate_messages_tokens(history)
+    plan = fit_context(system_prompt="s", history=history, context_window=full - 100)
+    assert opening(plan) == "user"
+    assert plan.kept_indices == (4,)
+    reasons = {p.index: p.reason for p in plan.pruned}
+    assert reasons[1] == reasons[2] == reasons[3] == "leading"
+    assert_well_paired(plan.history_messages)
+
+
+def test_the_window_moves_on_to_a_user_message() -> None:
+    """A count cut that lands on a tool call leaves out the rest of that old turn."""
     history = [user("a"), call("x"), result("x"), assistant("b"), user("c")]
     plan = fit_context(system_prompt="s", history=history, context_window=5000, max_messages=3)
-    assert plan.kept_indices == (1, 2, 3, 4)
+    assert plan.kept_indices == (4,) and opening(plan) == "user"
+    assert {p.index: p.reason for p in plan.pruned} == {i: "window" for i in range(4)}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_history_a_compaction_kept_from_an_answer_starts_at_the_next_question(
+    fast: bool,
+) -> None:
+    """A compaction may cut before an assistant message (`choose_cut`): with its summary
+    first, the request still goes on with a user message."""
+    import gateway.agent.context as context
+
+    history = [assistant("the answer it kept"), user("thanks; next?"), assistant("sure")]
+    history.append(user("go on"))
+    context._PLAIN_FAST_PATH = fast
+    try:
+        plan = fit_context(
+            system_prompt="s", summary="we talked", history=history, context_window=5000
+        )
+    finally:
+        context._PLAIN_FAST_PATH = True
+    assert [m.role for m in plan.messages] == ["system", "system", "user", "assistant", "user"]
+    assert plan.kept_indices == (1, 2, 3)
     assert {p.index: p.reason for p in plan.pruned} == {0: "window"}
+    tools = [call("t"), result("t"), *history[1:]]  # kept from a tool call: the same
+    plan = fit_context(system_prompt="s", summary="we talked", history=tools, context_window=5000)
+    assert opening(plan) == "user" and plan.kept_indices == (2, 3, 4)
+
+
+def test_a_steered_turn_that_begins_with_a_tool_call_is_sent_as_it_is() -> None:
+    """Protection wins: a running turn said to start at a tool call keeps it, and what
+    came before it without a user message of its own goes."""
+    history = [assistant("old"), call("o"), result("o"), call("t"), result("t"), user("joined")]
+    plan = fit_context(system_prompt="s", history=history, context_window=5000, turn_start=3)
+    assert plan.kept_indices == (3, 4, 5)
+
+
+def running_turn(joined: int, rounds: int) -> list[LLMMessage]:
+    """A running turn: its user message, `rounds` tool rounds, `joined` messages that
+    joined it (the steer mode), each after a round."""
+    turn = [user("the running turn's question")]
+    for r in range(rounds):
+        turn += [call(f"r{r}"), result(f"r{r}", "x" * (30 * r))]
+        if r < joined:
+            turn.append(user(f"joined {r}"))
+    turn += [user(f"joined {r}") for r in range(rounds, joined)]
+    return turn
+
+
+sized_texts = st.integers(min_value=0, max_value=2000).map(lambda n: "lorem ipsum " * (n // 12))
+history_sizes = st.one_of(texts, sized_texts)
+turn_items = st.one_of(
+    st.builds(user, history_sizes),
+    st.builds(assistant, history_sizes),
+    st.builds(lambda ids: call(*ids), st.lists(st.sampled_from("abc"), unique=True, max_size=3)),
+    st.builds(result, st.sampled_from("abcd"), history_sizes),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    history=st.lists(turn_items, max_size=40),
+    joined=st.integers(min_value=0, max_value=4),
+    rounds=st.integers(min_value=0, max_value=3),
+    window=st.integers(min_value=20, max_value=8000),
+    max_messages=st.integers(min_value=0, max_value=25),
+    summary=st.none() | texts,
+    memory=st.lists(texts, max_size=2),
+    steered=st.booleans(),
+)
+def test_the_request_opens_with_a_user_message_and_keeps_its_pairs(
+    history: list[LLMMessage],
+    joined: int,
+    rounds: int,
+    window: int,
+    max_messages: int,
+    summary: str | None,
+    memory: list[str],
+    steered: bool,
+) -> None:
+    """Whatever the window, the budget, a compaction's cut (a history opening with an
+    answer, a tool call or an orphaned result) or the running turn: after the system
+    part the request starts with a user message, every tool call is followed by all its
+    results and no result is orphaned, the running turn is whole and nothing moves."""
+    turn = running_turn(joined, rounds)
+    full = [*history, *turn]
+    start = len(history)
+    plan = fit_context(
+        system_prompt="s",
+        history=full,
+        summary=summary,
+        memory_texts=memory,
+        context_window=window,
+        reply_reserve=10,
+        max_messages=max_messages,
+        turn_start=start if steered else None,
+    )
+    roles = [m.role for m in plan.messages]
+    head = roles.index("user") if "user" in roles else len(roles)
+    assert set(roles[:head]) == {"system"}, roles
+    assert "system" not in roles[head:]
+    assert plan.history_messages and plan.history_messages[0].role == "user", roles
+    assert_well_paired(plan.history_messages)
+    kept = [i for i in plan.kept_indices if i is not None]
+    assert kept == sorted(kept) and len(set(kept)) == len(kept)
+    for index, message in zip(plan.kept_indices, plan.history_messages, strict=True):
+        if index is not None:  # a kept message is the history's (a tool result maybe cut)
+            original = full[index]
+            assert (message.role, message.tool_call_id) == (original.role, original.tool_call_id)
+            assert message.tool_calls == original.tool_calls
+    if steered or not joined:  # the running turn, from its own message on, is sent whole
+        assert plan.kept_indices[-len(turn) :] == tuple(range(start, len(full)))
+    assert plan.kept_indices[-1] == len(full) - 1
 
 
 def steered_turn(joined: int) -> list[LLMMessage]:
@@ -387,6 +536,7 @@ async def test_three_hundred_turns_stay_within_the_context_window(tmp_path: Path
     memory_lines = [f"[learned_fact] remembered thing {i}" for i in range(300)]
     requests = compactions = 0
     reasons: set[str] = set()
+    opened: Counter[str] = Counter()  # the role each request's history starts with
 
     def send() -> None:
         nonlocal requests
@@ -406,6 +556,7 @@ async def test_three_hundred_turns_stay_within_the_context_window(tmp_path: Path
         last_user = next(m for m in reversed(ctx.messages) if m.role == "user")
         assert any(m is last_user for m in plan.messages)
         assert_well_paired(plan.history_messages)
+        opened[plan.history_messages[0].role] += 1
         builder.observe(session.key, plan.messages, TokenUsage(prompt_tokens=plan.raw_tokens))
 
     for turn in range(300):
@@ -435,6 +586,7 @@ async def test_three_hundred_turns_stay_within_the_context_window(tmp_path: Path
             compactions += 1
 
     assert requests > 300 and compactions > 10
+    assert opened == {"user": requests}
     assert {"tool_result", "memory", "window"} <= reasons
     assert reasons & {"oldest", "least_important"}
     assert session.message_count <= 2 * memory_window + 4

@@ -21,6 +21,8 @@ from gateway.agent.context import fit_context
 from gateway.agent.tool_outputs import (
     READ_TOOL,
     SEARCH_TOOL,
+    FoldedText,
+    fold_case,
     preview,
     read_slice,
     search_text,
@@ -113,6 +115,89 @@ def test_every_search_match_is_at_the_offset_it_gives(text: str, query: str) -> 
         assert offsets and offsets[0] == text.lower().index(query.lower())
     else:
         assert "no match" in found
+
+
+def matches(found: str) -> list[tuple[int, int, int, str]]:
+    """(offset, line, line start, snippet) of each match a search shows."""
+    shown = re.findall(r"^offset (\d+) \(line (\d+), from (\d+)\): (.*)$", found, re.MULTILINE)
+    return [(int(o), int(n), int(f), snippet) for o, n, f, snippet in shown]
+
+
+@pytest.mark.parametrize(
+    ("text", "query", "at"),
+    [
+        # Issue 37, item 7: one İ (a Turkish place name) made the whole output exact-case.
+        ("flight to İzmir\nERROR: gate closed", "error", 16),
+        ("İZMİR then İzmir", "i\u0307zmi\u0307r", 0),  # İ folds to i with a dot above
+        ("Fuß ERROR", "error", 4),
+        ("die Straße", "STRASSE", 4),  # ß is ss
+        ("GROẞ", "groß", 0),
+        ("ﬁle not found", "FILE", 0),  # the ligature is fi
+        ("ΟΔΟΣ 3", "οδος", 0),
+        ("λόγος", "ΛΌΓΟΣ", 0),  # the final sigma is a sigma
+        ("KIZ kulesi", "k\u0131z", 0),  # the dotless i is i: its capital is I
+        ("cafe\u0301 au lait", "CAFE\u0301", 0),  # combining marks stay where they are
+        ("ǰ ΐ ΰ և ẖ then Needle", "NEEDLE", 15),  # each folds to two or three
+    ],
+)
+def test_a_search_is_case_insensitive_on_any_text(text: str, query: str, at: int) -> None:
+    found = matches(search_text(text, "out_0123456789ab", query))
+    assert found and found[0][0] == at, found
+    line_start = text.rfind("\n", 0, at) + 1
+    assert found[0][1:] == (
+        text.count("\n", 0, at) + 1,
+        line_start,
+        text[line_start:].split("\n")[0],
+    )
+
+
+def test_search_offsets_and_pages_count_the_original_characters() -> None:
+    text = "ßß İ\n" * 30 + "ﬁx\n" + "x ERROR\n" * 40
+    first = search_text(text, "out_0123456789ab", "error")
+    shown = matches(first)
+    assert [o for o, *_ in shown] == [m.start() for m in re.finditer("ERROR", text)][:20]
+    more = re.search(r"offset=(\d+) for the next", first)
+    assert more is not None and text[int(more.group(1)) :].startswith("ERROR")
+    page = matches(search_text(text, "out_0123456789ab", "ERROR", int(more.group(1))))
+    assert [o for o, *_ in page] == [m.start() for m in re.finditer("ERROR", text)][20:40]
+    # Two matches inside one character are one match, at that character.
+    assert [o for o, *_ in matches(search_text("aßb", "h", "s"))] == [1]
+
+
+#: Characters that fold to several (ß, İ, ligatures, ǰ ...), the i's and sigmas, marks.
+FOLDING = "ßẞİﬁﬀﬃﬅŉǰΐΰևẖﬓᾈ" + "\u0131IiΣ\u03c3ς" + "\u0307\u0301\u030ce\n"
+unicode_text = st.text(alphabet=st.characters() | st.sampled_from(FOLDING), max_size=60)
+casings = st.sampled_from([str.upper, str.lower, str.swapcase, str.casefold, str.title])
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=unicode_text, needle=unicode_text.filter(bool), after=unicode_text, casing=casings)
+def test_a_needle_is_found_where_it_was_put_in_any_casing(
+    before: str, needle: str, after: str, casing: Callable[[str], str]
+) -> None:
+    """A needle put at a random place in random text is found there, whatever its case
+    in the query; the line and the snippet shown are the original text's."""
+    text = before + needle + after
+    found = matches(search_text(text, "out_0123456789ab", casing(needle), len(before)))
+    assert found, (text, casing(needle))
+    offset, line, line_start, snippet = found[0]
+    assert offset == len(before)
+    assert line == text.count("\n", 0, offset) + 1
+    assert line_start == text.rfind("\n", 0, offset) + 1
+    assert text.startswith(snippet, line_start) and line_start + len(snippet) >= offset
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=unicode_text)
+def test_folded_offsets_map_back_per_character(text: str) -> None:
+    folded = FoldedText.of(text)
+    assert folded.folded == fold_case(text)
+    for i in range(len(text) + 1):
+        start = len(fold_case(text[:i]))
+        assert folded.to_folded(i) == start
+        if i < len(text):  # every folded character of text[i] maps back to it
+            for f in range(start, start + len(fold_case(text[i]))):
+                assert folded.to_original(f) == i
 
 
 def test_a_search_pages_through_many_matches() -> None:

@@ -24,7 +24,7 @@ Promises (tested in tests/test_slack*.py):
   An event the gateway could not journal, or that arrives while it drains
   (`pause_intake`), is not acknowledged (HTTP 503, or no Socket Mode ack), so Slack
   sends it again.
-- An event is answered once: its message id is Slack's `event_id`, which a retry
+- An event is taken once: its message id is Slack's `event_id`, which a retry
   (`X-Slack-Retry-Num`, a Socket Mode `retry_attempt`) keeps, and the dispatcher
   drops ids it has seen, across restarts too.
 - The bot never answers itself or another bot: messages with a `bot_id`, from the

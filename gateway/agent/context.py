@@ -10,6 +10,11 @@ The fitting policy (`fit_context`) keeps these promises, each tested:
   message), and the previous user/assistant exchange when it fits;
 - kept messages keep their order, and tool calls stay paired with their results (a
   pruned tool call takes its results with it; see `repair_tool_pairs`);
+- the kept history starts at a user message, right after the system part (prompt,
+  summary, memory block): the chat templates of many local models (Mistral's, Gemma's)
+  refuse a conversation that opens with the assistant or a tool result. What followed
+  a user message that the window, a compaction or the budget left out goes with it,
+  unless it is protected (a running turn that starts elsewhere is sent as it is);
 - old tool results leave first: before any message is dropped, the tool results
   outside the protected messages become, oldest first, a one-line stub that names the
   stored output's handle to read it again (`gateway.agent.tool_outputs.stub_for`);
@@ -44,7 +49,7 @@ MEMORY_PREFIX = (
 )
 
 PruneReason = Literal[
-    "window", "oldest", "least_important", "near_duplicate", "last_resort", "orphan"
+    "window", "oldest", "least_important", "near_duplicate", "last_resort", "orphan", "leading"
 ]
 TrimTarget = Literal["tool_result", "tool_stub", "memory", "summary"]
 
@@ -358,6 +363,11 @@ def _stub_tool_results(
     return used
 
 
+def _opens_turn(unit: _Unit) -> bool:
+    """Whether the request's history may start with `unit`: a user message."""
+    return unit.messages[0].role == "user"
+
+
 def _unit_text(message: LLMMessage) -> str:
     parts = [message.content or ""]
     parts.extend(call.function_name for call in message.tool_calls)
@@ -458,7 +468,8 @@ def fit_context(
     `memory_texts` are blocks of memory lines, most relevant first (e.g. search hits
     for the new message, then the knowledge base's export); `query` defaults to the
     last user message; `max_messages` caps the history messages considered (0: no
-    cap; a tool call is never cut from its results, so a few more may stay).
+    cap; a tool call is never cut from its results, and the running turn is kept whole,
+    so more may stay).
     `turn_start` is the index in `history` of the running turn's user message, when
     messages joined that turn after it (the steer mode): the turn is protected from
     there on, so its one reply can answer every message of it. None: the turn starts at
@@ -470,7 +481,9 @@ def fit_context(
        in the caller's order), the summary to ``summary_share``; a tool result (in
        the window) above ``tool_result_share`` is cut in the middle, head and tail kept.
     2. window: history before the last `max_messages` messages, or older than
-       ``policy.horizon`` budgets of newer messages, is left out.
+       ``policy.horizon`` budgets of newer messages, is left out, and so is what comes
+       before the first user message after that cut (a history kept by a compaction
+       may start with the assistant), unless it is protected.
     3. While over budget, tool results that are not protected become their one-line
        stub (`stub_for`: the stored output's handle, to read it again), oldest first.
        Then, while still over budget, message groups that are not protected are dropped by
@@ -484,7 +497,9 @@ def fit_context(
          frequent use, so repeated text survives the first two;
        - last_resort: what is left, least important first.
 
-       "Unimportant" means importance below ``policy.important``.
+       "Unimportant" means importance below ``policy.important``. When the first kept
+       user message goes, the groups after it up to the next kept user message go with
+       it ("leading"), unless they are protected.
     4. Still over budget with only protected messages: the memory block goes.
     """
     policy = policy or PruningPolicy()
@@ -543,9 +558,11 @@ def fit_context(
         if raw <= limit and history_tokens <= policy.horizon * limit:
             earlier = [i for i in users if i < turn_start]
             protected = earlier[-1] if earlier else turn_start
+            lead = min(users[0], turn_start) if users else turn_start  # where the window starts
+            raw -= sum(map(tokens_of, history[:lead]))
             return ContextPlan(
-                messages=(*head, *history),
-                kept_indices=tuple(range(len(history))),
+                messages=(*head, *history[lead:]),
+                kept_indices=tuple(range(lead, len(history))),
                 estimated_tokens=math.ceil(raw * ratio),
                 raw_tokens=raw,
                 budget_tokens=budget,
@@ -554,7 +571,10 @@ def fit_context(
                 summary_included=summary_included,
                 protected_from=protected,
                 over_budget=False,
-                pruned=(),
+                pruned=tuple(
+                    PrunedMessage(i, m.role, tokens_of(m), "window")
+                    for i, m in enumerate(history[:lead])
+                ),
                 trimmed=tuple(trimmed),
             )
 
@@ -584,6 +604,8 @@ def fit_context(
         reach -= 1
         seen_tokens += sum(map(tokens_of, units[reach].messages))
     start = min(max(start, reach), protected_at)
+    while start < protected_at and not _opens_turn(units[start]):
+        start += 1  # the window starts at a user message
     for unit in units[:start]:
         _record(pruned, unit, "window", count=tokens_of)
     window = units[start:]
@@ -613,15 +635,28 @@ def fit_context(
         for unit, score in zip(window, scores, strict=True):
             unit.importance = score
 
-    def drop(order: Sequence[int], reason: PruneReason) -> None:
+    front = 0  # the first kept group; the window starts at a user message (step 2)
+
+    def discard(i: int, reason: PruneReason) -> None:
         nonlocal used
+        kept[i] = False
+        used -= window[i].tokens
+        _record(pruned, window[i], reason, window[i].importance, tokens_of)
+
+    def drop(order: Sequence[int], reason: PruneReason) -> None:
+        nonlocal front
         for i in order:
             if used <= limit:
                 return
             if kept[i]:
-                kept[i] = False
-                used -= window[i].tokens
-                _record(pruned, window[i], reason, window[i].importance, tokens_of)
+                discard(i, reason)
+                # The groups that followed a dropped user message, up to the next kept
+                # one, would open the request: they go too (their tokens count here,
+                # so fewer other groups have to).
+                while front < protected_at and not (kept[front] and _opens_turn(window[front])):
+                    if kept[front]:
+                        discard(front, "leading")
+                    front += 1
 
     if used > limit:  # the common case fits: nothing to order or drop
         prunable = range(protected_at)

@@ -15,6 +15,7 @@ tool result when the context has no room for it.
 
 from __future__ import annotations
 
+import bisect
 import re
 import threading
 from collections import OrderedDict
@@ -143,22 +144,79 @@ def read_slice(text: str, handle: str, offset: int, length: int) -> str:
     return f"[{handle}: characters {offset}-{end} of {total}{after}]\n{text[offset:end]}"
 
 
+def fold_case(text: str) -> str:
+    """`text` as a case-insensitive search compares it: Unicode's full case folding
+    (`str.casefold`: ß and ẞ as ss, the ligature ﬁ as fi, the final sigma as sigma, İ as
+    i with a dot above), and the dotless i (U+0131) as i, since its capital is I. Every
+    casing of a text folds alike, and each character folds on its own (to one character
+    or more, never to none)."""
+    return text.casefold().replace("\u0131", "i")
+
+
+@dataclass(frozen=True, slots=True)
+class FoldedText:
+    """A text case-folded (`fold_case`) with the way between its offsets and the
+    original's: most characters fold to one, a few to several (ß to ss, İ to i̇), which
+    move the folded offsets after them. `wide_at` holds the original offset of each
+    of those few, `wide_from` its folded offset, `wide_size` how many it folds to."""
+
+    folded: str
+    wide_at: tuple[int, ...] = ()
+    wide_from: tuple[int, ...] = ()
+    wide_size: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, text: str) -> FoldedText:
+        folded = fold_case(text)
+        if len(folded) == len(text):  # no character folded to more than one
+            return cls(folded)
+        sizes = {c: len(fold_case(c)) for c in set(text) if len(fold_case(c)) > 1}
+        wide = re.compile("|".join(map(re.escape, sizes)))
+        at: list[int] = []
+        starts: list[int] = []
+        shift = 0
+        for match in wide.finditer(text):
+            at.append(match.start())
+            starts.append(match.start() + shift)
+            shift += sizes[match.group()] - 1
+        return cls(folded, tuple(at), tuple(starts), tuple(sizes[text[i]] for i in at))
+
+    def _shift_after(self, k: int) -> int:
+        """How far the folded offsets run ahead after the `k`th wide character."""
+        return self.wide_from[k] + self.wide_size[k] - self.wide_at[k] - 1
+
+    def to_folded(self, offset: int) -> int:
+        """The folded offset where the original character at `offset` begins."""
+        k = bisect.bisect_left(self.wide_at, offset)
+        return offset if k == 0 else offset + self._shift_after(k - 1)
+
+    def to_original(self, offset: int) -> int:
+        """The original character the folded character at `offset` comes from."""
+        k = bisect.bisect_right(self.wide_from, offset) - 1
+        if k < 0:
+            return offset
+        if offset < self.wide_from[k] + self.wide_size[k]:
+            return self.wide_at[k]
+        return offset - self._shift_after(k)
+
+
 def search_text(text: str, handle: str, query: str, offset: int = 0) -> str:
-    """Where `query` occurs in `text` (case-insensitive) from `offset` on: each match's
-    offset and line number with its line (or `SNIPPET_CHARS` around it in a long line),
-    at most `SEARCH_RESULTS`, with the total and the offset to go on from."""
+    """Where `query` occurs in `text` (case-insensitive, `fold_case`) from `offset` on:
+    each match's offset and line number with its line (or `SNIPPET_CHARS` around it in a
+    long line), at most `SEARCH_RESULTS`, with the total and the offset to go on from.
+    Offsets are the original text's, whatever folding did to lengths (ß, İ, ligatures)."""
     if not query:
         return "error: give the text to search for"
-    folded, needle = text.casefold(), query.casefold()
-    if len(folded) != len(text):  # casefold changed lengths (ß -> ss): offsets by lower()
-        folded, needle = text.lower(), query.lower()
-        if len(folded) != len(text):
-            folded, needle = text, query
-    starts: list[int] = []
-    at = folded.find(needle, max(0, offset))
+    folded, needle = FoldedText.of(text), fold_case(query)
+    spans: list[tuple[int, int]] = []  # (start, end) of each match in `text`
+    at = folded.folded.find(needle, folded.to_folded(max(0, offset)))
     while at >= 0:
-        starts.append(at)
-        at = folded.find(needle, at + max(1, len(needle)))
+        start = folded.to_original(at)
+        end = folded.to_original(at + len(needle) - 1) + 1
+        if not spans or start >= spans[-1][1]:  # two in one character (s in ß) are one
+            spans.append((start, end))
+        at = folded.folded.find(needle, at + len(needle))
+    starts = [start for start, _ in spans]
     if not starts:
         where = f" after offset {offset}" if offset else ""
         return f"[{handle}: no match for {query!r}{where} in {len(text)} characters]"
@@ -166,7 +224,7 @@ def search_text(text: str, handle: str, query: str, offset: int = 0) -> str:
     line_no, counted_to = 1, 0
     i = 0
     while i < len(starts) and len(lines) < SEARCH_RESULTS:
-        start = starts[i]
+        start, end = spans[i]
         line_no += text.count("\n", counted_to, start)
         counted_to = start
         line_start = text.rfind("\n", 0, start) + 1
@@ -174,7 +232,7 @@ def search_text(text: str, handle: str, query: str, offset: int = 0) -> str:
         line_end = len(text) if line_end < 0 else line_end
         if line_end - line_start > SNIPPET_CHARS:
             line_start = max(line_start, start - SNIPPET_CHARS // 2)
-            line_end = min(line_end, max(line_start + SNIPPET_CHARS, start + len(needle)))
+            line_end = min(line_end, max(line_start + SNIPPET_CHARS, end))
         snippet = text[line_start:line_end]
         lines.append(f"offset {start} (line {line_no}, from {line_start}): {snippet}")
         i += 1
