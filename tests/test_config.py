@@ -154,6 +154,9 @@ def test_every_commented_secret_file_key_is_valid_toml_when_uncommented() -> Non
         ("", {"GATEWAY_EVENT_LOOP": "fast"}, "event_loop: "),
         ("[llm]\napi_key = 'sk-oops'\n", {}, "llm.api_key: secrets do not belong"),
         ("[llm\n", {}, "not valid TOML"),
+        # A client's sessions are api:<name>:...: no two alike but for case.
+        ("[http.api_tokens.Default]\n", {}, "'Default' cannot name a client"),
+        ("[http.api_tokens.ide]\n[http.api_tokens.IDE]\n", {}, "'IDE' cannot name a client"),
     ],
 )
 def test_errors_name_the_key(tmp_path: Path, toml: str, env: dict[str, str], expected: str) -> None:

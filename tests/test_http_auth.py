@@ -20,10 +20,11 @@ from gateway.http.auth import (
 from gateway.http.chat_api import (
     MAX_NAME_CHARS,
     ApiError,
-    api_session_key,
+    ChatRequest,
     parse_chat_request,
     reply_body,
 )
+from gateway.http.namespace import CHAT_CALLER, SessionRefused, resolve_session
 from gateway.messages import OutboundMessage
 from gateway.sessions.keys import encode_key
 
@@ -87,14 +88,15 @@ def test_www_authenticate_says_why() -> None:
     [
         ("work", "api:work"),
         ("api:work", "api:work"),
-        ("api:a:b", "api:a:b"),
+        ("api:default:b", "api:default:b"),  # the token's own /v1 session
         ("my notes", "api:my notes"),
+        ("api:my notes: monday", "api:my notes: monday"),  # no client's form
         ("x" * MAX_NAME_CHARS, "api:" + "x" * MAX_NAME_CHARS),
         ("api:" + "é" * 32, "api:" + "é" * 32),  # 2 UTF-8 bytes, 6 file-name bytes each
     ],
 )
 def test_api_session_keys(raw: str, key: str) -> None:
-    assert api_session_key(raw) == key
+    assert resolve_session(CHAT_CALLER, raw) == key
     encode_key(key)  # the session it names can be stored
 
 
@@ -103,8 +105,8 @@ def test_api_session_keys(raw: str, key: str) -> None:
 )
 def test_a_session_name_too_long_to_store_is_refused_with_the_limit(raw: str) -> None:
     assert MAX_NAME_CHARS == 194
-    with pytest.raises(ApiError) as raised:
-        api_session_key(raw)
+    with pytest.raises(SessionRefused) as raised:
+        resolve_session(CHAT_CALLER, raw)
     assert raised.value.status == 400
     assert raised.value.message.startswith("session: the name is too long to store")
     assert f"the limit is {MAX_NAME_CHARS}" in raised.value.message
@@ -129,8 +131,8 @@ def test_a_session_name_too_long_to_store_is_refused_with_the_limit(raw: str) ->
     ],
 )
 def test_hostile_session_keys_are_refused(raw: str) -> None:
-    with pytest.raises(ApiError) as raised:
-        api_session_key(raw)
+    with pytest.raises(SessionRefused) as raised:
+        resolve_session(CHAT_CALLER, raw)
     assert raised.value.status == 400
     assert raised.value.message.startswith("session:")
 
@@ -138,8 +140,20 @@ def test_hostile_session_keys_are_refused(raw: str) -> None:
 # --------------------------------------------------------------------------- request bodies
 
 
+def parse(body: bytes) -> ChatRequest:
+    """A body as /api/chat parses it: its caller is the `[http] token`."""
+    return parse_chat_request(body, CHAT_CALLER)
+
+
+def test_another_api_clients_session_is_403_saying_what_is_allowed() -> None:
+    with pytest.raises(ApiError) as raised:
+        parse(b'{"session": "api:ide:ide-proj", "text": "what is the vault code?"}')
+    assert raised.value.status == 403
+    assert raised.value.message.startswith("session:") and "api:<name>" in raised.value.message
+
+
 def test_a_good_request_becomes_an_api_inbound_message() -> None:
-    request = parse_chat_request(json.dumps({"session": "work", "text": "hello"}).encode())
+    request = parse(json.dumps({"session": "work", "text": "hello"}).encode())
     assert request.session_key == "api:work"
     inbound = request.inbound()
     assert inbound.session_key == "api:work"
@@ -147,10 +161,10 @@ def test_a_good_request_becomes_an_api_inbound_message() -> None:
 
 
 def test_unknown_fields_are_ignored_and_a_session_is_required() -> None:
-    request = parse_chat_request(b'{"session": "w", "text": "hi", "future_option": true}')
+    request = parse(b'{"session": "w", "text": "hi", "future_option": true}')
     assert request.session_key == "api:w"
     with pytest.raises(ApiError) as refused:
-        parse_chat_request(b'{"text": "hi"}')
+        parse(b'{"text": "hi"}')
     assert refused.value.status == 400 and "session: required" in refused.value.message
 
 
@@ -175,7 +189,7 @@ def test_unknown_fields_are_ignored_and_a_session_is_required() -> None:
 )
 def test_bad_bodies_are_400_with_a_reason(body: bytes, fragment: str) -> None:
     with pytest.raises(ApiError) as raised:
-        parse_chat_request(body)
+        parse(body)
     assert raised.value.status == 400
     assert fragment in raised.value.message
 

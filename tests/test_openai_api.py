@@ -18,12 +18,12 @@ from loguru import logger
 
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
+from gateway.http.namespace import Caller, Route, SessionRefused, resolve_session
 from gateway.http.openai_api import (
     ClientMessage,
     OpenAIError,
     history_conflict,
     parse_completion_request,
-    session_key_for,
 )
 from tests.fakes.openai_server import FakeOpenAI, Reply
 
@@ -663,9 +663,10 @@ def test_parsing_refuses_what_it_cannot_serve() -> None:
         json.dumps({"model": "m", "messages": hi, "stream": True}).encode(), " work "
     )
     assert parsed.session_name == "work" and parsed.stream and not parsed.include_usage
-    assert session_key_for("ide", "x") == "api:ide:x"
-    with pytest.raises(OpenAIError):
-        session_key_for("ide", "bad\u202ename")
+    ide = Caller("ide", Route.OPENAI)
+    assert resolve_session(ide, "x") == "api:ide:x"
+    with pytest.raises(SessionRefused):
+        resolve_session(ide, "bad\u202ename")
 
 
 # ---------------------------------------------------------------- a kill mid-turn

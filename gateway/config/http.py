@@ -88,12 +88,17 @@ class HTTPSettings(Section):
     @field_validator("api_tokens")
     @classmethod
     def _token_names(cls, value: dict[str, ApiTokenSettings]) -> dict[str, ApiTokenSettings]:
+        # A client's sessions are api:<name>:...; two names equal but for case would
+        # share session files on a case-insensitive file system.
+        taken = {"default"}
         for name in value:
-            if name == "default" or not SHORT_NAME.fullmatch(name):
+            if not SHORT_NAME.fullmatch(name) or name.casefold() in taken:
                 raise ValueError(
-                    f"api_tokens: {name!r} cannot name a client; use up to 32 letters, "
-                    'digits, - and _ (and not "default": that is http.token\'s client)'
+                    f"{name!r} cannot name a client; use up to 32 letters, digits, - and _, "
+                    "and neither \"default\" (http.token's client) nor another client's "
+                    "name, in any case"
                 )
+            taken.add(name.casefold())
         return value
 
     @field_validator("trusted_proxies")

@@ -2,8 +2,9 @@
 chat API, and mount points for channel adapters (see `server` for the routes)."""
 
 from gateway.http.auth import HttpConfigError, check_bind_policy, is_loopback
-from gateway.http.chat_api import API_CHANNEL, ApiError, ChatRequest, api_session_key
+from gateway.http.chat_api import ApiError, ChatRequest
 from gateway.http.health import ComponentHealth, HealthState, Phase, Readiness
+from gateway.http.namespace import API_CHANNEL, Caller, SessionRefused, resolve_session
 from gateway.http.server import (
     DEFAULT_MAX_BODY_BYTES,
     ChatHandler,
@@ -17,6 +18,7 @@ __all__ = [
     "API_CHANNEL",
     "DEFAULT_MAX_BODY_BYTES",
     "ApiError",
+    "Caller",
     "ChatHandler",
     "ChatRequest",
     "ComponentHealth",
@@ -26,9 +28,10 @@ __all__ = [
     "HttpServer",
     "Phase",
     "Readiness",
-    "api_session_key",
+    "SessionRefused",
     "check_bind_policy",
     "check_listen",
     "is_loopback",
     "json_error",
+    "resolve_session",
 ]

@@ -3,9 +3,11 @@
 `POST /api/chat` takes `{"session": "work", "text": "hello"}` and answers
 `{"session": "api:work", "reply": "...", "error": false}`.
 
-Invariants (tested in tests/test_http_chat_api.py):
-- Every session the API touches is in the `api:` namespace: a bare name `work` means
-  `api:work`, and a key of another channel (`telegram:123`) is refused, never served.
+Invariants (tested in tests/test_http_auth.py and tests/test_http_namespace.py):
+- The session is the caller's, by `gateway.http.namespace.resolve_session`: a bare name
+  `work` means `api:work`; a key of another channel (`telegram:123`) is refused with
+  400, and a name in another API client's namespace (`api:ide:...`) with 403, never
+  served.
 - A session name is printable text: no control, format (bidi override), separator or
   surrogate characters, which would forge log lines or break file names; and it is
   short enough for its session's file name (`MAX_NAME_CHARS` letters, digits, `.`, `_`
@@ -13,28 +15,28 @@ Invariants (tested in tests/test_http_chat_api.py):
   is refused here, before a turn runs.
 - A request names its session: there is no default conversation that clients sharing a
   token would share by accident.
-- Whatever the body holds, parsing ends in a `ChatRequest` or an `ApiError` with a 400
-  message saying what to fix; never in another exception.
+- Whatever the body holds, parsing ends in a `ChatRequest` or an `ApiError` (400, or
+  403 for another client's session) saying what to fix; never in another exception.
 """
 
 from __future__ import annotations
 
 import json
-import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.http.namespace import (
+    API_CHANNEL,
+    Caller,
+    SessionRefused,
+    max_name_chars,
+    resolve_session,
+)
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.sessions.errors import SessionKeyError
-from gateway.sessions.keys import MAX_STEM_BYTES, encode_key
 
-API_CHANNEL = "api"
 API_SENDER = "api"
-# Unicode categories refused in a session name: control, format (e.g. U+202E), surrogate,
-# private use, unassigned, line and paragraph separators.
-_HOSTILE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 #: The longest name of plain characters whose session key (`api:<name>`) a file name holds.
-MAX_NAME_CHARS = MAX_STEM_BYTES - len(encode_key(f"{API_CHANNEL}:"))
+MAX_NAME_CHARS = max_name_chars(f"{API_CHANNEL}:")
 
 
 class ApiError(Exception):
@@ -44,41 +46,6 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def api_session_key(raw: str) -> str:
-    """`work` -> `api:work`; `api:work` stays; anything hostile raises ApiError(400)."""
-    prefix = f"{API_CHANNEL}:"
-    if raw.startswith(prefix):
-        name = raw[len(prefix) :]
-    elif ":" in raw:
-        raise ApiError(
-            400,
-            f"session: the chat API only reaches {API_CHANNEL}: sessions; "
-            f"send a bare name or {API_CHANNEL}:<name>",
-        )
-    else:
-        name = raw
-    key = f"{API_CHANNEL}:{name}"
-    check_session_name(name, key, "session", MAX_NAME_CHARS)
-    return key
-
-
-def check_session_name(name: str, key: str, field: str, limit: int) -> None:
-    """ApiError(400) naming `field` unless `name` is printable and `key` (its session
-    key) fits a file name; `limit` is the longest plain name, for the message."""
-    if not name.strip():
-        raise ApiError(400, f"{field}: the name is empty")
-    if any(unicodedata.category(char) in _HOSTILE_CATEGORIES for char in name):
-        raise ApiError(400, f"{field}: the name holds control or invisible characters")
-    try:
-        encode_key(key)
-    except SessionKeyError:
-        raise ApiError(
-            400,
-            f"{field}: the name is too long to store; the limit is {limit} "
-            "letters, digits, '.', '_' or '-' (other characters take up to 12 each)",
-        ) from None
 
 
 def _has_surrogates(text: str) -> bool:
@@ -110,8 +77,9 @@ class ChatRequest:
         )
 
 
-def parse_chat_request(body: bytes) -> ChatRequest:
-    """A request body to a ChatRequest, or ApiError(400) saying what is wrong."""
+def parse_chat_request(body: bytes, caller: Caller) -> ChatRequest:
+    """A request body to a ChatRequest of `caller`'s session, or ApiError saying what is
+    wrong (400; 403 for a session name in another client's namespace)."""
     try:
         data: Any = json.loads(body)
     except (ValueError, RecursionError):  # bad JSON or UTF-8; absurd nesting
@@ -140,7 +108,11 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         or _has_surrogates(message_id)
     ):
         raise ApiError(400, f"id: must be a string of 1 to {MAX_ID_LENGTH} characters")
-    return ChatRequest(session_key=api_session_key(session), text=text, message_id=message_id)
+    try:
+        key = resolve_session(caller, session)
+    except SessionRefused as exc:
+        raise ApiError(exc.status, exc.message) from None
+    return ChatRequest(session_key=key, text=text, message_id=message_id)
 
 
 def reply_body(session_key: str, reply: OutboundMessage | None) -> dict[str, Any]:

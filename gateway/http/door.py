@@ -24,7 +24,8 @@ import anyio
 from loguru import logger
 
 from gateway.agent.turns import find_turn
-from gateway.http.chat_api import API_CHANNEL, API_SENDER, ApiError
+from gateway.http.chat_api import API_SENDER, ApiError
+from gateway.http.namespace import API_CHANNEL
 from gateway.http.openai_api import OpenAIError
 from gateway.http.openai_routes import DeltaSink, DoorReply, DoorTurn
 from gateway.llm.types import LLMMessage

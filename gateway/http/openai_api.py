@@ -10,8 +10,8 @@ Invariants (tested in tests/test_openai_api.py):
 - The conversation is the gateway's: only the newest user message is the turn. What the
   client sends before it is checked against the session (`history_conflict`), never
   stored in a named session.
-- A named session is `api:<client>:<name>` (`session_key_for`): one client's names never
-  reach another client's sessions, nor another channel's.
+- A named session is `api:<client>:<name>` (`gateway.http.namespace.resolve_session`):
+  one client's names never reach another client's sessions, nor another channel's.
 - The client's tools are refused with a 400 saying so: the agent's tools run on the
   gateway, and a tool call the client would have to answer has nowhere to go.
 - Whatever the body holds, parsing ends in a `CompletionRequest` or an `OpenAIError`
@@ -26,22 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.http.chat_api import (
-    API_CHANNEL,
-    MAX_ID_LENGTH,
-    ApiError,
-    check_session_name,
-)
-from gateway.sessions.keys import MAX_STEM_BYTES, encode_key
+from gateway.http.chat_api import MAX_ID_LENGTH
 
 #: The header naming the conversation, besides the body's `user` field.
 SESSION_HEADER = "X-Session"
 #: The header that makes a retried request the same message (answered once).
 IDEMPOTENCY_HEADER = "Idempotency-Key"
-#: The client the `[http] token` is.
-DEFAULT_CLIENT = "default"
-#: The prefix of a stateless call's throwaway session name.
-STATELESS_PREFIX = "~stateless-"
 #: Roles a client's message may have; "developer" is the newer name of "system".
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TOOL_FIELDS = ("tools", "functions")
@@ -226,26 +216,6 @@ def parse_completion_request(body: bytes, session_header: str | None) -> Complet
         stream=stream,
         include_usage=include_usage,
     )
-
-
-#: The longest client name plus session name whose key a file name holds, roughly.
-MAX_NAME_CHARS = MAX_STEM_BYTES - len(encode_key(f"{API_CHANNEL}:{DEFAULT_CLIENT}:"))
-
-
-def session_key_for(client: str, name: str) -> str:
-    """`api:<client>:<name>`, or OpenAIError(400) for a name that cannot be stored."""
-    key = f"{API_CHANNEL}:{client}:{name}"
-    try:
-        check_session_name(name, key, "user", MAX_NAME_CHARS)
-    except ApiError as exc:
-        raise OpenAIError(exc.status, exc.message, param="user") from None
-    return key
-
-
-def allowed_name(name: str, prefixes: Sequence[str]) -> bool:
-    """Whether a client limited to session names starting with `prefixes` may use
-    `name` (no prefixes: any name)."""
-    return not prefixes or any(name.startswith(prefix) for prefix in prefixes)
 
 
 def idempotency_id(key: str | None) -> str | None:

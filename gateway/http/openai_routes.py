@@ -9,7 +9,7 @@ Invariants (tested in tests/test_openai_api.py):
   `[http.api_tokens.NAME]` another); every token is compared, in constant time, and a
   wrong one counts against the address like on /api/chat.
 - A client reaches only its own sessions, and of those only the names its `sessions`
-  prefixes allow (403 otherwise).
+  prefixes allow (403 otherwise): `gateway.http.namespace.resolve_session` decides.
 - A stream starts (status 200, the first event) only once the turn has produced text:
   a refusal found before (queue full, a conflict, a retry of a message still running)
   is still an HTTP error with its status. The turn never waits for a slow reader and
@@ -24,7 +24,6 @@ Invariants (tested in tests/test_openai_api.py):
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import time
 import uuid
@@ -37,16 +36,21 @@ from loguru import logger
 from pydantic import SecretStr
 
 from gateway.http.auth import BearerCheck, bearer_credentials, secret_value
-from gateway.http.openai_api import (
+from gateway.http.namespace import (
     DEFAULT_CLIENT,
+    Caller,
+    Route,
+    SessionRefused,
+    resolve_session,
+    throwaway_session_key,
+)
+from gateway.http.openai_api import (
     IDEMPOTENCY_HEADER,
     SESSION_HEADER,
     SSE_DONE,
-    STATELESS_PREFIX,
     ClientMessage,
     CompletionRequest,
     OpenAIError,
-    allowed_name,
     chunk_body,
     completion_body,
     error_body,
@@ -54,7 +58,6 @@ from gateway.http.openai_api import (
     idempotency_id,
     models_body,
     parse_completion_request,
-    session_key_for,
     sse_event,
     usage_body,
 )
@@ -80,6 +83,11 @@ class ApiClient:
     name: str
     token: str
     sessions: tuple[str, ...] = ()
+
+    @property
+    def caller(self) -> Caller:
+        """Who this token is when it names a session on `/v1`."""
+        return Caller(self.name, Route.OPENAI, self.sessions)
 
 
 class ApiTokenLike(Protocol):
@@ -287,9 +295,7 @@ class OpenAIRoutes:
         if name is None:
             # Stateless: a throwaway session holding the client's own messages; a retry
             # (same Idempotency-Key) finds the same one.
-            seed = message_id or uuid.uuid4().hex
-            digest = hashlib.sha256(f"{client.name}\0{seed}".encode()).hexdigest()[:32]
-            key = session_key_for(client.name, STATELESS_PREFIX + digest)
+            key = throwaway_session_key(client.caller, message_id or uuid.uuid4().hex)
             return DoorTurn(
                 key,
                 parsed.text,
@@ -298,18 +304,18 @@ class OpenAIRoutes:
                 stateless=True,
                 earlier=parsed.earlier,
             )
-        if not allowed_name(name, client.sessions):
-            raise OpenAIError(
-                403,
-                f"this token may only use sessions whose names start with "
-                f"{' or '.join(repr(p) for p in client.sessions)}",
-                type="permission_error",
-                param="user",
-                code="session_not_allowed",
-            )
-        if name.startswith(STATELESS_PREFIX):
-            raise OpenAIError(400, f"user: names starting {STATELESS_PREFIX!r} are reserved")
-        key = session_key_for(client.name, name)
+        try:
+            key = resolve_session(client.caller, name)
+        except SessionRefused as exc:
+            if exc.status == 403:
+                raise OpenAIError(
+                    403,
+                    exc.message,
+                    type="permission_error",
+                    param="user",
+                    code="session_not_allowed",
+                ) from None
+            raise OpenAIError(exc.status, exc.message, param="user") from None
         if parsed.earlier:
             conflict = history_conflict(parsed.earlier, await door.stored_user_texts(key))
             if conflict is not None:

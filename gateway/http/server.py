@@ -51,6 +51,7 @@ from gateway.http.chat_api import ApiError, parse_chat_request, reply_body
 from gateway.http.health import HealthState, Phase
 from gateway.http.limits import BodyTimeout, ConnectionLimits, GuardedRunner, body_deadline
 from gateway.http.metrics import Metrics
+from gateway.http.namespace import CHAT_CALLER
 from gateway.http.openai_api import error_body
 from gateway.http.openai_routes import (
     COMPLETIONS_PATH,
@@ -432,7 +433,8 @@ class HttpServer:
             return json_error(413, f"request body is over the {self.max_body_bytes}-byte limit")
         body = await request.read()  # client_max_size bounds a body without Content-Length
         try:
-            chat_request = parse_chat_request(body)
+            # Only the `[http] token` opens /api/chat: the `default` client.
+            chat_request = parse_chat_request(body, CHAT_CALLER)
         except ApiError as exc:
             return json_error(exc.status, exc.message)
         with logger.contextualize(session=chat_request.session_key):

@@ -20,6 +20,10 @@ Invariants (tested in tests/test_admin_http.py and tests/test_admin_browser.py):
   `show_text` (bidi overrides visible, long texts cut); the Content-Security-Policy lets
   only this page's own script and style files run, so even a missed escape runs nothing.
 - No page shows a secret: tokens, keys and URLs with passwords are never rendered.
+- The operator reaches every session, of every channel and every API client, on
+  purpose: a page's session key is resolved as `OPERATOR`'s
+  (`gateway.http.namespace.resolve_session`), which takes any key that can be stored.
+  Set `http.admin_token` to keep the operator apart from the chat API's token holder.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from gateway.http.admin.views import (
 )
 from gateway.http.auth import TOKEN_ENV, is_loopback
 from gateway.http.health import HealthState
+from gateway.http.namespace import OPERATOR, SessionRefused, resolve_session
 from gateway.http.throttle import AuthThrottle
 from gateway.messages import OutboundMessage
 from gateway.sessions.errors import SessionKeyError
@@ -423,8 +428,9 @@ class AdminPage:
     async def session(self, request: web.Request, login: AdminLogin) -> web.StreamResponse:
         key = request.query.get("key", "")
         try:
+            key = resolve_session(OPERATOR, key) if key else ""
             found = await anyio.to_thread.run_sync(self.sources.sessions.get, key) if key else None
-        except SessionKeyError:
+        except (SessionRefused, SessionKeyError):
             found = None
         if found is None:
             return await self._render(
@@ -471,6 +477,10 @@ class AdminPage:
         backend = self.sources.memory
         context: dict[str, Any] = {"key": key, "query": query, "enabled": backend is not None}
         if backend is None or not key:
+            return await self._render("memory.html", request, login, found=False, **context)
+        try:
+            key = resolve_session(OPERATOR, key)
+        except SessionRefused:
             return await self._render("memory.html", request, login, found=False, **context)
 
         def read() -> dict[str, Any] | None:
@@ -608,7 +618,11 @@ class AdminPage:
             if what == "key" and value:
                 removed = await cache.invalidate(value)
             elif what == "session" and value:
-                removed = await cache.invalidate(session_key=value)
+                try:
+                    key = resolve_session(OPERATOR, value)
+                except SessionRefused as exc:
+                    return await self.cache(request, login, error=f"Nothing removed: {exc}")
+                removed = await cache.invalidate(session_key=key)
             elif what == "model" and value:
                 removed = await cache.invalidate(model=value)
             elif what == "shared":
