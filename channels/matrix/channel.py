@@ -29,7 +29,9 @@ Promises (each one tested in tests/test_matrix*.py against Synapse, and by the k
   the same transaction, which the homeserver keeps once (the spec's idempotent send).
 - Invites from people who may talk to the bot (allowlisted, paired, or anyone under an
   open policy) are accepted; others are declined with the reason (a stranger's reason
-  holds their pairing code under `dm_policy = "pairing"`).
+  holds their pairing code under `dm_policy = "pairing"`, at most once per resend
+  interval). Every invite is decided when it comes, so a stranger approved since an
+  earlier invite is joined on the next one, to the same room too.
 - End-to-end encrypted rooms (`channels.matrix.encryption`, on by default) are read and
   answered with the device's keys (`channels.matrix.crypto`): a message is decrypted
   before it is translated; a reply, an edit, a notice and a file into an encrypted room
@@ -578,7 +580,9 @@ class MatrixChannel:
         self._paused = False
         self._sync_scope: anyio.CancelScope | None = None
         self._seen: OrderedDict[str, None] = OrderedDict()
-        self._invites_done: set[str] = set()
+        #: (next_batch, room id) of the invites answered: a batch the homeserver hands
+        #: out again (after a rewind Synapse answers from its cache) is not answered twice.
+        self._invites_answered: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._refused: set[str] = set()
         self._noticed = NoticeCooldown()
         self._typing = TypingIndicators[str](self._typing_on, self._typing_off)
@@ -1089,15 +1093,25 @@ class MatrixChannel:
     # ----------------------------------------------------------------- invites, rooms
 
     async def _take_invites(self, client: AsyncClient, response: Any) -> None:
+        """Answer every invite of a batch on the homeserver: join, or decline.
+
+        Each invite is decided when it comes, by the access gate: a second invite to a
+        room (from a stranger approved since the first) is answered as a first one is.
+        All that is remembered is which invites of a batch were answered, for when the
+        homeserver hands out that batch again (after a rewind, Synapse answers from its
+        response cache); it never stands in for an answer."""
         for room_id, info in response.rooms.invite.items():
-            if room_id in self._invites_done:
+            key = (str(response.next_batch), room_id)
+            if key in self._invites_answered:
                 continue
-            self._invites_done.add(room_id)
             try:
                 await self._answer_invite(client, room_id, info)
             except Exception as exc:  # one bad invite must not stop the sync loop
-                self._invites_done.discard(room_id)
                 logger.warning("matrix: invite to {} not answered: {!r}", room_id, exc)
+                continue
+            self._invites_answered[key] = None
+            if len(self._invites_answered) > _SEEN_EVENTS:
+                self._invites_answered.popitem(last=False)
 
     async def _answer_invite(self, client: AsyncClient, room_id: str, info: Any) -> None:
         """Join when the inviter may talk to the bot; decline otherwise, with the reason
