@@ -380,6 +380,63 @@ async def test_a_strangers_second_invite_gets_no_second_code_within_the_resend_i
     assert fake_openai.chat_requests == []
 
 
+async def test_an_invite_whose_answer_failed_is_answered_when_it_comes_again(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """The access check fails twice (it raises): the invite is not confirmed with its
+    batch, comes again from the stored since token, and is joined."""
+    bot, alice = synapse.register(), synapse.register()
+    failed = 0
+    async with gateway(make_settings, fake_openai, synapse, bot) as gw:
+        check = gw.channel.invite_check
+        assert check is not None
+
+        async def flaky(probe: InboundMessage) -> Decision:
+            nonlocal failed
+            if failed < 2:
+                failed += 1
+                raise RuntimeError("the access check failed")
+            return await check(probe)
+
+        gw.channel.invite_check = flaky
+        room = await dm_room(synapse, alice, bot)
+        await call(synapse.send, alice, room, "hi")
+        [reply] = await wait_bot_messages(synapse, alice, room, bot, 1)
+    assert failed == 2
+    assert reply["content"]["body"] == "echo: hi"
+
+
+async def test_an_invite_that_keeps_failing_is_declined_after_the_patience_and_others_go_on(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """An invite that cannot be answered holds the stored since token back, but not for
+    ever: past `Pacing.invite_patience` it is declined with a reason saying to invite
+    the bot again, and what other rooms said meanwhile is answered."""
+    from channels.matrix.channel import INVITE_FAILED
+
+    bot, alice, bob = synapse.register(), synapse.register(), synapse.register()
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, pacing=Pacing(invite_patience=2.0)
+    ) as gw:
+        other = await dm_room(synapse, bob, bot)
+        check = gw.channel.invite_check
+        assert check is not None
+
+        async def broken_for_alice(probe: InboundMessage) -> Decision:
+            if probe.sender_id == alice.user_id:
+                raise RuntimeError("the access check failed")
+            return await check(probe)
+
+        gw.channel.invite_check = broken_for_alice
+        room = await call(synapse.create_room, alice, invite=[bot.user_id], direct=True)
+        await call(synapse.send, bob, other, "meanwhile")
+        await wait_membership(synapse, alice, room, bot.user_id, "leave", seconds=20)
+        reason = await call(leave_reason, synapse, alice, room, bot.user_id)
+        [reply] = await wait_bot_messages(synapse, bob, other, bot, 1)
+    assert reason == INVITE_FAILED
+    assert reply["content"]["body"] == "echo: meanwhile"
+
+
 async def test_with_encryption_off_encrypted_rooms_are_refused_with_the_reason_in_the_room(
     fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
 ) -> None:
