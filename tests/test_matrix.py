@@ -6,24 +6,31 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
 from channels.matrix import ENCRYPTED_REFUSAL, MatrixChannel, Pacing
+from gateway.access.policy import Decision
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
 from gateway.journal.cursors import CURSOR_FILE
+from gateway.messages import InboundMessage
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
 from tests.synapse_server import MatrixUser, Synapse
 
 pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -240,6 +247,28 @@ async def test_a_thread_is_its_own_conversation_answered_in_the_thread(
     assert "in the thread" not in session_file(gw.settings, f"matrix:{room}")
 
 
+async def declined_with_code(synapse: Synapse, user: MatrixUser, room: str, bot: MatrixUser) -> str:
+    """The pairing code in the reason the bot gave for declining `user`'s invite."""
+    await wait_membership(synapse, user, room, bot.user_id, "leave")
+    reason = await call(leave_reason, synapse, user, room, bot.user_id)
+    assert reason is not None and "pairing code is" in reason, reason
+    return reason.split("pairing code is ", 1)[1].split()[0]
+
+
+async def approve_with_cli(settings: Settings, code: str) -> str:
+    """`gateway pairing approve matrix CODE`, the operator's command, on the workspace."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))}
+    env |= {"PYTHONPATH": str(ROOT), "GATEWAY_WORKSPACE": str(settings.workspace_path)}
+    done = await anyio.run_process(
+        [sys.executable, "-m", "gateway.cli", "pairing", "approve", "matrix", code],
+        env=env,
+        cwd=settings.workspace_path.parent,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
+
+
 async def test_invites_from_strangers_are_declined_with_their_pairing_code_then_accepted(
     fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
 ) -> None:
@@ -248,16 +277,164 @@ async def test_invites_from_strangers_are_declined_with_their_pairing_code_then_
         make_settings, fake_openai, synapse, bot, channels__matrix__dm_policy="pairing"
     ) as gw:
         room = await call(synapse.create_room, stranger, invite=[bot.user_id], direct=True)
-        await wait_membership(synapse, stranger, room, bot.user_id, "leave")
-        reason = await call(leave_reason, synapse, stranger, room, bot.user_id)
-        assert reason is not None and "pairing code is" in reason
-        code = reason.split("pairing code is ", 1)[1].split()[0]
+        code = await declined_with_code(synapse, stranger, room, bot)
         await anyio.to_thread.run_sync(gw.daemon.pairing.approve, "matrix", code)
         again = await call(synapse.create_room, stranger, invite=[bot.user_id], direct=True)
         await wait_membership(synapse, stranger, again, bot.user_id, "join")
         await call(synapse.send, stranger, again, "hello now")
         [reply] = await wait_bot_messages(synapse, stranger, again, bot, 1)
     assert reply["content"]["body"] == "echo: hello now"
+
+
+async def test_an_approved_stranger_who_invites_again_to_the_same_room_is_joined_and_answered(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """docs/matrix.md's way in: the invite is declined with a code, the operator runs
+    `gateway pairing approve`, the stranger invites the bot again to the same room."""
+    bot, alice = synapse.register(), synapse.register()
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, channels__matrix__dm_policy="pairing"
+    ) as gw:
+        room = await call(synapse.create_room, alice, invite=[bot.user_id], direct=True)
+        code = await declined_with_code(synapse, alice, room, bot)
+        assert "Approved" in await approve_with_cli(gw.settings, code)
+        await call(synapse.invite, alice, room, bot.user_id)
+        await wait_membership(synapse, alice, room, bot.user_id, "join", seconds=10)
+        await call(synapse.send, alice, room, "hello again")
+        [reply] = await wait_bot_messages(synapse, alice, room, bot, 1)
+    assert reply["content"]["body"] == "echo: hello again"
+    assert [r.last_user_text for r in fake_openai.chat_requests] == ["hello again"]
+
+
+async def test_an_approved_strangers_invite_to_the_same_room_after_a_restart_is_joined(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """The approval is in the pairing store, not in the process: a gateway restarted
+    between `gateway pairing approve` and the second invite joins it too."""
+    bot, alice = synapse.register(), synapse.register()
+    pairing = {"channels__matrix__dm_policy": "pairing"}
+    async with gateway(make_settings, fake_openai, synapse, bot, **pairing) as gw:
+        room = await call(synapse.create_room, alice, invite=[bot.user_id], direct=True)
+        code = await declined_with_code(synapse, alice, room, bot)
+        assert "Approved" in await approve_with_cli(gw.settings, code)
+    async with gateway(make_settings, fake_openai, synapse, bot, **pairing):
+        await call(synapse.invite, alice, room, bot.user_id)
+        await wait_membership(synapse, alice, room, bot.user_id, "join", seconds=10)
+        await call(synapse.send, alice, room, "hello after the restart")
+        [reply] = await wait_bot_messages(synapse, alice, room, bot, 1)
+    assert reply["content"]["body"] == "echo: hello after the restart"
+
+
+async def test_an_invite_not_yet_answered_when_the_gateway_stops_is_answered_after_it(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """The approved stranger's second invite reaches the gateway, which stops before it
+    answered it (its access check still running): the stored since token has not passed
+    the invite, so the restarted gateway finds it and joins."""
+    bot, alice = synapse.register(), synapse.register()
+    pairing = {"channels__matrix__dm_policy": "pairing"}
+    arrived = anyio.Event()
+
+    async def never_answers(probe: InboundMessage) -> Decision:
+        arrived.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async with gateway(make_settings, fake_openai, synapse, bot, **pairing) as gw:
+        room = await call(synapse.create_room, alice, invite=[bot.user_id], direct=True)
+        code = await declined_with_code(synapse, alice, room, bot)
+        assert "Approved" in await approve_with_cli(gw.settings, code)
+        gw.channel.invite_check = never_answers
+        await call(synapse.invite, alice, room, bot.user_id)
+        with anyio.move_on_after(10):
+            await arrived.wait()  # then the gateway stops
+    assert (await call(synapse.members, alice, room))[bot.user_id] == "invite"
+    async with gateway(make_settings, fake_openai, synapse, bot, **pairing):
+        await wait_membership(synapse, alice, room, bot.user_id, "join", seconds=10)
+        await call(synapse.send, alice, room, "are you in?")
+        [reply] = await wait_bot_messages(synapse, alice, room, bot, 1)
+    assert arrived.is_set()  # the first gateway had the invite, and stopped before answering
+    assert reply["content"]["body"] == "echo: are you in?"
+
+
+async def test_a_strangers_second_invite_gets_no_second_code_within_the_resend_interval(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """Not approved, the stranger invites the bot again to the same room at once: the
+    invite is declined without a reason (the code went out moments ago), the pending
+    request is the same one, and nothing reaches the model."""
+    bot, stranger = synapse.register(), synapse.register()
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, channels__matrix__dm_policy="pairing"
+    ) as gw:
+        room = await call(synapse.create_room, stranger, invite=[bot.user_id], direct=True)
+        code = await declined_with_code(synapse, stranger, room, bot)
+        await call(synapse.invite, stranger, room, bot.user_id)
+        await wait_membership(synapse, stranger, room, bot.user_id, "leave", seconds=10)
+        reason = await call(leave_reason, synapse, stranger, room, bot.user_id)
+        pending = (await anyio.to_thread.run_sync(gw.daemon.pairing.list, "matrix")).pending
+        await call(synapse.send, stranger, room, "let me in")
+        await anyio.sleep(1.0)
+    assert reason is None
+    assert [(r.sender_id, r.code) for r in pending] == [(stranger.user_id, code)]
+    assert fake_openai.chat_requests == []
+
+
+async def test_an_invite_whose_answer_failed_is_answered_when_it_comes_again(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """The access check fails twice (it raises): the invite is not confirmed with its
+    batch, comes again from the stored since token, and is joined."""
+    bot, alice = synapse.register(), synapse.register()
+    failed = 0
+    async with gateway(make_settings, fake_openai, synapse, bot) as gw:
+        check = gw.channel.invite_check
+        assert check is not None
+
+        async def flaky(probe: InboundMessage) -> Decision:
+            nonlocal failed
+            if failed < 2:
+                failed += 1
+                raise RuntimeError("the access check failed")
+            return await check(probe)
+
+        gw.channel.invite_check = flaky
+        room = await dm_room(synapse, alice, bot)
+        await call(synapse.send, alice, room, "hi")
+        [reply] = await wait_bot_messages(synapse, alice, room, bot, 1)
+    assert failed == 2
+    assert reply["content"]["body"] == "echo: hi"
+
+
+async def test_an_invite_that_keeps_failing_is_declined_after_the_patience_and_others_go_on(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """An invite that cannot be answered holds the stored since token back, but not for
+    ever: past `Pacing.invite_patience` it is declined with a reason saying to invite
+    the bot again, and what other rooms said meanwhile is answered."""
+    from channels.matrix.channel import INVITE_FAILED
+
+    bot, alice, bob = synapse.register(), synapse.register(), synapse.register()
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, pacing=Pacing(invite_patience=2.0)
+    ) as gw:
+        other = await dm_room(synapse, bob, bot)
+        check = gw.channel.invite_check
+        assert check is not None
+
+        async def broken_for_alice(probe: InboundMessage) -> Decision:
+            if probe.sender_id == alice.user_id:
+                raise RuntimeError("the access check failed")
+            return await check(probe)
+
+        gw.channel.invite_check = broken_for_alice
+        room = await call(synapse.create_room, alice, invite=[bot.user_id], direct=True)
+        await call(synapse.send, bob, other, "meanwhile")
+        await wait_membership(synapse, alice, room, bot.user_id, "leave", seconds=20)
+        reason = await call(leave_reason, synapse, alice, room, bot.user_id)
+        [reply] = await wait_bot_messages(synapse, bob, other, bot, 1)
+    assert reason == INVITE_FAILED
+    assert reply["content"]["body"] == "echo: meanwhile"
 
 
 async def test_with_encryption_off_encrypted_rooms_are_refused_with_the_reason_in_the_room(

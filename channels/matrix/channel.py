@@ -29,7 +29,12 @@ Promises (each one tested in tests/test_matrix*.py against Synapse, and by the k
   the same transaction, which the homeserver keeps once (the spec's idempotent send).
 - Invites from people who may talk to the bot (allowlisted, paired, or anyone under an
   open policy) are accepted; others are declined with the reason (a stranger's reason
-  holds their pairing code under `dm_policy = "pairing"`).
+  holds their pairing code under `dm_policy = "pairing"`, at most once per resend
+  interval). Every invite is decided when it comes, so a stranger approved since an
+  earlier invite is joined on the next one, to the same room too. An invite is answered
+  on the homeserver before the token of its batch is stored: one that cannot be answered
+  yet holds the token back and is tried again (after a restart too), and is declined
+  (`INVITE_FAILED`) once it kept failing for `Pacing.invite_patience`.
 - End-to-end encrypted rooms (`channels.matrix.encryption`, on by default) are read and
   answered with the device's keys (`channels.matrix.crypto`): a message is decrypted
   before it is translated; a reply, an edit, a notice and a file into an encrypted room
@@ -122,6 +127,12 @@ ENCRYPTED_REFUSAL = (
     "I can't take part in end-to-end encrypted rooms: encryption is turned off for this "
     "gateway. Invite me to an unencrypted room instead."
 )
+#: The reason an invite is declined when it could not be answered: the homeserver refused
+#: the join, or the join or the access check kept failing (`Pacing.invite_patience`).
+INVITE_FAILED = (
+    "I couldn't accept this invite: something failed on my side or on the homeserver. "
+    "Please invite me again later."
+)
 #: Said (once) to the sender of an encrypted message whose room key never came.
 UNREADABLE_NOTICE = (
     "I couldn't read your last message: it is encrypted with a key your app did not share "
@@ -169,6 +180,7 @@ class Pacing:
     request_timeout: float = 30.0  # one request (besides /sync's long poll)
     stop_timeout: float = 10.0
     encryption_recheck: float = 10.0  # a standby re-asks whether a clear room is encrypted
+    invite_patience: float = 60.0  # a failing invite holds the since token back this long
 
 
 # --------------------------------------------------------------------------- inbound
@@ -579,7 +591,10 @@ class MatrixChannel:
         self._paused = False
         self._sync_scope: anyio.CancelScope | None = None
         self._seen: OrderedDict[str, None] = OrderedDict()
-        self._invites_done: set[str] = set()
+        #: (next_batch, room id) of the invites answered: a batch the homeserver hands
+        #: out again (after a rewind Synapse answers from its cache) is not answered twice.
+        self._invites_answered: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._invite_failing: dict[str, float] = {}  # room id -> when its invite first failed
         self._refused: set[str] = set()
         self._noticed = NoticeCooldown()
         self._typing = TypingIndicators[str](self._typing_on, self._typing_off)
@@ -817,12 +832,16 @@ class MatrixChannel:
                         skipped,
                         len(response.rooms.join),
                     )
-                await self._take_invites(client, response)
+                if not await self._take_invites(response):
+                    failures += 1  # nothing stored yet: the first sync is made again
+                    await anyio.sleep(self._backoff(failures))
+                    continue
             else:
                 taken = await self._take_batch(client, response, since)
                 if taken is None:
-                    # A message was not journaled: everything after the stored token
-                    # comes again (what was journaled is recognised by its event id).
+                    # A message was not journaled, or an invite not answered: everything
+                    # after the stored token comes again (what was journaled is
+                    # recognised by its event id, an answered invite is not sent again).
                     since = self._rewind(stored)
                     failures += 1
                     await anyio.sleep(self._backoff(failures))
@@ -887,8 +906,10 @@ class MatrixChannel:
     async def _take_batch(self, client: AsyncClient, response: Any, since: str) -> int | None:
         """Take one /sync batch: invites, then each joined room's timeline in order (after
         what still waits in that room). The number of messages submitted once every one
-        of them is journaled (or settled); None when one was not taken."""
-        await self._take_invites(client, response)
+        of them is journaled (or settled); None when one was not taken, or an invite not
+        answered."""
+        if not await self._take_invites(response):
+            return None
         self._batches += 1
         for room_id, info in response.rooms.join.items():
             if self._paused:
@@ -1089,72 +1110,136 @@ class MatrixChannel:
 
     # ----------------------------------------------------------------- invites, rooms
 
-    async def _take_invites(self, client: AsyncClient, response: Any) -> None:
-        for room_id, info in response.rooms.invite.items():
-            if room_id in self._invites_done:
-                continue
-            self._invites_done.add(room_id)
-            try:
-                await self._answer_invite(client, room_id, info)
-            except Exception as exc:  # one bad invite must not stop the sync loop
-                self._invites_done.discard(room_id)
-                logger.warning("matrix: invite to {} not answered: {!r}", room_id, exc)
+    async def _take_invites(self, response: Any) -> bool:
+        """Answer every invite of a batch on the homeserver: join, or decline. False when
+        one is not answered yet; the batch is then not confirmed, so the invite comes
+        again from the stored token, after a restart too.
 
-    async def _answer_invite(self, client: AsyncClient, room_id: str, info: Any) -> None:
+        Each invite is decided when it comes, by the access gate: a second invite to a
+        room (from a stranger approved since the first) is answered as a first one is.
+        All that is remembered is which invites of a batch were answered, for when the
+        homeserver hands out that batch again (after a rewind, Synapse answers from its
+        response cache); it never stands in for an answer."""
+        # A failing invite comes again with every batch until it is answered; one that
+        # does not was withdrawn meanwhile.
+        self._invite_failing = {
+            room: began
+            for room, began in self._invite_failing.items()
+            if room in response.rooms.invite
+        }
+        answered = True
+        for room_id, info in response.rooms.invite.items():
+            key = (str(response.next_batch), room_id)
+            if key in self._invites_answered:
+                continue
+            if not await self._settle_invite(room_id, info):
+                answered = False
+                continue
+            self._invites_answered[key] = None
+            if len(self._invites_answered) > _SEEN_EVENTS:
+                self._invites_answered.popitem(last=False)
+        return answered
+
+    async def _settle_invite(self, room_id: str, info: Any) -> bool:
+        """Answer one invite. True once it is settled: joined, declined, or no longer
+        there to answer (the homeserver says so); False while it is to be tried again.
+        An invite still failing after `Pacing.invite_patience` is declined, saying so."""
+        with logger.contextualize(session=f"{CHANNEL}:{room_id}"):
+            try:
+                await self._answer_invite(room_id, info)
+            except MatrixSetupError:
+                raise
+            except RequestFailed as exc:
+                if exc.retryable:
+                    return await self._invite_failed(room_id, exc)
+                logger.warning("matrix: the invite to {} cannot be answered: {}", room_id, exc)
+            except Exception as exc:  # the access check; retried like the homeserver
+                return await self._invite_failed(room_id, exc)
+            self._invite_failing.pop(room_id, None)
+            return True
+
+    async def _invite_failed(self, room_id: str, exc: Exception) -> bool:
+        """An invite's answer failed: False to try it again, until its patience is out;
+        then decline it with `INVITE_FAILED` (True once that is done)."""
+        now = time.monotonic()
+        began = self._invite_failing.setdefault(room_id, now)
+        if now - began < self.pacing.invite_patience:
+            logger.warning(
+                "matrix: the invite to {} is not answered yet ({}); retrying",
+                room_id,
+                _describe(exc),
+            )
+            return False
+        logger.warning(
+            "matrix: the invite to {} could not be answered for {:g}s ({}); declining it",
+            room_id,
+            self.pacing.invite_patience,
+            _describe(exc),
+        )
+        try:
+            await self._leave(room_id, INVITE_FAILED)
+        except RequestFailed as failure:
+            if failure.retryable:
+                return False
+            logger.warning("matrix: the invite to {} cannot be answered: {}", room_id, failure)
+        self._invite_failing.pop(room_id, None)
+        return True
+
+    async def _answer_invite(self, room_id: str, info: Any) -> None:
         """Join when the inviter may talk to the bot; decline otherwise, with the reason
-        (a stranger's pairing code, under `dm_policy = "pairing"`)."""
+        (a stranger's pairing code, under `dm_policy = "pairing"`). Raises when the
+        answer could not be given (RequestFailed, or what the access check raised)."""
         inviter = ""
         encrypted = False
-        members = 0
         for item in info.invite_state:
             source = getattr(item, "source", None)
             if not isinstance(source, Mapping):
                 continue
             if source.get("type") == "m.room.encryption":
                 encrypted = True
-            if source.get("type") == "m.room.member":
-                if source.get("state_key") == self.me.user_id:
-                    inviter = str(source.get("sender") or "")
-                else:
-                    members += 1
-        with logger.contextualize(session=f"{CHANNEL}:{room_id}"):
-            if encrypted and self._encryption_off is not None:
-                logger.warning(
-                    "matrix: invite from {} to encrypted room {} declined: {}",
-                    inviter,
-                    room_id,
-                    self._encryption_off,
-                )
-                await self._leave(room_id, ENCRYPTED_REFUSAL)
-                return
-            decision: Decision | None = None
-            if self.invite_check is not None and inviter:
-                probe = InboundMessage(
-                    channel=CHANNEL,
-                    chat_id=room_id,
-                    text="",
-                    sender_id=inviter,
-                    metadata={META_IS_GROUP: False, META_SENDER_NAME: inviter},
-                )
-                decision = await self.invite_check(probe)
-            if isinstance(decision, Allow):
-                await self._join(client, room_id)
-                logger.info("matrix: joined {} on the invite of {}", room_id, inviter)
-                return
-            reason = decision.reply if isinstance(decision, Challenge | Deny) else None
-            logger.info(
-                "matrix: invite from {} to {} declined (not paired or allowlisted)",
-                inviter or "someone",
+            if source.get("type") == "m.room.member" and source.get("state_key") == self.me.user_id:
+                inviter = str(source.get("sender") or "")
+        if encrypted and self._encryption_off is not None:
+            logger.warning(
+                "matrix: invite from {} to encrypted room {} declined: {}",
+                inviter,
                 room_id,
+                self._encryption_off,
             )
-            await self._leave(room_id, reason)
+            await self._leave(room_id, ENCRYPTED_REFUSAL)
+            return
+        decision: Decision | None = None
+        if self.invite_check is not None and inviter:
+            probe = InboundMessage(
+                channel=CHANNEL,
+                chat_id=room_id,
+                text="",
+                sender_id=inviter,
+                metadata={META_IS_GROUP: False, META_SENDER_NAME: inviter},
+            )
+            decision = await self.invite_check(probe)
+        if isinstance(decision, Allow):
+            try:
+                await self._join(room_id)
+            except RequestFailed as exc:
+                if exc.retryable:
+                    raise
+                logger.warning("matrix: could not join {} ({}); declining the invite", room_id, exc)
+                await self._leave(room_id, INVITE_FAILED)
+                return
+            logger.info("matrix: joined {} on the invite of {}", room_id, inviter)
+            return
+        reason = decision.reply if isinstance(decision, Challenge | Deny) else None
+        logger.info(
+            "matrix: invite from {} to {} declined (not paired or allowlisted)",
+            inviter or "someone",
+            room_id,
+        )
+        await self._leave(room_id, reason)
 
-    async def _join(self, client: AsyncClient, room_id: str) -> None:
-        from nio import JoinResponse
-
-        answer = await client.join(room_id)
-        if not isinstance(answer, JoinResponse):
-            raise RequestFailed(f"join {room_id}: {_describe(answer)}", retryable=True)
+    async def _join(self, room_id: str) -> None:
+        path = f"/_matrix/client/v3/join/{_quote(room_id)}"
+        await self._request("POST", path, {}, what=f"join {room_id}")
 
     async def _leave(self, room_id: str, reason: str | None) -> None:
         """Leave a room, or decline an invite, saying why (the reason shows in the room)."""
