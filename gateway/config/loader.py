@@ -73,6 +73,7 @@ EXIT_CONFIG = 78
 SECRET_KEYS = frozenset(
     {
         "api_key",
+        "transcription_api_key",
         "token",
         "bot_token",
         "app_token",
