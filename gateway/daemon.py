@@ -104,6 +104,7 @@ def build_provider(settings: Settings) -> FailoverProvider:
             default_tool_choice=llm.tool_choice,
             # With others to ask, the chain says what comes after a model, not this.
             falls_back_to_model=not several,
+            redactor=settings.redactor,
         )
         providers[name] = provider
         breakers[name] = CircuitBreaker(
@@ -731,7 +732,7 @@ class Daemon:
             storage=self.gateway.storage.describe(),
         )
         token = secret_value(settings.http.admin_token) or secret_value(settings.http.token)
-        page = AdminPage(token, sources)
+        page = AdminPage(token, sources, settings.redactor)
         page.mount(self.http)
         return page
 
