@@ -583,8 +583,8 @@ class Daemon:
         self.gateway = gateway
         self.lock = lock
         settings = gateway.settings
-        self.health = HealthState()
-        self.metrics = Metrics(version=__version__)
+        self.health = HealthState(redactor=settings.redactor)
+        self.metrics = Metrics(version=__version__, redactor=settings.redactor)
         if gateway.agent.usage is not None:
             gateway.agent.usage.on_record(self.metrics.observe_usage)
         self.gc_policy = GCPolicy()
@@ -1018,7 +1018,8 @@ class Daemon:
         so a Ctrl-C during shutdown is handled like one before it, never raised."""
         from gateway.telemetry import from_settings, install
 
-        tracing = self.telemetry or from_settings(self.gateway.settings.telemetry)
+        settings = self.gateway.settings
+        tracing = self.telemetry or from_settings(settings.telemetry, redactor=settings.redactor)
         previous = install(tracing)
         try:
             async with anyio.create_task_group() as signals:
