@@ -248,3 +248,16 @@ def test_settings_models_are_found_through_every_table() -> None:
     paths = {".".join(path) for path, _ in fields_of(Settings)}
     assert {"llm.providers.name.api_key", "http.api_tokens.name.token"} <= paths
     assert "mcp.servers.name.env" in paths and "heartbeat.jobs.name.prompt" in paths
+
+
+def test_the_doctor_names_secrets_too_short_to_redact(tmp_path: Path) -> None:
+    from gateway.doctor import check_secrets
+
+    env = {
+        "GATEWAY_WORKSPACE": str(tmp_path),
+        "GATEWAY_HTTP__TOKEN": "abc",
+        "GATEWAY_CHANNELS__DISCORD__TOKEN": "long-enough-token",
+    }
+    [finding] = check_secrets(load_settings(None, environ=env))
+    assert finding.status == "warn" and finding.what.startswith("http.token is shorter than 6")
+    assert "abc" not in finding.line()
