@@ -964,7 +964,7 @@ def _start(
     from gateway.storage.workspace import check_workspace
 
     level = _log_level(args, settings)
-    setup_logging(level, settings.log.format, settings.secrets(), defer=defer)
+    setup_logging(level, settings.log.format, settings.redactor, defer=defer)
     if args.command != "doctor":
         for warning in env_warnings(os.environ, sections):
             logger.warning(warning)

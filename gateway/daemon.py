@@ -105,6 +105,7 @@ def build_provider(settings: Settings) -> FailoverProvider:
             default_tool_choice=llm.tool_choice,
             # With others to ask, the chain says what comes after a model, not this.
             falls_back_to_model=not several,
+            redactor=settings.redactor,
         )
         providers[name] = provider
         breakers[name] = CircuitBreaker(
@@ -556,8 +557,8 @@ class Daemon:
         self.gateway = gateway
         self.lock = lock
         settings = gateway.settings
-        self.health = HealthState()
-        self.metrics = Metrics(version=__version__)
+        self.health = HealthState(redactor=settings.redactor)
+        self.metrics = Metrics(version=__version__, redactor=settings.redactor)
         if gateway.agent.usage is not None:
             gateway.agent.usage.on_record(self.metrics.observe_usage)
         self.gc_policy = GCPolicy()
@@ -680,7 +681,7 @@ class Daemon:
             storage=self.gateway.storage.describe(),
         )
         token = secret_value(settings.http.admin_token) or secret_value(settings.http.token)
-        page = AdminPage(token, sources)
+        page = AdminPage(token, sources, settings.redactor)
         page.mount(self.http)
         return page
 
@@ -827,8 +828,14 @@ class Daemon:
         metrics.on_scrape("dispatcher", refresh_counters)
 
     async def _handle(self, message: InboundMessage) -> OutboundMessage:
-        """One turn; with streaming on, text deltas go to channels that can show them."""
+        """One turn; with streaming on, text deltas go to channels that can show them.
+
+        What a person is sent (the reply, its streamed deltas, a notice) has every
+        configured secret replaced (`Redactor.redact_configured`): a model that read one
+        in a tool's output must not hand it on. The reply is redacted before the
+        dispatcher records it in the outbox."""
         agent = self.gateway.agent
+        hide = self.gateway.settings.redactor.redact_configured
         channel = self.channels.get(message.channel)
         files = channel if isinstance(channel, FileSource) else None
         message = await enrich_for_turn(channel, message)
@@ -837,24 +844,27 @@ class Daemon:
         if shown is not None:
 
             async def on_notice(text: str) -> None:
-                await shown(message, text)
+                await shown(message, hide(text))
 
         sink = self.api_streams.get(str(message.metadata.get(META_API_STREAM)))
+        stream_delta = getattr(channel, "stream_delta", None)
         if sink is not None and agent.config.stream:
             # An OpenAI-API client reading the reply as it is written (never blocks).
 
             async def to_client(text: str) -> None:
-                sink(text)
+                sink(hide(text))
 
-            return await agent.handle(message, on_delta=to_client, files=files)
-        stream_delta = getattr(channel, "stream_delta", None)
-        if stream_delta is None or not agent.config.stream:
-            return await agent.handle(message, files=files, on_notice=on_notice)
+            reply = await agent.handle(message, on_delta=to_client, files=files)
+        elif stream_delta is None or not agent.config.stream:
+            reply = await agent.handle(message, files=files, on_notice=on_notice)
+        else:
 
-        async def on_delta(text: str) -> None:
-            await stream_delta(message, text)
+            async def on_delta(text: str) -> None:
+                await stream_delta(message, hide(text))
 
-        return await agent.handle(message, on_delta=on_delta, files=files, on_notice=on_notice)
+            reply = await agent.handle(message, on_delta=on_delta, files=files, on_notice=on_notice)
+        text = hide(reply.text)
+        return reply if text == reply.text else replace(reply, text=text)
 
     def _turn_done(self, reply: OutboundMessage, seconds: float) -> None:
         self.metrics.observe_turn(reply, seconds)
@@ -949,7 +959,8 @@ class Daemon:
         so a Ctrl-C during shutdown is handled like one before it, never raised."""
         from gateway.telemetry import from_settings, install
 
-        tracing = self.telemetry or from_settings(self.gateway.settings.telemetry)
+        settings = self.gateway.settings
+        tracing = self.telemetry or from_settings(settings.telemetry, redactor=settings.redactor)
         previous = install(tracing)
         try:
             async with anyio.create_task_group() as signals:

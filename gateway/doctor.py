@@ -1,4 +1,7 @@
-"""`gateway doctor`: checks an installation and says what to fix, one line per finding."""
+"""`gateway doctor`: checks an installation and says what to fix, one line per finding.
+
+The findings quote what servers and platforms answered; they go through the settings'
+redactor (`gateway.redaction`) before they are shown, as a log line would."""
 
 from __future__ import annotations
 
@@ -455,11 +458,29 @@ async def check_storage(settings: Settings) -> list[Finding]:
         return [Finding("fail", f"storage: {exc}")]
 
 
+def check_secrets(settings: Settings) -> list[Finding]:
+    """Secrets too short to be redacted from text (`gateway.redaction`)."""
+    from gateway.config.section import secret_items
+    from gateway.redaction import MIN_SECRET_CHARS
+
+    return [
+        Finding(
+            "warn",
+            f"{name} is shorter than {MIN_SECRET_CHARS} characters: it cannot be told from "
+            "ordinary words, so logs and pages show it wherever it is quoted",
+            "use a longer secret",
+        )
+        for name, value in secret_items({"": settings})
+        if len(value) < MIN_SECRET_CHARS
+    ]
+
+
 async def run_checks(settings: Settings, *, config_path: Path | None = None) -> list[Finding]:
     """Everything `gateway run` will need, checked the way `run` uses it: the workspace
-    is made, the HTTP port is listened on, the LLM and platforms are asked."""
+    is made, the HTTP port is listened on, the LLM and platforms are asked. Redacted."""
     findings = [Finding("ok", "configuration is valid")]
     findings += [Finding("warn", warning) for warning in env_warnings(os.environ)]
+    findings += check_secrets(settings)
     findings += check_config_file(config_path)
     findings += check_workspace(settings, config_path=config_path)
     findings += await check_storage(settings)
@@ -468,4 +489,5 @@ async def run_checks(settings: Settings, *, config_path: Path | None = None) -> 
     findings += await check_cache(settings)
     findings += await check_channels(settings)
     findings += await check_tools(settings)
-    return findings
+    redact = settings.redactor.redact
+    return [Finding(f.status, redact(f.what), redact(f.fix)) for f in findings]

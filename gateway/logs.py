@@ -1,9 +1,10 @@
 """Logging setup: loguru to stderr, human-readable or flat JSON lines, secrets redacted.
 
 The promise kept here: no configured secret, and nothing shaped like a token, reaches
-stderr. Redaction runs on everything written, in both formats: the message, bound
-values, and an exception's text and traceback (a token inside a URL in an error is
-the usual way a secret leaks into a log).
+stderr. The process's one redactor (`gateway.redaction`, `Settings.redactor`) runs on
+everything written, in both formats: the message, bound values, and an exception's text
+and traceback (a token inside a URL in an error is the usual way a secret leaks into a
+log).
 
 `log.format = "json"` writes one flat object per line, the shape log shippers (Vector,
 Fluent Bit, Loki, Datadog) index without a parser: `time`, `level`, `message`,
@@ -20,22 +21,14 @@ something is logged.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import traceback
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
+
+from gateway.redaction import Redactor
 
 if TYPE_CHECKING:
     from loguru import Logger, Message, Record
-
-# Shapes of secrets worth catching even when not configured: bearer tokens, `api_key=`
-# values, OpenAI keys (`sk-` only at a word start: "ask-questions" is not a key), Slack
-# tokens, and Telegram bot tokens (`<bot id>:<35 characters>`, also inside API URLs).
-_TOKEN_SHAPES = re.compile(
-    r"(?i)(bearer\s+|api[_-]?key[=:]\s*|\bsk-|\bxox[abposr]-|\bxapp-)[A-Za-z0-9._\-]{6,}"
-    r"|(?<![A-Za-z0-9])(bot)?(\d{6,}:)[A-Za-z0-9_-]{30,}"
-)
 
 # Keys of the JSON line that bound values may not take over.
 _OWN_FIELDS = ("time", "level", "message", "session", "channel", "logger")
@@ -50,24 +43,6 @@ def text_format(record: Record) -> str:
     """`TEXT_FORMAT`, with the trace id after the session key on a traced turn's lines."""
     traced = " trace={extra[trace_id]}" if "trace_id" in record["extra"] else ""
     return TEXT_FORMAT.replace("{extra[session]}", "{extra[session]}" + traced) + "\n{exception}"
-
-
-def _keep_prefix(match: re.Match[str]) -> str:
-    if match.group(1) is not None:
-        return match.group(1) + "***"
-    return (match.group(2) or "") + match.group(3) + "***"
-
-
-class Redactor:
-    """Replaces known secret values, and anything shaped like a token, with `***`."""
-
-    def __init__(self, secrets: Iterable[str] = ()) -> None:
-        self._secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
-
-    def redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return _TOKEN_SHAPES.sub(_keep_prefix, text)
 
 
 class TextSink:
@@ -125,30 +100,34 @@ def _nothing(record: Record) -> str:
 
 
 #: The set-up `setup_logging(defer=True)` left for loguru's first use.
-_deferred: tuple[str, str, list[str]] | None = None
+_deferred: tuple[str, str, Redactor] | None = None
 
 
 def setup_logging(
-    level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = (), *, defer: bool = False
+    level: str = "INFO",
+    fmt: str = "text",
+    redactor: Redactor | None = None,
+    *,
+    defer: bool = False,
 ) -> None:
-    """Log to stderr at `level` and above, as text or JSON lines (`fmt`), with
-    `secrets` redacted. With `defer`, while loguru is not imported yet, this is done at
-    the first use of `logger` instead: a command that logs nothing never imports it. A
-    deferring caller must log only through `logger` (loguru imported by another module
-    would log unconfigured)."""
+    """Log to stderr at `level` and above, as text or JSON lines (`fmt`), through
+    `redactor` (the settings' `redactor`; None: token shapes only). With `defer`, while
+    loguru is not imported yet, this is done at the first use of `logger` instead: a
+    command that logs nothing never imports it. A deferring caller must log only through
+    `logger` (loguru imported by another module would log unconfigured)."""
     global _deferred
+    redactor = redactor if redactor is not None else Redactor()
     if defer and "loguru" not in sys.modules:
-        _deferred = (level, fmt, list(secrets))
+        _deferred = (level, fmt, redactor)
         return
     _deferred = None
-    _configure(level, fmt, secrets)
+    _configure(level, fmt, redactor)
 
 
-def _configure(level: str, fmt: str, secrets: Iterable[str]) -> None:
+def _configure(level: str, fmt: str, redactor: Redactor) -> None:
     from loguru import logger
 
     logger.remove()
-    redactor = Redactor(secrets)
     if fmt == "json":
         logger.add(JsonSink(redactor), level=level, format=_nothing, diagnose=False)
     else:

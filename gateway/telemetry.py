@@ -8,15 +8,21 @@ Promises (tested in tests/test_telemetry.py):
   the message's metadata, which the journal stores with the message. A turn replayed
   after a crash, or run by another replica, continues that trace.
 - No message text and no secret in a span attribute unless `capture_content = true`:
-  spans carry ids, sizes, model names, token counts and timings.
+  spans carry ids, sizes, model names, token counts and timings. Every text a span
+  carries (its attributes, the error it ends with, captured texts) goes through the
+  settings' redactor (`gateway.redaction`) first: a model server's answer or error may
+  quote a secret.
 """
 
 from __future__ import annotations
 
 import os
+import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
+
+from gateway.redaction import Redactor
 
 if TYPE_CHECKING:
     from gateway.config import TelemetrySettings
@@ -54,13 +60,35 @@ _NOOP_SPAN = _NoopSpan()
 _NOOP = _NoopSpanContext()
 
 
+class _RedactingSpan:
+    """An SDK span whose text attributes go through the redactor (a model name is what
+    the model server answered)."""
+
+    __slots__ = ("_redact", "_span")
+
+    def __init__(self, span: Any, redactor: Redactor) -> None:
+        self._span = span
+        self._redact = redactor.redact
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        self._span.set_attribute(key, self._redact(value) if isinstance(value, str) else value)
+
+
 class Telemetry:
     """The gateway's tracer. Without a `provider` (the default) it is off: every
     method returns at once and nothing of OpenTelemetry is imported."""
 
-    def __init__(self, provider: Any = None, *, capture_content: bool = False) -> None:
+    def __init__(
+        self,
+        provider: Any = None,
+        *,
+        capture_content: bool = False,
+        redactor: Redactor | None = None,
+    ) -> None:
+        """`redactor` is the settings' (None: token shapes only)."""
         self.enabled = provider is not None
         self.capture_content = capture_content
+        self.redactor = redactor or Redactor()
         self._provider = provider
         self._tracer: Any = None
         self._propagator: Any = None
@@ -95,10 +123,36 @@ class Telemetry:
         start_ns: int | None,
     ) -> Iterator[SpanLike]:
         context = self._propagator.extract({"traceparent": parent}) if parent else None
+        redact = self.redactor.redact
         with self._tracer.start_as_current_span(
-            name, context=context, attributes=dict(attributes or {}), start_time=start_ns
+            name,
+            context=context,
+            attributes={
+                key: redact(value) if isinstance(value, str) else value
+                for key, value in (attributes or {}).items()
+            },
+            start_time=start_ns,
+            # The SDK would record the exception's text as it is: done below, redacted.
+            record_exception=False,
+            set_status_on_exception=False,
         ) as span:
-            yield span
+            try:
+                yield _RedactingSpan(span, self.redactor)
+            except Exception as exc:
+                self._failed(span, exc)
+                raise
+
+    def _failed(self, span: Any, exc: Exception) -> None:
+        """The exception event and error status the SDK would give, redacted."""
+        from opentelemetry.trace import Status, StatusCode
+
+        redact = self.redactor.redact
+        message = redact(str(exc))
+        stack = redact("".join(traceback.format_exception(exc)))
+        span.record_exception(
+            exc, attributes={"exception.message": message, "exception.stacktrace": stack}
+        )
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {message}"))
 
     def traceparent(self) -> str | None:
         """The current span's traceparent (None when off or outside a span)."""
@@ -114,7 +168,7 @@ class Telemetry:
             return
         span.set_attribute(f"{key}.length", len(text))
         if self.capture_content:
-            span.set_attribute(key, text)
+            span.set_attribute(key, text)  # redacted by the span (`_RedactingSpan`)
 
     def shutdown(self) -> None:
         """Send what is buffered, then stop (at the end of `gateway run`)."""
@@ -161,9 +215,13 @@ def endpoint_from(
 
 
 def from_settings(
-    settings: TelemetrySettings, environ: Mapping[str, str] = os.environ
+    settings: TelemetrySettings,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    redactor: Redactor | None = None,
 ) -> Telemetry:
-    """OFF without an endpoint; else the SDK exporting to it in batches."""
+    """OFF without an endpoint; else the SDK exporting to it in batches, its errors and
+    captured texts through `redactor` (the settings')."""
     endpoint = endpoint_from(settings, environ)
     if endpoint is None:
         return OFF
@@ -180,7 +238,7 @@ def from_settings(
     provider = tracer_provider(environ.get("OTEL_SERVICE_NAME") or settings.service_name)
     # Headers, timeout, compression: the exporter reads OTEL_EXPORTER_OTLP_* itself.
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    return Telemetry(provider, capture_content=settings.capture_content)
+    return Telemetry(provider, capture_content=settings.capture_content, redactor=redactor)
 
 
 def tracer_provider(service_name: str) -> Any:

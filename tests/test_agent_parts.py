@@ -8,7 +8,7 @@ import pytest
 from gateway.agent import Tool, ToolContext, ToolRegistry, build_registry, clean_user_text
 from gateway.agent.commands import COMMANDS, Command, parse_command, unknown_command_text
 from gateway.llm import ToolCall, ToolSpec
-from gateway.logs import Redactor
+from gateway.redaction import Redactor
 
 
 def test_parse_command() -> None:

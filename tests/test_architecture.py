@@ -94,6 +94,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gateway.failpoints",
             "gateway.lazy",
             "gateway.logs",
+            "gateway.redaction",
             # What a session key may be (a key never escapes the sessions folder) is part
             # of what a message is.
             "gateway.sessions.keys",

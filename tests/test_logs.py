@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from loguru import logger
 
-from gateway.logs import Redactor, setup_logging
+from gateway.logs import setup_logging
+from gateway.redaction import Redactor
 
 TOKEN = "123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw1"  # a Telegram bot token's shape
 URL = f"https://api.telegram.org/bot{TOKEN}/getUpdates"
@@ -18,7 +19,7 @@ URL = f"https://api.telegram.org/bot{TOKEN}/getUpdates"
 
 @pytest.fixture
 def json_logs(capsys: pytest.CaptureFixture[str]) -> Iterator[pytest.CaptureFixture[str]]:
-    setup_logging("INFO", "json", secrets=["hunter2-token-value", TOKEN])
+    setup_logging("INFO", "json", Redactor(["hunter2-token-value", TOKEN]))
     try:
         yield capsys
     finally:
@@ -94,7 +95,7 @@ def test_secrets_in_the_message_and_in_bound_values_are_redacted(
 def test_text_lines_redact_exception_text_and_tracebacks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    setup_logging("INFO", "text", secrets=[TOKEN])
+    setup_logging("INFO", "text", Redactor([TOKEN]))
     with logger.contextualize(session="slack:C1"):
         logger.info("turn done")
         try:

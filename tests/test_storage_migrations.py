@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.redaction import redact_url
 from gateway.storage.postgres import (
     StorageError,
     StorageUnavailable,
@@ -15,7 +16,6 @@ from gateway.storage.postgres import (
     connect,
     migrate,
     migrations,
-    redact_url,
     schema_status,
 )
 

@@ -38,6 +38,8 @@ from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
+from gateway.redaction import redact_url, url_password
+
 if TYPE_CHECKING:
     from pydantic import BaseModel
     from pydantic.fields import FieldInfo
@@ -63,16 +65,20 @@ if TYPE_CHECKING:
     from gateway.config.tools import ToolsSettings
     from gateway.config.toplevel import TopLevelSettings
     from gateway.config.usage import UsageSettings
+    from gateway.redaction import Redactor
 
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_NAME = "gateway.toml"
 # Exit code for a configuration error (sysexits EX_CONFIG): systemd must not restart on it.
 EXIT_CONFIG = 78
 
-# Keys whose values are secrets: refused in gateway.toml, redacted everywhere.
+# Keys whose values are secrets: refused in gateway.toml, read from their `_file`. The
+# models' `SecretStr` settings, listed here because the loader builds no model to ask
+# (tests/test_redaction.py holds the two together).
 SECRET_KEYS = frozenset(
     {
         "api_key",
+        "transcription_api_key",
         "token",
         "bot_token",
         "app_token",
@@ -165,6 +171,7 @@ class PartialSettings:
         self._top = top
         self._sections = dict(sections)
         self._unread_secrets = list(unread_secrets)
+        self._redactor: Redactor | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -186,12 +193,19 @@ class PartialSettings:
 
     def secrets(self) -> list[str]:
         """Every secret value of what was loaded (those read from files too), and those
-        the environment gives the other sections, for log redaction."""
-        from gateway.config.section import secret_values
+        the environment gives the other sections: unread, they are still redacted."""
+        from gateway.config.section import secret_items
 
-        storage = self._sections.get("storage")
-        url = getattr(storage, "url", None)
-        return secret_values(self._sections.values(), url) + self._unread_secrets
+        return [value for _, value in secret_items(self._sections)] + self._unread_secrets
+
+    @property
+    def redactor(self) -> Redactor:
+        """The one redactor of these settings' secrets (`Settings.redactor`)."""
+        if self._redactor is None:
+            from gateway.redaction import Redactor
+
+            self._redactor = Redactor(self.secrets())
+        return self._redactor
 
 
 # --------------------------------------------------------------------------- reading
@@ -275,8 +289,6 @@ def _parse_env_value(path: list[str], raw: str) -> Any:
 
 
 def _has_password(url: str) -> bool:
-    from gateway.storage.postgres import url_password
-
     return bool(url_password(url))
 
 
@@ -398,6 +410,8 @@ def _gather(
             if not wanted(parts[0]):
                 if parts[-1] in SECRET_KEYS:
                     unread_secrets.append(value)
+                elif "://" in value and (password := url_password(value)):
+                    unread_secrets.append(password)
                 continue
             # Secrets and the names of their files are text, whatever they look like.
             raw = parts[-1] in SECRET_KEYS or parts[-1].removesuffix("_file") in SECRET_KEYS
@@ -438,8 +452,6 @@ def _describe(error: Mapping[str, Any], config_file: str = "gateway.toml") -> st
         return f"{dotted}: required; set it in {config_file} or as {_env_name(loc)}"
     given = error.get("input")
     if isinstance(given, str) and "://" in given:  # a URL may carry a password
-        from gateway.storage.postgres import redact_url
-
         given = redact_url(given)
     if kind in _EXPECTED:
         unquote = " (write it without quotes)" if isinstance(given, str) else ""

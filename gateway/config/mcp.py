@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterator
 
 from pydantic import Field, field_validator, model_validator
 
@@ -33,6 +35,14 @@ class MCPServerSettings(Section):
     startup_timeout: float = Field(
         30.0, gt=0, le=600, description="Seconds the server may take to start and list tools."
     )
+
+    def extra_secrets(self) -> Iterator[tuple[str, str]]:
+        """The values of the variables `pass_env` hands the server: the way secrets go
+        to it, so they are redacted like any configured secret."""
+        for name in self.pass_env:
+            value = os.environ.get(name)
+            if value:
+                yield f"pass_env {name}", value
 
     @model_validator(mode="after")
     def _one_transport(self) -> MCPServerSettings:

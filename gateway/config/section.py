@@ -4,7 +4,7 @@ sections' fields share (secrets only from the environment or a file, short names
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -39,29 +39,45 @@ def reveal(secret: SecretStr | None) -> str | None:
 SHORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 
 
-def secret_values(sections: Iterable[BaseModel], storage_url: str | None) -> list[str]:
-    """Every secret value set in `sections` (those read from files too) and the password
-    of `storage_url`, for log redaction."""
-    found: list[str] = []
+#: Names that look like they hold a secret. An entry so named of a table of strings (an
+#: MCP server's `env`) is a secret; a field so named must be a `SecretStr`
+#: (tests/test_redaction.py holds every model to it).
+SECRET_NAME = re.compile(r"(?i)token|key|secret|passw|passphrase|credential|auth")
 
-    def collect(section: BaseModel) -> None:
-        for name in type(section).model_fields:
-            value = getattr(section, name)
-            if isinstance(value, BaseModel):
-                collect(value)
-            elif isinstance(value, dict):  # [llm.providers.NAME] and the like
-                for item in value.values():
-                    if isinstance(item, BaseModel):
-                        collect(item)
-            elif isinstance(value, SecretStr) and value.get_secret_value():
-                found.append(value.get_secret_value())
 
-    for section in sections:
-        collect(section)
-    if storage_url:
-        from gateway.storage.postgres import url_password
+def secret_items(sections: Mapping[str, BaseModel]) -> list[tuple[str, str]]:
+    """Every secret set in `sections` (by name), as (setting, value), found by type:
+    each `SecretStr` (those read from files too), the password of every URL, each entry
+    of a table of strings whose name looks secret (`SECRET_NAME`), and what a model
+    declares itself (`extra_secrets()`: the variables an MCP server is passed)."""
+    from gateway.redaction import url_password
 
-        password = url_password(storage_url)
-        if password:
-            found.append(password)
+    found: list[tuple[str, str]] = []
+
+    def take(name: str, value: object) -> None:
+        if isinstance(value, BaseModel):
+            collect(name, value)
+        elif isinstance(value, SecretStr):
+            if value.get_secret_value():
+                found.append((name, value.get_secret_value()))
+        elif isinstance(value, str):
+            password = url_password(value) if "://" in value else None
+            if password:
+                found.append((f"{name} (its password)", password))
+        elif isinstance(value, dict):  # [llm.providers.NAME], an MCP server's env, ...
+            for key, item in value.items():
+                if isinstance(item, str) and SECRET_NAME.search(str(key)) and item:
+                    found.append((f"{name}.{key}", item))
+                else:
+                    take(f"{name}.{key}", item)
+
+    def collect(prefix: str, model: BaseModel) -> None:
+        for field in type(model).model_fields:
+            take(f"{prefix}.{field}" if prefix else field, getattr(model, field))
+        extra = getattr(model, "extra_secrets", None)
+        if extra is not None:
+            found.extend((f"{prefix}: {what}", value) for what, value in extra() if value)
+
+    for name, section in sections.items():
+        collect(name, section)
     return found

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
 from pydantic import Field
 
 from gateway.config.agent import AgentSettings
@@ -17,7 +20,7 @@ from gateway.config.mcp import MCPSettings
 from gateway.config.media import MediaSettings
 from gateway.config.memory import MemorySettings
 from gateway.config.schedules import ScheduleSettings
-from gateway.config.section import secret_values
+from gateway.config.section import secret_items
 from gateway.config.sessions import SessionSettings
 from gateway.config.storage import StorageSettings
 from gateway.config.subagents import SubagentSettings
@@ -25,6 +28,9 @@ from gateway.config.telemetry import TelemetrySettings
 from gateway.config.tools import ToolsSettings
 from gateway.config.toplevel import TopLevelSettings
 from gateway.config.usage import UsageSettings
+
+if TYPE_CHECKING:
+    from gateway.redaction import Redactor
 
 
 class Settings(TopLevelSettings):
@@ -63,5 +69,19 @@ class Settings(TopLevelSettings):
         ]
 
     def secrets(self) -> list[str]:
-        """Every secret value configured (those read from files too), for log redaction."""
-        return secret_values([self], self.storage.url)
+        """Every secret value configured (those read from files too)."""
+        return [value for _, value in secret_items({"": self})]
+
+    @cached_property
+    def redactor(self) -> Redactor:
+        """The process's one redactor (`gateway.redaction`), built once from these
+        settings' secrets: every surface that shows text takes it from here."""
+        from gateway.redaction import Redactor
+
+        return Redactor(self.secrets())
+
+    def model_copy(self, *, update: Any = None, deep: bool = False) -> Settings:
+        copied = super().model_copy(update=update, deep=deep)
+        # A copy with other values has other secrets: its redactor is built when asked.
+        copied.__dict__.pop("redactor", None)
+        return copied

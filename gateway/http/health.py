@@ -11,6 +11,8 @@ Invariants (tested in tests/test_http_health.py):
 - Draining is one-way: once `set_draining()` is called, neither `set_ready()` nor
   `set_starting()` brings the gateway back (a late starter cannot undo a SIGTERM).
 - Every method is safe to call from any thread or task; reads see a consistent snapshot.
+- A detail is redacted as it is reported (the settings' redactor, `gateway.redaction`):
+  /readyz is public, and a channel's error may quote its token.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from types import MappingProxyType
 from typing import Any
 
 from loguru import logger
+
+from gateway.redaction import Redactor
 
 # Details end up in a public probe response and in logs: keep them short.
 MAX_DETAIL_CHARS = 200
@@ -85,7 +89,8 @@ class ComponentHealth:
     def healthy(self, ok: bool = True, detail: str = "", *, fix: str = "") -> None:
         """Report the component healthy (`ok=True`) or not, with a short reason and
         what to do about it (`fix`, kept whole when the detail is shortened)."""
-        self._state._report(self.name, ok, _clean_detail(detail, fix))
+        state = self._state
+        state._report(self.name, ok, _clean_detail(state.redactor.redact(detail), fix))
 
 
 def _clean_detail(detail: str, fix: str = "") -> str:
@@ -101,8 +106,12 @@ def _clean_detail(detail: str, fix: str = "") -> str:
 class HealthState:
     """The daemon's phase and its components' health (see the module doc)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, *, clock: Callable[[], float] = time.time, redactor: Redactor | None = None
+    ) -> None:
+        """`redactor` is the settings' (None: token shapes only)."""
         self._clock = clock
+        self.redactor = redactor or Redactor()
         self._lock = threading.Lock()
         self._phase = Phase.STARTING
         self._components: dict[str, ComponentStatus] = {}

@@ -10,8 +10,10 @@ Each `Metrics` has its own `CollectorRegistry`, never the library's global one: 
 daemons (or two tests) in one process do not share or clash over series.
 
 Label values come from small fixed sets, never user text; a scrape shows each one from
-the start (at 0), so a rate or an alert has a series before the first event. The sets
-(checked against a scrape in tests/test_metrics.py):
+the start (at 0), so a rate or an alert has a series before the first event. A model
+name is what the model server answered, so every scrape goes through the settings'
+redactor (`gateway.redaction`) on its way out. The sets (checked against a scrape in
+tests/test_metrics.py):
 
 - turn outcome: ok | error | cached | command
 - drop reason: lane_full | draining | access_denied
@@ -53,6 +55,7 @@ from prometheus_client.registry import Collector
 
 from gateway.llm.breaker import STATE_VALUES, BreakerStatus
 from gateway.messages import OutboundMessage
+from gateway.redaction import Redactor
 from gateway.usage.protocol import UsageRow
 
 # `*_created` series double every counter and histogram in the text format and no
@@ -154,7 +157,15 @@ class Metrics:
     """The gateway's series, declared once so every part records into the same names,
     in a registry of their own. `collect` is what a scrape returns."""
 
-    def __init__(self, *, version: str = "", refresh_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        version: str = "",
+        refresh_timeout: float = 2.0,
+        redactor: Redactor | None = None,
+    ) -> None:
+        """`redactor` is the settings' (None: token shapes only)."""
+        self.redactor = redactor or Redactor()
         self.registry = CollectorRegistry()
         self.refresh_timeout = refresh_timeout
         self._refreshers: dict[str, Refresher] = {}
@@ -409,9 +420,10 @@ class Metrics:
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The registry in the format the scraper's Accept header asks for (text 0.0.4
-        without one): (body, content type)."""
+        without one), redacted: (body, content type)."""
         encode, content_type = choose_encoder(accept)
-        return encode(self.registry), content_type
+        body = self.redactor.redact(encode(self.registry).decode("utf-8"))
+        return body.encode("utf-8"), content_type
 
     async def collect(self, accept: str = "") -> tuple[bytes, str]:
         """Refresh, then render: what a scrape returns."""

@@ -44,13 +44,13 @@ from gateway.llm.window import (
     read_overflow,
     wrong_path_detail,
 )
+from gateway.redaction import Redactor
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 # Sent when a local server needs no key: the client insists on one, servers ignore it.
 PLACEHOLDER_API_KEY = "not-needed"
 
 _NAME_FORBIDDEN = re.compile(r"[^a-zA-Z0-9_-]")
-_SECRET_LIKE = re.compile(r"\bsk-[^\s\"',.]+")
 
 
 # -- message conversion (pure) ------------------------------------------------------------
@@ -542,7 +542,8 @@ class OpenAIProvider:
     Each model gets the openai client's own retries (429, 5xx, timeouts, connection
     errors; backoff honouring ``retry-after``). When a model still fails and another
     model could succeed, the next fallback model is tried, in order. Errors say which
-    model failed and why; they never contain the API key.
+    model failed and why, through `redactor`: a server that quotes a secret in its
+    error (its own API key, or any other the settings hold) has it replaced.
     """
 
     def __init__(
@@ -560,6 +561,7 @@ class OpenAIProvider:
         default_max_tokens: int | None = None,
         default_tool_choice: str | None = None,
         falls_back_to_model: bool = True,
+        redactor: Redactor | None = None,
     ) -> None:
         """`default_tool_choice` goes with every `chat` that offers tools and names no
         tool_choice of its own (None: the server's default). `falls_back_to_model`
@@ -568,7 +570,8 @@ class OpenAIProvider:
         the connect alone (None: `timeout`). An answer whose Retry-After is at least
         `long_retry_after` seconds is not retried by the client (None: the client waits
         up to its own bound of two minutes): the failover asks another provider instead
-        of keeping the person waiting."""
+        of keeping the person waiting. `redactor` is the settings' (None: one of this
+        provider's API key alone)."""
         check_credentials(base_url, api_key)
         if not model.strip():
             raise LLMConfigError(
@@ -584,7 +587,7 @@ class OpenAIProvider:
         self.default_tool_choice = default_tool_choice
         self.falls_back_to_model = falls_back_to_model
         key = api_key.strip() if api_key and api_key.strip() else PLACEHOLDER_API_KEY
-        self._secret = key
+        self._redactor = redactor or Redactor([key] if key != PLACEHOLDER_API_KEY else [])
         limits: openai.Timeout | float = timeout
         if connect_timeout is not None:
             limits = openai.Timeout(timeout, connect=min(connect_timeout, timeout))
@@ -708,7 +711,7 @@ class OpenAIProvider:
                 failure = self._log_failure(classify_failure(exc, candidate, self._display_url))
                 if yielded:
                     raise LLMError(
-                        self._redact(f"LLM stream broke off: {failure.detail}"),
+                        f"LLM stream broke off: {failure.detail}",
                         user_message="The model's answer was cut off. Please try again.",
                         kinds=(failure.kind,),
                     ) from None
@@ -758,13 +761,8 @@ class OpenAIProvider:
             body["max_tokens"] = max_tokens
         return body
 
-    def _redact(self, text: str) -> str:
-        if self._secret != PLACEHOLDER_API_KEY:
-            text = text.replace(self._secret, "***")
-        return _SECRET_LIKE.sub("sk-***", text)
-
     def _log_failure(self, failure: ModelFailure) -> ModelFailure:
-        failure = dataclasses.replace(failure, detail=self._redact(failure.detail))
+        failure = dataclasses.replace(failure, detail=self._redactor.redact(failure.detail))
         logger.warning("LLM call failed ({}): {}", failure.kind, failure.detail)
         return failure
 

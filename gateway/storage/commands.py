@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from gateway.config import Settings
-from gateway.storage.postgres import StorageError, connect, migrate, redact_url, schema_status
+from gateway.redaction import redact_url
+from gateway.storage.postgres import StorageError, connect, migrate, schema_status
 
 
 def _url(settings: Settings) -> str:

@@ -27,9 +27,9 @@ import weakref
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 from gateway.logs import logger
+from gateway.redaction import redact_url
 
 if TYPE_CHECKING:
     import psycopg
@@ -78,27 +78,6 @@ def require_driver() -> None:
             "storage.url names PostgreSQL but its driver is not installed; "
             "run: pip install 'chat-gateway[postgres]'"
         ) from None
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs and error messages)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable storage url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
-
-
-def url_password(url: str) -> str | None:
-    try:
-        return urlsplit(url).password
-    except ValueError:
-        return None
 
 
 def check_url(url: str) -> str:

@@ -77,12 +77,12 @@ class PostgresStorage:
         )
 
     def describe(self) -> str:
-        from gateway.storage.postgres import redact_url
+        from gateway.redaction import redact_url
 
         return f"shared, {redact_url(self.url)}"
 
     def where(self) -> str:
-        from gateway.storage.postgres import redact_url
+        from gateway.redaction import redact_url
 
         return redact_url(self.url)
 
@@ -90,12 +90,8 @@ class PostgresStorage:
         return connections_open(self.url)
 
     def check(self) -> str:
-        from gateway.storage.postgres import (
-            StorageError,
-            connect,
-            redact_url,
-            schema_status,
-        )
+        from gateway.redaction import redact_url
+        from gateway.storage.postgres import StorageError, connect, schema_status
 
         where = redact_url(self.url)
         with connect(self.url) as conn:
@@ -148,7 +144,7 @@ class PostgresStorage:
 
     def pairing(self) -> PairingBackend:
         from gateway.access.pg_store import PostgresPairingStore
-        from gateway.storage.postgres import redact_url
+        from gateway.redaction import redact_url
 
         db = self.db
         return PostgresPairingStore(db.sync, where=redact_url(db.url))

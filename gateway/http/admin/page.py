@@ -19,7 +19,10 @@ Invariants (tested in tests/test_admin_http.py and tests/test_admin_browser.py):
 - Everything a user or the model wrote is escaped by Jinja2's autoescape and shown with
   `show_text` (bidi overrides visible, long texts cut); the Content-Security-Policy lets
   only this page's own script and style files run, so even a missed escape runs nothing.
-- No page shows a secret: tokens, keys and URLs with passwords are never rendered.
+- No page shows a secret. Tokens, keys and URLs with passwords are never rendered; every
+  page, whole, loses the configured secrets on its way out (the settings' redactor,
+  `gateway.redaction`), HTML-escaped or not; and what came from outside (`show`: a model
+  server's error, a channel's health, a transcript) loses token shapes too.
 - The operator reaches every session, of every channel and every API client, on
   purpose: a page's session key is resolved as `OPERATOR`'s
   (`gateway.http.namespace.resolve_session`), which takes any key that can be stored.
@@ -41,6 +44,7 @@ import jinja2
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 from loguru import logger
+from markupsafe import Markup
 
 from gateway.http.admin.auth import (
     COOKIE_NAME,
@@ -51,6 +55,7 @@ from gateway.http.admin.auth import (
     AdminLogin,
 )
 from gateway.http.admin.views import (
+    MAX_SHOWN_CHARS,
     SESSION_SORTS,
     TurnWindow,
     session_rows,
@@ -63,6 +68,7 @@ from gateway.http.health import HealthState
 from gateway.http.namespace import OPERATOR, SessionRefused, resolve_session
 from gateway.http.throttle import AuthThrottle
 from gateway.messages import OutboundMessage
+from gateway.redaction import Redactor
 from gateway.sessions.errors import SessionKeyError
 
 if TYPE_CHECKING:
@@ -125,7 +131,7 @@ class AdminSources:
     undeliverable: Callable[[], Awaitable[Sequence[Any]]] | None = None
 
 
-def _templates() -> jinja2.Environment:
+def _templates(redactor: Redactor) -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("gateway.http.admin", "templates"),
         autoescape=True,  # every template, whatever its name
@@ -133,7 +139,12 @@ def _templates() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["show"] = show_text
+
+    def show(text: str | None, limit: int = MAX_SHOWN_CHARS) -> Markup:
+        # Before it is cut: half a secret at the cut is still a secret.
+        return show_text(redactor.redact(text or ""), limit)
+
+    env.filters["show"] = show
     env.filters["when"] = _when
     env.filters["ago"] = _ago
     return env
@@ -169,12 +180,16 @@ def _static_files() -> dict[str, tuple[bytes, str]]:
 class AdminPage:
     """The `/admin` routes; `mount(server)` adds them to the daemon's HTTP server."""
 
-    def __init__(self, token: str | None, sources: AdminSources) -> None:
+    def __init__(
+        self, token: str | None, sources: AdminSources, redactor: Redactor | None = None
+    ) -> None:
+        """`redactor` is the settings' (None: token shapes only)."""
         self.keys = AdminKeys(token) if token else None
         self.sources = sources
+        self.redactor = redactor or Redactor()
         #: The server's count of wrong tokens per client, set by `mount`.
         self.throttle: AuthThrottle | None = None
-        self.templates = _templates()
+        self.templates = _templates(self.redactor)
         self._static = _static_files()
 
     def mount(self, server: HttpServer) -> None:
@@ -213,17 +228,19 @@ class AdminPage:
         headers: Mapping[str, str] | None = None,
         **context: Any,
     ) -> web.Response:
-        page = await anyio.to_thread.run_sync(
-            functools.partial(
-                self.templates.get_template(template).render,
-                csrf=login.csrf if login is not None else "",
-                csrf_field=CSRF_FIELD,
-                logged_in=login is not None,
-                path=request.path,
-                storage=self.sources.storage,
-                **context,
-            )
-        )  # in a worker thread: a long session's page must not hold up the turns
+        render = functools.partial(
+            self.templates.get_template(template).render,
+            csrf=login.csrf if login is not None else "",
+            csrf_field=CSRF_FIELD,
+            logged_in=login is not None,
+            path=request.path,
+            storage=self.sources.storage,
+            **context,
+        )
+        # In a worker thread: a long session's page must not hold up the turns. The whole
+        # page loses the configured secrets, whatever a template shows and however it
+        # escaped it; token shapes are `show`'s (not the page's: a CSRF token is random).
+        page = await anyio.to_thread.run_sync(lambda: self.redactor.redact_configured(render()))
         return web.Response(
             text=page,
             status=status,
