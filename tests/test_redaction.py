@@ -169,11 +169,19 @@ def test_every_setting_that_looks_secret_is_a_secret_str() -> None:
     assert all(tuple(name.split(".")) in fields for name in NOT_SECRETS)
 
 
-def test_the_loaders_secret_keys_are_the_secret_settings() -> None:
-    """The loader refuses a secret written into gateway.toml by its key (it builds no
-    model to ask); its list is held to the models' `SecretStr` settings."""
-    names = {path[-1] for path, kind in fields_of(Settings) if kind is SecretStr}
-    assert names == set(SECRET_KEYS)
+def test_the_loader_knows_every_secret_setting() -> None:
+    """The loader refuses a secret written into gateway.toml and reads a secret's `*_file`
+    by its key: the core's by name (`SECRET_KEYS`, no model built), a chat platform's by
+    its model (`is_secret`). Both are held to the models' `SecretStr` settings."""
+    from gateway.config.loader import is_secret
+
+    secret = {path for path, kind in fields_of(Settings) if kind is SecretStr}
+    core = {path[-1] for path in secret if path[0] != "channels"}
+    assert core <= set(SECRET_KEYS)
+    assert set(SECRET_KEYS) <= {path[-1] for path in secret}
+    assert all(is_secret(path) for path in secret)
+    plain = [path for path, kind in fields_of(Settings) if kind is not SecretStr]
+    assert [path for path in plain if is_secret(path) and path[-1] not in SECRET_KEYS] == []
 
 
 def _planted(tmp_path: Path) -> dict[str, str]:

@@ -161,14 +161,18 @@ def test_what_cannot_be_loaded_is_recorded_with_its_package_and_the_rest_loads()
 # --------------------------------------------------------------------------- a real package
 
 GOOD_SPEC = """
-from pydantic import Field
+from pathlib import Path
+from pydantic import Field, SecretStr
 from gateway.config.access import AccessSection
+from gateway.config.section import secret, secret_file
 from gateway.registry import ChannelSpec, Finding, Offers
 
 
 class EchoSettings(AccessSection):
     enabled: bool = Field(False, description="Serve the echo platform.")
     greeting: str = Field("hi", description="What it says first.")
+    client_secret: SecretStr | None = secret("its secret", "GATEWAY_CHANNELS__ECHO__CLIENT_SECRET")
+    client_secret_file: Path | None = secret_file("GATEWAY_CHANNELS__ECHO__CLIENT_SECRET", "x")
 
 
 def build(section, services):
@@ -177,7 +181,8 @@ def build(section, services):
 
 
 async def checks(section):
-    return [Finding("ok", f"echo says {section.greeting}")]
+    secret = section.client_secret.get_secret_value() if section.client_secret else None
+    return [Finding("ok", f"echo says {section.greeting} with secret {secret}")]
 
 
 SPEC = ChannelSpec(
@@ -263,8 +268,12 @@ def test_a_third_party_channel_is_configured_checked_and_run_like_a_built_in_one
         "GATEWAY_CHANNELS__ECHO__ENABLED": "true",
         "GATEWAY_CHANNELS__ECHO__GREETING": "hello",
     }
+    (tmp_path / "echo-secret").write_text("echo-client-secret-1\n")
+    env["GATEWAY_CHANNELS__ECHO__CLIENT_SECRET_FILE"] = str(tmp_path / "echo-secret")
     doctor = gateway_command(site, tmp_path, "doctor", env=env)
-    assert "echo says hello" in doctor.stdout, doctor.stdout + doctor.stderr
+    # Its secret, under a name only its model knows, was read from its file and redacted.
+    assert "echo says hello with secret ***" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert "echo-client-secret-1" not in doctor.stdout + doctor.stderr
     # The broken package has no section: a warning naming it, nothing more.
     assert "gateway-channel-broken could not be loaded" in doctor.stdout
     assert "Traceback" not in doctor.stdout + doctor.stderr
@@ -275,6 +284,13 @@ def test_a_third_party_channel_is_configured_checked_and_run_like_a_built_in_one
     assert wrong.stderr == (
         "gateway: config error: channels.echo.greetng: unknown key; "
         "did you mean channels.echo.greeting?\n"
+    )
+    config = tmp_path / "with-secret.toml"
+    config.write_text('[channels.echo]\nclient_secret = "in-the-file"\n')
+    refused = gateway_command(site, tmp_path, "--config", str(config), "doctor", env=env)
+    assert refused.returncode == 78
+    assert "channels.echo.client_secret: secrets do not belong in with-secret.toml" in (
+        refused.stderr
     )
     starter = gateway_command(site, tmp_path, "init", str(tmp_path / "new.toml"), env=env)
     assert starter.returncode == 0, starter.stderr

@@ -33,7 +33,7 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
@@ -288,21 +288,39 @@ def _parse_env_value(path: list[str], raw: str) -> Any:
         return raw
 
 
+def is_secret(path: Sequence[str]) -> bool:
+    """Is the key at `path` a secret? A name of `SECRET_KEYS` is; so is any `SecretStr`
+    key of a chat platform's section, whatever its name (a channel package declares its
+    own: its model is asked, which loads the channels' models)."""
+    if path and path[-1] in SECRET_KEYS:
+        return True
+    if len(path) < 3 or path[0] != "channels":
+        return False
+    from pydantic import SecretStr
+
+    field = _field_at(list(path))
+    return field is not None and _core_type(field.annotation) is SecretStr
+
+
 def _has_password(url: str) -> bool:
     return bool(url_password(url))
 
 
-def _reject_secrets_in_file(data: Mapping[str, Any], path: Path, prefix: str = "") -> None:
+def _reject_secrets_in_file(
+    data: Mapping[str, Any], path: Path, prefix: str = "", *, models: bool = True
+) -> None:
+    """ConfigError for a secret written into the file. Without `models`, only the names of
+    `SECRET_KEYS` are known (a command that reads no channel section builds no model)."""
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            _reject_secrets_in_file(value, path, dotted + ".")
+            _reject_secrets_in_file(value, path, dotted + ".", models=models)
         elif dotted == "storage.url" and isinstance(value, str) and _has_password(value):
             raise ConfigError(
                 f"storage.url: a password does not belong in {path.name}; set "
                 "GATEWAY_STORAGE__URL in the environment, or PGPASSWORD / ~/.pgpass"
             )
-        elif key in SECRET_KEYS:
+        elif key in SECRET_KEYS or (models and is_secret(dotted.split("."))):
             env = ENV_PREFIX + dotted.upper().replace(".", "__")
             raise ConfigError(
                 f"{dotted}: secrets do not belong in {path.name}; remove it and set {env} "
@@ -329,9 +347,11 @@ def _read_secret_files(data: dict[str, Any], prefix: str = "") -> None:
             _read_secret_files(value, f"{prefix}{key}.")
             continue
         secret = key.removesuffix("_file")
-        if secret == key or secret not in SECRET_KEYS or value in (None, ""):
+        if secret == key or value in (None, ""):
             continue
         name, dotted = f"{prefix}{key}", f"{prefix}{secret}"
+        if not is_secret(dotted.split(".")):
+            continue
         if data.get(secret) not in (None, ""):
             raise ConfigError(
                 f"{dotted} and {name} are both set; keep one: unset "
@@ -387,8 +407,12 @@ def _gather(
             raise ConfigError(f"{path}: not valid TOML ({exc}); fix the file") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-        _reject_secrets_in_file(data, path)
+        _reject_secrets_in_file(data, path, models=False)
         data = {key: value for key, value in data.items() if wanted(key)}
+        if "channels" in data:
+            # A channel package's secrets are known by its model (read only here, by a
+            # command that reads the channels).
+            _reject_secrets_in_file({"channels": data["channels"]}, path)
 
     # Conventional variables of the OpenAI ecosystem.
     if env.get("OPENAI_API_KEY"):
@@ -414,7 +438,8 @@ def _gather(
                     unread_secrets.append(password)
                 continue
             # Secrets and the names of their files are text, whatever they look like.
-            raw = parts[-1] in SECRET_KEYS or parts[-1].removesuffix("_file") in SECRET_KEYS
+            named = [*parts[:-1], parts[-1].removesuffix("_file")]
+            raw = is_secret(parts) or is_secret(named)
             _set_path(data, parts, value if raw else _parse_env_value(parts, value))
 
     for dotted, value in (overrides or {}).items():
