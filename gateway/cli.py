@@ -183,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     mforget.add_argument("id", help="the fact's id (`gateway memory facts KEY`)")
 
     sub.add_parser("doctor", help="check the installation and say what to fix")
+    sub.add_parser(
+        "channels", help="the chat platforms installed, what each offers, and what is missing"
+    )
 
     pairing = sub.add_parser("pairing", help="approve who may talk to the bot")
     psub = pairing.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -733,6 +736,35 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def cmd_channels(args: argparse.Namespace, settings: Settings) -> int:
+    """One line per installed chat platform: on or off, its package, what it offers, its
+    documentation; and what keeps one from running (its library, a broken package)."""
+    from dataclasses import fields
+
+    from gateway.registry import installed
+
+    registry = installed()
+    unusable = settings.channels.unusable()
+    enabled = set(settings.channels.enabled())
+    for name, spec in registry.specs.items():
+        offers = [
+            f.name.replace("_", "-") for f in fields(spec.offers) if getattr(spec.offers, f.name)
+        ]
+        state = "on " if name in enabled else "off"
+        print(f"{state}  {name:<12} {spec.summary}")
+        print(
+            f"      package {spec.distribution}; offers {', '.join(offers) or 'DMs'}; {spec.docs}"
+        )
+        missing = spec.missing_line()
+        if missing is not None:
+            print(f"      {'FAIL' if name in unusable else 'note'}: {missing}")
+    for name, broken in registry.broken.items():
+        print(f"{'FAIL' if name in unusable else 'warn'} {broken.line()}")
+    if not registry.specs and not registry.broken:
+        print("no chat platform installed (pip install 'chat-gateway[channels]')")
+    return EXIT_FAILED if unusable else EXIT_OK
+
+
 def cmd_people(args: argparse.Namespace, settings: Settings) -> int:
     from gateway.people.commands import cli_link, cli_list, cli_unlink
     from gateway.people.protocol import PeopleError
@@ -940,6 +972,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "pairing": cmd_pairing,
         "schedules": cmd_schedules,
         "doctor": cmd_doctor,
+        "channels": cmd_channels,
         "memory": cmd_memory,
         "db": cmd_db,
         "storage": cmd_storage,

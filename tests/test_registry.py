@@ -285,6 +285,15 @@ def test_a_third_party_channel_is_configured_checked_and_run_like_a_built_in_one
         "gateway: config error: channels.echo.greetng: unknown key; "
         "did you mean channels.echo.greeting?\n"
     )
+    listed = gateway_command(site, tmp_path, "channels", env=env)
+    assert listed.returncode == 0  # the broken package has no section here
+    assert "on   echo         an echo\n      package gateway-channel-echo; offers DMs; README" in (
+        listed.stdout
+    )
+    assert "off  telegram " in listed.stdout
+    assert "warn channels.broken: the package gateway-channel-broken could not be loaded" in (
+        listed.stdout
+    )
     config = tmp_path / "with-secret.toml"
     config.write_text('[channels.echo]\nclient_secret = "in-the-file"\n')
     refused = gateway_command(site, tmp_path, "--config", str(config), "doctor", env=env)
