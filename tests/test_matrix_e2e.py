@@ -175,6 +175,37 @@ async def test_a_message_whose_key_never_comes_is_answered_once_with_why(
     assert [r.last_user_text for r in fake_openai.chat_requests] == ["but this"]
 
 
+async def test_an_unreadable_message_in_a_group_tells_nobody(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    peers: Callable[..., Any],
+) -> None:
+    """In a group an unreadable message cannot say whether it addressed the bot: when
+    its key never comes, it is skipped without a notice (which would ping its sender,
+    perhaps a bystander), and the room goes on: a later mention is answered."""
+    bot, bob = synapse.register(), synapse.register()
+    alice = await peers()
+    async with gateway(
+        make_settings, fake_openai, synapse, bot, channels__matrix__room_key_wait=2
+    ) as gw:
+        room = await alice.encrypted_room([bot.user_id, bob.user_id], direct=False)
+        await call(synapse.join, bob, room)
+        await alice.wait_member(room, bot.user_id)
+        await alice.wait_member(room, bob.user_id)
+        await alice.send_without_key(room, "chatter nobody can read")
+        await anyio.sleep(4)  # past room_key_wait: given up on
+        alice.forget_session(room)
+        await alice.send(room, f"{bot.user_id}: but this")
+        await alice.wait_messages(room, bot.user_id, 1, seconds=30)
+        await anyio.sleep(1.5)
+        replies = alice.messages(room, bot.user_id)
+        assert gw.channel.since is not None
+    # One reply, to the mention (a group's messages carry their speaker's name).
+    assert len(replies) == 1 and replies[0].body.endswith("\nbut this"), replies
+    assert [r.last_user_text.endswith("but this") for r in fake_openai.chat_requests] == [True]
+
+
 async def test_the_device_and_its_keys_survive_a_restart(
     fake_openai: FakeOpenAI,
     synapse: Synapse,

@@ -955,7 +955,8 @@ class MatrixChannel:
             if isinstance(event, MegolmEvent):
                 decrypted = self._crypto.decrypt(event, room_id) if self._crypto else None
                 if decrypted is None:
-                    if not self._gave_up_waiting(room_id, event):
+                    group = self._facts(client, room_id).is_group
+                    if not self._gave_up_waiting(room_id, event, tell=not group):
                         break
                     del queue[0]
                     last_read = event.event_id
@@ -972,9 +973,11 @@ class MatrixChannel:
             self._spawn(self._read_receipt, room_id, last_read)
         return submitted
 
-    def _gave_up_waiting(self, room_id: str, event: Any) -> bool:
+    def _gave_up_waiting(self, room_id: str, event: Any, *, tell: bool = True) -> bool:
         """Has this encrypted message waited long enough for its room key? The first
-        time, its key is asked of the sender; at the end, the sender is told once."""
+        time, its key is asked of the sender; at the end, the sender is told once when
+        `tell` (a DM). In a group nobody is told: an unreadable message cannot say whether
+        it addressed the bot, and a notice would ping someone who may never have."""
         now = time.monotonic()
         began = self._key_wait_since.get(event.event_id)
         if began is None:
@@ -995,12 +998,14 @@ class MatrixChannel:
         with logger.contextualize(session=f"{CHANNEL}:{room_id}"):
             logger.warning(
                 "matrix: {} from {} could not be decrypted: its room key did not come "
-                "within {:g}s; the sender is told",
+                "within {:g}s; {}",
                 event.event_id,
                 event.sender,
                 self.settings.room_key_wait,
+                "the sender is told" if tell else "skipped (a group: nobody is told)",
             )
-        self._spawn(self._send_notice, Notice(room_id, event.event_id, UNREADABLE_NOTICE))
+        if tell:
+            self._spawn(self._send_notice, Notice(room_id, event.event_id, UNREADABLE_NOTICE))
         return True
 
     async def _fill_gap(
