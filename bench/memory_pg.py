@@ -47,7 +47,7 @@ def scratch_pool(url: str) -> Iterator[Any]:
     """A pool whose connections use a new, migrated schema (dropped at the end)."""
     import psycopg
 
-    from gateway.storage.postgres import connect, migrate, sync_pool
+    from gateway.plumbing.postgres import connect, migrate, sync_pool
 
     schema = "gwbench_" + uuid.uuid4().hex[:10]
     with psycopg.connect(url, autocommit=True) as conn:

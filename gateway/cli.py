@@ -1028,8 +1028,8 @@ def _user_error_code(exc: BaseException) -> int | None:
     a bug (then it propagates with its traceback)."""
     from gateway.config import EXIT_CONFIG, ConfigError
     from gateway.llm.types import LLMConfigError
+    from gateway.plumbing.postgres import StorageError, StorageUnavailable
     from gateway.sessions.errors import SessionError
-    from gateway.storage.postgres import StorageError, StorageUnavailable
     from gateway.storage.workspace import (
         EXIT_BUSY,
         WorkspaceBusy,

@@ -139,7 +139,7 @@ async def wait_for_storage(storage: Storage, *, max_backoff: float = 30.0) -> bo
     from aiohttp import web
 
     from gateway.http.limits import ConnectionLimits, GuardedRunner
-    from gateway.storage.postgres import StorageUnavailable
+    from gateway.plumbing.postgres import StorageUnavailable
 
     settings = storage.settings
     reason = ["starting"]
@@ -1083,7 +1083,7 @@ class Daemon:
         whose shared cache is down, is not ready. The first round runs before start-up
         is reported done."""
         from gateway.cache import CacheUnavailable
-        from gateway.storage.postgres import StorageError
+        from gateway.plumbing.postgres import StorageError
 
         where = self.gateway.storage.where()
         sessions = self.health.component("sessions")

@@ -446,7 +446,7 @@ async def check_tools(settings: Settings) -> list[Finding]:
 async def check_storage(settings: Settings) -> list[Finding]:
     """The storage of the configured mode can be opened (asked without changing it: no
     migration is applied by the doctor)."""
-    from gateway.storage.postgres import StorageError, StorageUnavailable
+    from gateway.plumbing.postgres import StorageError, StorageUnavailable
     from gateway.storage.seam import open_storage
 
     storage = open_storage(settings)

@@ -1,5 +1,5 @@
 """Failpoints: named places in a turn where a test pauses this process, to prove what a
-pause at the worst moment does (a replica frozen past its lease: `gateway.storage.fence`).
+pause at the worst moment does (a replica frozen past its lease: `gateway.plumbing.fence`).
 
 Inert unless armed: `reach` is one dictionary check when nothing is. Armed two ways:
 - from the environment, for a real `gateway run` in a multi-process test:

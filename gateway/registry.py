@@ -153,7 +153,7 @@ class ChannelStorage(Protocol):
         ...
 
     def open(self, backends: Any) -> Any:
-        """The channel's own store, of the storage mode (`gateway.storage.backends`)."""
+        """The channel's own store, of the storage mode (`gateway.plumbing.backends`)."""
         ...
 
 

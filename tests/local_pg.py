@@ -62,7 +62,7 @@ def pg_url() -> Iterator[str]:
 @pytest.fixture
 def migrated_pg_url(pg_url: str) -> str:
     """`pg_url` with this build's migrations applied."""
-    from gateway.storage.postgres import connect, migrate
+    from gateway.plumbing.postgres import connect, migrate
 
     with connect(pg_url) as conn:
         migrate(conn)
@@ -73,7 +73,7 @@ def migrated_pg_url(pg_url: str) -> str:
 def pg_pools(migrated_pg_url: str) -> Iterator[Callable[[], Any]]:
     """Opens connection pools on `migrated_pg_url`, one per simulated process or replica
     (a `psycopg_pool.ConnectionPool` each); all closed after the test."""
-    from gateway.storage.postgres import sync_pool
+    from gateway.plumbing.postgres import sync_pool
 
     pools: list[Any] = []
 

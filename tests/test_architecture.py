@@ -36,17 +36,7 @@ PACKAGES = ("gateway", "channels", "bench")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("benchmarks", ("bench",)),
     ("edges", ("gateway.cli", "gateway.doctor", "gateway.daemon")),
-    (
-        "storage seam",
-        (
-            "gateway.storage.seam",
-            "gateway.storage.files",
-            "gateway.storage.shared",
-            "gateway.storage.transfer",
-            "gateway.storage.commands",
-            "gateway.storage.workspace",
-        ),
-    ),
+    ("storage seam", ("gateway.storage",)),
     ("channels", ("channels",)),
     ("http", ("gateway.http",)),
     ("runtime", ("gateway.agent", "gateway.dispatch")),
@@ -69,7 +59,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "support",
         (
             "gateway.config",
-            "gateway.storage",
+            # PostgreSQL's pools, migrations and fencing, a channel store's backends, what
+            # import and export share: what the state packages build on.
+            "gateway.plumbing",
             "gateway.telemetry",
             "gateway.gcpolicy",
             # Pure vocabularies and parsers that live beside the code they serve and that

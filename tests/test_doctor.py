@@ -423,7 +423,7 @@ def test_the_shared_storage_is_checked_without_being_migrated(
     tmp_path: Path, fake_openai_thread: FakeOpenAI, pg_url: str
 ) -> None:
     # An empty schema: the doctor says the start will migrate it, and migrates nothing.
-    from gateway.storage.postgres import connect, migrations, schema_status
+    from gateway.plumbing.postgres import connect, migrations, schema_status
 
     env = base_env(tmp_path) | {
         "OPENAI_BASE_URL": fake_openai_thread.base_url,

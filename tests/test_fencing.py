@@ -1,4 +1,4 @@
-"""Fencing tokens on real PostgreSQL (`gateway.storage.fence`, migration 0010): a session's
+"""Fencing tokens on real PostgreSQL (`gateway.plumbing.fence`, migration 0010): a session's
 lease gets a new epoch whenever its owner changes, and every kind of write a turn makes
 in the shared mode is refused, writing nothing, once the lease has moved on from the
 epoch the turn started under; the same write under the current epoch goes through. A
@@ -23,11 +23,11 @@ from gateway.journal.protocol import dedupe_key
 from gateway.llm.types import LLMMessage
 from gateway.memory.pg_store import PostgresConsolidationGuard, PostgresMemoryStore
 from gateway.messages import InboundMessage, OutboundMessage, reply_for
+from gateway.plumbing.fence import Fence, FencedOut, fenced
 from gateway.schedules.pg_store import PostgresJobStore
 from gateway.schedules.protocol import ScheduledJob
 from gateway.sessions import SessionManager
 from gateway.sessions.pg_store import PostgresSessions
-from gateway.storage.fence import Fence, FencedOut, fenced
 
 pytestmark = pytest.mark.anyio
 
@@ -328,7 +328,7 @@ def test_a_write_in_progress_holds_off_a_change_of_owner(migrated_pg_url: str) -
     refused. So b, reading the session after it took the lease, sees all of a's writes."""
     import psycopg
 
-    from gateway.storage import fence
+    from gateway.plumbing import fence
 
     epoch = take_lease(migrated_pg_url, "a")
     assert epoch is not None

@@ -51,7 +51,7 @@ def open_store(
     if request.param == "files":
         yield lambda: FilePeopleStore(tmp_path / "people.json")
         return
-    from gateway.storage.postgres import sync_pool
+    from gateway.plumbing.postgres import sync_pool
 
     with sync_pool(request.getfixturevalue("migrated_pg_url"), max_size=2) as pool:
         pool.wait()

@@ -349,7 +349,7 @@ async def test_a_strangers_redelivered_message_gets_one_pairing_code_across_repl
     claimed, so the platform's redelivery to the other replica is a duplicate: one
     pairing code, never a second, and no turn. An allowed sender's message delivered
     to both runs once."""
-    from gateway.storage.postgres import sync_pool
+    from gateway.plumbing.postgres import sync_pool
 
     pool = sync_pool(migrated_pg_url, max_size=2)
     pool.open(wait=True)
@@ -385,7 +385,7 @@ async def test_two_deployments_in_two_schemas_of_one_database_keep_apart(
     import psycopg
 
     from gateway.journal.pg_cursors import run_as_leader
-    from gateway.storage.postgres import connect, migrate
+    from gateway.plumbing.postgres import connect, migrate
     from tests.local_pg import PG_URL, schema_url
 
     other_schema = "gwtest_other_" + str(time.time_ns())[-9:]
@@ -493,7 +493,7 @@ async def test_a_replica_that_lost_a_lease_hands_over_what_has_not_begun(
     """a holds a session and runs a slow turn with two more messages fed behind it;
     its lease goes to another replica (as when a starves past the lease time). a stops
     feeding and takes back the two that have not begun; the turn in progress ends on a
-    behind its fence (`gateway.storage.fence`): its reply is not sent and its message
+    behind its fence (`gateway.plumbing.fence`): its reply is not sent and its message
     is not marked answered. The next holder runs all three, once each, in order."""
     import psycopg
 

@@ -29,8 +29,8 @@ def open_manager(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ope
             managers.append(manager)
             return manager
     else:
+        from gateway.plumbing.postgres import sync_pool
         from gateway.sessions.pg_store import PostgresSessions
-        from gateway.storage.postgres import sync_pool
 
         url = request.getfixturevalue("migrated_pg_url")
 

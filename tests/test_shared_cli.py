@@ -116,7 +116,7 @@ def test_memory_lives_in_postgresql_and_the_cli_searches_it(
 def test_pairing_approved_from_the_cli_is_in_postgresql(pg_url: str, tmp_path: Path) -> None:
     from gateway.access.pg_store import PostgresPairingStore
     from gateway.access.protocol import PendingRequest
-    from gateway.storage.postgres import sync_pool
+    from gateway.plumbing.postgres import sync_pool
 
     env = base_env(tmp_path) | {"GATEWAY_STORAGE__URL": pg_url}
     assert run_gateway(["db", "migrate"], env, tmp_path).returncode == 0

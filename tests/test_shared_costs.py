@@ -11,11 +11,11 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from gateway.llm.types import LLMMessage
+from gateway.plumbing.postgres import sync_pool
 from gateway.sessions.entries import MessageEntry
 from gateway.sessions.manager import _message_factory
 from gateway.sessions.pg_store import PostgresSessionStore
 from gateway.sessions.store import EntryFactory
-from gateway.storage.postgres import sync_pool
 from tests.fakes.pg_wire_counter import PgWireCounter
 
 

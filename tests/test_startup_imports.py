@@ -306,4 +306,4 @@ def test_a_sessions_command_of_the_shared_mode_logs_as_configured_too(
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in done.stderr.splitlines()]
     applied = [r for r in records if r["message"].startswith("storage: applied migration")]
-    assert applied and all(r["logger"] == "gateway.storage.postgres" for r in applied)
+    assert applied and all(r["logger"] == "gateway.plumbing.postgres" for r in applied)

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.redaction import redact_url
-from gateway.storage.postgres import (
+from gateway.plumbing.postgres import (
     StorageError,
     StorageUnavailable,
     check_url,
@@ -18,6 +17,7 @@ from gateway.storage.postgres import (
     migrations,
     schema_status,
 )
+from gateway.redaction import redact_url
 
 
 def test_shipped_migrations_are_numbered_from_one_without_gaps() -> None:

@@ -125,8 +125,8 @@ def dump_rows(url: str) -> tuple[list[tuple[Any, ...]], ...]:
 
 @pytest.fixture
 def shared_manager(migrated_pg_url: str) -> Iterator[SessionManager]:
+    from gateway.plumbing.postgres import sync_pool
     from gateway.sessions.pg_store import PostgresSessions
-    from gateway.storage.postgres import sync_pool
 
     pool = sync_pool(migrated_pg_url, max_size=2)
     pool.open(wait=True)
@@ -227,8 +227,8 @@ def test_a_second_import_skips_and_reports_what_is_there(
     assert dump_rows(migrated_pg_url) == rows
 
     # A replica appended since the import: still the same session, nothing duplicated.
+    from gateway.plumbing.postgres import sync_pool
     from gateway.sessions.pg_store import PostgresSessions
-    from gateway.storage.postgres import sync_pool
 
     with sync_pool(migrated_pg_url, max_size=1) as pool:
         shared = SessionManager.shared(PostgresSessions(pool))
@@ -594,8 +594,8 @@ def test_every_kind_of_state_goes_files_to_postgresql_to_files(
     # The shared mode reads what the files held.
     from gateway.memory.pg_store import PostgresMemoryStore
     from gateway.people.pg_store import PostgresPeopleStore
+    from gateway.plumbing.postgres import sync_pool
     from gateway.schedules.pg_store import PostgresJobStore
-    from gateway.storage.postgres import sync_pool
     from gateway.usage.pg_store import PostgresUsageLedger
 
     files_usage = SqliteUsageLedger(source / "usage.sqlite")
@@ -655,8 +655,8 @@ def test_every_kind_of_state_goes_postgresql_to_files_to_postgresql(
     from gateway.access.pg_store import PostgresPairingStore
     from gateway.memory.pg_store import PostgresMemoryStore
     from gateway.people.pg_store import PostgresPeopleStore
+    from gateway.plumbing.postgres import sync_pool
     from gateway.schedules.pg_store import PostgresJobStore
-    from gateway.storage.postgres import sync_pool
     from gateway.usage.pg_store import PostgresUsageLedger
 
     clock = [DAY_ONE]
@@ -745,8 +745,8 @@ def test_a_second_state_import_skips_and_a_replicas_writes_are_left_alone(
 
     from gateway.memory.pg_store import PostgresMemoryStore
     from gateway.people.pg_store import PostgresPeopleStore
+    from gateway.plumbing.postgres import sync_pool
     from gateway.schedules.pg_store import PostgresJobStore
-    from gateway.storage.postgres import sync_pool
     from gateway.usage.pg_store import PostgresUsageLedger
 
     # What replicas do after an import: counters grow, a task runs, a link is added.

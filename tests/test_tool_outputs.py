@@ -34,10 +34,10 @@ from gateway.config import ConfigError, Settings
 from gateway.daemon import Gateway
 from gateway.llm.types import LLMMessage, ToolSpec
 from gateway.messages import InboundMessage
+from gateway.plumbing.fence import Fence, FencedOut, fenced
 from gateway.sessions import SessionManager
 from gateway.sessions.keys import encode_key
 from gateway.sessions.outputs import HANDLE, OUTPUTS_DIR
-from gateway.storage.fence import Fence, FencedOut, fenced
 from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply
 from tests.llm_messages import assistant, call, result, user
 
@@ -272,8 +272,8 @@ def open_manager(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ope
         def make() -> SessionManager:
             return shared
     else:
+        from gateway.plumbing.postgres import sync_pool
         from gateway.sessions.pg_store import PostgresSessions
-        from gateway.storage.postgres import sync_pool
 
         url = request.getfixturevalue("migrated_pg_url")
 
@@ -361,8 +361,8 @@ def test_file_outputs_are_private_plain_text_files(tmp_path: Path) -> None:
 def test_an_output_written_after_the_lease_moved_on_is_not_stored(
     migrated_pg_url: str,
 ) -> None:
+    from gateway.plumbing.postgres import sync_pool
     from gateway.sessions.pg_store import PostgresSessions
-    from gateway.storage.postgres import sync_pool
     from tests.test_fencing import count, expire, take_lease
 
     with sync_pool(migrated_pg_url, max_size=2) as pool:

@@ -58,7 +58,7 @@ def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UsageLedg
         yield store
         store.close()
         return
-    from gateway.storage.postgres import sync_pool
+    from gateway.plumbing.postgres import sync_pool
 
     with sync_pool(request.getfixturevalue("migrated_pg_url"), max_size=2) as pool:
         pool.wait()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio.to_thread
 
 from gateway.fsutil import SqliteFile
-from gateway.storage.backends import Backends
+from gateway.plumbing.backends import Backends
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
@@ -389,7 +389,7 @@ class PostgresWhatsAppStore:
         import psycopg
         from psycopg_pool import PoolTimeout
 
-        from gateway.storage.postgres import StorageUnavailable
+        from gateway.plumbing.postgres import StorageUnavailable
 
         try:
             with self._pool.connection() as conn, conn.transaction():

@@ -27,7 +27,7 @@ from gateway.access.protocol import (
     normalize_code,
     pairing_listing,
 )
-from gateway.storage.postgres import StorageUnavailable
+from gateway.plumbing.postgres import StorageUnavailable
 
 if TYPE_CHECKING:
     import psycopg

@@ -44,7 +44,7 @@ from gateway.messages import (
     META_SENDER_NAME,
     InboundMessage,
 )
-from gateway.storage.postgres import StorageError
+from gateway.plumbing.postgres import StorageError
 
 PAIRING_FULL_TEXT = (
     "Too many people are waiting for approval right now. Please try again in an hour."

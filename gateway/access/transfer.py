@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.access.protocol import ApprovedSender, PairingState, PendingRequest
 from gateway.access.store import PAIRING_FILE, dump_pairing, parse_pairing
-from gateway.storage.items import (
+from gateway.plumbing.items import (
     DamagedFile,
     Outcome,
     Transfer,

@@ -28,7 +28,7 @@ from loguru import logger
 
 from gateway.agent.tools import Tool, ToolContext
 from gateway.llm.types import LLMMessage, ToolSpec
-from gateway.storage.fence import FencedOut
+from gateway.plumbing.fence import FencedOut
 
 if TYPE_CHECKING:
     from gateway.sessions.outputs import ToolOutputStore

@@ -36,7 +36,7 @@ class StorageSettings(Section):
     @classmethod
     def _postgres_only(cls, value: str | None) -> str | None:
         if value:
-            from gateway.storage.postgres import StorageError, check_url
+            from gateway.plumbing.postgres import StorageError, check_url
 
             try:
                 check_url(value)

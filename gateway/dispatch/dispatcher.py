@@ -47,7 +47,7 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   answered too), and only messages new to the session join another's turn: a replayed
   one, which may be in the session already, always gets a turn of its own.
 - In the shared mode a fed message's turn runs behind the fence of its session's lease
-  (`gateway.storage.fence`): once another replica holds the session, the turn stores,
+  (`gateway.plumbing.fence`): once another replica holds the session, the turn stores,
   records, marks and sends nothing more, and its message is left to the new holder. A
   reply goes out only after its durable write passed the fence and while the lease is
   surely still held (`SessionRouter.confirm`).
@@ -87,7 +87,7 @@ from gateway.messages import (
     OutboundMessage,
     reply_for,
 )
-from gateway.storage.fence import Fence, FencedOut, fenced
+from gateway.plumbing.fence import Fence, FencedOut, fenced
 from gateway.telemetry import META_TRACEPARENT, SpanLike, Telemetry, telemetry, trace_id_of
 
 __all__ = ["MERGED_IDS_KEY", "Dispatcher", "SubmitStatus", "Ticket", "merge_messages"]

@@ -19,7 +19,7 @@ from gateway.messages import InboundMessage, OutboundMessage
 
 if TYPE_CHECKING:
     from gateway.journal.protocol import LeaseAsk, Unanswered
-    from gateway.storage.fence import Fence
+    from gateway.plumbing.fence import Fence
 
 
 class SubmitStatus(StrEnum):

@@ -13,7 +13,7 @@ The mode of a conversation is its own (`/queue MODE`, kept in its session as a
 
 A running turn and its dispatcher meet through the turn's `TurnInbox`: the dispatcher
 makes one per turn and the turn finds it with `current_inbox()` (a context variable, as
-`gateway.storage.fence` passes the lease), so the agent's turn can take the messages
+`gateway.plumbing.fence` passes the lease), so the agent's turn can take the messages
 that joined it without knowing the dispatcher.
 """
 

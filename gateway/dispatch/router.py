@@ -48,8 +48,8 @@ from loguru import logger
 from gateway.journal.pg_store import LEASE_TAKE
 from gateway.journal.protocol import LeaseAsk, Unanswered
 from gateway.messages import META_REPLY_WANTED, OutboundMessage
-from gateway.storage import fence as fencing
-from gateway.storage.fence import Fence
+from gateway.plumbing import fence as fencing
+from gateway.plumbing.fence import Fence
 
 if TYPE_CHECKING:
     from gateway.dispatch.lanes import Lanes, Ticket
@@ -92,7 +92,7 @@ WHERE l.session_key = held.key AND l.epoch = held.epoch AND l.owner = %(me)s
 RETURNING l.session_key
 """
 
-# Released: expired at once, the row and its epoch kept (`gateway.storage.fence`).
+# Released: expired at once, the row and its epoch kept (`gateway.plumbing.fence`).
 _RELEASE_IF_EMPTY = """
 UPDATE gw_session_leases l SET expires_at = 0
 WHERE l.session_key = %(key)s AND l.owner = %(me)s AND l.epoch = %(epoch)s AND NOT EXISTS (
@@ -574,7 +574,7 @@ class SessionRouter:
         """`lease` went to another replica (this one could not renew it in time, paused
         or starved): stop feeding, take back what has not begun (its holder runs it),
         and let the turn in progress end. That turn's next write is refused by its fence
-        (`gateway.storage.fence`): it stores and sends nothing more; its new holder
+        (`gateway.plumbing.fence`): it stores and sends nothing more; its new holder
         runs the message."""
         key = lease.key
         lease.lost = True

@@ -35,7 +35,7 @@ from loguru import logger
 
 from gateway.journal.protocol import DEFAULT_TTL, ClaimBusy, LeaseAsk, Unanswered
 from gateway.messages import InboundMessage, OutboundMessage
-from gateway.storage import fence
+from gateway.plumbing import fence
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -85,7 +85,7 @@ _OTHERS = """ARRAY(SELECT i.dedupe_key FROM gw_inbound i
 # and the look at the session's other journaled messages.
 #: A session's lease taken for replica ``%(me)s`` for ``%(ttl)s`` seconds when it is free
 #: (no row, or expired: a released lease keeps its row, expired) or this replica's
-#: already, rows from `source`. Its epoch (the fencing token, `gateway.storage.fence`)
+#: already, rows from `source`. Its epoch (the fencing token, `gateway.plumbing.fence`)
 #: is new when the owner changes and stays when the same replica takes it back, so that
 #: replica's writes under it stay valid while nobody else held the session in between.
 LEASE_TAKE = """INSERT INTO gw_session_leases AS l (session_key, owner, expires_at)
@@ -146,7 +146,7 @@ class PostgresDedupeStore:
         claim_wait: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        from gateway.storage.postgres import async_pool
+        from gateway.plumbing.postgres import async_pool
 
         self.url = url
         self._pool: AsyncConnectionPool = async_pool(url, max_size=pool_size)
@@ -317,7 +317,7 @@ class PostgresDedupeStore:
                 raise ClaimBusy(f"message {key!r}: this replica's claim was taken over")
 
     async def record_reply(self, keys: Sequence[str], reply: OutboundMessage) -> None:
-        """The outbox, behind the current turn's fence (`gateway.storage.fence`): raises
+        """The outbox, behind the current turn's fence (`gateway.plumbing.fence`): raises
         `FencedOut` when the session's lease moved on, and nothing is recorded."""
         if not keys:
             return

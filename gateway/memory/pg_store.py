@@ -28,7 +28,7 @@ pending list included), so there is no build to wait for and no partial answer: 
 `wait=` is accepted for the protocol and every `Found` is complete.
 
 Promises: every statement names its scope (one scope never sees another's rows); a write
-made inside a turn is behind that turn's fence (`gateway.storage.fence`: refused once
+made inside a turn is behind that turn's fence (`gateway.plumbing.fence`: refused once
 another replica holds the session, at the cost of one round trip per write); an
 append returns once PostgreSQL committed it; `record_consolidation` stores a
 consolidation's facts, knowledge and summary in one transaction (all or nothing, which
@@ -86,7 +86,7 @@ from gateway.memory.protocol import Found, IndexProgress
 from gateway.memory.scopes import ScopeMode, scope_dirname, scope_for_session
 from gateway.memory.text import one_line, tokenize
 from gateway.people.protocol import PeopleStore, person_scope
-from gateway.storage import fence
+from gateway.plumbing import fence
 
 if TYPE_CHECKING:
     import psycopg

@@ -38,8 +38,8 @@ from gateway.memory.pg_store import (
     search_terms,
 )
 from gateway.memory.scopes import MEMORY_DIRNAME, scope_dirname
+from gateway.plumbing.items import DamagedFile, Outcome, Transfer, epoch, nanoseconds
 from gateway.sessions.keys import decode_key
-from gateway.storage.items import DamagedFile, Outcome, Transfer, epoch, nanoseconds
 
 if TYPE_CHECKING:
     import psycopg

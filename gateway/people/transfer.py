@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.people.store import PEOPLE_FILE, dump_people, parse_people
-from gateway.storage.items import (
+from gateway.plumbing.items import (
     DamagedFile,
     Outcome,
     Transfer,

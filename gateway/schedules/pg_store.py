@@ -26,9 +26,9 @@ from dataclasses import replace
 from datetime import date, timedelta
 from typing import TYPE_CHECKING
 
+from gateway.plumbing import fence
+from gateway.plumbing.postgres import StorageUnavailable
 from gateway.schedules.protocol import RunGrant, ScheduledJob, grant_run
-from gateway.storage import fence
-from gateway.storage.postgres import StorageUnavailable
 
 if TYPE_CHECKING:
     import psycopg
@@ -56,7 +56,7 @@ class PostgresJobStore:
 
         try:
             # Inside a turn (a tool adds or cancels a job) behind its fence: refused
-            # once another replica holds the conversation (`gateway.storage.fence`).
+            # once another replica holds the conversation (`gateway.plumbing.fence`).
             with self._pool.connection() as conn, fence.refusals(), conn.transaction():
                 fence.check(conn)
                 yield conn

@@ -9,11 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.schedules.protocol import ScheduledJob
-from gateway.schedules.runs import STATE_FILE as HEARTBEAT_STATE_FILE
-from gateway.schedules.runs import dump_run_times, parse_run_times
-from gateway.schedules.store import JOBS_FILE, dump_jobs, parse_jobs
-from gateway.storage.items import (
+from gateway.plumbing.items import (
     DamagedFile,
     Outcome,
     Transfer,
@@ -21,6 +17,10 @@ from gateway.storage.items import (
     rows_to_import,
     write_state_file,
 )
+from gateway.schedules.protocol import ScheduledJob
+from gateway.schedules.runs import STATE_FILE as HEARTBEAT_STATE_FILE
+from gateway.schedules.runs import dump_run_times, parse_run_times
+from gateway.schedules.store import JOBS_FILE, dump_jobs, parse_jobs
 
 if TYPE_CHECKING:
     import psycopg

@@ -9,7 +9,7 @@ Promises every store keeps (tests/test_tool_outputs.py holds them for each):
 - Durable before it is referred to: `put` returns once the output is on disk (a temp
   file, fsynced, linked into place, the folder fsynced) or committed, so the session
   entry that names the handle, appended after, never points at nothing. In the shared
-  mode the write is behind the turn's fence (`gateway.storage.fence`).
+  mode the write is behind the turn's fence (`gateway.plumbing.fence`).
 - With its session: deleting a session deletes its outputs, `/new` leaves the archived
   session's outputs with it (still readable under the key), a fork copies them.
 

@@ -18,7 +18,7 @@ Promises kept here, as the file store keeps them:
   afresh, as a file replaced underneath is reopened.
 - An acknowledged append is durable: `append` returns after PostgreSQL committed it.
 - Fenced: inside a turn, every write names the epoch of the turn's session lease
-  (`gateway.storage.fence`) and is refused (`FencedOut`, nothing written) once another
+  (`gateway.plumbing.fence`) and is refused (`FencedOut`, nothing written) once another
   replica holds the session; the one-statement append carries it in that statement.
 - A damaged row is skipped, counted in the load report and kept.
 
@@ -50,12 +50,12 @@ import anyio
 import anyio.to_thread
 
 from gateway.logs import logger
+from gateway.plumbing import fence
 from gateway.sessions.entries import Entry, SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionExistsError
 from gateway.sessions.outputs import HANDLE, encode_output, new_handle
 from gateway.sessions.store import EntryFactory, LoadReport, build_entry, encode_line, new_header
 from gateway.sessions.tree import SessionTree
-from gateway.storage import fence
 from gateway.usage.pg_store import riding_rows
 
 if TYPE_CHECKING:
@@ -598,7 +598,7 @@ class PostgresSessions:
         import psycopg
         from psycopg_pool import PoolTimeout
 
-        from gateway.storage.postgres import StorageUnavailable
+        from gateway.plumbing.postgres import StorageUnavailable
 
         try:
             with self.pool.connection(timeout=5.0) as conn:

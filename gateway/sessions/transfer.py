@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.fsutil import create_exclusive, ensure_private_dir
+from gateway.plumbing.items import DamagedFile, Outcome, Transfer, epoch, nanoseconds
 from gateway.sessions.entries import SessionHeader, entry_from_dict
 from gateway.sessions.errors import SessionError, SessionKeyError, UnsupportedVersionError
 from gateway.sessions.keys import decode_key, encode_key, session_path
@@ -19,7 +20,6 @@ from gateway.sessions.listing import ARCHIVE_DIR, list_archived_files, list_sess
 from gateway.sessions.outputs import HANDLE, OUTPUT_SUFFIX, OUTPUTS_DIR
 from gateway.sessions.pg_store import session_lines
 from gateway.sessions.store import archive_name
-from gateway.storage.items import DamagedFile, Outcome, Transfer, epoch, nanoseconds
 
 if TYPE_CHECKING:
     import psycopg

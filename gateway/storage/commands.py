@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from gateway.config import Settings
+from gateway.plumbing.postgres import StorageError, connect, migrate, schema_status
 from gateway.redaction import redact_url
-from gateway.storage.postgres import StorageError, connect, migrate, schema_status
 
 
 def _url(settings: Settings) -> str:

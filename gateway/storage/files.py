@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from gateway.journal.protocol import DedupeStore, Lead, Relay
     from gateway.memory.protocol import ConsolidationGuard, MemoryBackend
     from gateway.people.protocol import PeopleStore
+    from gateway.plumbing.backends import Backends, Leader
     from gateway.schedules.protocol import JobStore
     from gateway.schedules.runs import RunState
     from gateway.sessions.listing import SessionListing
     from gateway.sessions.manager import SessionManager
-    from gateway.storage.backends import Backends, Leader
     from gateway.usage.protocol import UsageLedger
 
 _T = TypeVar("_T")

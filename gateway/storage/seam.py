@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from gateway.storage.backends import Backends, Leader
+from gateway.plumbing.backends import Backends, Leader
 
 _T = TypeVar("_T")
 

@@ -2,7 +2,7 @@
 the replicas of one deployment.
 
 Two kinds of connections serve it: the process's worker-thread pool
-(`gateway.storage.postgres.SharedStorage`: opened once per URL per process, the schema
+(`gateway.plumbing.postgres.SharedStorage`: opened once per URL per process, the schema
 checked or migrated first, closed at exit) for the stores' blocking calls, and the
 journal's event-loop pool (`gateway.journal.pg_store.PostgresDedupeStore`), which a turn's
 session appends and usage rows ride on, and through which the replica router, the
@@ -24,12 +24,12 @@ if TYPE_CHECKING:
     from gateway.journal.protocol import DedupeStore, Lead, Relay
     from gateway.memory.protocol import ConsolidationGuard, MemoryBackend
     from gateway.people.protocol import PeopleStore
+    from gateway.plumbing.backends import Backends, Leader
+    from gateway.plumbing.postgres import SharedStorage
     from gateway.schedules.protocol import JobStore
     from gateway.schedules.runs import RunState
     from gateway.sessions.listing import SessionListing
     from gateway.sessions.manager import SessionManager
-    from gateway.storage.backends import Backends, Leader
-    from gateway.storage.postgres import SharedStorage
     from gateway.usage.protocol import UsageLedger
 
 _T = TypeVar("_T")
@@ -42,7 +42,7 @@ def shared_connections(url: str, *, pool_size: int, migrate_mode: str) -> Shared
     first use; closed at exit)."""
     storage = _connections.get(url)
     if storage is None:
-        from gateway.storage.postgres import SharedStorage
+        from gateway.plumbing.postgres import SharedStorage
 
         storage = SharedStorage(url, pool_size=pool_size, migrate_mode=migrate_mode)
         storage.open()
@@ -90,8 +90,8 @@ class PostgresStorage:
         return connections_open(self.url)
 
     def check(self) -> str:
+        from gateway.plumbing.postgres import StorageError, connect, schema_status
         from gateway.redaction import redact_url
-        from gateway.storage.postgres import StorageError, connect, schema_status
 
         where = redact_url(self.url)
         with connect(self.url) as conn:

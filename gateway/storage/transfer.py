@@ -48,6 +48,8 @@ from gateway.access.transfer import export_pairing, import_pairing
 from gateway.fsutil import ensure_private_dir
 from gateway.memory.transfer import export_memory, import_memory
 from gateway.people.transfer import export_people, import_people
+from gateway.plumbing.items import Step, Transfer
+from gateway.plumbing.postgres import StorageError, StorageUnavailable, schema_status
 from gateway.redaction import redact_url
 from gateway.schedules.transfer import (
     export_heartbeat,
@@ -62,8 +64,6 @@ from gateway.sessions.transfer import (
     import_sessions,
     import_tool_outputs,
 )
-from gateway.storage.items import Step, Transfer
-from gateway.storage.postgres import StorageError, StorageUnavailable, schema_status
 from gateway.usage.transfer import export_usage, import_usage
 
 if TYPE_CHECKING:

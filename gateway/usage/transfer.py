@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.storage.items import (
+from gateway.plumbing.items import (
     DamagedFile,
     Outcome,
     Transfer,

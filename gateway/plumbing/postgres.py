@@ -94,7 +94,7 @@ def check_url(url: str) -> str:
 def migrations() -> list[Migration]:
     """The migrations this build ships, in version order."""
     found = []
-    folder = resources.files("gateway.storage") / "migrations"
+    folder = resources.files("gateway.plumbing") / "migrations"
     for item in folder.iterdir():
         m = _MIGRATION_NAME.match(item.name)
         if m is None:
@@ -220,7 +220,7 @@ async def _anote_returned(conn: psycopg.AsyncConnection[Any]) -> None:
 #: Seconds PostgreSQL lets a transaction of ours sit idle (the client between two of its
 #: statements) before it ends it: a replica frozen inside a transaction (the locking
 #: session append, a memory write) would otherwise hold its row locks, the lease's
-#: share lock among them (`gateway.storage.fence`), and keep the other replicas from
+#: share lock among them (`gateway.plumbing.fence`), and keep the other replicas from
 #: taking its sessions over for as long as it stays frozen. No transaction of ours
 #: waits on the client anywhere near this long.
 IDLE_IN_TRANSACTION = 10

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
     from gateway.config import PartialSettings, Settings
-    from gateway.storage.postgres import SharedStorage
+    from gateway.plumbing.postgres import SharedStorage
 
 _T = TypeVar("_T")
 
