@@ -204,14 +204,8 @@ async def _check_endpoint(settings: Settings, endpoint: _Endpoint) -> list[Findi
             models = [m.id async for m in client.models.list()]
         except APIStatusError as exc:
             return [_prefixed(prefix, await _llm_refusal(client, exc, url, where, endpoint))]
-        except (APIConnectionError, APITimeoutError):
-            return [
-                Finding(
-                    "fail",
-                    f"{prefix}LLM endpoint {where} is not reachable",
-                    f"start the server or fix {endpoint.url_setting}",
-                )
-            ]
+        except (APIConnectionError, APITimeoutError) as exc:
+            return [_unreachable(exc, prefix, where, endpoint.url_setting)]
         model = endpoint.wanted[0]
         missing = [m for m in endpoint.wanted if models and m not in models]
         if missing:
@@ -224,10 +218,89 @@ async def _check_endpoint(settings: Settings, endpoint: _Endpoint) -> list[Findi
             found = Finding(
                 "ok", f"{prefix}LLM endpoint {where} answers; model {model} is available"
             )
+        if found.status == "ok" and _is_local(url):
+            crashed = await _completion_probe(client, model, where)
+            if crashed is not None:
+                return [_prefixed(prefix, crashed)]
         window = await _window_finding(client, url, settings, model)
         return [found, _prefixed(prefix, window)]
     finally:
         await client.close()
+
+
+def _unreachable(exc: Exception, prefix: str, where: str, setting: str) -> Finding:
+    """No answer from the endpoint: nothing listens (refused, no such host), or something
+    took the connection and closed it without answering (a server that crashed)."""
+    from gateway.llm.openai_provider import _refused_connection
+
+    if _refused_connection(exc) is None and "timed out" not in str(exc).lower():
+        return Finding(
+            "fail",
+            f"{prefix}LLM endpoint {where} closed the connection without answering: its "
+            "server may have crashed",
+            "look at the model server's own log (a llama.cpp built for another CPU crashes "
+            "so: docs/real-llm.md), then start it again",
+        )
+    return Finding(
+        "fail",
+        f"{prefix}LLM endpoint {where} is not reachable",
+        f"start the server or fix {setting}",
+    )
+
+
+def _is_local(url: str) -> bool:
+    """A server on this machine or a private network: asking it for one token costs
+    nothing, where a hosted API would bill it."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(url).hostname or "").lower()
+    if host == "localhost" or host.endswith((".local", ".localhost")):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_private
+
+
+async def _completion_probe(client: Any, model: str, where: str) -> Finding | None:
+    """Ask a local server for one token: a server that lists its models and then dies on
+    the first completion (llama.cpp built for the wrong CPU) is caught here, not in a
+    person's first chat. None when it answered (or refused with an HTTP status: the turn
+    will say why)."""
+    from openai import APIConnectionError, APIStatusError, APITimeoutError
+
+    from gateway.llm.openai_provider import _refused_connection
+
+    try:
+        await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Say OK."}],
+            max_tokens=1,
+            timeout=60.0,
+        )
+    except APITimeoutError:
+        return Finding(
+            "warn",
+            f"LLM endpoint {where} lists {model} but did not answer a one-token completion "
+            "within 60 s",
+            "check the model server's load and log",
+        )
+    except APIConnectionError as exc:
+        if _refused_connection(exc) is not None:
+            what = "then stopped listening (its server may have crashed)"
+        else:
+            what = "then closed the connection on a one-token completion: its server crashed"
+        return Finding(
+            "fail",
+            f"LLM endpoint {where} lists {model}, {what}",
+            "look at the model server's own log; a llama.cpp built for another CPU crashes "
+            "on its first completion (rebuild it portable: docs/real-llm.md)",
+        )
+    except APIStatusError:
+        return None
+    return None
 
 
 def _prefixed(prefix: str, finding: Finding) -> Finding:

@@ -87,6 +87,33 @@ def test_problems_are_named_with_a_fix(tmp_path: Path, fake_openai_thread: FakeO
     assert "Traceback" not in out.stderr
 
 
+def test_a_local_model_server_that_dies_on_its_first_completion_is_named(
+    tmp_path: Path, fake_openai_thread: FakeOpenAI
+) -> None:
+    """A local server that lists its models and then dies on a completion (llama.cpp
+    built for another CPU did, with SIGSEGV): the doctor asks it for one token and says
+    it crashed, where listing its models alone said all was well."""
+    from tests.fakes.openai_server import Reply
+
+    (tmp_path / "ws").mkdir(mode=0o700)
+    env = base_env(tmp_path) | {
+        "OPENAI_BASE_URL": fake_openai_thread.base_url,
+        "OPENAI_API_KEY": fake_openai_thread.api_key or "",
+        "GATEWAY_MODEL": "gpt-4o-mini",
+    }
+    fake_openai_thread.add(Reply(text="never sent", break_after=0))
+    text = doctor(env, tmp_path).stdout
+    assert (
+        f"FAIL  LLM endpoint {fake_openai_thread.base_url} lists gpt-4o-mini, then closed the "
+        "connection on a one-token completion: its server crashed"
+    ) in text, text
+    assert "docs/real-llm.md" in text
+    requests = fake_openai_thread.chat_requests
+    assert len(requests) == 1 and requests[0].body["max_tokens"] == 1
+    healthy = doctor(env, tmp_path).stdout  # the next completion is answered
+    assert "LLM endpoint" in healthy and "crashed" not in healthy, healthy
+
+
 def test_rejected_key_is_reported(tmp_path: Path, fake_openai_thread: FakeOpenAI) -> None:
     env = base_env(tmp_path) | {
         "OPENAI_BASE_URL": fake_openai_thread.base_url,

@@ -147,7 +147,9 @@ class Reply:
     `delay` waits before answering (timeouts, slow models); `chunk_delay` waits between
     streamed events; `break_after` closes the connection after that many streamed `data:`
     events (the first one carries only the assistant role), as a server killed mid-answer
-    does: no last chunk, no finish_reason, no `[DONE]`. `model` restricts which
+    does: no last chunk, no finish_reason, no `[DONE]`; a non-streamed request with
+    `break_after` set is closed without any answer (a server that crashed on it).
+    `model` restricts which
     requests may consume this reply; `prompt_tokens`/`completion_tokens` override the
     usage estimate.
     """
@@ -1121,6 +1123,10 @@ class FakeOpenAI(LocalServer):
             return self._error_reply(reply)
         if body.get("stream"):
             return await self._stream(request, body, reply)
+        if reply.break_after is not None:
+            if request.transport is not None:
+                request.transport.abort()  # no status line, nothing: the process died
+            return web.Response()
         if reply.raw is not None:
             return web.Response(
                 body=reply.raw, content_type="application/json", headers=self._id_header()
