@@ -30,6 +30,9 @@ PACKAGES = ("gateway", "channels", "bench")
 #: Top first. A module belongs to the layer of its longest listed prefix.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("benchmarks", ("bench",)),
+    # The channel conformance kit drives the gateway from outside (a `gateway run`
+    # process): it imports only the pure vocabularies below, never the daemon.
+    ("conformance kit", ("gateway.testing",)),
     ("edges", ("gateway.cli", "gateway.doctor", "gateway.daemon")),
     (
         "storage seam",
