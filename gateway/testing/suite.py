@@ -94,16 +94,22 @@ def test_replies_stay_in_their_thread(kit: Kit) -> None:
 
 @needs("duplicate_delivery")
 def test_duplicate_delivery_is_answered_once(kit: Kit) -> None:
-    """A DM handed over twice at once, and again after it was answered, with another
-    message after it: each is answered once and stored once."""
+    """A DM handed over again while its turn runs, again after it was answered, and
+    again after a restart, with other messages between: each is answered once and
+    stored once."""
     run = kit.gateways()
     run.start()
-    first = kit.dm(0)
+    first = kit.dm(0, words="kit:slow=1")
     kit.driver.redeliver(first.ref)
     second = kit.dm(0)
     kit.settle()
     kit.driver.redeliver(first.ref)
     kit.driver.redeliver(second.ref)
+    kit.dm(0)
+    kit.settle()
+    run.terminate()
+    run.start()
+    kit.driver.redeliver(first.ref)
     kit.dm(0)
     kit.settle()
     kit.check(run)
