@@ -327,17 +327,19 @@ def test_edit_is_handled_once(kit: Kit) -> None:
 
 @needs("platform_outage")
 def test_platform_outage_loses_nothing(kit: Kit) -> None:
-    """The network to the platform is cut for 3 s while the gateway runs, and people
-    write meanwhile: once it is back, without a restart, each message is answered once,
-    in order."""
+    """The network to the platform is cut for 6 s while the gateway runs, as an answer
+    is being written, and people write meanwhile: once it is back, without a restart,
+    each message is answered once, in order, the answer that met the cut too."""
     run = kit.gateways()
     run.start()
     introduce(kit, [kit.dm(0)])
+    kit.dm(1, words="kit:slow=1")  # its answer is sent while the network is cut
+    time.sleep(0.5)
     kit.driver.platform_down()
     try:
-        for person in (0, 1, 0, 1, 0):
+        for person in (0, 2, 0, 2, 0):
             kit.dm(person)
-        time.sleep(3)
+        time.sleep(6)
     finally:
         kit.driver.platform_up()
     kit.settle()
