@@ -15,7 +15,9 @@ is on its `needs`; a driver that lacks it skips it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+from gateway.testing.driver import Place, Post
 from gateway.testing.kit import LANE, Kit
 from gateway.testing.model import LONG_LINE, long_text
 from gateway.testing.plugin import needs
@@ -291,32 +293,42 @@ def test_long_reply_arrives_whole_and_in_order(kit: Kit) -> None:
 
 @needs("edits")
 def test_edit_is_handled_once(kit: Kit) -> None:
-    """Someone edits the message the bot just answered (and, where the platform may
-    deliver twice, the edit comes twice): the edit gets one post (an answer to the
-    edited text, or a word on why not), is stored at most once, and the original is
-    not answered again."""
+    """Someone edits the message the bot just answered, in a DM and, where there are
+    groups, a mention in a group (where the platform may deliver twice, the edit comes
+    twice): each edit gets one post (an answer to the edited text, or a word on why
+    not), is stored at most once, and the original is not answered again."""
     run = kit.gateways()
     run.start()
-    original = kit.dm(0)
-    kit.settle()
-    edited = kit.edit(original)
-    if kit.driver.requirements.duplicate_delivery:
-        kit.driver.redeliver(edited.ref)
-    kit.wait_posts(lambda posts: len(posts) >= 2, 60, "a post after the edit")
-    kit.dm(0)
-    kit.settle()
+    writes: list[Callable[[], Said]] = [lambda: kit.dm(0)]
+    if kit.driver.requirements.groups and kit.driver.requirements.mentions:
+        writes.append(lambda: kit.group(1, mention=True))
+    edits = []
+    for write in writes:
+        original = write()
+        kit.settle()
+        edited = kit.edit(original)
+        if kit.driver.requirements.duplicate_delivery:
+            kit.driver.redeliver(edited.ref)
+
+        def answered_again(posts: list[Post], place: Place = original.ref.place) -> bool:
+            return len([p for p in posts if p.place == place]) >= 2
+
+        kit.wait_posts(answered_again, 60, "a post after the edit")
+        write()  # the next message: whatever the edit gets comes before its answer
+        kit.settle()
+        edits.append((original, edited))
 
     def handled_once(tally: Tally) -> list[str]:
-        mine = [p for p in tally.posts if p.place == original.ref.place]
-        answers = [answered_token(p) for p in mine]
-        after = answers[answers.index(original.token) + 1 : -1] if answers else []
         problems = []
-        if len(after) != 1:
-            problems.append(f"the edit got {len(after)} posts, not one: {after}")
-        if tally.user_entries[edited.token] > 1:
-            problems.append("the edit was stored twice")
-        if after and after[0] not in (edited.token, None):
-            problems.append(f"the edit was answered with an answer to {after[0]}")
+        for original, edited in edits:
+            mine = [answered_token(p) for p in tally.posts if p.place == original.ref.place]
+            after = mine[mine.index(original.token) + 1 : -1] if original.token in mine else []
+            if len(after) != 1:
+                problems.append(f"the edit in {original.ref.place} got {len(after)} posts: {after}")
+            elif after[0] not in (edited.token, None):
+                problems.append(f"the edit was answered with an answer to {after[0]}")
+            if tally.user_entries[edited.token] > 1:
+                problems.append(f"the edit in {original.ref.place} was stored twice")
         return problems
 
     kit.check(run, other_posts_allowed=True, extra=handled_once)

@@ -149,7 +149,13 @@ class TelegramDriver(ChannelDriver):
         return self._ref(update)
 
     def edit(self, ref: MessageRef, text: str) -> MessageRef:
-        update = self.fake.edited_message(self._updates[ref.event], text)
+        original = self._updates[ref.event]
+        mention = f"@{BOT_USERNAME} "
+        if str((original.get("message") or original["edited_message"]).get("text")).startswith(
+            mention
+        ):
+            text = mention + text  # the author keeps the mention
+        update = self.fake.edited_message(original, text)
         self._hand_over(update)
         return self._ref(update)
 
@@ -225,7 +231,7 @@ class TelegramWebhookDriver(TelegramDriver):
         signed_inbound=True,
         split_long_replies=True,
         mass_pings=False,
-        platform_outage=False,  # the fake's deliveries would not pass the proxy
+        platform_outage=True,
     )
 
     def __init__(self) -> None:
@@ -234,12 +240,13 @@ class TelegramWebhookDriver(TelegramDriver):
         self._queue: list[dict[str, Any]] = []
         self._wake = threading.Condition()
         self._stop = False
+        self._cut = False  # the network is cut: Telegram cannot reach the gateway either
         self.deliveries: list[str] = []
 
     @contextmanager
     def running(self) -> Iterator[None]:
         self._port = free_port()  # fixed: Telegram posts to the URL the bot set
-        self._queue, self._stop, self.deliveries = [], False, []
+        self._queue, self._stop, self._cut, self.deliveries = [], False, False, []
         with super().running():
             thread = threading.Thread(target=self._deliver, name="kit-webhook", daemon=True)
             thread.start()
@@ -262,6 +269,14 @@ class TelegramWebhookDriver(TelegramDriver):
             "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_URL": self.webhook_url,
             "GATEWAY_CHANNELS__TELEGRAM__WEBHOOK_SECRET": WEBHOOK_SECRET,
         }
+
+    def platform_down(self) -> None:
+        self._cut = True
+        super().platform_down()
+
+    def platform_up(self) -> None:
+        super().platform_up()
+        self._cut = False
 
     def _hand_over(self, update: dict[str, Any]) -> None:
         with self._wake:
@@ -291,8 +306,8 @@ class TelegramWebhookDriver(TelegramDriver):
         self, session: aiohttp.ClientSession, update: dict[str, Any], secret: object
     ) -> bool:
         """One delivery attempt; True when the gateway answered 200."""
-        if not self.fake.webhook.get("url"):
-            return False  # no gateway has set its webhook yet: Telegram holds the update
+        if not self.fake.webhook.get("url") or self._cut:
+            return False  # no gateway has set its webhook yet, or it cannot be reached
         headers = {WEBHOOK_SECRET_HEADER: str(secret)} if secret else {}
         try:
             async with session.post(self.webhook_url, json=update, headers=headers) as answer:
