@@ -228,12 +228,16 @@ class Kit:
         """Stop the gateway (SIGTERM: it drains, then exits 0), count, print the summary
         line, and assert the promise (and `extra`'s checks); on failure the message
         names a folder with every gateway's log and the platform's record."""
+        peak = None
         if runs.current is not None:
             if runs.current.proc.poll() is None:
+                peak = runs.current.peak_memory_mb()
                 runs.terminate()
             else:  # it ended by itself: that is its exit code
                 runs.exit_code = runs.current.proc.returncode
         tally = self.tally(runs, other_posts_allowed=other_posts_allowed)
+        if peak is not None:  # the last gateway's peak memory: backlogs must not grow it
+            tally.notes["peak_mb"] = round(peak)
         self.report(tally.summary())
         problems = tally.problems() + (extra(tally) if extra is not None else [])
         if problems:

@@ -109,6 +109,18 @@ class GatewayProcess:
         wait_until(ready, max(1.0, deadline - time.monotonic()), f"/readyz 200 on port {port}")
         return port
 
+    def peak_memory_mb(self) -> float | None:
+        """The process's peak resident memory so far (Linux's VmHWM), None where the
+        system does not say."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text(encoding="ascii")
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return None
+
     def kill(self) -> None:
         """SIGKILL: nothing runs after this instant, no drain, no flush."""
         self.proc.send_signal(signal.SIGKILL)
