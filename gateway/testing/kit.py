@@ -26,7 +26,7 @@ LANE = 5
 #: reply sent twice) before it stops the gateway.
 LINGER = 1.5
 #: No post for this long and nothing left in the journal: what is missing is not coming.
-STALL = 10.0
+STALL = 15.0
 
 
 class Kit:
@@ -58,6 +58,7 @@ class Kit:
         self.scale = scale
         self.said: list[Said] = []
         self.runs: list[GatewayRuns] = []
+        self.logs: Path | None = None  # where `save_logs` put them
         self.started = time.monotonic()
         self._numbers = iter(range(1, 100_000))
 
@@ -97,6 +98,17 @@ class Kit:
     def close(self) -> None:
         for runs in self.runs:
             runs.stop_all()
+
+    def save_logs(self) -> Path:
+        """Every gateway's log and the platform's record, in the scenario's ``logs``
+        folder (its path)."""
+        self.logs = self.folder / "logs"
+        for n, runs in enumerate(self.runs):
+            runs.save_logs(self.logs / f"run-{n}" if len(self.runs) > 1 else self.logs)
+        (self.logs / "platform.log").write_text(
+            "".join(f"{line}\n" for line in self.driver.platform_log()), encoding="utf-8"
+        )
+        return self.logs
 
     # -- people -------------------------------------------------------------------------
 
@@ -241,7 +253,6 @@ class Kit:
         self.report(tally.summary())
         problems = tally.problems() + (extra(tally) if extra is not None else [])
         if problems:
-            logs = runs.save_logs(self.folder / "logs", self.driver.platform_log())
-            problems.append(f"every gateway's log and the platform's record: {logs}")
+            problems.append(f"every gateway's log and the platform's record: {self.save_logs()}")
             raise AssertionError(tally.summary() + "\n" + "\n".join(problems))
         return tally

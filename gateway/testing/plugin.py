@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -38,6 +38,9 @@ __all__ = ["needs"]
 MARKER = "kit_needs"
 SEED_VARIABLE = "GATEWAY_KIT_SEED"
 SCALE_VARIABLE = "GATEWAY_KIT_SCALE"
+#: Seconds a scenario may take at scale 1 (with pytest-timeout).
+SCENARIO_TIMEOUT = 300
+FAILED = pytest.StashKey[bool]()
 
 _F = TypeVar("_F", bound=Callable[..., object])
 
@@ -64,6 +67,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help=f"multiply the scenarios' sizes (default: ${SCALE_VARIABLE}, else 1)",
     )
+
+
+def _scale(config: pytest.Config) -> float:
+    given = config.getoption("--kit-scale")
+    return float(given if given is not None else os.environ.get(SCALE_VARIABLE) or 1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With pytest-timeout: a scenario may take longer than a unit test (gateway starts,
+    kills, a slow machine), and longer again at a larger `--kit-scale`."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    seconds = int(SCENARIO_TIMEOUT * max(1.0, _scale(config)))
+    for item in items:
+        if "kit" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(seconds))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Remember a failed scenario, so that its `kit` saves the gateways' logs."""
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[FAILED] = True
+    return report
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -122,7 +152,7 @@ def kit(
         with capsys.disabled():
             print(f"\n{line}")
 
-    scale = request.config.getoption("--kit-scale") or float(os.environ.get(SCALE_VARIABLE) or 1)
+    scale = _scale(request.config)
     scenario = request.node.name.removeprefix("test_").replace("_", "-")
     kit = Kit(
         channel_driver,
@@ -138,3 +168,5 @@ def kit(
             yield kit
         finally:
             kit.close()
+            if request.node.stash.get(FAILED, False) and kit.logs is None:
+                report(f"KIT {channel_driver.name} {scenario}: logs in {kit.save_logs()}")

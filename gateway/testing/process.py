@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gateway
@@ -186,12 +186,9 @@ class GatewayRuns:
         for process in self.processes:
             process.stop()
 
-    def save_logs(self, directory: Path, platform: Iterable[str] = ()) -> Path:
-        """Each process's log (``gateway-<n>.log``, in start order) and the platform's
-        record (``platform.log``) in `directory`."""
+    def save_logs(self, directory: Path) -> Path:
+        """Each process's log in `directory` (``gateway-<n>.log``, in start order)."""
         directory.mkdir(parents=True, exist_ok=True)
         for n, process in enumerate(self.processes):
             (directory / f"gateway-{n}.log").write_text("".join(process.log), encoding="utf-8")
-        lines = "".join(f"{line}\n" for line in platform)
-        (directory / "platform.log").write_text(lines, encoding="utf-8")
         return directory
