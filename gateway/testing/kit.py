@@ -15,7 +15,7 @@ from pathlib import Path
 from gateway.testing.driver import ChannelDriver, MessageRef, Place, Post
 from gateway.testing.model import KitModel
 from gateway.testing.process import GatewayRuns, child_pythonpath
-from gateway.testing.tally import Said, Tally, answered_token, session_entries, tokens_in
+from gateway.testing.tally import TOKEN, Said, Tally, answered_token, session_entries
 
 __all__ = ["LANE", "Kit"]
 
@@ -103,6 +103,7 @@ class Kit:
         """Every gateway's log and the platform's record, in the scenario's ``logs``
         folder (its path)."""
         self.logs = self.folder / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
         for n, runs in enumerate(self.runs):
             runs.save_logs(self.logs / f"run-{n}" if len(self.runs) > 1 else self.logs)
         (self.logs / "platform.log").write_text(
@@ -222,7 +223,7 @@ class Kit:
             posts=self.driver.bot_posts(),
             user_entries=user,
             assistant_entries=assistant,
-            model_saw=tokens_in(t for r in self.model.requests for t in r.texts),
+            model_saw=frozenset(self.model.asked(TOKEN)),
             kills=runs.kills,
             seconds=time.monotonic() - self.started,
             exit_code=runs.exit_code,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -310,7 +310,3 @@ class Tally:
             f"KIT {self.channel} {self.scenario}: {text} exit={self.exit_code} "
             f"seconds={self.seconds:.1f} seed={self.seed}"
         )
-
-
-def tokens_in(texts: Iterable[str]) -> frozenset[str]:
-    return frozenset(found for text in texts for found in TOKEN.findall(text))
