@@ -11,6 +11,8 @@
    replica router, a PostgreSQL store built on the journal's connections). Benchmarks,
    like tests, measure the backends themselves.
 4. Only the seam reads `storage.url`.
+5. Nothing shipped (`gateway/`, `channels/`) imports the project's tests: the conformance
+   kit (`gateway.testing`) ships in the package and runs outside this repository.
 
 A rule broken on purpose is listed in `ALLOWED` with its reason; an entry that no longer
 matches any import fails the test too, so the list only shrinks.
@@ -318,6 +320,23 @@ def test_only_the_storage_seam_reads_the_storage_url() -> None:
             ):
                 readers.append(f"{module}:{node.lineno}")
     assert readers == []
+
+
+def test_nothing_shipped_imports_the_tests() -> None:
+    found = []
+    for module, path in KNOWN.items():
+        if module.startswith("bench"):
+            continue  # benchmarks are not shipped either
+        for node in ast.walk(parsed(path)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [
+                f"{module}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "tests"
+            ]
+    assert found == []
 
 
 def test_every_allowed_exception_still_matches_an_import() -> None:

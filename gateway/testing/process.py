@@ -37,13 +37,13 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> No
 def child_pythonpath() -> str:
     """PYTHONPATH for a gateway that imports the same code as this process: the folder
     holding the `gateway` package this process imported, then this process's own
-    entries outside the interpreter's installation (a project's source folders), then
-    whatever PYTHONPATH already held."""
+    entries (a project's source folders), each unless it is inside the interpreter's
+    installation (which the child finds by itself), then whatever PYTHONPATH held."""
     installed = tuple(
         str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}
     )
-    entries = [str(Path(gateway.__file__).resolve().parents[1])]
-    for entry in sys.path:
+    entries: list[str] = []
+    for entry in [str(Path(gateway.__file__).parents[1]), *sys.path]:
         if not entry or not Path(entry).is_dir():
             continue
         resolved = str(Path(entry).resolve())
