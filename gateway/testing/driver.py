@@ -76,8 +76,8 @@ class Requirements:
 
     #: Conversations of several people (`ChannelDriver.group_message`).
     groups: bool = False
-    #: In a group the bot answers only a message that addresses it (a mention, a reply to
-    #: the bot); the kit runs the gateway with `require_mention` on.
+    #: In a group a message can address the bot (a mention, a reply to the bot), and with
+    #: `require_mention` on (the default) the bot answers only those.
     mentions: bool = False
     #: A group has threads, each a conversation of its own, answered in the thread
     #: (`group_message(..., thread=...)`).
