@@ -13,8 +13,13 @@ from gateway.llm.openai_provider import OpenAIProvider
 from tests.fakes.openai_server import FakeOpenAI
 
 # PostgreSQL fixtures (a schema per test) for every test module; llama.cpp's server;
-# Synapse (the Matrix tests).
-pytest_plugins = ["tests.local_pg", "tests.llama_server", "tests.synapse_server"]
+# Synapse (the Matrix tests); the channel conformance kit (tests/conformance).
+pytest_plugins = [
+    "tests.local_pg",
+    "tests.llama_server",
+    "tests.synapse_server",
+    "gateway.testing.plugin",
+]
 
 
 @pytest.fixture

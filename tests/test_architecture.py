@@ -16,6 +16,8 @@
    page (its templates too), the metrics and the failpoints hold no identifier or string
    naming one (docstrings and comments may use one as an example). A platform is known to
    them only through its `gateway.registry.ChannelSpec`.
+6. Nothing shipped (`gateway/`, `channels/`) imports the project's tests: the conformance
+   kit (`gateway.testing`) ships in the package and runs outside this repository.
 
 A rule broken on purpose is listed in `ALLOWED` with its reason; an entry that no longer
 matches any import fails the test too, so the list only shrinks.
@@ -35,6 +37,9 @@ PACKAGES = ("gateway", "channels", "bench")
 #: Top first. A module belongs to the layer of its longest listed prefix.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("benchmarks", ("bench",)),
+    # The channel conformance kit drives the gateway from outside (a `gateway run`
+    # process): it imports only the pure vocabularies below, never the daemon.
+    ("conformance kit", ("gateway.testing",)),
     ("edges", ("gateway.cli", "gateway.doctor", "gateway.daemon")),
     ("storage seam", ("gateway.storage",)),
     ("channels", ("channels",)),
@@ -318,6 +323,23 @@ def test_only_the_storage_seam_reads_the_storage_url() -> None:
             ):
                 readers.append(f"{module}:{node.lineno}")
     assert readers == []
+
+
+def test_nothing_shipped_imports_the_tests() -> None:
+    found = []
+    for module, path in KNOWN.items():
+        if module.startswith("bench"):
+            continue  # benchmarks are not shipped either
+        for node in ast.walk(parsed(path)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [
+                f"{module}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "tests"
+            ]
+    assert found == []
 
 
 def test_every_allowed_exception_still_matches_an_import() -> None:

@@ -24,6 +24,8 @@ Promises (each one tested in tests/test_telegram*.py and tests/test_kill_deliver
   take effect (flood control, a connection that never opened, an error answer from the
   server) or when repeating it is harmless (edits, chat actions). A send that timed out
   after the request went out is logged as possibly lost instead (see `failure_kind`).
+- A reply is not given up while Telegram is unreachable for less than
+  `Pacing.retry_window` (a minute): a network outage delays it, never drops it.
 - A 429 is waited out (every send to that chat waits) and retried, up to
   `Pacing.flood_wait_limit` seconds of waiting per request.
 - HTML that Telegram refuses ("can't parse entities") is sent again as plain text.
@@ -156,10 +158,12 @@ class TelegramSetupError(Exception):
 class Pacing:
     """How often and how patiently the channel talks to Telegram (seconds)."""
 
-    retry_attempts: int = 4  # per request, for failures that are safe to retry
+    # Per request, how long failures that are safe to retry are retried: a reply rides
+    # out a network outage (under the dispatcher's cap on one delivery, 120 s).
+    retry_window: float = 60.0
     retry_backoff: float = 0.5  # doubled per attempt
     retry_backoff_max: float = 8.0
-    # Total 429 waiting per request; under the dispatcher's 60 s cap on one delivery.
+    # Total 429 waiting per request; under the dispatcher's cap on one delivery.
     flood_wait_limit: float = 50.0
     typing_interval: float = 4.0  # Telegram shows "typing" for about 5 s
     typing_grace: float = 0.3  # no indicator for replies (or refusals) faster than this
@@ -1007,6 +1011,7 @@ class TelegramChannel:
         `failure_kind`); every request to a chat under flood control waits first."""
         attempt = 0
         flood_waited = 0.0
+        started = time.monotonic()
         while True:
             pause = self._flood_until.get(chat, 0.0) - time.monotonic()
             if pause > 0:
@@ -1040,7 +1045,7 @@ class TelegramChannel:
                         exc,
                     )
                     raise
-                if kind == "final" or attempt >= self.pacing.retry_attempts:
+                if kind == "final" or time.monotonic() - started >= self.pacing.retry_window:
                     raise
                 delay = min(
                     self.pacing.retry_backoff * 2 ** (attempt - 1), self.pacing.retry_backoff_max

@@ -1,0 +1,259 @@
+"""What a conformance scenario works with (`Kit`): the driver's platform, the kit's model,
+gateway processes on one workspace, people who write messages with tokens of their own,
+waits that read the platform from the outside, and the tally that checks the promise."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gateway.testing.driver import ChannelDriver, MessageRef, Place, Post
+from gateway.testing.model import KitModel
+from gateway.testing.process import GatewayRuns, child_pythonpath
+from gateway.testing.tally import TOKEN, Said, Tally, answered_token, session_entries
+
+__all__ = ["LANE", "Kit"]
+
+#: `dispatch.max_queue_per_lane` in every scenario: a backlog "longer than a lane" is
+#: cheap to write. A platform's message is never refused for it (docs/delivery.md, 7).
+LANE = 5
+#: After the last answer the kit waits this long for answers that should not come (a
+#: reply sent twice) before it stops the gateway.
+LINGER = 1.5
+#: No post for this long and nothing left in the journal: what is missing is not coming.
+STALL = 15.0
+
+
+class Kit:
+    """One scenario's world. Scenarios write through `dm` and `group`, start gateways with
+    `gateways`, wait with `settle`, and end with `check` (which stops the gateway with
+    SIGTERM, counts, reports and asserts)."""
+
+    def __init__(
+        self,
+        driver: ChannelDriver,
+        model: KitModel,
+        folder: Path,
+        *,
+        scenario: str,
+        seed: int,
+        report: Callable[[str], None],
+        scale: float = 1.0,
+    ) -> None:
+        self.driver = driver
+        self.model = model
+        self.folder = folder
+        self.workspace = folder / "workspace"
+        self.scenario = scenario
+        self.seed = seed
+        # Each scenario draws from its own stream of the run's seed: one repeats alone.
+        self.rng = random.Random(f"{seed}:{scenario}")
+        self.report = report
+        #: Multiplies the scenarios' sizes (`sized`): 1 keeps each to seconds.
+        self.scale = scale
+        self.said: list[Said] = []
+        self.runs: list[GatewayRuns] = []
+        self.logs: Path | None = None  # where `save_logs` put them
+        self.started = time.monotonic()
+        self._numbers = iter(range(1, 100_000))
+
+    # -- gateways ---------------------------------------------------------------------
+
+    def env(self, settings: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of a `gateway run`: this process's without any GATEWAY_* or
+        OPENAI_* of the developer's own; the workspace, the model and the dispatch
+        settings; the driver's channel; then `settings`."""
+        inherited = {
+            k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OPENAI_"))
+        }
+        kit = {
+            "PYTHONPATH": child_pythonpath(),
+            "GATEWAY_WORKSPACE": str(self.workspace),
+            "OPENAI_BASE_URL": self.model.base_url,
+            "OPENAI_API_KEY": self.model.api_key,
+            "GATEWAY_LLM__MODEL": self.model.model,
+            "GATEWAY_LLM__MAX_RETRIES": "0",
+            "GATEWAY_LLM__TIMEOUT": "60",
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_DISPATCH__MAX_QUEUE_PER_LANE": str(LANE),
+        }
+        return inherited | kit | self.driver.gateway_env() | (settings or {})
+
+    def channel_setting(self, key: str, value: str) -> dict[str, str]:
+        """One setting of the driver's channel section (``[channels.<name>] key``)."""
+        return {f"GATEWAY_CHANNELS__{self.driver.name.upper()}__{key.upper()}": value}
+
+    def gateways(self, settings: dict[str, str] | None = None) -> GatewayRuns:
+        """The gateway processes of this scenario, on its workspace (none started yet)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        runs = GatewayRuns(self.env(settings), self.folder)
+        self.runs.append(runs)
+        return runs
+
+    def close(self) -> None:
+        for runs in self.runs:
+            runs.stop_all()
+
+    def save_logs(self) -> Path:
+        """Every gateway's log and the platform's record, in the scenario's ``logs``
+        folder (its path)."""
+        self.logs = self.folder / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for n, runs in enumerate(self.runs):
+            runs.save_logs(self.logs / f"run-{n}" if len(self.runs) > 1 else self.logs)
+        (self.logs / "platform.log").write_text(
+            "".join(f"{line}\n" for line in self.driver.platform_log()), encoding="utf-8"
+        )
+        return self.logs
+
+    # -- people -------------------------------------------------------------------------
+
+    def _text(self, words: str) -> tuple[str, str]:
+        token = f"m{next(self._numbers):05d}"
+        return token, f"{token} {words}".strip()
+
+    def dm(self, person: int, words: str = "", *, addressed: bool = True) -> Said:
+        """`person` writes a message of their own (a fresh token, then `words`) to the bot
+        in their DM; `addressed=False` for a message the bot owes no answer (a
+        stranger's)."""
+        token, text = self._text(words)
+        said = Said(token, self.driver.dm(person, text), addressed=addressed)
+        self.said.append(said)
+        return said
+
+    def group(
+        self, person: int, *, mention: bool, thread: int | None = None, words: str = ""
+    ) -> Said:
+        """`person` writes in the driver's group (in thread `thread`), mentioning the bot
+        or not; only a mention is owed an answer."""
+        token, text = self._text(words)
+        ref = self.driver.group_message(person, text, mention=mention, thread=thread)
+        said = Said(token, ref, addressed=mention, in_group=True)
+        self.said.append(said)
+        return said
+
+    def edit(self, said: Said, words: str = "") -> Said:
+        """The author of `said` edits it into a message with a fresh token (not in the
+        tally: what an edit is owed is the scenario's to check)."""
+        token, text = self._text(words)
+        return Said(token, self.driver.edit(said.ref, text), in_group=said.in_group)
+
+    def forge(self, words: str = "forged") -> bool:
+        """Send the gateway a forged message (`ChannelDriver.forge`), owed nothing;
+        whether the gateway refused it."""
+        token, text = self._text(words)
+        refused = self.driver.forge(text)
+        ref = MessageRef(f"forged {token}", Place("forged"), "forger")
+        self.said.append(Said(token, ref, addressed=False))
+        return refused
+
+    def sized(self, count: int) -> int:
+        """`count` scaled by `scale` (at least 1)."""
+        return max(1, round(count * self.scale))
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def answered(self) -> set[str]:
+        """The tokens the bot's posts answer so far."""
+        return {t for post in self.driver.bot_posts() if (t := answered_token(post))}
+
+    def wait_answers(self, count: int, timeout: float = 60.0) -> None:
+        """Wait until at least `count` messages have an answer."""
+        deadline = time.monotonic() + timeout
+        while len(self.answered()) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fewer than {count} messages answered after {timeout:g}s")
+            time.sleep(0.1)
+
+    def journal_holds_messages(self) -> bool:
+        """Whether the workspace's journal (the files mode's `dedupe.sqlite`) holds
+        messages taken in and not answered yet: the gateway still owes them."""
+        path = self.workspace / "dedupe.sqlite"
+        if not path.exists():
+            return False
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+                return bool(db.execute("SELECT count(*) FROM inbox").fetchone()[0])
+        except sqlite3.Error:
+            return True  # being written: ask again
+
+    def settle(self, said: Sequence[Said] | None = None, timeout: float = 120.0) -> None:
+        """Wait until every addressed message of `said` (default: all so far) has an
+        answer, then `LINGER` seconds for answers that should not come. Stops early
+        when nothing was posted for `STALL` seconds while the journal owes nothing: what
+        is missing then is counted by `check`, not waited for."""
+        wanted = {s.token for s in (self.said if said is None else said) if s.addressed}
+        deadline = time.monotonic() + timeout
+        posts, changed = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            found = self.driver.bot_posts()
+            done = {t for post in found if (t := answered_token(post))}
+            if wanted <= done:
+                time.sleep(LINGER)
+                return
+            if len(found) != posts:
+                posts, changed = len(found), time.monotonic()
+            elif time.monotonic() - changed > STALL and not self.journal_holds_messages():
+                return
+            time.sleep(0.2)
+
+    def wait_posts(
+        self, predicate: Callable[[list[Post]], bool], timeout: float, what: str
+    ) -> None:
+        """Wait until `predicate(the bot's posts)`; AssertionError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self.driver.bot_posts()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout:g}s")
+            time.sleep(0.2)
+
+    # -- the end ------------------------------------------------------------------------
+
+    def tally(self, runs: GatewayRuns, *, other_posts_allowed: bool = False) -> Tally:
+        user, assistant = session_entries(self.workspace)
+        return Tally(
+            channel=self.driver.name,
+            scenario=self.scenario,
+            said=list(self.said),
+            posts=self.driver.bot_posts(),
+            user_entries=user,
+            assistant_entries=assistant,
+            model_saw=frozenset(self.model.asked(TOKEN)),
+            kills=runs.kills,
+            seconds=time.monotonic() - self.started,
+            exit_code=runs.exit_code,
+            seed=self.seed,
+            other_posts_allowed=other_posts_allowed,
+        )
+
+    def check(
+        self,
+        runs: GatewayRuns,
+        *,
+        other_posts_allowed: bool = False,
+        extra: Callable[[Tally], list[str]] | None = None,
+    ) -> Tally:
+        """Stop the gateway (SIGTERM: it drains, then exits 0), count, print the summary
+        line, and assert the promise (and `extra`'s checks); on failure the message
+        names a folder with every gateway's log and the platform's record."""
+        peak = None
+        if runs.current is not None:
+            if runs.current.proc.poll() is None:
+                peak = runs.current.peak_memory_mb()
+                runs.terminate()
+            else:  # it ended by itself: that is its exit code
+                runs.exit_code = runs.current.proc.returncode
+        tally = self.tally(runs, other_posts_allowed=other_posts_allowed)
+        if peak is not None:  # the last gateway's peak memory: backlogs must not grow it
+            tally.notes["peak_mb"] = round(peak)
+        self.report(tally.summary())
+        problems = tally.problems() + (extra(tally) if extra is not None else [])
+        if problems:
+            problems.append(f"every gateway's log and the platform's record: {self.save_logs()}")
+            raise AssertionError(tally.summary() + "\n" + "\n".join(problems))
+        return tally

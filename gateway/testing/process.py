@@ -1,0 +1,194 @@
+"""`gateway run` as a real process for the conformance kit: started, SIGKILLed, stopped
+with SIGTERM and started again on one workspace, its log kept for failure messages."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import gateway
+
+__all__ = ["GatewayProcess", "GatewayRuns", "child_pythonpath", "wait_until"]
+
+READY_LINE = "gateway ready: http://"
+#: A cold start imports for seconds, more on a busy machine.
+START_TIMEOUT = 90.0
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll `predicate` every 50 ms until it is true; AssertionError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not within {timeout:g}s")
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a gateway that imports the same code as this process: the folder
+    holding the `gateway` package this process imported, then this process's own
+    entries (a project's source folders), each unless it is inside the interpreter's
+    installation (which the child finds by itself), then whatever PYTHONPATH held."""
+    installed = tuple(
+        str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    )
+    entries: list[str] = []
+    for entry in [str(Path(gateway.__file__).parents[1]), *sys.path]:
+        if not entry or not Path(entry).is_dir():
+            continue
+        resolved = str(Path(entry).resolve())
+        if not resolved.startswith(installed) and resolved not in entries:
+            entries.append(resolved)
+    if os.environ.get("PYTHONPATH"):
+        entries.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(entries)
+
+
+class GatewayProcess:
+    """One `gateway run` (stdin closed: no terminal chat) whose stderr is collected."""
+
+    def __init__(self, env: Mapping[str, str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "run"],
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, name="gateway-log", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            self._lines.put(line)
+
+    def tail(self, lines: int = 30) -> str:
+        return "".join(self.log[-lines:])
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> int:
+        """Wait for the ready line, then for /readyz to answer 200; the HTTP port."""
+        deadline = time.monotonic() + timeout
+        port = None
+        while port is None:
+            try:
+                line = self._lines.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if READY_LINE in line:
+                port = int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the gateway never became ready (exit code {self.proc.poll()}); its last "
+                    f"lines:\n{self.tail()}"
+                )
+
+        def ready() -> bool:
+            try:
+                url = f"http://127.0.0.1:{port}/readyz"
+                with urllib.request.urlopen(url, timeout=1) as answer:
+                    return bool(answer.status == 200)
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_until(ready, max(1.0, deadline - time.monotonic()), f"/readyz 200 on port {port}")
+        return port
+
+    def peak_memory_mb(self) -> float | None:
+        """The process's peak resident memory so far (Linux's VmHWM), None where the
+        system does not say."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text(encoding="ascii")
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL: nothing runs after this instant, no drain, no flush."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM (drain, then stop); the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Kill it if it still runs (for cleanup)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class GatewayRuns:
+    """The gateway processes of one scenario, one at a time on one workspace: started,
+    killed, stopped and started again, always cleaned up (`stop_all`)."""
+
+    def __init__(self, env: Mapping[str, str], cwd: Path) -> None:
+        self.env = dict(env)
+        self.cwd = cwd
+        self.current: GatewayProcess | None = None
+        self.processes: list[GatewayProcess] = []
+        self.kills = 0
+        self.port: int | None = None
+        #: The exit code of the last SIGTERM (None: never stopped that way).
+        self.exit_code: int | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("no gateway has been started")
+        return f"http://127.0.0.1:{self.port}"
+
+    def launch(self) -> GatewayProcess:
+        """Start a gateway process without waiting for it."""
+        if self.current is not None and self.current.proc.poll() is None:
+            raise RuntimeError("a gateway is running already: one per workspace")
+        self.current = GatewayProcess(self.env, self.cwd)
+        self.processes.append(self.current)
+        return self.current
+
+    def start(self) -> GatewayProcess:
+        """Start a gateway process and wait until it is ready."""
+        process = self.launch()
+        self.port = process.wait_ready()
+        return process
+
+    def kill(self) -> None:
+        assert self.current is not None, "no gateway to kill"
+        self.current.kill()
+        self.kills += 1
+
+    def terminate(self) -> int:
+        assert self.current is not None, "no gateway to stop"
+        self.exit_code = self.current.terminate()
+        return self.exit_code
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+    def save_logs(self, directory: Path) -> Path:
+        """Each process's log in `directory` (``gateway-<n>.log``, in start order)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for n, process in enumerate(self.processes):
+            (directory / f"gateway-{n}.log").write_text("".join(process.log), encoding="utf-8")
+        return directory
