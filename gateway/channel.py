@@ -40,6 +40,25 @@ class Ticket(Protocol):
 Submit = Callable[[InboundMessage], Awaitable[Ticket]]
 
 
+class DeliveryFailed(Exception):
+    """`Channel.send` could not deliver a reply, and it certainly did not go out (the
+    connection was refused, the platform answered 5xx or asked to wait longer than the
+    channel waits): sending it again later may succeed. The dispatcher then keeps the
+    message unanswered and sends the reply again (`gateway.dispatch.dispatcher`), rather
+    than marking it answered with its reply lost. Raise any other exception for a reply
+    that can never be delivered (the chat is gone, the bot was blocked) or that may have
+    gone out (a timeout after the request was sent): sending it again would not help, or
+    could show it twice.
+
+    A reply of several parts may fail after some went out: the channel resends only the
+    rest when the same reply comes again (`sent` says how many parts went out, for the
+    log)."""
+
+    def __init__(self, message: str, *, sent: int = 0) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
 class Channel(Protocol):
     """A platform adapter. `name` is the channel part of its session keys."""
 
@@ -55,7 +74,8 @@ class Channel(Protocol):
         ...
 
     async def send(self, message: OutboundMessage) -> None:
-        """Deliver a reply (or a notice) to the platform."""
+        """Deliver a reply (or a notice) to the platform; raise `DeliveryFailed` when it
+        certainly did not go out and may later."""
         ...
 
 

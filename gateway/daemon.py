@@ -26,7 +26,7 @@ from gateway.agent.tools import ToolRegistry
 from gateway.agent.toolset import build_mcp, build_tools
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
 from gateway.cache import CacheSettings, SemanticCache, backend_from_url
-from gateway.channel import Channel, Ticket, enrich_for_turn
+from gateway.channel import Channel, DeliveryFailed, Ticket, enrich_for_turn
 from gateway.config import ConfigError, Settings
 from gateway.dispatch.queue_modes import QueueModes
 from gateway.gcpolicy import GCPolicy
@@ -584,6 +584,7 @@ class Daemon:
             access=self.access,
             on_turn_done=self._turn_done,
             deliver_timeout=settings.dispatch.deliver_timeout_seconds,
+            redeliver_window=settings.dispatch.redeliver_window_seconds,
             urgent=_is_stop,
         )
         self.router: ReplicaRouter | None = storage.router(self.dispatcher)
@@ -932,6 +933,8 @@ class Daemon:
         await self._channel_up(message.channel)
         try:
             await channel.send(message)
+        except DeliveryFailed:
+            raise  # the dispatcher sends it again
         except Exception:
             logger.exception("delivery to {} failed", message.channel)
 

@@ -369,3 +369,95 @@ async def test_a_replay_larger_than_the_queue_bounds_is_queued_whole(tmp_path: P
     assert turns.texts == [f"m{i}" for i in range(8)]
     assert [o.text for o in sent] == [f"re: m{i}" for i in range(8)]
     await store.aclose()
+
+
+# --------------------------------------------------------------------------- redelivery
+
+
+class FlakyPlatform:
+    """The `deliver` end of a platform that is down: its channel raises `DeliveryFailed`
+    (the reply certainly did not go out) until `up` is set."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.attempts: list[str] = []
+        self.sent: list[str] = []
+
+    async def deliver(self, out: OutboundMessage) -> None:
+        from gateway.channel import DeliveryFailed
+
+        self.attempts.append(out.text)
+        if not self.up:
+            raise DeliveryFailed("the platform is down")
+        self.sent.append(out.text)
+
+
+async def test_a_reply_the_platform_could_not_take_is_sent_again_and_only_then_answered(
+    tmp_path: Path,
+) -> None:
+    """A reply whose channel says it certainly did not go out is sent again, with
+    backoff, its conversation's later replies waiting behind it; its message is marked
+    answered only once it went out. (Before: marked answered at the first failure, the
+    reply lost.)"""
+    store = FileDedupeStore(tmp_path / "j.sqlite")
+    platform = FlakyPlatform()
+    turns = Turns()
+    async with running(Dispatcher(turns, platform.deliver, dedupe=store)) as d:
+        first = await d.submit(message("1", "first", "1:1"))
+        second = await d.submit(message("1", "second", "1:2"))
+        with anyio.fail_after(10):
+            while len(platform.attempts) < 2:  # noqa: ASYNC110 (the first reply failed, and again)
+                await anyio.sleep(0.05)
+        assert platform.sent == [] and len(await store.unanswered()) == 2
+        assert not first.finished and not second.finished
+        platform.up = True
+        with anyio.fail_after(10):
+            await first.wait_finished()
+            await second.wait_finished()
+    assert platform.sent == ["re: first", "re: second"]
+    assert set(platform.attempts) == {"re: first", "re: second"}
+    assert first.marked and second.marked
+    assert await store.unanswered() == []
+    await store.aclose()
+
+
+async def test_a_reply_still_undelivered_at_a_stop_is_sent_by_the_next_start(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "j.sqlite"
+    store = FileDedupeStore(path)
+    platform = FlakyPlatform()
+    turns = Turns()
+    async with running(Dispatcher(turns, platform.deliver, dedupe=store), grace=0.5) as d:
+        ticket = await d.submit(message("1", "hello", "1:1"))
+        with anyio.fail_after(10):
+            while not platform.attempts:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+    assert not ticket.marked and platform.sent == []
+    [left] = await store.unanswered()
+    assert left.message.text == "hello" and left.reply is not None  # in the outbox
+    await store.aclose()
+
+    store = FileDedupeStore(path)  # the next start: the platform is back
+    platform.up = True
+    async with running(Dispatcher(turns, platform.deliver, dedupe=store)) as d:
+        assert await d.replay() == 1
+        with anyio.fail_after(10):
+            while not platform.sent:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+    assert platform.sent == ["re: hello"] and turns.texts == ["hello"]  # one turn
+    assert await store.unanswered() == []
+    await store.aclose()
+
+
+async def test_a_reply_undeliverable_past_the_window_is_given_up(tmp_path: Path) -> None:
+    store = FileDedupeStore(tmp_path / "j.sqlite")
+    platform = FlakyPlatform()
+    dispatcher = Dispatcher(Turns(), platform.deliver, dedupe=store, redeliver_window=1.5)
+    async with running(dispatcher) as d:
+        ticket = await d.submit(message("1", "hello", "1:1"))
+        with anyio.fail_after(10):
+            await ticket.wait_finished()
+    assert len(platform.attempts) >= 2 and platform.sent == []
+    assert ticket.marked and await store.unanswered() == []
+    await store.aclose()

@@ -590,6 +590,41 @@ async def test_a_reply_rides_out_a_network_outage(fake: FakeTelegram) -> None:
     assert [m["text"] for m in fake.sent_messages(CHAT)] == ["after the outage"]
 
 
+async def test_an_outage_past_the_window_says_the_reply_may_be_sent_again(
+    fake: FakeTelegram,
+) -> None:
+    """Past `Pacing.retry_window` a reply that certainly did not go out raises
+    `DeliveryFailed` (the dispatcher sends it again later, the message not answered);
+    a reply cut short after some parts went out goes on from there when sent again."""
+    from gateway.channel import DeliveryFailed
+
+    pacing = Pacing(retry_backoff=0.01, retry_backoff_max=0.05, retry_window=0.3, stop_timeout=5)
+    long_text = "\n\n".join(f"paragraph {n} " + "x" * 3000 for n in range(12))
+    async with behind_a_proxy(fake, pacing) as (channel, _proxy):
+        message = OutboundMessage("telegram", str(CHAT), long_text, f"telegram:{CHAT}")
+
+        async def cut_after_first() -> None:  # the first part goes out; then Telegram fails
+            while not fake.sent_messages(CHAT):  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+            fake.fail_next("sendMessage", 502, count=10_000)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cut_after_first)
+            with pytest.raises(DeliveryFailed) as failed:
+                await channel.send(message)
+        assert failed.value.sent >= 1
+        parts_before = len(fake.sent_messages(CHAT))
+        fake.clear_faults()
+        await channel.send(message)  # sent again: only what had not gone out
+    texts = [m["text"] for m in fake.sent_messages(CHAT)]
+    assert 1 <= parts_before == failed.value.sent < len(texts)
+    joined = "".join(texts)
+    assert [joined.count(f"paragraph {n} ") for n in range(12)] == [1] * 12
+    assert [joined.index(f"paragraph {n} ") for n in range(12)] == sorted(
+        joined.index(f"paragraph {n} ") for n in range(12)
+    )
+
+
 async def test_refused_html_is_sent_again_as_plain_text(fake: FakeTelegram) -> None:
     async with running(fake) as channel:
         fake.fail_next(

@@ -92,7 +92,7 @@ from channels.telegram.format import html_to_text, markdown_to_html, split_markd
 from channels.telegram.settings import TelegramSettings
 from channels.typing_indicators import TypingIndicators
 from gateway.agent.commands import COMMANDS
-from gateway.channel import Submit, Ticket
+from gateway.channel import DeliveryFailed, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -530,6 +530,8 @@ class TelegramChannel:
                 "channels.telegram.token: set GATEWAY_CHANNELS__TELEGRAM__TOKEN (the token "
                 "@BotFather gave you) or channels.telegram.token_file"
             )
+        #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
+        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
         #: Shared mode (`gateway.journal.pg_cursors.run_as_leader`): runs the poll loop once this
         #: replica is the one that polls; None polls at once.
         self.poll_leader: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None
@@ -884,10 +886,29 @@ class TelegramChannel:
                 if await self._edit_piece(where, stream.message_id, pieces[0]):
                     first = 1
                 quote = None
-            for i, piece in enumerate(pieces[first:]):
-                await self._send_piece(where, piece, quote if i == 0 else None)
-            for file in message.files:
-                await self._send_file(where, file)
+            # A reply sent again after a failure goes on where the failure stopped it.
+            reply = (message.session_key, message.reply_to, message.text)
+            done = self._sent_parts.pop(reply, 0)
+            parts = len(pieces)
+            try:
+                for index, piece in enumerate(pieces):
+                    if index < max(first, done):
+                        continue
+                    await self._send_piece(where, piece, quote if index == first else None)
+                    done = index + 1
+                for number, file in enumerate(message.files, start=parts):
+                    if number < done:
+                        continue
+                    await self._send_file(where, file)
+                    done = number + 1
+            except (TelegramError, TelegramSetupError) as exc:
+                retry = isinstance(exc, TelegramSetupError) or failure_kind(exc) == "retry"
+                if not retry:
+                    raise
+                self._sent_parts[reply] = done
+                while len(self._sent_parts) > _SEEN_UPDATES:
+                    self._sent_parts.popitem(last=False)
+                raise DeliveryFailed(f"telegram: {exc!r}", sent=done) from exc
 
     async def _send_file(self, where: Address, file: OutboundFile) -> Message:
         """One file of a reply: an image as a photo (sendPhoto) when Telegram takes it

@@ -44,6 +44,12 @@ class DispatchSettings(Section):
         gt=0,
         description="How long sending one reply may take, flood-control waits included.",
     )
+    redeliver_window_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a reply its platform could not take (down, unreachable) is "
+        "sent again, its conversation's later replies waiting behind it.",
+    )
     dedupe_ttl_seconds: float = Field(
         7 * 86400.0, gt=0, description="How long platform message ids are remembered."
     )

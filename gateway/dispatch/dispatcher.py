@@ -35,6 +35,12 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
   turn again, and runs the turns that never finished. Durable means: in the session as
   the answer to its message (`META_IN_SESSION`: the handler finds it there again), or
   else recorded in the outbox (errors, commands, a merged turn's reply).
+- A reply its channel certainly could not send (`gateway.channel.DeliveryFailed`: the
+  platform or the network is down) is sent again, with backoff, for up to
+  `redeliver_window` seconds, its conversation's later replies waiting behind it; the
+  message is not marked answered meanwhile, so a stop leaves it journaled for the next
+  start. Only a reply that can never go out (or the window running out, logged as an
+  error) lets a message be marked answered without its reply.
 - An urgent message (`urgent(msg)` is true: /stop) is handled on arrival, outside its
   lane, after the access check: it never waits behind the turn it is meant to stop.
   It is not journaled (it acts on what runs now, which a crash ends anyway).
@@ -74,6 +80,7 @@ if TYPE_CHECKING:
 
 from gateway import failpoints
 from gateway.access.policy import Allow, Challenge, Decision, Deny, Ignore
+from gateway.channel import DeliveryFailed
 from gateway.dispatch.queue_modes import QUEUE_MODES, Accept, QueueMode, TurnInbox, receiving
 from gateway.journal.protocol import ClaimBusy, DedupeStore, Unanswered, dedupe_key
 from gateway.messages import (
@@ -98,6 +105,9 @@ TurnDoneCallback = Callable[[OutboundMessage, float], None]
 #: Replies re-sent by a replay that are remembered, so that messages which joined one
 #: turn get its reply once (`_finish_fenced`).
 RESENT_REMEMBERED = 4096
+#: Seconds between two attempts at a reply its channel could not deliver (doubling).
+REDELIVER_FIRST_PAUSE = 1.0
+REDELIVER_MAX_PAUSE = 60.0
 
 
 class AccessCheck(Protocol):
@@ -317,6 +327,7 @@ class Dispatcher:
         idle_lane_ttl: float = 300,
         on_turn_done: TurnDoneCallback | None = None,
         deliver_timeout: float = 60.0,
+        redeliver_window: float = 3600.0,
         urgent: Callable[[InboundMessage], bool] | None = None,
     ) -> None:
         if max_concurrent_turns < 1:
@@ -339,6 +350,8 @@ class Dispatcher:
         self._joinable = joinable
         self.idle_lane_ttl = idle_lane_ttl
         self.deliver_timeout = deliver_timeout
+        self.redeliver_window = redeliver_window
+        self._stopping = anyio.Event()  # set when the drain begins
         self._dedupe = dedupe
         self._access = access
         self._on_turn_done = on_turn_done
@@ -1089,11 +1102,18 @@ class Dispatcher:
         if span is not None:  # what the platform made of it, on the delivery span
             span.set_attribute("gateway.delivery.sent", send)
         if send:
-            failure = await self._deliver_safely(reply)
+            failure = await self._deliver_until_taken(reply, fence)
             if span is not None and failure is not None:
-                span.set_attribute("error.type", failure)
+                span.set_attribute("error.type", type(failure).__name__)
             if isinstance(entry, str):
                 self._resent_entries.append(entry)
+            if isinstance(failure, DeliveryFailed):
+                # Not sent, and the gateway is stopping: the message stays journaled, and
+                # the next start (or the replica that holds the session next) sends it.
+                for item in batch:
+                    item.ticket._done.set()
+                self._settled(len(batch))
+                return
         stage[0] = "before its message was marked answered"
         await failpoints.reach("dispatch.before_mark", reply.session_key)
         # Shared mode: a reply someone waits for (`/api/chat`, perhaps on another
@@ -1136,18 +1156,55 @@ class Dispatcher:
             return False
         return True
 
-    async def _deliver_safely(self, reply: OutboundMessage) -> str | None:
-        """Send `reply`; None when the platform took it, else the failure's type (logged
-        and counted, never raised: the turn is done either way)."""
+    async def _deliver_safely(self, reply: OutboundMessage) -> Exception | None:
+        """Send `reply`; None when the platform took it, else the failure (logged and
+        counted, never raised)."""
         try:
             with anyio.fail_after(self.deliver_timeout):
                 await self._deliver(reply)
+        except DeliveryFailed as exc:
+            self._counters.delivery_failures += 1
+            with logger.contextualize(session=reply.session_key):
+                logger.warning("reply not delivered, to be sent again: {}", exc)
+            return exc
         except Exception as exc:
             self._counters.delivery_failures += 1
             with logger.contextualize(session=reply.session_key):
                 logger.error("reply could not be delivered: {!r}", exc)
-            return type(exc).__name__
+            return exc
         return None
+
+    async def _deliver_until_taken(
+        self, reply: OutboundMessage, fence: Fence | None
+    ) -> Exception | None:
+        """Send `reply`; while its channel says it certainly did not go out and may later
+        (`DeliveryFailed`: the platform or the network is down), send it again, with
+        backoff, for up to `redeliver_window` seconds: its conversation's next replies
+        wait behind it, in order. None when it went out; the `DeliveryFailed` when the
+        gateway began to stop meanwhile (the message stays journaled for the next start);
+        any other failure when it never will go out, or the window ran out (the message
+        is then marked answered, as the log says)."""
+        failure = await self._deliver_safely(reply)
+        started = time.monotonic()
+        pause = REDELIVER_FIRST_PAUSE
+        while isinstance(failure, DeliveryFailed):
+            if time.monotonic() - started >= self.redeliver_window:
+                with logger.contextualize(session=reply.session_key):
+                    logger.error(
+                        "reply given up after {:.0f} s of failed deliveries: {}",
+                        time.monotonic() - started,
+                        failure,
+                    )
+                return RuntimeError(f"undelivered for {self.redeliver_window:g} s")
+            with anyio.move_on_after(pause):
+                await self._stopping.wait()
+            if self._draining:
+                return failure
+            pause = min(pause * 2, REDELIVER_MAX_PAUSE)
+            if fence is not None and not await self._holds(fence):
+                raise fence.refused()
+            failure = await self._deliver_safely(reply)
+        return failure
 
     def _settled(self, count: int) -> None:
         self._outstanding -= count
@@ -1164,11 +1221,13 @@ class Dispatcher:
         started = time.monotonic()
         if self._draining or self._tg is None:  # drained already, or never ran
             self._draining = True
+            self._stopping.set()
             if self._tg is not None:
                 await self._run_done.wait()
             return DrainReport(time.monotonic() - started, 0, 0, 0, ())
         finished_before = self._counters.turns_finished
         self._draining = True
+        self._stopping.set()
         self._idle = anyio.Event()
         if self._outstanding <= 0:
             self._idle.set()

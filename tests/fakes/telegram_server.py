@@ -939,6 +939,11 @@ class FakeTelegram(LocalApiServer[ApiCall]):
         with self._lock:
             self._faults.extend([fault] * count)
 
+    def clear_faults(self) -> None:
+        """Forget the faults `fail_next` queued that have not happened yet."""
+        with self._lock:
+            self._faults.clear()
+
     def reset(self) -> None:
         """Forget queued updates, faults, the call and poll logs and the sent-message
         log (chats, messages and ids stay)."""
