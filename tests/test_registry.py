@@ -30,7 +30,8 @@ BUILT_IN = ["discord", "email", "matrix", "slack", "telegram", "whatsapp"]
 
 def test_the_built_in_channels_come_through_the_entry_point_group() -> None:
     registry = installed()
-    assert sorted(registry.specs) == BUILT_IN and not registry.broken
+    ours = sorted(n for n, spec in registry.specs.items() if spec.distribution == "chat-gateway")
+    assert ours == BUILT_IN and not registry.broken  # beside them: others' packages, if any
     entries = {e.name: e for e in metadata.entry_points(group=ENTRY_POINT_GROUP)}
     for name in BUILT_IN:
         spec = registry.specs[name]
@@ -68,7 +69,7 @@ def test_spec_modules_import_no_platform_library_and_a_missing_one_is_one_line()
         check=True,
     )
     found = json.loads(done.stdout)
-    assert found["specs"] == BUILT_IN
+    assert set(BUILT_IN) <= set(found["specs"])
     assert found["loaded"] == []
     assert found["unusable"] == {
         "discord": "channels.discord needs discord, which is not installed; install it with: "
