@@ -243,6 +243,20 @@ def test_a_strangers_pairing_code_may_reply_to_their_message_but_not_answer_it()
     assert answered.bystanders_told == ["answered m00002"]
 
 
+def test_a_kill_repeats_at_most_the_replies_of_the_turns_running_at_once() -> None:
+    """Nine conversations each answered once more after one kill: each within its own
+    bound, yet more than the eight turns the gateway runs at once could have had on
+    their way (the bound the kill tests of tests/test_kill_delivery.py hold)."""
+    said = [dm(f"m{n:05d}", Place(f"dm-{n}")) for n in range(1, 10)]
+    posts = [post for s in said for post in (echo(s), echo(s))]
+    assert tally(said[:8], posts[:16], kills=1).problems() == []
+    problems = tally(said, posts, kills=1).problems()
+    assert problems == [
+        "9 repeated replies in 1 kills (at most 8 per kill: the replies of the turns "
+        "running at once)"
+    ]
+
+
 def test_a_post_answers_the_last_token_it_echoes() -> None:
     group = Post(ROOM, 'echo: [from "Ann"]\n[in reply to "Bot": "echo: m00001"]\nm00002')
     assert answered_token(group) == "m00002"

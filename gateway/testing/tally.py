@@ -91,6 +91,9 @@ class Tally:
     #: The tokens that reached the model in any request.
     model_saw: frozenset[str]
     kills: int = 0
+    #: Turns the gateway runs at once (`dispatch.max_concurrent_turns`): a kill catches
+    #: at most that many replies on their way.
+    turns_at_once: int = 8
     seconds: float = 0.0
     exit_code: int | None = 0
     seed: int = 0
@@ -283,6 +286,11 @@ class Tally:
             found.append(
                 f"a conversation got {self.most_repeats_in_one_place} repeated replies in "
                 f"{self.kills} kills (it has one reply on its way at a time: one per kill)"
+            )
+        if self.kills and self.answered_twice > self.kills * self.turns_at_once:
+            found.append(
+                f"{self.answered_twice} repeated replies in {self.kills} kills (at most "
+                f"{self.turns_at_once} per kill: the replies of the turns running at once)"
             )
         if not self.other_posts_allowed and self.other_posts:
             add("posts that answer no message", self.other_posts)
