@@ -13,8 +13,8 @@ DMs are answered always, once the sender passed the DM policy (pairing by defaul
 
 Discord confirms nothing and keeps nothing for an absent bot: the Gateway replays what
 a dropped connection missed only to a RESUME of the same session. The delivery promise
-of docs/delivery.md is kept anyway, by these rules (tested in tests/test_discord*.py
-and tests/test_discord_kill.py):
+of docs/delivery.md is kept anyway, by these rules (tested in tests/test_discord*.py,
+and with SIGKILLs by the conformance kit, tests/conformance/test_discord_conformance.py):
 - Journal, then move on: every message is submitted (journaled by the dispatcher,
   deduped by its message id, a snowflake) one at a time, in the order it arrived, and
   only then is its conversation's position (`gateway.journal.cursors`) moved past it. A message

@@ -199,3 +199,5 @@ class DiscordDriver(ChannelDriver):
             yield f"{call.at:.3f} {call.method} {call.path} {call.status}"
         for message in fake.bot_messages():
             yield f"posted in {message['channel_id']}: {str(message['content'])[:100]!r}"
+        # Replies sent again (a kill's repeats) that Discord recognized by their nonce.
+        yield f"nonce_repeats={fake.nonce_repeats} (replies sent again, not posted twice)"
