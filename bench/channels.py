@@ -155,13 +155,13 @@ class Discord:
 
     def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
         from tests.fakes.discord_server import FakeDiscord
-        from tests.test_discord_kill import World
 
         self.fake = stack.enter_context(FakeDiscord.in_thread())
-        self.world = World(self.fake, users, in_servers=0)
+        self.people = [self.fake.add_user(f"u{n:03d}") for n in range(users)]
+        self.dms = [self.fake.dm_channel(person) for person in self.people]
 
     def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
-        from tests.test_discord_kill import discord_env
+        from tests.gateway_process import discord_env
 
         return discord_env(workspace, llm, self.fake)
 
@@ -169,7 +169,7 @@ class Discord:
         pass
 
     def send(self, message: Message) -> None:
-        self.world.send(message)
+        self.fake.user_message(self.dms[message.user], self.people[message.user], message.text)
 
     def replies(self) -> list[tuple[float | None, str]]:
         return [
