@@ -226,6 +226,23 @@ def test_kills_allow_one_extra_reply_per_message_and_conversation_each() -> None
     assert "a message was answered 2 extra times in 1 kills" in problems[0]
 
 
+def test_a_strangers_pairing_code_may_reply_to_their_message_but_not_answer_it() -> None:
+    """A stranger wrote to the bot in a DM: a pairing code threaded under their message
+    (as a mail is) tells a person who addressed the bot, no bystander. Echoing what they
+    wrote still breaks the promise. (The kit counted the code as a post to a bystander,
+    found by the email driver.)"""
+    a = dm("m00001")
+    stranger = Said("m00002", MessageRef("id-m00002", OTHER_DM, "stranger"), addressed=False)
+    code = Post(OTHER_DM, "Your pairing code is QX7KD2PA", reply_to=stranger.ref.id)
+    counted = tally([a, stranger], [echo(a), code], stored=["m00001"])
+    assert counted.bystanders_told == []
+    assert counted.problems() == [
+        "1 posts that answer no message, e.g. ['Your pairing code is QX7KD2PA']"
+    ]
+    answered = tally([a, stranger], [echo(a), echo(stranger)], stored=["m00001"])
+    assert answered.bystanders_told == ["answered m00002"]
+
+
 def test_a_post_answers_the_last_token_it_echoes() -> None:
     group = Post(ROOM, 'echo: [from "Ann"]\n[in reply to "Bot": "echo: m00001"]\nm00002')
     assert answered_token(group) == "m00002"

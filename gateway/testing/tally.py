@@ -212,12 +212,15 @@ class Tally:
 
     @property
     def bystanders_told(self) -> list[str]:
-        """Posts to people who did not address the bot: an answer to their message, a
-        reply to it, or a mention of someone who only chattered."""
-        chatter = {s.ref.id: s for s in self.chatter}
+        """Posts to people who did not address the bot: an answer to anything the bot
+        owed no answer, a reply to a group's chatter, or a mention of someone who only
+        chattered there. A DM owed no answer (a stranger's) was written to the bot: a
+        pairing code in reply to it (threaded under it, as a mail is) tells no
+        bystander, and the stranger scenario checks it."""
+        chatter = {s.ref.id: s for s in self.chatter if s.in_group}
         chatter_tokens = {s.token for s in self.chatter}
         talkers = {s.ref.sender for s in self.addressed}
-        silent = {s.ref.sender for s in self.chatter} - talkers
+        silent = {s.ref.sender for s in chatter.values()} - talkers
         told = []
         for post in self.posts:
             token = answered_token(post)
