@@ -11,16 +11,18 @@ How the kit's words map onto mail:
 | the kit | email |
 |---|---|
 | person n | `person<n>@example.net`, whose server vouches for them |
-| their DM | one mail thread: each mail answers their previous one |
-| a `Place` | the correspondent's address, and the thread's root Message-ID |
+| their DM | one thread, each mail answering their last (or new mails: `threads = false`) |
+| a `Place` | the correspondent's address, and (with `threads`) the thread's root id |
 | `MessageRef.id`, `Post.reply_to` | the mail's Message-ID; a reply's In-Reply-To |
 | handed over twice | the same mail (its Message-ID) delivered into the mailbox again |
 | signed inbound | the receiving server's Authentication-Results, `require_auth` on |
 | a stranger | `dm_policy = "pairing"`, nobody in `allow_from`: a code by reply |
 | the platform away | both proxies cut: IMAP and SMTP unreachable |
 
-The gateway runs with `threads = true` (the default), so a person's thread is one
-conversation, `email:<address>:thread:<root>`, answered in order. Mail is vouched for by
+The channel's two kinds of conversation are two drivers: with `threads = true` (the
+default) a person's thread is one conversation, `email:<address>:thread:<root>`; with
+`threads = false` (`EmailDriver(threads=False)`) everything a person writes is one,
+`email:<address>`, and each of their mails is a new one. Mail is vouched for by
 `Authentication-Results: mx.kit.example; ... dmarc=pass header.from=example.net`, with
 `require_auth = ["dmarc"]` and `authserv_id = "mx.kit.example"` on in every scenario.
 
@@ -77,14 +79,16 @@ def vouched(address: str) -> str:
 
 class EmailDriver(ChannelDriver):
     """Email: one mailbox in Dovecot, replies through aiosmtpd. Give it a running
-    Dovecot to share one across scenarios; without one, `running` starts its own."""
+    Dovecot to share one across scenarios; without one, `running` starts its own.
+    `threads`: the channel's setting (a conversation per mail thread, or per
+    correspondent)."""
 
     name = "email"
     requirements = Requirements(
         groups=False,  # mail has no groups: Cc'd people are not answered (docs/email.md, 11)
         mentions=False,
-        # The kit's threads are threads of a group. A mail thread is the conversation
-        # itself: each person's DM is one thread (`Place.thread` is its root).
+        # The kit's threads are threads of a group. A mail thread is a conversation of
+        # its own (with the channel's `threads`): each person's DM is one thread.
         threads=False,
         edits=False,  # a mail cannot be changed once sent
         duplicate_delivery=True,  # the same Message-ID delivered into the mailbox again
@@ -96,8 +100,9 @@ class EmailDriver(ChannelDriver):
         platform_outage=True,
     )
 
-    def __init__(self, dovecot: Dovecot | None = None) -> None:
+    def __init__(self, dovecot: Dovecot | None = None, *, threads: bool = True) -> None:
         self._shared = dovecot
+        self.threads = threads
         self._dovecot: Dovecot | None = None
         self._smtp: SmtpServer | None = None
         self._imap_proxy: TcpProxy | None = None
@@ -181,7 +186,7 @@ class EmailDriver(ChannelDriver):
             f"{prefix}SMTP_PORT": str(self._smtp_proxy.port),
             f"{prefix}SMTP_SECURITY": "starttls",
             f"{prefix}TLS_CA_FILE": str(self.dovecot.ca_file),
-            f"{prefix}THREADS": "true",
+            f"{prefix}THREADS": "true" if self.threads else "false",
             f"{prefix}DM_POLICY": "open",
             f"{prefix}REQUIRE_AUTH": '["dmarc"]',
             f"{prefix}AUTHSERV_ID": AUTHSERV_ID,
@@ -260,12 +265,13 @@ class EmailDriver(ChannelDriver):
 
     def dm(self, person: int, text: str) -> MessageRef:
         address = person_address(person)
-        thread = self._threads.setdefault(person, [])
+        thread = self._threads.setdefault(person, []) if self.threads else []
         mid, raw = self._mail(address, text, thread, [vouched(address)])
         thread.append(mid)
         self._mails[mid] = raw
         self._deliver(raw)
-        return MessageRef(id=mid, place=Place(address, thread[0]), sender=address, event=mid)
+        place = Place(address, thread[0] if self.threads else None)
+        return MessageRef(id=mid, place=place, sender=address, event=mid)
 
     def redeliver(self, ref: MessageRef) -> None:
         self._deliver(self._mails[ref.id])
@@ -308,7 +314,7 @@ class EmailDriver(ChannelDriver):
     def bot_posts(self) -> list[Post]:
         accepted = list(self.smtp.accepted)
         for item in accepted[len(self._posts) :]:
-            self._posts.append(as_post(item))
+            self._posts.append(as_post(item, threads=self.threads))
         return list(self._posts)
 
     def mails_sent(self) -> list[EmailMessage]:
@@ -332,15 +338,16 @@ class EmailDriver(ChannelDriver):
             yield f"INBOX uid {uid} {seen} {msg['Message-ID']} from {msg['From']}"
 
 
-def as_post(item: Accepted) -> Post:
+def as_post(item: Accepted, *, threads: bool) -> Post:
     """A mail the bot sent, as its reader sees it: to its envelope's recipients, in the
-    thread its References start (else its In-Reply-To), answering its In-Reply-To."""
+    thread its References start (else its In-Reply-To; with `threads` only, where a
+    thread is a conversation), answering its In-Reply-To."""
     msg = item.message
     chain = str(msg.get("References") or "").split() or str(msg.get("In-Reply-To") or "").split()
     body = msg.get_body(preferencelist=("plain",))
     text = str(body.get_content()) if body is not None else ""
     return Post(
-        place=Place(",".join(sorted(item.rcpt_tos)), chain[0] if chain else None),
+        place=Place(",".join(sorted(item.rcpt_tos)), chain[0] if chain and threads else None),
         text=text.replace("\r\n", "\n").strip(),
         reply_to=str(msg["In-Reply-To"]).strip() if msg["In-Reply-To"] else None,
     )

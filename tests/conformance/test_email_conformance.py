@@ -29,9 +29,11 @@ def kit_dovecot() -> Iterator[Dovecot]:
         yield dovecot
 
 
-@pytest.fixture
-def channel_driver(kit_dovecot: Dovecot) -> ChannelDriver:
-    return EmailDriver(kit_dovecot)
+@pytest.fixture(params=["threads", "correspondents"])
+def channel_driver(request: pytest.FixtureRequest, kit_dovecot: Dovecot) -> ChannelDriver:
+    """The channel's `threads` setting: a conversation per mail thread (the default), or
+    per correspondent."""
+    return EmailDriver(kit_dovecot, threads=request.param == "threads")
 
 
 def channel_retry_seconds() -> float:
@@ -47,6 +49,7 @@ def channel_retry_seconds() -> float:
     return sum(waits)
 
 
+@pytest.mark.parametrize("channel_driver", ["threads"], indirect=True)
 def test_a_reply_the_smtp_server_cannot_take_for_longer_than_the_channel_tries_arrives_once(
     kit: Kit,
 ) -> None:
