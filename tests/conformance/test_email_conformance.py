@@ -82,3 +82,31 @@ def test_a_reply_the_smtp_server_cannot_take_for_longer_than_the_channel_tries_a
         return [] if set(refused) <= sent else [f"{refused} never went out as such: {sent}"]
 
     kit.check(run, extra=resent_as_the_same_mail)
+
+
+@pytest.mark.parametrize("channel_driver", ["threads"], indirect=True)
+def test_a_reply_still_unsent_at_a_stop_goes_out_once_after_the_next_start(kit: Kit) -> None:
+    """The SMTP server is unreachable while a reply is due, past the channel's own
+    retries, and the gateway is stopped (SIGTERM): it exits cleanly with the message
+    still journaled, and the next start, the server back, sends that reply once, without
+    asking the model again."""
+    driver = kit.driver
+    assert isinstance(driver, EmailDriver)
+    run = kit.gateways()
+    run.start()
+    introduce(kit, [kit.dm(0)])
+    driver.smtp_down()
+    try:
+        waiting = kit.dm(1)
+        time.sleep(channel_retry_seconds() + 3)
+        assert run.terminate() == 0
+    finally:
+        driver.smtp_up()
+    run.start()
+    kit.settle()
+
+    def asked_once(tally: Tally) -> list[str]:
+        asked = [r for r in kit.model.requests if waiting.token in r.last_user_text]
+        return [] if len(asked) == 1 else [f"the model was asked {len(asked)} times"]
+
+    kit.check(run, extra=asked_once)
