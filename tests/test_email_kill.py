@@ -10,6 +10,9 @@ What stays here, and why the kit does not do it:
 - The worst moment made to happen: killed between the journal and the `\\Seen` flag
   (failpoint `email.before_confirm`). The kit kills at answer counts, never at a
   failpoint.
+- The "one extra time" made to happen: killed after a reply went out, before its mail
+  was marked answered (failpoint `dispatch.before_mark`): the reply sent again is the
+  same mail, Message-ID included. The kit counts a repeat, not what it looks like.
 - A backlog read at the first start, killed 0-500 ms after each start: without a mark
   yet the channel reads the folder's unseen mail and saves its mark only once that
   catch-up is done, so every restart reads it that way again. The kit's backlogs are
@@ -239,6 +242,48 @@ def test_a_kill_between_the_journal_and_the_seen_flag_answers_once(
         finally:
             second.stop()
     assert replies(smtp) == (["u001 m0000"], [])
+    user, assistant = session_entries(workspace / "sessions")
+    assert (user["u001 m0000"], assistant["u001 m0000"]) == (1, 1)
+
+
+@pytest.mark.timeout(180)
+def test_a_reply_sent_again_after_a_kill_is_the_same_mail(
+    tmp_path: Path, mail_servers: tuple[Dovecot, SmtpServer]
+) -> None:
+    """The "one extra time", made to happen: the gateway stops itself right after a
+    reply went out and before its mail was marked answered (failpoint
+    `dispatch.before_mark`), and is SIGKILLed there. The next start sends the reply
+    again, from the session, and it is the same mail: the same Message-ID (mail
+    clients show one), threaded under the same mail."""
+    dovecot, smtp = mail_servers
+    workspace = tmp_path / "ws"
+    with FakeOpenAI.in_thread() as llm:
+        env = email_env(workspace, llm, dovecot, smtp)
+        first = GatewayProcess(
+            env | {"GATEWAY_FAILPOINTS": "dispatch.before_mark=sigstop"}, tmp_path
+        )
+        try:
+            first.wait_readyz(first.wait_ready())
+            raw = person_mail(address(1), "u001 m0000", message_id="<r1@example.org>")
+            dovecot.append(BOT, raw)
+            first.wait_for_line("failpoint dispatch.before_mark reached", timeout=30)
+            time.sleep(0.3)  # the SIGSTOP follows the log line
+            assert len(smtp.accepted) == 1
+            first.kill()
+        finally:
+            first.stop()
+        second = GatewayProcess(env, tmp_path)
+        try:
+            second.wait_readyz(second.wait_ready())
+            wait_until(lambda: len(smtp.accepted) == 2, 30, "the reply sent again")
+            time.sleep(2.0)  # room for a third, if one were coming
+            assert second.terminate() == 0
+        finally:
+            second.stop()
+    once, again = (item.message for item in smtp.accepted)
+    assert replies(smtp) == (["u001 m0000", "u001 m0000"], [])
+    assert again["Message-ID"] == once["Message-ID"]
+    assert again["In-Reply-To"] == once["In-Reply-To"] == "<r1@example.org>"
     user, assistant = session_entries(workspace / "sessions")
     assert (user["u001 m0000"], assistant["u001 m0000"]) == (1, 1)
 
