@@ -279,7 +279,8 @@ class EmailDriver(ChannelDriver):
     def forge(self, text: str) -> bool:
         """A mail from someone at example.net that their domain never sent: the receiving
         server found SPF and DMARC failing and wrote so on top; below it, the forger's
-        own header claims a pass under another server's id. True once the gateway
+        own headers claim a pass, under another server's id and under the receiving
+        server's (one it failed to drop: only the topmost counts). True once the gateway
         counted it not answered (`gateway_email_mail_total{outcome="not_answered"}`:
         mail it read and did not take, so it stays unflagged); False when it took it."""
         address = person_address(0)
@@ -288,6 +289,7 @@ class EmailDriver(ChannelDriver):
             f"{AUTHSERV_ID}; spf=fail smtp.mailfrom=forger@evil.example; dkim=none; "
             f"dmarc=fail header.from={domain}",
             f"mx.evil.example; dmarc=pass header.from={domain}",
+            f"{AUTHSERV_ID}; dmarc=pass header.from={domain}",
         ]
         before = self._mail_counts()
         _, raw = self._mail(address, text, [], authentication)
