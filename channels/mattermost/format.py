@@ -14,7 +14,8 @@ fits in one post (`channels.telegram.format.split_markdown`, which counts UTF-16
 never fewer than Mattermost's count of characters).
 
 Promises (tested in tests/test_mattermost_format.py, partly with hypothesis):
-- no post ever holds an `@` that starts a mention outside code;
+- no post ever holds an `@` that starts a mention outside code (as the server reads
+  mentions: `mentioned_names`);
 - every post is at most `limit` characters, and every code block opened in one is
   closed in it;
 - the posts hold all of the text, in order.
@@ -32,9 +33,9 @@ ZWSP = "\u200b"
 
 _FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
-#: An `@` that Mattermost reads as the start of a mention: not inside a word or an
-#: address (`a@b`), followed by a character a username or `channel`/`all`/`here` starts with.
-_MENTION = re.compile(r"(?<![\w@.\-])@(?=[A-Za-z0-9_])")
+#: An `@` that may start a mention: not after a letter or a digit (`a@b` is an address;
+#: after `.`, `-`, `:` or `_` the server still finds one), before a word character.
+_MENTION = re.compile(r"(?<![^\W_])@(?=\w)")
 #: A username as Mattermost allows it (lower case letters, digits, `.`, `-`, `_`).
 USERNAME = re.compile(r"[a-z0-9][a-z0-9._\-]{0,63}", re.IGNORECASE)
 
@@ -71,19 +72,36 @@ def mention_line(username: str) -> str:
     return f"@{username} " if USERNAME.fullmatch(username) else ""
 
 
+def mentioned_names(text: str) -> set[str]:
+    """The names `text` mentions outside code, lower case, as the server reads them
+    (`explicit_mentions.go`): words are split at anything but letters, digits and
+    `:.-_@`; a word's leading `:.-_` are dropped; `@name` with a trailing `.`, `-` or `:`
+    names `name` too; a word holding `.`, `-` or `:` is split there once more."""
+    names: set[str] = set()
+    for is_code, chunk in _segments(text):
+        if is_code:
+            continue
+        for raw in re.split(r"[^\w:.\-@]", _without_code_spans(chunk)):
+            word = raw.lstrip(":.-_")
+            if not word or re.fullmatch(r":[\w+\-]+:", raw):
+                continue
+            if word.startswith("@"):
+                name = word[1:].lower()
+                names.add(name)
+                if name[-1:] in (".", "-", ":"):
+                    names.add(name[:-1])
+            elif any(c in word for c in ".-:"):
+                for part in re.split(r"[.\-:]", word):
+                    if part.startswith("@"):
+                        names.add(part[1:].lower())
+    names.discard("")
+    return names
+
+
 def mentions_user(text: str, username: str) -> bool:
     """Does `text` mention `@username` outside code, as Mattermost finds mentions (case
-    does not matter; a trailing `.`, `,`, `:` and the like do not belong to the name)?"""
-    if not username:
-        return False
-    wanted = re.compile(
-        rf"(?<![\w@.\-])@{re.escape(username)}(?![A-Za-z0-9_\-]|\.[A-Za-z0-9_\-])", re.IGNORECASE
-    )
-    return any(
-        wanted.search(_without_code_spans(chunk))
-        for is_code, chunk in _segments(text)
-        if not is_code
-    )
+    does not matter; a trailing `.`, `-` or `:` does not belong to the name)?"""
+    return bool(username) and username.lower() in mentioned_names(text)
 
 
 def strip_mention(text: str, username: str) -> str:
@@ -92,8 +110,7 @@ def strip_mention(text: str, username: str) -> str:
     if not username:
         return text.strip()
     pattern = re.compile(
-        rf"(?<![\w@.\-])@{re.escape(username)}(?![A-Za-z0-9_\-]|\.[A-Za-z0-9_\-])[,:]?[ \t]*",
-        re.IGNORECASE,
+        rf"(?<![^\W_])@{re.escape(username)}(?![\w\-]|\.\w)[,:]?[ \t]*", re.IGNORECASE
     )
     stripped = pattern.sub("", text).strip()
     return stripped or text.strip()

@@ -102,7 +102,6 @@ PENDING_TTL = 30.0
 MAX_FILE_SIZE = 100 * 1024 * 1024
 MAX_FILES_PER_POST = 5
 SERVER_VERSION = "9.11.0"
-_MENTION_WORD = re.compile(r"(?<![\w@.\-])@([a-z0-9][a-z0-9._\-]*)", re.IGNORECASE)
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
 CHANNEL_WIDE = frozenset({"channel", "all", "here"})
@@ -153,6 +152,7 @@ class _Fault:
     count: int
     cut_after: bool = False
     retry_after: float | None = None
+    skip: int = 0
 
 
 @dataclass
@@ -166,11 +166,12 @@ class _Conn:
 
 
 def mentions_in(message: str) -> tuple[set[str], bool]:
-    """The usernames a message mentions and whether it mentions everyone (`@channel`,
-    `@all`, `@here`), outside code, as the server reads them (a trailing `.`, `-`, `_`
-    does not belong to the name)."""
+    """The names a message mentions and whether it mentions everyone (`@channel`, `@all`,
+    `@here`), outside code, as the server's `explicit_mentions.go` reads them: words
+    split at anything but letters, digits and `:.-_@`; leading `:.-_` dropped; `@name`
+    with a trailing `.`, `-` or `:` names `name`; a word holding `.`, `-` or `:` split
+    there again."""
     names: set[str] = set()
-    everyone = False
     in_fence = False
     for line in message.split("\n"):
         if _FENCE.match(line):
@@ -178,13 +179,17 @@ def mentions_in(message: str) -> tuple[set[str], bool]:
             continue
         if in_fence:
             continue
-        for match in _MENTION_WORD.finditer(_CODE_SPAN.sub(" ", line)):
-            word = match.group(1).lower()
-            candidates = {word, word.rstrip(".-_")}
-            if candidates & CHANNEL_WIDE:
-                everyone = True
-            names |= candidates
-    return names, everyone
+        for raw in re.split(r"[^\w:.\-@]", _CODE_SPAN.sub(" ", line)):
+            word = raw.lstrip(":.-_")
+            if not word or re.fullmatch(r":[\w+\-]+:", raw):
+                continue
+            if word.startswith("@"):
+                name = word[1:].lower()
+                names.update({name, name[:-1] if name[-1:] in (".", "-", ":") else name})
+            elif any(c in word for c in ".-:"):
+                names.update(p[1:].lower() for p in re.split(r"[.\-:]", word) if p.startswith("@"))
+    names.discard("")
+    return names, bool(names & CHANNEL_WIDE)
 
 
 class FakeMattermost(LocalApiServer[Call]):
@@ -383,12 +388,13 @@ class FakeMattermost(LocalApiServer[Call]):
         count: int = 1,
         cut_after: bool = False,
         retry_after: float | None = None,
+        skip: int = 0,
     ) -> None:
-        """The next `count` calls of `route` (``POST /posts``) answer `status` without
-        doing anything; with `cut_after`, they are carried out and the connection is
-        cut before the answer."""
+        """The next `count` calls of `route` (``POST /posts``), after `skip` that go
+        through, answer `status` without doing anything; with `cut_after`, they are
+        carried out and the connection is cut before the answer."""
         with self._lock:
-            self._faults.append(_Fault(route, status, count, cut_after, retry_after))
+            self._faults.append(_Fault(route, status, count, cut_after, retry_after, skip))
 
     def rate_limit(self, per_second: int | None) -> None:
         with self._lock:
@@ -484,6 +490,9 @@ class FakeMattermost(LocalApiServer[Call]):
         with self._lock:
             for fault in self._faults:
                 if fault.route == route and fault.count > 0:
+                    if fault.skip > 0:
+                        fault.skip -= 1
+                        return None
                     fault.count -= 1
                     if fault.count == 0:
                         self._faults.remove(fault)
