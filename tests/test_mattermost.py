@@ -565,6 +565,23 @@ async def test_a_refused_token_fails_run_with_what_to_fix(fake: FakeMattermost) 
         await channel.run(Recorder().submit)
 
 
+async def test_a_token_revoked_while_running_ends_the_channel_with_what_to_fix(
+    fake: FakeMattermost,
+) -> None:
+    settings = MattermostSettings(enabled=True, url=fake.url)
+    channel = MattermostChannel(
+        settings, token=DEFAULT_TOKEN, lead=Saved.fresh().lead(), pacing=FAST
+    )
+    with anyio.fail_after(10), pytest.raises(ExceptionGroup) as ended:
+        async with anyio.create_task_group() as tg:
+            await tg.start(channel.run, Recorder().submit)
+            await channel.live.wait()
+            del fake.tokens[DEFAULT_TOKEN]
+            fake.drop_websockets()
+    failure = ended.value.exceptions[0]
+    assert isinstance(failure, MattermostSetupError) and "Create New Token" in str(failure)
+
+
 async def test_doctor_says_who_the_bot_is_and_that_the_websocket_answers(
     fake: FakeMattermost,
 ) -> None:

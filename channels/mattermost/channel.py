@@ -370,8 +370,9 @@ class MattermostChannel:
         delay = 0.5
         while True:
             began = time.monotonic()
+            said_hello = False
             try:
-                await self._one_connection()
+                said_hello = await self._one_connection()
                 logger.warning("mattermost: the WebSocket connection ended; reconnecting")
             except MattermostSetupError:
                 raise
@@ -384,14 +385,31 @@ class MattermostChannel:
                 )
             finally:
                 self._connected = False
+            if not said_hello:
+                # The server closes a connection whose token it refuses without a word:
+                # ask the REST API whether the token still works (a refused one ends the
+                # channel with what to fix; the daemon restarts it with backoff).
+                await self._token_still_works()
             if time.monotonic() - began > 60:
                 delay = 0.5  # it was up a while: this is a new outage
             await anyio.sleep(delay)
             delay = min(delay * 2, self.pacing.reconnect_max)
 
-    async def _one_connection(self) -> None:
+    async def _token_still_works(self) -> None:
+        """Raise MattermostSetupError when the REST API refuses the token (401); any
+        other outcome (it works, the server is unreachable) leaves the reconnects going."""
+        try:
+            with anyio.move_on_after(self.pacing.request_timeout):
+                await self._require_api().me()
+        except MattermostError as exc:
+            if exc.status == 401:
+                raise MattermostSetupError(_token_refused(self.endpoints.url)) from None
+        except (Unreachable, NoAnswer):
+            pass
+
+    async def _one_connection(self) -> bool:
         """One WebSocket connection: authenticated by the documented challenge, then its
-        events queued for the intake, until it closes."""
+        events queued for the intake, until it closes; whether it said hello."""
         api = self._require_api()
         async with api.session.ws_connect(
             self.endpoints.websocket,
@@ -409,12 +427,12 @@ class MattermostChannel:
                     frame = await ws.receive(timeout=wait)
                 except TimeoutError:
                     raise TimeoutError("no hello from the WebSocket") from None
-                if frame.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
-                    if not hello and frame.data == 1008:
-                        raise MattermostSetupError(_token_refused(self.endpoints.url))
-                    return
-                if frame.type is aiohttp.WSMsgType.ERROR:
-                    return
+                if frame.type in (
+                    aiohttp.WSMsgType.CLOSE,
+                    aiohttp.WSMsgType.CLOSED,
+                    aiohttp.WSMsgType.ERROR,
+                ):
+                    return hello
                 if frame.type is not aiohttp.WSMsgType.TEXT:
                     continue
                 event = json.loads(frame.data)
