@@ -1210,8 +1210,9 @@ def _create_at(post: dict[str, Any]) -> int:
 
 def _token_refused(url: str) -> str:
     return (
-        f"mattermost: {url} refused the bot's access token; create a new one (System Console > "
-        f"Integrations > Bot Accounts > Create New Token) and set {ENV_TOKEN}"
+        f"mattermost: {url} refused the bot's access token; create a new one (Integrations > "
+        f"Bot Accounts > Create New Token) and set {ENV_TOKEN}, and check that System Console "
+        "> Integrations > Integration Management > Enable Personal Access Tokens is on"
     )
 
 
