@@ -135,7 +135,10 @@ def _segments(text: str) -> Iterator[tuple[bool, str]]:
             yield False, "\n".join(prose)
             prose = []
         marker = opening.group(1)
-        closing = re.compile(rf"^ {{0,3}}{re.escape(marker[0])}{{{len(marker)},}}[ \t]*$")
+        # Any fence-like line ends the block here, an info string after it or not: a
+        # parser that takes "```py" inside a block for a new fence (CommonMark does not)
+        # must not find a mention we took for code.
+        closing = re.compile(rf"^ {{0,3}}{re.escape(marker[0])}{{{len(marker)},}}")
         block = [lines[i]]
         i += 1
         while i < len(lines):
