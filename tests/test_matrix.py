@@ -216,6 +216,45 @@ async def test_rooms_of_more_than_two_answer_only_when_addressed_with_names_and_
     assert "just chatting" not in session_file(gw.settings, f"matrix:{room}")
 
 
+def highlighted(synapse: Synapse, user: MatrixUser, room: str) -> dict[str, bool]:
+    """The body of each message in `room` that notified `user` -> whether it highlighted
+    them (a mention, or @room), as Synapse's push rules decided (`/notifications`)."""
+    answer = synapse.request("GET", "/_matrix/client/v3/notifications", token=user.access_token)
+    return {
+        str(n["event"]["content"].get("body")): any(
+            isinstance(a, dict) and a.get("set_tweak") == "highlight" and a.get("value", True)
+            for a in n["actions"]
+        )
+        for n in answer["notifications"]
+        if n["room_id"] == room
+    }
+
+
+async def test_a_reply_that_holds_at_room_pings_nobody(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """The bot never pings a room: its messages name whom they mention (`m.mentions`,
+    nobody), so the homeserver does not read an "@room" in the text as a ping, even where
+    the bot has the power to ping (a DM made as Element makes one gives it 100). Found by
+    the conformance kit's Matrix driver."""
+    bot, alice = synapse.register(), synapse.register()
+    fake_openai.add_reply("Tell @room about it")
+    async with gateway(make_settings, fake_openai, synapse, bot):
+        room = await call(
+            synapse.create_room,
+            alice,
+            invite=[bot.user_id],
+            direct=True,
+            preset="trusted_private_chat",
+        )
+        await wait_membership(synapse, alice, room, bot.user_id, "join")
+        await call(synapse.send, alice, room, "who should know?")
+        [reply] = await wait_bot_messages(synapse, alice, room, bot, 1)
+        notified = await call(highlighted, synapse, alice, room)
+    assert notified == {"Tell @room about it": False}
+    assert reply["content"]["m.mentions"] == {}
+
+
 async def test_a_thread_is_its_own_conversation_answered_in_the_thread(
     fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
 ) -> None:

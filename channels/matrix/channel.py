@@ -83,6 +83,7 @@ from channels.matrix.crypto import (
     split_file_id,
 )
 from channels.matrix.format import (
+    NO_MENTIONS,
     edit_content,
     notice_content,
     split_reply,
@@ -1603,6 +1604,7 @@ class MatrixChannel:
             "body": file.caption or file.name,
             "filename": file.name,
             "info": {"mimetype": file.mime_type, "size": len(file.data)},
+            **NO_MENTIONS,  # a caption's "@room" pings nobody either
         }
         if keys is not None:
             content["file"] = {"url": uploaded.content_uri, **keys}
