@@ -31,6 +31,7 @@ from gateway.messages import (
     META_SENT_AT,
     InboundMessage,
     OutboundMessage,
+    reply_for,
 )
 from tests.fakes.slack_server import FakeSlack, _SlackError
 
@@ -352,6 +353,37 @@ async def test_a_long_reply_is_split_in_order(fake: FakeSlack) -> None:
     texts = [m["text"] for m in fake.posted_messages(CHANNEL)]
     assert len(texts) == 6 and all(len(t) <= 200 for t in texts)
     assert [t.split(":")[0] for t in texts] == [f"Paragraph {i}" for i in range(6)]
+
+
+ROOT = BUILDER.channel_message(CHANNEL, "U0BOB00001", "plans for friday")
+
+
+@pytest.mark.parametrize(
+    ("body", "reply_mode", "named"),
+    [
+        # A thread someone else opened, the channel itself: several people talk there.
+        (BUILDER.app_mention(CHANNEL, ALICE, "q", thread_ts=ROOT["event"]["ts"]), "thread", True),
+        (BUILDER.app_mention(CHANNEL, ALICE, "q"), "channel", True),
+        # Under the mention itself (the thread it opens), and in a DM: no need.
+        (BUILDER.app_mention(CHANNEL, ALICE, "q"), "thread", False),
+        (BUILDER.dm_message(ALICE, "q"), "thread", False),
+    ],
+)
+async def test_a_reply_not_under_its_message_names_its_sender(
+    fake: FakeSlack, body: dict[str, Any], reply_mode: str, named: bool
+) -> None:
+    """Slack has no reply to one message inside a conversation several people share: a
+    reply posted there begins with a mention of whom it answers (found by the
+    conformance kit: answers in a busy thread said nothing of whom they answered)."""
+    channel = channel_for(fake, part_chars=60)
+    inbound = translate(body, reply_mode)
+    assert isinstance(inbound, InboundMessage)
+    await channel.send(reply_for(inbound, "**Yes**: " + "a few words " * 10))
+    texts = [m["text"] for m in fake.posted_messages()]
+    first = texts[0].removeprefix(f"<@{ALICE}> ")
+    assert len(texts) > 1 and first.startswith("*Yes*: a few words")
+    assert (first != texts[0]) is named
+    assert not any("<@" in text for text in texts[1:])
 
 
 async def test_rate_limits_wait_for_retry_after(fake: FakeSlack) -> None:

@@ -15,6 +15,9 @@ Where a conversation lives (the session key) and where its replies go:
   (`slack:<C...>:thread:<mention ts>`), so a follow-up in the thread continues the
   same conversation. With `reply_mode = "channel"`: `slack:<C...>`, answered in the
   channel.
+- In a channel, a reply that is not posted under its message (in a thread someone else
+  opened, or in the channel itself) begins with a mention of whom it answers: Slack has
+  no reply to one message inside a conversation several people share.
 
 Promises (tested in tests/test_slack*.py):
 - Journal before confirm: Slack is acknowledged once the event is submitted, and
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -94,6 +98,7 @@ from gateway.messages import (
     META_POST_ID,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
+    META_REPLY_CONTEXT,
     META_REPLY_TO_BOT,
     META_SENDER_NAME,
     META_SENT_AT,
@@ -121,6 +126,7 @@ EDIT_SUBTYPE = "message_changed"
 _NOT_DONE_ERRORS = frozenset({"service_unavailable", "request_timeout", "ratelimited"})
 _MAYBE_DONE_ERRORS = frozenset({"internal_error", "fatal_error"})
 _STREAM_TTL = 600.0  # a stream whose reply never came is forgotten after this long
+_USER_ID = re.compile(r"[UW][A-Z0-9]{2,20}")
 
 ReplyMode = Literal["thread", "channel"]
 
@@ -220,6 +226,9 @@ def translate_event(
         "slack_ts": ts,
         "slack_team": body.get("team_id"),
     }
+    if not is_dm and thread_ts != ts:
+        # Not answered under the message itself: the reply names whom it answers.
+        metadata[META_REPLY_CONTEXT] = {"mention": user}
     profile = event.get("user_profile")
     if isinstance(profile, Mapping):
         name = profile.get("display_name") or profile.get("real_name")
@@ -279,6 +288,13 @@ def event_attachments(event: Mapping[str, Any]) -> tuple[Attachment, ...]:
 def _looks_like_html(data: bytes) -> bool:
     head = data[:64].lstrip().lower()
     return head.startswith((b"<!doctype html", b"<html"))
+
+
+def addressee(message: OutboundMessage) -> str | None:
+    """The user a reply begins by mentioning (see `translate_event`), if any."""
+    context = message.metadata.get(META_REPLY_CONTEXT)
+    user = context.get("mention") if isinstance(context, Mapping) else None
+    return user if isinstance(user, str) and _USER_ID.fullmatch(user) else None
 
 
 def address_of(message: OutboundMessage) -> tuple[str, str | None]:
@@ -709,7 +725,10 @@ class SlackChannel:
         """Post a reply in its place, converted to mrkdwn and split; finalize its
         streamed message when there is one (see the module docstring)."""
         channel, thread_ts = address_of(message)
-        parts = split_mrkdwn(markdown_to_mrkdwn(message.text), self.part_chars)
+        text = markdown_to_mrkdwn(message.text)
+        if text and (user := addressee(message)) is not None:
+            text = f"<@{user}> {text}"
+        parts = split_mrkdwn(text, self.part_chars)
         stream = self._streams.pop(message.reply_to or message.session_key, None)
         deadline = time.monotonic() + self.retry.reply_deadline
         with logger.contextualize(session=message.session_key):
