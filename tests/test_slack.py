@@ -21,6 +21,7 @@ from channels.slack import (
     translate_event,
 )
 from channels.slack.settings import SlackSettings
+from gateway.channel import DeliveryFailed
 from gateway.config import ConfigError
 from gateway.messages import (
     META_EDIT_OF,
@@ -408,7 +409,8 @@ async def test_failures_slack_did_not_act_on_are_retried_with_backoff(fake: Fake
 async def test_retries_are_bounded_and_a_refusal_is_not_retried(fake: FakeSlack) -> None:
     channel = channel_for(fake)
     fake.fail_next("chat.postMessage", "service_unavailable", status=503, count=10)
-    await channel.send(reply("lost"))  # logged, not raised
+    with pytest.raises(DeliveryFailed):  # the dispatcher sends it again later
+        await channel.send(reply("not yet"))
     assert len(fake.calls_to("chat.postMessage")) == FAST.attempts
     fake.reset()
     await channel.send(reply("nowhere", chat_id="C0NOTTHERE1:thread:17.1"))
@@ -426,8 +428,50 @@ async def test_a_long_retry_after_past_the_deadline_gives_up(fake: FakeSlack) ->
     )
     fake.fail_next("chat.postMessage", retry_after=30)
     started = time.monotonic()
-    await channel.send(reply("too late"))
+    with pytest.raises(DeliveryFailed):  # rate limited past what the channel waits
+        await channel.send(reply("too late"))
     assert time.monotonic() - started < 2 and fake.posted_messages() == []
+
+
+async def test_a_reply_that_certainly_did_not_go_out_is_sent_again_from_its_failed_part(
+    fake: FakeSlack,
+) -> None:
+    """Slack down (5xx it did not act on) or unreachable past the channel's retries:
+    `DeliveryFailed`, so the dispatcher sends the reply again later instead of marking
+    its message answered with the reply lost; sent again, it goes on from the part that
+    failed. A refused part is still given up."""
+    channel = channel_for(fake, part_chars=60)
+    text = "\n\n".join(f"paragraph {n} " + "x" * 40 for n in range(4))
+    post = fake._methods["chat.postMessage"][1]
+    down = True
+
+    async def down_after_the_first_part(params: dict[str, Any]) -> dict[str, Any]:
+        if down and fake.posted_messages():
+            raise _SlackError("service_unavailable", 503)
+        return await post(params)
+
+    fake._methods["chat.postMessage"] = ("bot", down_after_the_first_part)
+    cut = reply(text)
+    with pytest.raises(DeliveryFailed) as failed:
+        await channel.send(cut)
+    assert failed.value.sent == len(fake.posted_messages()) == 1
+    assert len(fake.calls_to("chat.postMessage")) == 1 + FAST.attempts
+    down = False
+    await channel.send(cut)  # sent again: only what had not gone out
+    assert [m["text"].split()[1] for m in fake.posted_messages()] == ["0", "1", "2", "3"]
+    fake.reset()
+    fake.fail_next("chat.postMessage", "channel_not_found")
+    await channel.send(reply("gone"))  # refused: logged, never sent again
+    assert fake.posted_messages() == []
+    # Unreachable: the connection refused is certainly not a post either.
+    away = SlackChannel(
+        SlackSettings(base_url="http://127.0.0.1:9/api/"),
+        bot_token="xoxb-1",
+        app_token=fake.app_token,
+        retry=FAST,
+    )
+    with pytest.raises(DeliveryFailed, match="not posted"):
+        await away.send(reply("nobody home"))
 
 
 async def test_a_maybe_posted_part_is_not_sent_twice_when_it_cannot_be_checked(

@@ -42,7 +42,11 @@ Promises (tested in tests/test_slack*.py):
   sent again; rate-limited calls wait for `Retry-After`; failures Slack did not act on
   are retried with backoff; after a failure that may have posted the part (a 5xx, a
   timeout) the conversation is read back and the part is re-sent only if it is not
-  there. All of it within `RetryPolicy.reply_deadline`, then the loss is logged.
+  there. All of it within `RetryPolicy.reply_deadline`. A part that certainly did not
+  go out by then (Slack or the network down, rate limited for longer) raises
+  `DeliveryFailed`, and the dispatcher sends the reply again later, which goes on from
+  that part; a part Slack refused (a channel that is gone) is logged, and the rest of
+  its reply is dropped.
 - With streaming on, a reply is one message posted at the first delta and edited at
   most once per `stream_interval`; `send` finalizes that message instead of posting
   the reply again.
@@ -59,6 +63,7 @@ import dataclasses
 import enum
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -86,7 +91,7 @@ from channels.slack.format import (
     split_mrkdwn,
 )
 from channels.slack.settings import SlackSettings
-from gateway.channel import Submit
+from gateway.channel import DeliveryFailed, Submit
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -323,6 +328,10 @@ class RetryPolicy:
     reply_deadline: float = 50.0
 
 
+#: Replies cut short by a failure, remembered until they are sent again.
+_CUT_SHORT = 1_000
+
+
 class _Kind(enum.Enum):
     RATE_LIMITED = "rate limited"
     NOT_DONE = "failed"  # Slack did not carry the call out
@@ -371,7 +380,8 @@ def _retry_after(response: AsyncSlackResponse) -> float:
 class Delivery(enum.Enum):
     POSTED = "posted"
     UNCERTAIN = "maybe posted"  # could not tell; not re-sent, so never posted twice
-    FAILED = "not posted"
+    FAILED = "not posted"  # certainly not, and it may be later
+    REFUSED = "refused"  # Slack will never take it
 
 
 @dataclass(slots=True)
@@ -514,6 +524,8 @@ class SlackChannel:
         self._paused = False
         self._mounted = False
         self._streams: dict[str, _Stream] = {}
+        #: Replies a failure cut short, by (session, reply_to, text): the parts posted.
+        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
         self._bot_token = bot_token
         self._names: dict[str, str] = {}  # user id -> display name (users.info)
         self.app = AsyncApp(
@@ -723,7 +735,9 @@ class SlackChannel:
 
     async def send(self, message: OutboundMessage) -> None:
         """Post a reply in its place, converted to mrkdwn and split; finalize its
-        streamed message when there is one (see the module docstring)."""
+        streamed message when there is one. Raises `DeliveryFailed` when a part certainly
+        did not go out, and goes on from that part when the reply comes again (see the
+        module docstring)."""
         channel, thread_ts = address_of(message)
         text = markdown_to_mrkdwn(message.text)
         if text and (user := addressee(message)) is not None:
@@ -743,11 +757,23 @@ class SlackChannel:
                 async with stream.lock:
                     if await self._update(stream.channel, stream.ts, parts[0], deadline):
                         first = 1
-            for index in range(first, len(parts)):
+            # A reply sent again after a failure goes on where the failure stopped it.
+            reply = (message.session_key, message.reply_to, message.text)
+            done = self._sent_parts.pop(reply, 0)
+            for index in range(max(first, done), len(parts)):
                 outcome, _ = await self._post_part(channel, thread_ts, parts[index], deadline)
                 if outcome is Delivery.FAILED:
+                    self._sent_parts[reply] = index
+                    while len(self._sent_parts) > _CUT_SHORT:
+                        self._sent_parts.popitem(last=False)
+                    raise DeliveryFailed(
+                        f"slack: reply part {index + 1} of {len(parts)} to {channel} not "
+                        "posted; it is sent again later",
+                        sent=index,
+                    )
+                if outcome is Delivery.REFUSED:
                     logger.error(
-                        "slack: reply part {} of {} to {} not posted; {} later part(s) dropped",
+                        "slack: reply part {} of {} to {} refused; {} later part(s) dropped",
                         index + 1,
                         len(parts),
                         channel,
@@ -844,7 +870,8 @@ class SlackChannel:
                     return Delivery.UNCERTAIN, None
             failures += failure.kind is not _Kind.RATE_LIMITED
             if not await self._wait_to_retry(what, failure, failures, deadline):
-                return Delivery.FAILED, None
+                refused = failure.kind is _Kind.PERMANENT
+                return (Delivery.REFUSED if refused else Delivery.FAILED), None
 
     async def _update(self, channel: str, ts: str, text: str, deadline: float | None) -> bool:
         """chat.update, retried like a post (an edit can be repeated safely)."""
