@@ -135,6 +135,21 @@ def test_an_edit_in_a_dm_names_the_message_it_changes() -> None:
     assert edit.metadata[META_SENT_AT] > first.metadata[META_SENT_AT] > 0
 
 
+def test_an_edited_mention_is_an_edit_of_it() -> None:
+    """Slack sends an edited mention again as an `app_mention` with `edited` and a fresh
+    event_id: it is an edit of the mention, in the mention's conversation (it was taken
+    for a new mention, and the edited question was answered beside the original)."""
+    original = BUILDER.app_mention(CHANNEL, ALICE, "whats 2+3")
+    first = translate(original)
+    edit = translate(BUILDER.edited_mention(original, "what's 2+2"))
+    assert isinstance(first, InboundMessage) and isinstance(edit, InboundMessage)
+    assert edit.text == "what's 2+2" and edit.session_key == first.session_key
+    assert edit.message_id != first.message_id
+    assert edit.metadata[META_EDIT_OF] == first.metadata[META_POST_ID]
+    assert edit.metadata[META_SENT_AT] > first.metadata[META_SENT_AT] > 0
+    assert META_EDIT_OF not in first.metadata
+
+
 def test_replies_are_addressed_by_chat_and_thread() -> None:
     def out(chat_id: str, thread_id: str | None = None) -> OutboundMessage:
         return OutboundMessage("slack", chat_id, "x", "slack:x", thread_id=thread_id)

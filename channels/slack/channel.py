@@ -35,8 +35,9 @@ Promises (tested in tests/test_slack*.py):
   (deletions, joins) are ignored.
 - A `message_changed` in a DM whose text changed is submitted as an edit: the message
   id is the event's, `META_EDIT_OF` names the changed message (`channel:ts`), and the
-  agent re-runs the latest turn from it. Unfurls (same text) and edits elsewhere are
-  ignored (an edit of a channel mention arrives without a new app_mention).
+  agent re-runs the latest turn from it. So is the `app_mention` Slack sends again, with
+  `edited` and an event id of its own, when a mention in a channel is edited. Unfurls
+  (same text) and other edits outside DMs are ignored.
 - A reply is posted in order, in parts of at most `part_chars` characters (see
   `channels.slack.format`), each part at most once: a part Slack confirmed is never
   sent again; rate-limited calls wait for `Retry-After`; failures Slack did not act on
@@ -190,10 +191,13 @@ def translate_event(
     kind, channel = event.get("type"), event.get("channel")
     if not isinstance(channel, str) or not channel:
         return Skipped(f"{kind} without a channel")
+    edit_of: str | None = None
     if kind == "app_mention":
         if channel.startswith("D"):
             return Skipped("a mention in a DM also arrives as message.im")
         is_dm = False
+        if isinstance(event.get("edited"), Mapping) and isinstance(event.get("ts"), str):
+            edit_of = f"{channel}:{event['ts']}"  # Slack sends an edited mention again
     elif kind == "message":
         if event.get("channel_type") != "im":
             return Skipped("outside DMs the bot answers mentions only")
@@ -201,7 +205,6 @@ def translate_event(
     else:
         return Skipped(f"{kind} events are not handled")
     subtype = event.get("subtype")
-    edit_of: str | None = None
     if subtype == EDIT_SUBTYPE:
         edited = _edited_message(event)
         if isinstance(edited, Skipped):

@@ -65,7 +65,8 @@ handling / graceful retries"):
 ``(0.5, 2, 5)``: long enough for the retries to span a restart of the app.
 
 Event builders (`app_mention`, `channel_message`, `dm_message`, `bot_message`,
-`event_callback`) return full ``event_callback`` payloads, each with a fresh event_id.
+`message_changed`, `edited_mention`, `event_callback`) return full ``event_callback``
+payloads, each with a fresh event_id.
 
 Files (https://api.slack.com/types/file, files.info, the upload flow
 files.getUploadURLExternal -> POST the bytes to ``upload_url`` ->
@@ -651,6 +652,28 @@ class FakeSlack(LocalApiServer[ApiCall]):
         }
         if "channel_type" in original:
             event["channel_type"] = original["channel_type"]
+        return self.event_callback(event)
+
+    def edited_mention(self, body: Payload, text: str) -> Payload:
+        """The ``app_mention`` event callback Slack sends again when the author edits a
+        message that mentions the bot (`body`, an `app_mention` callback) to `text`: the
+        same ``ts``, the new text (the mention kept), ``edited``, and a fresh event_id.
+        Slack also sends a ``message_changed``, but only to apps subscribed to the
+        channel's messages (``message.channels``)."""
+        original = body["event"]
+        channel, ts = original["channel"], original["ts"]
+        mention = f"<@{self.bot_user_id}>"
+        if mention not in text:
+            text = f"{mention} {text}"
+        with self._lock:
+            stored = copy.deepcopy(self._messages.get((channel, ts), original))
+        edited = {"user": stored["user"], "ts": self._new_ts()}
+        stored.update(text=text, edited=edited)
+        with self._lock:
+            self._messages[(channel, ts)] = stored
+        event = {**copy.deepcopy(original), "text": text, "edited": edited}
+        if stored.get("thread_ts"):
+            event["thread_ts"] = stored["thread_ts"]
         return self.event_callback(event)
 
     def bot_message(
