@@ -305,6 +305,9 @@ class FakeSlack(LocalApiServer[ApiCall]):
         self.bot_id = bot_id
         self.bot_name = bot_name
         self.app_id = app_id
+        #: The port apps.connections.open names in its socket URL: a proxy in front of
+        #: the fake (None: the fake's own).
+        self.socket_port: int | None = None
         self._faults: list[_Fault] = []
         self._messages: dict[tuple[str, str], Payload] = {}
         self._users: dict[str, str] = {bot_user_id: bot_name}
@@ -666,7 +669,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
         if mention not in text:
             text = f"{mention} {text}"
         with self._lock:
-            stored = copy.deepcopy(self._messages.get((channel, ts), original))
+            stored: Payload = copy.deepcopy(self._messages.get((channel, ts)) or original)
         edited = {"user": stored["user"], "ts": self._new_ts()}
         stored.update(text=text, edited=edited)
         with self._lock:
@@ -1243,7 +1246,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
         ticket = uuid.uuid4().hex
         with self._lock:
             self._tickets.add(ticket)
-        port = self._port
+        port = self.socket_port or self._port
         return {"url": f"ws://127.0.0.1:{port}/socket?ticket={ticket}&app_id={self.app_id}"}
 
     async def _post_message(self, params: dict[str, Any]) -> Payload:
