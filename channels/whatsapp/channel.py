@@ -16,7 +16,7 @@ up to `/<phone_number_id>/media` and out as an image or a document. A reply due 
 the 24-hour customer-service window (the person's last message is older) is not sent as
 free text: the configured template goes instead, or the reply is kept as undeliverable.
 
-Promises (tested in tests/test_whatsapp*.py and tests/test_whatsapp_kill.py):
+Promises (tested in tests/test_whatsapp*.py and by the conformance kit, tests/conformance):
 - Every POST is checked against `X-Hub-Signature-256` (HMAC-SHA256 of the raw body with
   the app secret, compared in constant time) before anything else is done with it: a
   missing or wrong signature is a 401 and nothing is read from the body.
