@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,8 +35,6 @@ class Lanes:
         self._thread: threading.Thread | None = None
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._workers: list[asyncio.Task[None]] = []
-        self._owed = 0  # events put and not settled yet
-        self._lock = threading.Lock()
         self.failures: list[str] = []  # a delivery that raised (a bug in the driver)
 
     def start(self) -> None:
@@ -70,22 +67,7 @@ class Lanes:
         loop = self._loop
         if loop is None:
             raise RuntimeError("the deliveries are not running")
-        with self._lock:
-            self._owed += 1
         loop.call_soon_threadsafe(self._enqueue, lane, event)
-
-    @property
-    def owed(self) -> int:
-        """Events put and not yet delivered (or given up)."""
-        with self._lock:
-            return self._owed
-
-    def wait_settled(self, timeout: float) -> bool:
-        """Wait until every event put so far is settled; whether they all were."""
-        deadline = time.monotonic() + timeout
-        while self.owed and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return not self.owed
 
     def _enqueue(self, lane: str, event: Any) -> None:
         queue = self._queues.get(lane)
@@ -103,6 +85,3 @@ class Lanes:
                 raise
             except Exception as exc:
                 self.failures.append(f"{lane}: {exc!r}")
-            finally:
-                with self._lock:
-                    self._owed -= 1

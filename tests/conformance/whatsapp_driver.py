@@ -52,7 +52,7 @@ class WhatsAppDriver(ChannelDriver):
         groups=False,  # one-to-one: a person and a business number
         mentions=False,
         threads=False,
-        edits=False,  # a person's edit reaches the channel as nothing it answers
+        edits=False,  # the channel answers no edit (the fake sends none)
         duplicate_delivery=True,  # Meta delivers again what got no 2xx
         catch_up=True,  # Meta retries a delivery for 7 days
         strangers=True,
