@@ -448,6 +448,12 @@ def test_event_builders_and_signatures_match_slack() -> None:
     assert float(dm["event"]["ts"]) > float(mention["event"]["ts"])
     other_bot = fake.bot_message(CHANNEL, "beep", bot_id="B0OTHER001")
     assert other_bot["event"]["subtype"] == "bot_message"
+    # An edited mention comes again as an app_mention: same ts, `edited`, a new event_id.
+    edited = fake.edited_mention(mention, "hi again")
+    assert edited["event"]["type"] == "app_mention" and edited["event_id"] != mention["event_id"]
+    assert edited["event"]["text"] == f"<@{fake.bot_user_id}> hi again"
+    assert edited["event"]["ts"] == mention["event"]["ts"]
+    assert float(edited["event"]["edited"]["ts"]) > float(dm["event"]["ts"])
 
     body, stamp = b'{"type":"event_callback"}', str(int(time.time()))
     verifier = SignatureVerifier(signing_secret=fake.signing_secret)

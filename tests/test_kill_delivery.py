@@ -3,18 +3,33 @@ exactly once, or, when the process dies at the worst moment, its reply is sent a
 one extra time; it is never lost" (the architecture notes, "Delivery"), and never stored
 twice.
 
-The real `gateway run` runs as a subprocess against the fake Telegram Bot API or the
-fake Slack (both keep the platforms' delivery contracts: Telegram keeps an update until
-a later getUpdates offset confirms it; Slack retries an event until a 2xx comes within
-3 s) and the fake OpenAI, whose answer echoes the user's text. It is SIGKILLed at
-chosen or random instants and restarted, then left to finish and stopped with SIGTERM.
+The real `gateway run` runs as a subprocess against the fake Telegram Bot API (which keeps
+Telegram's delivery contract: an update is kept until a later getUpdates offset confirms
+it) and the fake OpenAI, whose answer echoes the user's text. It is SIGKILLed at chosen
+or random instants and restarted, then left to finish and stopped with SIGTERM.
+
+What is here, and what is not. The conformance kit (`gateway.testing`, run on every
+channel in tests/conformance) kills a gateway mid-batch, with messages written while it
+is down, on each channel's platform. Slack's kill test that was here (750 DMs over HTTP
+with Slack's retries, three kills) is the kit's on Slack now
+(tests/conformance/test_slack_conformance.py, over HTTP and Socket Mode: kill mid-batch,
+a backlog while down, duplicate delivery), which counts all it counted (lost, stored
+twice, repeats per person per kill, unanswered, turns run twice, order, the exit code)
+and more (order strictly, every event written answered, each reply in its place, no
+stray post); `--kit-scale=24` writes as many messages. What stays here is what the kit
+does not do: kills at the platform's own instants (the moment getUpdates confirms
+updates; 0-300 ms after each start, on a backlog of 300), a load of 1,000 messages from
+100 users (more conversations than `CAP` with replies on their way at a kill: the kit
+has four), and the steer queue mode, where messages join running turns; and the
+counting the other kill tests import (`Message`, `Tally`, `Gateways`, `settle`,
+`pushing`, ...), with `slack_env` for bench/channels.py.
 
 Every message has a unique text (``u017 m0042``: user 17, message 42) and everything is
 counted from the outside: user and assistant entries in the session files of the
 workspace, and the replies the fake platform received. Per message:
 
-- lost: handed over (Telegram: pushed; Slack: acknowledged), yet no user entry and no
-  reply;
+- lost: handed over (Telegram: pushed; a webhook: answered 2xx), yet no user entry and
+  no reply;
 - stored twice: two or more user entries;
 - answered twice: replies beyond the first. The promise allows one extra reply per
   message per kill: a reply on its way at the kill, not yet marked sent, is sent again
@@ -29,12 +44,11 @@ Each scenario prints one summary line (``KILL-DELIVERY <scenario>: ...``) past p
 capture, so CI logs show the counts, with the seed: ``KILL_SEED=<seed>`` repeats a run's
 random choices, ``KILL_SCALE=0.3`` runs every scenario at 30 % of its size (default 1).
 On failure the message names a folder with every gateway process's log and the fake
-platform's record (getUpdates calls, or every delivery attempt of every Slack event).
+platform's record (getUpdates calls, or every delivery attempt of a webhook's).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -53,9 +67,8 @@ from typing import Any
 import pytest
 
 from gateway.sessions.keys import key_from_filename
-from tests.fakes._serving import free_port
 from tests.fakes.openai_server import FakeOpenAI, FakeToolCall, Reply, echo_responder
-from tests.fakes.slack_server import EventDelivery, FakeSlack
+from tests.fakes.slack_server import FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
 from tests.gateway_process import GatewayProcess, base_env, telegram_env, wait_until
 
@@ -64,11 +77,6 @@ pytestmark = pytest.mark.kill
 TOKEN = re.compile(r"\bu\d{3} m\d{4}\b")
 SEED = int(os.environ.get("KILL_SEED") or random.SystemRandom().randrange(1_000_000))
 SCALE = float(os.environ.get("KILL_SCALE") or 1.0)
-#: Slack's retry schedule (nearly immediately, 1 min, 5 min) compressed, still long
-#: enough for the retries to span a restart of the gateway.
-SLACK_RETRIES = (0.5, 2.0, 5.0)
-#: The longest a delivery can take: four attempts of 3 s, and the waits between them.
-SLACK_DELIVERY_MAX = 4 * 3.0 + sum(SLACK_RETRIES)
 CAP = 8  # dispatch.max_concurrent_turns, the gateway's default: turns (and replies) in flight
 QUIET = 3.0  # nothing sent for this long, and nothing pending: the gateway is done
 
@@ -208,13 +216,14 @@ class Tally:
     kills: int
     seconds: float
     exit_code: int | None
-    #: Slack: the events never acknowledged, Slack's to retry (None: not applicable).
+    #: A webhook's: the messages never acknowledged, the platform's to retry (None: not
+    #: applicable).
     not_acked: frozenset[str] | None = None
-    #: Slack: per message, the earliest time it can have reached the gateway (its first
-    #: attempt that connected) and the time it was acknowledged. A kill between the
-    #: journal and the 200 makes Slack retry a message the gateway already has, so the
-    #: ack order is not the order the gateway took messages in; only "B was acked
-    #: before A could have arrived" proves that B came first.
+    #: A webhook's: per message, the earliest time it can have reached the gateway (its
+    #: first attempt that connected) and the time it was acknowledged. A kill between
+    #: the journal and the 200 makes the platform retry a message the gateway already
+    #: has, so the ack order is not the order the gateway took messages in; only "B was
+    #: acked before A could have arrived" proves that B came first.
     arrival: Mapping[str, tuple[float, float]] | None = None
     logs: Path | None = None  # where the gateways' logs and the platform's log were put
     replies: Counter[str] = field(init=False)  # replies per message text
@@ -370,6 +379,7 @@ def report(
 
 
 def slack_env(workspace: Path, llm: FakeOpenAI, slack: FakeSlack, port: int) -> dict[str, str]:
+    """A gateway on Slack's Events API over HTTP (bench/channels.py drives it)."""
     return base_env(workspace, llm) | {
         "GATEWAY_HTTP__PORT": str(port),  # fixed: Slack retries to the same URL
         "GATEWAY_CHANNELS__SLACK__ENABLED": "true",
@@ -714,120 +724,3 @@ def kill_at_next_confirmation(
     finally:
         telegram.on_confirm = None
     run.kill()
-
-
-# -- Slack over HTTP ---------------------------------------------------------------------
-
-
-def slack_user(message: Message) -> str:
-    return f"U0K{message.user:03d}"
-
-
-def kill_after_next_ack(slack: FakeSlack, run: Gateways, timeout: float = 2) -> None:
-    """SIGKILL the gateway as soon as it has acknowledged one more event (its turn has
-    just begun); after `timeout` seconds without one, kill it all the same."""
-    try:
-        slack.wait_for_event_acks(len(slack.acked_deliveries()) + 1, timeout)
-    except TimeoutError:
-        pass
-    run.kill()
-
-
-def event_text(delivery: EventDelivery) -> str:
-    """The message text (``u017 m0042``) an event delivered."""
-    found = TOKEN.search(str(delivery.payload["event"]["text"]))
-    assert found is not None
-    return found.group()
-
-
-@pytest.mark.timeout(300)
-def test_slack_http_events_survive_kills(
-    tmp_path: Path,
-    gateways: Callable[[dict[str, str]], Gateways],
-    report: Callable[[Tally], None],
-) -> None:
-    """750 direct messages from 75 users come over HTTP at about 25 a second, each
-    delivered the way Slack does (acked by a 2xx within 3 s, else retried after 0.5, 2
-    and 5 s with X-Slack-Retry-Num), while the gateway is SIGKILLed three times, each
-    right after it acknowledged an event. Every event Slack considers acknowledged must
-    be answered, at most once more per kill, and stored once; events never acknowledged
-    are Slack's to retry and are counted apart. Slack does not keep the order of events
-    (a retried one overtakes later ones), and a kill between the journal and the 200
-    makes Slack retry an event the gateway already holds; so per user, a reply order is
-    wrong only when an event was acknowledged before an earlier-answered one could
-    have reached the gateway."""
-    rng = random.Random(SEED)
-    workspace = tmp_path / "ws"
-    # Long enough for three kills, each after six seconds up, while events still flow.
-    count, rate, kills = scaled(750), 25.0, 3
-    sent = plan_messages(count, scaled(75), rng)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/slack/events"
-    with (
-        FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm,
-        FakeSlack.in_thread() as slack,
-    ):
-        run = gateways(slack_env(workspace, llm, slack, port))
-        run.start()
-        started = time.monotonic()
-        deliveries: list[concurrent.futures.Future[Any]] = []
-
-        def deliver(message: Message) -> None:
-            payload = slack.dm_message(slack_user(message), message.text)
-            deliveries.append(slack.deliver_event_soon(url, payload, retry_delays=SLACK_RETRIES))
-
-        with pushing(sent, rate, deliver) as seconds:
-            for offset in kill_schedule(kills, seconds, rng):
-                # Kills closer together than this could leave some retries of an event
-                # no moment at which the gateway is up (0.5 + 2 + 5 s after it failed).
-                run.sleep_until_due(started + offset, min_up=6.0)
-                kill_after_next_ack(slack, run)
-                run.start()
-        concurrent.futures.wait(deliveries, timeout=SLACK_DELIVERY_MAX + 10)
-
-        def progress() -> tuple[bool, int, bool]:
-            records = slack.event_deliveries
-            acked = {event_text(d) for d in records if d.acked}
-            answered, _ = echoed(str(p.get("text", "")) for p in slack.posted_messages())
-            in_progress = any(d.in_progress for d in records)
-            return acked <= set(answered_texts(answered)), len(answered), in_progress
-
-        settle(progress)
-        run.terminate()
-        user, assistant = session_entries(workspace / "sessions")
-        answered, other = echoed(str(p.get("text", "")) for p in slack.posted_messages())
-        records = slack.event_deliveries
-        not_acked = frozenset(event_text(d) for d in records if not d.acked)
-        acked_at = {event_text(d): d.acked_at for d in records if d.acked_at is not None}
-        in_ack_order = sorted(sent, key=lambda m: acked_at.get(m.text, float("inf")))
-        arrival = {
-            event_text(d): (
-                min(a.sent_at for a in d.attempts if a.failure != "connection_failed"),
-                d.acked_at,
-            )
-            for d in records
-            if d.acked_at is not None
-        }
-        attempts = (
-            f"{event_text(d)} {d.event_id}: "
-            + ", ".join(
-                f"#{a.retry_num} {a.sent_at:.3f} {a.status} {a.failure}" for a in d.attempts
-            )
-            for d in records
-        )
-        tally = Tally(
-            scenario="slack-http",
-            logs=run.save_logs(tmp_path / "logs", attempts),
-            sent=in_ack_order,
-            user_entries=user,
-            assistant_entries=assistant,
-            reply_order=answered,
-            other_replies=other,
-            kills=run.kills,
-            seconds=time.monotonic() - started,
-            exit_code=run.exit_code,
-            not_acked=not_acked,
-            arrival=arrival,
-        )
-    report(tally)
-    tally.check_promise()

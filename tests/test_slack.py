@@ -21,6 +21,7 @@ from channels.slack import (
     translate_event,
 )
 from channels.slack.settings import SlackSettings
+from gateway.channel import DeliveryFailed
 from gateway.config import ConfigError
 from gateway.messages import (
     META_EDIT_OF,
@@ -31,6 +32,7 @@ from gateway.messages import (
     META_SENT_AT,
     InboundMessage,
     OutboundMessage,
+    reply_for,
 )
 from tests.fakes.slack_server import FakeSlack, _SlackError
 
@@ -131,6 +133,21 @@ def test_an_edit_in_a_dm_names_the_message_it_changes() -> None:
     assert edit.metadata[META_EDIT_OF] == first.metadata[META_POST_ID]
     assert edit.metadata[META_EDIT_OF] == f"D0ALICE001:{original['event']['ts']}"
     assert edit.metadata[META_SENT_AT] > first.metadata[META_SENT_AT] > 0
+
+
+def test_an_edited_mention_is_an_edit_of_it() -> None:
+    """Slack sends an edited mention again as an `app_mention` with `edited` and a fresh
+    event_id: it is an edit of the mention, in the mention's conversation (it was taken
+    for a new mention, and the edited question was answered beside the original)."""
+    original = BUILDER.app_mention(CHANNEL, ALICE, "whats 2+3")
+    first = translate(original)
+    edit = translate(BUILDER.edited_mention(original, "what's 2+2"))
+    assert isinstance(first, InboundMessage) and isinstance(edit, InboundMessage)
+    assert edit.text == "what's 2+2" and edit.session_key == first.session_key
+    assert edit.message_id != first.message_id
+    assert edit.metadata[META_EDIT_OF] == first.metadata[META_POST_ID]
+    assert edit.metadata[META_SENT_AT] > first.metadata[META_SENT_AT] > 0
+    assert META_EDIT_OF not in first.metadata
 
 
 def test_replies_are_addressed_by_chat_and_thread() -> None:
@@ -354,6 +371,37 @@ async def test_a_long_reply_is_split_in_order(fake: FakeSlack) -> None:
     assert [t.split(":")[0] for t in texts] == [f"Paragraph {i}" for i in range(6)]
 
 
+ROOT = BUILDER.channel_message(CHANNEL, "U0BOB00001", "plans for friday")
+
+
+@pytest.mark.parametrize(
+    ("body", "reply_mode", "named"),
+    [
+        # A thread someone else opened, the channel itself: several people talk there.
+        (BUILDER.app_mention(CHANNEL, ALICE, "q", thread_ts=ROOT["event"]["ts"]), "thread", True),
+        (BUILDER.app_mention(CHANNEL, ALICE, "q"), "channel", True),
+        # Under the mention itself (the thread it opens), and in a DM: no need.
+        (BUILDER.app_mention(CHANNEL, ALICE, "q"), "thread", False),
+        (BUILDER.dm_message(ALICE, "q"), "thread", False),
+    ],
+)
+async def test_a_reply_not_under_its_message_names_its_sender(
+    fake: FakeSlack, body: dict[str, Any], reply_mode: str, named: bool
+) -> None:
+    """Slack has no reply to one message inside a conversation several people share: a
+    reply posted there begins with a mention of whom it answers (found by the
+    conformance kit: answers in a busy thread said nothing of whom they answered)."""
+    channel = channel_for(fake, part_chars=60)
+    inbound = translate(body, reply_mode)
+    assert isinstance(inbound, InboundMessage)
+    await channel.send(reply_for(inbound, "**Yes**: " + "a few words " * 10))
+    texts = [m["text"] for m in fake.posted_messages()]
+    first = texts[0].removeprefix(f"<@{ALICE}> ")
+    assert len(texts) > 1 and first.startswith("*Yes*: a few words")
+    assert (first != texts[0]) is named
+    assert not any("<@" in text for text in texts[1:])
+
+
 async def test_rate_limits_wait_for_retry_after(fake: FakeSlack) -> None:
     channel = channel_for(fake)
     fake.fail_next("chat.postMessage", retry_after=1)
@@ -376,7 +424,8 @@ async def test_failures_slack_did_not_act_on_are_retried_with_backoff(fake: Fake
 async def test_retries_are_bounded_and_a_refusal_is_not_retried(fake: FakeSlack) -> None:
     channel = channel_for(fake)
     fake.fail_next("chat.postMessage", "service_unavailable", status=503, count=10)
-    await channel.send(reply("lost"))  # logged, not raised
+    with pytest.raises(DeliveryFailed):  # the dispatcher sends it again later
+        await channel.send(reply("not yet"))
     assert len(fake.calls_to("chat.postMessage")) == FAST.attempts
     fake.reset()
     await channel.send(reply("nowhere", chat_id="C0NOTTHERE1:thread:17.1"))
@@ -394,8 +443,50 @@ async def test_a_long_retry_after_past_the_deadline_gives_up(fake: FakeSlack) ->
     )
     fake.fail_next("chat.postMessage", retry_after=30)
     started = time.monotonic()
-    await channel.send(reply("too late"))
+    with pytest.raises(DeliveryFailed):  # rate limited past what the channel waits
+        await channel.send(reply("too late"))
     assert time.monotonic() - started < 2 and fake.posted_messages() == []
+
+
+async def test_a_reply_that_certainly_did_not_go_out_is_sent_again_from_its_failed_part(
+    fake: FakeSlack,
+) -> None:
+    """Slack down (5xx it did not act on) or unreachable past the channel's retries:
+    `DeliveryFailed`, so the dispatcher sends the reply again later instead of marking
+    its message answered with the reply lost; sent again, it goes on from the part that
+    failed. A refused part is still given up."""
+    channel = channel_for(fake, part_chars=60)
+    text = "\n\n".join(f"paragraph {n} " + "x" * 40 for n in range(4))
+    post = fake._methods["chat.postMessage"][1]
+    down = True
+
+    async def down_after_the_first_part(params: dict[str, Any]) -> dict[str, Any]:
+        if down and fake.posted_messages():
+            raise _SlackError("service_unavailable", 503)
+        return await post(params)
+
+    fake._methods["chat.postMessage"] = ("bot", down_after_the_first_part)
+    cut = reply(text)
+    with pytest.raises(DeliveryFailed) as failed:
+        await channel.send(cut)
+    assert failed.value.sent == len(fake.posted_messages()) == 1
+    assert len(fake.calls_to("chat.postMessage")) == 1 + FAST.attempts
+    down = False
+    await channel.send(cut)  # sent again: only what had not gone out
+    assert [m["text"].split()[1] for m in fake.posted_messages()] == ["0", "1", "2", "3"]
+    fake.reset()
+    fake.fail_next("chat.postMessage", "channel_not_found")
+    await channel.send(reply("gone"))  # refused: logged, never sent again
+    assert fake.posted_messages() == []
+    # Unreachable: the connection refused is certainly not a post either.
+    away = SlackChannel(
+        SlackSettings(base_url="http://127.0.0.1:9/api/"),
+        bot_token="xoxb-1",
+        app_token=fake.app_token,
+        retry=FAST,
+    )
+    with pytest.raises(DeliveryFailed, match="not posted"):
+        await away.send(reply("nobody home"))
 
 
 async def test_a_maybe_posted_part_is_not_sent_twice_when_it_cannot_be_checked(

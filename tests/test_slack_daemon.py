@@ -210,6 +210,23 @@ async def test_a_429_storm_delays_but_loses_nothing(
     assert statuses.count(429) == 7 and statuses.count(200) == 3
 
 
+async def test_a_reply_slack_did_not_take_is_sent_again_and_answered_once(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], fake_slack: FakeSlack
+) -> None:
+    """Slack down (503) past the channel's retries: the dispatcher sends the reply again
+    later, and it arrives once; it was logged and its message marked answered."""
+    async with slack_gateway(make_settings, fake_openai, fake_slack) as gw:
+        attempts = gw.channel.retry.attempts
+        fake_slack.fail_next("chat.postMessage", "service_unavailable", status=503,
+                             count=attempts + 2)  # fmt: skip
+        await event(fake_slack, fake_slack.dm_message(ALICE, "still there?"))
+        [answer] = await posts(fake_slack, 1)
+        await anyio.sleep(QUIET)
+    assert answer.params["text"] == "echo: still there?"
+    statuses = [c.status for c in fake_slack.calls_to("chat.postMessage")]
+    assert statuses == [503] * (attempts + 2) + [200]
+
+
 async def test_a_long_reply_arrives_split_and_in_order(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], fake_slack: FakeSlack
 ) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,16 +17,18 @@ import anyio
 import pytest
 
 from channels.whatsapp import RetryPolicy, WhatsAppChannel, check_credentials
-from channels.whatsapp.channel import WHATSAPP_WEBHOOK_PATH
+from channels.whatsapp.channel import WHATSAPP_WEBHOOK_PATH, GraphApi
+from channels.whatsapp.settings import WhatsAppSettings
 from channels.whatsapp.store import FileWhatsAppStore
 from gateway.access.commands import cli_pairing_approve
 from gateway.access.store import PairingStore
+from gateway.channel import DeliveryFailed
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
 from gateway.messages import OutboundMessage
 from gateway.storage.files import pairing_path
 from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder
-from tests.fakes.whatsapp_server import PHONE_NUMBER_ID, FakeWhatsApp, Sent
+from tests.fakes.whatsapp_server import PHONE_NUMBER_ID, FakeWhatsApp, Sent, _GraphFailure
 
 pytestmark = pytest.mark.anyio
 
@@ -358,6 +361,73 @@ async def test_undeliverable_and_throughput_errors_are_handled_by_name(
         fake_whatsapp.fail_next(131016, status=503)
         await fake_whatsapp.deliver(fake_whatsapp.text_message(ALICE, "again"))
         assert (await texts(fake_whatsapp, 2))[-1].text == "echo: again"
+
+
+async def test_a_reply_the_graph_api_did_not_take_is_sent_again_not_kept(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], fake_whatsapp: FakeWhatsApp
+) -> None:
+    """131016 (HTTP 503) past the channel's retries: the reply certainly did not go out,
+    so the dispatcher sends it again later (`DeliveryFailed`), and it arrives once; it
+    was kept as undeliverable, and its message marked answered without it."""
+    async with whatsapp_gateway(make_settings, fake_openai, fake_whatsapp) as gw:
+        attempts = gw.channel.retry.attempts
+        fake_whatsapp.fail_next(131016, attempts + 2, status=503)
+        await fake_whatsapp.deliver(fake_whatsapp.text_message(ALICE, "still there?"))
+        [answer] = await texts(fake_whatsapp, 1)
+        assert answer.text == "echo: still there?"
+        sends = fake_whatsapp.calls_to("POST /messages")
+        assert [c.status for c in sends if c.body.get("type") == "text"] == [503] * (
+            attempts + 2
+        ) + [200]
+        assert await gw.store.held() == []
+
+
+async def test_a_reply_cut_short_goes_on_from_the_part_that_failed(
+    tmp_path: Path, fake_whatsapp: FakeWhatsApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply of several parts whose second part meets the Graph API unreachable: the
+    parts sent are remembered, and the reply, sent again, goes on from there (each part
+    once, in order); an API that refuses connections is `DeliveryFailed` too."""
+    settings = WhatsAppSettings(
+        enabled=True, phone_number_ids=[PHONE_NUMBER_ID], api_url=fake_whatsapp.url
+    )
+    store = FileWhatsAppStore(tmp_path / "whatsapp.sqlite")
+    channel = WhatsAppChannel(
+        settings,
+        store=store,
+        token=fake_whatsapp.token,
+        app_secret=fake_whatsapp.app_secret,
+        verify_token=fake_whatsapp.verify_token,
+        retry=RetryPolicy(attempts=2, backoff=0.01, max_backoff=0.01, reply_deadline=5),
+    )
+    chat = f"{PHONE_NUMBER_ID}:{ALICE}"
+    fake_whatsapp.text_message(ALICE, "tell me everything")  # opens the window at Meta
+    await store.note_inbound(chat, "wamid.in", time.time())
+    post = fake_whatsapp._post_messages
+    down = True
+
+    def down_after_the_first_part(number: str, body: dict[str, Any]) -> dict[str, Any]:
+        if down and fake_whatsapp.sent:
+            raise _GraphFailure(131016)
+        return post(number, body)
+
+    monkeypatch.setattr(fake_whatsapp, "_post_messages", down_after_the_first_part)
+    text = "\n\n".join(f"part {n} " + "x" * 3000 for n in range(3))
+    reply = OutboundMessage("whatsapp", chat, text, f"whatsapp:{chat}", reply_to="wamid.in")
+    try:
+        with pytest.raises(DeliveryFailed) as failed:
+            await channel.send(reply)
+        assert failed.value.sent == len(fake_whatsapp.sent) == 1
+        down = False
+        await channel.send(reply)  # sent again: only what had not gone out
+        assert [s.text.split()[1] for s in fake_whatsapp.sent] == ["0", "1", "2"]
+        assert await store.held() == []
+        channel.graph = GraphApi("http://127.0.0.1:9", "v26.0", fake_whatsapp.token)
+        with pytest.raises(DeliveryFailed, match="cannot connect"):
+            await channel.send(OutboundMessage("whatsapp", chat, "hello?", f"whatsapp:{chat}"))
+    finally:
+        await channel.graph.aclose()
+        await store.aclose()
 
 
 async def test_media_in_and_files_out(

@@ -1,14 +1,28 @@
-"""Kill test of the delivery promise over the WhatsApp webhook: a real `gateway run` is
-SIGKILLed while the fake Cloud API delivers messages the way Meta does (signed, retried
-with backoff until a 2xx), and everything is counted from the outside, as in
+"""Kill test of the delivery promise over the WhatsApp webhook at its worst moment: a
+message journaled and its delivery not yet answered 200 (the failpoint
+`whatsapp.before_ack`). A real `gateway run` stops itself there and is SIGKILLed while
+the fake Cloud API delivers messages the way Meta does (signed, retried with backoff
+until a 2xx), and everything is counted from the outside, as in
 tests/test_kill_delivery.py (whose counting this reuses): lost, stored twice, answered
 twice, unanswered, turns run twice, and per-person order.
 
-Meta's webhook keeps a delivery until it gets a 2xx: a kill between the journal and the
-200 makes Meta deliver again a message the gateway already holds (deduped by its wamid),
-and a retried delivery overtakes later ones, so, as for Slack, a reply order is wrong only
-when a message was delivered before an earlier-answered one could have reached the
-gateway. Prints ``KILL-DELIVERY whatsapp-webhook: ...`` past pytest's capture.
+What is here, and what is not. The conformance kit runs WhatsApp's driver
+(tests/conformance/test_whatsapp_conformance.py): kills mid-batch with messages written
+while the gateway is down, a backlog, duplicate deliveries, an outage. The test that was
+here beside this one (600 messages from 60 people, three kills right after a delivery's
+200) is the kit's kill scenario now, which counts all it counted (lost, stored twice,
+repeats per person per kill, unanswered, turns run twice, order, the exit code) and more
+(order strictly, every message written answered, no stray post); `--kit-scale=19`
+writes as many messages. The kit kills at moments of its own (a share of the answers
+out) and cannot stop a gateway at a failpoint, so this test stays: it is the one that
+puts the kill between the journal commit and the 200, three times in a row, where Meta
+must deliver again a message the gateway already holds, and the next gateway must answer
+it once, from the journal.
+
+Meta's webhook keeps a delivery until it gets a 2xx, and a retried delivery overtakes
+later ones, so a reply order is wrong only when a message was delivered before an
+earlier-answered one could have reached the gateway. Prints
+``KILL-DELIVERY whatsapp-before-ack: ...`` past pytest's capture.
 """
 
 from __future__ import annotations
@@ -33,7 +47,6 @@ from tests.test_kill_delivery import (
     Message,
     Tally,
     echoed,
-    kill_schedule,
     plan_messages,
     pushing,
     scaled,
@@ -80,18 +93,6 @@ def message_deliveries(fake: FakeWhatsApp) -> list[Delivery]:
 
 def replies(fake: FakeWhatsApp) -> list[str]:
     return [s.text for s in fake.sent if s.type == "text"]
-
-
-def kill_after_next_delivery(fake: FakeWhatsApp, run: Gateways, timeout: float = 2) -> None:
-    """SIGKILL the gateway right after it answered one more message delivery 200 (its
-    turn has just begun); after `timeout` seconds without one, kill it all the same."""
-    wanted = len([d for d in message_deliveries(fake) if d.delivered]) + 1
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len([d for d in message_deliveries(fake) if d.delivered]) >= wanted:
-            break
-        time.sleep(0.005)
-    run.kill()
 
 
 def finish(
@@ -164,51 +165,6 @@ def run_gateways(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Gateways
     finally:
         for each in made:
             each.stop()
-
-
-@pytest.mark.timeout(400)
-def test_whatsapp_webhook_deliveries_survive_kills(
-    tmp_path: Path,
-    run_gateways: Callable[[dict[str, str]], Gateways],
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """600 messages from 60 people come over the webhook at about 20 a second, each
-    delivered the way Meta does (signed; a 2xx within 3 s, else retried after 0.5, 1, 2,
-    4 and 8 s), while the gateway is SIGKILLed three times, each right after it answered
-    a delivery 200. Every message Meta considers delivered must be answered, at most once
-    more per kill, and stored once; deliveries that never got a 2xx are Meta's (counted
-    apart). The statuses of the replies flow back over the same webhook meanwhile."""
-    rng = random.Random(SEED)
-    workspace = tmp_path / "ws"
-    count, rate, kills = scaled(600), 20.0, 3
-    sent = plan_messages(count, scaled(60), rng)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/whatsapp/webhook"
-    with (
-        FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm,
-        FakeWhatsApp.in_thread(retry_delays=META_RETRIES, ack_timeout=ACK_TIMEOUT) as fake,
-    ):
-        fake.webhook_url = url
-        run = run_gateways(whatsapp_env(workspace, llm, fake, port))
-        run.start()
-        started = time.monotonic()
-        futures: list[concurrent.futures.Future[Any]] = []
-
-        def deliver(message: Message) -> None:
-            futures.append(fake.deliver_soon(fake.text_message(person(message), message.text)))
-
-        with pushing(sent, rate, deliver) as seconds:
-            for offset in kill_schedule(kills, seconds, rng):
-                # Kills closer together could leave some retries no moment the gateway is up.
-                run.sleep_until_due(started + offset, min_up=6.0)
-                kill_after_next_delivery(fake, run)
-                run.start()
-        concurrent.futures.wait(futures, timeout=DELIVERY_MAX + 10)
-
-        tally, statuses = finish(fake, run, sent, workspace, tmp_path, started, "whatsapp-webhook")
-    with capsys.disabled():
-        print(f"\n{tally.summary()} statuses_delivered={statuses}")
-    tally.check_promise()
 
 
 @pytest.mark.timeout(300)

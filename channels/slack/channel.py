@@ -15,6 +15,9 @@ Where a conversation lives (the session key) and where its replies go:
   (`slack:<C...>:thread:<mention ts>`), so a follow-up in the thread continues the
   same conversation. With `reply_mode = "channel"`: `slack:<C...>`, answered in the
   channel.
+- In a channel, a reply that is not posted under its message (in a thread someone else
+  opened, or in the channel itself) begins with a mention of whom it answers: Slack has
+  no reply to one message inside a conversation several people share.
 
 Promises (tested in tests/test_slack*.py):
 - Journal before confirm: Slack is acknowledged once the event is submitted, and
@@ -32,14 +35,19 @@ Promises (tested in tests/test_slack*.py):
   (deletions, joins) are ignored.
 - A `message_changed` in a DM whose text changed is submitted as an edit: the message
   id is the event's, `META_EDIT_OF` names the changed message (`channel:ts`), and the
-  agent re-runs the latest turn from it. Unfurls (same text) and edits elsewhere are
-  ignored (an edit of a channel mention arrives without a new app_mention).
+  agent re-runs the latest turn from it. So is the `app_mention` Slack sends again, with
+  `edited` and an event id of its own, when a mention in a channel is edited. Unfurls
+  (same text) and other edits outside DMs are ignored.
 - A reply is posted in order, in parts of at most `part_chars` characters (see
   `channels.slack.format`), each part at most once: a part Slack confirmed is never
   sent again; rate-limited calls wait for `Retry-After`; failures Slack did not act on
   are retried with backoff; after a failure that may have posted the part (a 5xx, a
   timeout) the conversation is read back and the part is re-sent only if it is not
-  there. All of it within `RetryPolicy.reply_deadline`, then the loss is logged.
+  there. All of it within `RetryPolicy.reply_deadline`. A part that certainly did not
+  go out by then (Slack or the network down, rate limited for longer) raises
+  `DeliveryFailed`, and the dispatcher sends the reply again later, which goes on from
+  that part; a part Slack refused (a channel that is gone) is logged, and the rest of
+  its reply is dropped.
 - With streaming on, a reply is one message posted at the first delta and edited at
   most once per `stream_interval`; `send` finalizes that message instead of posting
   the reply again.
@@ -54,7 +62,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,7 +92,7 @@ from channels.slack.format import (
     split_mrkdwn,
 )
 from channels.slack.settings import SlackSettings
-from gateway.channel import Submit
+from gateway.channel import DeliveryFailed, Submit
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -94,6 +104,7 @@ from gateway.messages import (
     META_POST_ID,
     META_QUOTED_SENDER,
     META_QUOTED_TEXT,
+    META_REPLY_CONTEXT,
     META_REPLY_TO_BOT,
     META_SENDER_NAME,
     META_SENT_AT,
@@ -121,6 +132,7 @@ EDIT_SUBTYPE = "message_changed"
 _NOT_DONE_ERRORS = frozenset({"service_unavailable", "request_timeout", "ratelimited"})
 _MAYBE_DONE_ERRORS = frozenset({"internal_error", "fatal_error"})
 _STREAM_TTL = 600.0  # a stream whose reply never came is forgotten after this long
+_USER_ID = re.compile(r"[UW][A-Z0-9]{2,20}")
 
 ReplyMode = Literal["thread", "channel"]
 
@@ -179,10 +191,13 @@ def translate_event(
     kind, channel = event.get("type"), event.get("channel")
     if not isinstance(channel, str) or not channel:
         return Skipped(f"{kind} without a channel")
+    edit_of: str | None = None
     if kind == "app_mention":
         if channel.startswith("D"):
             return Skipped("a mention in a DM also arrives as message.im")
         is_dm = False
+        if isinstance(event.get("edited"), Mapping) and isinstance(event.get("ts"), str):
+            edit_of = f"{channel}:{event['ts']}"  # Slack sends an edited mention again
     elif kind == "message":
         if event.get("channel_type") != "im":
             return Skipped("outside DMs the bot answers mentions only")
@@ -190,7 +205,6 @@ def translate_event(
     else:
         return Skipped(f"{kind} events are not handled")
     subtype = event.get("subtype")
-    edit_of: str | None = None
     if subtype == EDIT_SUBTYPE:
         edited = _edited_message(event)
         if isinstance(edited, Skipped):
@@ -220,6 +234,9 @@ def translate_event(
         "slack_ts": ts,
         "slack_team": body.get("team_id"),
     }
+    if not is_dm and thread_ts != ts:
+        # Not answered under the message itself: the reply names whom it answers.
+        metadata[META_REPLY_CONTEXT] = {"mention": user}
     profile = event.get("user_profile")
     if isinstance(profile, Mapping):
         name = profile.get("display_name") or profile.get("real_name")
@@ -281,6 +298,13 @@ def _looks_like_html(data: bytes) -> bool:
     return head.startswith((b"<!doctype html", b"<html"))
 
 
+def addressee(message: OutboundMessage) -> str | None:
+    """The user a reply begins by mentioning (see `translate_event`), if any."""
+    context = message.metadata.get(META_REPLY_CONTEXT)
+    user = context.get("mention") if isinstance(context, Mapping) else None
+    return user if isinstance(user, str) and _USER_ID.fullmatch(user) else None
+
+
 def address_of(message: OutboundMessage) -> tuple[str, str | None]:
     """(Slack channel, thread_ts or None) of a reply. A heartbeat's `deliver_to` may
     name a thread in the chat id: `C123:thread:1712345678.000100`."""
@@ -305,6 +329,10 @@ class RetryPolicy:
     backoff: float = 1.0
     max_backoff: float = 8.0
     reply_deadline: float = 50.0
+
+
+#: Replies cut short by a failure, remembered until they are sent again.
+_CUT_SHORT = 1_000
 
 
 class _Kind(enum.Enum):
@@ -355,7 +383,8 @@ def _retry_after(response: AsyncSlackResponse) -> float:
 class Delivery(enum.Enum):
     POSTED = "posted"
     UNCERTAIN = "maybe posted"  # could not tell; not re-sent, so never posted twice
-    FAILED = "not posted"
+    FAILED = "not posted"  # certainly not, and it may be later
+    REFUSED = "refused"  # Slack will never take it
 
 
 @dataclass(slots=True)
@@ -498,6 +527,8 @@ class SlackChannel:
         self._paused = False
         self._mounted = False
         self._streams: dict[str, _Stream] = {}
+        #: Replies a failure cut short, by (session, reply_to, text): the parts posted.
+        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
         self._bot_token = bot_token
         self._names: dict[str, str] = {}  # user id -> display name (users.info)
         self.app = AsyncApp(
@@ -707,9 +738,14 @@ class SlackChannel:
 
     async def send(self, message: OutboundMessage) -> None:
         """Post a reply in its place, converted to mrkdwn and split; finalize its
-        streamed message when there is one (see the module docstring)."""
+        streamed message when there is one. Raises `DeliveryFailed` when a part certainly
+        did not go out, and goes on from that part when the reply comes again (see the
+        module docstring)."""
         channel, thread_ts = address_of(message)
-        parts = split_mrkdwn(markdown_to_mrkdwn(message.text), self.part_chars)
+        text = markdown_to_mrkdwn(message.text)
+        if text and (user := addressee(message)) is not None:
+            text = f"<@{user}> {text}"
+        parts = split_mrkdwn(text, self.part_chars)
         stream = self._streams.pop(message.reply_to or message.session_key, None)
         deadline = time.monotonic() + self.retry.reply_deadline
         with logger.contextualize(session=message.session_key):
@@ -724,11 +760,23 @@ class SlackChannel:
                 async with stream.lock:
                     if await self._update(stream.channel, stream.ts, parts[0], deadline):
                         first = 1
-            for index in range(first, len(parts)):
+            # A reply sent again after a failure goes on where the failure stopped it.
+            reply = (message.session_key, message.reply_to, message.text)
+            done = self._sent_parts.pop(reply, 0)
+            for index in range(max(first, done), len(parts)):
                 outcome, _ = await self._post_part(channel, thread_ts, parts[index], deadline)
                 if outcome is Delivery.FAILED:
+                    self._sent_parts[reply] = index
+                    while len(self._sent_parts) > _CUT_SHORT:
+                        self._sent_parts.popitem(last=False)
+                    raise DeliveryFailed(
+                        f"slack: reply part {index + 1} of {len(parts)} to {channel} not "
+                        "posted; it is sent again later",
+                        sent=index,
+                    )
+                if outcome is Delivery.REFUSED:
                     logger.error(
-                        "slack: reply part {} of {} to {} not posted; {} later part(s) dropped",
+                        "slack: reply part {} of {} to {} refused; {} later part(s) dropped",
                         index + 1,
                         len(parts),
                         channel,
@@ -825,7 +873,8 @@ class SlackChannel:
                     return Delivery.UNCERTAIN, None
             failures += failure.kind is not _Kind.RATE_LIMITED
             if not await self._wait_to_retry(what, failure, failures, deadline):
-                return Delivery.FAILED, None
+                refused = failure.kind is _Kind.PERMANENT
+                return (Delivery.REFUSED if refused else Delivery.FAILED), None
 
     async def _update(self, channel: str, ts: str, text: str, deadline: float | None) -> bool:
         """chat.update, retried like a post (an edit can be repeated safely)."""

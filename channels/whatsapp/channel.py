@@ -16,7 +16,7 @@ up to `/<phone_number_id>/media` and out as an image or a document. A reply due 
 the 24-hour customer-service window (the person's last message is older) is not sent as
 free text: the configured template goes instead, or the reply is kept as undeliverable.
 
-Promises (tested in tests/test_whatsapp*.py and tests/test_whatsapp_kill.py):
+Promises (tested in tests/test_whatsapp*.py and by the conformance kit, tests/conformance):
 - Every POST is checked against `X-Hub-Signature-256` (HMAC-SHA256 of the raw body with
   the app secret, compared in constant time) before anything else is done with it: a
   missing or wrong signature is a 401 and nothing is read from the body.
@@ -29,11 +29,13 @@ Promises (tested in tests/test_whatsapp*.py and tests/test_whatsapp_kill.py):
   sees an older window than the message it answers.
 - A part is sent at most once: a request is repeated only when it certainly did not
   take effect (a throughput limit: 130429, 131056, 80007, 4; Meta's 131016 or an HTTP
-  503; a connection that never opened), within `RetryPolicy`. Whatever did not certainly
-  go out (the rest of a reply after a failure, a reply outside the window without a
-  template, a part Meta later reports failed with 131047 or 131026) is kept in the
-  store as undeliverable, with the reason, and shown on the admin page; never dropped
-  silently.
+  503; a connection that never opened), within `RetryPolicy`. A part still failing so
+  when the reply's time runs out raises `DeliveryFailed`: the dispatcher sends the
+  reply again later, and it goes on from that part. Whatever else did not certainly go
+  out (the rest of a reply after a part that may have, or that Meta refused; a reply
+  outside the window without a template; a part Meta later reports failed with 131047
+  or 131026) is kept in the store as undeliverable, with the reason, and shown on the
+  admin page; never dropped silently.
 - Status callbacks (sent, delivered, read, failed) move the sent message's status on,
   never back; a `failed` one is logged with its code and reason and counted once.
 """
@@ -46,7 +48,7 @@ import json
 import re
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,7 +64,7 @@ from channels.whatsapp.format import markdown_to_whatsapp, plain_line, split_wha
 from channels.whatsapp.settings import WhatsAppSettings
 from channels.whatsapp.store import HeldReply, SentMessage, WhatsAppStore
 from gateway import failpoints
-from gateway.channel import Submit, Ticket
+from gateway.channel import DeliveryFailed, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -565,10 +567,16 @@ class WhatsAppStats:
 
 @dataclass(frozen=True, slots=True)
 class _Failure:
-    """Why a message did not certainly go out, and the Graph API's code if any."""
+    """Why a message did not certainly go out, the Graph API's code if any, and whether
+    it certainly did not and may later (the API unreachable or busy)."""
 
     reason: str
     code: int | None = None
+    later: bool = False
+
+
+#: Replies cut short by a failure, remembered until they are sent again.
+_CUT_SHORT = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -628,6 +636,8 @@ class WhatsAppChannel:
         self._paused = False
         self._mounted = False
         self._notices = NoticeCooldown()
+        #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
+        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
 
     @classmethod
     def from_settings(cls, settings: WhatsAppSettings, store: WhatsAppStore) -> WhatsAppChannel:
@@ -890,12 +900,17 @@ class WhatsAppChannel:
 
     async def send(self, message: OutboundMessage) -> None:
         """Deliver a reply in its parts, inside the window; outside it the template, or
-        the reply kept as undeliverable (see the module docstring). Never raises for
-        what the platform refused: that is logged and kept."""
+        the reply kept as undeliverable (see the module docstring). Raises
+        `DeliveryFailed` when a part certainly did not go out and may later, and goes on
+        from that part when the reply comes again; never raises for what the platform
+        refused: that is logged and kept."""
         number, user = parse_chat(message.chat_id, min(self.numbers))
         reply = _Reply(chat_id(number, user), number, user, message.session_key, uuid.uuid4().hex)
         parts = split_whatsapp(markdown_to_whatsapp(message.text))
         deadline = time.monotonic() + self.retry.reply_deadline
+        # A reply sent again after a failure goes on where the failure stopped it.
+        again = (message.session_key, message.reply_to, message.text)
+        done = self._sent_parts.pop(again, 0)
         with logger.contextualize(session=message.session_key):
             if not parts and not message.files:
                 logger.warning("whatsapp: empty reply not sent")
@@ -910,18 +925,22 @@ class WhatsAppChannel:
                 )
                 await self._keep(
                     reply,
-                    _with_files(parts, message.files),
-                    0,
+                    _with_files(parts[done:], message.files),
+                    done,
                     f"outside the 24-hour customer-service window ({since})",
                     try_template=True,
                 )
                 return
             quote = _quote(self.settings.quote_replies, message.reply_to, last.message_id)
             for index, part in enumerate(parts):
+                if index < done:
+                    continue
                 payload = _text_payload(user, part, context=quote if index == 0 else None)
                 sent = await self._send_part(reply, index, "text", part, payload, deadline)
                 if not isinstance(sent, _Failure):
                     continue
+                if sent.later:
+                    raise self._cut_short(again, index, len(parts) + len(message.files), sent)
                 await self._keep(
                     reply,
                     _with_files(parts[index:], message.files),
@@ -930,8 +949,27 @@ class WhatsAppChannel:
                     try_template=sent.code == RE_ENGAGEMENT,
                 )
                 return
-            for offset, file in enumerate(message.files):
-                await self._send_file(reply, len(parts) + offset, file, deadline)
+            for number_of, file in enumerate(message.files, start=len(parts)):
+                if number_of < done:
+                    continue
+                failed = await self._send_file(reply, number_of, file, deadline)
+                if failed is not None and failed.later:
+                    total = len(parts) + len(message.files)
+                    raise self._cut_short(again, number_of, total, failed)
+
+    def _cut_short(
+        self, again: tuple[str, str | None, str], index: int, total: int, failure: _Failure
+    ) -> DeliveryFailed:
+        """Remember that the first `index` parts of a reply went out, for when it comes
+        again; the `DeliveryFailed` to raise."""
+        self._sent_parts[again] = index
+        while len(self._sent_parts) > _CUT_SHORT:
+            self._sent_parts.popitem(last=False)
+        return DeliveryFailed(
+            f"whatsapp: part {index + 1} of {total} not sent ({failure.reason}); it is sent "
+            "again later",
+            sent=index,
+        )
 
     async def _send_part(
         self,
@@ -1012,15 +1050,19 @@ class WhatsAppChannel:
             )
         elif failure.kind == "rate_limited":
             reason = f"still rate limited when the reply's time ran out ({failure})"
+        elif failure.kind == "not_done":
+            reason = f"the Graph API did not take it ({failure})"
         else:
             reason = f"WhatsApp refused it ({failure})"
-        return _Failure(reason, failure.code)
+        later = failure.kind in ("rate_limited", "not_done")
+        return _Failure(reason, failure.code, later)
 
     async def _send_file(
         self, reply: _Reply, part: int, file: OutboundFile, deadline: float
-    ) -> None:
+    ) -> _Failure | None:
         """Upload one file of a reply and send it as an image (up to 5 MB) or a document;
-        tried once (an upload that failed may have landed)."""
+        an upload is tried once (one that failed may have landed, unless it certainly did
+        not: then the failure says it may go later). None when it went out."""
         as_image = file.is_image and len(file.data) <= IMAGE_LIMIT
         form = aiohttp.FormData()
         form.add_field("messaging_product", "whatsapp")
@@ -1030,7 +1072,7 @@ class WhatsAppChannel:
             uploaded = await self.graph.request("POST", f"{reply.number}/media", form=form)
         except GraphError as exc:
             logger.error("whatsapp: file {} not uploaded for {}: {}", file.name, reply.chat, exc)
-            return
+            return _Failure(str(exc), exc.code, exc.kind in ("rate_limited", "not_done"))
         media: dict[str, Any] = {"id": str(uploaded.get("id") or "")}
         if file.caption:
             media["caption"] = file.caption[:CAPTION_LIMIT]
@@ -1049,6 +1091,8 @@ class WhatsAppChannel:
         )
         if isinstance(sent, _Failure):
             logger.error("whatsapp: file {} not sent to {}: {}", file.name, reply.chat, sent.reason)
+            return sent
+        return None
 
     # ----------------------------------------------------------------- undeliverable
 

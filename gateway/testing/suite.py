@@ -381,15 +381,19 @@ def test_edit_is_handled_once(kit: Kit) -> None:
             return len([p for p in posts if p.place == place]) >= 2
 
         kit.wait_posts(answered_again, 60, "a post after the edit")
-        write()  # the next message: whatever the edit gets comes before its answer
+        # The next message: whatever the edit gets comes before its answer (which may be
+        # posted in a place of its own: a mention that opens a thread, as on Slack).
+        following = write()
         kit.settle()
-        edits.append((original, edited))
+        edits.append((original, edited, following))
 
     def handled_once(tally: Tally) -> list[str]:
         problems = []
-        for original, edited in edits:
+        for original, edited, following in edits:
             mine = [answered_token(p) for p in tally.posts if p.place == original.ref.place]
-            after = mine[mine.index(original.token) + 1 : -1] if original.token in mine else []
+            start = mine.index(original.token) + 1 if original.token in mine else len(mine)
+            rest = mine[start:]
+            after = rest[: rest.index(following.token)] if following.token in rest else rest
             if len(after) != 1:
                 problems.append(f"the edit in {original.ref.place} got {len(after)} posts: {after}")
             elif after[0] not in (edited.token, None):

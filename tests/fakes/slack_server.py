@@ -65,7 +65,8 @@ handling / graceful retries"):
 ``(0.5, 2, 5)``: long enough for the retries to span a restart of the app.
 
 Event builders (`app_mention`, `channel_message`, `dm_message`, `bot_message`,
-`event_callback`) return full ``event_callback`` payloads, each with a fresh event_id.
+`message_changed`, `edited_mention`, `event_callback`) return full ``event_callback``
+payloads, each with a fresh event_id.
 
 Files (https://api.slack.com/types/file, files.info, the upload flow
 files.getUploadURLExternal -> POST the bytes to ``upload_url`` ->
@@ -304,6 +305,9 @@ class FakeSlack(LocalApiServer[ApiCall]):
         self.bot_id = bot_id
         self.bot_name = bot_name
         self.app_id = app_id
+        #: The port apps.connections.open names in its socket URL: a proxy in front of
+        #: the fake (None: the fake's own).
+        self.socket_port: int | None = None
         self._faults: list[_Fault] = []
         self._messages: dict[tuple[str, str], Payload] = {}
         self._users: dict[str, str] = {bot_user_id: bot_name}
@@ -651,6 +655,28 @@ class FakeSlack(LocalApiServer[ApiCall]):
         }
         if "channel_type" in original:
             event["channel_type"] = original["channel_type"]
+        return self.event_callback(event)
+
+    def edited_mention(self, body: Payload, text: str) -> Payload:
+        """The ``app_mention`` event callback Slack sends again when the author edits a
+        message that mentions the bot (`body`, an `app_mention` callback) to `text`: the
+        same ``ts``, the new text (the mention kept), ``edited``, and a fresh event_id.
+        Slack also sends a ``message_changed``, but only to apps subscribed to the
+        channel's messages (``message.channels``)."""
+        original = body["event"]
+        channel, ts = original["channel"], original["ts"]
+        mention = f"<@{self.bot_user_id}>"
+        if mention not in text:
+            text = f"{mention} {text}"
+        with self._lock:
+            stored: Payload = copy.deepcopy(self._messages.get((channel, ts)) or original)
+        edited = {"user": stored["user"], "ts": self._new_ts()}
+        stored.update(text=text, edited=edited)
+        with self._lock:
+            self._messages[(channel, ts)] = stored
+        event = {**copy.deepcopy(original), "text": text, "edited": edited}
+        if stored.get("thread_ts"):
+            event["thread_ts"] = stored["thread_ts"]
         return self.event_callback(event)
 
     def bot_message(
@@ -1220,7 +1246,7 @@ class FakeSlack(LocalApiServer[ApiCall]):
         ticket = uuid.uuid4().hex
         with self._lock:
             self._tickets.add(ticket)
-        port = self._port
+        port = self.socket_port or self._port
         return {"url": f"ws://127.0.0.1:{port}/socket?ticket={ticket}&app_id={self.app_id}"}
 
     async def _post_message(self, params: dict[str, Any]) -> Payload:
