@@ -23,6 +23,7 @@ from typing import Any, Literal
 from gateway.testing import ChannelDriver, MessageRef, Place, Post, Requirements
 
 from gateway_channel_example.platform import MAX_TEXT, SIGNATURE_HEADER, ExampleChat, sign
+from gateway_channel_example.settings import Defect
 
 __all__ = ["ExampleDriver"]
 
@@ -41,13 +42,17 @@ def free_port() -> int:
 
 
 class ExampleDriver(ChannelDriver):
-    """Example Chat for the kit, the channel in `mode`."""
+    """Example Chat for the kit. `mode`: the channel's; `defect`: one of the broken
+    variants of `gateway_channel_example.defects` (the kit's negative controls)."""
 
     name = "example"
     max_message_length = MAX_TEXT
 
-    def __init__(self, *, mode: Literal["polling", "webhook"] = "polling") -> None:
+    def __init__(
+        self, *, mode: Literal["polling", "webhook"] = "polling", defect: Defect | None = None
+    ) -> None:
         self.mode = mode
+        self.defect = defect
         self.requirements = Requirements(
             groups=True,
             mentions=True,
@@ -65,7 +70,7 @@ class ExampleDriver(ChannelDriver):
         self._port = 0
 
     def __repr__(self) -> str:
-        return f"ExampleDriver(mode={self.mode!r})"
+        return f"ExampleDriver(mode={self.mode!r}, defect={self.defect!r})"
 
     @property
     def chat(self) -> ExampleChat:
@@ -103,6 +108,8 @@ class ExampleDriver(ChannelDriver):
                 f"{PREFIX}WEBHOOK_URL": self.webhook_url,
                 f"{PREFIX}WEBHOOK_SECRET": WEBHOOK_SECRET,
             }
+        if self.defect is not None:
+            env[f"{PREFIX}DEFECT"] = self.defect
         return env
 
     def platform_down(self) -> None:

@@ -10,6 +10,8 @@ from gateway.config.access import AccessSection
 from gateway.config.section import reveal, secret, secret_file
 from pydantic import Field, SecretStr
 
+Defect = Literal["confirm_before_journal", "answer_unaddressed", "repost_on_replay"]
+
 
 class ExampleSettings(AccessSection):
     enabled: bool = Field(False, description="Serve an Example Chat bot.")
@@ -31,6 +33,12 @@ class ExampleSettings(AccessSection):
     )
     webhook_secret_file: Path | None = secret_file(
         "GATEWAY_CHANNELS__EXAMPLE__WEBHOOK_SECRET", "example-webhook-secret"
+    )
+    # Not for a channel of your own: the kit's negative controls break this one on purpose.
+    defect: Defect | None = Field(
+        None,
+        description="For the conformance kit's own tests only: run a variant of the channel "
+        "that breaks the delivery promise on purpose (gateway_channel_example.defects).",
     )
 
     def resolved_token(self) -> str | None:

@@ -37,7 +37,12 @@ def build(section: ExampleSettings, services: ChannelServices) -> ExampleChannel
         raise ConfigError(
             "channels.example.token: set GATEWAY_CHANNELS__EXAMPLE__TOKEN (or token_file)"
         )
-    channel = ExampleChannel(section, token=token)
+    kind = ExampleChannel
+    if section.defect is not None:  # the kit's negative controls only
+        from gateway_channel_example.defects import DEFECTS
+
+        kind = DEFECTS[section.defect]
+    channel = kind(section, token=token)
     channel.mount(services.http)
     if section.mode == "polling":
         channel.poll_leader = services.storage.leader(POLL_ROLE)
