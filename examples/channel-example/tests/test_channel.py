@@ -1,18 +1,37 @@
-"""The adapter's pure parts (translation, splitting, signatures) and the platform's own
-rules, without a gateway: quick checks beside the kit's scenarios."""
+"""The adapter's pure parts (translation, splitting, signatures), its webhook's first
+moments, and the platform's own rules, without a gateway: quick checks beside the kit's
+scenarios."""
 
 from __future__ import annotations
 
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import pytest
-from gateway.messages import META_IS_GROUP, META_MENTIONED, META_REPLY_TO_BOT
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from gateway.messages import (
+    META_IS_GROUP,
+    META_MENTIONED,
+    META_REPLY_TO_BOT,
+    InboundMessage,
+    OutboundMessage,
+)
+from pydantic import SecretStr
 
-from gateway_channel_example.channel import signed, split_text, translate
+from gateway_channel_example.channel import (
+    SIGNATURE_HEADER,
+    ExampleChannel,
+    signed,
+    split_text,
+    translate,
+)
 from gateway_channel_example.platform import MAX_TEXT, ExampleChat, sign
+from gateway_channel_example.settings import ExampleSettings
 
 BOT = "examplebot"
 
@@ -125,3 +144,98 @@ def test_the_platform_holds_a_post_to_its_rules() -> None:
         assert (quiet["everyone"], quiet["mentions"]) == (False, ["ann"])
         chat.down()
         assert call(chat, "GET", "/me")[0] == 503
+
+
+class Taken:
+    """The ticket of a message the journal holds."""
+
+    taken = True
+
+    async def reply(self) -> OutboundMessage | None:
+        return None
+
+
+class Routes:
+    """The gateway's HTTP server, as far as `ExampleChannel.mount` needs it."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+
+    def mount(
+        self,
+        method: str,
+        path: str,
+        handler: Callable[[Any], Awaitable[Any]],
+        *,
+        require_ready: bool = True,
+    ) -> None:
+        self.app.router.add_route(method, path, handler)
+
+
+class Live:
+    """The channel's task status: set once it says it is live."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def started(self, value: None = None) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_webhook_takes_no_update_before_the_bot_knows_its_handle() -> None:
+    """The gateway's port is open before a channel is live. A delivery that comes while
+    the channel still asks who it is gets 503 (Example Chat sends it again): read without
+    the bot's handle, a mention of the bot would pass for chatter and be settled."""
+    asked, answer = anyio.Event(), anyio.Event()
+
+    async def me(request: web.Request) -> web.Response:
+        asked.set()
+        await answer.wait()
+        return web.json_response({"id": BOT, "name": "Example Bot"})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    platform, gateway = web.Application(), web.Application()
+    platform.router.add_get("/me", me)
+    platform.router.add_put("/webhook", ok)
+    submitted: list[InboundMessage] = []
+
+    async def submit(message: InboundMessage) -> Taken:
+        submitted.append(message)
+        return Taken()
+
+    body = json.dumps(update(f"@{BOT} hi", conversation="g-lobby", mentions=[BOT])).encode()
+    headers = {SIGNATURE_HEADER: sign("s3cret", body)}
+    async with TestServer(platform) as api:
+        settings = ExampleSettings(
+            enabled=True,
+            api_url=str(api.make_url("")),
+            mode="webhook",
+            webhook_url="http://127.0.0.1/example/webhook",
+            webhook_secret=SecretStr("s3cret"),
+        )
+        channel = ExampleChannel(settings, token="t")
+        channel.mount(Routes(gateway))
+        live = Live()
+        async with TestClient(TestServer(gateway)) as client, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: channel.run(submit, task_status=live))
+            await asked.wait()
+            early = await client.post("/example/webhook", data=body, headers=headers)
+            assert (early.status, submitted) == (503, [])
+            answer.set()
+            with anyio.fail_after(10):
+                await live.wait()
+            late = await client.post("/example/webhook", data=body, headers=headers)
+            assert late.status == 200
+            assert [m.metadata[META_MENTIONED] for m in submitted] == [True]
+            tg.cancel_scope.cancel()

@@ -175,13 +175,15 @@ class ExampleChannel:
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Take updates until cancelled."""
-        self._submit, self._paused = submit, False
+        """Take updates until cancelled; only once the bot knows its own handle (without
+        it, a mention of the bot would read as chatter and be settled unanswered)."""
+        self._paused = False
         headers = {"Authorization": f"Bearer {self._token}"}
         async with aiohttp.ClientSession(headers=headers) as http:
             self._http = http
             try:
                 self._bot = str((await self._call("GET", "/me"))["id"])
+                self._submit = submit  # the webhook answers 503 until now
                 if self.settings.mode == "webhook":
                     secret = self.settings.resolved_webhook_secret()
                     await self._call(
@@ -198,6 +200,7 @@ class ExampleChannel:
                         await self.poll_leader(self._poll)
                 await anyio.sleep_forever()  # replies go out until the gateway stops
             finally:
+                self._submit = None
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     await self._confirm_last()
                 self._http = None
