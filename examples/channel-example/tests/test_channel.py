@@ -239,3 +239,10 @@ async def test_the_webhook_takes_no_update_before_the_bot_knows_its_handle() -> 
             assert late.status == 200
             assert [m.metadata[META_MENTIONED] for m in submitted] == [True]
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_an_unreadable_update_is_skipped_not_retried_forever() -> None:
+    channel = ExampleChannel(ExampleSettings(enabled=True), token="t")
+    broken = {"update_id": 9, "message": {"id": "m9", "text": "no author"}}
+    assert await channel._take(broken) is True

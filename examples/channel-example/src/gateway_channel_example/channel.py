@@ -266,7 +266,9 @@ class ExampleChannel:
             update = json.loads(body)
         except ValueError:
             return web.json_response({"error": "not JSON"}, status=400)
-        if not isinstance(update, dict) or not await self._take(update):
+        if not isinstance(update, dict):
+            return web.json_response({"error": "not an update"}, status=400)
+        if not await self._take(update):
             return web.json_response({"error": "not taken; send it again"}, status=503)
         return web.json_response({"ok": True})
 
@@ -274,8 +276,15 @@ class ExampleChannel:
 
     async def _take(self, update: Update) -> bool:
         """Hand an update's message to the gateway. True when Example Chat may forget the
-        update: the message is journaled (or settled: a duplicate, a refusal, ignored)."""
-        message = self._translate(update)
+        update: the message is journaled (or settled: a duplicate, a refusal, ignored,
+        or unreadable: it would fail the same way every time it came again)."""
+        try:
+            message = self._translate(update)
+        except (KeyError, TypeError, ValueError) as exc:
+            logger.warning(
+                "example: update {} is unreadable, skipped: {!r}", update.get("update_id"), exc
+            )
+            return True
         if message is None or self._submit is None:
             return message is None
         ticket = await self._submit(message)
