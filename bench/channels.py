@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp and email in one run.
+Matrix, WhatsApp, email and Mattermost in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -8,7 +8,8 @@ Matrix, WhatsApp and email in one run.
 
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
-Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook), Synapse for
+Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
+WebSocket and REST API), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -65,7 +66,7 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email")
+CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
 
 
 class Platform(Protocol):
@@ -155,13 +156,13 @@ class Discord:
 
     def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
         from tests.fakes.discord_server import FakeDiscord
-        from tests.test_discord_kill import World
 
         self.fake = stack.enter_context(FakeDiscord.in_thread())
-        self.world = World(self.fake, users, in_servers=0)
+        self.people = [self.fake.add_user(f"u{n:03d}") for n in range(users)]
+        self.dms = [self.fake.dm_channel(person) for person in self.people]
 
     def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
-        from tests.test_discord_kill import discord_env
+        from tests.gateway_process import discord_env
 
         return discord_env(workspace, llm, self.fake)
 
@@ -169,13 +170,45 @@ class Discord:
         pass
 
     def send(self, message: Message) -> None:
-        self.world.send(message)
+        self.fake.user_message(self.dms[message.user], self.people[message.user], message.text)
 
     def replies(self) -> list[tuple[float | None, str]]:
         return [
             (datetime.datetime.fromisoformat(m["timestamp"]).timestamp(), str(m["content"]))
             for m in self.fake.bot_messages()
         ]
+
+
+class Mattermost:
+    """Everyone in a direct message with the bot; the WebSocket brings the posts in."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.mattermost_server import FakeMattermost
+
+        self.fake = stack.enter_context(FakeMattermost.in_thread())
+        self.people = [str(self.fake.add_user(f"bench{n}")["id"]) for n in range(users)]
+        self.dms = [str(self.fake.dm_channel(p, self.fake.bot_id)["id"]) for p in self.people]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__MATTERMOST__ENABLED": "true",
+            "GATEWAY_CHANNELS__MATTERMOST__URL": self.fake.url,
+            "GATEWAY_CHANNELS__MATTERMOST__TOKEN": self.fake.bot_token,
+            "GATEWAY_CHANNELS__MATTERMOST__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        self.fake.user_message(self.dms[user], self.people[user], message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(p["create_at"] / 1000, str(p["message"])) for p in self.fake.bot_posts()]
 
 
 class WhatsApp:
@@ -280,6 +313,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "matrix": Matrix,
     "whatsapp": WhatsApp,
     "email": Email,
+    "mattermost": Mattermost,
 }
 
 

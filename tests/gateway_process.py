@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from tests.fakes.discord_server import FakeDiscord
     from tests.fakes.openai_server import FakeOpenAI
     from tests.fakes.telegram_server import FakeTelegram
 
@@ -158,6 +159,20 @@ def telegram_env(
         "GATEWAY_CHANNELS__TELEGRAM__BASE_FILE_URL": telegram.file_url,
         "GATEWAY_CHANNELS__TELEGRAM__POLL_TIMEOUT": "1",
         "GATEWAY_CHANNELS__TELEGRAM__DM_POLICY": "open",
+    }
+
+
+def discord_env(workspace: Path, llm: FakeOpenAI, discord: FakeDiscord) -> dict[str, str]:
+    """`base_env` plus the bot of `discord` (its HTTP API and Gateway), open to everyone,
+    on a free port."""
+    return base_env(workspace, llm) | {
+        "GATEWAY_HTTP__PORT": "0",
+        "GATEWAY_CHANNELS__DISCORD__ENABLED": "true",
+        "GATEWAY_CHANNELS__DISCORD__TOKEN": discord.token,
+        "GATEWAY_CHANNELS__DISCORD__API_URL": discord.api_url,
+        "GATEWAY_CHANNELS__DISCORD__GATEWAY_URL": discord.gateway_url,
+        "GATEWAY_CHANNELS__DISCORD__DM_POLICY": "open",
+        "GATEWAY_CHANNELS__DISCORD__GROUP_POLICY": "open",
     }
 
 

@@ -4,7 +4,8 @@
 Every message it accepts is recorded, and delivered by IMAP APPEND into the Dovecot
 mailbox of each recipient that has one there, so a reply the gateway sends lands in the
 correspondent's mailbox as it would in production. `refuse_next` makes the next
-transactions answer DATA with a given code (a 451 "try again later", a 554 refusal).
+transactions answer DATA with a given code (a 451 "try again later", a 554 refusal);
+what they carried is recorded in `refused`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ class Accepted:
 
 @dataclass
 class SmtpServer:
-    """The running server; `accepted` lists what it took, in order."""
+    """The running server; `accepted` lists what it took, in order, and `refused` what
+    `refuse_next` turned away."""
 
     port: int
     users: dict[str, str]
     dovecot: Dovecot | None
     accepted: list[Accepted] = field(default_factory=list)
+    refused: list[Accepted] = field(default_factory=list)
     refuse_next: list[str] = field(default_factory=list)
     logins: list[tuple[str, bool]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -70,13 +73,14 @@ class _Handler:
 
     async def handle_DATA(self, smtp: Any, session: Any, envelope: Any) -> str:
         server = self.server
-        with server.lock:
-            if server.refuse_next:
-                return server.refuse_next.pop(0)
         data = bytes(envelope.original_content or envelope.content)
         auth = getattr(session, "auth_data", None)
         login = auth.login.decode() if auth is not None and hasattr(auth, "login") else ""
         item = Accepted(envelope.mail_from, tuple(envelope.rcpt_tos), data, str(login))
+        with server.lock:
+            if server.refuse_next:
+                server.refused.append(item)
+                return server.refuse_next.pop(0)
         dovecot = server.dovecot
         if dovecot is not None:
             import anyio.to_thread

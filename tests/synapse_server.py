@@ -72,6 +72,9 @@ def _config(folder: Path, port: int, shared_secret: str) -> dict[str, Any]:
         "signing_key_path": str(folder / "signing.key"),
         "registration_shared_secret": shared_secret,
         "enable_registration": False,
+        # Passwords of throwaway accounts: hashing them at the default cost (12 rounds) made
+        # registering most of a conformance scenario's setup.
+        "bcrypt_rounds": 4,
         "macaroon_secret_key": secrets.token_hex(16),
         "form_secret": secrets.token_hex(16),
         "report_stats": False,
@@ -166,9 +169,12 @@ class Synapse:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return json.loads(answer.read() or b"{}")
 
-    def register(self, name: str | None = None, *, admin: bool = False) -> MatrixUser:
+    def register(
+        self, name: str | None = None, *, admin: bool = False, displayname: str | None = None
+    ) -> MatrixUser:
         """A new account through the shared-secret admin API (`register_new_matrix_user`'s
-        way): a nonce, then the HMAC-SHA1 of nonce, name, password and admin flag."""
+        way): a nonce, then the HMAC-SHA1 of nonce, name, password and admin flag; with
+        `displayname`, its profile's display name."""
         with self._lock:
             if name is None:
                 name = f"user{next(self._names)}_{secrets.token_hex(3)}"
@@ -179,17 +185,16 @@ class Synapse:
             mac.update(part.encode())
             mac.update(b"\x00")
         mac.update(b"admin" if admin else b"notadmin")
-        answer = self.request(
-            "POST",
-            "/_synapse/admin/v1/register",
-            {
-                "nonce": nonce,
-                "username": name,
-                "password": password,
-                "admin": admin,
-                "mac": mac.hexdigest(),
-            },
-        )
+        body = {
+            "nonce": nonce,
+            "username": name,
+            "password": password,
+            "admin": admin,
+            "mac": mac.hexdigest(),
+        }
+        if displayname is not None:
+            body["displayname"] = displayname
+        answer = self.request("POST", "/_synapse/admin/v1/register", body)
         return MatrixUser(
             str(answer["user_id"]), password, str(answer["access_token"]), answer["device_id"]
         )

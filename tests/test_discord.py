@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import discord
 import pytest
@@ -28,9 +29,17 @@ from channels.discord import (
     target_channel,
     translate_message,
 )
-from channels.discord.channel import NO_PINGS, Positions, reply_nonce, snowflake_at, snowflake_time
+from channels.discord.channel import (
+    NO_PINGS,
+    Positions,
+    not_sent,
+    reply_nonce,
+    snowflake_at,
+    snowflake_time,
+)
 from channels.discord.format import discord_messages
 from channels.discord.settings import DiscordSettings
+from gateway.channel import DeliveryFailed
 from gateway.config import ConfigError
 from gateway.journal.cursors import FileCursorStore, run_with
 from gateway.journal.protocol import Lead
@@ -50,6 +59,7 @@ from gateway.messages import (
     OutboundMessage,
 )
 from tests.fakes.discord_server import IS_VOICE_MESSAGE, FakeDiscord
+from tests.fakes.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.anyio
 
@@ -781,6 +791,108 @@ async def test_a_reply_discord_py_gave_up_on_after_429s_is_sent_again(fake: Fake
             await channel.send(reply_to(inbound, "at last"))
     assert [m["content"] for m in fake.bot_messages(dm)] == ["at last"]
     assert len(fake.rate_limited) == 7
+
+
+@asynccontextmanager
+async def behind_a_proxy(
+    fake: FakeDiscord, recorder: Recorder
+) -> AsyncIterator[tuple[DiscordChannel, TcpProxy]]:
+    """A channel that reaches `fake` (its HTTP API and its Gateway) through a proxy the
+    test can cut: the network between the gateway and Discord."""
+    proxy = TcpProxy("127.0.0.1", int(fake.url.rsplit(":", 1)[1]))
+    proxy.restore()
+    root = f"127.0.0.1:{proxy.port}"
+    try:
+        async with running(
+            fake, recorder, api_url=f"http://{root}/api/v10", gateway_url=f"ws://{root}/"
+        ) as channel:
+            yield channel, proxy
+    finally:
+        proxy.close()
+
+
+async def test_an_outage_longer_than_the_retries_leaves_the_reply_to_be_sent_again(
+    fake: FakeDiscord,
+) -> None:
+    """Discord unreachable (every connection refused: nothing went out) past the
+    channel's own attempts: `send` raises `DeliveryFailed`, so the dispatcher sends the
+    reply again later and leaves its message unanswered meanwhile; once Discord is
+    back, the reply sent again arrives once. (The conformance kit's outage scenario
+    found it given up after four attempts and its message marked answered: the reply
+    lost.)"""
+    alice = fake.add_user("alice")
+    dm = fake.dm_channel(alice)
+    recorder = Recorder()
+    async with behind_a_proxy(fake, recorder) as (channel, proxy):
+        fake.user_message(dm, alice, "q")
+        [inbound] = await recorder.wait(1)
+        answer = reply_to(inbound, "after the outage")
+        proxy.cut()
+        with pytest.raises(DeliveryFailed) as failed:
+            await channel.send(answer)
+        assert failed.value.sent == 0 and fake.bot_messages(dm) == []
+        proxy.restore()
+        with anyio.fail_after(10):
+            await channel.send(answer)
+    assert [m["content"] for m in fake.bot_messages(dm)] == ["after the outage"]
+
+
+async def test_a_reply_cut_short_goes_on_from_the_part_that_failed(fake: FakeDiscord) -> None:
+    """A 429 longer than the channel waits (discord.py's `RateLimited`) after some parts
+    of a reply went out: `DeliveryFailed` says how many; sent again, the reply goes on
+    from the part that failed, each part posted once, in order."""
+    alice = fake.add_user("alice")
+    dm = fake.dm_channel(alice)
+    recorder = Recorder()
+    text = "\n\n".join(f"part {n} " + "y " * 990 for n in range(12))
+    async with running(fake, recorder) as channel:
+        fake.user_message(dm, alice, "q")
+        [inbound] = await recorder.wait(1)
+        answer = reply_to(inbound, text)
+
+        async def limit_after_the_first_part() -> None:
+            while not fake.bot_messages(dm):  # noqa: ASYNC110 (polling the fake)
+                await anyio.sleep(0.001)
+            fake.fail_next(ROUTE, 429, retry_after=100)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(limit_after_the_first_part)
+            with pytest.raises(DeliveryFailed) as failed:
+                await channel.send(answer)
+        posted_before = len(fake.bot_messages(dm))
+        await channel.send(answer)
+    parts = [m["content"].split()[1] for m in fake.bot_messages(dm)]
+    assert 1 <= posted_before == failed.value.sent < 12
+    assert parts == [str(n) for n in range(12)]
+    assert fake.nonce_repeats == 0  # resumed, not every part sent again
+
+
+def test_what_certainly_did_not_reach_discord_is_told_from_what_may_have() -> None:
+    """Refused connections, 5xx answers (after discord.py's own retries), 429s longer
+    than the channel waits and a channel not running now: the reply may be sent again.
+    A timeout or a connection dropped mid-request may have posted it; a 403 or a 404
+    never will be."""
+    from types import SimpleNamespace
+
+    def answer(status: int) -> Any:
+        return SimpleNamespace(status=status, reason="")
+
+    key = SimpleNamespace(host="discord.com", port=443, ssl=True)
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))  # type: ignore[arg-type]
+    retry = [
+        refused,
+        discord.DiscordServerError(answer(502), "Bad Gateway"),
+        discord.RateLimited(120.0),
+        DiscordSetupError("discord: the channel is not running; reply not sent"),
+    ]
+    final = [
+        TimeoutError(),
+        aiohttp.ServerDisconnectedError(),
+        discord.Forbidden(answer(403), "Missing Access"),
+        discord.NotFound(answer(404), "Unknown Channel"),
+    ]
+    assert [not_sent(exc) for exc in retry] == [True] * len(retry)
+    assert [not_sent(exc) for exc in final] == [False] * len(final)
 
 
 async def test_typing_shows_while_a_turn_runs(fake: FakeDiscord) -> None:

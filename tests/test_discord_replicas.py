@@ -12,8 +12,7 @@ import pytest
 
 from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeOpenAI
-from tests.gateway_process import GatewayProcess, wait_until
-from tests.test_discord_kill import discord_env
+from tests.gateway_process import GatewayProcess, discord_env, wait_until
 
 pytestmark = pytest.mark.kill
 

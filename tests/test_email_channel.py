@@ -17,6 +17,7 @@ from channels.email import EmailChannel, EmailSetupError, Pacing, check_mailbox
 from channels.email.channel import SendFailure
 from channels.email.settings import EmailSettings
 from channels.email.state import MailboxMark, MailboxMarks
+from gateway.channel import DeliveryFailed
 from gateway.journal.cursors import CURSOR_FILE, FileCursorStore, run_with
 from gateway.journal.protocol import Lead
 from gateway.media import MediaError
@@ -546,6 +547,42 @@ async def test_a_temporary_refusal_is_retried_and_a_final_one_is_not(
     assert smtp.logins[-1] == (BOT, False)
     # One attempt, not retried: aiosmtplib tries PLAIN, then LOGIN, once each.
     assert len([ok for _, ok in smtp.logins if not ok]) == 2
+
+
+async def test_a_reply_refused_for_now_past_the_channels_retries_is_delivery_failed(
+    servers: tuple[Dovecot, SmtpServer], tmp_path: Path
+) -> None:
+    """A 4xx answer more times than the channel tries: the reply certainly did not go
+    out and may later, so `send` raises `DeliveryFailed` (the dispatcher sends it again)
+    and the reply sent again is the same mail, Message-ID included. (Before: a
+    SendFailure, and the dispatcher marked the message answered, its reply lost.)"""
+    dovecot, smtp = servers
+    channel = EmailChannel(settings_for(dovecot, smtp), lead=file_lead(tmp_path), pacing=FAST)
+    out = OutboundMessage("email", ALICE, "hi", "email:alice@example.org", reply_to="<x@y>")
+    smtp.refuse_next = ["451 4.3.0 try again later"] * FAST.send_attempts
+    with pytest.raises(DeliveryFailed, match="451") as failed:
+        await channel.send(out)
+    assert failed.value.sent == 0 and smtp.accepted == []
+    await channel.send(out)
+    (taken,) = smtp.accepted
+    assert len(smtp.refused) == FAST.send_attempts
+    assert {a.message["Message-ID"] for a in smtp.refused} == {taken.message["Message-ID"]}
+
+
+async def test_a_reply_with_the_smtp_server_unreachable_is_delivery_failed(
+    servers: tuple[Dovecot, SmtpServer], tmp_path: Path
+) -> None:
+    """Nothing listens on the SMTP port: the reply certainly did not go out, and may
+    once the server is back (`DeliveryFailed`)."""
+    from tests.fakes._serving import free_port
+
+    dovecot, smtp = servers
+    settings = settings_for(dovecot, smtp, smtp_port=free_port())
+    channel = EmailChannel(settings, lead=file_lead(tmp_path), pacing=FAST)
+    out = OutboundMessage("email", ALICE, "hi", "email:alice@example.org", reply_to="<x@y>")
+    with pytest.raises(DeliveryFailed):
+        await channel.send(out)
+    assert smtp.accepted == []
 
 
 # aiosmtpd's own warning: it takes a connection that is TLS from the first byte for one

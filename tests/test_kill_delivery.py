@@ -353,12 +353,15 @@ class Tally:
 
 
 @pytest.fixture
-def report(capsys: pytest.CaptureFixture[str]) -> Callable[[Tally], None]:
-    """Print a scenario's summary line to the terminal, past pytest's capture."""
+def report(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> Callable[[Tally], None]:
+    """Print a scenario's summary line to the terminal, past pytest's capture, and again
+    at the end of the run (also from a pytest-xdist worker)."""
+    from gateway.testing.plugin import summary_line
 
     def show(tally: Tally) -> None:
-        with capsys.disabled():
-            print(f"\n{tally.summary()}")
+        summary_line(request.node, tally.summary(), capsys)
 
     return show
 

@@ -228,6 +228,37 @@ def test_kills_allow_one_extra_reply_per_message_and_conversation_each() -> None
     assert "a message was answered 2 extra times in 1 kills" in problems[0]
 
 
+def test_a_strangers_pairing_code_may_reply_to_their_message_but_not_answer_it() -> None:
+    """A stranger wrote to the bot in a DM: a pairing code threaded under their message
+    (as a mail is) tells a person who addressed the bot, no bystander. Echoing what they
+    wrote still breaks the promise. (The kit counted the code as a post to a bystander,
+    found by the email driver.)"""
+    a = dm("m00001")
+    stranger = Said("m00002", MessageRef("id-m00002", OTHER_DM, "stranger"), addressed=False)
+    code = Post(OTHER_DM, "Your pairing code is QX7KD2PA", reply_to=stranger.ref.id)
+    counted = tally([a, stranger], [echo(a), code], stored=["m00001"])
+    assert counted.bystanders_told == []
+    assert counted.problems() == [
+        "1 posts that answer no message, e.g. ['Your pairing code is QX7KD2PA']"
+    ]
+    answered = tally([a, stranger], [echo(a), echo(stranger)], stored=["m00001"])
+    assert answered.bystanders_told == ["answered m00002"]
+
+
+def test_a_kill_repeats_at_most_the_replies_of_the_turns_running_at_once() -> None:
+    """Nine conversations each answered once more after one kill: each within its own
+    bound, yet more than the eight turns the gateway runs at once could have had on
+    their way (the bound the kill tests of tests/test_kill_delivery.py hold)."""
+    said = [dm(f"m{n:05d}", Place(f"dm-{n}")) for n in range(1, 10)]
+    posts = [post for s in said for post in (echo(s), echo(s))]
+    assert tally(said[:8], posts[:16], kills=1).problems() == []
+    problems = tally(said, posts, kills=1).problems()
+    assert problems == [
+        "9 repeated replies in 1 kills (at most 8 per kill: the replies of the turns "
+        "running at once)"
+    ]
+
+
 def test_a_post_answers_the_last_token_it_echoes() -> None:
     group = Post(ROOM, 'echo: [from "Ann"]\n[in reply to "Bot": "echo: m00001"]\nm00002')
     assert answered_token(group) == "m00002"

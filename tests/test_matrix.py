@@ -19,13 +19,17 @@ import anyio
 import pytest
 
 from channels.matrix import ENCRYPTED_REFUSAL, MatrixChannel, Pacing
+from channels.matrix.channel import RequestFailed
+from channels.matrix.settings import MatrixSettings
 from gateway.access.policy import Decision
+from gateway.channel import DeliveryFailed
 from gateway.config import Settings
 from gateway.daemon import Daemon, Gateway
 from gateway.journal.cursors import CURSOR_FILE
-from gateway.messages import InboundMessage
+from gateway.messages import InboundMessage, OutboundMessage
 from gateway.sessions.keys import encode_key
 from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.tcp_proxy import tcp_proxy
 from tests.synapse_server import MatrixUser, Synapse
 
 pytestmark = pytest.mark.anyio
@@ -214,6 +218,45 @@ async def test_rooms_of_more_than_two_answer_only_when_addressed_with_names_and_
     assert "and then?" in (second.last_user_text or "")
     assert "what now?" in json.dumps(second.messages)  # the quoted bot message
     assert "just chatting" not in session_file(gw.settings, f"matrix:{room}")
+
+
+def highlighted(synapse: Synapse, user: MatrixUser, room: str) -> dict[str, bool]:
+    """The body of each message in `room` that notified `user` -> whether it highlighted
+    them (a mention, or @room), as Synapse's push rules decided (`/notifications`)."""
+    answer = synapse.request("GET", "/_matrix/client/v3/notifications", token=user.access_token)
+    return {
+        str(n["event"]["content"].get("body")): any(
+            isinstance(a, dict) and a.get("set_tweak") == "highlight" and a.get("value", True)
+            for a in n["actions"]
+        )
+        for n in answer["notifications"]
+        if n["room_id"] == room
+    }
+
+
+async def test_a_reply_that_holds_at_room_pings_nobody(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """The bot never pings a room: its messages name whom they mention (`m.mentions`,
+    nobody), so the homeserver does not read an "@room" in the text as a ping, even where
+    the bot has the power to ping (a DM made as Element makes one gives it 100). Found by
+    the conformance kit's Matrix driver."""
+    bot, alice = synapse.register(), synapse.register()
+    fake_openai.add_reply("Tell @room about it")
+    async with gateway(make_settings, fake_openai, synapse, bot):
+        room = await call(
+            synapse.create_room,
+            alice,
+            invite=[bot.user_id],
+            direct=True,
+            preset="trusted_private_chat",
+        )
+        await wait_membership(synapse, alice, room, bot.user_id, "join")
+        await call(synapse.send, alice, room, "who should know?")
+        [reply] = await wait_bot_messages(synapse, alice, room, bot, 1)
+        notified = await call(highlighted, synapse, alice, room)
+    assert notified == {"Tell @room about it": False}
+    assert reply["content"]["m.mentions"] == {}
 
 
 async def test_a_thread_is_its_own_conversation_answered_in_the_thread(
@@ -536,6 +579,107 @@ def upload_file(synapse: Synapse, user: MatrixUser, data: bytes, name: str) -> s
     )
     with urllib.request.urlopen(request, timeout=30) as answer:
         return str(json.loads(answer.read())["content_uri"])
+
+
+#: The channel's own retries of one request, made short: past them a reply that did not
+#: go out is the dispatcher's to send again (`DeliveryFailed`).
+IMPATIENT = Pacing(retry_attempts=2, retry_backoff=0.05, retry_backoff_max=0.1)
+
+
+async def test_a_reply_the_homeserver_could_not_take_is_sent_once_it_is_back(
+    fake_openai: FakeOpenAI, synapse: Synapse, make_settings: Callable[..., Settings]
+) -> None:
+    """The homeserver unreachable (the network cut) past the channel's own retries while
+    a reply is on its way: the channel raises `DeliveryFailed`, the dispatcher keeps the
+    message unanswered and sends the reply again until it goes out, once. Before, the
+    reply was dropped after five attempts (about 8 s) and its message marked answered.
+    (The conformance kit's outage, 6 s, ends within those attempts: here they are few.)"""
+    bot, alice = synapse.register(), synapse.register()
+    fake_openai.add_delay(1.0, "after the outage")
+    with tcp_proxy("127.0.0.1", synapse.port) as proxy:
+        through = {"channels__matrix__homeserver": f"http://127.0.0.1:{proxy.port}"}
+        async with gateway(
+            make_settings, fake_openai, synapse, bot, pacing=IMPATIENT, **through
+        ) as gw:
+            room = await dm_room(synapse, alice, bot)
+            asked = await call(synapse.send, alice, room, "are you there?")
+            with anyio.fail_after(15):
+                while not fake_openai.chat_requests:  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            await call(proxy.cut)
+            await anyio.sleep(3)  # the reply is due meanwhile; its attempts fail
+            assert await call(bot_messages, synapse, alice, room, bot) == []
+            await call(proxy.restore)
+            await wait_bot_messages(synapse, alice, room, bot, 1, seconds=30)
+            await anyio.sleep(1)
+            replies = await call(bot_messages, synapse, alice, room, bot)
+            failures = gw.daemon.dispatcher.stats().delivery_failures
+    assert [r["content"]["body"] for r in replies] == ["after the outage"]
+    assert replies[0]["content"]["m.relates_to"] == {"m.in_reply_to": {"event_id": asked}}
+    assert failures >= 1
+
+
+async def test_a_reply_cut_short_goes_on_from_the_part_that_failed_as_the_same_transaction(
+    fake_openai: FakeOpenAI,
+    synapse: Synapse,
+    make_settings: Callable[..., Settings],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reply of several events whose second one reached the homeserver but whose answer
+    was lost (the connection dropped), then the network stays cut: `DeliveryFailed` says
+    one part went out. Sent again, it goes on from the part that failed, with the same
+    transaction id, which the homeserver keeps once: every paragraph shows once, in
+    order. The reply answers no message (a heartbeat's): its transactions are still the
+    same the second time."""
+    bot, alice = synapse.register(), synapse.register()
+    text = "\n\n".join(f"paragraph {n} " + "x" * 3000 for n in range(12))
+    with tcp_proxy("127.0.0.1", synapse.port) as proxy:
+        through = {"channels__matrix__homeserver": f"http://127.0.0.1:{proxy.port}"}
+        async with gateway(
+            make_settings, fake_openai, synapse, bot, pacing=IMPATIENT, **through
+        ) as gw:
+            room = await dm_room(synapse, alice, bot)
+            channel = gw.channel
+            put_event = channel._put_event
+            puts: list[str] = []
+
+            async def answer_lost_on_the_second(
+                room_id: str, event_type: str, content: Any, txn: str, deadline: Any = None
+            ) -> str:
+                puts.append(txn)
+                event_id = await put_event(room_id, event_type, content, txn, deadline)
+                if len(puts) == 2:  # it went out; the connection drops before its answer
+                    await call(proxy.cut)
+                    raise RequestFailed("send: connection reset", retryable=True)
+                return event_id
+
+            monkeypatch.setattr(channel, "_put_event", answer_lost_on_the_second)
+            message = OutboundMessage("matrix", room, text, f"matrix:{room}")
+            with pytest.raises(DeliveryFailed) as failed:
+                await channel.send(message)
+            assert failed.value.sent == 1
+            await call(proxy.restore)
+            await channel.send(message)
+            replies = await call(bot_messages, synapse, alice, room, bot)
+    parts = len(puts) - 1  # the second was sent twice
+    assert puts[2] == puts[1]  # again, as the same transaction
+    assert len(replies) == parts >= 3
+    joined = "".join(r["content"]["body"] for r in replies)
+    assert [joined.count(f"paragraph {n} ") for n in range(12)] == [1] * 12
+    assert [joined.index(f"paragraph {n} ") for n in range(12)] == sorted(
+        joined.index(f"paragraph {n} ") for n in range(12)
+    )
+
+
+async def test_a_reply_while_the_channel_is_not_running_may_be_sent_later() -> None:
+    """Between two runs of the channel (it restarts after the homeserver was unreachable
+    at start) a reply cannot go out yet: `DeliveryFailed`, not a reply lost."""
+    settings = MatrixSettings(
+        enabled=True, homeserver="http://127.0.0.1:9", user_id="@bot:localhost"
+    )
+    channel = MatrixChannel(settings, token="t")
+    with pytest.raises(DeliveryFailed):
+        await channel.send(OutboundMessage("matrix", "!r:localhost", "hi", "matrix:!r:localhost"))
 
 
 async def test_a_refused_token_stops_the_channel_with_what_to_do(

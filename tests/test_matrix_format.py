@@ -16,7 +16,9 @@ from channels.matrix import Identity, Notice, RoomFacts, Skip, parse_target, tra
 from channels.matrix.format import (
     MAX_CONTENT_BYTES,
     content_bytes,
+    edit_content,
     markdown_to_html,
+    notice_content,
     split_reply,
     strip_reply_fallback,
     text_content,
@@ -47,6 +49,16 @@ def event(
         "origin_server_ts": 1_700_000_000_000,
         "content": content,
     }
+
+
+def test_what_the_bot_writes_mentions_nobody_so_at_room_pings_nobody() -> None:
+    """With `m.mentions` (Matrix 1.7, intentional mentions) the homeserver no longer
+    reads the body for a display name or "@room": the bot notifies only whom it names."""
+    text = text_content("Tell @room")
+    assert text["m.mentions"] == {}
+    assert notice_content("Ask @room")["m.mentions"] == {}
+    edit = edit_content("$shown", text)
+    assert edit["m.mentions"] == {} and edit["m.new_content"]["m.mentions"] == {}
 
 
 def test_markdown_becomes_matrix_html_with_the_models_html_escaped() -> None:

@@ -1,12 +1,34 @@
-"""The Matrix kill test of the delivery promise (docs/delivery.md): the real `gateway run`
-syncs from a real Synapse (tests/synapse_server.py) while test users write to it, and is
-SIGKILLed at random instants while messages flow, each time left down for a moment (what
-users send meanwhile waits after the stored since token) and restarted.
+"""The Matrix kill tests of the delivery promise (docs/delivery.md) that the conformance
+kit does not cover: the real `gateway run` syncs from a real Synapse (tests/synapse_server.py)
+while test users write to it, and is SIGKILLed at the worst moments, or while it holds the
+"matrix sync" role among replicas.
+
+The kit runs the promise's shapes on Matrix (tests/conformance/test_matrix_conformance.py,
+over the same Synapse): DMs, groups, threads, backlogs written while the gateway was down,
+and SIGKILL mid-batch. What stays here, and why the kit cannot do it:
+
+- kills at the failpoints just before and just after a batch's since token is stored
+  (`matrix.before_cursor`, `matrix.after_cursor`): the worst moments of Matrix's own
+  confirmation, which a platform-blind kit cannot name;
+- the same kills in end-to-end encrypted rooms, users writing from encrypting clients
+  (tests/matrix_peer.py): the device's crypto state must be durable across a kill, and
+  the kit's driver plays people with plain clients;
+- a standby replica taking the sync role, and the device's keys, over from PostgreSQL:
+  the kit runs one gateway on one workspace.
+
+Deleted, for the kit does it: the test of 300 messages from 20 users with three random
+kills while they flow. The kit's `kill_mid_batch_loses_nothing_and_stores_nothing_twice`
+replaces it (four people, two kills while turns are in flight, messages written while
+the gateway is down; `--kit-scale=10` writes 320) and asserts at least as much: nothing
+lost, stored twice, unanswered or run by the model twice; each conversation in order; at
+most one repeat per message and per conversation per kill (four conversations: at most
+four per kill, where the old test allowed eight); no post that answers no message, none
+in the wrong room, no ping; the last gateway exits 0 on SIGTERM.
 
 Counted from the outside, as tests/test_kill_delivery.py counts Telegram and Slack: the
 user and assistant entries in the session files, and the bot's messages in every room as
-Synapse holds them (`/messages`). The summary line (``KILL-DELIVERY matrix-traffic: ...``)
-prints past pytest's capture with lost / stored twice / answered twice / order.
+Synapse holds them (`/messages`). The summary lines (``KILL-DELIVERY matrix-confirm: ...``)
+print past pytest's capture with lost / stored twice / answered twice / order.
 """
 
 from __future__ import annotations
@@ -29,7 +51,6 @@ from tests.test_kill_delivery import (
     Message,
     Tally,
     echoed,
-    kill_schedule,
     plan_messages,
     pushing,
     scaled,
@@ -113,55 +134,6 @@ class Rooms:
             return self._last
 
         return check
-
-
-@pytest.mark.timeout(420)
-def test_matrix_traffic_survives_kills_while_it_flows(
-    tmp_path: Path,
-    synapse: Synapse,
-    runs: Callable[[dict[str, str]], Gateways],
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """300 messages from 20 users at about 20 a second; the gateway is SIGKILLed three
-    times at random instants in the flow, stays down for 0.5-1.5 s each time (messages
-    pile up after the stored token), and is restarted; then left to finish."""
-    rng = random.Random(SEED)
-    workspace = tmp_path / "ws"
-    count, rate, kills = scaled(300), 20.0, 3
-    bot = synapse.register()
-    users = [synapse.register() for _ in range(scaled(20))]
-    sent = plan_messages(count, len(users), rng)
-    with FakeOpenAI.in_thread(responder=slow_echo(random.Random(SEED + 1))) as llm:
-        run = runs(matrix_env(workspace, llm, synapse, bot))
-        run.start()
-        rooms = Rooms(synapse, bot, users)
-        rooms.wait_joined()
-        started = time.monotonic()
-        with pushing(sent, rate, rooms.send) as seconds:
-            for offset in kill_schedule(kills, seconds, rng):
-                run.sleep_until_due(started + offset, min_up=1.0)
-                run.kill()
-                time.sleep(rng.uniform(0.5, 1.5))
-                run.start()
-        settle(rooms.progress(sent))
-        run.terminate()
-        user_entries, assistant_entries = session_entries(workspace / "sessions")
-        answered, other = echoed(rooms.bot_texts())
-        tally = Tally(
-            scenario="matrix-traffic",
-            logs=run.save_logs(tmp_path / "logs", []),
-            sent=sent,
-            user_entries=user_entries,
-            assistant_entries=assistant_entries,
-            reply_order=answered,
-            other_replies=other,
-            kills=run.kills,
-            seconds=time.monotonic() - started,
-            exit_code=run.exit_code,
-        )
-    with capsys.disabled():
-        print(f"\n{tally.summary()}")
-    tally.check_promise()
 
 
 def stopped(pid: int) -> bool:

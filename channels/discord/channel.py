@@ -13,8 +13,8 @@ DMs are answered always, once the sender passed the DM policy (pairing by defaul
 
 Discord confirms nothing and keeps nothing for an absent bot: the Gateway replays what
 a dropped connection missed only to a RESUME of the same session. The delivery promise
-of docs/delivery.md is kept anyway, by these rules (tested in tests/test_discord*.py
-and tests/test_discord_kill.py):
+of docs/delivery.md is kept anyway, by these rules (tested in tests/test_discord*.py,
+and with SIGKILLs by the conformance kit, tests/conformance/test_discord_conformance.py):
 - Journal, then move on: every message is submitted (journaled by the dispatcher,
   deduped by its message id, a snowflake) one at a time, in the order it arrived, and
   only then is its conversation's position (`gateway.journal.cursors`) moved past it. A message
@@ -46,10 +46,15 @@ and tests/test_discord_kill.py):
   crash that re-sends a reply within those minutes posts nothing new.
 - Rate limits are discord.py's: it reads the X-RateLimit headers, waits before a
   bucket runs out, waits out a 429's `retry_after` (all requests wait on a global
-  one), and gives up past `Pacing.rate_limit_wait` (logged; the reply is lost). When
-  it gives up after five 429s in a row, the request is made again after the last
-  429's `Retry-After`. A request is never cancelled once started (see `_Client`):
-  one cancelled while it waits out a global 429 would hold every later one forever.
+  one), and gives up past `Pacing.rate_limit_wait`. When it gives up after five 429s
+  in a row, the request is made again after the last 429's `Retry-After`. A request
+  is never cancelled once started (see `_Client`): one cancelled while it waits out a
+  global 429 would hold every later one forever.
+- A reply that certainly did not reach Discord (`not_sent`: the connection refused
+  past the channel's own attempts, a 5xx past discord.py's retries, a 429 longer than
+  it waits) raises `gateway.channel.DeliveryFailed`: the dispatcher sends it again
+  later and leaves its message unanswered meanwhile. A reply cut short after some of
+  its messages went out goes on, when sent again, from the first that did not.
 - Nothing the model writes can ping: every message is sent with `allowed_mentions`
   that parse nothing (only the person replied to is notified), and `@everyone`,
   `@here` and `<@...>` are defused in the text (`channels.discord.format`).
@@ -94,7 +99,7 @@ from channels.discord.format import DISCORD_LIMIT, discord_messages, split_disco
 from channels.discord.settings import DiscordSettings
 from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
-from gateway.channel import Submit, Ticket
+from gateway.channel import DeliveryFailed, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
@@ -561,6 +566,21 @@ def _retry_after(exc: discord.HTTPException) -> float:
         return 1.0
 
 
+def not_sent(exc: BaseException) -> bool:
+    """Whether a failed request certainly did not post anything and may succeed later:
+    the connection was never made (refused, unreachable), Discord answered 5xx (after
+    discord.py's own retries), a 429 asked to wait longer than the channel waits
+    (`RateLimited`), or the channel is not running now. A timeout or a connection
+    dropped mid-request may have posted it; a 4xx never will."""
+    return isinstance(
+        exc,
+        aiohttp.ClientConnectorError
+        | discord.DiscordServerError
+        | discord.RateLimited
+        | DiscordSetupError,
+    )
+
+
 def _settle_request(task: asyncio.Task[Any]) -> None:
     """Read the outcome of a request whose caller stopped waiting (else asyncio logs
     "exception was never retrieved")."""
@@ -665,6 +685,8 @@ class DiscordChannel:
         self._notices = NoticeCooldown()
         self._typing = TypingIndicators[int](self._send_typing)
         self._streams: dict[str, _Stream] = {}
+        #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
+        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
         self.backfilled = 0  # messages read back through the HTTP API (tests, logs)
         self.live = anyio.Event()  # set once a session is up and read back (tests, probes)
 
@@ -1246,7 +1268,8 @@ class DiscordChannel:
         """Deliver a reply: Discord Markdown in messages of at most 2,000 characters, the
         first one a reply to the message it answers, in order, then its files. Raises
         when a message cannot be delivered, and sends none after it (they would read
-        out of context)."""
+        out of context): `DeliveryFailed` when it certainly did not reach Discord and
+        may later (`not_sent`); the same reply sent again goes on from that part."""
         target = target_channel(message.chat_id, message.thread_id)
         pieces = discord_messages(message.text)
         stream = await self._finish_stream(message)
@@ -1258,17 +1281,31 @@ class DiscordChannel:
             shown = stream.message_id if stream is not None else None
             if pieces and shown is not None and await self._edit(target, shown, pieces[0]):
                 first = 1
-            for index in range(first, len(pieces)):
-                reply_to = message.reply_to if index == 0 else None
-                await self._post(
-                    target,
-                    pieces[index],
-                    reply_to,
-                    f"part {index}",
-                    nonce_of=message.reply_to,
-                )
-            for index, file in enumerate(message.files):
-                await self._post_file(target, file, message.reply_to, index)
+            reply = (message.session_key, message.reply_to, message.text)
+            done = max(first, self._sent_parts.pop(reply, 0))
+            try:
+                for index in range(done, len(pieces)):
+                    reply_to = message.reply_to if index == 0 else None
+                    await self._post(
+                        target,
+                        pieces[index],
+                        reply_to,
+                        f"part {index}",
+                        nonce_of=message.reply_to,
+                    )
+                    done = index + 1
+                for index, file in enumerate(message.files):
+                    if len(pieces) + index < done:
+                        continue
+                    await self._post_file(target, file, message.reply_to, index)
+                    done = len(pieces) + index + 1
+            except Exception as exc:
+                if not not_sent(exc):
+                    raise
+                self._sent_parts[reply] = done
+                while len(self._sent_parts) > _SEEN_MESSAGES:
+                    self._sent_parts.popitem(last=False)
+                raise DeliveryFailed(f"discord: {exc!r}", sent=done) from exc
 
     async def _post(
         self,
@@ -1353,6 +1390,7 @@ class DiscordChannel:
         and typing repeat harmlessly. What bounds the waiting is the caller's deadline
         (the dispatcher's `deliver_timeout_seconds` for a reply)."""
         attempt = 0
+        reached: BaseException | None = None
         while True:
             try:
                 return await request()
@@ -1371,7 +1409,7 @@ class DiscordChannel:
             except discord.RateLimited as exc:
                 logger.error(
                     "discord: {} in channel {} rate limited for {:.0f}s, longer than we wait;"
-                    " given up",
+                    " given up for now",
                     what,
                     channel_id,
                     exc.retry_after,
@@ -1379,7 +1417,12 @@ class DiscordChannel:
                 raise
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 attempt += 1
+                if not not_sent(exc):
+                    reached = exc  # it may have reached Discord
                 if attempt >= self.pacing.retry_attempts:
+                    if reached is not None and reached is not exc:
+                        # The caller learns the worst: a request that may have gone out.
+                        raise reached from exc
                     raise
                 delay = min(
                     self.pacing.retry_backoff * 2 ** (attempt - 1), self.pacing.retry_backoff_max

@@ -26,10 +26,12 @@ Promises (tested in tests/test_email*.py, the kill test in tests/test_email_kill
   journal's message id is the mail's Message-ID, so a renumbered folder's unseen mail
   that was already answered is dropped as a duplicate, not answered again.
 - A reply is sent once: a failure before the message data went out (a refused or lost
-  connection, a 4xx answer) is retried with backoff; after the data went out without an
-  answer, the reply is logged as possibly lost instead. Its Message-ID is derived from
-  what it answers and says, so a reply the outbox sends again after a crash carries the
-  same Message-ID (mail clients show one).
+  connection, a 4xx answer) is retried with backoff, and past the channel's attempts
+  raised as `DeliveryFailed`, for the dispatcher to send it again later; after the data
+  went out without an answer, the reply is logged as possibly lost instead. Its
+  Message-ID is derived from what it answers and says, so a reply sent again (by the
+  dispatcher, or by the outbox after a crash) carries the same Message-ID (mail clients
+  show one).
 - Every mail the gateway sends carries `Auto-Submitted: auto-replied` (auto-generated
   when it answers nothing) and `X-Auto-Response-Suppress: All`, and mail that carries
   either is never answered: two gateways, or a gateway and a vacation responder, do not
@@ -83,7 +85,7 @@ from channels.email.mailbox import (
 from channels.email.settings import EmailSettings
 from channels.email.state import MailboxMark, MailboxMarks
 from gateway import failpoints
-from gateway.channel import Submit
+from gateway.channel import DeliveryFailed, Submit
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
@@ -750,7 +752,10 @@ class EmailChannel:
 
     async def send(self, message: OutboundMessage) -> None:
         """Send a reply as one mail; retried only while it certainly did not go out.
-        Raises SendFailure when it could not be sent."""
+        Raises `DeliveryFailed` when it certainly did not go out after the channel's
+        attempts and may later (the server unreachable, or answering 4xx): the
+        dispatcher sends it again, as the same mail. Raises SendFailure when it never
+        will (a 5xx refusal, a refused login) or may have gone out."""
         compose = functools.partial(
             compose_reply, message, self.settings, now=datetime.now(UTC).timestamp()
         )
@@ -763,9 +768,13 @@ class EmailChannel:
                     await self._smtp_send(mail, message.chat_id)
                     return
                 except SendFailure as exc:
-                    if not exc.retry or attempt >= self.pacing.send_attempts:
+                    if not exc.retry:
                         logger.error("email: reply to {} not sent: {}", message.chat_id, exc)
                         raise
+                    if attempt >= self.pacing.send_attempts:
+                        raise DeliveryFailed(
+                            f"email: reply to {message.chat_id} not sent yet: {exc}"
+                        ) from exc
                     delay = self._backoff(attempt)
                     logger.warning(
                         "email: reply to {} failed ({}); retry {} in {:g}s",

@@ -27,6 +27,10 @@ Promises (each one tested in tests/test_matrix*.py against Synapse, and by the k
 - A reply is sent at most once: every event goes out with a transaction id derived from
   the message it answers and its own text, so a retry, or a re-send after a crash, is
   the same transaction, which the homeserver keeps once (the spec's idempotent send).
+- A reply the homeserver did not take and may take later (unreachable, a 5xx, a 429
+  asking to wait past the reply's deadline; also a connection dropped before the answer,
+  which the transaction id makes safe to repeat) raises `DeliveryFailed`: the dispatcher
+  sends it again, and it goes on from the part that failed, as the same transactions.
 - Invites from people who may talk to the bot (allowlisted, paired, or anyone under an
   open policy) are accepted; others are declined with the reason (a stranger's reason
   holds their pairing code under `dm_policy = "pairing"`, at most once per resend
@@ -83,6 +87,7 @@ from channels.matrix.crypto import (
     split_file_id,
 )
 from channels.matrix.format import (
+    NO_MENTIONS,
     edit_content,
     notice_content,
     split_reply,
@@ -94,7 +99,7 @@ from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
 from gateway import failpoints
 from gateway.access.policy import Allow, Challenge, Decision, Deny
-from gateway.channel import Submit, Ticket
+from gateway.channel import DeliveryFailed, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead, Relay
 from gateway.media import MediaError
@@ -600,6 +605,9 @@ class MatrixChannel:
         self._typing = TypingIndicators[str](self._typing_on, self._typing_off)
         self._streams: dict[str, _Stream] = {}
         self._edits: OrderedDict[str, str] = OrderedDict()  # edit event -> original
+        #: Replies a failure cut short, by (session, reply_to, text): the key of their
+        #: transaction ids and how many of their parts went out.
+        self._cut_short: OrderedDict[tuple[str, str | None, str], tuple[str, int]] = OrderedDict()
         #: Why encrypted rooms are refused (None: they are served with the device's keys).
         self._encryption_off: str | None = None
         #: The device's keys, while this process holds them (it runs the /sync loop).
@@ -1290,8 +1298,8 @@ class MatrixChannel:
         import json as jsonlib
 
         client = self._client
-        if client is None:
-            raise RequestFailed(f"{what}: the channel is not running", retryable=False)
+        if client is None:  # between two runs (one is restarting): it may go out later
+            raise RequestFailed(f"{what}: the channel is not running", retryable=True)
         attempt = 0
         until = deadline if deadline is not None else time.monotonic() + self.pacing.reply_deadline
         data = jsonlib.dumps(body) if body is not None else None
@@ -1530,8 +1538,16 @@ class MatrixChannel:
     async def send(self, message: OutboundMessage) -> None:
         """Deliver a reply: Markdown as `body` and HTML as `formatted_body`, split under
         the event size limit, in order, as a reply (a thread reply in a thread); then its
-        files. Raises RequestFailed when a piece cannot be delivered, and sends none of
-        the pieces after it (they would read out of context)."""
+        files. Sends none of the pieces after one that failed (they would read out of
+        context).
+
+        Raises `DeliveryFailed` when a piece did not go out and may later (the homeserver
+        unreachable, a 5xx, a 429 asking to wait past the reply's deadline), also when it
+        may have gone out (a connection dropped before the answer): every piece is a
+        transaction the homeserver keeps once, so sending it again never shows it twice.
+        The same reply sent again goes on from that piece, as the same transactions.
+        Raises RequestFailed for a piece that can never go out (the bot is not in the
+        room)."""
         room_id, thread = parse_target(message.chat_id, message.thread_id)
         reply_to = message.reply_to
         if reply_to is not None:
@@ -1539,33 +1555,46 @@ class MatrixChannel:
         pieces = split_reply(message.text) if message.text.strip() else []
         stream = await self._finish_stream(message)
         deadline = time.monotonic() + self.pacing.reply_deadline
+        resume = (message.session_key, message.reply_to, message.text)
+        key, done = self._cut_short.pop(resume, ("", 0))
         # Without the message it answers, a reply has nothing that makes it the same
-        # transaction when sent again: each send is its own.
-        key = message.reply_to or f"unanswered:{secrets.token_hex(8)}"
+        # transaction when sent again, unless a failure cut it short here (kept above).
+        key = key or message.reply_to or f"unanswered:{secrets.token_hex(8)}"
         with logger.contextualize(session=message.session_key):
             if not pieces and not message.files:
                 logger.warning("matrix: empty reply not sent")
                 return
-            first = 0
-            if pieces and stream is not None and stream.event_id is not None:
+            if pieces and not done and stream is not None and stream.event_id is not None:
                 edit = edit_content(stream.event_id, text_content(pieces[0]))
                 try:
                     await self._send_event(
                         room_id, edit, transaction_id(key, "final", pieces[0]), deadline=deadline
                     )
-                    first = 1
+                    done = 1
                 except RequestFailed as exc:
                     logger.warning("matrix: streamed message not edited ({}); sending it", exc)
-            for index in range(first, len(pieces)):
-                content = text_content(pieces[index])
-                if index == 0:
-                    content |= reply_relation(reply_to, thread)
-                elif thread is not None:
-                    content |= reply_relation(None, thread)
-                txn = transaction_id(key, "part", str(index), pieces[index])
-                await self._send_event(room_id, content, txn, deadline=deadline)
-            for index, file in enumerate(message.files):
-                await self._send_file(room_id, thread, file, key, index, deadline)
+            try:
+                for index in range(done, len(pieces)):
+                    content = text_content(pieces[index])
+                    if index == 0:
+                        content |= reply_relation(reply_to, thread)
+                    elif thread is not None:
+                        content |= reply_relation(None, thread)
+                    txn = transaction_id(key, "part", str(index), pieces[index])
+                    await self._send_event(room_id, content, txn, deadline=deadline)
+                    done = index + 1
+                for index, file in enumerate(message.files):
+                    if len(pieces) + index < done:
+                        continue
+                    await self._send_file(room_id, thread, file, key, index, deadline)
+                    done = len(pieces) + index + 1
+            except RequestFailed as exc:
+                if not exc.retryable:
+                    raise
+                self._cut_short[resume] = (key, done)
+                while len(self._cut_short) > _SEEN_EVENTS:
+                    self._cut_short.popitem(last=False)
+                raise DeliveryFailed(f"matrix: {exc}", sent=done) from exc
 
     async def _send_file(
         self,
@@ -1579,30 +1608,41 @@ class MatrixChannel:
         """Upload one file to the content repository and send it (m.image or m.file).
         Into an encrypted room the file is encrypted before it is uploaded (AES-CTR, a
         new key per file, carried inside the encrypted event)."""
+        from aiohttp import ClientError
         from nio import UploadResponse
 
         client = self._client
-        if client is None:
-            raise RequestFailed("upload: the channel is not running", retryable=False)
+        if client is None:  # between two runs (one is restarting): it may go out later
+            raise RequestFailed("upload: the channel is not running", retryable=True)
         digest = hashlib.sha256(file.data).hexdigest()
         encrypted = await self._room_encrypted(room_id, deadline)
         data, keys, mime = file.data, None, file.mime_type
         if encrypted:
             data, keys = await anyio.to_thread.run_sync(encrypt_file, file.data)
             mime = "application/octet-stream"  # what the content repository may see
-        uploaded, _ = await client.upload(
-            io.BytesIO(data),
-            content_type=mime,
-            filename=None if encrypted else file.name,
-            filesize=len(data),
-        )
+        try:
+            uploaded, _ = await client.upload(
+                io.BytesIO(data),
+                content_type=mime,
+                filename=None if encrypted else file.name,
+                filesize=len(data),
+            )
+        except (TimeoutError, OSError, ClientError) as exc:  # the file never became an event
+            raise RequestFailed(f"upload of {file.name}: {exc!r}", retryable=True) from None
         if not isinstance(uploaded, UploadResponse):
-            raise RequestFailed(f"upload of {file.name}: {_describe(uploaded)}", retryable=False)
+            answer = getattr(uploaded, "transport_response", None)
+            status = getattr(answer, "status", None)
+            raise RequestFailed(
+                f"upload of {file.name}: {_describe(uploaded)}",
+                retryable=isinstance(status, int) and (status == 429 or status >= 500),
+                status=status if isinstance(status, int) else None,
+            )
         content: dict[str, Any] = {
             "msgtype": "m.image" if file.is_image else "m.file",
             "body": file.caption or file.name,
             "filename": file.name,
             "info": {"mimetype": file.mime_type, "size": len(file.data)},
+            **NO_MENTIONS,  # a caption's "@room" pings nobody either
         }
         if keys is not None:
             content["file"] = {"url": uploaded.content_uri, **keys}

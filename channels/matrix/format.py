@@ -12,7 +12,10 @@ Promises (tested in tests/test_matrix_format.py):
 - every event's content serializes to at most `MAX_CONTENT_BYTES` (the homeserver refuses
   events over 65,536 bytes, signatures and envelope included);
 - the pieces, in order, carry the whole reply; none is blank;
-- `formatted_body` never holds markup the model wrote: its `<`, `>` and `&` are escaped.
+- `formatted_body` never holds markup the model wrote: its `<`, `>` and `&` are escaped;
+- what the bot writes mentions nobody (`m.mentions` is empty), so the homeserver never
+  reads an "@room" or a name in its text as a ping (Matrix 1.7's intentional mentions:
+  with the key present, the body-based push rules do not apply).
 """
 
 from __future__ import annotations
@@ -49,19 +52,27 @@ def markdown_to_html(markdown: str) -> str:
     return html
 
 
+#: Whom the bot's messages mention: nobody. Without the key, the homeserver's legacy push
+#: rules read the body, and an "@room" the model wrote would notify the whole room.
+NO_MENTIONS: dict[str, Any] = {"m.mentions": {}}
+
+
 def text_content(markdown: str) -> dict[str, Any]:
-    """An `m.text` content: the Markdown as `body`, its HTML as `formatted_body`."""
+    """An `m.text` content: the Markdown as `body`, its HTML as `formatted_body`; it
+    mentions nobody."""
     return {
         "msgtype": "m.text",
         "body": markdown,
         "format": HTML_FORMAT,
         "formatted_body": markdown_to_html(markdown),
+        **NO_MENTIONS,
     }
 
 
 def notice_content(text: str) -> dict[str, Any]:
-    """An `m.notice` (what bots say that is not an answer: refusals, "can't open this")."""
-    return {"msgtype": "m.notice", "body": text}
+    """An `m.notice` (what bots say that is not an answer: refusals, "can't open this");
+    it mentions nobody."""
+    return {"msgtype": "m.notice", "body": text, **NO_MENTIONS}
 
 
 def content_bytes(content: dict[str, Any]) -> int:

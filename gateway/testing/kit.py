@@ -8,8 +8,9 @@ import contextlib
 import os
 import random
 import sqlite3
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from gateway.testing.driver import ChannelDriver, MessageRef, Place, Post
@@ -17,7 +18,7 @@ from gateway.testing.model import KitModel
 from gateway.testing.process import GatewayRuns, child_pythonpath
 from gateway.testing.tally import TOKEN, Said, Tally, answered_token, session_entries
 
-__all__ = ["LANE", "Kit"]
+__all__ = ["LANE", "TURNS_AT_ONCE", "Kit"]
 
 #: `dispatch.max_queue_per_lane` in every scenario: a backlog "longer than a lane" is
 #: cheap to write. A platform's message is never refused for it (docs/delivery.md, 7).
@@ -27,6 +28,9 @@ LANE = 5
 LINGER = 1.5
 #: No post for this long and nothing left in the journal: what is missing is not coming.
 STALL = 15.0
+#: `dispatch.max_concurrent_turns` in every scenario (the gateway's default): a kill
+#: catches at most this many replies on their way.
+TURNS_AT_ONCE = 8
 
 
 class Kit:
@@ -81,6 +85,7 @@ class Kit:
             "GATEWAY_LLM__TIMEOUT": "60",
             "GATEWAY_HTTP__PORT": "0",
             "GATEWAY_DISPATCH__MAX_QUEUE_PER_LANE": str(LANE),
+            "GATEWAY_DISPATCH__MAX_CONCURRENT_TURNS": str(TURNS_AT_ONCE),
         }
         return inherited | kit | self.driver.gateway_env() | (settings or {})
 
@@ -156,6 +161,59 @@ class Kit:
         """`count` scaled by `scale` (at least 1)."""
         return max(1, round(count * self.scale))
 
+    # -- kills --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def kills_meanwhile(
+        self,
+        runs: GatewayRuns,
+        kills: int,
+        *,
+        over: float,
+        down: tuple[float, float] = (1.0, 3.0),
+        up_at_least: float = 1.0,
+    ) -> Iterator[None]:
+        """SIGKILL the running gateway `kills` times while the `with` block runs (people
+        write in it, from the test's thread, for about `over` seconds): once at a random
+        moment of each of `kills` equal slots of `over`, when the gateway has served
+        for `up_at_least` seconds; each time it is kept down a random `down` seconds
+        (people go on writing), then started again. Leaving the block waits for the
+        last start."""
+        slot = over / kills
+        plan = [
+            (n * slot + self.rng.uniform(0.2, 0.9) * slot, self.rng.uniform(*down))
+            for n in range(kills)
+        ]
+        failures: list[BaseException] = []
+        stop = threading.Event()  # the block failed: no more kills
+        began = time.monotonic()
+
+        def kill_and_restart() -> None:
+            ready = time.monotonic()
+            try:
+                for at, rest in plan:
+                    due = max(began + at, ready + up_at_least)
+                    if stop.wait(max(0.0, due - time.monotonic())):
+                        return
+                    runs.kill()
+                    time.sleep(rest)
+                    runs.start()
+                    ready = time.monotonic()
+            except BaseException as exc:
+                failures.append(exc)
+
+        killer = threading.Thread(target=kill_and_restart, name="kit-killer", daemon=True)
+        killer.start()
+        try:
+            yield
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            killer.join()
+        if failures:
+            raise failures[0]
+
     # -- waiting ------------------------------------------------------------------------
 
     def answered(self) -> set[str]:
@@ -225,6 +283,7 @@ class Kit:
             assistant_entries=assistant,
             model_saw=frozenset(self.model.asked(TOKEN)),
             kills=runs.kills,
+            turns_at_once=TURNS_AT_ONCE,
             seconds=time.monotonic() - self.started,
             exit_code=runs.exit_code,
             seed=self.seed,

@@ -33,7 +33,7 @@ from gateway.testing.driver import ChannelDriver, Requirements
 from gateway.testing.kit import Kit
 from gateway.testing.model import KitModel
 
-__all__ = ["needs"]
+__all__ = ["needs", "summary_line"]
 
 MARKER = "kit_needs"
 SEED_VARIABLE = "GATEWAY_KIT_SEED"
@@ -104,6 +104,41 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+#: The name of a test's user property that holds one of its summary lines.
+SUMMARY = "summary line"
+
+
+def summary_line(node: pytest.Item, line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Show `line` past pytest's capture now, and again among the summary lines at the end
+    of the run (`pytest_terminal_summary`): with pytest-xdist a worker's output is not
+    shown, but its reports' user properties reach the controller."""
+    node.user_properties.append((SUMMARY, line))
+    with capsys.disabled():
+        print(f"\n{line}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Every summary line of the run (the kit's KIT lines and the like), together, in the
+    order the tests ended."""
+    # A test's reports (call, teardown) each carry its properties so far: the last, longest.
+    per_test: dict[str, list[str]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            found = [
+                str(value)
+                for name, value in getattr(report, "user_properties", ())
+                if name == SUMMARY
+            ]
+            nodeid = str(getattr(report, "nodeid", ""))
+            if len(found) > len(per_test.get(nodeid, [])):
+                per_test[nodeid] = found
+    lines = [line for found in per_test.values() for line in found]
+    if lines:
+        terminalreporter.section("summary lines")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def kit_seed(request: pytest.FixtureRequest) -> int:
     """The run's seed: --kit-seed, $GATEWAY_KIT_SEED, or a fresh one (printed on each
@@ -149,8 +184,7 @@ def kit(
         kit_model.everyone_text = channel_driver.ping_everyone_text()
 
     def report(line: str) -> None:
-        with capsys.disabled():
-            print(f"\n{line}")
+        summary_line(request.node, line, capsys)
 
     scale = _scale(request.config)
     scenario = request.node.name.removeprefix("test_").replace("_", "-")

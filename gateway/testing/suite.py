@@ -33,6 +33,8 @@ __all__ = [
     "test_group_mentions_are_answered_once_each_to_their_sender",
     "test_kill_before_journal_loses_nothing",
     "test_kill_mid_batch_loses_nothing_and_stores_nothing_twice",
+    "test_kills_right_after_start_lose_nothing_of_a_backlog",
+    "test_kills_while_people_write_lose_nothing",
     "test_long_reply_arrives_whole_and_in_order",
     "test_no_reply_pings_everyone",
     "test_one_reply_per_direct_message",
@@ -217,6 +219,71 @@ def test_kill_before_journal_loses_nothing(kit: Kit) -> None:
         kit.dm(person)
     run.kill_at("dispatch.before_journal")
     run.start()
+    kit.settle()
+    kit.check(run)
+
+
+def write_somewhere(kit: Kit, people: int) -> Said:
+    """One of `people` writes once: in their DM or, where the platform has groups with
+    mentions, a quarter of the time in the group (a mention of the bot, or one time in
+    three chatter it owes nothing)."""
+    person = kit.rng.randrange(people)
+    requirements = kit.driver.requirements
+    if requirements.groups and requirements.mentions and kit.rng.random() < 0.25:
+        return kit.group(person, mention=kit.rng.random() < 2 / 3)
+    return kit.dm(person)
+
+
+def introduce_everyone(kit: Kit, people: int) -> None:
+    """Each of `people` writes once in their DM, and one of them mentions the bot in the
+    group where there is one: every conversation the kill scenarios write in is known."""
+    said = [kit.dm(person) for person in range(people)]
+    if kit.driver.requirements.groups and kit.driver.requirements.mentions:
+        said.append(kit.group(0, mention=True))
+    introduce(kit, said)
+
+
+@needs("catch_up")
+def test_kills_right_after_start_lose_nothing_of_a_backlog(kit: Kit) -> None:
+    """Six people who have talked to the bot write 40 messages while the gateway is
+    down, in their DMs and in the group (mentions and chatter); it is started and
+    SIGKILLed 0-300 ms after it is ready, three times, while it takes that backlog in,
+    then left to finish: every message is answered once, in order, stored once, and no
+    message or conversation got more than one extra reply per kill."""
+    kit.model.delay = 0.05  # turns overlap: a kill finds some in flight
+    people = kit.sized(6)
+    run = kit.gateways()
+    run.start()
+    introduce_everyone(kit, people)
+    run.kill()
+    for _ in range(kit.sized(40)):
+        write_somewhere(kit, people)
+    for _ in range(3):
+        run.start()
+        time.sleep(kit.rng.uniform(0.0, 0.3))
+        run.kill()
+    run.start()
+    kit.settle()
+    kit.check(run)
+
+
+@needs("catch_up")
+def test_kills_while_people_write_lose_nothing(kit: Kit) -> None:
+    """Six people write 60 messages, twelve a second, in their DMs and in the group,
+    while the gateway is SIGKILLed four times at random moments (turns in flight,
+    messages on their way in) and kept down 1-3 s each time while they go on writing:
+    after the last start every message is answered once, in order, stored once, and no
+    message or conversation got more than one extra reply per kill."""
+    kit.model.delay = 0.05
+    people, count, rate = kit.sized(6), kit.sized(60), 12.0
+    run = kit.gateways()
+    run.start()
+    introduce_everyone(kit, people)
+    began = time.monotonic()
+    with kit.kills_meanwhile(run, 4, over=count / rate):
+        for n in range(count):
+            time.sleep(max(0.0, began + n / rate - time.monotonic()))
+            write_somewhere(kit, people)
     kit.settle()
     kit.check(run)
 

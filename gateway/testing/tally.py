@@ -91,6 +91,9 @@ class Tally:
     #: The tokens that reached the model in any request.
     model_saw: frozenset[str]
     kills: int = 0
+    #: Turns the gateway runs at once (`dispatch.max_concurrent_turns`): a kill catches
+    #: at most that many replies on their way.
+    turns_at_once: int = 8
     seconds: float = 0.0
     exit_code: int | None = 0
     seed: int = 0
@@ -212,12 +215,15 @@ class Tally:
 
     @property
     def bystanders_told(self) -> list[str]:
-        """Posts to people who did not address the bot: an answer to their message, a
-        reply to it, or a mention of someone who only chattered."""
-        chatter = {s.ref.id: s for s in self.chatter}
+        """Posts to people who did not address the bot: an answer to anything the bot
+        owed no answer, a reply to a group's chatter, or a mention of someone who only
+        chattered there. A DM owed no answer (a stranger's) was written to the bot: a
+        pairing code in reply to it (threaded under it, as a mail is) tells no
+        bystander, and the stranger scenario checks it."""
+        chatter = {s.ref.id: s for s in self.chatter if s.in_group}
         chatter_tokens = {s.token for s in self.chatter}
         talkers = {s.ref.sender for s in self.addressed}
-        silent = {s.ref.sender for s in self.chatter} - talkers
+        silent = {s.ref.sender for s in chatter.values()} - talkers
         told = []
         for post in self.posts:
             token = answered_token(post)
@@ -280,6 +286,11 @@ class Tally:
             found.append(
                 f"a conversation got {self.most_repeats_in_one_place} repeated replies in "
                 f"{self.kills} kills (it has one reply on its way at a time: one per kill)"
+            )
+        if self.kills and self.answered_twice > self.kills * self.turns_at_once:
+            found.append(
+                f"{self.answered_twice} repeated replies in {self.kills} kills (at most "
+                f"{self.turns_at_once} per kill: the replies of the turns running at once)"
             )
         if not self.other_posts_allowed and self.other_posts:
             add("posts that answer no message", self.other_posts)
