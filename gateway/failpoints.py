@@ -11,7 +11,8 @@ Inert unless armed: `reach` is one dictionary check when nothing is. Armed two w
   process.
 
 The places (`POINTS`) are where a pause decides what a replica may still write or send:
-before the user's message is stored (or one that joined the running turn), before the
+before a platform's message is journaled (its platform must still hold it), before the
+user's message is stored (or one that joined the running turn), before the
 reply is recorded in the outbox, before it is sent, and before the message is marked
 answered. A channel declares its own (its `ChannelSpec.failpoints`, e.g. just before and
 after a read position is stored, or between the journal and the platform's confirmation);
@@ -29,6 +30,9 @@ from loguru import logger
 
 POINTS = frozenset(
     {
+        # A platform's message, about to be journaled: its channel must not have confirmed
+        # it yet (the conformance kit's `kill_before_journal_loses_nothing`).
+        "dispatch.before_journal",
         "turn.before_user_append",
         # A message that joined a running turn (the steer mode), about to be stored.
         "turn.before_steered_append",

@@ -18,6 +18,8 @@
    them only through its `gateway.registry.ChannelSpec`.
 6. Nothing shipped (`gateway/`, `channels/`) imports the project's tests: the conformance
    kit (`gateway.testing`) ships in the package and runs outside this repository.
+7. The example channel package (examples/channel-example) imports from the gateway only
+   the channel SDK (`CHANNEL_SDK`): what a third party's package may rely on.
 
 A rule broken on purpose is listed in `ALLOWED` with its reason; an entry that no longer
 matches any import fails the test too, so the list only shrinks.
@@ -340,6 +342,41 @@ def test_nothing_shipped_imports_the_tests() -> None:
                 f"{module}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "tests"
             ]
     assert found == []
+
+
+#: What a channel package outside this project may import from the gateway: its
+#: declaration and settings, the Channel protocol and messages, and the conformance kit
+#: (docs/channel-sdk.md).
+CHANNEL_SDK = (
+    "gateway.registry",
+    "gateway.channel",
+    "gateway.messages",
+    "gateway.config",
+    "gateway.config.access",
+    "gateway.config.section",
+    "gateway.testing",
+)
+EXAMPLE = ROOT / "examples" / "channel-example"
+
+
+def test_the_example_channel_uses_only_the_channel_sdk() -> None:
+    files = sorted(EXAMPLE.rglob("*.py"))
+    assert any(path.name == "channel.py" for path in files)
+    found = []
+    for path in files:
+        for node in ast.walk(parsed(path)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                if name.split(".")[0] not in ("gateway", "channels", "tests"):
+                    continue
+                if name in CHANNEL_SDK or name.startswith("gateway.testing."):
+                    continue
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert found == [], "the example reaches past the channel SDK:\n" + "\n".join(found)
 
 
 def test_every_allowed_exception_still_matches_an_import() -> None:

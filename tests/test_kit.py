@@ -5,8 +5,10 @@ a reply or pings everyone."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -281,6 +283,13 @@ def test_requirements_name_what_a_platform_lacks() -> None:
 def test_the_suite_exports_every_scenario_it_defines() -> None:
     defined = {name for name in vars(suite) if name.startswith("test_")}
     assert set(suite.__all__) == defined
+
+
+def test_the_sdk_page_tells_what_every_scenario_does() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "channel-sdk.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", page, re.MULTILINE))
+    missing = {name.removeprefix("test_") for name in suite.__all__} - rows
+    assert not missing, f"docs/channel-sdk.md's scenario table lacks {sorted(missing)}"
 
 
 # -- a scenario can fail ------------------------------------------------------------------

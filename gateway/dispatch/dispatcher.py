@@ -630,6 +630,7 @@ class Dispatcher:
                 self._skip(item, None if duplicate else decision)
                 return False
         ask = self.router.lease_ask(item.message.session_key) if self.router else None
+        await failpoints.reach("dispatch.before_journal", item.message.session_key)
         try:
             # The claim and the journal row in one statement: the journal's span.
             with telemetry().span(
@@ -716,6 +717,7 @@ class Dispatcher:
     async def _journal(self, key: str, store: DedupeStore, msg: InboundMessage) -> bool:
         """Journal `msg`; False when that failed: the message is then not taken (its claim
         is given back), so the platform, which was not told we have it, sends it again."""
+        await failpoints.reach("dispatch.before_journal", msg.session_key)
         try:
             with telemetry().span("gateway.journal", parent=msg.metadata.get(META_TRACEPARENT)):
                 await store.journal(key, msg)

@@ -1,5 +1,6 @@
-"""`gateway run` as a real process for the conformance kit: started, SIGKILLed, stopped
-with SIGTERM and started again on one workspace, its log kept for failure messages."""
+"""`gateway run` as a real process for the conformance kit: started, SIGKILLed (also where
+it stopped itself at a failpoint), stopped with SIGTERM and started again on one
+workspace, its log kept for failure messages."""
 
 from __future__ import annotations
 
@@ -121,6 +122,31 @@ class GatewayProcess:
                 return int(line.split()[1]) / 1024
         return None
 
+    def wait_stopped(self, failpoint: str, timeout: float = START_TIMEOUT) -> None:
+        """Wait until the process stopped itself at `failpoint` (its SIGSTOP,
+        `gateway.failpoints`); AssertionError, with its last lines, when it ended first or
+        never got there."""
+
+        def stopped() -> bool:
+            try:
+                pid, status = os.waitpid(self.proc.pid, os.WNOHANG | os.WUNTRACED)
+            except ChildProcessError:  # reaped already: it ended
+                raise AssertionError(f"the gateway ended before failpoint {failpoint}") from None
+            if pid == 0:
+                return False
+            if os.WIFSTOPPED(status):
+                return True
+            self.proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here
+            raise AssertionError(
+                f"the gateway exited ({self.proc.returncode}) before it stopped at "
+                f"failpoint {failpoint}"
+            )
+
+        try:
+            wait_until(stopped, timeout, f"the gateway stopped at failpoint {failpoint}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its last lines:\n{self.tail()}") from None
+
     def kill(self) -> None:
         """SIGKILL: nothing runs after this instant, no drain, no flush."""
         self.proc.send_signal(signal.SIGKILL)
@@ -158,11 +184,12 @@ class GatewayRuns:
             raise RuntimeError("no gateway has been started")
         return f"http://127.0.0.1:{self.port}"
 
-    def launch(self) -> GatewayProcess:
-        """Start a gateway process without waiting for it."""
+    def launch(self, extra: Mapping[str, str] | None = None) -> GatewayProcess:
+        """Start a gateway process without waiting for it (`extra`: variables for this
+        one only)."""
         if self.current is not None and self.current.proc.poll() is None:
             raise RuntimeError("a gateway is running already: one per workspace")
-        self.current = GatewayProcess(self.env, self.cwd)
+        self.current = GatewayProcess(self.env | dict(extra or {}), self.cwd)
         self.processes.append(self.current)
         return self.current
 
@@ -176,6 +203,14 @@ class GatewayRuns:
         assert self.current is not None, "no gateway to kill"
         self.current.kill()
         self.kills += 1
+
+    def kill_at(self, failpoint: str) -> None:
+        """Start a gateway that stops itself the first time any session reaches
+        `failpoint` (``GATEWAY_FAILPOINTS``), and SIGKILL it there: the worst moment, made
+        to happen rather than hoped for."""
+        process = self.launch({"GATEWAY_FAILPOINTS": f"{failpoint}=sigstop"})
+        process.wait_stopped(failpoint)
+        self.kill()
 
     def terminate(self) -> int:
         assert self.current is not None, "no gateway to stop"

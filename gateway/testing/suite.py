@@ -31,6 +31,7 @@ __all__ = [
     "test_edit_is_handled_once",
     "test_forged_inbound_is_refused",
     "test_group_mentions_are_answered_once_each_to_their_sender",
+    "test_kill_before_journal_loses_nothing",
     "test_kill_mid_batch_loses_nothing_and_stores_nothing_twice",
     "test_kills_right_after_start_lose_nothing_of_a_backlog",
     "test_kills_while_people_write_lose_nothing",
@@ -194,6 +195,29 @@ def test_kill_mid_batch_loses_nothing_and_stores_nothing_twice(kit: Kit) -> None
     run.start()
     kit.wait_answers(2 * len(kit.said) // 3)
     run.kill()
+    run.start()
+    kit.settle()
+    kit.check(run)
+
+
+@needs("catch_up")
+def test_kill_before_journal_loses_nothing(kit: Kit) -> None:
+    """While the gateway is stopped three people write four DMs each; the next gateway
+    stops itself as it is about to journal the first of them (failpoint
+    `dispatch.before_journal`) and is SIGKILLed there, before the journal holds any of
+    them. The platform must still hold them all: after the next start each is answered
+    once, in order. A channel that confirms a message before the journal holds it (a
+    batch fetched ahead of the journal, a webhook answered before `submit` returned, a
+    read position stored first) loses what it confirmed."""
+    run = kit.gateways()
+    run.start()
+    introduce(kit, [kit.dm(person) for person in range(3)])
+    run.terminate()
+    writers = [p for p in range(3) for _ in range(kit.sized(4))]
+    kit.rng.shuffle(writers)
+    for person in writers:
+        kit.dm(person)
+    run.kill_at("dispatch.before_journal")
     run.start()
     kit.settle()
     kit.check(run)
