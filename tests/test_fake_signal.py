@@ -227,6 +227,8 @@ async def test_group_messages_mentions_quotes_and_edits_look_as_signal_cli_write
     again = fake.edit(edit, "twice")
     assert again["editMessage"]["targetSentTimestamp"] == said["timestamp"]
     assert len(base64.b64decode(group.id)) == 32
+    stamps = [fake.dm(alice, str(n))["timestamp"] for n in range(50)]
+    assert len(set(stamps)) == 50 and stamps == sorted(stamps)  # a message's id, per sender
 
 
 async def test_a_send_is_recorded_with_its_styles_quote_and_attachments(

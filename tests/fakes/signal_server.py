@@ -267,7 +267,7 @@ class FakeSignalCli(LocalApiServer[RpcCall]):
         self._receiving = False  # a `receive` call runs
         self._events: list[asyncio.Queue[dict[str, Any]]] = []
         self._pump: asyncio.Task[None] | None = None
-        self._clock = itertools.count(int(time.time() * 1000))
+        self._last_timestamp = 0
         self._numbers = itertools.count(1)
 
     # -- the app ------------------------------------------------------------------------
@@ -483,7 +483,7 @@ class FakeSignalCli(LocalApiServer[RpcCall]):
     def person(self, name: str, number: str | None = None) -> Person:
         """Someone new on Signal."""
         n = next(self._numbers)
-        found = Person(str(uuid.uuid4()), number or f"+1555{n:07d}", name)
+        found = Person(str(uuid.uuid4()), number or f"+1555{200 + n:07d}", name)
         with self._lock:
             self.people[found.uuid] = found
         return found
@@ -499,7 +499,9 @@ class FakeSignalCli(LocalApiServer[RpcCall]):
     def now(self) -> int:
         """A fresh timestamp (ms): Signal ids a message by its sender and timestamp, so the
         fake never gives one out twice."""
-        return max(next(self._clock), int(time.time() * 1000))
+        with self._lock:
+            self._last_timestamp = max(self._last_timestamp + 1, int(time.time() * 1000))
+            return self._last_timestamp
 
     def _arrive(self, envelope: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
