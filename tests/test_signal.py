@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from channels.signal.channel import Pacing, SignalChannel, SignalSetupError, check_daemon
-from channels.signal.client import SignalError
+from channels.signal.client import SignalError, error_from
 from channels.signal.inbound import Me, Notice, Received, Skip, parse_target, translate
 from channels.signal.settings import SignalSettings
 from channels.signal.spec import SPEC
@@ -36,6 +36,7 @@ from gateway.messages import (
     reply_for,
 )
 from tests.fakes.signal_server import (
+    RECEIVE_BUSY,
     FakeSignalCli,
     network_failure,
     rate_limited,
@@ -156,6 +157,23 @@ def test_attachments_become_file_references() -> None:
         ("voice", "v.aac", "voice.aac"),
         ("document", "d.pdf", "a.pdf"),
     ]
+
+
+def test_signal_clis_errors_are_told_apart_by_what_a_retry_would_do() -> None:
+    limited = error_from(_error(rate_limited(3)))
+    assert (limited.kind, limited.retry_after) == ("not_done", 3.0)
+    assert error_from(_error(network_failure())).kind == "not_done"
+    untrusted = error_from(_error(untrusted_identity()))
+    assert untrusted.kind == "final" and "trust" in str(untrusted)
+    assert error_from({"code": -3, "message": "Error while receiving messages"}).kind == "not_done"
+    busy = error_from({"code": -1, "message": RECEIVE_BUSY})
+    assert busy.busy and busy.kind == "final"
+    assert error_from({"code": -1, "message": "The user +1 is not registered."}).kind == "final"
+    assert not error_from({"code": -32601, "message": "Method not implemented"}).busy
+
+
+def _error(scripted: Any) -> dict[str, Any]:
+    return {"code": scripted.code, "message": scripted.message, "data": scripted.data}
 
 
 # --------------------------------------------------------------------------- the adapter
@@ -280,6 +298,35 @@ async def test_a_stop_waits_for_the_receive_in_flight_and_keeps_what_it_brings(
     assert [i["envelope"]["dataMessage"]["message"] for i in held] == [
         "arrives while the call is open"
     ]
+
+
+async def test_a_receive_cut_off_loses_the_one_message_it_took_and_counts_it(
+    fake: FakeSignalCli, tmp_path: Path
+) -> None:
+    """The platform's limit (docs/signal.md, Delivery): signal-cli's `receive` call goes
+    on when the network to the gateway is cut, takes the next message and answers no one.
+    The channel counts the cut and takes everything after it."""
+    alice = fake.person("Alice")
+    tickets = Tickets(fake)
+    with tcp_proxy("127.0.0.1", int(fake.url.rsplit(":", 1)[1])) as proxy:
+        channel = make_channel(fake, tmp_path)
+        channel.settings = channel.settings.model_copy(
+            update={"url": f"http://127.0.0.1:{proxy.port}", "receive_timeout": 3.0}
+        )
+        channel.rpc.url = channel.settings.url
+        async with anyio.create_task_group() as tg:
+            await tg.start(channel.run, tickets.submit)
+            await until(lambda: fake._receiving)
+            proxy.cut()
+            lost = fake.dm(alice, "taken by a call nobody reads")
+            await until(lambda: fake.lost_in_transit)
+            proxy.restore()
+            fake.dm(alice, "after the cut")
+            await until(lambda: tickets.taken)
+            tg.cancel_scope.cancel()
+    assert fake.lost_in_transit == [lost]
+    assert [m.text for m in tickets.taken] == ["after the cut"]
+    assert channel.stats.receive_cut == 1
 
 
 async def test_a_group_reply_quotes_its_message_in_styled_parts(

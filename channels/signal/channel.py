@@ -92,6 +92,16 @@ _REMEMBERED_REPLIES = 10_000
 _FILE_NAME = re.compile(r"[;,\s]+")
 
 
+@dataclass
+class SignalStats:
+    """What the channel counted since start (mirrored into /metrics)."""
+
+    #: `receive` calls whose answer never came: a message signal-cli took for one is lost.
+    receive_cut: int = 0
+    #: Messages held now (handed over, not yet taken by the gateway).
+    held: int = 0
+
+
 class SignalSetupError(Exception):
     """signal-cli cannot be used as configured; says what to fix."""
 
@@ -155,6 +165,7 @@ class SignalChannel:
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
         self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
         self._held_stored = False
+        self.stats = SignalStats()
         self.live = anyio.Event()  # set once messages flow (for tests and probes)
 
     @property
@@ -248,6 +259,7 @@ class SignalChannel:
                 elif exc.kind == "final":
                     raise SignalSetupError(f"signal: receive failed: {exc}") from None
                 elif exc.kind == "maybe_done":
+                    self.stats.receive_cut += 1
                     logger.error(
                         "signal: {}; a message signal-cli took for that call, if any, is "
                         "lost (it was already acknowledged to Signal's servers)",
@@ -349,12 +361,14 @@ class SignalChannel:
             self._held_stored = False  # never overwritten by an empty list
             return []
         logger.info("signal: {} message(s) held from before; submitting them first", len(items))
+        self.stats.held = len(items)
         return [i for i in items if isinstance(i, Mapping)]
 
     async def _save_held(self, store: CursorStore, items: list[Mapping[str, Any]]) -> None:
         data = json.dumps({"version": HELD_VERSION, "items": items}).encode()
         await store.save_blob(self.held_name, data)
         self._held_stored = bool(items)
+        self.stats.held = len(items)
         if items:
             logger.warning(
                 "signal: {} message(s) not taken by the gateway now; held, submitted again first",

@@ -4,8 +4,9 @@ request per call, its failures told apart by what they mean for a retry.
 signal-cli answers every request with HTTP 200 and a JSON-RPC object, errors included
 (signal-cli-jsonrpc(5); `SignalJsonRpcCommandHandler`): -1 a user error ("Failed to send
 message", a group not found, "Receive command cannot be used if messages are already
-being received."), -3 an I/O error, -4 an untrusted identity, -5 a rate limit (its
-`data.response.results[].retryAfterSeconds`), -32601 a method the daemon does not have.
+being received."), -3 an I/O error (`receive` could not reach Signal: asked again),
+-4 an untrusted identity, -5 a rate limit (its `data.response.results[].retryAfterSeconds`),
+-32601 a method the daemon does not have.
 A send whose every result is `NETWORK_FAILURE` could not reach Signal's servers.
 
 In multi-account mode (a daemon started without `-a`) every request names its account;
@@ -88,6 +89,8 @@ def error_from(error: Mapping[str, Any]) -> SignalError:
         return SignalError(
             f"{message}: signal-cli could not reach Signal's servers", kind="not_done", code=code
         )
+    if code == IO_ERROR:  # signal-cli could not talk to Signal's servers or its disk
+        return SignalError(message, kind="not_done", code=code)
     if code == UNTRUSTED_KEY_ERROR:
         message += (
             " (the person's safety number changed; trust the new key with `signal-cli -a "

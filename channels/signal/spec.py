@@ -22,10 +22,28 @@ RECEIVE_ROLE = "signal receiver"
 
 def build(section: SignalSettings, services: ChannelServices) -> Any:
     """The channel; its intake runs under the receiver role, its held messages in the
-    role's cursor store (a workspace file, or PostgreSQL with replicas)."""
+    role's cursor store (a workspace file, or PostgreSQL with replicas); counted on
+    /metrics."""
     from channels.signal.channel import SignalChannel
 
-    return SignalChannel(section, lead=services.storage.lead(RECEIVE_ROLE))
+    channel = SignalChannel(section, lead=services.storage.lead(RECEIVE_ROLE))
+    cut = services.metrics.counter(
+        "receive_cut_total",
+        "Signal receive calls whose answer never reached the gateway: a message signal-cli "
+        "took for one is lost (docs/signal.md, Delivery).",
+    )
+    held = services.metrics.gauge(
+        "held_messages",
+        "Signal messages signal-cli handed over that the gateway has not taken yet (held, "
+        "submitted first).",
+    )
+
+    async def refresh() -> None:
+        cut.set_total(channel.stats.receive_cut)
+        held.set(channel.stats.held)
+
+    services.metrics.on_scrape(refresh)
+    return channel
 
 
 async def checks(section: SignalSettings) -> list[Finding]:
