@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, email and Mattermost in one run.
+Matrix, WhatsApp, Signal, email and Mattermost in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -8,8 +8,9 @@ Matrix, WhatsApp, email and Mattermost in one run.
 
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
-Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
-WebSocket and REST API), Synapse for
+Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, signal-cli's
+JSON-RPC daemon asked for one message at a time, Mattermost's WebSocket and REST API),
+Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -66,7 +67,7 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
+CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "signal", "email", "mattermost")
 
 
 class Platform(Protocol):
@@ -236,6 +237,38 @@ class WhatsApp:
         return [(s.at, s.text) for s in self.fake.sent if s.type == "text"]
 
 
+class Signal:
+    """signal-cli's HTTP daemon (manual receive mode): each person writes a DM, which waits
+    at Signal's server until the gateway's next `receive` takes it."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.signal_server import FakeSignalCli
+
+        self.fake = stack.enter_context(FakeSignalCli.in_thread())
+        self.people = [self.fake.person(f"Person {n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__SIGNAL__ENABLED": "true",
+            "GATEWAY_CHANNELS__SIGNAL__ACCOUNT": self.fake.account,
+            "GATEWAY_CHANNELS__SIGNAL__URL": self.fake.url,
+            "GATEWAY_CHANNELS__SIGNAL__RECEIVE_TIMEOUT": "1",
+            "GATEWAY_CHANNELS__SIGNAL__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.fake.dm(self.people[message.user], message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(s.at, s.text) for s in list(self.fake.sent)]
+
+
 class Matrix:
     """A real Synapse; one DM room per person with the bot."""
 
@@ -312,6 +345,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "discord": Discord,
     "matrix": Matrix,
     "whatsapp": WhatsApp,
+    "signal": Signal,
     "email": Email,
     "mattermost": Mattermost,
 }

@@ -14,8 +14,9 @@
 5. The core names no platform: no module of `gateway/` imports a platform's package
    (`channels/<platform>/`), and the daemon, `gateway doctor`, the configuration, the admin
    page (its templates too), the metrics and the failpoints hold no identifier or string
-   naming one (docstrings and comments may use one as an example). A platform is known to
-   them only through its `gateway.registry.ChannelSpec`.
+   naming one (docstrings and comments may use one as an example; an identifier from a
+   module of Python's own of the same name, `import signal`, is Python's). A platform is
+   known to them only through its `gateway.registry.ChannelSpec`.
 6. Nothing shipped (`gateway/`, `channels/`) imports the project's tests: the conformance
    kit (`gateway.testing`) ships in the package and runs outside this repository.
 7. The example channel package (examples/channel-example) imports from the gateway only
@@ -28,6 +29,7 @@ matches any import fails the test too, so the list only shrinks.
 from __future__ import annotations
 
 import ast
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -451,22 +453,45 @@ def _docstrings(tree: ast.Module) -> set[int]:
     return found
 
 
-def _words_of(tree: ast.Module) -> Iterator[tuple[int, str]]:
-    """(line, text) of every identifier and non-docstring string of `tree`."""
+def _words_of(tree: ast.Module) -> Iterator[tuple[int, str, bool]]:
+    """(line, text, is_string) of every identifier and non-docstring string of `tree`."""
     skip = _docstrings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
-            yield node.lineno, node.value
+            yield node.lineno, node.value, True
         elif isinstance(node, ast.Name):
-            yield node.lineno, node.id
+            yield node.lineno, node.id, False
         elif isinstance(node, ast.Attribute):
-            yield node.lineno, node.attr
+            yield node.lineno, node.attr, False
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            yield node.lineno, node.name
+            yield node.lineno, node.name, False
         elif isinstance(node, ast.arg):
-            yield node.lineno, node.arg
+            yield node.lineno, node.arg, False
         elif isinstance(node, ast.alias):
-            yield getattr(node, "lineno", 0), node.name
+            yield getattr(node, "lineno", 0), node.name, False
+
+
+def _python_modules_named(tree: ast.Module, names: list[str]) -> set[str]:
+    """The platform names that are also modules of Python's standard library the module
+    imports (`import signal`): there the identifiers with that word (`signal.SIGTERM`,
+    `open_signal_receiver`) mean Python's, not the platform. Strings still count."""
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    return {n for n in names if n in imported and n in sys.stdlib_module_names}
+
+
+def test_a_python_module_named_like_a_platform_is_not_the_platform() -> None:
+    """`import signal` (Python's) in the daemon is not the Signal channel; a string
+    naming the platform still is, and so is the word in a module without that import."""
+    tree = ast.parse("import signal\nsignal.SIGTERM\nkind = 'signal'\n")
+    assert _python_modules_named(tree, ["signal", "telegram"]) == {"signal"}
+    words = [(text, is_string) for _, text, is_string in _words_of(tree)]
+    assert ("signal", True) in words and ("SIGTERM", False) in words
+    assert _python_modules_named(ast.parse("x = 1"), ["signal"]) == set()
 
 
 def test_the_core_names_no_platform() -> None:
@@ -478,8 +503,11 @@ def test_the_core_names_no_platform() -> None:
     for module, path in KNOWN.items():
         if not any(module == m or module.startswith(m + ".") for m in PLATFORM_FREE):
             continue
-        for line, text in _words_of(parsed(path)):
-            if pattern.search(text):
+        tree = parsed(path)
+        python_words = _python_modules_named(tree, names)
+        for line, text, is_string in _words_of(tree):
+            match = pattern.search(text)
+            if match and (is_string or match.group(1).lower() not in python_words):
                 found.append(f"{path.relative_to(ROOT)}:{line}: {text[:80]!r}")
     for template in sorted((ROOT / "gateway" / "http" / "admin").rglob("*")):
         if template.suffix in (".html", ".js", ".css"):

@@ -116,6 +116,7 @@ def tally(
     answers: list[str] | None = None,
     model: frozenset[str] = frozenset(),
     kills: int = 0,
+    lost_allowed: int = 0,
     exit_code: int | None = 0,
 ) -> Tally:
     return Tally(
@@ -127,6 +128,7 @@ def tally(
         assistant_entries=Counter(answers if answers is not None else [s.token for s in said]),
         model_saw=model,
         kills=kills,
+        lost_allowed=lost_allowed,
         exit_code=exit_code,
     )
 
@@ -257,6 +259,21 @@ def test_a_kill_repeats_at_most_the_replies_of_the_turns_running_at_once() -> No
         "9 repeated replies in 1 kills (at most 8 per kill: the replies of the turns "
         "running at once)"
     ]
+
+
+def test_a_platform_that_loses_messages_when_cut_is_allowed_that_many_and_no_more() -> None:
+    """`Requirements.lost_when_cut`: a platform that hands a killed gateway's request a
+    message it cannot hand over again (signal-cli's `receive`) may lose that many per kill
+    or cut; one more is a broken promise."""
+    a, b, c = dm("m00001"), dm("m00002"), dm("m00003", OTHER_DM)
+    one_lost = tally([a, b, c], [echo(a), echo(c)], stored=["m00001", "m00003"], kills=1,
+                     lost_allowed=1)  # fmt: skip
+    assert one_lost.problems() == []
+    two_lost = tally([a, b, c], [echo(a)], stored=["m00001"], kills=1, lost_allowed=1)
+    problems = two_lost.problems()
+    assert len(problems) == 1 and "2 lost" in problems[0] and "1 allowed" in problems[0]
+    assert tally([a, b, c], [echo(a), echo(c)], stored=["m00001", "m00003"]).problems()
+    assert Requirements().lost_when_cut == 0
 
 
 def test_a_post_answers_the_last_token_it_echoes() -> None:
