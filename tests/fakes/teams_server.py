@@ -225,6 +225,9 @@ class FakeTeams(LocalServer):
         self.retry_delay = retry_delay
         self.token_lifetime = token_lifetime
         self.bot_url: str | None = None
+        #: The root the gateway reaches the fake at (a proxy's, to cut it off); its own
+        #: address by default. Activities carry their service URL under it.
+        self.public_url: str | None = None
         self.keys = [SigningKey("fake-teams-key-1", _new_key(), ["msteams", "webchat"])]
         self.people: dict[str, Payload] = {}  # account id -> {id, name, aadObjectId}
         self.conversations: dict[str, Conversation] = {}
@@ -244,16 +247,20 @@ class FakeTeams(LocalServer):
     # -- addresses ----------------------------------------------------------------
 
     @property
+    def root(self) -> str:
+        return self.public_url or self.url
+
+    @property
     def openid_metadata_url(self) -> str:
-        return f"{self.url}/v1/.well-known/openidconfiguration"
+        return f"{self.root}/v1/.well-known/openidconfiguration"
 
     @property
     def token_url(self) -> str:
-        return f"{self.url}/botframework.com/oauth2/v2.0/token"
+        return f"{self.root}/botframework.com/oauth2/v2.0/token"
 
     @property
     def service_url(self) -> str:
-        return f"{self.url}/amer/"
+        return f"{self.root}/amer/"
 
     def _build_app(self) -> web.Application:
         app = web.Application(client_max_size=4 * 1024 * 1024)
@@ -285,7 +292,7 @@ class FakeTeams(LocalServer):
             {
                 "issuer": ISSUER,
                 "authorization_endpoint": "https://invalid.botframework.com",
-                "jwks_uri": f"{self.url}/v1/.well-known/keys",
+                "jwks_uri": f"{self.root}/v1/.well-known/keys",
                 "id_token_signing_alg_values_supported": ["RS256"],
                 "token_endpoint_auth_methods_supported": ["private_key_jwt"],
             }
