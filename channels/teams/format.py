@@ -36,7 +36,8 @@ from channels.telegram.format import split_markdown
 
 ZWSP = "\u200b"
 
-_FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+#: A fence as CommonMark reads one: a backtick fence's info string holds no backtick.
+_FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}(?=[^`]*$)|~{3,})")
 _HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
 _RULE = re.compile(r"^ {0,3}([-*_])[ \t]*(?:\1[ \t]*){2,}$")
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")

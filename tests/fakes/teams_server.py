@@ -238,7 +238,7 @@ class FakeTeams(LocalServer):
         self._deliveries: list[Delivery] = []
         self._queues: dict[str, asyncio.Queue[Delivery]] = {}
         self._workers: list[asyncio.Task[None]] = []
-        self._scripted: list[_Failure] = []
+        self._scripted: list[_Failure | None] = []
         self._calls: list[ApiCall] = []
         self._attachments: dict[str, tuple[bytes, str]] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -597,9 +597,16 @@ class FakeTeams(LocalServer):
     # -- the connector -------------------------------------------------------------
 
     def fail_next(
-        self, status: int, count: int = 1, *, code: str = "", retry_after: float | None = None
+        self,
+        status: int,
+        count: int = 1,
+        *,
+        code: str = "",
+        retry_after: float | None = None,
+        after: int = 0,
     ) -> None:
-        """The next `count` connector calls (sends and updates) fail with `status`."""
+        """The next `count` connector calls (sends and updates) fail with `status`, once
+        `after` more calls went through."""
         codes = {
             412: "PreconditionFailed",
             413: "MessageSizeTooBig",
@@ -609,6 +616,7 @@ class FakeTeams(LocalServer):
             403: "BotNotInConversationRoster",
         }
         with self._lock:
+            self._scripted.extend([None] * after)
             for _ in range(count):
                 self._scripted.append(
                     _Failure(status, code or codes.get(status, ""), "scripted", retry_after)
