@@ -387,6 +387,10 @@ class TeamsChannel:
         if not isinstance(url, str) or not url or not isinstance(conversation, str):
             return
         base, _ = split_conversation(conversation)
+        if base not in self._service_urls:
+            # The id operators put in `allow_from` to let a group chat or channel in.
+            kind = (activity.get("conversation") or {}).get("conversationType") or "personal"
+            logger.info("teams: an activity from {} {}", kind, base)
         self._service_urls[base] = url
         self._service_urls.move_to_end(base)
         while len(self._service_urls) > _REMEMBERED:

@@ -51,6 +51,7 @@ class TeamsSettings(AccessSection):
         None,
         description="The Directory (tenant) ID of a single-tenant bot (its token comes from "
         "that tenant); unset for a multi-tenant bot (botframework.com).",
+        examples=["00000000-0000-0000-0000-000000000000"],
     )
     endpoint_path: str = Field(
         "/api/messages",
