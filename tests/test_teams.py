@@ -458,3 +458,33 @@ def test_settings_say_what_is_wrong() -> None:
         "https://login.microsoftonline.com/72f988bf-86f1-41af-91ab-2d7cd011db47/oauth2/v2.0/token"
     )
     assert TeamsSettings().resolved_token_url().endswith("/botframework.com/oauth2/v2.0/token")
+
+
+async def test_build_mounts_the_endpoint_and_counts_on_metrics() -> None:
+    from channels.teams.spec import SPEC
+    from gateway.registry import ChannelServices
+
+    async with FakeTeams() as fake:
+        metrics = Metrics()
+        http = HttpServer(
+            Settings().http.model_copy(update={"port": 0}), health=HealthState(), metrics=metrics
+        )
+
+        async def no_access(message: InboundMessage) -> None:
+            return None
+
+        services = ChannelServices(
+            http=http,
+            storage=None,  # type: ignore[arg-type]
+            metrics=metrics.for_channel("teams"),
+            admin=None,  # type: ignore[arg-type]
+            access_check=no_access,
+        )
+        channel = SPEC.build(settings_for(fake), services)
+        assert isinstance(channel, TeamsChannel)
+        channel.stats.refused["403"] = 2
+        channel.stats.throttled = 3
+        body, _ = await metrics.collect()
+        text = body.decode()
+        assert 'gateway_teams_refused_activities_total{status="403"} 2.0' in text
+        assert "gateway_teams_throttled_total 3.0" in text
