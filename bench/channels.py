@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, Signal, email and Mattermost in one run.
+Matrix, WhatsApp, email and every other channel of `PLATFORMS` in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -8,9 +8,8 @@ Matrix, WhatsApp, Signal, email and Mattermost in one run.
 
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
-Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, signal-cli's
-JSON-RPC daemon asked for one message at a time, Mattermost's WebSocket and REST API),
-Synapse for
+Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, and the
+others' fakes, each named in its `Platform` class below), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -67,7 +66,17 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "signal", "email", "mattermost")
+CHANNELS = (
+    "telegram",
+    "slack",
+    "discord",
+    "matrix",
+    "whatsapp",
+    "signal",
+    "email",
+    "mattermost",
+    "teams",
+)
 
 
 class Platform(Protocol):
@@ -212,6 +221,45 @@ class Mattermost:
         return [(p["create_at"] / 1000, str(p["message"])) for p in self.fake.bot_posts()]
 
 
+class Teams:
+    """Everyone in a personal chat with the bot; Teams POSTs each activity, signed (one
+    conversation's activities one at a time, as the fake delivers them)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.teams_server import FakeTeams
+
+        self.fake = stack.enter_context(FakeTeams.in_thread())
+        self.port = free_port()
+        self.fake.bot_url = f"http://127.0.0.1:{self.port}/api/messages"
+        self.people = [self.fake.add_person(f"bench {n}") for n in range(users)]
+        self.chats = [self.fake.personal_chat(person) for person in self.people]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.fakes.teams_server import APP_ID, APP_PASSWORD
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),
+            "GATEWAY_CHANNELS__TEAMS__ENABLED": "true",
+            "GATEWAY_CHANNELS__TEAMS__APP_ID": APP_ID,
+            "GATEWAY_CHANNELS__TEAMS__APP_PASSWORD": APP_PASSWORD,
+            "GATEWAY_CHANNELS__TEAMS__OPENID_METADATA_URL": self.fake.openid_metadata_url,
+            "GATEWAY_CHANNELS__TEAMS__TOKEN_URL": self.fake.token_url,
+            "GATEWAY_CHANNELS__TEAMS__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        activity = self.fake.message(self.people[user], self.chats[user], message.text)
+        self.fake.deliver_soon(activity)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(post.at, post.text) for post in self.fake.posts()]
+
+
 class WhatsApp:
     """Meta's webhook: each message POSTed, signed, retried until a 2xx."""
 
@@ -348,6 +396,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "signal": Signal,
     "email": Email,
     "mattermost": Mattermost,
+    "teams": Teams,
 }
 
 
