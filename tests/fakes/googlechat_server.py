@@ -66,6 +66,7 @@ Scripting, in the running event loop or from a test thread (``FakeGoogleChat.in_
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import datetime
 import itertools
@@ -268,6 +269,7 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
         self._spaces: dict[str, _Space] = {}
         self._dms: dict[str, str] = {}  # user name -> DM space name
         self.messages: dict[str, Payload] = {}
+        self._made: dict[str, float] = {}  # message name -> when it was made
         self._events: dict[str, Payload] = {}  # message name -> the event that carried it
         self._client_ids: dict[tuple[str, str], str] = {}
         self._request_ids: dict[tuple[str, str], str] = {}
@@ -579,6 +581,38 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
             self._enqueue(space, event)
         return message
 
+    def forged_event(self, text: str) -> Payload:
+        """A MESSAGE event of a direct message no one wrote (for a forged request)."""
+        space = {"name": f"spaces/{_random_id()}", "type": "DM", "spaceType": "DIRECT_MESSAGE"}
+        user = {"name": f"users/{_numeric_id()}", "displayName": "Forger", "type": "HUMAN"}
+        thread = f"{space['name']}/threads/{_random_id()}"
+        message = {
+            "name": f"{space['name']}/messages/{_random_id()}",
+            "sender": user,
+            "createTime": rfc3339(time.time()),
+            "text": text,
+            "argumentText": text,
+            "thread": {"name": thread},
+            "space": space,
+            "threadReply": False,
+        }
+        return {
+            "type": "MESSAGE",
+            "eventTime": rfc3339(time.time()),
+            "space": space,
+            "user": user,
+            "message": message,
+        }
+
+    def deliver_soon(
+        self, event: Payload, *, token: str | None = None
+    ) -> concurrent.futures.Future[Delivery]:
+        """Start `deliver` in the fake's own loop, from any thread."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("FakeGoogleChat is not running")
+        return asyncio.run_coroutine_threadsafe(self.deliver(event, token=token), loop)
+
     def redeliver(self, message_name: str) -> None:
         """Send the event that carried a message once more (what a proxy's retry, or a
         second delivery, would do)."""
@@ -634,6 +668,7 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
             place.threads.add(thread_name)
             place.messages.append(name)
             self.messages[name] = copy.deepcopy(message)
+            self._made[name] = now
         self._notify()
         return message
 
@@ -673,6 +708,17 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
         with self._lock:
             return [
                 copy.deepcopy(m)
+                for place in self._spaces.values()
+                for name in place.messages
+                if (m := self.messages[name])["sender"]["name"] == self.app_user["name"]
+            ]
+
+    def app_texts(self) -> list[tuple[float, str]]:
+        """(when it was made, Unix seconds; its text) of every message the app made: a
+        cheap `app_messages` for a benchmark that polls."""
+        with self._lock:
+            return [
+                (self._made[name], str(m["text"]))
                 for place in self._spaces.values()
                 for name in place.messages
                 if (m := self.messages[name])["sender"]["name"] == self.app_user["name"]
@@ -814,11 +860,16 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
         with self._lock:
             self._faults.extend([(status, f"scripted {status}", after)] * count)
 
+    def heal(self) -> None:
+        """Drop the scripted failures not used yet."""
+        with self._lock:
+            self._faults.clear()
+
     async def _api(self, request: web.Request) -> web.StreamResponse:
         tail = request.match_info["tail"]
         params = dict(request.query)
         body: Any = None
-        route = f"{request.method} {tail}"
+        route = self._route_name(request.method, tail)
         after = False
         fault: tuple[int, str, bool] | None = None
         try:
@@ -834,7 +885,7 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
                     body = json.loads(raw) if raw else {}
                 except ValueError:
                     raise _ApiFailure(400, "Invalid JSON payload received.") from None
-            route, answer, raw_answer = self._route(request.method, tail, params, body)
+            answer, raw_answer = self._route(request.method, tail, params, body)
             if after and fault is not None:
                 raise _ApiFailure(fault[0], fault[1])
             status = 200
@@ -859,27 +910,37 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
         if CHAT_BOT_SCOPE not in found[1].split():
             raise _ApiFailure(403, "Request had insufficient authentication scopes.")
 
+    @staticmethod
+    def _route_name(method: str, tail: str) -> str:
+        """The name a request is logged under (`ApiCall.method`)."""
+        parts = tail.split("/")
+        if tail == "spaces":
+            return f"{method} spaces"
+        if parts[0] == "media":
+            return f"{method} media"
+        if len(parts) == 3 and parts[0] == "spaces" and parts[2] == "messages":
+            return f"{method} messages"
+        if len(parts) == 4 and parts[0] == "spaces" and parts[2] == "messages":
+            return f"{method} message"
+        return f"{method} {tail}"
+
     def _route(
         self, method: str, tail: str, params: Mapping[str, str], body: Any
-    ) -> tuple[str, Payload, tuple[bytes, str] | None]:
+    ) -> tuple[Payload, tuple[bytes, str] | None]:
+        route = self._route_name(method, tail)
         parts = tail.split("/")
-        if method == "GET" and tail == "spaces":
-            return "GET spaces", self._list_spaces(), None
-        if method == "GET" and parts[0] == "media":
-            return "GET media", *self._download("/".join(parts[1:]), params)
-        if len(parts) == 3 and parts[0] == "spaces" and parts[2] == "messages" and method == "POST":
-            space = f"spaces/{parts[1]}"
-            if not isinstance(body, dict):
-                raise _ApiFailure(400, "Invalid JSON payload received.")
-            return "POST messages", self._create(space, body, params, None), None
-        if len(parts) == 4 and parts[0] == "spaces" and parts[2] == "messages":
-            name = "/".join(parts)
-            if method == "GET":
-                return "GET message", self._get(name), None
-            if method == "PATCH":
-                if not isinstance(body, dict):
-                    raise _ApiFailure(400, "Invalid JSON payload received.")
-                return "PATCH message", self._patch(name, body, params), None
+        if route == "GET spaces":
+            return self._list_spaces(), None
+        if route == "GET media":
+            return self._download("/".join(parts[1:]), params)
+        if route in ("POST messages", "PATCH message") and not isinstance(body, dict):
+            raise _ApiFailure(400, "Invalid JSON payload received.")
+        if route == "POST messages":
+            return self._create(f"spaces/{parts[1]}", body, params, None), None
+        if route == "GET message":
+            return self._get(tail), None
+        if route == "PATCH message":
+            return self._patch(tail, body, params), None
         raise _ApiFailure(404, f"Method not found: {method} /v1/{tail}")
 
     def _space_of(self, space: str) -> _Space:
@@ -977,6 +1038,7 @@ class FakeGoogleChat(LocalApiServer[ApiCall]):
             place.threads.add(thread_name)
             place.messages.append(name)
             self.messages[name] = copy.deepcopy(message)
+            self._made[name] = time.time()
         self._notify()
         return message
 
