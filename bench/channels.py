@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, email and Mattermost in one run.
+Matrix, WhatsApp, email, Mattermost and Google Chat in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -9,7 +9,7 @@ Matrix, WhatsApp, email and Mattermost in one run.
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
 Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
-WebSocket and REST API), Synapse for
+WebSocket and REST API, Google Chat's signed events and Chat API), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -66,7 +66,16 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
+CHANNELS = (
+    "telegram",
+    "slack",
+    "discord",
+    "matrix",
+    "whatsapp",
+    "email",
+    "mattermost",
+    "googlechat",
+)
 
 
 class Platform(Protocol):
@@ -211,6 +220,35 @@ class Mattermost:
         return [(p["create_at"] / 1000, str(p["message"])) for p in self.fake.bot_posts()]
 
 
+class GoogleChat:
+    """A Chat app on an HTTP endpoint: each message's event POSTed once, signed, in order
+    per space; replies through the Chat API with the service account's token."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.googlechat_server import FakeGoogleChat
+
+        self.fake = stack.enter_context(FakeGoogleChat.in_thread())
+        self.port = free_port()
+        self.fake.webhook_url = f"http://127.0.0.1:{self.port}/googlechat/events"
+        self.people = [str(self.fake.add_user(f"Bench {n}")["name"]) for n in range(users)]
+        self.dms = [str(self.fake.dm_space(p)["name"]) for p in self.people]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.test_googlechat_kill import googlechat_env
+
+        return googlechat_env(workspace, llm, self.fake, self.port)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        self.fake.user_message(self.dms[user], self.people[user], message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return self.fake.app_texts()
+
+
 class WhatsApp:
     """Meta's webhook: each message POSTed, signed, retried until a 2xx."""
 
@@ -314,6 +352,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "whatsapp": WhatsApp,
     "email": Email,
     "mattermost": Mattermost,
+    "googlechat": GoogleChat,
 }
 
 
