@@ -139,6 +139,23 @@ def test_what_is_skipped(item: dict[str, Any], reason: str) -> None:
     assert isinstance(result, Skip) and reason in result.reason
 
 
+def test_a_slash_command_keeps_its_name_and_a_dm_mention_is_cut() -> None:
+    command = translate_event(
+        event(
+            "/new please",
+            space=SPACE,
+            argumentText=" please",
+            slashCommand={"commandId": "2"},
+            annotations=[{"type": "SLASH_COMMAND", "startIndex": 0, "length": 4}],
+        )
+    )
+    assert isinstance(command, InboundMessage)
+    assert command.text == "/new please" and command.metadata[META_MENTIONED] is True
+    direct = translate_event(event("@Kit Bot hi", argumentText=" hi", annotations=MENTION))
+    assert isinstance(direct, InboundMessage)
+    assert direct.text == "hi" and direct.metadata[META_MENTIONED] is False
+
+
 def test_added_by_a_mention_carries_the_message() -> None:
     message = translate_event(
         event(
@@ -423,6 +440,28 @@ async def test_a_message_not_taken_is_answered_in_place_asking_to_send_it_again(
             await fake.delivered(2)
         assert fake.deliveries[-1].response == {"text": SEND_AGAIN}
         assert channel.stats.not_taken == 2 and "while draining" not in gate.texts
+
+
+async def test_before_the_channel_runs_a_checked_message_is_asked_to_be_sent_again(
+    fake: FakeGoogleChat,
+) -> None:
+    channel = GoogleChatChannel.from_settings(settings_for(fake))
+    health = HealthState()
+    http = HttpServer(
+        Settings().http.model_copy(update={"port": 0}), health=health, metrics=Metrics()
+    )
+    channel.mount(http)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(http.run)  # starting: the channel does not run yet
+        fake.webhook_url = f"http://127.0.0.1:{port}{GOOGLECHAT_WEBHOOK_PATH}"
+        alice, dm, _ = people(fake)
+        fake.user_message(dm["name"], alice["name"], "too early")
+        with anyio.fail_after(10):
+            [delivery] = await fake.delivered(1)
+        assert (delivery.status, delivery.response) == (200, {"text": SEND_AGAIN})
+        forged = await fake.deliver(delivery.event, token=fake.forged_token("unknown_key"))
+        assert forged.status == 401
+        tg.cancel_scope.cancel()
 
 
 async def test_replies_go_to_the_space_its_thread_and_name_the_sender_in_a_space(

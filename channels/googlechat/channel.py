@@ -292,8 +292,15 @@ class GoogleChatChannel:
     async def _webhook(self, request: web.Request) -> web.StreamResponse:
         """One event from Google Chat; see the module docstring for each answer."""
         session = self._session
-        if session is None:
-            return json_error(503, "the Google Chat channel is not running")
+        if session is None:  # starting: the token is checked all the same, to answer
+            timeout = aiohttp.ClientTimeout(total=self.pacing.request_timeout)
+            async with aiohttp.ClientSession(timeout=timeout) as temporary:
+                return await self._event(request, temporary)
+        return await self._event(request, session)
+
+    async def _event(
+        self, request: web.Request, session: aiohttp.ClientSession
+    ) -> web.StreamResponse:
         try:
             await self.verifier.verify(request.headers.get("Authorization", ""), session)
         except Refused as exc:

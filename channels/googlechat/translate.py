@@ -143,10 +143,13 @@ def translate_event(event: dict[str, Any]) -> InboundMessage | Skip:
     if message.get("deleteTime"):
         return Skip("a deleted message")
     direct = is_direct(space)
-    mentioned = not direct and mentions_app(message)
+    addressed = mentions_app(message)
     raw = str(message.get("text") or "")
     argument = message.get("argumentText")
-    text = (str(argument) if argument is not None and mentioned else raw).strip()
+    # `argumentText` is the text without the app's mentions; for a slash command it lacks
+    # the command's name too (`/vote yes` -> ` yes`), which the text keeps.
+    use_argument = addressed and argument is not None and not message.get("slashCommand")
+    text = (str(argument) if use_argument else raw).strip()
     files, drive = attachments_of(message)
     if drive:
         names = ", ".join(drive)
@@ -161,7 +164,7 @@ def translate_event(event: dict[str, Any]) -> InboundMessage | Skip:
     name = str(sender.get("displayName") or "")
     metadata: dict[str, Any] = {
         META_IS_GROUP: not direct,
-        META_MENTIONED: mentioned,
+        META_MENTIONED: addressed and not direct,
         META_REPLY_TO_BOT: False,
         META_SENT_AT: event_time(message.get("createTime") or event.get("eventTime")),
         META_POST_ID: str(message["name"]),
