@@ -214,10 +214,6 @@ class GoogleChatChannel:
             raise ConfigError(f"channels.googlechat.service_account_key: {exc}") from None
         return cls(settings, account=account)
 
-    @property
-    def live(self) -> bool:
-        return self._submit is not None
-
     # ----------------------------------------------------------------- wiring
 
     def mount(self, http: Mount) -> None:

@@ -25,7 +25,8 @@ from Google's documentation:
   posted as the app's message (in the same thread for a thread reply, else as a new
   thread), `{}` posts nothing. Google documents no retry and this fake makes none: an
   event not answered 200 in time is lost (`deliveries` records every attempt).
-  Deliveries of one space are made one at a time, in order; spaces are concurrent.
+  Google does not say in what order it sends events; this fake sends a space's one at a
+  time, in the order they were written (as a person writes them), spaces concurrently.
 - The Chat API reference, `spaces.messages.create`, `.patch`, `.get`, `spaces.list`,
   `media.download`, `Message`, `Thread`: requests need the app's access token (else 401
   UNAUTHENTICATED); errors are `{"error": {"code", "message", "status"}}`. `create`:
