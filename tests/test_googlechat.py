@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
+from aiohttp import web
 from pydantic import SecretStr
 
 from channels.googlechat import GoogleChatChannel, Pacing, Skip, target_of, translate_event
@@ -580,6 +581,31 @@ async def test_an_unreachable_api_is_delivery_failed() -> None:
             with pytest.raises(DeliveryFailed) as failed:
                 await channel.send(dm_reply(dm, "nobody hears"))
             assert failed.value.sent == 0
+
+
+async def test_an_api_that_never_answers_is_delivery_failed_by_the_replys_deadline() -> None:
+    async def hang(request: web.Request) -> web.StreamResponse:
+        await anyio.sleep(60)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", hang)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    slow = Pacing(reply_deadline=1.0, retry_backoff=0.01, request_timeout=30.0, stop_timeout=1)
+    try:
+        async with FakeGoogleChat() as fake:
+            hanging = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            async with wired(fake, api_url=hanging, pacing=slow) as (channel, _):
+                _, dm, _ = people(fake)
+                began = anyio.current_time()
+                with pytest.raises(DeliveryFailed, match="no answer before"):
+                    await channel.send(dm_reply(dm, "into the void"))
+                assert anyio.current_time() - began < 10  # the dispatcher cuts at 60
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_streamed_reply_is_one_message_edited_into_the_answer(fake: FakeGoogleChat) -> None:

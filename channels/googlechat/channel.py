@@ -470,7 +470,12 @@ class GoogleChatChannel:
             if api is None:
                 raise Unreachable("the Google Chat channel is not running")
             try:
-                return await request(api)
+                # A token request and an API request may each take `request_timeout`:
+                # bound both to the send's deadline, under the dispatcher's 60 s.
+                with anyio.fail_after(max(1.0, deadline + 5.0 - time.monotonic())):
+                    return await request(api)
+            except TimeoutError:  # only past the deadline: nothing is left to wait for
+                raise NoAnswer(f"{what}: no answer before the reply's deadline") from None
             except (Unreachable, NoAnswer, ChatApiError) as exc:
                 if not transient(exc):
                     raise
