@@ -76,6 +76,7 @@ CHANNELS = (
     "email",
     "mattermost",
     "teams",
+    "googlechat",
 )
 
 
@@ -260,6 +261,35 @@ class Teams:
         return [(post.at, post.text) for post in self.fake.posts()]
 
 
+class GoogleChat:
+    """A Chat app on an HTTP endpoint: each message's event POSTed once, signed, in order
+    per space; replies through the Chat API with the service account's token."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.googlechat_server import FakeGoogleChat
+
+        self.fake = stack.enter_context(FakeGoogleChat.in_thread())
+        self.port = free_port()
+        self.fake.webhook_url = f"http://127.0.0.1:{self.port}/googlechat/events"
+        self.people = [str(self.fake.add_user(f"Bench {n}")["name"]) for n in range(users)]
+        self.dms = [str(self.fake.dm_space(p)["name"]) for p in self.people]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.test_googlechat_kill import googlechat_env
+
+        return googlechat_env(workspace, llm, self.fake, self.port)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        self.fake.user_message(self.dms[user], self.people[user], message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return self.fake.app_texts()
+
+
 class WhatsApp:
     """Meta's webhook: each message POSTed, signed, retried until a 2xx."""
 
@@ -397,6 +427,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "email": Email,
     "mattermost": Mattermost,
     "teams": Teams,
+    "googlechat": GoogleChat,
 }
 
 
