@@ -340,7 +340,13 @@ class Link:
             except TimeoutError as exc:
                 await self.aclose()
                 raise ConnectionLost("the server took no data for a while") from exc
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            except (
+                OSError,
+                ssl.SSLError,
+                anyio.EndOfStream,
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+            ) as exc:
                 await self.aclose()
                 raise ConnectionLost(f"writing failed: {exc!r}") from exc
 
@@ -502,6 +508,15 @@ def _next_nick(current: str, wanted: str) -> str:
 
 # --------------------------------------------------------------------------- channel
 
+
+def sole(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) groups of one, so that a caller catches the
+    channel's own errors (ConnectionLost, IrcSetupError) and not a task group's wrapper."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 Leader = Callable[[Callable[[], Awaitable[None]]], Awaitable[None]]
 
 
@@ -568,6 +583,8 @@ class IrcChannel:
                     task_status.started()
                     await self.leader(lambda: self._hold(None))
                 tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise sole(group) from None  # the daemon reports the channel's own error
         finally:
             self._link = None
             self._up = anyio.Event()
@@ -652,10 +669,19 @@ class IrcChannel:
                     await self._read(link)
                 finally:
                     tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise sole(group) from None
         finally:
             self._tg = None
             self._up = anyio.Event()
             self._link = None
+            if not link.closed:
+                # Leaving: QUIT frees the nick at once (a next start gets it back).
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    try:
+                        await link.send(Line("QUIT", ("gateway stopping",)), paced=False)
+                    except ConnectionLost:
+                        pass
             await link.aclose()
 
     async def _join_all(self, link: Link, on_live: Callable[[], None] | None) -> None:

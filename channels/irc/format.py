@@ -18,7 +18,7 @@ when it relays the line), on a space where it can and never inside a UTF-8 chara
 piece that continues a bold or italic run opens it again.
 
 Promises (tested in tests/test_irc_format.py, partly with hypothesis):
-- every line is at most the budget in UTF-8 bytes, and none is empty or blank;
+- every line is at most the budget in UTF-8 bytes, and none is blank to a reader;
 - no line holds CR, LF, NUL or CTCP's `\\x01`;
 - the lines hold every word of the text, in order.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-from channels.irc.wire import LINE_BYTES
+from channels.irc.wire import LINE_BYTES, strip_formatting
 from channels.markdown_tables import table_at, table_cells
 
 BOLD, ITALIC, STRIKE, MONO, RESET = "\x02", "\x1d", "\x1e", "\x11", "\x0f"
@@ -74,7 +74,7 @@ def markdown_to_lines(markdown: str, *, formatting: bool = True) -> list[str]:
             continue
         out.append(_prose_line(lines[i], formatting))
         i += 1
-    return [line for line in out if line.strip() and line.strip() not in _TOGGLES]
+    return [line for line in out if strip_formatting(line).strip()]
 
 
 def _clean(line: str) -> str:
@@ -177,7 +177,7 @@ def split_line(line: str, budget: int) -> list[str]:
         piece, rest = rest[:cut].rstrip(" "), rest[cut:].lstrip(" ")
         pieces.append(carry + piece)
         carry = "".join(code for code in _open_runs(carry + piece))
-    return [p for p in pieces if p.strip() and p.strip() not in _TOGGLES]
+    return [p for p in pieces if strip_formatting(p).strip()]
 
 
 def _fit(text: str, room: int) -> int:

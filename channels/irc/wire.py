@@ -68,7 +68,7 @@ class Line:
             rest, _, trailing = rest.partition(" :")
         elif rest.startswith(":"):
             rest, trailing = "", rest[1:]
-        words = rest.split()
+        words = [word for word in rest.split(" ") if word]
         command = words[0].upper() if words else ""
         params = words[1:]
         if trailing is not None:
