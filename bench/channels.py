@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp and email in one run.
+Matrix, WhatsApp, email and IRC in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -10,7 +10,8 @@ Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
 Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
-Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
+Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`), ngIRCd for IRC
+(`scripts/install-ngircd.sh`; everyone writes to the bot privately, over TLS); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
 server, answering at once (an echo).
 
@@ -29,7 +30,9 @@ Per channel, after everyone wrote once and was answered (not measured):
 
 The fakes keep the platforms' own limits: Discord's (5 messages per 5 s per channel,
 50 requests per second in all) and WhatsApp's (80 messages a second) bound their
-`e2e/s`; Telegram's and Slack's fakes have none.
+`e2e/s`; Telegram's and Slack's fakes have none. ngIRCd's own flood control (it takes a
+client's lines a few a second) bounds IRC's: its burst is at most 120 messages and its
+paced run at most 40, or a run would take minutes.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email")
+CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "irc")
 
 
 class Platform(Protocol):
@@ -273,6 +276,51 @@ class Email:
         return [(None, text) for text in self.smtp.texts()]
 
 
+class Irc:
+    """A real ngIRCd; everyone writes to the bot privately, the bot connects over TLS."""
+
+    bot = "benchbot"
+    #: ngIRCd relays the bot's lines a few a second: a bigger run only takes longer.
+    max_messages, max_paced = 120, 40
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.ngircd_server import running_ngircd
+
+        self.server = stack.enter_context(running_ngircd())
+        self.people = [self.server.person(f"bench{n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__IRC__ENABLED": "true",
+            "GATEWAY_CHANNELS__IRC__HOST": "127.0.0.1",
+            "GATEWAY_CHANNELS__IRC__PORT": str(self.server.tls_port),
+            "GATEWAY_CHANNELS__IRC__TLS_CA_FILE": str(self.server.ca_file),
+            "GATEWAY_CHANNELS__IRC__NICK": self.bot,
+            # ngIRCd takes 3 lines a second from a client with more waiting: the bot's
+            # own pace keeps its queue here, where a PONG can go first.
+            "GATEWAY_CHANNELS__IRC__BURST_LINES": "5",
+            "GATEWAY_CHANNELS__IRC__LINE_INTERVAL_SECONDS": "0.34",
+            "GATEWAY_CHANNELS__IRC__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.people[message.user].say(self.bot, message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (at, text)
+            for person in self.people
+            for at, sender, _, text in person.received()
+            if sender == self.bot
+        ]
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -280,6 +328,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "matrix": Matrix,
     "whatsapp": WhatsApp,
     "email": Email,
+    "irc": Irc,
 }
 
 
@@ -296,6 +345,13 @@ def unavailable(name: str) -> str | None:
         missing = dovecot_missing()
         if missing is not None:
             return f"{missing} ({INSTALL})"
+    if name == "irc":
+        from tests.ngircd_server import INSTALL as NGIRCD_INSTALL
+        from tests.ngircd_server import ngircd_missing
+
+        missing = ngircd_missing()
+        if missing is not None:
+            return f"{missing} ({NGIRCD_INSTALL})"
     return None
 
 
@@ -393,7 +449,7 @@ def bench_channel(name: str, args: argparse.Namespace) -> Row:
     reason = unavailable(name)
     if reason is not None:
         return Row(name, note=f"skipped: {reason}")
-    users, count = args.users, args.messages
+    users, count, paced_count = args.users, args.messages, args.paced
     with (
         tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as folder,
         contextlib.ExitStack() as stack,
@@ -401,6 +457,8 @@ def bench_channel(name: str, args: argparse.Namespace) -> Row:
         workspace = Path(folder) / "ws"
         llm = stack.enter_context(FakeOpenAI.in_thread())
         platform = PLATFORMS[name](stack, users)
+        count = min(count, getattr(platform, "max_messages", count))
+        paced_count = min(paced_count, getattr(platform, "max_paced", paced_count))
         gateway = stack.enter_context(gateway_for(platform, workspace, llm))
         platform.ready()
         watch = Watch(platform)
@@ -428,7 +486,7 @@ def bench_channel(name: str, args: argparse.Namespace) -> Row:
 
             first = users + count
             paced = [
-                Message(m.user, first + m.number) for m in plan_messages(args.paced, users, rng)
+                Message(m.user, first + m.number) for m in plan_messages(paced_count, users, rng)
             ]
             handed: dict[str, float] = {}
 
@@ -443,8 +501,12 @@ def bench_channel(name: str, args: argparse.Namespace) -> Row:
             tail = "".join(gateway.log[-15:])
             return Row(name, note=f"failed: {exc}; the gateway's last lines:\n{tail}")
         latencies = [max(0.0, watch.first[m.text] - handed[m.text]) * 1000 for m in paced]
+    capped = count < args.messages or paced_count < args.paced
     return Row(
         name,
+        note=f"{count} and {paced_count} paced messages (the server's flood control)"
+        if capped
+        else "",
         messages=count,
         handed_per_s=count / max(handed_over - started, 1e-6),
         intake_per_s=count / max(in_journal - started, 1e-6),
