@@ -12,7 +12,7 @@ trial against ngIRCd (Debian's ngircd 26) of what the gateway needs:
   then the next line.
 - Flood control: pydle's is fixed (3 lines, then 2 s waits: 300 lines took 450 s), with
   PONGs queued behind it; irc's asyncio client and bottom have none (300 lines written
-  at once, which ngIRCd then takes one a second, PONGs behind them). Here: a token bucket
+  at once, which ngIRCd then takes 3 a second: PONGs wait 100 s behind them). Here: a token bucket
   from the settings, which PONG, QUIT and registration jump.
 - IRCv3 capabilities and SASL: pydle has both; irc and bottom neither. Here: CAP LS 302
   and SASL PLAIN.
