@@ -124,6 +124,13 @@ def test_addressing_by_nick(text: str, mentioned: bool, left: str) -> None:
     assert addressing(text, BOT, SUPPORT) == (mentioned, left)
 
 
+def test_a_local_channel_and_a_message_to_a_channels_operators_are_channel_messages() -> None:
+    local = take(privmsg("a!~a@h", "&Local", "gwbot: hi"))
+    ops = take(privmsg("a!~a@h", "@#Team", "gwbot: hi"))
+    assert isinstance(local, InboundMessage) and local.session_key == "irc:net:&local"
+    assert isinstance(ops, InboundMessage) and ops.session_key == "irc:net:#team"
+
+
 def test_what_is_not_a_message_for_the_bot() -> None:
     assert isinstance(take(privmsg("gwbot!~g@h", "#team", "gwbot: me")), Skip)
     assert isinstance(take(privmsg("irc.server", "#team", "notice")), Skip)

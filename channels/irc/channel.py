@@ -245,7 +245,10 @@ def translate(
     text = strip_formatting(raw).strip()
     if not text:
         return Skip("an empty message")
-    is_group = isupport.is_channel(target.lstrip("~&@%+"))
+    channel = target
+    if channel[:1] in "~@%+" and isupport.is_channel(channel[1:]):
+        channel = channel[1:]  # a STATUSMSG (`@#team`: to the channel's operators)
+    is_group = isupport.is_channel(channel)
     metadata: dict[str, Any] = {
         META_IS_GROUP: is_group,
         META_SENDER_NAME: nick,
@@ -253,7 +256,6 @@ def translate(
         META_REPLY_CONTEXT: {"nick": nick},
     }
     if is_group:
-        channel = target.lstrip("~&@%+")
         mentioned, text = addressing(text, me, isupport)
         metadata[META_MENTIONED] = mentioned
         metadata[META_REPLY_TO_BOT] = False
