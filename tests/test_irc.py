@@ -16,6 +16,7 @@ import pytest
 
 from channels.irc.channel import (
     AWAY_TEXT,
+    EVERYTHING,
     IrcChannel,
     IrcSetupError,
     Pacing,
@@ -23,6 +24,7 @@ from channels.irc.channel import (
     addressing,
     translate,
 )
+from channels.irc.channel import _MemoryCursors as MemoryCursors
 from channels.irc.settings import IrcSettings
 from channels.irc.spec import SPEC, access, checks
 from channels.irc.wire import ISupport, Line
@@ -471,15 +473,15 @@ async def test_one_replica_holds_the_connection_and_the_other_relays_replies(
 
     async def leader(work: Any) -> None:
         held.set()
-        await work()
+        await work(MemoryCursors())
 
     async def never(work: Any) -> None:
         await anyio.sleep_forever()
 
     holder = IrcChannel(settings_for(ngircd, channels=[]), pacing=FAST)
     standby = IrcChannel(settings_for(ngircd, channels=[]), pacing=FAST)
-    holder.leader, holder.relay = leader, relay
-    standby.leader, standby.relay = never, relay
+    holder.lead, holder.relay, holder.replicas = leader, relay, True
+    standby.lead, standby.relay, standby.replicas = never, relay, True
     gina = ngircd.person("gina1")
     async with running(holder, Recorder(answer=False)), running(standby, Recorder()):
         # (ngIRCd may not have let go of the nick of an earlier test yet: it is asked back.)
@@ -493,3 +495,59 @@ async def test_one_replica_holds_the_connection_and_the_other_relays_replies(
     got = [text for _, sender, _, text in gina.received() if sender == BOT]
     assert got == ["relayed"]
     gina.close()
+
+
+# --------------------------------------------------------------------------- chathistory
+
+
+async def test_with_chathistory_what_was_missed_is_read_back_once_in_order() -> None:
+    """A server with IRCv3 chathistory (the fake; ngIRCd has none): after a restart the
+    bot reads back, page by page, what its channel and its private conversations got
+    while it was away, a private message from someone new included, before the live
+    messages that came meanwhile; a message read twice is dropped by its msgid."""
+    store = MemoryCursors()
+
+    async def lead(work: Any) -> None:
+        await work(store)
+
+    @dataclass
+    class Journal(Recorder):
+        """The recorder, dropping a message id the journal has (across restarts)."""
+
+        async def __call__(self, message: InboundMessage) -> Taken:
+            if message.message_id in journaled:
+                return Taken(True)
+            journaled.add(str(message.message_id))
+            return await super().__call__(message)
+
+    journaled: set[str] = set()
+
+    with FakeIrc.running({}, history=True, history_limit=2) as fake:
+        settings = fake_settings(fake, sasl_username=None, sasl_password=None, channels=["#room"])
+        first = IrcChannel(settings, pacing=FAST)
+        first.lead = lead
+        async with running(first, Journal(answer=False)) as before:
+            fake.post("alice", "#room", f"{BOT}: one")
+            fake.post("carol", BOT, "hello")
+            await eventually(lambda: len(before.messages) == 2)
+            await eventually(lambda: EVERYTHING in first._positions)
+        assert [m.text for m in before.messages] == ["one", "hello"]
+        # Away: the channel, a known correspondent and a new one write.
+        for text in ("two", "chatter", f"{BOT}: three", f"{BOT}, four"):
+            fake.post("alice", "#room", text)
+        fake.post("carol", BOT, "again")
+        fake.post("dave", BOT, "first time")
+        fake.history_delay = 0.5
+        second = IrcChannel(settings, pacing=FAST)
+        second.lead = lead
+        async with running(second, Journal(answer=False)) as after:
+            await eventually(lambda: any("AFTER #room" in line for line in fake.received))
+            fake.post("alice", "#room", f"{BOT}: live")  # while the history is on its way
+            await eventually(lambda: len(after.messages) == 7)
+            await anyio.sleep(0.3)
+        room = [m for m in after.messages if m.session_key.endswith("#room")]
+        assert [m.text for m in room] == ["two", "chatter", "three", "four", "live"]
+        assert [m.metadata[META_MENTIONED] for m in room] == [False, False, True, True, True]
+        private = {m.session_key: m.text for m in after.messages if "#" not in m.session_key}
+        assert private == {"irc:127.0.0.1:carol": "again", "irc:127.0.0.1:dave": "first time"}
+        assert len(after.messages) == 7 and second.read_back >= 6

@@ -45,10 +45,20 @@ is not connected is gone, and there is no message id and no redelivery. So:
   submitted again, reading held meanwhile, until it is taken or the connection ends.
 - A message's id is its IRCv3 `msgid` where the server tags messages, else one made up
   from the connection and the line's place in it (unique, never sent twice).
-- What is written while the bot is away (a restart, a reconnect, a drain) is not seen.
-  ngIRCd has no IRCv3 chathistory; the channel does not read history back (docs/irc.md
-  says what is promised instead). At a drain (`pause_intake`) the bot marks itself away,
-  so the server tells people who write to it meanwhile that their message is not read.
+- What is written while the bot is away (a restart, a reconnect, a drain) is not seen,
+  unless the server offers IRCv3 chathistory (`draft/chathistory` with `batch`), which
+  ngIRCd does not. Where it does, the channel reads back what it missed (`_catch_up`):
+  each conversation's position (the server-time of the last message settled there, in
+  the workspace's `channel-cursors.json` or the shared mode's `gw_channel_cursors`)
+  moves past a message only after it was submitted; after a channel is joined, and for
+  private conversations the server lists (`CHATHISTORY TARGETS`), the messages after the
+  position (less a second: the journal drops what it has by `msgid`) are read back in
+  pages, oldest first, and the conversation's live messages wait until its history is
+  in. Bounds: `history_max_age_seconds`, `history_max_messages` per conversation; the
+  first connection reads nothing back (there is no position yet).
+- At a drain (`pause_intake`) the bot marks itself away, so the server tells people who
+  write to it meanwhile that their message is not read (docs/irc.md says what is
+  promised instead of catch-up where there is no chathistory).
 - A reply goes out as one PRIVMSG per line, each at most what fits in 512 bytes with the
   prefix the server adds (`channels.irc.format`), paced by a token bucket
   (`burst_lines`, then one per `line_interval_seconds`) so the server neither delays the
@@ -63,8 +73,9 @@ is not connected is gone, and there is no message id and no redelivery. So:
   over after a connection that lived `Pacing.stable_after`. A refusal that retrying cannot
   mend (SASL or the server password refused, the nick invalid) raises `IrcSetupError`.
 - Replicas: only one replica may hold the nick's connection (the "irc connection"
-  leader role); the others hand their replies to it (`gateway.journal.pg_relay`), keyed
-  by the reply, so a reply relayed twice goes out once.
+  leader role, which writes the read positions); the others hand their replies to it
+  (`gateway.journal.pg_relay`), keyed by the reply, so a reply relayed twice goes out
+  once.
 - Nothing the model writes can become a command: CR, LF, NUL and CTCP's `\\x01` never
   reach the wire (`channels.irc.format`, `wire.Line.render`).
 """
@@ -72,6 +83,7 @@ is not connected is gone, and there is no message id and no redelivery. So:
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 import secrets
@@ -103,6 +115,7 @@ from channels.irc.wire import (
 from gateway.agent.commands import COMMANDS
 from gateway.channel import DeliveryFailed, Submit
 from gateway.config import ConfigError
+from gateway.journal.protocol import CursorStore, Lead
 from gateway.messages import (
     META_IS_GROUP,
     META_MENTIONED,
@@ -116,7 +129,19 @@ from gateway.messages import (
 
 CHANNEL = "irc"
 #: The IRCv3 capabilities the channel asks for when the server offers them.
-WANTED_CAPS = ("message-tags", "server-time", "multi-prefix")
+WANTED_CAPS = (
+    "message-tags",
+    "server-time",
+    "multi-prefix",
+    "batch",
+    "draft/chathistory",
+    "chathistory",
+)
+HISTORY_CAPS = ("draft/chathistory", "chathistory")
+HISTORY_BATCH = ("chathistory", "draft/chathistory")
+TARGETS_BATCH = ("draft/chathistory-targets", "chathistory-targets")
+#: The read positions' cursor holds this key for the last moment everything was read.
+EVERYTHING = "*"
 #: Numerics that end a SASL exchange in failure (IRCv3 `sasl`).
 SASL_FAILED = {"902", "904", "905", "906", "908"}
 #: Numerics of a JOIN the server refused.
@@ -163,6 +188,10 @@ class Pacing:
     regain_nick: float = 30.0
     rejoin_after: float = 10.0
     stop_timeout: float = 5.0
+    #: How long live messages of a conversation wait for its history before they go on.
+    history_wait: float = 30.0
+    #: Read positions are saved at most this often (and when the connection ends).
+    save_positions: float = 1.0
 
 
 # --------------------------------------------------------------------------- inbound
@@ -285,6 +314,41 @@ def _server_time(line: Line) -> float | None:
         return None
 
 
+def _iso(when: float) -> str:
+    """Unix seconds as IRCv3's timestamp (`2024-01-02T03:04:05.678Z`)."""
+    from datetime import UTC, datetime
+
+    stamp = datetime.fromtimestamp(when, UTC).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+class _MemoryCursors:
+    """Read positions kept in memory only (a channel built without a store)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, str] = {}
+        self._blobs: dict[str, bytes] = {}
+
+    async def load(self, name: str) -> str | None:
+        return self._values.get(name)
+
+    async def save(self, name: str, value: str) -> None:
+        self._values[name] = value
+
+    async def load_blob(self, name: str) -> bytes | None:
+        return self._blobs.get(name)
+
+    async def save_blob(self, name: str, data: bytes) -> None:
+        self._blobs[name] = data
+
+
+def _at_once(store: CursorStore) -> Lead:
+    async def lead(work: Callable[[CursorStore], Awaitable[None]]) -> None:
+        await work(store)
+
+    return lead
+
+
 # --------------------------------------------------------------------------- the link
 
 
@@ -395,6 +459,11 @@ class Identity:
     @property
     def source(self) -> str:
         return f"{self.nick}!{self.user}@{self.host or 'x' * LONGEST_HOST}"
+
+    @property
+    def history(self) -> bool:
+        """The server reads history back to the bot (IRCv3 chathistory, with batches)."""
+        return "batch" in self.caps and any(cap in self.caps for cap in HISTORY_CAPS)
 
 
 async def register(link: Link, settings: IrcSettings, pacing: Pacing) -> Identity:
@@ -519,9 +588,6 @@ def sole(exc: BaseException) -> BaseException:
     return exc
 
 
-Leader = Callable[[Callable[[], Awaitable[None]]], Awaitable[None]]
-
-
 class IrcChannel:
     """The IRC adapter; see the module docstring for what it promises."""
 
@@ -541,10 +607,26 @@ class IrcChannel:
         self.settings = settings
         self.pacing = pacing or Pacing()
         self.network = settings.resolved_network()
-        #: With replicas: runs the connection once this replica holds the role.
-        self.leader: Leader | None = None
-        #: With replicas: replies handed to the holder of the connection.
+        #: Runs the connection with the store of read positions: at once (one process,
+        #: `gateway.journal.cursors.run_with`), or once this replica holds the "irc
+        #: connection" role; None: at once, positions in memory only.
+        self.lead: Lead | None = None
+        #: Several replicas share the nick: one holds the connection, the others hand it
+        #: their replies (`relay`) and are ready at once.
+        self.replicas = False
         self.relay: Any = None
+        self._store: CursorStore | None = None
+        self._positions: dict[str, float] = {}  # conversation -> server-time settled
+        self._positions_dirty = False
+        self._history: dict[str, list[Line]] = {}  # conversation -> live lines held
+        self._history_since: dict[str, float] = {}  # conversation -> read back after
+        self._history_read: dict[str, int] = {}  # conversation -> messages read back
+        self._batches: dict[str, tuple[str, str]] = {}  # reference -> (type, target)
+        self._batch_count: dict[str, int] = {}
+        self._batch_last: dict[str, str] = {}  # reference -> msgid of its last message
+        self._intake = anyio.Lock()  # one message (or held history) submitted at a time
+        self._watermark_at = 0.0
+        self.read_back = 0  # messages read back through chathistory (tests, logs)
         self._submit: Submit | None = None
         self._link: Link | None = None
         self._me: Identity | None = None
@@ -577,13 +659,14 @@ class IrcChannel:
             async with anyio.create_task_group() as tg:
                 if self.relay is not None:
                     tg.start_soon(self.relay.listen)
-                if self.leader is None:
-                    await self._hold(task_status.started)
-                else:
+                lead = self.lead or _at_once(_MemoryCursors())
+                if self.replicas:
                     # One replica holds the nick's connection (a second would be a second
                     # nick, answering every message again); the others relay replies.
                     task_status.started()
-                    await self.leader(lambda: self._hold(None))
+                    await lead(lambda store: self._hold(None, store))
+                else:
+                    await lead(lambda store: self._hold(task_status.started, store))
                 tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise sole(group) from None  # the daemon reports the channel's own error
@@ -611,14 +694,18 @@ class IrcChannel:
         if self._tg is not None:
             self._tg.start_soon(func, *args)
 
-    async def _hold(self, on_live: Callable[[], None] | None) -> None:
-        """Connections, one after another, with backoff between them."""
+    async def _hold(self, on_live: Callable[[], None] | None, store: CursorStore) -> None:
+        """Connections, one after another, with backoff between them; the read positions
+        loaded from `store` first and saved there while they move, and at the end."""
         self._holding = True
+        self._store = store
+        await self._load_positions()
         backoff = self.pacing.reconnect_first
         try:
             async with anyio.create_task_group() as tg:
                 if self.relay is not None:
                     tg.start_soon(self.relay.serve, self._relayed_send)
+                tg.start_soon(self._keep_positions)
                 while True:
                     began = time.monotonic()
                     try:
@@ -640,8 +727,13 @@ class IrcChannel:
                     )
                     await anyio.sleep(delay)
                     backoff = min(backoff * 2, self.settings.reconnect_max_seconds)
+        except BaseExceptionGroup as group:
+            raise sole(group) from None
         finally:
             self._holding = False
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.pacing.stop_timeout):
+                await self._save_positions()
+            self._store = None
 
     async def _connection(self, on_live: Callable[[], None] | None) -> None:
         """One connection: register, join, then read until it ends."""
@@ -661,10 +753,18 @@ class IrcChannel:
                 ", TLS" if self.settings.tls else "",
             )
             self._up.set()
+            self._history.clear()
+            self._history_since.clear()
+            self._history_read.clear()
+            self._batches.clear()
+            self._batch_count.clear()
+            self._batch_last.clear()
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._keepalive, link)
                 tg.start_soon(self._join_all, link, on_live)
+                if me.history:
+                    tg.start_soon(self._catch_up_private, link)
                 if self._paused:
                     tg.start_soon(self._mark_away)
                 try:
@@ -760,7 +860,15 @@ class IrcChannel:
         if command == "PING":
             await link.send(Line("PONG", params[-1:]), paced=False)
         elif command == "PRIVMSG":
-            await self._take(line, me)
+            await self._on_message(link, line, me)
+        elif command == "BATCH" and params:
+            await self._on_batch(link, line)
+        elif command == "CHATHISTORY" and len(params) >= 3 and params[0] == "TARGETS":
+            await self._on_history_target(link, line, me)
+        elif command == "FAIL" and params[:1] == ("CHATHISTORY",):
+            logger.warning("irc: the server refused to read history back: {}", params[-1])
+            for target in list(self._history):
+                await self._release(target)
         elif command == "ERROR":
             raise ConnectionLost(f"the server closed the connection: {params[-1:]}")
         elif command == "JOIN" and params and fold(nick) == fold(me.nick):
@@ -769,6 +877,8 @@ class IrcChannel:
                 me.user, me.host = user or me.user, host
             self._joined_one(params[0])
             logger.info("irc: joined {}", params[0])
+            if me.history:
+                await self._ask_history(link, params[0])
         elif command in JOIN_REFUSED and len(params) >= 2:
             logger.error("irc: cannot join {}: {}", params[1], params[-1])
             self._joined_one(params[1])
@@ -797,6 +907,187 @@ class IrcChannel:
     def _fold(self, name: str) -> str:
         me = self._me
         return me.isupport.casemap.fold(name) if me is not None else name.lower()
+
+    # ----------------------------------------------------------------- history
+
+    def _conversation(self, line: Line, me: Identity) -> str:
+        """The folded name of the conversation of a PRIVMSG: its channel, or the other
+        party's nick (the target, for the bot's own message read back)."""
+        fold = me.isupport.casemap.fold
+        target = line.params[0] if line.params else ""
+        if target[:1] in "~@%+" and me.isupport.is_channel(target[1:]):
+            target = target[1:]
+        if me.isupport.is_channel(target) or fold(line.nick) == fold(me.nick):
+            return fold(target)
+        return fold(line.nick)
+
+    async def _on_message(self, link: Link, line: Line, me: Identity) -> None:
+        """A PRIVMSG: held while its conversation's history is being read back, else
+        submitted (a read-back one too), and its conversation's position moved past it."""
+        conversation = self._conversation(line, me)
+        batch = line.tags.get("batch")
+        async with self._intake:
+            if batch is None and conversation in self._history:
+                self._history[conversation].append(line)  # after what is read back
+                return
+            if batch is not None and batch in self._batch_count:
+                self._batch_count[batch] += 1
+                self._batch_last[batch] = line.tags.get("msgid", "")
+                self.read_back += 1
+            await self._take(line, me)
+            self._settled(conversation, line)
+
+    def _settled(self, conversation: str, line: Line) -> None:
+        when = _server_time(line)
+        if when is not None and when > self._positions.get(conversation, 0.0):
+            self._positions[conversation] = when
+            self._positions_dirty = True
+
+    async def _ask_history(
+        self, link: Link, target: str, since: float | None = None, *, after_id: str = ""
+    ) -> None:
+        """Read back what `target` (a channel, or a nick's private conversation) holds
+        after its position (or, for a next page, after the message `after_id`); its live
+        messages wait meanwhile (`history_wait` at most)."""
+        me = self._me
+        if me is None or not me.history:
+            return
+        conversation = me.isupport.casemap.fold(target)
+        if since is None:
+            since = self._positions.get(conversation) or self._positions.get(EVERYTHING)
+        if since is None:
+            return  # the first connection: nothing was missed that the bot owes
+        since = max(since, time.time() - self.settings.history_max_age_seconds)
+        left = self.settings.history_max_messages - self._history_read.get(conversation, 0)
+        if left <= 0:
+            await self._release(conversation)
+            return
+        page = min(left, me.isupport.history_limit or 100)
+        first = conversation not in self._history
+        self._history.setdefault(conversation, [])
+        self._history_since[conversation] = since
+        # The first page from a second back: messages of the same millisecond are asked
+        # again, and the journal drops those it has by their msgid.
+        selector = f"msgid={after_id}" if after_id else f"timestamp={_iso(since - 1.0)}"
+        await link.send(Line("CHATHISTORY", ("AFTER", target, selector, str(page))), paced=False)
+        if first:
+            self._spawn(self._history_deadline, conversation)
+
+    async def _history_deadline(self, conversation: str) -> None:
+        await anyio.sleep(self.pacing.history_wait)
+        if conversation in self._history:
+            logger.warning("irc: no history of {} from the server; going on", conversation)
+            async with self._intake:
+                await self._release(conversation)
+
+    async def _release(self, conversation: str) -> None:
+        """The history of `conversation` is in: its held live messages go on, in order
+        (the caller holds `_intake`)."""
+        held = self._history.pop(conversation, [])
+        self._history_since.pop(conversation, None)
+        me = self._me
+        if me is None:
+            return
+        for line in held:
+            await self._take(line, me)
+            self._settled(conversation, line)
+
+    async def _on_batch(self, link: Link, line: Line) -> None:
+        reference = line.params[0]
+        if reference.startswith("+") and len(line.params) >= 2:
+            target = line.params[2] if len(line.params) >= 3 else ""
+            self._batches[reference[1:]] = (line.params[1], target)
+            self._batch_count[reference[1:]] = 0
+            return
+        kind, target = self._batches.pop(reference[1:], ("", ""))
+        count = self._batch_count.pop(reference[1:], 0)
+        last = self._batch_last.pop(reference[1:], "")
+        me = self._me
+        if kind not in HISTORY_BATCH or me is None or not target:
+            return
+        conversation = me.isupport.casemap.fold(target)
+        async with self._intake:
+            read = self._history_read.get(conversation, 0) + count
+            self._history_read[conversation] = read
+            page = me.isupport.history_limit or 100
+            if count >= min(page, self.settings.history_max_messages) and last:
+                await self._ask_history(link, target, after_id=last)  # the next page
+                return
+            if count:
+                logger.info("irc: read back {} messages of {}", read, target)
+            await self._release(conversation)
+
+    async def _catch_up_private(self, link: Link) -> None:
+        """Ask which private conversations had messages since everything was last read
+        (`CHATHISTORY TARGETS`); each is then read back (`_on_history_target`)."""
+        since = self._positions.get(EVERYTHING)
+        if since is None:
+            return
+        since = max(since, time.time() - self.settings.history_max_age_seconds)
+        now = _iso(time.time() + 60)
+        await link.send(
+            Line("CHATHISTORY", ("TARGETS", f"timestamp={_iso(since)}", f"timestamp={now}", "100")),
+            paced=False,
+        )
+
+    async def _on_history_target(self, link: Link, line: Line, me: Identity) -> None:
+        target = line.params[1]
+        if me.isupport.is_channel(target):
+            return  # a channel's history is read when it is joined
+        conversation = me.isupport.casemap.fold(target)
+        if conversation in self._history or conversation == me.isupport.casemap.fold(me.nick):
+            return
+        await self._ask_history(link, target)
+
+    # ----------------------------------------------------------------- positions
+
+    @property
+    def cursor_name(self) -> str:
+        return f"{CHANNEL}:{self.network}:{self.settings.nick}"
+
+    async def _load_positions(self) -> None:
+        store = self._store
+        raw = await store.load(self.cursor_name) if store is not None else None
+        try:
+            loaded = json.loads(raw) if raw else {}
+        except ValueError:
+            logger.warning("irc: the read positions were unreadable; starting without them")
+            loaded = {}
+        self._positions = {
+            str(k): float(v) for k, v in loaded.items() if isinstance(v, int | float)
+        }
+        self._positions_dirty = False
+
+    async def _save_positions(self) -> None:
+        store = self._store
+        if store is None or not self._positions_dirty:
+            return
+        self._positions_dirty = False
+        kept = sorted(self._positions.items(), key=lambda item: item[1])[-_REMEMBERED:]
+        try:
+            await store.save(self.cursor_name, json.dumps(dict(kept), sort_keys=True))
+        except Exception as exc:  # the storage is away: saved at the next round
+            self._positions_dirty = True
+            logger.warning("irc: the read positions were not saved ({})", exc)
+
+    async def _keep_positions(self) -> None:
+        """Save the positions when they moved, at most once per `save_positions`; while
+        connected to a server with history and nothing held, note (every 30 s) that
+        everything until a minute ago was read."""
+        while True:
+            await anyio.sleep(self.pacing.save_positions)
+            me, now = self._me, time.time()
+            if (
+                me is not None
+                and me.history
+                and self._link is not None
+                and not self._history
+                and now - self._watermark_at >= 30.0
+            ):
+                self._watermark_at = now
+                self._positions[EVERYTHING] = now - 60.0
+                self._positions_dirty = True
+            await self._save_positions()
 
     async def _take(self, line: Line, me: Identity) -> None:
         """Translate and submit one PRIVMSG; until it is taken, nothing else is read."""

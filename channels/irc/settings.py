@@ -77,6 +77,15 @@ class IrcSettings(AccessSection):
     reconnect_max_seconds: float = Field(
         300.0, ge=1, description="The longest wait between two connection attempts."
     )
+    history_max_age_seconds: float = Field(
+        86400.0,
+        gt=0,
+        description="Where the server has IRCv3 chathistory: after a reconnect, read back "
+        "what was written while away up to this old.",
+    )
+    history_max_messages: int = Field(
+        500, ge=1, le=10_000, description="At most this many messages read back per conversation."
+    )
 
     @field_validator("nick")
     @classmethod

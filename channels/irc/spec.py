@@ -27,7 +27,8 @@ def build(section: IrcSettings, services: ChannelServices) -> Any:
     from channels.irc.channel import IrcChannel
 
     channel = IrcChannel(section)
-    channel.leader = services.storage.leader(CONNECTION_ROLE)
+    channel.lead = services.storage.lead(CONNECTION_ROLE)
+    channel.replicas = services.replicas
     channel.relay = services.storage.relay(CONNECTION_ROLE)
     return channel
 
@@ -88,7 +89,8 @@ SPEC = ChannelSpec(
     settings=IrcSettings,
     build=build,
     summary="an IRC bot: channels (answered when addressed by nick) and private messages, "
-    "over TLS, with SASL",
+    "over TLS, with SASL; what was said while away is read back only where the server has "
+    "IRCv3 chathistory",
     docs="docs/irc.md",
     offers=Offers(groups=True),
     checks=checks,

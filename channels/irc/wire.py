@@ -136,6 +136,8 @@ class ISupport:
     network: str = ""
     #: IRCv3 LINELEN: the most bytes a line may be (512 without it).
     linelen: int = LINE_BYTES
+    #: IRCv3 CHATHISTORY: the most messages one request returns (0: no limit said).
+    history_limit: int = 0
 
     def update(self, tokens: tuple[str, ...]) -> None:
         for token in tokens:
@@ -148,6 +150,8 @@ class ISupport:
                 self.network = value
             elif key == "LINELEN" and value.isdigit():
                 self.linelen = max(LINE_BYTES, int(value))
+            elif key in ("CHATHISTORY", "draft/CHATHISTORY") and value.isdigit():
+                self.history_limit = int(value)
 
     def is_channel(self, target: str) -> bool:
         return bool(target) and target[0] in (self.chantypes or "#&")

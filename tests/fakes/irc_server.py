@@ -16,7 +16,17 @@ It keeps the rules a client meets (IRCv3 `capability-negotiation` 302 and `sasl`
 - after registration: 001 (with the client's `nick!user@host`), 005 (`CASEMAPPING`,
   `NETWORK`), 376; PING is answered with PONG; everything the client sends is recorded
   (`received`), and `tell` sends a client a line (tags kept only when it acknowledged
-  `message-tags`).
+  `message-tags`);
+- with `history` (IRCv3 `chathistory`, draft 2020 as servers ship it, and `batch`):
+  `batch` and `draft/chathistory` are offered and 005 says `CHATHISTORY=<history_limit>`;
+  JOIN is echoed with 366; every PRIVMSG (`post`, or a client's) is kept with its
+  `time` and `msgid` and delivered live to the channel's members or the nick;
+  `CHATHISTORY AFTER <target> timestamp=<t>|msgid=<id> <limit>` answers the first
+  `limit` (at most `history_limit`) messages after `t` or after that message (of a
+  channel, or between the asker and a nick) in a `chathistory` batch,
+  oldest first, after `history_delay` seconds; `CHATHISTORY TARGETS timestamp=<a>
+  timestamp=<b> <limit>` lists the conversations with a message between the two in a
+  `draft/chathistory-targets` batch.
 
 Served from a loop in a thread of its own (`FakeIrc.running()`), on a free port of
 127.0.0.1, without TLS.
@@ -28,14 +38,40 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import itertools
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from channels.irc.wire import Line
 
 SERVER = "fake.irc.test"
 OFFERED = ("message-tags", "server-time", "multi-prefix", "sasl=PLAIN,EXTERNAL")
+
+
+@dataclass(frozen=True)
+class Said:
+    """A PRIVMSG as the server keeps it for chathistory."""
+
+    at: float
+    msgid: str
+    source: str
+    target: str
+    text: str
+
+    def line(self, batch: str = "") -> str:
+        stamp = datetime.fromtimestamp(self.at, UTC).isoformat(timespec="milliseconds")
+        tags = f"time={stamp.replace('+00:00', 'Z')};msgid={self.msgid}"
+        if batch:
+            tags = f"batch={batch};{tags}"
+        return f"@{tags} :{self.source} PRIVMSG {self.target} :{self.text}"
+
+
+def parse_stamp(selector: str) -> float:
+    value = selector.removeprefix("timestamp=").replace("Z", "+00:00")
+    return datetime.fromisoformat(value).timestamp()
 
 
 @dataclass
@@ -49,6 +85,7 @@ class Client:
     mechanism: str = ""
     payload: str = ""
     account: str = ""
+    channels: set[str] = field(default_factory=set)
 
     def send(self, line: str) -> None:
         self.writer.write(line.encode() + b"\r\n")
@@ -57,9 +94,22 @@ class Client:
 class FakeIrc:
     """The server; `accounts` maps SASL accounts to passwords."""
 
-    def __init__(self, accounts: dict[str, str] | None = None, *, offered=OFFERED) -> None:
+    def __init__(
+        self,
+        accounts: dict[str, str] | None = None,
+        *,
+        offered: tuple[str, ...] = OFFERED,
+        history: bool = False,
+        history_limit: int = 50,
+    ) -> None:
         self.accounts = dict(accounts or {})
-        self.offered = tuple(offered)
+        self.history = history
+        self.history_limit = history_limit
+        self.history_delay = 0.0
+        self.offered = tuple(offered) + (("batch", "draft/chathistory") if history else ())
+        self.said: list[Said] = []
+        self._ids = itertools.count(1)
+        self._last = 0.0
         self.received: list[str] = []
         self.clients: list[Client] = []
         self.port = 0
@@ -89,6 +139,29 @@ class FakeIrc:
             self._server.close()
         for client in self.clients:
             client.writer.close()
+
+    def post(self, source: str, target: str, text: str) -> None:
+        """`source` (a nick, or `nick!user@host`) says `text` to `target`, a channel or a
+        nick: kept for chathistory and delivered to whoever is there now."""
+        if "!" not in source:
+            source = f"{source}!~{source}@people.test"
+        self._loop.call_soon_threadsafe(self._say, source, target, text)
+
+    def _say(self, source: str, target: str, text: str) -> None:
+        # Distinct, growing times: a real server's clock ticks between messages too.
+        now = max(time.time(), self._last + 0.002)
+        self._last = now
+        said = Said(now, f"msg{next(self._ids)}", source, target, text)
+        self.said.append(said)
+        sender = source.split("!", 1)[0]
+        for client in self.clients:
+            if not client.registered or client.nick == sender:
+                continue
+            if (target.startswith("#") and target.lower() in client.channels) or (
+                client.nick.lower() == target.lower()
+            ):
+                line = said.line()
+                client.send(line if "message-tags" in client.caps else line.split(" ", 1)[1])
 
     def tell(self, nick: str, line: str) -> None:
         """Send `line` (with `@tags` first, if any) to the client registered as `nick`."""
@@ -146,11 +219,68 @@ class FakeIrc:
         elif command == "USER" and params:
             client.user = params[0]
             self._maybe_register(client)
+        elif command == "JOIN" and params and client.registered:
+            for name in params[0].split(","):
+                client.channels.add(name.lower())
+                client.send(f":{client.nick}!~{client.user}@127.0.0.1 JOIN {name}")
+                client.send(f":{SERVER} 366 {client.nick} {name} :End of /NAMES list.")
+        elif command == "PRIVMSG" and len(params) >= 2 and client.registered:
+            self._say(f"{client.nick}!~{client.user}@127.0.0.1", params[0], params[1])
+        elif command == "CHATHISTORY" and self.history and len(params) >= 3:
+            self._loop.call_later(self.history_delay, self._history, client, params)
         elif command == "PING":
             client.send(f":{SERVER} PONG {SERVER} :{params[-1] if params else ''}")
         elif command == "QUIT":
             client.send("ERROR :Closing link (Quit)")
             client.writer.close()
+
+    def _history(self, client: Client, params: tuple[str, ...]) -> None:
+        reference = f"h{next(self._ids)}"
+        if params[0].upper() == "TARGETS" and len(params) >= 4:
+            start, end, limit = parse_stamp(params[1]), parse_stamp(params[2]), int(params[3])
+            latest: dict[str, float] = {}
+            for said in self.said:
+                if not start < said.at <= end:
+                    continue
+                sender = said.source.split("!", 1)[0]
+                if said.target.startswith("#"):
+                    if said.target.lower() in client.channels:
+                        latest[said.target] = said.at
+                elif said.target.lower() == client.nick.lower():
+                    latest[sender] = said.at
+                elif sender == client.nick:
+                    latest[said.target] = said.at
+            client.send(f":{SERVER} BATCH +{reference} draft/chathistory-targets")
+            for target, at in sorted(latest.items(), key=lambda item: item[1])[:limit]:
+                stamp = datetime.fromtimestamp(at, UTC).isoformat(timespec="milliseconds")
+                stamp = stamp.replace("+00:00", "Z")
+                client.send(
+                    f"@batch={reference} :{SERVER} CHATHISTORY TARGETS {target} timestamp={stamp}"
+                )
+            client.send(f":{SERVER} BATCH -{reference}")
+            return
+        if params[0].upper() != "AFTER" or len(params) < 4:
+            client.send(f"FAIL CHATHISTORY INVALID_PARAMS {params[0]} :not understood")
+            return
+        target, selector, limit = params[1], params[2], min(int(params[3]), self.history_limit)
+        if selector.startswith("msgid="):
+            marks = [said.at for said in self.said if said.msgid == selector[6:]]
+            after = marks[0] if marks else float("inf")
+        else:
+            after = parse_stamp(selector)
+
+        def belongs(said: Said) -> bool:
+            if target.startswith("#"):
+                return said.target.lower() == target.lower()
+            sender = said.source.split("!", 1)[0].lower()
+            pair = {sender, said.target.lower()}
+            return pair == {client.nick.lower(), target.lower()}
+
+        found = [said for said in self.said if said.at > after and belongs(said)][:limit]
+        client.send(f":{SERVER} BATCH +{reference} chathistory {target}")
+        for said in found:
+            client.send(said.line(reference))
+        client.send(f":{SERVER} BATCH -{reference}")
 
     def _authenticate(self, client: Client, argument: str) -> None:
         target = client.nick or "*"
@@ -199,8 +329,9 @@ class FakeIrc:
         client.send(
             f":{SERVER} 001 {nick} :Welcome to the fake network {nick}!~{client.user}@127.0.0.1"
         )
+        history = f" CHATHISTORY={self.history_limit}" if self.history else ""
         client.send(
-            f":{SERVER} 005 {nick} CASEMAPPING=rfc1459 NETWORK=FakeNet CHANTYPES=# "
+            f":{SERVER} 005 {nick} CASEMAPPING=rfc1459 NETWORK=FakeNet CHANTYPES=#{history} "
             ":are supported by this server"
         )
         client.send(f":{SERVER} 376 {nick} :End of /MOTD command.")
