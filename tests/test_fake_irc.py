@@ -111,3 +111,39 @@ def test_tags_reach_only_a_client_that_acknowledged_message_tags(fake: FakeIrc) 
     fake.tell("b", "@msgid=abc :alice!a@h PRIVMSG b :hi")
     assert tagged.read() == "@msgid=abc :alice!a@h PRIVMSG t :hi"
     assert bare.read() == ":alice!a@h PRIVMSG b :hi"
+
+
+def test_history_is_read_back_in_batches_by_time_or_after_a_message() -> None:
+    with FakeIrc.running({}, history=True, history_limit=2) as fake:
+        client = Bare(fake.port)
+        client.send(
+            "CAP LS 302",
+            "NICK bot",
+            "USER bot 0 * :Bot",
+            "CAP REQ :message-tags batch draft/chathistory",
+            "CAP END",
+        )
+        assert "CHATHISTORY=2" in "".join(client.until(" 376 "))
+        client.send("JOIN #room")
+        client.until(" 366 ")
+        for text in ("a", "b", "c"):
+            fake.post("alice", "#room", text)
+        fake.post("carol", "bot", "private")
+        live = [client.read() for _ in range(4)]
+        assert all(line.startswith("@time=") and ";msgid=msg" in line for line in live)
+        client.send("CHATHISTORY AFTER #room timestamp=2020-01-01T00:00:00.000Z 10")
+        first = client.until("BATCH -")
+        assert " BATCH +" in first[0] and first[0].endswith("chathistory #room")
+        texts = [line.rsplit(":", 1)[1] for line in first[1:-1]]
+        assert texts == ["a", "b"]  # at most history_limit
+        assert all(line.startswith("@batch=") for line in first[1:-1])
+        last = first[-2].split("msgid=", 1)[1].split(" ", 1)[0]
+        client.send(f"CHATHISTORY AFTER #room msgid={last} 10")
+        assert [line.rsplit(":", 1)[1] for line in client.until("BATCH -")[1:-1]] == ["c"]
+        client.send(
+            "CHATHISTORY TARGETS timestamp=2020-01-01T00:00:00.000Z "
+            "timestamp=2100-01-01T00:00:00.000Z 10"
+        )
+        targets = client.until("BATCH -")
+        assert any(" CHATHISTORY TARGETS carol " in line for line in targets)
+        assert any(" CHATHISTORY TARGETS #room " in line for line in targets)
