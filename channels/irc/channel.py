@@ -864,11 +864,13 @@ class IrcChannel:
         elif command == "BATCH" and params:
             await self._on_batch(link, line)
         elif command == "CHATHISTORY" and len(params) >= 3 and params[0] == "TARGETS":
-            await self._on_history_target(link, line, me)
+            async with self._intake:
+                await self._on_history_target(link, line, me)
         elif command == "FAIL" and params[:1] == ("CHATHISTORY",):
             logger.warning("irc: the server refused to read history back: {}", params[-1])
-            for target in list(self._history):
-                await self._release(target)
+            async with self._intake:
+                for target in list(self._history):
+                    await self._release(target)
         elif command == "ERROR":
             raise ConnectionLost(f"the server closed the connection: {params[-1:]}")
         elif command == "JOIN" and params and fold(nick) == fold(me.nick):
@@ -878,7 +880,8 @@ class IrcChannel:
             self._joined_one(params[0])
             logger.info("irc: joined {}", params[0])
             if me.history:
-                await self._ask_history(link, params[0])
+                async with self._intake:
+                    await self._ask_history(link, params[0])
         elif command in JOIN_REFUSED and len(params) >= 2:
             logger.error("irc: cannot join {}: {}", params[1], params[-1])
             self._joined_one(params[1])
@@ -948,7 +951,7 @@ class IrcChannel:
     ) -> None:
         """Read back what `target` (a channel, or a nick's private conversation) holds
         after its position (or, for a next page, after the message `after_id`); its live
-        messages wait meanwhile (`history_wait` at most)."""
+        messages wait meanwhile (`history_wait` at most). The caller holds `_intake`."""
         me = self._me
         if me is None or not me.history:
             return
