@@ -551,3 +551,27 @@ async def test_with_chathistory_what_was_missed_is_read_back_once_in_order() -> 
         private = {m.session_key: m.text for m in after.messages if "#" not in m.session_key}
         assert private == {"irc:127.0.0.1:carol": "again", "irc:127.0.0.1:dave": "first time"}
         assert len(after.messages) == 7 and second.read_back >= 6
+
+
+async def test_with_chathistory_what_came_during_a_drain_is_read_back_at_the_next_start() -> None:
+    store = MemoryCursors()
+
+    async def lead(work: Any) -> None:
+        await work(store)
+
+    with FakeIrc.running({}, history=True) as fake:
+        settings = fake_settings(fake, sasl_username=None, sasl_password=None)
+        first = IrcChannel(settings, pacing=FAST)
+        first.lead = lead
+        async with running(first, Recorder(answer=False)) as before:
+            fake.post("carol", BOT, "hello")
+            await eventually(lambda: before.messages)
+            first.pause_intake()
+            await eventually(lambda: any(line.startswith("AWAY") for line in fake.received))
+            fake.post("carol", BOT, "during the drain")
+            await anyio.sleep(0.5)
+        assert [m.text for m in before.messages] == ["hello"]
+        second = IrcChannel(settings, pacing=FAST)
+        second.lead = lead
+        async with running(second, Recorder(answer=False)) as after:
+            await eventually(lambda: any(m.text == "during the drain" for m in after.messages))

@@ -626,6 +626,7 @@ class IrcChannel:
         self._batch_last: dict[str, str] = {}  # reference -> msgid of its last message
         self._intake = anyio.Lock()  # one message (or held history) submitted at a time
         self._watermark_at = 0.0
+        self._targets_pending = False  # private conversations with news not listed yet
         self.read_back = 0  # messages read back through chathistory (tests, logs)
         self._submit: Submit | None = None
         self._link: Link | None = None
@@ -759,6 +760,7 @@ class IrcChannel:
             self._batches.clear()
             self._batch_count.clear()
             self._batch_last.clear()
+            self._targets_pending = False
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._keepalive, link)
@@ -937,8 +939,8 @@ class IrcChannel:
                 self._batch_count[batch] += 1
                 self._batch_last[batch] = line.tags.get("msgid", "")
                 self.read_back += 1
-            await self._take(line, me)
-            self._settled(conversation, line)
+            if await self._take(line, me):
+                self._settled(conversation, line)
 
     def _settled(self, conversation: str, line: Line) -> None:
         when = _server_time(line)
@@ -992,8 +994,8 @@ class IrcChannel:
         if me is None:
             return
         for line in held:
-            await self._take(line, me)
-            self._settled(conversation, line)
+            if await self._take(line, me):
+                self._settled(conversation, line)
 
     async def _on_batch(self, link: Link, line: Line) -> None:
         reference = line.params[0]
@@ -1006,6 +1008,8 @@ class IrcChannel:
         count = self._batch_count.pop(reference[1:], 0)
         last = self._batch_last.pop(reference[1:], "")
         me = self._me
+        if kind in TARGETS_BATCH:
+            self._targets_pending = False
         if kind not in HISTORY_BATCH or me is None or not target:
             return
         conversation = me.isupport.casemap.fold(target)
@@ -1024,10 +1028,13 @@ class IrcChannel:
         """Ask which private conversations had messages since everything was last read
         (`CHATHISTORY TARGETS`); each is then read back (`_on_history_target`)."""
         since = self._positions.get(EVERYTHING)
+        if since is None and self._positions:
+            since = min(self._positions.values())  # everything was never read in one go
         if since is None:
-            return
+            return  # the first connection: nothing was missed that the bot owes
         since = max(since, time.time() - self.settings.history_max_age_seconds)
         now = _iso(time.time() + 60)
+        self._targets_pending = True
         await link.send(
             Line("CHATHISTORY", ("TARGETS", f"timestamp={_iso(since)}", f"timestamp={now}", "100")),
             paced=False,
@@ -1085,6 +1092,8 @@ class IrcChannel:
                 and me.history
                 and self._link is not None
                 and not self._history
+                and not self._targets_pending
+                and not self._paused
                 and now - self._watermark_at >= 30.0
             ):
                 self._watermark_at = now
@@ -1092,8 +1101,10 @@ class IrcChannel:
                 self._positions_dirty = True
             await self._save_positions()
 
-    async def _take(self, line: Line, me: Identity) -> None:
-        """Translate and submit one PRIVMSG; until it is taken, nothing else is read."""
+    async def _take(self, line: Line, me: Identity) -> bool:
+        """Translate and submit one PRIVMSG; until it is taken, nothing else is read.
+        False for a message left unread (draining): its position must not move past it,
+        so that a server with history gives it to the next start."""
         self._lines += 1
         result = translate(
             line,
@@ -1105,16 +1116,18 @@ class IrcChannel:
         )
         if isinstance(result, Skip):
             logger.debug("irc: line skipped: {}", result.reason)
-            return
+            return True
         if self._paused:
             logger.info("irc: a message from {} arrived while draining; not read", line.nick)
-            return
+            return False
         submit = self._submit
         assert submit is not None
         while True:
             ticket = await submit(result)
-            if ticket.taken or self._paused:
-                return
+            if ticket.taken:
+                return True
+            if self._paused:
+                return False
             logger.warning("irc: the gateway did not take a message; submitting it again")
             await anyio.sleep(self.pacing.resubmit_pause)
 
