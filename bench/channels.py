@@ -77,6 +77,7 @@ CHANNELS = (
     "mattermost",
     "teams",
     "googlechat",
+    "irc",
 )
 
 
@@ -417,6 +418,51 @@ class Email:
         return [(None, text) for text in self.smtp.texts()]
 
 
+class Irc:
+    """A real ngIRCd; everyone writes to the bot privately, the bot connects over TLS."""
+
+    bot = "benchbot"
+    #: ngIRCd relays the bot's lines a few a second: a bigger run only takes longer.
+    max_messages, max_paced = 120, 40
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.ngircd_server import running_ngircd
+
+        self.server = stack.enter_context(running_ngircd())
+        self.people = [self.server.person(f"bench{n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__IRC__ENABLED": "true",
+            "GATEWAY_CHANNELS__IRC__HOST": "127.0.0.1",
+            "GATEWAY_CHANNELS__IRC__PORT": str(self.server.tls_port),
+            "GATEWAY_CHANNELS__IRC__TLS_CA_FILE": str(self.server.ca_file),
+            "GATEWAY_CHANNELS__IRC__NICK": self.bot,
+            # ngIRCd takes 3 lines a second from a client with more waiting: the bot's
+            # own pace keeps its queue here, where a PONG can go first.
+            "GATEWAY_CHANNELS__IRC__BURST_LINES": "5",
+            "GATEWAY_CHANNELS__IRC__LINE_INTERVAL_SECONDS": "0.34",
+            "GATEWAY_CHANNELS__IRC__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.people[message.user].say(self.bot, message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (at, text)
+            for person in self.people
+            for at, sender, _, text in person.received()
+            if sender == self.bot
+        ]
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -428,6 +474,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "mattermost": Mattermost,
     "teams": Teams,
     "googlechat": GoogleChat,
+    "irc": Irc,
 }
 
 

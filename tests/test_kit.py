@@ -39,6 +39,16 @@ def test_the_model_echoes_the_last_user_message() -> None:
     assert answer_for(messages, delay=0.5).delay == 0.5
 
 
+def test_the_echo_is_one_line() -> None:
+    """A group message reaches the model after a header naming its sender, on a line of
+    its own: the echo keeps it on the answer's one line, so a platform whose posts are
+    lines (IRC) has each answer in one post, token and all."""
+    said = user('[from "person0"]\nm00001 kit:slow=3\r\n  and more')
+    assert answer_for([said]).text == 'echo: [from "person0"] m00001 kit:slow=3 and more'
+    long = answer_for([user("m00001\nkit:long=100")]).text
+    assert long.startswith("echo: m00001 kit:long=100\n\nL00001 ")
+
+
 def test_words_in_the_message_steer_the_model() -> None:
     assert answer_for([user("m00001 kit:slow=2.5")]).delay == 2.5
     pinged = answer_for([user("m00001 kit:everyone")], everyone_text="@everyone")
