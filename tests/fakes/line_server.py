@@ -215,7 +215,7 @@ class FakeLine(LocalApiServer[ApiCall]):
         self._sent: list[Sent] = []
         self._loading: list[Payload] = []
         self._content: dict[str, tuple[bytes, str]] = {}
-        self._faults: list[tuple[int, str, bool]] = []
+        self._faults: list[tuple[int, str, bool, str | None]] = []
         self._pushes_at: list[float] = []
         self._deliveries: list[Delivery] = []
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -232,12 +232,24 @@ class FakeLine(LocalApiServer[ApiCall]):
     # -- scripting --------------------------------------------------------------------
 
     def fail_next(
-        self, status: int, message: str, count: int = 1, *, processed: bool = False
+        self,
+        status: int,
+        message: str,
+        count: int = 1,
+        *,
+        processed: bool = False,
+        only: str | None = None,
     ) -> None:
-        """The next `count` reply or push requests are answered `status` with `message`;
-        `processed`: the request took effect all the same (a 5xx after it was sent)."""
+        """The next `count` reply or push requests (`only`: "reply" or "push" ones) are
+        answered `status` with `message`; `processed`: the request took effect all the
+        same (a 5xx after it was sent)."""
         with self._lock:
-            self._faults.extend([(status, message, processed)] * count)
+            self._faults.extend([(status, message, processed, only)] * count)
+
+    def heal(self) -> None:
+        """Forget the failures `fail_next` scripted and did not answer yet."""
+        with self._lock:
+            self._faults.clear()
 
     def add_user(self, name: str) -> str:
         user = line_id("U")
@@ -589,9 +601,13 @@ class FakeLine(LocalApiServer[ApiCall]):
                     )
         return messages
 
-    def _scripted(self) -> tuple[int, str, bool] | None:
+    def _scripted(self, api: str) -> tuple[int, str, bool] | None:
         with self._lock:
-            return self._faults.pop(0) if self._faults else None
+            for n, (status, message, processed, only) in enumerate(self._faults):
+                if only in (None, api):
+                    del self._faults[n]
+                    return status, message, processed
+        return None
 
     def _record(
         self, chat: str, messages: list[Payload], how: str, key: str | None
@@ -634,7 +650,7 @@ class FakeLine(LocalApiServer[ApiCall]):
         if not valid or found is None:
             raise _Failure(400, INVALID_REPLY_TOKEN)
         messages = self._check_messages(body, found.chat)
-        fault = self._scripted()
+        fault = self._scripted("reply")
         if fault is not None and not fault[2]:
             raise _Failure(fault[0], fault[1])
         with self._lock:
@@ -673,7 +689,7 @@ class FakeLine(LocalApiServer[ApiCall]):
             recipients = len(members) if members is not None else 1
             if self.quota is not None and self.usage + self.reserved + recipients > self.quota:
                 raise _Failure(429, MONTHLY_LIMIT)
-        fault = self._scripted()
+        fault = self._scripted("push")
         if fault is not None and not fault[2]:
             raise _Failure(fault[0], fault[1])
         with self._lock:
