@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, email and Mattermost in one run.
+Matrix, WhatsApp, email, Mattermost and LINE in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -9,7 +9,7 @@ Matrix, WhatsApp, email and Mattermost in one run.
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
 Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
-WebSocket and REST API), Synapse for
+WebSocket and REST API, LINE's webhook and Messaging API), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -66,7 +66,7 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
+CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost", "line")
 
 
 class Platform(Protocol):
@@ -236,6 +236,42 @@ class WhatsApp:
         return [(s.at, s.text) for s in self.fake.sent if s.type == "text"]
 
 
+class Line:
+    """LINE's webhook: each message POSTed, signed, redelivered until a 2xx; the replies
+    go with each message's reply token (the fake's quota is unlimited)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.line_server import FakeLine
+
+        self.fake = stack.enter_context(FakeLine.in_thread(retry_delays=(0.5,) * 60))
+        self.port = free_port()
+        self.fake.webhook_url = f"http://127.0.0.1:{self.port}/line/webhook"
+        self.people = [self.fake.add_user(f"bench{n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),  # fixed: LINE delivers to the console's URL
+            "GATEWAY_CHANNELS__LINE__ENABLED": "true",
+            "GATEWAY_CHANNELS__LINE__CHANNEL_ACCESS_TOKEN": self.fake.token,
+            "GATEWAY_CHANNELS__LINE__CHANNEL_SECRET": self.fake.channel_secret,
+            "GATEWAY_CHANNELS__LINE__API_URL": self.fake.url,
+            "GATEWAY_CHANNELS__LINE__DATA_API_URL": self.fake.url,
+            "GATEWAY_CHANNELS__LINE__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = self.people[message.user % len(self.people)]
+        self.fake.deliver_soon(self.fake.text_message(user, message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(s.at, s.text) for s in self.fake.sent]
+
+
 class Matrix:
     """A real Synapse; one DM room per person with the bot."""
 
@@ -314,6 +350,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "whatsapp": WhatsApp,
     "email": Email,
     "mattermost": Mattermost,
+    "line": Line,
 }
 
 
