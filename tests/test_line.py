@@ -402,3 +402,17 @@ async def test_the_webhook_answers_200_only_once_the_journal_has_it(fake: FakeLi
     assert submitted[0].metadata[META_REPLY_CONTEXT]["reply_token"]
     assert channel.bot_user_id == fake.bot_user_id
     await runner.cleanup()
+
+
+async def test_a_refused_quote_never_costs_the_reply(fake: FakeLine) -> None:
+    ann = fake.add_user("Ann")
+    group = fake.add_group([ann])
+    message = received(fake, ann, group=group, mention=True)
+    context = {**message.metadata[META_REPLY_CONTEXT], "quote_token": "unsent-message"}
+    reply = reply_for(message, "still answered")
+    reply = OutboundMessage(**{**reply.to_dict(), "metadata": {META_REPLY_CONTEXT: context}})
+    channel = make_channel(fake)
+    await channel.send(reply)
+    [sent] = fake.sent
+    assert (sent.how, sent.text, sent.quoted) == ("reply", "still answered", None)
+    await channel.api.aclose()

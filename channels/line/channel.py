@@ -505,7 +505,7 @@ class LineChannel:
         """Send with the reply token: True when it went out, False when LINE refused the
         token (used or expired: push instead). Repeated only while it certainly did not
         go out; raises DeliveryFailed when it still had not at the deadline."""
-        body = {"replyToken": token, "messages": messages}
+        body: dict[str, Any] = {"replyToken": token, "messages": messages}
         failures = 0
         while True:
             try:
@@ -521,6 +521,10 @@ class LineChannel:
                         f"line: the reply may or may not have arrived ({exc}); it is not sent "
                         "again, which could show it twice"
                     ) from None
+                if exc.kind == "refused" and _quoting(body["messages"]):
+                    logger.warning("line: LINE refused the quote ({}); replying without it", exc)
+                    body["messages"] = _unquoted(body["messages"])
+                    continue
                 if exc.kind == "refused":
                     self._spend(token)
                     self._count_refusal("refused")
@@ -547,7 +551,7 @@ class LineChannel:
         one key once); raises DeliveryFailed when it had not gone out at the deadline,
         LineRefused when LINE refused it (the quota, once the deadline came)."""
         key = retry_key(message, first) or self._process_key(message, first)
-        body = {"to": push_target(message.chat_id), "messages": messages}
+        body: dict[str, Any] = {"to": push_target(message.chat_id), "messages": messages}
         failures = 0
         while True:
             try:
@@ -555,8 +559,12 @@ class LineChannel:
                     "POST", "/v2/bot/message/push", json_body=body, retry_key=key
                 )
             except LineError as exc:
+                if exc.kind == "refused" and _quoting(body["messages"]):
+                    # Not accepted: the same retry key may go again, without the quote.
+                    logger.warning("line: LINE refused the quote ({}); pushing without it", exc)
+                    body["messages"] = _unquoted(body["messages"])
+                    continue
                 if exc.kind == "refused":
-                    self._count_refusal("refused")
                     self._give_up(message, "refused", f"LINE refused the push: {exc}")
                     raise LineRefused(f"line: LINE refused the push: {exc}") from None
                 failures += 1
@@ -618,6 +626,16 @@ class LineChannel:
             self._own[sent_id] = None
         while len(self._own) > _REMEMBERED:
             self._own.popitem(last=False)
+
+
+def _quoting(messages: Any) -> bool:
+    return any(isinstance(m, dict) and m.get("quoteToken") for m in messages)
+
+
+def _unquoted(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages without their quote tokens (a quote LINE refused: a quoted message
+    that was unsent, say, must not cost the reply)."""
+    return [{k: v for k, v in m.items() if k != "quoteToken"} for m in messages]
 
 
 def setup_hint(exc: LineError, root: str) -> str:
