@@ -78,6 +78,7 @@ CHANNELS = (
     "teams",
     "googlechat",
     "irc",
+    "line",
 )
 
 
@@ -463,6 +464,42 @@ class Irc:
         ]
 
 
+class Line:
+    """LINE's webhook: each message POSTed, signed, redelivered until a 2xx; the replies
+    go with each message's reply token (the fake's quota is unlimited)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.line_server import FakeLine
+
+        self.fake = stack.enter_context(FakeLine.in_thread(retry_delays=(0.5,) * 60))
+        self.port = free_port()
+        self.fake.webhook_url = f"http://127.0.0.1:{self.port}/line/webhook"
+        self.people = [self.fake.add_user(f"bench{n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),  # fixed: LINE delivers to the console's URL
+            "GATEWAY_CHANNELS__LINE__ENABLED": "true",
+            "GATEWAY_CHANNELS__LINE__CHANNEL_ACCESS_TOKEN": self.fake.token,
+            "GATEWAY_CHANNELS__LINE__CHANNEL_SECRET": self.fake.channel_secret,
+            "GATEWAY_CHANNELS__LINE__API_URL": self.fake.url,
+            "GATEWAY_CHANNELS__LINE__DATA_API_URL": self.fake.url,
+            "GATEWAY_CHANNELS__LINE__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = self.people[message.user % len(self.people)]
+        self.fake.deliver_soon(self.fake.text_message(user, message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(s.at, s.text) for s in self.fake.sent]
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -475,6 +512,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "teams": Teams,
     "googlechat": GoogleChat,
     "irc": Irc,
+    "line": Line,
 }
 
 

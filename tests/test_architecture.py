@@ -31,7 +31,7 @@ from __future__ import annotations
 import ast
 import sys
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,21 +454,61 @@ def _docstrings(tree: ast.Module) -> set[int]:
 
 
 def _words_of(tree: ast.Module) -> Iterator[tuple[int, str, bool]]:
-    """(line, text, is_string) of every identifier and non-docstring string of `tree`."""
+    """(line, text, is an identifier) of every identifier and non-docstring string of
+    `tree`."""
     skip = _docstrings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
-            yield node.lineno, node.value, True
+            yield node.lineno, node.value, False
         elif isinstance(node, ast.Name):
-            yield node.lineno, node.id, False
+            yield node.lineno, node.id, True
         elif isinstance(node, ast.Attribute):
-            yield node.lineno, node.attr, False
+            yield node.lineno, node.attr, True
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            yield node.lineno, node.name, False
+            yield node.lineno, node.name, True
         elif isinstance(node, ast.arg):
-            yield node.lineno, node.arg, False
+            yield node.lineno, node.arg, True
         elif isinstance(node, ast.alias):
-            yield getattr(node, "lineno", 0), node.name, False
+            yield getattr(node, "lineno", 0), node.name, True
+
+
+#: Platform names that are ordinary words too: in the core's identifiers and prose
+#: they are the word (a log line, `missing_line`), so only what can name nothing but the
+#: platform counts for them: the name as a whole string, a session key's prefix
+#: (`line:`), its section (`channels.line`), its variables (`__LINE__`), or the brand
+#: as written (`LINE`).
+ORDINARY_WORDS = frozenset({"line"})
+
+
+def _naming(names: list[str]) -> Callable[[str, bool], bool]:
+    """Whether a text names one of `names` (`is_identifier`: it is a name in the code,
+    not a string)."""
+    import re
+
+    plain = [n for n in names if n not in ORDINARY_WORDS]
+    anywhere = (
+        re.compile(r"(?<![a-z])(" + "|".join(plain) + r")(?![a-z])", re.IGNORECASE)
+        if plain
+        else None
+    )
+    words = sorted(ORDINARY_WORDS & set(names))
+    spelled = (
+        re.compile(
+            "|".join(
+                rf"^{w}$|(?<![a-z]){w}:(?!\s)|channels\.{w}(?![a-z])|__{w.upper()}__|\b{w.upper()}\b"
+                for w in words
+            )
+        )
+        if words
+        else None
+    )
+
+    def names_one(text: str, is_identifier: bool) -> bool:
+        if anywhere is not None and anywhere.search(text):
+            return True
+        return spelled is not None and not is_identifier and bool(spelled.search(text))
+
+    return names_one
 
 
 def _python_modules_named(tree: ast.Module, names: list[str]) -> set[str]:
@@ -489,29 +529,44 @@ def test_a_python_module_named_like_a_platform_is_not_the_platform() -> None:
     naming the platform still is, and so is the word in a module without that import."""
     tree = ast.parse("import signal\nsignal.SIGTERM\nkind = 'signal'\n")
     assert _python_modules_named(tree, ["signal", "telegram"]) == {"signal"}
-    words = [(text, is_string) for _, text, is_string in _words_of(tree)]
-    assert ("signal", True) in words and ("SIGTERM", False) in words
+    words = [(text, is_identifier) for _, text, is_identifier in _words_of(tree)]
+    assert ("signal", False) in words and ("SIGTERM", True) in words
     assert _python_modules_named(ast.parse("x = 1"), ["signal"]) == set()
 
 
 def test_the_core_names_no_platform() -> None:
-    import re
-
     names = platforms()
-    pattern = re.compile(r"(?<![a-z])(" + "|".join(names) + r")(?![a-z])", re.IGNORECASE)
+    names_one = _naming(names)
     found = []
     for module, path in KNOWN.items():
         if not any(module == m or module.startswith(m + ".") for m in PLATFORM_FREE):
             continue
         tree = parsed(path)
+        # `import signal` (Python's): there the identifiers with that word are Python's.
         python_words = _python_modules_named(tree, names)
-        for line, text, is_string in _words_of(tree):
-            match = pattern.search(text)
-            if match and (is_string or match.group(1).lower() not in python_words):
+        in_code = _naming([n for n in names if n not in python_words])
+        for line, text, is_identifier in _words_of(tree):
+            if (in_code if is_identifier else names_one)(text, is_identifier):
                 found.append(f"{path.relative_to(ROOT)}:{line}: {text[:80]!r}")
     for template in sorted((ROOT / "gateway" / "http" / "admin").rglob("*")):
         if template.suffix in (".html", ".js", ".css"):
             for number, text in enumerate(template.read_text(encoding="utf-8").splitlines(), 1):
-                if pattern.search(text):
+                if names_one(text, False):
                     found.append(f"{template.relative_to(ROOT)}:{number}: {text.strip()[:80]!r}")
     assert found == [], "platforms named in the core:\n" + "\n".join(found)
+
+
+def test_an_ordinary_word_names_a_platform_only_as_its_name() -> None:
+    names_one = _naming(["line", "telegram"])
+    for text in (
+        "line",
+        "line:U4af49",
+        "channels.line",
+        "GATEWAY_CHANNELS__LINE__TOKEN",
+        "LINE bot",
+    ):
+        assert names_one(text, False), text
+    for text in ("one line each", "missing_line", "line: {text}", "timeline"):
+        assert not names_one(text, False), text
+    assert not names_one("line", True)  # a variable called line is the word
+    assert names_one("telegram_chat", True)

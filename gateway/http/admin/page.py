@@ -127,8 +127,22 @@ class AdminSources:
     #: Where the state lives, for the header ("workspace files", a redacted URL).
     storage: str = "workspace files"
     #: Replies a channel keeps as undeliverable (WhatsApp outside its 24-hour window),
-    #: newest first; the overview lists them under a marker.
+    #: newest first; the overview lists them under a marker. Channels add theirs with
+    #: `add_undeliverable`.
     undeliverable: Callable[[], Awaitable[Sequence[Any]]] | None = None
+
+    def add_undeliverable(self, source: Callable[[], Awaitable[Sequence[Any]]]) -> None:
+        """List `source`'s replies too, after those of the channels that came before: one
+        channel's never hide another's."""
+        before = self.undeliverable
+        if before is None:
+            self.undeliverable = source
+            return
+
+        async def both() -> Sequence[Any]:
+            return [*await before(), *await source()]
+
+        self.undeliverable = both
 
 
 def _templates(redactor: Redactor) -> jinja2.Environment:
