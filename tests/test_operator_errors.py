@@ -187,7 +187,7 @@ def test_pairing_refuses_an_unknown_channel(tmp_path: Path) -> None:
         assert_one_line(
             out.stderr,
             "unknown channel 'foo'; pairing is for discord, email, matrix, mattermost, slack, "
-            "telegram or whatsapp",
+            "telegram, web or whatsapp",
         )
     known = run_gateway(["pairing", "approve", "telegram", "CODE"], env, tmp_path)
     assert known.returncode == 1 and "no pending request on telegram" in known.stderr
