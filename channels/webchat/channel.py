@@ -153,6 +153,20 @@ def clean_file_name(name: str) -> str:
     return name or "file"
 
 
+def visitor_cookie(visitor: Visitor, *, embed: bool) -> str:
+    """The Set-Cookie of a visitor: for the chat's paths only, over HTTPS (or loopback),
+    out of scripts' reach. The page's is same-site only; the frame lives on another site,
+    so its cookie travels in a third-party context and is kept in that site's partition
+    only (CHIPS: `Partitioned`, which Python's cookie module cannot write before 3.14)."""
+    seconds = max(1, int(visitor.expires - time.time()))
+    same_site = "None; Partitioned" if embed else "Strict"
+    name = EMBED_COOKIE if embed else PAGE_COOKIE
+    return (
+        f"{name}={visitor.cookie}; Max-Age={seconds}; Path={PREFIX}; Secure; HttpOnly; "
+        f"SameSite={same_site}"
+    )
+
+
 def event_json(event: Event) -> dict[str, Any]:
     """An event as the page reads it: a reply's text is also rendered (`html`)."""
     return {
@@ -361,18 +375,8 @@ class WebChatChannel:
     def _set_cookie(
         self, response: web.StreamResponse, request: web.Request, visitor: Visitor
     ) -> None:
-        embed = request.headers.get(EMBED_HEADER) == "1"
-        response.set_cookie(
-            EMBED_COOKIE if embed else PAGE_COOKIE,
-            visitor.cookie,
-            max_age=max(1, int(visitor.expires - time.time())),
-            path=PREFIX,
-            secure=True,
-            httponly=True,
-            # The frame lives on another site: its cookie must travel in a third-party
-            # context, kept in that site's partition only (CHIPS).
-            samesite="None" if embed else "Strict",
-            partitioned=True if embed else None,
+        response.headers.add(
+            hdrs.SET_COOKIE, visitor_cookie(visitor, embed=request.headers.get(EMBED_HEADER) == "1")
         )
 
     # ----------------------------------------------------------------- pages

@@ -324,14 +324,17 @@ class _Statements:
         dedupe: str | None,
         message_id: str,
         body: dict[str, Any],
+        *,
+        current: int,
     ) -> Event:
+        """Log one event in `conversation`; the visitor's current one is then `current`."""
         now = self._clock()
         conn.execute(
             self.sql(
                 "UPDATE gw_webchat_visitors SET last_seq = ?, conversation = ?, seen_at = ? "
                 "WHERE visitor = ?"
             ),
-            (seq, conversation, now, visitor),
+            (seq, current, now, visitor),
         )
         conn.execute(
             self.sql(
@@ -367,7 +370,15 @@ class _Statements:
             conversation += 1
         body = {"text": text, "files": [f.to_json() for f in files]}
         event = self._append(
-            conn, visitor, last + 1, conversation, MESSAGE, f"m:{message_id}", message_id, body
+            conn,
+            visitor,
+            last + 1,
+            conversation,
+            MESSAGE,
+            f"m:{message_id}",
+            message_id,
+            body,
+            current=conversation,
         )
         if title:
             conn.execute(
@@ -388,17 +399,20 @@ class _Statements:
         files: tuple[NewFile, ...],
         error: bool,
     ) -> Event | None:
-        last, conversation = self._lock_visitor(conn, visitor)
+        last, current = self._lock_visitor(conn, visitor)
         dedupe = reply_key(reply_to, text, files)
         if dedupe is not None and self._by_dedupe(conn, visitor, dedupe) is not None:
             return None
+        conversation = current
         if reply_to:
             asked = self.message_event(conn, visitor, reply_to)
             if asked is not None:
                 conversation = asked.conversation
         refs = [self.save_file(conn, visitor, file) for file in files]
         body = {"text": text, "files": [r.to_json() for r in refs], "error": error}
-        return self._append(conn, visitor, last + 1, conversation, REPLY, dedupe, reply_to, body)
+        return self._append(
+            conn, visitor, last + 1, conversation, REPLY, dedupe, reply_to, body, current=current
+        )
 
     def events_after(self, conn: Any, visitor: str, after: int, limit: int) -> list[Event]:
         rows = conn.execute(
