@@ -650,7 +650,7 @@ class WebChatChannel:
                 "Content-Disposition": f"{disposition}; filename*=UTF-8''{quote(ref.name)}",
                 "Content-Security-Policy": "default-src 'none'; sandbox",
                 "X-Content-Type-Options": "nosniff",
-                "Cache-Control": "private, max-age=3600",
+                "Cache-Control": "no-store",  # a shared computer keeps no copy
             },
         )
 

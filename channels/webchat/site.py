@@ -41,7 +41,8 @@ _PAGE = """<!doctype html>
         <summary>Conversations</summary>
         <nav aria-label="Conversations"><ul id="conversations"></ul></nav>
       </details>
-      <button id="new" type="button">New conversation</button>
+      <button id="new" type="button" aria-label="New conversation">New<span class="wide">
+        conversation</span></button>
     </div>
   </header>
   <p id="status" class="status" role="status"></p>
