@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, email and Mattermost in one run.
+Matrix, WhatsApp, email, Mattermost and the web chat in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -9,7 +9,8 @@ Matrix, WhatsApp, email and Mattermost in one run.
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
 Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
-WebSocket and REST API), Synapse for
+WebSocket and REST API), browsers played over HTTP for the web chat (tests/webchat_client.py:
+each person's page posts its messages and reads its log as a stream), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -66,7 +67,7 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
+CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost", "web")
 
 
 class Platform(Protocol):
@@ -211,6 +212,47 @@ class Mattermost:
         return [(p["create_at"] / 1000, str(p["message"])) for p in self.fake.bot_posts()]
 
 
+class WebChat:
+    """A page per person: each posts its messages in order (again until a 200) and reads
+    its visitor's log as a stream. Everyone comes from 127.0.0.1, faster than people write:
+    the rate limits are off."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.webchat_client import Browsers
+
+        self.users = users
+        self.port = free_port()
+        self.browsers = Browsers()
+        stack.callback(self.browsers.close)
+        self.pages: list[Any] = []
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),
+            "GATEWAY_CHANNELS__WEB__ENABLED": "true",
+            "GATEWAY_CHANNELS__WEB__DM_POLICY": "open",
+            "GATEWAY_CHANNELS__WEB__VISITOR_MESSAGES_PER_MINUTE": "0",
+            "GATEWAY_CHANNELS__WEB__ADDRESS_MESSAGES_PER_MINUTE": "0",
+            "GATEWAY_CHANNELS__WEB__ADDRESS_NEW_VISITORS_PER_HOUR": "0",
+        }
+
+    def ready(self) -> None:
+        url = f"http://127.0.0.1:{self.port}"
+        self.pages = [self.browsers.open(url, name=f"u{n:03d}") for n in range(self.users)]
+
+    def send(self, message: Message) -> None:
+        page = self.pages[message.user % len(self.pages)]
+        self.browsers.soon(lambda: page.queue(message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        async def snapshot() -> list[tuple[float | None, str]]:
+            return [(float(e["at"]), str(e["text"])) for p in self.pages for e in p.replies()]
+
+        return self.browsers.call(snapshot)
+
+
 class WhatsApp:
     """Meta's webhook: each message POSTed, signed, retried until a 2xx."""
 
@@ -314,6 +356,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "whatsapp": WhatsApp,
     "email": Email,
     "mattermost": Mattermost,
+    "web": WebChat,
 }
 
 

@@ -472,3 +472,46 @@ async def test_a_reply_being_written_reaches_open_pages_as_drafts(chat_with: Fac
     news = [data for kind, data in got if kind == "news" and data["type"] == "draft"]
     assert news and news[0]["reply_to"] == asked.message_id
     assert news[0]["html"].startswith("<p>")
+
+
+# ----------------------------------------------------------------------------- doctor
+
+
+async def test_doctor_says_who_may_talk_and_what_is_weak() -> None:
+    from channels.webchat.spec import checks
+
+    lines = [(f.status, f.what) for f in await checks(WebChatSettings(enabled=True))]
+    assert lines == [
+        (
+            "ok",
+            "web: the chat is at /webchat/ on the HTTP port, for visitors an operator approved "
+            "(`gateway pairing approve web CODE`)",
+        )
+    ]
+    open_unbounded = WebChatSettings(
+        enabled=True,
+        dm_policy="open",
+        visitor_messages_per_minute=0,
+        allowed_origins=["https://shop.example"],
+    )
+    found = [(f.status, f.what) for f in await checks(open_unbounded)]
+    assert ("warn", "web: open to everyone with no bound on visitor_messages_per_minute") in found
+    assert ("ok", "web: the widget may be embedded by https://shop.example") in found
+    short = await checks(WebChatSettings(enabled=True, password="hunter2"))
+    assert short[0].status == "warn" and "7 characters" in short[0].what
+    assert "web:owner" in short[1].what
+
+
+def test_allowed_origins_are_origins() -> None:
+    from pydantic import ValidationError
+
+    for bad in (
+        "shop.example",
+        "https://shop.example/",
+        "https://shop.example/page",
+        "http://shop.example",
+        "HTTPS://Shop.example",
+    ):
+        with pytest.raises(ValidationError):
+            WebChatSettings(allowed_origins=[bad])
+    assert WebChatSettings(allowed_origins=["http://localhost:8000", "https://a.example:8443"])
