@@ -515,3 +515,13 @@ def test_allowed_origins_are_origins() -> None:
         with pytest.raises(ValidationError):
             WebChatSettings(allowed_origins=[bad])
     assert WebChatSettings(allowed_origins=["http://localhost:8000", "https://a.example:8443"])
+
+
+async def test_a_position_past_the_end_of_the_log_tells_the_page_to_start_again(
+    chat_with: Factory,
+) -> None:
+    chat = await chat_with()
+    ann = await chat.browser()
+    await chat.say(ann, "hello")
+    [(kind, news)] = await read_stream(ann, 7, 1)  # the page holds 7; the log has 1
+    assert (kind, news) == ("news", {"type": "reset"})

@@ -29,6 +29,7 @@ the conformance kit, tests/conformance/test_webchat_conformance.py):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -295,9 +296,12 @@ class WebChatChannel:
 
     async def _purge_forever(self) -> None:
         while True:
-            before = time.time() - self.settings.history_days * 86400.0
+            now = time.time()
+            before = now - self.settings.history_days * 86400.0
+            # A visitor is remembered as long as a cookie of theirs may live, and then some.
+            visitors_before = min(before, now - 2 * self.settings.remember_days * 86400.0)
             try:
-                removed = await self._store.purge(before)
+                removed = await self._store.purge(before, visitors_before=visitors_before)
                 if removed:
                     logger.info(
                         "web: forgot {} log entries and files older than the log keeps", removed
@@ -665,6 +669,7 @@ class WebChatChannel:
         if self._hub.readers_of(visitor.id) >= MAX_STREAMS_PER_VISITOR:
             return json_error(429, "too many open chat pages; close some", {hdrs.RETRY_AFTER: "10"})
         after = int(given)
+        state = await self._store.state(visitor.id)
         response = web.StreamResponse(
             headers={
                 hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
@@ -674,6 +679,12 @@ class WebChatChannel:
             }
         )
         await response.prepare(request)
+        if after > state.last_seq:
+            # A position the log never reached (its numbering began again, a restored
+            # backup): the page loads its state anew instead of waiting past the end.
+            with contextlib.suppress(OSError, TimeoutError):
+                await self._write(response, sse({"type": "reset"}, event="news"))
+            return response
         reader = self._hub.subscribe(visitor.id)
         wait = self.pacing.poll_interval if self._replicas else self.pacing.heartbeat
         quiet = 0.0

@@ -165,8 +165,10 @@ class WebChatStore(Protocol):
 
     async def file(self, file_id: str) -> StoredFile | None: ...
 
-    async def purge(self, before: float) -> int:
-        """Forget events, conversations, files and visitors older than `before`."""
+    async def purge(self, before: float, *, visitors_before: float) -> int:
+        """Forget events, conversations and files older than `before`, and visitors with
+        none left not seen since `visitors_before` (a visitor's numbering goes on while a
+        page of theirs may still hold a position in it)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -469,7 +471,7 @@ class _Statements:
             FileRef(file_id, str(name), str(mime), int(size)), str(visitor), bytes(data)
         )
 
-    def purge(self, conn: Any, before: float) -> int:
+    def purge(self, conn: Any, before: float, visitors_before: float) -> int:
         removed = 0
         for statement in (
             "DELETE FROM gw_webchat_events WHERE at < ?",
@@ -479,14 +481,14 @@ class _Statements:
             "AND e.conversation = gw_webchat_conversations.conversation)",
         ):
             removed += conn.execute(self.sql(statement), (before,)).rowcount or 0
-        # A visitor's row goes with its last event: numbering starts again at 1 only for a
-        # visitor whose page has nothing left to resume.
+        # A visitor's numbering starts again at 1 only once no cookie of theirs can be
+        # alive: a page open since may still hold a position in the old one.
         conn.execute(
             self.sql(
                 "DELETE FROM gw_webchat_visitors WHERE seen_at < ? AND NOT EXISTS ("
                 "SELECT 1 FROM gw_webchat_events e WHERE e.visitor = gw_webchat_visitors.visitor)"
             ),
-            (before,),
+            (visitors_before,),
         )
         return removed
 
@@ -596,8 +598,8 @@ class FileWebChatStore:
         found: StoredFile | None = await self._db.run(lambda c: self._q.file(c, file_id))
         return found
 
-    async def purge(self, before: float) -> int:
-        return int(await self._db.transaction(lambda c: self._q.purge(c, before)))
+    async def purge(self, before: float, *, visitors_before: float) -> int:
+        return int(await self._db.transaction(lambda c: self._q.purge(c, before, visitors_before)))
 
     async def aclose(self) -> None:
         await self._db.aclose()
@@ -705,8 +707,8 @@ class PostgresWebChatStore:
         found: StoredFile | None = await self._call(lambda c: self._q.file(c, file_id))
         return found
 
-    async def purge(self, before: float) -> int:
-        return int(await self._call(lambda c: self._q.purge(c, before)))
+    async def purge(self, before: float, *, visitors_before: float) -> int:
+        return int(await self._call(lambda c: self._q.purge(c, before, visitors_before)))
 
     async def aclose(self) -> None:
         return None  # the pool is the process's (`gateway.storage.shared.shared_connections`)

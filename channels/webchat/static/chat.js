@@ -311,6 +311,8 @@
       scrollToEnd();
     } else if (item.type === "notice") {
       setStatus(item.text);
+    } else if (item.type === "reset") {
+      location.reload(); // the log's numbering is not the one this page holds
     }
   }
 
