@@ -337,7 +337,8 @@ def test_a_reload_mid_stream_shows_the_reply_once(browser: Any, site: Site, tmp_
     _say(browser, "tell me a long story")
     _until(
         browser,
-        "const d = document.querySelector('#log li.draft'); return d && d.innerText.includes('word12')",
+        "const d = document.querySelector('#log li.draft');"
+        "return d && d.innerText.includes('word12')",
         "a draft being written",
     )
     _shot(browser, tmp_path, "streaming", docs=True)
