@@ -308,10 +308,11 @@ async def test_journal_before_confirm_and_a_message_posted_again_is_one(chat_wit
     status, _ = await chat.say(ann, "hello", "msg-0000001")
     assert status == 503
     chat.dispatcher.take = True
-    for _ in range(3):  # the page posts it again until it gets a 200; a second tab too
-        status, answer = await chat.say(ann, "hello", "msg-0000001")
+    for text in ("hello", "hello", "edited in another tab"):  # posted again until a 200
+        status, answer = await chat.say(ann, text, "msg-0000001")
         assert status == 200 and answer == {"id": "msg-0000001", "event": 1}
     message = chat.dispatcher.submitted[-1]
+    assert message.text == "hello"  # the message is the one logged under its id
     assert message.session_key == f"web:{ann.visitor}" and message.message_id == "msg-0000001"
     assert message.sender_id == message.chat_id == ann.visitor
     events = await chat.channel._store.events_after(ann.visitor, 0, 10)

@@ -109,6 +109,8 @@ async def test_files_are_read_back_with_their_owner(stores: Callable[[], WebChat
     assert stored is not None and stored.visitor == ANN and stored.data == b"\x89PNG data"
     assert (stored.ref.name, stored.ref.mime, stored.ref.size) == ("cat.png", "image/png", 9)
     assert await store.file("no-such-file") is None
+    info = await store.file_info(ref.id)
+    assert info is not None and info.visitor == ANN and info.ref == ref and info.data == b""
     reply = await store.add_reply(
         BOB, "m-00000001", "here", (NewFile("a.txt", "text/plain", b"x"),)
     )

@@ -548,7 +548,7 @@ class WebChatChannel:
             )
         files: list[FileRef] = []
         for file_id in file_ids:
-            stored = await self._store.file(str(file_id)) if isinstance(file_id, str) else None
+            stored = await self._store.file_info(file_id) if isinstance(file_id, str) else None
             if stored is None or stored.visitor != visitor.id:
                 return json_error(
                     400, "a file of this message is not yours, or no longer kept; attach it again"
@@ -565,6 +565,8 @@ class WebChatChannel:
                     f"slow down: your message is sent in {wait} s",
                     {hdrs.RETRY_AFTER: str(wait)},
                 )
+        else:  # the message is the one logged under its id, whatever a repost says
+            text, files = known.text, list(known.files)
         command = parse_command(text) if text else None
         new_conversation = command is not None and command.name in _NEW_CONVERSATION
         event, created = await self._store.add_message(

@@ -165,6 +165,10 @@ class WebChatStore(Protocol):
 
     async def file(self, file_id: str) -> StoredFile | None: ...
 
+    async def file_info(self, file_id: str) -> StoredFile | None:
+        """The file without its bytes (`data` empty): whose it is, what it is."""
+        ...
+
     async def purge(self, before: float, *, visitors_before: float) -> int:
         """Forget events, conversations and files older than `before`, and visitors with
         none left not seen since `visitors_before` (a visitor's numbering goes on while a
@@ -471,6 +475,16 @@ class _Statements:
             FileRef(file_id, str(name), str(mime), int(size)), str(visitor), bytes(data)
         )
 
+    def file_info(self, conn: Any, file_id: str) -> StoredFile | None:
+        row = conn.execute(
+            self.sql("SELECT visitor, name, mime, size FROM gw_webchat_files WHERE id = ?"),
+            (file_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        visitor, name, mime, size = row
+        return StoredFile(FileRef(file_id, str(name), str(mime), int(size)), str(visitor), b"")
+
     def purge(self, conn: Any, before: float, visitors_before: float) -> int:
         removed = 0
         for statement in (
@@ -598,6 +612,10 @@ class FileWebChatStore:
         found: StoredFile | None = await self._db.run(lambda c: self._q.file(c, file_id))
         return found
 
+    async def file_info(self, file_id: str) -> StoredFile | None:
+        found: StoredFile | None = await self._read(lambda c: self._q.file_info(c, file_id))
+        return found
+
     async def purge(self, before: float, *, visitors_before: float) -> int:
         return int(await self._db.transaction(lambda c: self._q.purge(c, before, visitors_before)))
 
@@ -705,6 +723,10 @@ class PostgresWebChatStore:
 
     async def file(self, file_id: str) -> StoredFile | None:
         found: StoredFile | None = await self._call(lambda c: self._q.file(c, file_id))
+        return found
+
+    async def file_info(self, file_id: str) -> StoredFile | None:
+        found: StoredFile | None = await self._call(lambda c: self._q.file_info(c, file_id))
         return found
 
     async def purge(self, before: float, *, visitors_before: float) -> int:
