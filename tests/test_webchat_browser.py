@@ -498,3 +498,36 @@ def test_the_widget_works_on_an_allowed_site_and_nowhere_else(
     assert not browser.find_elements(By.ID, "log")
     browser.switch_to.default_content()
     site.gateway.wait_logged("the widget's frame refused", timeout=WAIT)
+
+
+def test_a_new_conversation_keeps_the_old_one_in_the_list(
+    browser: Any, site: Site, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    _open(browser, site)
+    _say(browser, "the first conversation")
+    _answered(browser, "echo: the first conversation")
+    browser.find_element(By.ID, "new").click()
+    _until(
+        browser,
+        "return !Array.from(document.querySelectorAll('#log li[data-id]'))"
+        ".some(li => li.innerText.includes('the first conversation'))",
+        "a fresh log",
+    )
+    _say(browser, "the second conversation")
+    _answered(browser, "echo: the second conversation")
+    browser.find_element(By.CSS_SELECTOR, "#history summary").click()
+    names = [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#conversations button")]
+    assert names[0] == "the second conversation (current)"
+    assert "the first conversation" in names
+    earlier = browser.find_elements(By.CSS_SELECTOR, "#conversations button")[
+        names.index("the first conversation")
+    ]
+    earlier.click()
+    _answered(browser, "echo: the first conversation")
+    assert browser.find_element(By.ID, "earlier").is_displayed()
+    _shot(browser, tmp_path, "conversations")
+    browser.find_element(By.ID, "back").click()
+    _answered(browser, "echo: the second conversation")
+    assert not browser.find_element(By.ID, "earlier").is_displayed()

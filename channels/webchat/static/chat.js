@@ -360,12 +360,12 @@
       earlierWhat.textContent = `An earlier conversation${known && known.title ? ": " + known.title : ""}. New messages go to the current one.`;
       earlier.hidden = false;
     }
-    highlightNothingNew();
+    showPlaceholder();
     renderConversations();
     scrollToEnd();
   }
 
-  function highlightNothingNew() {
+  function showPlaceholder() {
     if (!log.children.length) {
       const [item, bubble] = entry("reply", "hello");
       const text = document.createElement("p");
