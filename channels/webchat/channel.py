@@ -644,8 +644,8 @@ class WebChatChannel:
 
     async def _file(self, request: web.Request, visitor: Visitor) -> web.StreamResponse:
         stored = await self._store.file(request.match_info["file_id"])
-        if stored is None or stored.visitor != visitor.id:
-            raise web.HTTPNotFound()  # another visitor's file is no file
+        if stored is None or stored.visitor != visitor.id:  # another visitor's is no file
+            return json_error(404, "no such file (or no longer kept)")
         ref = stored.ref
         inline = ref.mime in INLINE_IMAGES
         disposition = "inline" if inline else "attachment"
