@@ -100,7 +100,7 @@ def page_response(
         text=page(settings, embed=bool(frame_ancestors)),
         content_type="text/html",
         charset="utf-8",
-        headers=page_headers(frame_ancestors, blob_images=True),
+        headers=page_headers(frame_ancestors),
     )
 
 

@@ -32,29 +32,23 @@ STATIC_TYPES = {
 }
 
 
-def content_security_policy(
-    frame_ancestors: Iterable[str] = (), *, blob_images: bool = False
-) -> str:
-    """Only the page's own scripts, styles and images (with `blob_images`, also `blob:`
-    images: previews of files a person picks); requests only to its own origin; no other
-    site may frame it unless `frame_ancestors` lists the origins that may."""
+def content_security_policy(frame_ancestors: Iterable[str] = ()) -> str:
+    """Only the page's own scripts, styles and images; requests only to its own origin; no
+    other site may frame it unless `frame_ancestors` lists the origins that may."""
     ancestors = " ".join(frame_ancestors) or "'none'"
-    images = "'self' blob:" if blob_images else "'self'"
     return (
-        f"default-src 'none'; script-src 'self'; style-src 'self'; img-src {images}; "
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
         f"connect-src 'self'; form-action 'self'; frame-ancestors {ancestors}; "
         "base-uri 'none'"
     )
 
 
-def page_headers(
-    frame_ancestors: Iterable[str] = (), *, blob_images: bool = False
-) -> dict[str, str]:
+def page_headers(frame_ancestors: Iterable[str] = ()) -> dict[str, str]:
     """The headers of every HTML page: the CSP above, no sniffing, no caching, and a
     referrer policy under which Chromium sends the real `Origin` with a form POST."""
     ancestors = tuple(frame_ancestors)
     headers = {
-        "Content-Security-Policy": content_security_policy(ancestors, blob_images=blob_images),
+        "Content-Security-Policy": content_security_policy(ancestors),
         "X-Content-Type-Options": "nosniff",
         "Referrer-Policy": "same-origin",
         "Cache-Control": "no-store",
