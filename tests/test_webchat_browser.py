@@ -531,3 +531,61 @@ def test_a_new_conversation_keeps_the_old_one_in_the_list(
     browser.find_element(By.ID, "back").click()
     _answered(browser, "echo: the second conversation")
     assert not browser.find_element(By.ID, "earlier").is_displayed()
+
+
+OWNER_TOKEN = "owner-token-0123456789abcdefghij"
+
+
+@pytest.fixture(scope="module")
+def owner_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second gateway: a personal assistant behind a password."""
+    _require_browser()
+    folder = tmp_path_factory.mktemp("webchat-owner")
+    with FakeOpenAI.in_thread() as llm:
+        env = base_env(folder / "ws", llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__WEB__ENABLED": "true",
+            "GATEWAY_CHANNELS__WEB__DM_POLICY": "open",
+            "GATEWAY_CHANNELS__WEB__PASSWORD": OWNER_TOKEN,
+        }
+        gateway = GatewayProcess(env, folder)
+        try:
+            port = gateway.wait_ready(timeout=90)
+            gateway.wait_readyz(port, timeout=90)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            gateway.stop()
+
+
+def test_the_owner_signs_in_with_the_password_or_a_key_link(
+    browser: Any, owner_site: str, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    browser.get(f"{owner_site}/webchat/")
+    _until(browser, "return !document.getElementById('login').hidden", "the password form")
+    assert browser.find_element(By.ID, "composer").get_attribute("hidden") is not None
+    password = browser.find_element(By.ID, "password")
+    assert browser.switch_to.active_element == password
+    password.send_keys("not the password", Keys.ENTER)
+    _until(
+        browser,
+        "return document.getElementById('login-error').textContent.includes('wrong password')",
+        "the refusal",
+    )
+    _shot(browser, tmp_path, "login")
+    password.clear()
+    password.send_keys(OWNER_TOKEN, Keys.ENTER)
+    _until(browser, "return !document.getElementById('composer').hidden", "the chat")
+    assert browser.find_element(By.ID, "who").text == "Signed in as owner"
+    _say(browser, "remember the milk")
+    _answered(browser, "echo: remember the milk")
+    # Another browser (no cookie) with the bookmark: signed in, the key off the screen,
+    # and the same conversation: the owner is one person everywhere.
+    browser.delete_all_cookies()
+    browser.get("about:blank")
+    browser.get(f"{owner_site}/webchat/#key={OWNER_TOKEN}")
+    _until(browser, "return !document.getElementById('composer').hidden", "the chat by key")
+    assert OWNER_TOKEN not in browser.current_url
+    _answered(browser, "echo: remember the milk")
