@@ -79,6 +79,7 @@ CHANNELS = (
     "googlechat",
     "irc",
     "line",
+    "web",
 )
 
 
@@ -500,6 +501,47 @@ class Line:
         return [(s.at, s.text) for s in self.fake.sent]
 
 
+class WebChat:
+    """A page per person: each posts its messages in order (again until a 200) and reads
+    its visitor's log as a stream. Everyone comes from 127.0.0.1, faster than people write:
+    the rate limits are off."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.webchat_client import Browsers
+
+        self.users = users
+        self.port = free_port()
+        self.browsers = Browsers()
+        stack.callback(self.browsers.close)
+        self.pages: list[Any] = []
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),
+            "GATEWAY_CHANNELS__WEB__ENABLED": "true",
+            "GATEWAY_CHANNELS__WEB__DM_POLICY": "open",
+            "GATEWAY_CHANNELS__WEB__VISITOR_MESSAGES_PER_MINUTE": "0",
+            "GATEWAY_CHANNELS__WEB__ADDRESS_MESSAGES_PER_MINUTE": "0",
+            "GATEWAY_CHANNELS__WEB__ADDRESS_NEW_VISITORS_PER_HOUR": "0",
+        }
+
+    def ready(self) -> None:
+        url = f"http://127.0.0.1:{self.port}"
+        self.pages = [self.browsers.open(url, name=f"u{n:03d}") for n in range(self.users)]
+
+    def send(self, message: Message) -> None:
+        page = self.pages[message.user % len(self.pages)]
+        self.browsers.soon(lambda: page.queue(message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        async def snapshot() -> list[tuple[float | None, str]]:
+            return [(float(e["at"]), str(e["text"])) for p in self.pages for e in p.replies()]
+
+        return self.browsers.call(snapshot)
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -513,6 +555,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "googlechat": GoogleChat,
     "irc": Irc,
     "line": Line,
+    "web": WebChat,
 }
 
 
