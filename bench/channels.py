@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, email and Mattermost in one run.
+Matrix, WhatsApp, email and every other channel of `PLATFORMS` in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -8,8 +8,8 @@ Matrix, WhatsApp, email and Mattermost in one run.
 
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
-Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
-WebSocket and REST API), Synapse for
+Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, and the
+others' fakes, each named in its `Platform` class below), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -66,7 +66,21 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
+CHANNELS = (
+    "telegram",
+    "slack",
+    "discord",
+    "matrix",
+    "whatsapp",
+    "signal",
+    "email",
+    "mattermost",
+    "teams",
+    "googlechat",
+    "irc",
+    "line",
+    "web",
+)
 
 
 class Platform(Protocol):
@@ -211,6 +225,74 @@ class Mattermost:
         return [(p["create_at"] / 1000, str(p["message"])) for p in self.fake.bot_posts()]
 
 
+class Teams:
+    """Everyone in a personal chat with the bot; Teams POSTs each activity, signed (one
+    conversation's activities one at a time, as the fake delivers them)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.teams_server import FakeTeams
+
+        self.fake = stack.enter_context(FakeTeams.in_thread())
+        self.port = free_port()
+        self.fake.bot_url = f"http://127.0.0.1:{self.port}/api/messages"
+        self.people = [self.fake.add_person(f"bench {n}") for n in range(users)]
+        self.chats = [self.fake.personal_chat(person) for person in self.people]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.fakes.teams_server import APP_ID, APP_PASSWORD
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),
+            "GATEWAY_CHANNELS__TEAMS__ENABLED": "true",
+            "GATEWAY_CHANNELS__TEAMS__APP_ID": APP_ID,
+            "GATEWAY_CHANNELS__TEAMS__APP_PASSWORD": APP_PASSWORD,
+            "GATEWAY_CHANNELS__TEAMS__OPENID_METADATA_URL": self.fake.openid_metadata_url,
+            "GATEWAY_CHANNELS__TEAMS__TOKEN_URL": self.fake.token_url,
+            "GATEWAY_CHANNELS__TEAMS__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        activity = self.fake.message(self.people[user], self.chats[user], message.text)
+        self.fake.deliver_soon(activity)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(post.at, post.text) for post in self.fake.posts()]
+
+
+class GoogleChat:
+    """A Chat app on an HTTP endpoint: each message's event POSTed once, signed, in order
+    per space; replies through the Chat API with the service account's token."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.googlechat_server import FakeGoogleChat
+
+        self.fake = stack.enter_context(FakeGoogleChat.in_thread())
+        self.port = free_port()
+        self.fake.webhook_url = f"http://127.0.0.1:{self.port}/googlechat/events"
+        self.people = [str(self.fake.add_user(f"Bench {n}")["name"]) for n in range(users)]
+        self.dms = [str(self.fake.dm_space(p)["name"]) for p in self.people]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.test_googlechat_kill import googlechat_env
+
+        return googlechat_env(workspace, llm, self.fake, self.port)
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        self.fake.user_message(self.dms[user], self.people[user], message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return self.fake.app_texts()
+
+
 class WhatsApp:
     """Meta's webhook: each message POSTed, signed, retried until a 2xx."""
 
@@ -234,6 +316,38 @@ class WhatsApp:
 
     def replies(self) -> list[tuple[float | None, str]]:
         return [(s.at, s.text) for s in self.fake.sent if s.type == "text"]
+
+
+class Signal:
+    """signal-cli's HTTP daemon (manual receive mode): each person writes a DM, which waits
+    at Signal's server until the gateway's next `receive` takes it."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.signal_server import FakeSignalCli
+
+        self.fake = stack.enter_context(FakeSignalCli.in_thread())
+        self.people = [self.fake.person(f"Person {n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__SIGNAL__ENABLED": "true",
+            "GATEWAY_CHANNELS__SIGNAL__ACCOUNT": self.fake.account,
+            "GATEWAY_CHANNELS__SIGNAL__URL": self.fake.url,
+            "GATEWAY_CHANNELS__SIGNAL__RECEIVE_TIMEOUT": "1",
+            "GATEWAY_CHANNELS__SIGNAL__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.fake.dm(self.people[message.user], message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(s.at, s.text) for s in list(self.fake.sent)]
 
 
 class Matrix:
@@ -306,14 +420,142 @@ class Email:
         return [(None, text) for text in self.smtp.texts()]
 
 
+class Irc:
+    """A real ngIRCd; everyone writes to the bot privately, the bot connects over TLS."""
+
+    bot = "benchbot"
+    #: ngIRCd relays the bot's lines a few a second: a bigger run only takes longer.
+    max_messages, max_paced = 120, 40
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.ngircd_server import running_ngircd
+
+        self.server = stack.enter_context(running_ngircd())
+        self.people = [self.server.person(f"bench{n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__IRC__ENABLED": "true",
+            "GATEWAY_CHANNELS__IRC__HOST": "127.0.0.1",
+            "GATEWAY_CHANNELS__IRC__PORT": str(self.server.tls_port),
+            "GATEWAY_CHANNELS__IRC__TLS_CA_FILE": str(self.server.ca_file),
+            "GATEWAY_CHANNELS__IRC__NICK": self.bot,
+            # ngIRCd takes 3 lines a second from a client with more waiting: the bot's
+            # own pace keeps its queue here, where a PONG can go first.
+            "GATEWAY_CHANNELS__IRC__BURST_LINES": "5",
+            "GATEWAY_CHANNELS__IRC__LINE_INTERVAL_SECONDS": "0.34",
+            "GATEWAY_CHANNELS__IRC__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.people[message.user].say(self.bot, message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (at, text)
+            for person in self.people
+            for at, sender, _, text in person.received()
+            if sender == self.bot
+        ]
+
+
+class Line:
+    """LINE's webhook: each message POSTed, signed, redelivered until a 2xx; the replies
+    go with each message's reply token (the fake's quota is unlimited)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.line_server import FakeLine
+
+        self.fake = stack.enter_context(FakeLine.in_thread(retry_delays=(0.5,) * 60))
+        self.port = free_port()
+        self.fake.webhook_url = f"http://127.0.0.1:{self.port}/line/webhook"
+        self.people = [self.fake.add_user(f"bench{n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),  # fixed: LINE delivers to the console's URL
+            "GATEWAY_CHANNELS__LINE__ENABLED": "true",
+            "GATEWAY_CHANNELS__LINE__CHANNEL_ACCESS_TOKEN": self.fake.token,
+            "GATEWAY_CHANNELS__LINE__CHANNEL_SECRET": self.fake.channel_secret,
+            "GATEWAY_CHANNELS__LINE__API_URL": self.fake.url,
+            "GATEWAY_CHANNELS__LINE__DATA_API_URL": self.fake.url,
+            "GATEWAY_CHANNELS__LINE__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = self.people[message.user % len(self.people)]
+        self.fake.deliver_soon(self.fake.text_message(user, message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(s.at, s.text) for s in self.fake.sent]
+
+
+class WebChat:
+    """A page per person: each posts its messages in order (again until a 200) and reads
+    its visitor's log as a stream. Everyone comes from 127.0.0.1, faster than people write:
+    the rate limits are off."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.webchat_client import Browsers
+
+        self.users = users
+        self.port = free_port()
+        self.browsers = Browsers()
+        stack.callback(self.browsers.close)
+        self.pages: list[Any] = []
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),
+            "GATEWAY_CHANNELS__WEB__ENABLED": "true",
+            "GATEWAY_CHANNELS__WEB__DM_POLICY": "open",
+            "GATEWAY_CHANNELS__WEB__VISITOR_MESSAGES_PER_MINUTE": "0",
+            "GATEWAY_CHANNELS__WEB__ADDRESS_MESSAGES_PER_MINUTE": "0",
+            "GATEWAY_CHANNELS__WEB__ADDRESS_NEW_VISITORS_PER_HOUR": "0",
+        }
+
+    def ready(self) -> None:
+        url = f"http://127.0.0.1:{self.port}"
+        self.pages = [self.browsers.open(url, name=f"u{n:03d}") for n in range(self.users)]
+
+    def send(self, message: Message) -> None:
+        page = self.pages[message.user % len(self.pages)]
+        self.browsers.soon(lambda: page.queue(message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        async def snapshot() -> list[tuple[float | None, str]]:
+            return [(float(e["at"]), str(e["text"])) for p in self.pages for e in p.replies()]
+
+        return self.browsers.call(snapshot)
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
     "discord": Discord,
     "matrix": Matrix,
     "whatsapp": WhatsApp,
+    "signal": Signal,
     "email": Email,
     "mattermost": Mattermost,
+    "teams": Teams,
+    "googlechat": GoogleChat,
+    "irc": Irc,
+    "line": Line,
+    "web": WebChat,
 }
 
 

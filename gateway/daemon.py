@@ -735,7 +735,7 @@ class Daemon:
 
         class Admin:
             def undeliverable(self, source: Callable[[], Awaitable[list[Any]]]) -> None:
-                admin.sources.undeliverable = source
+                admin.sources.add_undeliverable(source)
 
         return ChannelServices(
             http=self.http,

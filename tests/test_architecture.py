@@ -14,8 +14,9 @@
 5. The core names no platform: no module of `gateway/` imports a platform's package
    (`channels/<platform>/`), and the daemon, `gateway doctor`, the configuration, the admin
    page (its templates too), the metrics and the failpoints hold no identifier or string
-   naming one (docstrings and comments may use one as an example). A platform is known to
-   them only through its `gateway.registry.ChannelSpec`.
+   naming one (docstrings and comments may use one as an example; an identifier from a
+   module of Python's own of the same name, `import signal`, is Python's). A platform is
+   known to them only through its `gateway.registry.ChannelSpec`.
 6. Nothing shipped (`gateway/`, `channels/`) imports the project's tests: the conformance
    kit (`gateway.testing`) ships in the package and runs outside this repository.
 7. The example channel package (examples/channel-example) imports from the gateway only
@@ -28,8 +29,9 @@ matches any import fails the test too, so the list only shrinks.
 from __future__ import annotations
 
 import ast
+import sys
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -451,39 +453,120 @@ def _docstrings(tree: ast.Module) -> set[int]:
     return found
 
 
-def _words_of(tree: ast.Module) -> Iterator[tuple[int, str]]:
-    """(line, text) of every identifier and non-docstring string of `tree`."""
+def _words_of(tree: ast.Module) -> Iterator[tuple[int, str, bool]]:
+    """(line, text, is an identifier) of every identifier and non-docstring string of
+    `tree`."""
     skip = _docstrings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
-            yield node.lineno, node.value
+            yield node.lineno, node.value, False
         elif isinstance(node, ast.Name):
-            yield node.lineno, node.id
+            yield node.lineno, node.id, True
         elif isinstance(node, ast.Attribute):
-            yield node.lineno, node.attr
+            yield node.lineno, node.attr, True
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            yield node.lineno, node.name
+            yield node.lineno, node.name, True
         elif isinstance(node, ast.arg):
-            yield node.lineno, node.arg
+            yield node.lineno, node.arg, True
         elif isinstance(node, ast.alias):
-            yield getattr(node, "lineno", 0), node.name
+            yield getattr(node, "lineno", 0), node.name, True
+
+
+#: Platform names that are ordinary words too: in the core's identifiers and prose
+#: they are the word (a log line, `missing_line`), so only what can name nothing but the
+#: platform counts for them: the name as a whole string, a session key's prefix
+#: (`line:`), its section (`channels.line`), its variables (`__LINE__`), or the brand
+#: as written (`LINE`).
+ORDINARY_WORDS = frozenset({"line"})
+
+
+def _naming(names: list[str]) -> Callable[[str, bool], bool]:
+    """Whether a text names one of `names` (`is_identifier`: it is a name in the code,
+    not a string)."""
+    import re
+
+    plain = [n for n in names if n not in ORDINARY_WORDS]
+    anywhere = (
+        re.compile(r"(?<![a-z])(" + "|".join(plain) + r")(?![a-z])", re.IGNORECASE)
+        if plain
+        else None
+    )
+    words = sorted(ORDINARY_WORDS & set(names))
+    spelled = (
+        re.compile(
+            "|".join(
+                rf"^{w}$|(?<![a-z]){w}:(?!\s)|channels\.{w}(?![a-z])|__{w.upper()}__|\b{w.upper()}\b"
+                for w in words
+            )
+        )
+        if words
+        else None
+    )
+
+    def names_one(text: str, is_identifier: bool) -> bool:
+        if anywhere is not None and anywhere.search(text):
+            return True
+        return spelled is not None and not is_identifier and bool(spelled.search(text))
+
+    return names_one
+
+
+def _python_modules_named(tree: ast.Module, names: list[str]) -> set[str]:
+    """The platform names that are also modules of Python's standard library the module
+    imports (`import signal`): there the identifiers with that word (`signal.SIGTERM`,
+    `open_signal_receiver`) mean Python's, not the platform. Strings still count."""
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    return {n for n in names if n in imported and n in sys.stdlib_module_names}
+
+
+def test_a_python_module_named_like_a_platform_is_not_the_platform() -> None:
+    """`import signal` (Python's) in the daemon is not the Signal channel; a string
+    naming the platform still is, and so is the word in a module without that import."""
+    tree = ast.parse("import signal\nsignal.SIGTERM\nkind = 'signal'\n")
+    assert _python_modules_named(tree, ["signal", "telegram"]) == {"signal"}
+    words = [(text, is_identifier) for _, text, is_identifier in _words_of(tree)]
+    assert ("signal", False) in words and ("SIGTERM", True) in words
+    assert _python_modules_named(ast.parse("x = 1"), ["signal"]) == set()
 
 
 def test_the_core_names_no_platform() -> None:
-    import re
-
     names = platforms()
-    pattern = re.compile(r"(?<![a-z])(" + "|".join(names) + r")(?![a-z])", re.IGNORECASE)
+    names_one = _naming(names)
     found = []
     for module, path in KNOWN.items():
         if not any(module == m or module.startswith(m + ".") for m in PLATFORM_FREE):
             continue
-        for line, text in _words_of(parsed(path)):
-            if pattern.search(text):
+        tree = parsed(path)
+        # `import signal` (Python's): there the identifiers with that word are Python's.
+        python_words = _python_modules_named(tree, names)
+        in_code = _naming([n for n in names if n not in python_words])
+        for line, text, is_identifier in _words_of(tree):
+            if (in_code if is_identifier else names_one)(text, is_identifier):
                 found.append(f"{path.relative_to(ROOT)}:{line}: {text[:80]!r}")
     for template in sorted((ROOT / "gateway" / "http" / "admin").rglob("*")):
         if template.suffix in (".html", ".js", ".css"):
             for number, text in enumerate(template.read_text(encoding="utf-8").splitlines(), 1):
-                if pattern.search(text):
+                if names_one(text, False):
                     found.append(f"{template.relative_to(ROOT)}:{number}: {text.strip()[:80]!r}")
     assert found == [], "platforms named in the core:\n" + "\n".join(found)
+
+
+def test_an_ordinary_word_names_a_platform_only_as_its_name() -> None:
+    names_one = _naming(["line", "telegram"])
+    for text in (
+        "line",
+        "line:U4af49",
+        "channels.line",
+        "GATEWAY_CHANNELS__LINE__TOKEN",
+        "LINE bot",
+    ):
+        assert names_one(text, False), text
+    for text in ("one line each", "missing_line", "line: {text}", "timeline"):
+        assert not names_one(text, False), text
+    assert not names_one("line", True)  # a variable called line is the word
+    assert names_one("telegram_chat", True)

@@ -638,3 +638,25 @@ def test_two_sigints_end_the_drain_once_without_a_traceback(
     assert result.get("error") is True and "send it again" in result["reply"]
     session = tmp_path / "ws" / "sessions" / f"{encode_key('api:sig')}.jsonl"
     assert "long job" in session.read_text()  # what the user said is kept
+
+
+async def test_every_channel_s_undeliverable_replies_are_listed(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """Two channels that keep undeliverable replies (WhatsApp's held ones, LINE's given up
+    for the quota) both show on the admin page: the second one registered used to
+    replace the first one's list."""
+    settings = daemon_settings(make_settings, fake_openai)
+    daemon = Daemon(Gateway.build(settings), interactive=False)
+
+    def listing(*rows: str) -> Callable[[], Any]:
+        async def source() -> list[str]:
+            return list(rows)
+
+        return source
+
+    daemon._services("first").admin.undeliverable(listing("held 1", "held 2"))
+    daemon._services("second").admin.undeliverable(listing("given up"))
+    source = daemon.admin.sources.undeliverable
+    assert source is not None
+    assert await source() == ["held 1", "held 2", "given up"]

@@ -39,6 +39,16 @@ def test_the_model_echoes_the_last_user_message() -> None:
     assert answer_for(messages, delay=0.5).delay == 0.5
 
 
+def test_the_echo_is_one_line() -> None:
+    """A group message reaches the model after a header naming its sender, on a line of
+    its own: the echo keeps it on the answer's one line, so a platform whose posts are
+    lines (IRC) has each answer in one post, token and all."""
+    said = user('[from "person0"]\nm00001 kit:slow=3\r\n  and more')
+    assert answer_for([said]).text == 'echo: [from "person0"] m00001 kit:slow=3 and more'
+    long = answer_for([user("m00001\nkit:long=100")]).text
+    assert long.startswith("echo: m00001 kit:long=100\n\nL00001 ")
+
+
 def test_words_in_the_message_steer_the_model() -> None:
     assert answer_for([user("m00001 kit:slow=2.5")]).delay == 2.5
     pinged = answer_for([user("m00001 kit:everyone")], everyone_text="@everyone")
@@ -116,6 +126,7 @@ def tally(
     answers: list[str] | None = None,
     model: frozenset[str] = frozenset(),
     kills: int = 0,
+    lost_allowed: int = 0,
     exit_code: int | None = 0,
 ) -> Tally:
     return Tally(
@@ -127,6 +138,7 @@ def tally(
         assistant_entries=Counter(answers if answers is not None else [s.token for s in said]),
         model_saw=model,
         kills=kills,
+        lost_allowed=lost_allowed,
         exit_code=exit_code,
     )
 
@@ -257,6 +269,21 @@ def test_a_kill_repeats_at_most_the_replies_of_the_turns_running_at_once() -> No
         "9 repeated replies in 1 kills (at most 8 per kill: the replies of the turns "
         "running at once)"
     ]
+
+
+def test_a_platform_that_loses_messages_when_cut_is_allowed_that_many_and_no_more() -> None:
+    """`Requirements.lost_when_cut`: a platform that hands a killed gateway's request a
+    message it cannot hand over again (signal-cli's `receive`) may lose that many per kill
+    or cut; one more is a broken promise."""
+    a, b, c = dm("m00001"), dm("m00002"), dm("m00003", OTHER_DM)
+    one_lost = tally([a, b, c], [echo(a), echo(c)], stored=["m00001", "m00003"], kills=1,
+                     lost_allowed=1)  # fmt: skip
+    assert one_lost.problems() == []
+    two_lost = tally([a, b, c], [echo(a)], stored=["m00001"], kills=1, lost_allowed=1)
+    problems = two_lost.problems()
+    assert len(problems) == 1 and "2 lost" in problems[0] and "1 allowed" in problems[0]
+    assert tally([a, b, c], [echo(a), echo(c)], stored=["m00001", "m00003"]).problems()
+    assert Requirements().lost_when_cut == 0
 
 
 def test_a_post_answers_the_last_token_it_echoes() -> None:

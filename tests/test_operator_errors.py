@@ -179,6 +179,14 @@ def test_memory_compact_that_fails_says_so_once_and_promises_no_retry(
     assert "[user] I like green tea" in shown.stdout  # history kept
 
 
+def pairing_channels() -> str:
+    """The installed chat platforms, as the refusal lists them ("a, b or c")."""
+    from gateway.registry import installed
+
+    *first, last = sorted(installed().specs)
+    return f"{', '.join(first)} or {last}" if first else last
+
+
 def test_pairing_refuses_an_unknown_channel(tmp_path: Path) -> None:
     env = base_env(tmp_path)
     for args in (["approve", "foo", "CODE"], ["list", "foo"], ["revoke", "foo", "123"]):
@@ -186,8 +194,7 @@ def test_pairing_refuses_an_unknown_channel(tmp_path: Path) -> None:
         assert out.returncode == 2, out.stderr
         assert_one_line(
             out.stderr,
-            "unknown channel 'foo'; pairing is for discord, email, matrix, mattermost, slack, "
-            "telegram or whatsapp",
+            f"unknown channel 'foo'; pairing is for {pairing_channels()}",
         )
     known = run_gateway(["pairing", "approve", "telegram", "CODE"], env, tmp_path)
     assert known.returncode == 1 and "no pending request on telegram" in known.stderr

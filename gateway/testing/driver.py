@@ -102,11 +102,18 @@ class Requirements:
     #: The network between the gateway and the platform can be cut and restored
     #: (`platform_down`, `platform_up`) while people go on writing.
     platform_outage: bool = False
+    #: How many messages the platform may lose each time the gateway is killed or cut off
+    #: from it (`platform_down`): those it hands to a request whose answer the gateway is
+    #: no longer there to read, and cannot hand over again (signal-cli's `receive`: the
+    #: message it takes for a call whose client is gone). 0: the platform keeps whatever
+    #: the gateway did not confirm. The kit allows that many lost messages per kill or
+    #: cut, and no more; the channel's page must say so.
+    lost_when_cut: int = 0
 
     def lacking(self, needs: tuple[str, ...]) -> list[str]:
         """The names in `needs` this platform lacks (a name that is no field is a
         mistake in the scenario, and raises)."""
-        known = {f.name for f in fields(self)}
+        known = {f.name for f in fields(self) if f.type in (bool, "bool")}
         unknown = [n for n in needs if n not in known]
         if unknown:
             raise ValueError(f"no such requirement: {', '.join(unknown)}; known: {sorted(known)}")

@@ -62,6 +62,8 @@ class Kit:
         self.scale = scale
         self.said: list[Said] = []
         self.runs: list[GatewayRuns] = []
+        #: Times the network to the platform was cut (`platform_down`).
+        self.outages = 0
         self.logs: Path | None = None  # where `save_logs` put them
         self.started = time.monotonic()
         self._numbers = iter(range(1, 100_000))
@@ -115,6 +117,14 @@ class Kit:
             "".join(f"{line}\n" for line in self.driver.platform_log()), encoding="utf-8"
         )
         return self.logs
+
+    def platform_down(self) -> None:
+        """Cut the network between the gateway and the platform (the driver's)."""
+        self.outages += 1
+        self.driver.platform_down()
+
+    def platform_up(self) -> None:
+        self.driver.platform_up()
 
     # -- people -------------------------------------------------------------------------
 
@@ -284,6 +294,7 @@ class Kit:
             model_saw=frozenset(self.model.asked(TOKEN)),
             kills=runs.kills,
             turns_at_once=TURNS_AT_ONCE,
+            lost_allowed=self.driver.requirements.lost_when_cut * (runs.kills + self.outages),
             seconds=time.monotonic() - self.started,
             exit_code=runs.exit_code,
             seed=self.seed,
@@ -310,6 +321,8 @@ class Kit:
         tally = self.tally(runs, other_posts_allowed=other_posts_allowed)
         if peak is not None:  # the last gateway's peak memory: backlogs must not grow it
             tally.notes["peak_mb"] = round(peak)
+        if tally.lost_allowed:
+            tally.notes["lost_allowed"] = tally.lost_allowed
         self.report(tally.summary())
         problems = tally.problems() + (extra(tally) if extra is not None else [])
         if problems:

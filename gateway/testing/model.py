@@ -4,7 +4,10 @@ The gateway's real `openai` client talks to it over HTTP: ``POST /v1/chat/comple
 (a JSON ``chat.completion``, or with ``stream`` server-sent ``chat.completion.chunk``
 events and ``data: [DONE]``) and ``GET /v1/models``. Its answer to a conversation is
 ``echo: <the last user message>``, so a scenario finds in the bot's posts which message
-each one answers. Words in that message steer it (`answer_for`):
+each one answers. The echo is one line (each line break of the message, the one after a
+group message's sender header too, is one space): on a platform whose posts are
+lines (IRC) each answer is then one post, as elsewhere. Words in that message steer it
+(`answer_for`):
 
 | word | what the model does |
 |---|---|
@@ -32,6 +35,8 @@ from typing import Any
 from aiohttp import web
 
 __all__ = ["Answer", "KitModel", "ModelRequest", "answer_for", "long_text"]
+
+_LINE_BREAKS = re.compile(r"[ \t]*[\r\n]+[ \t]*")
 
 MODEL = "kit-model"
 API_KEY = "kit-model-key"
@@ -102,7 +107,7 @@ def long_text(characters: int) -> str:
 def answer_for(messages: Sequence[Any], *, delay: float = 0.0, everyone_text: str = "") -> Answer:
     """The model's answer to a conversation (see the module docstring)."""
     said = last_user_text(messages)
-    text = f"echo: {said}"
+    text = "echo: " + _LINE_BREAKS.sub(" ", said)
     if everyone_text and _EVERYONE.search(said) is not None:
         text += f" {everyone_text}"
     if (found := _LONG.search(said)) is not None:

@@ -442,12 +442,12 @@ def test_platform_outage_loses_nothing(kit: Kit) -> None:
     introduce(kit, [kit.dm(0)])
     kit.dm(1, words="kit:slow=1")  # its answer is sent while the network is cut
     time.sleep(0.5)
-    kit.driver.platform_down()
+    kit.platform_down()
     try:
         for person in (0, 2, 0, 2, 0):
             kit.dm(person)
         time.sleep(6)
     finally:
-        kit.driver.platform_up()
+        kit.platform_up()
     kit.settle()
     kit.check(run)

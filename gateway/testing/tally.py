@@ -94,6 +94,9 @@ class Tally:
     #: Turns the gateway runs at once (`dispatch.max_concurrent_turns`): a kill catches
     #: at most that many replies on their way.
     turns_at_once: int = 8
+    #: Messages the platform may lose to the kills and cuts of this scenario
+    #: (`Requirements.lost_when_cut`).
+    lost_allowed: int = 0
     seconds: float = 0.0
     exit_code: int | None = 0
     seed: int = 0
@@ -262,7 +265,11 @@ class Tally:
                 sample = list(items.items() if isinstance(items, Mapping) else items)[:5]
                 found.append(f"{len(items)} {what}, e.g. {sample}")
 
-        add("lost (never stored, never answered)", self.lost)
+        if len(self.lost) > self.lost_allowed:
+            what = "lost (never stored, never answered)"
+            if self.lost_allowed:
+                what += f", {self.lost_allowed} allowed by the platform's lost_when_cut"
+            add(what, self.lost)
         add("stored twice", self.stored_twice)
         add("never answered", self.unanswered)
         add("answered by the model twice", self.turns_twice)

@@ -18,7 +18,9 @@ def free_port() -> int:
 
 class TcpProxy:
     """Forwards 127.0.0.1:`port` to `target`; `cut` refuses new connections and drops the
-    open ones; `restore` listens again on the same port."""
+    open ones; `restore` listens again on the same port. `stall` holds every byte where
+    it is, in both directions, without closing anything (a network that drops packets
+    for a while: TCP keeps the connection and delivers it all once it `flow`s again)."""
 
     def __init__(self, target_host: str, target_port: int, *, port: int | None = None) -> None:
         self.target = (target_host, target_port)
@@ -27,14 +29,22 @@ class TcpProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing: asyncio.Event | None = None
         self._thread.start()
 
     def _call(self, coro: object) -> None:
         asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)  # type: ignore[arg-type]
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        flowing = self._flowing
+        assert flowing is not None
         try:
-            while data := await reader.read(65536):
+            while True:
+                await flowing.wait()
+                data = await reader.read(65536)
+                if not data:
+                    break
+                await flowing.wait()
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -53,6 +63,9 @@ class TcpProxy:
         self._writers.difference_update((writer, up_writer))
 
     async def _start(self) -> None:
+        if self._flowing is None:
+            self._flowing = asyncio.Event()
+            self._flowing.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
 
     async def _cut(self) -> None:
@@ -62,6 +75,19 @@ class TcpProxy:
         for writer in list(self._writers):
             writer.transport.abort()
         self._writers.clear()
+
+    async def _set_flowing(self, on: bool) -> None:
+        if self._flowing is not None:
+            if on:
+                self._flowing.set()
+            else:
+                self._flowing.clear()
+
+    def stall(self) -> None:
+        self._call(self._set_flowing(False))
+
+    def flow(self) -> None:
+        self._call(self._set_flowing(True))
 
     def restore(self) -> None:
         self._call(self._start())

@@ -35,9 +35,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import anyio.to_thread
 import jinja2
@@ -63,9 +61,10 @@ from gateway.http.admin.views import (
     transcript,
     tree_rows,
 )
-from gateway.http.auth import TOKEN_ENV, is_loopback
+from gateway.http.auth import TOKEN_ENV
 from gateway.http.health import HealthState
 from gateway.http.namespace import OPERATOR, SessionRefused, resolve_session
+from gateway.http.pages import StaticFiles, page_headers, same_origin, secure_enough
 from gateway.http.throttle import AuthThrottle
 from gateway.messages import OutboundMessage
 from gateway.redaction import Redactor
@@ -87,24 +86,8 @@ MAX_TRANSCRIPT = 200
 #: The message a sender gets on their channel when the operator approves their code.
 APPROVED_TEXT = "Your pairing request was approved: you can write to the assistant now."
 _OFF = f"The admin page is off until an HTTP token is set: set {TOKEN_ENV}."
-_STATIC_TYPES = {
-    ".js": "text/javascript",
-    ".css": "text/css",
-    ".txt": "text/plain",
-    ".svg": "image/svg+xml",
-}
-_SECURITY_HEADERS = {
-    # Only this page's own files may run or style it; no frames, no foreign forms.
-    "Content-Security-Policy": (
-        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    # Same-origin (not no-referrer): Chromium then sends the real Origin with a form POST.
-    "Referrer-Policy": "same-origin",
-    "X-Frame-Options": "DENY",
-    "Cache-Control": "no-store",
-}
+# Only this page's own files may run or style it; no frames, no foreign forms.
+_SECURITY_HEADERS = page_headers()
 
 
 @dataclass
@@ -127,8 +110,22 @@ class AdminSources:
     #: Where the state lives, for the header ("workspace files", a redacted URL).
     storage: str = "workspace files"
     #: Replies a channel keeps as undeliverable (WhatsApp outside its 24-hour window),
-    #: newest first; the overview lists them under a marker.
+    #: newest first; the overview lists them under a marker. Channels add theirs with
+    #: `add_undeliverable`.
     undeliverable: Callable[[], Awaitable[Sequence[Any]]] | None = None
+
+    def add_undeliverable(self, source: Callable[[], Awaitable[Sequence[Any]]]) -> None:
+        """List `source`'s replies too, after those of the channels that came before: one
+        channel's never hide another's."""
+        before = self.undeliverable
+        if before is None:
+            self.undeliverable = source
+            return
+
+        async def both() -> Sequence[Any]:
+            return [*await before(), *await source()]
+
+        self.undeliverable = both
 
 
 def _templates(redactor: Redactor) -> jinja2.Environment:
@@ -167,16 +164,6 @@ def _ago(ts: float) -> str:
     return f"{seconds // 86400}d ago"
 
 
-def _static_files() -> dict[str, tuple[bytes, str]]:
-    folder = resources.files("gateway.http.admin").joinpath("static")
-    files: dict[str, tuple[bytes, str]] = {}
-    for item in folder.iterdir():
-        suffix = "." + item.name.rsplit(".", 1)[-1]
-        if item.is_file() and suffix in _STATIC_TYPES:
-            files[item.name] = (item.read_bytes(), _STATIC_TYPES[suffix])
-    return files
-
-
 class AdminPage:
     """The `/admin` routes; `mount(server)` adds them to the daemon's HTTP server."""
 
@@ -190,7 +177,7 @@ class AdminPage:
         #: The server's count of wrong tokens per client, set by `mount`.
         self.throttle: AuthThrottle | None = None
         self.templates = _templates(self.redactor)
-        self._static = _static_files()
+        self._static = StaticFiles("gateway.http.admin")
 
     def mount(self, server: HttpServer) -> None:
         """Add the routes. They answer while starting and draining too: an operator
@@ -320,7 +307,7 @@ class AdminPage:
                         "Refused: the form's security token is missing or stale. "
                         "Reload the page and try again.",
                     )
-                if not _same_origin(request):
+                if not same_origin(request):
                     logger.warning(
                         "admin: {} {} refused: foreign origin", request.method, request.path
                     )
@@ -358,7 +345,7 @@ class AdminPage:
             self.throttle.failed(request.remote)
             logger.warning("admin: failed login from {}", request.remote or "-")
             return await self._render("login.html", request, None, status=401, error="Wrong token.")
-        if not _secure_enough(request):
+        if not secure_enough(request):
             return await self._render(
                 "login.html",
                 request,
@@ -386,15 +373,7 @@ class AdminPage:
         raise response
 
     async def static(self, request: web.Request) -> web.StreamResponse:
-        found = self._static.get(request.match_info["name"])
-        if found is None:
-            raise web.HTTPNotFound()
-        body, content_type = found
-        return web.Response(
-            body=body,
-            content_type=content_type,
-            headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "max-age=3600"},
-        )
+        return await self._static.handler(request)
 
     # ------------------------------------------------------------------ overview
 
@@ -652,20 +631,3 @@ class AdminPage:
             return await self.cache(request, login, error=f"Nothing removed: {exc}")
         noun = "entry" if removed == 1 else "entries"
         return await self.cache(request, login, notice=f"Removed {removed} cache {noun}.")
-
-
-def _same_origin(request: web.Request) -> bool:
-    """No `Origin` header (not a browser, or an old one), or this page's own origin."""
-    origin = request.headers.get(hdrs.ORIGIN)
-    if origin is None:
-        return True
-    return urlsplit(origin).netloc.lower() == request.host.lower()
-
-
-def _secure_enough(request: web.Request) -> bool:
-    """Will the browser send back a Secure cookie? Over HTTPS (here or at a proxy in
-    front), or on loopback, which browsers treat as secure."""
-    if request.secure or request.headers.get("X-Forwarded-Proto", "").lower() == "https":
-        return True
-    host = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host
-    return is_loopback(host) and is_loopback(request.remote or "")
