@@ -142,6 +142,7 @@ def fields_of(
 NOT_SECRETS = {
     "heartbeat.jobs.name.ok_token": "the word a heartbeat reply is dropped for",
     "channels.email.authserv_id": "the receiving mail server's name",
+    "channels.teams.token_url": "where the bot's token is asked for (an address, no secret)",
 }
 
 
