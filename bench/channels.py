@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, email and Mattermost in one run.
+Matrix, WhatsApp, email, Mattermost and Feishu in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -9,7 +9,7 @@ Matrix, WhatsApp, email and Mattermost in one run.
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
 Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
-WebSocket and REST API), Synapse for
+WebSocket and REST API, Feishu's long connection and IM API), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -29,8 +29,8 @@ Per channel, after everyone wrote once and was answered (not measured):
   `origin_server_ts`), else when the benchmark saw it (polled every 10 ms).
 
 The fakes keep the platforms' own limits: Discord's (5 messages per 5 s per channel,
-50 requests per second in all) and WhatsApp's (80 messages a second) bound their
-`e2e/s`; Telegram's and Slack's fakes have none.
+50 requests per second in all), WhatsApp's (80 messages a second) and Feishu's (5
+messages a second per chat) bound their `e2e/s`; Telegram's and Slack's fakes have none.
 """
 
 from __future__ import annotations
@@ -66,7 +66,16 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
+CHANNELS = (
+    "telegram",
+    "slack",
+    "discord",
+    "matrix",
+    "whatsapp",
+    "email",
+    "mattermost",
+    "feishu",
+)
 
 
 class Platform(Protocol):
@@ -236,6 +245,43 @@ class WhatsApp:
         return [(s.at, s.text) for s in self.fake.sent if s.type == "text"]
 
 
+class Feishu:
+    """Everyone in a direct chat with the bot; events pushed on the long connection, each
+    pushed again until it is answered (Feishu's rules)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.feishu_server import FakeFeishu
+
+        self.fake = stack.enter_context(FakeFeishu.in_thread())
+        self.people = [self.fake.add_person(f"bench{n}") for n in range(users)]
+        self.chats = [self.fake.p2p_chat(p) for p in self.people]
+        self.deliveries: list[concurrent.futures.Future[Any]] = []
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        prefix = "GATEWAY_CHANNELS__FEISHU__"
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            f"{prefix}ENABLED": "true",
+            f"{prefix}APP_ID": self.fake.app_id,
+            f"{prefix}APP_SECRET": self.fake.app_secret,
+            f"{prefix}API_URL": self.fake.url,
+            f"{prefix}DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        self.fake.wait_for_connections(1, 30)
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        event = self.fake.user_message(self.chats[user], self.people[user], message.text)
+        self.deliveries.append(self.fake.deliver_soon(event))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(m.create_time, self.fake.rendered(m)) for m in self.fake.bot_messages()]
+
+
 class Matrix:
     """A real Synapse; one DM room per person with the bot."""
 
@@ -314,6 +360,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "whatsapp": WhatsApp,
     "email": Email,
     "mattermost": Mattermost,
+    "feishu": Feishu,
 }
 
 
