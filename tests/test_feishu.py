@@ -527,3 +527,35 @@ async def test_a_streamed_reply_is_one_message_edited_into_the_answer(fake: Fake
         await channel.send(reply_for(direct, "one two three four"))
     [message] = fake.bot_messages()
     assert FakeFeishu.rendered(message) == "one two three four" and message.edits >= 1
+
+
+# -- the declaration -----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_the_doctor_names_what_is_missing_and_asks_feishu_for_the_bot(
+    fake: FakeFeishu,
+) -> None:
+    from channels.feishu.spec import checks
+
+    [missing] = await checks(FeishuSettings(enabled=True, app_id="cli_x"))
+    assert missing.status == "fail" and "App Secret" in missing.what
+    webhook = await checks(FeishuSettings(enabled=True, mode="webhook", app_id="cli_x"))
+    assert {f.what.split(" without ")[1] for f in webhook} == {
+        "an App Secret",
+        "an Encrypt Key",
+        "a Verification Token",
+    }
+    [ok] = await checks(settings_for(fake))
+    assert ok.status == "ok" and fake.bot_open_id in ok.what
+    wrong = settings_for(fake).model_copy(update={"app_id": "cli_wrong"})
+    [refused] = await checks(wrong)
+    assert refused.status == "fail" and "refused" in refused.what
+
+
+def test_webhook_mode_without_its_keys_is_a_configuration_error() -> None:
+    from gateway.config import ConfigError
+
+    settings = FeishuSettings(enabled=True, mode="webhook", app_id="cli_x", app_secret="s")
+    with pytest.raises(ConfigError, match="ENCRYPT_KEY"):
+        FeishuChannel(settings, app_secret="s")

@@ -51,12 +51,13 @@ Promises (tested in tests/test_feishu.py and the conformance kit, tests/conforma
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
@@ -556,8 +557,6 @@ class FeishuChannel:
         name = await self._name_of(message.sender_id)
         if not name:
             return message
-        from dataclasses import replace
-
         return replace(message, metadata={**message.metadata, META_SENDER_NAME: name})
 
     async def _name_of(self, open_id: str) -> str:
@@ -849,8 +848,6 @@ def crypto_secret(value: Any) -> str:
 
 
 def _same(given: str, wanted: str) -> bool:
-    import hmac
-
     return bool(wanted) and hmac.compare_digest(given.encode(), wanted.encode())
 
 
