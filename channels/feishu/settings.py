@@ -20,7 +20,8 @@ class FeishuSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a Feishu / Lark bot.")
     domain: Literal["feishu", "lark"] = Field(
         "feishu",
-        description="feishu = open.feishu.cn (Feishu), lark = open.larksuite.com (Lark).",
+        description="The brand: feishu = open.feishu.cn (Feishu), lark = open.larksuite.com "
+        "(Lark).",
     )
     api_url: str | None = Field(
         None,
@@ -36,8 +37,8 @@ class FeishuSettings(AccessSection):
     )
     mode: Literal["websocket", "webhook"] = Field(
         "websocket",
-        description="websocket = Feishu's long connection (no public URL needed); webhook = "
-        "events POSTed to this gateway's /feishu/events.",
+        description="How events arrive: websocket = Feishu's long connection (no public URL "
+        "needed), webhook = events POSTed to this gateway's /feishu/events.",
     )
     encrypt_key: SecretStr | None = secret(
         "the Encrypt Key (Events & Callbacks > Encryption Strategy); webhook mode",
