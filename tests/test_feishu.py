@@ -324,6 +324,17 @@ async def test_an_event_not_taken_is_left_to_feishu_which_pushes_it_again(
 
 
 @pytest.mark.anyio
+async def test_a_draining_gateway_leaves_events_with_feishu(fake: FakeFeishu) -> None:
+    ann = fake.add_person("ann")
+    journal = Journal()
+    async with running(fake, journal) as channel:
+        channel.pause_intake()
+        fake.retry_delays = ()
+        delivery = await fake.deliver(fake.user_message(fake.p2p_chat(ann), ann, "late"))
+    assert not delivery.delivered and journal.taken == []
+
+
+@pytest.mark.anyio
 async def test_a_payload_split_over_frames_is_taken_whole(fake: FakeFeishu) -> None:
     fake.frame_parts = 4
     ann = fake.add_person("ann")
