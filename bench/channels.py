@@ -80,6 +80,7 @@ CHANNELS = (
     "irc",
     "line",
     "web",
+    "feishu",
 )
 
 
@@ -542,6 +543,43 @@ class WebChat:
         return self.browsers.call(snapshot)
 
 
+class Feishu:
+    """Everyone in a direct chat with the bot; events pushed on the long connection, each
+    pushed again until it is answered (Feishu's rules)."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.feishu_server import FakeFeishu
+
+        self.fake = stack.enter_context(FakeFeishu.in_thread())
+        self.people = [self.fake.add_person(f"bench{n}") for n in range(users)]
+        self.chats = [self.fake.p2p_chat(p) for p in self.people]
+        self.deliveries: list[concurrent.futures.Future[Any]] = []
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        prefix = "GATEWAY_CHANNELS__FEISHU__"
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            f"{prefix}ENABLED": "true",
+            f"{prefix}APP_ID": self.fake.app_id,
+            f"{prefix}APP_SECRET": self.fake.app_secret,
+            f"{prefix}API_URL": self.fake.url,
+            f"{prefix}DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        self.fake.wait_for_connections(1, 30)
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        event = self.fake.user_message(self.chats[user], self.people[user], message.text)
+        self.deliveries.append(self.fake.deliver_soon(event))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(m.create_time, self.fake.rendered(m)) for m in self.fake.bot_messages()]
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -556,6 +594,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "irc": Irc,
     "line": Line,
     "web": WebChat,
+    "feishu": Feishu,
 }
 
 
