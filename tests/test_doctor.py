@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests.fakes._serving import free_port
 from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeOpenAI, Flavor
 from tests.gateway_process import GatewayProcess
@@ -209,12 +210,6 @@ def test_a_running_redis_cache_passes(tmp_path: Path, fake_openai_thread: FakeOp
 
 
 # ------------------------------------------------------------- doctor predicts run
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def gateway(

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from gateway.testing import ChannelDriver, MessageRef, Place, Post, Requirements
 from tests.conformance.lanes import Lanes
+from tests.fakes._serving import free_port
 from tests.fakes.feishu_server import FakeFeishu, Payload
 from tests.fakes.tcp_proxy import TcpProxy
 
@@ -50,28 +49,6 @@ KIT_RETRIES = (1.5, *itertools.repeat(3.0, 30))
 ACK_TIMEOUT = 3.0
 #: The channel's part size (`channels.feishu.part_chars`, its default): a post holds 30 KB.
 PART_CHARS = 4000
-
-
-def fixed_port() -> int:
-    """A free port below the kernel's ephemeral range, for what must listen again on the
-    same port after a pause (the gateway's HTTP port across restarts, a proxy after
-    `platform_down`). A port inside the range can be taken meanwhile by a connection to
-    it that happens to get it as its own source port (TCP's self-connect): retries
-    toward a stopped gateway made that happen (a restart found its port in use)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as found:
-            low = int(found.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(100):
-        port = random.randrange(10_000, max(10_001, low))
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 class FeishuDriver(ChannelDriver):
@@ -101,7 +78,7 @@ class FeishuDriver(ChannelDriver):
         with FakeFeishu.in_thread(
             mode=self.mode, retry_delays=KIT_RETRIES, ack_timeout=ACK_TIMEOUT
         ) as fake:
-            proxy = TcpProxy("127.0.0.1", int(fake.url.rsplit(":", 1)[1]), port=fixed_port())
+            proxy = TcpProxy("127.0.0.1", int(fake.url.rsplit(":", 1)[1]), port=free_port())
             proxy.restore()
             lanes = Lanes(self._deliver, name=f"kit-feishu-{self.mode}")
             lanes.start()
@@ -276,8 +253,8 @@ class FeishuWebhookDriver(FeishuDriver):
 
     @contextmanager
     def _serving(self) -> Iterator[None]:
-        self._port = fixed_port()  # fixed: Feishu posts to the address the app set
-        inbound = TcpProxy("127.0.0.1", self._port, port=fixed_port())
+        self._port = free_port()  # fixed: Feishu posts to the address the app set
+        inbound = TcpProxy("127.0.0.1", self._port, port=free_port())
         inbound.restore()
         self._inbound = inbound
         self.fake.webhook_url = f"http://127.0.0.1:{inbound.port}/feishu/events"

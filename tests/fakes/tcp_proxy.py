@@ -4,16 +4,11 @@ gateway and a service (PostgreSQL) going away and coming back, with the service 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.fakes._serving import free_port
 
 
 class TcpProxy:
