@@ -186,7 +186,7 @@ def test_pairing_refuses_an_unknown_channel(tmp_path: Path) -> None:
         assert out.returncode == 2, out.stderr
         assert_one_line(
             out.stderr,
-            "unknown channel 'foo'; pairing is for discord, email, matrix, mattermost, slack, "
+            "unknown channel 'foo'; pairing is for discord, email, matrix, mattermost, qq, slack, "
             "telegram or whatsapp",
         )
     known = run_gateway(["pairing", "approve", "telegram", "CODE"], env, tmp_path)

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.anyio
         ("slack:u123", "a Slack user id looks like slack:U0123ABC"),
         ("slack:C0GENERAL", "a Slack user id looks like"),
         ("42", "write CHANNEL:USER_ID"),
-        ("whatsapp:42", "CHANNEL one of discord, matrix, mattermost, slack, telegram"),
+        ("whatsapp:42", "CHANNEL one of discord, matrix, mattermost, qq, slack, telegram"),
         ("discord:42", "a Discord user id is a number of 16 to 20 digits"),
         ("", "write CHANNEL:USER_ID"),
     ],

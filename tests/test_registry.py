@@ -25,7 +25,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_process import GatewayProcess, base_env, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILT_IN = ["discord", "email", "matrix", "mattermost", "slack", "telegram", "whatsapp"]
+BUILT_IN = ["discord", "email", "matrix", "mattermost", "qq", "slack", "telegram", "whatsapp"]
 
 
 def test_the_built_in_channels_come_through_the_entry_point_group() -> None:
