@@ -1,6 +1,6 @@
 """Benchmark of every chat channel end to end: messages per second from the platform
 into the journal, and from the platform to the reply, for Telegram, Slack, Discord,
-Matrix, WhatsApp, email and Mattermost in one run.
+Matrix, WhatsApp, email, Mattermost and QQ in one run.
 
     .venv/bin/python bench/channels.py             # a table
     .venv/bin/python bench/channels.py --quick     # a short run (a smoke test)
@@ -9,7 +9,7 @@ Matrix, WhatsApp, email and Mattermost in one run.
 Each channel runs the real `gateway run` (a subprocess, file mode) against the
 platform its tests use: the fakes of tests/fakes (Telegram's Bot API polled, Slack's
 Events API over HTTP, Discord's Gateway and HTTP API, WhatsApp's webhook, Mattermost's
-WebSocket and REST API), Synapse for
+WebSocket and REST API, QQ's OneBot v11 forward WebSocket), Synapse for
 Matrix (`scripts/install-synapse.sh`, or the venv `GATEWAY_TEST_SYNAPSE_VENV` names) and
 Dovecot with a local SMTP server for email (`scripts/install-dovecot.sh`); a channel
 whose server is not installed is skipped with the reason. The model is the fake OpenAI
@@ -66,7 +66,7 @@ from tests.test_kill_delivery import (  # noqa: E402
     slack_env,
 )
 
-CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost")
+CHANNELS = ("telegram", "slack", "discord", "matrix", "whatsapp", "email", "mattermost", "qq")
 
 
 class Platform(Protocol):
@@ -211,6 +211,42 @@ class Mattermost:
         return [(p["create_at"] / 1000, str(p["message"])) for p in self.fake.bot_posts()]
 
 
+class QQ:
+    """Everyone a friend of the bot's QQ account, in private chats; the fake OneBot
+    implementation's forward WebSocket brings the messages in."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.onebot_server import FakeOneBot
+
+        self.fake = stack.enter_context(FakeOneBot.in_thread())
+        for n in range(users):
+            self.fake.add_friend(20000 + n, f"bench{n}")
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.fakes.onebot_server import DEFAULT_TOKEN
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__QQ__ENABLED": "true",
+            "GATEWAY_CHANNELS__QQ__URL": self.fake.url.replace("http://", "ws://"),
+            "GATEWAY_CHANNELS__QQ__ACCESS_TOKEN": DEFAULT_TOKEN,
+            "GATEWAY_CHANNELS__QQ__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.fake.user_message(20000 + message.user, message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (r.made_at, "".join(str(s["data"].get("text", "")) for s in r.segments))
+            for r in self.fake.bot_messages()
+        ]
+
+
 class WhatsApp:
     """Meta's webhook: each message POSTed, signed, retried until a 2xx."""
 
@@ -314,6 +350,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "whatsapp": WhatsApp,
     "email": Email,
     "mattermost": Mattermost,
+    "qq": QQ,
 }
 
 

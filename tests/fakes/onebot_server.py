@@ -181,6 +181,8 @@ class Record:
     temp_group: int | None = None  # a temporary chat opened from this group
     pings_everyone: bool = False
     files: dict[str, bytes] = field(default_factory=dict)
+    #: When the fake made it (its own clock, to the microsecond: QQ's `time` is seconds).
+    made_at: float = field(default_factory=time.time)
 
     @property
     def conversation(self) -> str:
