@@ -268,6 +268,9 @@ async def test_a_send_answers_its_message_id_and_the_message_is_kept(
     sent = fake.bot_messages()[0]
     assert answer["data"] == {"message_id": sent.message_id}
     assert sent.segments == message and fake.records[sent.message_id] is sent
+    unknown = [{"type": "reply", "data": {"id": "12345"}}, *message[1:]]
+    await socket.call("send_group_msg", group_id=TOWN, message=unknown)
+    assert fake.bot_messages()[1].segments == message[1:]  # the quote left out
 
 
 async def test_qq_refuses_a_muted_bot_a_stranger_and_an_overlong_text_as_napcat_says(

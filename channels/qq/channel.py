@@ -867,8 +867,8 @@ class QQChannel:
             parts: list[tuple[str, list[Segment]]] = []
             for index, body in enumerate(texts):
                 segments: list[Segment] = []
-                if index == 0 and kind == GROUP and message.reply_to and message.reply_to.isdigit():
-                    segments.append(onebot.reply(message.reply_to))
+                if index == 0 and kind == GROUP and _is_id(message.reply_to):
+                    segments.append(onebot.reply(str(message.reply_to)))
                 if index == 0 and mention:
                     segments += [onebot.at(sender), onebot.text(" ")]
                 parts.append((f"part {index}", [*segments, onebot.text(body)]))
@@ -978,6 +978,11 @@ def _file_segment(file: OutboundFile) -> Segment:
     if file.is_image:
         return onebot.image(file.data)
     return onebot.file(file.name, file.data)
+
+
+def _is_id(message_id: str | None) -> bool:
+    """Whether `message_id` is a OneBot message id (a number; Lagrange's may be negative)."""
+    return bool(message_id) and str(message_id).lstrip("-").isdigit()
 
 
 def _number(message_id: str) -> int | str:

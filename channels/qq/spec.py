@@ -52,18 +52,26 @@ async def checks(section: QQSettings) -> list[Finding]:
     implementation it is; whether it has the message history the read-back needs."""
     import anyio
 
-    from channels.qq.channel import check_credentials
+    from channels.qq.channel import QQSetupError, check_credentials
 
     try:
         with anyio.fail_after(30):
             found = await check_credentials(section, section.resolved_access_token())
+    except QQSetupError as exc:
+        refused = "access token" in str(exc)
+        fix = (
+            f"set {ENV_TOKEN} to the token of the implementation's WebSocket server"
+            if refused
+            else "start NapCat (or Lagrange.OneBot) with its WebSocket server on and the "
+            "account logged in, and set channels.qq.url to it (docs/qq.md, steps 1 and 2)"
+        )
+        return [Finding("fail", str(exc), fix)]
     except Exception as exc:
         return [
             Finding(
                 "fail",
-                f"qq: the OneBot implementation was not reached: {exc}",
-                "start NapCat (or Lagrange.OneBot) with a WebSocket server, and set "
-                f"channels.qq.url to it and {ENV_TOKEN} to its token",
+                f"qq: the OneBot implementation did not answer in time ({type(exc).__name__})",
+                "check that NapCat (or Lagrange.OneBot) runs and channels.qq.url reaches it",
             )
         ]
     findings = [Finding("ok", f"qq credentials work: {found.identity} on {found.implementation}")]

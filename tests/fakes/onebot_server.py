@@ -47,7 +47,8 @@ Calls
   have ("不支持的API"), 1200 for one that failed, with NapCat's message.
 - `message` parameters take a CQ-code string (parsed unless `auto_escape`), a segment
   array (text segments are text, never parsed), or one segment. `at` with `qq = all`
-  notifies everyone in a group (`pings_everyone`).
+  notifies everyone in a group (`pings_everyone`). A `reply` naming a message the
+  implementation does not know is left out and the rest sent (NapCat's "回复消息不存在").
 - A message id is NapCat's: the first 31 bits of the MD5 of the message's internal id,
   chat type and peer, the same in the event, the history and `get_msg`.
 - Sending fails as NapCat's send does: to a group the bot is muted in, or to someone who
@@ -724,6 +725,8 @@ class FakeOneBot(LocalApiServer[Call]):
                 qq = str(data.get("qq", ""))
                 if not (qq.isdigit() or qq == "all"):
                     raise Refused(1400, "at: qq must be a QQ number or all")
+            if item["type"] == "reply" and _known_id(data.get("id"), self.records) is None:
+                continue  # NapCat: "回复消息不存在", the quote left out, the rest sent
             found.append({"type": item["type"], "data": dict(data)})
         return found
 
@@ -748,6 +751,14 @@ def _checker_failed(why: str) -> str:
         f"ListenerName:NodeIKernelMsgListener/onMsgInfoListUpdate EventRet:\n"
         f'{{"result": 1, "errMsg": "{why}"}}\n'
     )
+
+
+def _known_id(value: Any, records: dict[int, Record]) -> int | None:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number in records else None
 
 
 def _integer(params: Payload, name: str, *, default: int | None = None) -> int:
