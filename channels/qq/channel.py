@@ -196,8 +196,9 @@ def sent_at(event: dict[str, Any]) -> int:
 
 def refusal_reason(exc: ActionFailed) -> str:
     """What a refused send most likely means, for the log line."""
+    said = " ".join(exc.message.split())[:200] or f"retcode {exc.retcode}"
     return (
-        f"QQ refused it ({exc.message or exc.retcode}): the bot may be muted in the group, "
+        f"QQ refused it ({said}): the bot may be muted in the group, "
         "held by QQ's risk control, or unable to write to this person"
     )
 
