@@ -81,6 +81,7 @@ CHANNELS = (
     "line",
     "web",
     "feishu",
+    "qq",
 )
 
 
@@ -580,6 +581,42 @@ class Feishu:
         return [(m.create_time, self.fake.rendered(m)) for m in self.fake.bot_messages()]
 
 
+class QQ:
+    """Everyone a friend of the bot's QQ account, in private chats; the fake OneBot
+    implementation's forward WebSocket brings the messages in."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.onebot_server import FakeOneBot
+
+        self.fake = stack.enter_context(FakeOneBot.in_thread())
+        for n in range(users):
+            self.fake.add_friend(20000 + n, f"bench{n}")
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.fakes.onebot_server import DEFAULT_TOKEN
+        from tests.gateway_process import base_env
+
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            "GATEWAY_CHANNELS__QQ__ENABLED": "true",
+            "GATEWAY_CHANNELS__QQ__URL": self.fake.url.replace("http://", "ws://"),
+            "GATEWAY_CHANNELS__QQ__ACCESS_TOKEN": DEFAULT_TOKEN,
+            "GATEWAY_CHANNELS__QQ__DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        self.fake.user_message(20000 + message.user, message.text)
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [
+            (r.made_at, "".join(str(s["data"].get("text", "")) for s in r.segments))
+            for r in self.fake.bot_messages()
+        ]
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -595,6 +632,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "line": Line,
     "web": WebChat,
     "feishu": Feishu,
+    "qq": QQ,
 }
 
 
