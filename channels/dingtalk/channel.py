@@ -327,7 +327,8 @@ class DingTalkChannel:
         """Deliver a reply as markdown parts, in order. Raises DeliveryFailed when a part
         did not go out and may later (a reply sent again goes on from that part),
         PossiblySent when a part may have gone out, any other error when it never will."""
-        parts = split_parts(message.text, self.settings.part_chars)
+        context = ReplyContext.from_metadata(message.metadata, message.chat_id)
+        parts = split_parts(message.text, self.settings.part_chars - _reserve(context))
         with logger.contextualize(session=message.session_key):
             if not parts:
                 logger.warning("dingtalk: empty reply not sent")
@@ -336,7 +337,6 @@ class DingTalkChannel:
             if message.reply_to and whole in self._posted:
                 logger.info("dingtalk: a reply posted whole before is not posted again")
                 return
-            context = ReplyContext.from_metadata(message.metadata, message.chat_id)
             reply = (message.session_key, message.reply_to, message.text)
             done = self._sent_parts.pop(reply, 0)
             for index in range(done, len(parts)):
@@ -440,6 +440,13 @@ class DingTalkChannel:
             logger.debug("dingtalk: {}; again in {:.1f}s", why, wait)
             await anyio.sleep(wait)
             backoff = min(backoff * 2, self.pacing.retry_backoff_max)
+
+
+def _reserve(context: ReplyContext | None) -> int:
+    """Characters a group part keeps free for the sender's name (`@userId ` or `Nick: `)."""
+    if context is None or not context.group:
+        return 0
+    return max(len(context.staff_id), len(context.nick)) + 2
 
 
 def _remember(store: OrderedDict[Any, Any], key: Any, value: Any) -> None:

@@ -245,6 +245,12 @@ class FakeDingTalk(LocalApiServer[ApiCall]):
         """`user` writes `text` in `conversation`: the message is stored, and its
         callback's data returned, or None for a group message that does not @ the robot
         (DingTalk hands the robot none)."""
+        return self.write(conversation, user, text, mention=mention)[1]
+
+    def write(
+        self, conversation: str, user: str, text: str, *, mention: bool = True
+    ) -> tuple[str, Payload | None]:
+        """`user_message`, with the message's msgId."""
         group = conversation in self._groups
         msg_id = self._next("msg")
         now = time.time()
@@ -263,7 +269,7 @@ class FakeDingTalk(LocalApiServer[ApiCall]):
             nick = self._people.get(user, user)
         self._notify()
         if group and not mention:
-            return None
+            return msg_id, None
         data: Payload = {
             "conversationId": conversation,
             "chatbotCorpId": "dingcorpfake",
@@ -286,7 +292,7 @@ class FakeDingTalk(LocalApiServer[ApiCall]):
             data["conversationTitle"] = self._groups[conversation]
             data["isInAtList"] = True
             data["atUsers"] = [{"dingtalkId": self.bot_user_id}]
-        return data
+        return msg_id, data
 
     def bot_messages(self) -> list[Message]:
         with self._lock:
