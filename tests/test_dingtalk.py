@@ -22,6 +22,7 @@ from channels.dingtalk.channel import (
     Pacing,
     PossiblySent,
     ack_frame,
+    check_credentials,
 )
 from channels.dingtalk.format import split_parts, title_of
 from channels.dingtalk.settings import DingTalkSettings
@@ -389,3 +390,11 @@ async def test_a_busy_session_webhook_is_waited_out(fake: FakeDingTalk) -> None:
             await channel.send(reply_for(message, "echo: two"))
     assert [m.text for m in fake.bot_messages()] == ["echo: one"]
     assert channel.stats.rate_limited >= 1
+
+
+@pytest.mark.anyio
+async def test_doctor_says_whether_dingtalk_grants_the_app_a_token(fake: FakeDingTalk) -> None:
+    assert fake.client_id in await check_credentials(settings_for(fake), fake.client_secret)
+    with pytest.raises(DingTalkSetupError, match="CLIENT_SECRET") as raised:
+        await check_credentials(settings_for(fake), "not-the-secret")
+    assert "not-the-secret" not in str(raised.value)

@@ -178,7 +178,11 @@ class DingTalkChannel:
         credentials are refused (the daemon restarts the channel)."""
         self._paused = False
         timeout = aiohttp.ClientTimeout(total=30, sock_connect=10)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A send on a pooled connection the server already closed fails after it was
+        # written, which reads as "may have gone out" and is never repeated: keep idle
+        # connections shorter than any server's idle timeout.
+        connector = aiohttp.TCPConnector(keepalive_timeout=10)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             self._api = DingTalkApi(
                 self.settings.base_url(), self.settings.client_id, self._secret, session
             )
