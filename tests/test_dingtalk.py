@@ -398,3 +398,21 @@ async def test_doctor_says_whether_dingtalk_grants_the_app_a_token(fake: FakeDin
     with pytest.raises(DingTalkSetupError, match="CLIENT_SECRET") as raised:
         await check_credentials(settings_for(fake), "not-the-secret")
     assert "not-the-secret" not in str(raised.value)
+
+
+@pytest.mark.anyio
+async def test_a_long_group_reply_names_its_sender_in_every_part_within_the_limit(
+    fake: FakeDingTalk,
+) -> None:
+    ann, group = fake.add_person("Ann"), fake.group("team")
+    journal = Journal()
+    async with running(fake, journal, part_chars=300) as channel:
+        (message,) = await take_all(fake, journal, (group, ann, "long please"))
+        text = "\n".join(f"line {n:03d} " + "word " * 8 for n in range(40))
+        await channel.send(reply_for(message, text))
+    posts = fake.bot_messages()
+    assert len(posts) > 3
+    assert all(len(p.text) <= 300 and p.text.startswith(f"@{ann} ") for p in posts)
+    assert all(p.at_users == (ann,) and not p.at_all for p in posts)
+    body = " ".join(p.text.removeprefix(f"@{ann} ") for p in posts)
+    assert " ".join(body.split()) == " ".join(text.split())
