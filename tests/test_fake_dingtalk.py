@@ -168,6 +168,9 @@ async def test_a_session_webhook_expires_and_limits_its_pace(fake: FakeDingTalk)
     assert (await _post(data["sessionWebhook"], body))[1]["errcode"] == 0
     assert (await _post(data["sessionWebhook"], body))[1]["errcode"] == 0
     assert (await _post(data["sessionWebhook"], body))[1]["errcode"] == SEND_TOO_FAST
+    newer = fake.user_message(fake.dm(user), user, "again")
+    assert newer is not None  # a newer message's webhook: the same conversation's pace
+    assert (await _post(newer["sessionWebhook"], body))[1]["errcode"] == SEND_TOO_FAST
     assert len(fake.bot_messages()) == 2
     fake.expire_webhooks()
     fake.webhook_per_minute = 20
@@ -205,3 +208,13 @@ async def test_a_ping_is_acked_with_its_own_data(fake: FakeDingTalk) -> None:
         acks = await fake.system("ping")
     assert len(acks) == 1 and acks[0]["code"] == 200
     assert json.loads(acks[0]["data"])["opaque"] == acks[0]["headers"]["messageId"]
+
+
+async def test_each_callback_goes_to_one_of_the_apps_connections(fake: FakeDingTalk) -> None:
+    user = fake.add_person("Ann")
+    async with Client(fake) as first, Client(fake) as second:
+        for n in range(8):
+            data = fake.user_message(fake.dm(user), user, f"m{n}")
+            assert data is not None
+            assert (await fake.deliver(data)).delivered
+    assert len(first.frames) + len(second.frames) == 8

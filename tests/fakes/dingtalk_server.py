@@ -169,7 +169,7 @@ class FakeDingTalk(LocalApiServer[ApiCall]):
         self._tokens: dict[str, float] = {}
         self._tickets: set[str] = set()
         self._webhooks: dict[str, tuple[str, float, str]] = {}  # id -> (conv, expires, kind)
-        self._webhook_posts: dict[str, list[float]] = {}
+        self._webhook_posts: dict[str, list[float]] = {}  # by conversation
         self._groups: dict[str, str] = {}  # openConversationId -> title
         self._dms: dict[str, str] = {}  # userId -> conversationId
         self._people: dict[str, str] = {}  # userId -> nick
@@ -559,7 +559,8 @@ class FakeDingTalk(LocalApiServer[ApiCall]):
         now = time.time()
         with self._lock:
             found = self._webhooks.get(session)
-            posts = self._webhook_posts.setdefault(session, [])
+            # The pace is the robot's in a conversation, whichever webhook posts.
+            posts = self._webhook_posts.setdefault(found[0] if found else session, [])
             posts[:] = [t for t in posts if t > now - 60]
             busy = len(posts) >= self.webhook_per_minute
             if found is not None and found[1] > now and not busy:
