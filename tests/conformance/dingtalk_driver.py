@@ -170,6 +170,11 @@ class DingTalkDriver(ChannelDriver):
             for message in self.fake.bot_messages()
         ]
 
+    def delivering(self) -> bool:
+        """DingTalk still pushes a callback the gateway has not acked."""
+        lanes = self._lanes
+        return lanes is not None and lanes.busy
+
     def platform_log(self) -> Iterator[str]:
         for delivery in self.fake.deliveries:
             text = str(delivery.data.get("text"))[:60]
