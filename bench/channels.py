@@ -82,6 +82,7 @@ CHANNELS = (
     "web",
     "feishu",
     "qq",
+    "dingtalk",
 )
 
 
@@ -617,6 +618,45 @@ class QQ:
         ]
 
 
+class DingTalk:
+    """Everyone in a one-to-one chat with the robot; callbacks pushed on the stream
+    connection, each pushed again until it is acked (DingTalk's rules); replies through
+    each message's session webhook."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.dingtalk_server import FakeDingTalk
+
+        self.fake = stack.enter_context(FakeDingTalk.in_thread())
+        self.people = [self.fake.add_person(f"bench{n}") for n in range(users)]
+        self.chats = [self.fake.dm(p) for p in self.people]
+        self.deliveries: list[concurrent.futures.Future[Any]] = []
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        prefix = "GATEWAY_CHANNELS__DINGTALK__"
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": "0",
+            f"{prefix}ENABLED": "true",
+            f"{prefix}CLIENT_ID": self.fake.client_id,
+            f"{prefix}CLIENT_SECRET": self.fake.client_secret,
+            f"{prefix}API_URL": self.fake.url,
+            f"{prefix}DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        self.fake.wait_for_connections(1, 30)
+
+    def send(self, message: Message) -> None:
+        user = message.user % len(self.people)
+        data = self.fake.user_message(self.chats[user], self.people[user], message.text)
+        assert data is not None
+        self.deliveries.append(self.fake.deliver_soon(data))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(m.at, m.text) for m in self.fake.bot_messages()]
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -633,6 +673,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "web": WebChat,
     "feishu": Feishu,
     "qq": QQ,
+    "dingtalk": DingTalk,
 }
 
 
