@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
@@ -390,6 +391,13 @@ class FakeWeCom(LocalApiServer[ApiCall]):
             if task is not None:
                 self._tasks.discard(task)
         return self.deliveries[number]
+
+    def deliver_soon(self, fields: Mapping[str, str]) -> concurrent.futures.Future[Delivery]:
+        """`deliver` on the fake's own loop (from any thread)."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("FakeWeCom is not running")
+        return asyncio.run_coroutine_threadsafe(self.deliver(fields), loop)
 
     async def _attempt(self, url: str, fields: Mapping[str, str]) -> Attempt:
         body, query = self.sealed(fields)
