@@ -329,3 +329,34 @@ async def test_the_callback_answers_200_only_once_the_journal_has_it(fake: FakeW
     assert [m.text for m in submitted] == ["kept", "not kept"]
     assert submitted[0].message_id == kept["MsgId"]
     await runner.cleanup()
+
+
+async def test_the_doctor_names_what_is_missing_and_asks_wecom_for_a_token(
+    fake: FakeWeCom,
+) -> None:
+    from pydantic import SecretStr
+
+    from channels.wecom.spec import checks
+
+    missing = await checks(WeComSettings(enabled=True, corp_id=fake.corp_id))
+    assert {f.what.split(" without ")[1] for f in missing} == {
+        "the app's AgentId",
+        "the app's Secret",
+        "the callback Token",
+        "the EncodingAESKey",
+    }
+    assert all(f.status == "fail" and "GATEWAY_CHANNELS__WECOM__" in f.fix for f in missing)
+    section = WeComSettings(
+        enabled=True,
+        corp_id=fake.corp_id,
+        agent_id=fake.agent_id,
+        api_url=fake.url,
+        secret=SecretStr(fake.secret),
+        token=SecretStr(fake.callback_token),
+        encoding_aes_key=SecretStr(fake.encoding_aes_key),
+    )
+    [ok] = await checks(section)
+    assert ok.status == "ok" and fake.corp_id in ok.what
+    [refused] = await checks(section.model_copy(update={"secret": SecretStr("wrong")}))
+    assert refused.status == "fail" and "Secret" in refused.what
+    assert "wrong" not in refused.what and fake.secret not in refused.what

@@ -74,6 +74,7 @@ from gateway.channel import DeliveryFailed, Submit
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.messages import OutboundMessage
+from gateway.registry import Mount
 
 #: Where WeCom sends the app's messages on the gateway's HTTP port.
 WECOM_CALLBACK_PATH = "/wecom/callback"
@@ -194,7 +195,7 @@ class WeComChannel:
 
     # ----------------------------------------------------------------- wiring
 
-    def mount(self, http: Any) -> None:
+    def mount(self, http: Mount) -> None:
         """Route WeCom's callback on the daemon's server to this channel (before it runs).
         The URL check (GET) needs only the keys: it answers while the gateway starts."""
         http.mount("GET", WECOM_CALLBACK_PATH, self._verify_url, require_ready=False)
