@@ -259,7 +259,7 @@ def test_missing_keys_are_a_config_error_naming_the_variable() -> None:
     with pytest.raises(ConfigError, match="ENCODING_AES_KEY is not"):
         WeComChannel(section, secret="s", token="t", encoding_aes_key="short")
     assert SPEC.name == "wecom" and SPEC.failpoints == ("wecom.before_ack",)
-    assert not SPEC.offers.groups and SPEC.offers.webhooks and SPEC.offers.catch_up
+    assert SPEC.offers.groups and SPEC.offers.webhooks and SPEC.offers.catch_up
 
 
 # -- the callback ----------------------------------------------------------------------------

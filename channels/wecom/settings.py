@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 
@@ -18,7 +19,13 @@ class WeComSettings(AccessSection):
     """A WeCom (企业微信) self-built app, its messages through the callback URL
     (channels/wecom, docs/wecom.md)."""
 
-    enabled: bool = Field(False, description="Serve a WeCom self-built app (callback mode).")
+    enabled: bool = Field(False, description="Serve a WeCom self-built app or intelligent robot.")
+    mode: Literal["callback", "robot"] = Field(
+        "callback",
+        description="callback = a self-built app's encrypted callback on the gateway's port "
+        "(one-to-one chats); robot = an intelligent robot over its long connection "
+        "(one-to-one chats and group @-mentions, no public URL).",
+    )
     corp_id: str = Field(
         "",
         description="The corp id (My Company > Company Information > Company ID, ww...).",
@@ -58,6 +65,21 @@ class WeComSettings(AccessSection):
         "within this many seconds is shown once, so a send that may have gone out is sent "
         "again safely; 0 turns it off (such a send is then not repeated).",
     )
+
+    bot_id: str = Field("", description="robot mode: the intelligent robot's BotID.")
+    bot_secret: SecretStr | None = secret_field(
+        "robot mode: the intelligent robot's Secret (its long connection's credential)",
+        f"{ENV}BOT_SECRET",
+    )
+    bot_secret_file: Path | None = secret_path(f"{ENV}BOT_SECRET", "wecom-bot-secret")
+    ws_url: str = Field(
+        "wss://openws.work.weixin.qq.com",
+        description="robot mode: the long connection's address.",
+    )
+
+    def resolved_bot_secret(self) -> str | None:
+        """The robot's Secret (from the environment or its file), if any."""
+        return reveal(self.bot_secret)
 
     def resolved_secret(self) -> str | None:
         """The app's Secret (from the environment or its file), if any."""

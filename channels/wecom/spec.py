@@ -20,7 +20,10 @@ from gateway.registry import (
 
 def build(section: WeComSettings, services: ChannelServices) -> Any:
     """The channel, its callback on the gateway's port (with replicas, every replica takes
-    requests); counted on /metrics, replies it gave up listed on the admin page."""
+    requests); counted on /metrics, replies it gave up listed on the admin page. Robot
+    mode: the robot's long connection (one gateway: WeCom allows one connection)."""
+    if section.mode == "robot":
+        return build_robot(section, services)
     from channels.wecom.channel import REFUSAL_REASONS, WeComChannel
 
     channel = WeComChannel.from_settings(section)
@@ -54,9 +57,56 @@ def build(section: WeComSettings, services: ChannelServices) -> Any:
     return channel
 
 
+def build_robot(section: WeComSettings, services: ChannelServices) -> Any:
+    from channels.wecom.robot import WeComRobotChannel
+    from gateway.config import ConfigError
+
+    if services.replicas:
+        raise ConfigError(
+            "channels.wecom: robot mode holds the robot's one long connection and runs on one "
+            'gateway; with replicas use mode = "callback" (docs/wecom.md)'
+        )
+    channel = WeComRobotChannel.from_settings(section)
+    metrics = services.metrics
+    sent = metrics.counter("robot_messages_sent_total", "WeCom robot replies sent.")
+    refused = metrics.counter("robot_replies_refused_total", "WeCom robot replies refused.")
+    connections = metrics.counter(
+        "robot_connections_total", "The robot's long connections (the first, and every reconnect)."
+    )
+
+    async def refresh() -> None:
+        sent.set_total(channel.sent)
+        refused.set_total(channel.refused)
+        connections.set_total(channel.connections)
+
+    metrics.on_scrape(refresh)
+    return channel
+
+
 async def checks(section: WeComSettings) -> list[Finding]:
-    """The corp id, AgentId, Secret, Token and EncodingAESKey set, and an access token
-    issued for them."""
+    """Callback mode: the corp id, AgentId, Secret, Token and EncodingAESKey set, and an
+    access token issued for them. Robot mode: the BotID and Secret, and a subscription."""
+    if section.mode == "robot":
+        robot_missing = required_settings(
+            "wecom",
+            [
+                (
+                    "the robot's BotID",
+                    f"set {ENV}BOT_ID (the robot's API mode page)",
+                    section.bot_id,
+                ),
+                (
+                    "the robot's Secret",
+                    f"set {ENV}BOT_SECRET (the same page)",
+                    section.resolved_bot_secret(),
+                ),
+            ],
+        )
+        if robot_missing:
+            return robot_missing
+        from channels.wecom.robot import check_robot
+
+        return [await remote_check("wecom", check_robot(section))]
     console = "WeCom admin console > App Management > the app"
     missing = required_settings(
         "wecom",
@@ -91,10 +141,11 @@ SPEC = ChannelSpec(
     name="wecom",
     settings=WeComSettings,
     build=build,
-    summary="a WeCom (企业微信) self-built app: one-to-one chats with members (an encrypted, "
-    "signed callback on the gateway's port)",
+    summary="WeCom (企业微信): a self-built app's one-to-one chats (an encrypted, signed "
+    "callback on the gateway's port), or an intelligent robot's chats and group @-mentions "
+    "(its long connection)",
     docs="docs/wecom.md",
-    offers=Offers(catch_up=True, webhooks=True),
+    offers=Offers(groups=True, catch_up=True, webhooks=True),
     checks=checks,
     failpoints=("wecom.before_ack",),
     people=PersonIds(
