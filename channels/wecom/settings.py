@@ -22,9 +22,9 @@ class WeComSettings(AccessSection):
     enabled: bool = Field(False, description="Serve a WeCom self-built app or intelligent robot.")
     mode: Literal["callback", "robot"] = Field(
         "callback",
-        description="callback = a self-built app's encrypted callback on the gateway's port "
-        "(one-to-one chats); robot = an intelligent robot over its long connection "
-        "(one-to-one chats and group @-mentions, no public URL).",
+        description='How WeCom reaches the gateway: "callback" for a self-built app\'s '
+        'encrypted callback on the gateway\'s port (one-to-one chats), "robot" for an '
+        "intelligent robot's long connection (one-to-one chats and group @-mentions).",
     )
     corp_id: str = Field(
         "",
