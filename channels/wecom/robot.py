@@ -50,8 +50,8 @@ import anyio
 import anyio.abc
 from loguru import logger
 
-from channels.telegram.format import split_markdown
 from channels.wecom.channel import WeComRefused, WeComSetupError
+from channels.wecom.format import split_bytes
 from channels.wecom.settings import ENV, WeComSettings
 from channels.wecom.translate import CHANNEL
 from gateway.channel import DeliveryFailed, Submit
@@ -82,11 +82,9 @@ class Pacing:
 
 
 def split_content(text: str, limit: int = CONTENT_LIMIT_BYTES) -> list[str]:
-    """Markdown as parts of at most `limit` bytes of UTF-8 (a UTF-16 count is never more
-    than a third of the bytes, so a third of the limit in characters fits)."""
-    if len(text.encode()) <= limit:
-        return [text] if text.strip() else []
-    return split_markdown(text, limit // 3)
+    """Markdown as parts of at most `limit` bytes of UTF-8, cut on paragraph, line and
+    word boundaries, in order."""
+    return split_bytes(text, limit)
 
 
 def translate_frame(body: dict[str, Any], *, req_id: str, connection: int) -> InboundMessage | None:

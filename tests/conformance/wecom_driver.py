@@ -1,4 +1,6 @@
-"""The conformance kit's driver for WeCom, over the fake WeCom (tests/fakes/wecom_server.py).
+"""The conformance kit's drivers for WeCom: callback mode over the fake WeCom
+(tests/fakes/wecom_server.py), and robot mode over the fake robot long connection
+(`WeComRobotDriver`, at the end).
 
 What the driver plays is WeCom's behaviour for the self-built app docs/wecom.md sets up:
 
@@ -32,11 +34,13 @@ from gateway.testing import ChannelDriver, MessageRef, Place, Post, Requirements
 from tests.conformance.lanes import Lanes
 from tests.fakes._serving import free_port
 from tests.fakes.tcp_proxy import TcpProxy
+from tests.fakes.wecom_robot_server import FakeWeComRobot, Pushed
 from tests.fakes.wecom_server import TEXT_LIMIT_BYTES, FakeWeCom, Fields
 
 #: WeCom's three retries of a callback it got no 200 for (see the module docstring).
 WECOM_RETRIES = (5.0, 15.0, 30.0)
 ACK_TIMEOUT = 5.0
+ROBOT_GROUP = "wrkSFfCgAAkitgroup"
 
 
 class WeComDriver(ChannelDriver):
@@ -175,3 +179,93 @@ class WeComDriver(ChannelDriver):
                 )
         if self._lanes is not None:
             yield from (f"driver failure: {line}" for line in self._lanes.failures)
+
+
+class WeComRobotDriver(ChannelDriver):
+    """A WeCom intelligent robot over its long connection (tests/fakes/
+    wecom_robot_server.py): person n is a member who chats with the robot one-to-one;
+    the group is one group chat the robot is in, where a message reaches the robot only
+    when it @-mentions it (WeCom pushes nothing else). The long connection has no receipt
+    and WeCom keeps nothing for a robot that is not connected, so nothing written while
+    the gateway is down reaches it: no catch-up, and the kill and outage scenarios are
+    skipped (docs/wecom.md, "Robot mode")."""
+
+    name = "wecom"
+    requirements = Requirements(
+        groups=True,
+        mentions=True,  # only @-mentions are pushed to the robot
+        threads=False,
+        edits=False,
+        duplicate_delivery=True,  # the same msgid pushed again
+        catch_up=False,  # nothing kept while the robot is not connected
+        strangers=True,
+        signed_inbound=False,  # nothing comes over HTTP: the connection is the gateway's own
+        split_long_replies=True,  # 20,480 bytes (the kit's texts are ASCII)
+        mass_pings=False,  # the robot's markdown documents no mention of everyone
+        platform_outage=False,  # what is pushed to a dropped connection is gone
+    )
+    max_message_length = 20480
+
+    def __init__(self) -> None:
+        self._fake: FakeWeComRobot | None = None
+        self._people: dict[int, str] = {}
+        self._pushed: dict[str, Pushed] = {}
+
+    @property
+    def fake(self) -> FakeWeComRobot:
+        if self._fake is None:
+            raise RuntimeError("the platform is not running")
+        return self._fake
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        with FakeWeComRobot.in_thread() as fake:
+            self._fake, self._people, self._pushed = fake, {}, {}
+            try:
+                yield
+            finally:
+                self._fake = None
+
+    def gateway_env(self) -> dict[str, str]:
+        fake, prefix = self.fake, "GATEWAY_CHANNELS__WECOM__"
+        return {
+            f"{prefix}ENABLED": "true",
+            f"{prefix}MODE": "robot",
+            f"{prefix}BOT_ID": fake.bot_id,
+            f"{prefix}BOT_SECRET": fake.secret,
+            f"{prefix}WS_URL": fake.ws_url,
+            f"{prefix}DM_POLICY": "open",
+            f"{prefix}GROUP_POLICY": "open",
+        }
+
+    def _person(self, person: int) -> str:
+        return self._people.setdefault(person, f"member{person:03d}")
+
+    def _ref(self, pushed: Pushed) -> MessageRef:
+        self._pushed[pushed.msgid] = pushed
+        return MessageRef(pushed.msgid, Place(pushed.chat), pushed.user, pushed.msgid)
+
+    def dm(self, person: int, text: str) -> MessageRef:
+        return self._ref(self.fake.write(self._person(person), text))
+
+    def group_message(
+        self, person: int, text: str, *, mention: bool, thread: int | None = None
+    ) -> MessageRef:
+        pushed = self.fake.write(self._person(person), text, group=ROBOT_GROUP, mention=mention)
+        return self._ref(pushed)
+
+    def redeliver(self, ref: MessageRef) -> None:
+        self.fake.push_again(self._pushed[ref.event])
+
+    def bot_posts(self) -> list[Post]:
+        return [
+            Post(Place(s.chat), s.text, reply_to=s.reply_to, mentions=s.mentions)
+            for s in self.fake.sent
+        ]
+
+    def platform_log(self) -> Iterator[str]:
+        for p in self.fake.pushed:
+            how = p.req_id or "NOT PUSHED"
+            yield f"pushed {p.msgid} in {p.chat} by {p.user}: {how} {p.text[:50]!r}"
+        for s in self.fake.sent:
+            yield f"{s.at:.3f} {s.how} to {s.chat} re {s.reply_to}: {s.text[:50]!r}"
