@@ -44,13 +44,15 @@ class Receiver:
     def __init__(self) -> None:
         self.answers: list[int] = []
         self.delay = 0.0
+        self.delays: list[float] = []  # per request, before `delay`
         self.requests: list[tuple[bytes, dict[str, str]]] = []
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
         self.requests.append((await request.read(), dict(request.query)))
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        wait = self.delays.pop(0) if self.delays else self.delay
+        if wait:
+            await asyncio.sleep(wait)
         return web.Response(status=self.answers.pop(0) if self.answers else 200)
 
 
@@ -147,6 +149,17 @@ async def test_a_callback_answered_after_the_timeout_is_sent_again(
     delivery = await fake.deliver(fake.text_message(fake.add_user("Ann"), "slow"))
     assert [a.failure for a in delivery.attempts] == ["timeout"] * 4
     assert len(receiver.requests) == 4
+
+
+async def test_wecom_waits_five_seconds_for_the_answer(receiver: Receiver) -> None:
+    """WeCom's own window, unscaled: an answer after 5 s is a failed attempt."""
+    async with FakeWeCom(retry_delays=(0.05,)) as fake:
+        fake.callback_url = receiver.url
+        receiver.delays = [5.6]
+        delivery = await fake.deliver(fake.text_message(fake.add_user("Ann"), "slow"))
+    first, second = delivery.attempts
+    assert first.failure == "timeout" and 4.9 <= first.answered_at - first.sent_at <= 5.5
+    assert second.failure is None and delivery.delivered
 
 
 async def test_an_access_token_lasts_until_it_expires_then_42001_and_unknown_40014(

@@ -208,3 +208,27 @@ def test_content_is_split_under_20480_bytes() -> None:
     assert "".join(parts) == "字" * 10000
     assert split_content("  ") == [] and split_content("short") == ["short"]
     assert json.dumps(WeComRefused.__name__)
+
+
+async def test_the_doctor_subscribes_the_robot(fake: FakeWeComRobot) -> None:
+    from pydantic import SecretStr
+
+    from channels.wecom.spec import checks
+
+    missing = await checks(WeComSettings(enabled=True, mode="robot"))
+    assert {f.what.split(" without ")[1] for f in missing} == {
+        "the robot's BotID",
+        "the robot's Secret",
+    }
+    section = WeComSettings(
+        enabled=True,
+        mode="robot",
+        bot_id=fake.bot_id,
+        bot_secret=SecretStr(fake.secret),
+        ws_url=fake.ws_url,
+    )
+    [ok] = await checks(section)
+    assert ok.status == "ok" and fake.bot_id in ok.what
+    [refused] = await checks(section.model_copy(update={"bot_secret": SecretStr("nope")}))
+    assert refused.status == "fail" and "BOT_SECRET" in refused.what
+    assert fake.secret not in refused.what
