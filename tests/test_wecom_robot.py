@@ -202,6 +202,23 @@ async def test_a_wrong_secret_stops_the_robot_and_no_connection_is_delivery_fail
         await idle.send(reply_for(message, "nobody to carry it"))
 
 
+async def test_a_connection_that_answers_no_ping_is_made_again(fake: FakeWeComRobot) -> None:
+    section = WeComSettings(enabled=True, mode="robot", bot_id=fake.bot_id, ws_url=fake.ws_url)
+    pacing = Pacing(heartbeat=0.1, answer_timeout=0.3, reconnect=0.05)
+    channel = WeComRobotChannel(section, bot_secret=fake.secret, pacing=pacing)
+
+    async def submit(message: InboundMessage) -> Ticket:
+        return Ticket()
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(channel.run, submit)
+        await anyio.sleep(0.5)
+        assert channel.connections == 1  # pings answered: the connection stays
+        fake.answer_pings = False
+        await eventually(lambda: channel.connections >= 2)
+        tg.cancel_scope.cancel()
+
+
 def test_content_is_split_under_20480_bytes() -> None:
     parts = split_content("字" * 10000)
     assert len(parts) == 2 and all(len(p.encode()) <= 20480 for p in parts)

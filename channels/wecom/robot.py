@@ -87,7 +87,7 @@ def split_content(text: str, limit: int = CONTENT_LIMIT_BYTES) -> list[str]:
     return split_bytes(text, limit)
 
 
-def translate_frame(body: dict[str, Any], *, req_id: str, connection: int) -> InboundMessage | None:
+def translate_frame(body: dict[str, Any], *, req_id: str, connection: str) -> InboundMessage | None:
     """A pushed message as the gateway's message; None for what the robot does not read."""
     user = str((body.get("from") or {}).get("userid") or "")
     msgid = str(body.get("msgid") or "")
@@ -96,6 +96,8 @@ def translate_frame(body: dict[str, Any], *, req_id: str, connection: int) -> In
         return None
     text = str((body.get(kind) or {}).get("content") or "")
     group = body.get("chattype") == "group"
+    if group and not body.get("chatid"):
+        return None
     metadata: dict[str, Any] = {
         META_IS_GROUP: group,
         META_REPLY_CONTEXT: {"req_id": req_id, "connection": connection, "sender": user},
@@ -135,7 +137,8 @@ class WeComRobotChannel:
         self._submit: Submit | None = None
         self._paused = False
         self._ws: aiohttp.ClientWebSocketResponse | None = None
-        self._connection = 0
+        #: This connection's id, unique across processes (a reply context names it).
+        self._connection = ""
         self._waiting: dict[str, Callable[[dict[str, Any]], None]] = {}
         self._ids = itertools.count(1)
         self.sent = 0
@@ -199,7 +202,7 @@ class WeComRobotChannel:
         """One connection: subscribe, then read frames until it closes."""
         async with session.ws_connect(self.settings.ws_url, heartbeat=None, autoping=True) as ws:
             await self._subscribe(ws)
-            self._connection += 1
+            self._connection = secrets.token_hex(8)
             self.connections += 1
             connection = self._connection
             self._ws = ws
@@ -233,13 +236,25 @@ class WeComRobotChannel:
             )
 
     async def _heartbeat(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """A ping every `Pacing.heartbeat` s; one unanswered within `answer_timeout` closes
+        the connection (a dead one would otherwise wait for TCP), and it is made again."""
         while True:
             await anyio.sleep(self.pacing.heartbeat)
-            await ws.send_str(
-                json.dumps({"cmd": "ping", "headers": {"req_id": self._req_id("ping")}})
-            )
+            req_id = self._req_id("ping")
+            answered = anyio.Event()
+            self._waiting[req_id] = _setter(answered)
+            try:
+                await ws.send_str(json.dumps({"cmd": "ping", "headers": {"req_id": req_id}}))
+                with anyio.move_on_after(self.pacing.answer_timeout):
+                    await answered.wait()
+            finally:
+                self._waiting.pop(req_id, None)
+            if not answered.is_set():
+                logger.warning("wecom: the robot's connection answers no ping; connecting again")
+                await ws.close()
+                return
 
-    async def _read(self, ws: aiohttp.ClientWebSocketResponse, connection: int) -> None:
+    async def _read(self, ws: aiohttp.ClientWebSocketResponse, connection: str) -> None:
         async for frame in ws:
             if frame.type != aiohttp.WSMsgType.TEXT:
                 break
@@ -264,7 +279,7 @@ class WeComRobotChannel:
             elif not cmd and req_id in self._waiting:
                 self._waiting.pop(req_id)(data)
 
-    async def _take(self, body: dict[str, Any], req_id: str, connection: int) -> None:
+    async def _take(self, body: dict[str, Any], req_id: str, connection: str) -> None:
         message = translate_frame(body, req_id=req_id, connection=connection)
         submit = self._submit
         if message is None or submit is None:
@@ -313,7 +328,7 @@ class WeComRobotChannel:
         sender = str(context.get("sender") or "")
         parts = split_content(message.text)
         with logger.contextualize(session=message.session_key):
-            for part in parts:
+            for number, part in enumerate(parts):
                 answer: dict[str, Any] | None = None
                 if context.get("connection") == self._connection and context.get("req_id"):
                     stream = {"id": self._req_id("stream"), "finish": True, "content": part}
@@ -326,7 +341,8 @@ class WeComRobotChannel:
                         answer = None
                 if answer is None:
                     chat = message.chat_id.removeprefix(GROUP_PREFIX)
-                    content = f"<@{sender}> {part}" if group and sender else part
+                    named = group and sender and number == 0
+                    content = f"<@{sender}> {part}" if named else part
                     body = {"chatid": chat, "msgtype": "markdown", "markdown": {"content": content}}
                     answer = await self._call(
                         "aibot_send_msg", self._req_id("aibot_send_msg"), body
@@ -338,6 +354,13 @@ class WeComRobotChannel:
                         f"{str(answer.get('errmsg') or '')[:100]})"
                     )
                 self.sent += 1
+
+
+def _setter(event: anyio.Event) -> Callable[[dict[str, Any]], None]:
+    def done(_: dict[str, Any]) -> None:
+        event.set()
+
+    return done
 
 
 async def check_robot(settings: WeComSettings) -> str:

@@ -6,7 +6,8 @@
   a non-zero errcode, and the socket is closed). One connection per robot: a new
   subscription sends the older one `aibot_event_callback` with `disconnected_event` and
   closes it.
-- `ping` is answered with errcode 0.
+- `ping` is answered with errcode 0 (`answer_pings = False`: not answered, as a
+  connection that died without closing).
 - A person's message is pushed as `aibot_msg_callback` {msgid, aibotid, chatid (groups),
   chattype single|group, from.userid, create_time, msgtype text, text.content} with a
   fresh req_id. In a group only a message that @-mentions the robot is pushed (its text
@@ -84,6 +85,7 @@ class FakeWeComRobot(LocalServer):
         self._pushed: list[Pushed] = []
         self._sent: list[RobotSent] = []
         self.frames: list[dict[str, Any]] = []
+        self.answer_pings = True  # False: a connection that died without closing
         self._ids = itertools.count(int(time.time() * 1000) % 10**9)
 
     def _build_app(self) -> web.Application:
@@ -227,7 +229,8 @@ class FakeWeComRobot(LocalServer):
                 await self._take_over(socket)
                 continue
             if cmd == "ping":
-                await self._answer(socket, req_id, 0, "ok")
+                if self.answer_pings:
+                    await self._answer(socket, req_id, 0, "ok")
             elif cmd == "aibot_respond_msg":
                 await self._answer(socket, req_id, *self._respond(socket, req_id, body))
             elif cmd == "aibot_send_msg":
