@@ -451,8 +451,13 @@ def echo_the_turn(body: dict[str, Any]) -> Reply:
 
 #: The turn's own message and nine that join it: with the default window of ten
 #: messages (`agent.memory_window`), the window cut the turn's own message.
-TURN = [_said("look it up", 1), *(_said(f"and {n}", n) for n in range(2, 11))]
-TURN_REPLY = "echo: " + " | ".join(m.text for m in TURN)
+#: Made by each test, not at import: a message older than `agent.offline_after_seconds`
+#: gets the offline notice, and a whole suite run in one process can take over an hour.
+def _turn() -> list[InboundMessage]:
+    return [_said("look it up", 1), *(_said(f"and {n}", n) for n in range(2, 11))]
+
+
+TURN_REPLY = "echo: " + " | ".join(m.text for m in _turn())
 
 
 async def test_steer_a_turn_that_many_messages_joined_answers_every_one(
@@ -463,7 +468,8 @@ async def test_steer_a_turn_that_many_messages_joined_answers_every_one(
     fake_openai.responder = echo_the_turn
     settings = make_settings(fake_openai, dispatch__mode="steer", memory__auto_consolidate=False)
     gw = Gateway.build(settings)
-    waiting = TURN[1:]
+    turn = _turn()
+    waiting = turn[1:]
 
     def take(accept: Callable[[InboundMessage], bool]) -> list[InboundMessage]:
         taken = [m for m in waiting if accept(m)]
@@ -473,12 +479,12 @@ async def test_steer_a_turn_that_many_messages_joined_answers_every_one(
     try:
         await gw.agent.handle(_said("before", 0))  # an earlier exchange, left out first
         with receiving(TurnInbox(KEY, take)):
-            reply = await gw.agent.handle(TURN[0])
+            reply = await gw.agent.handle(turn[0])
     finally:
         await gw.aclose()
     assert reply.text == TURN_REPLY
     final = fake_openai.chat_requests[-1].messages
-    assert [m["content"] for m in final if m["role"] == "user"] == [m.text for m in TURN]
+    assert [m["content"] for m in final if m["role"] == "user"] == [m.text for m in turn]
     contents = [e["message"].get("content") for e in stored(settings)]
     assert contents[-1] == TURN_REPLY
 
@@ -492,8 +498,9 @@ async def test_a_replay_goes_on_with_a_turn_that_many_messages_joined(
     are marked answered."""
     fake_openai.responder = echo_the_turn
     settings = make_settings(fake_openai, dispatch__mode="steer", memory__auto_consolidate=False)
+    turn = _turn()
     before = FileDedupeStore(settings.workspace_path / "dedupe.sqlite")
-    for msg in TURN:
+    for msg in turn:
         key = dedupe_key(msg)
         assert key is not None and not await before.seen_or_add(key)
         await before.journal(key, msg)
@@ -502,10 +509,10 @@ async def test_a_replay_goes_on_with_a_turn_that_many_messages_joined(
     gw = Gateway.build(settings)
     session = await gw.sessions.aget_or_create(KEY)
     call = ToolCall(id="c1", function_name="current_time")
-    session.add_message(LLMMessage("user", TURN[0].text), {"message_id": TURN[0].message_id})
+    session.add_message(LLMMessage("user", turn[0].text), {"message_id": turn[0].message_id})
     session.add_message(LLMMessage("assistant", "", tool_calls=[call]))
     session.add_message(LLMMessage("tool", "noon", tool_call_id="c1", name="current_time"))
-    for msg in TURN[1:]:
+    for msg in turn[1:]:
         session.add_message(
             LLMMessage("user", msg.text), {"message_id": msg.message_id, "steered": True}
         )
@@ -518,9 +525,9 @@ async def test_a_replay_goes_on_with_a_turn_that_many_messages_joined(
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(dispatcher.run)
-            assert await dispatcher.replay() == len(TURN)
+            assert await dispatcher.replay() == len(turn)
             with anyio.fail_after(10):
-                while dispatcher.stats().turns_finished < len(TURN):  # noqa: ASYNC110
+                while dispatcher.stats().turns_finished < len(turn):  # noqa: ASYNC110
                     await anyio.sleep(0.02)
             await dispatcher.drain(5)
         left = await journal.unanswered()

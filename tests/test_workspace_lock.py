@@ -70,7 +70,12 @@ def test_a_second_gateway_on_a_workspace_is_refused_and_readers_run_beside(
             refused = gateway(env, tmp_path, *args)
             assert refused.returncode == EXIT_BUSY, (args, refused.stderr)
             assert f"pid {first.proc.pid}" in refused.stderr and "stop it first" in refused.stderr
-        assert llm.chat_requests == []  # the refused chat never reached the model
+        # The refused chat never reached the model (the doctor's one-token probe of a
+        # local model server did, and is the only request).
+        assert [r.body["messages"] for r in llm.chat_requests if r.body] in (
+            [],
+            [[{"role": "user", "content": "Say OK."}]],
+        )
         # The daemon kept running all along.
         assert first.proc.poll() is None
     finally:

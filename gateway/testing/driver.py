@@ -198,6 +198,13 @@ class ChannelDriver(abc.ABC):
         platform acted on it (`@everyone`; `mass_pings`)."""
         raise NotImplementedError(f"{type(self).__name__} has no mass pings")
 
+    def delivering(self) -> bool:
+        """Whether the platform is still trying to hand the gateway a message it holds
+        (a retry of an unacknowledged event is due): the kit's `settle` waits for it
+        rather than count the message lost. A platform that only redelivers on the
+        gateway's asking (a poll, a sync, a backfill) holds nothing here: False."""
+        return False
+
     # -- what the bot posted ----------------------------------------------------------
 
     @abc.abstractmethod

@@ -253,8 +253,9 @@ class Kit:
     def settle(self, said: Sequence[Said] | None = None, timeout: float = 120.0) -> None:
         """Wait until every addressed message of `said` (default: all so far) has an
         answer, then `LINGER` seconds for answers that should not come. Stops early
-        when nothing was posted for `STALL` seconds while the journal owes nothing: what
-        is missing then is counted by `check`, not waited for."""
+        when nothing was posted for `STALL` seconds while the journal owes nothing and
+        the platform is not retrying a delivery (`ChannelDriver.delivering`): what is
+        missing then is counted by `check`, not waited for."""
         wanted = {s.token for s in (self.said if said is None else said) if s.addressed}
         deadline = time.monotonic() + timeout
         posts, changed = -1, time.monotonic()
@@ -266,7 +267,11 @@ class Kit:
                 return
             if len(found) != posts:
                 posts, changed = len(found), time.monotonic()
-            elif time.monotonic() - changed > STALL and not self.journal_holds_messages():
+            elif (
+                time.monotonic() - changed > STALL
+                and not self.journal_holds_messages()
+                and not self.driver.delivering()
+            ):
                 return
             time.sleep(0.2)
 

@@ -190,6 +190,11 @@ class FeishuDriver(ChannelDriver):
             )
         return posts
 
+    def delivering(self) -> bool:
+        """The platform still retries an event the gateway has not acknowledged."""
+        lanes = self._lanes
+        return lanes is not None and lanes.busy
+
     def platform_log(self) -> Iterator[str]:
         for delivery in self.fake.deliveries:
             message: Any = delivery.envelope.get("event", {}).get("message", {})

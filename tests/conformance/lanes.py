@@ -36,6 +36,13 @@ class Lanes:
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._workers: list[asyncio.Task[None]] = []
         self.failures: list[str] = []  # a delivery that raised (a bug in the driver)
+        self._pending = 0  # events put and not yet through their whole delivery
+        self._counting = threading.Lock()  # `put` runs in the kit's thread, deliveries here
+
+    @property
+    def busy(self) -> bool:
+        """Whether an event put is still being delivered (retries included)."""
+        return self._pending > 0
 
     def start(self) -> None:
         loop = asyncio.new_event_loop()
@@ -61,12 +68,15 @@ class Lanes:
         loop.close()
         self._loop = self._thread = None
         self._queues, self._workers = {}, []
+        self._pending = 0
 
     def put(self, lane: str, event: Any) -> None:
         """Deliver `event` after every event put in `lane` before it."""
         loop = self._loop
         if loop is None:
             raise RuntimeError("the deliveries are not running")
+        with self._counting:  # counted here, not in the loop: `busy` is true at once
+            self._pending += 1
         loop.call_soon_threadsafe(self._enqueue, lane, event)
 
     def _enqueue(self, lane: str, event: Any) -> None:
@@ -85,3 +95,6 @@ class Lanes:
                 raise
             except Exception as exc:
                 self.failures.append(f"{lane}: {exc!r}")
+            finally:
+                with self._counting:
+                    self._pending -= 1

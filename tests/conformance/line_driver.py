@@ -188,6 +188,11 @@ class LineDriver(ChannelDriver):
             for s in self.fake.sent
         ]
 
+    def delivering(self) -> bool:
+        """The platform still retries an event the gateway has not acknowledged."""
+        lanes = self._lanes
+        return lanes is not None and lanes.busy
+
     def platform_log(self) -> Iterator[str]:
         for delivery in self.fake.deliveries:
             events: Any = delivery.payload.get("events") or ()

@@ -168,6 +168,11 @@ class WhatsAppDriver(ChannelDriver):
             posts.append(Post(Place(sent.to), text, reply_to=sent.context))
         return posts
 
+    def delivering(self) -> bool:
+        """The platform still retries an event the gateway has not acknowledged."""
+        lanes = self._lanes
+        return lanes is not None and lanes.busy
+
     def platform_log(self) -> Iterator[str]:
         for delivery in self.fake.deliveries:
             what = [str(m.get("text", {}).get("body"))[:60] for m in delivery.messages] or [
