@@ -164,6 +164,11 @@ class WeComDriver(ChannelDriver):
     def bot_posts(self) -> list[Post]:
         return [Post(Place(s.to), s.text, pings_everyone=s.pings_everyone) for s in self.fake.sent]
 
+    def delivering(self) -> bool:
+        """WeCom still retries a callback the gateway has not answered 200."""
+        lanes = self._lanes
+        return lanes is not None and lanes.busy
+
     def platform_log(self) -> Iterator[str]:
         for delivery in self.fake.deliveries:
             attempts = ", ".join(
