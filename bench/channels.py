@@ -83,6 +83,7 @@ CHANNELS = (
     "feishu",
     "qq",
     "dingtalk",
+    "wecom",
 )
 
 
@@ -657,6 +658,46 @@ class DingTalk:
         return [(m.at, m.text) for m in self.fake.bot_messages()]
 
 
+class WeCom:
+    """Members writing to a WeCom self-built app: each message an encrypted, signed
+    callback, sent again until a 200 (the fake's three retries stretched); the replies
+    through message/send, within WeCom's 30 messages a minute to one member."""
+
+    def __init__(self, stack: contextlib.ExitStack, users: int) -> None:
+        from tests.fakes.wecom_server import FakeWeCom
+
+        self.fake = stack.enter_context(FakeWeCom.in_thread(retry_delays=(0.5,) * 60))
+        self.port = free_port()
+        self.fake.callback_url = f"http://127.0.0.1:{self.port}/wecom/callback"
+        self.people = [self.fake.add_user(f"bench{n}") for n in range(users)]
+
+    def env(self, workspace: Path, llm: FakeOpenAI) -> dict[str, str]:
+        from tests.gateway_process import base_env
+
+        fake, prefix = self.fake, "GATEWAY_CHANNELS__WECOM__"
+        return base_env(workspace, llm) | {
+            "GATEWAY_HTTP__PORT": str(self.port),  # fixed: WeCom calls the console's URL
+            f"{prefix}ENABLED": "true",
+            f"{prefix}CORP_ID": fake.corp_id,
+            f"{prefix}AGENT_ID": str(fake.agent_id),
+            f"{prefix}SECRET": fake.secret,
+            f"{prefix}TOKEN": fake.callback_token,
+            f"{prefix}ENCODING_AES_KEY": fake.encoding_aes_key,
+            f"{prefix}API_URL": fake.url,
+            f"{prefix}DM_POLICY": "open",
+        }
+
+    def ready(self) -> None:
+        pass
+
+    def send(self, message: Message) -> None:
+        user = self.people[message.user % len(self.people)]
+        self.fake.deliver_soon(self.fake.text_message(user, message.text))
+
+    def replies(self) -> list[tuple[float | None, str]]:
+        return [(s.at, s.text) for s in self.fake.sent]
+
+
 PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "telegram": Telegram,
     "slack": Slack,
@@ -674,6 +715,7 @@ PLATFORMS: dict[str, Callable[[contextlib.ExitStack, int], Platform]] = {
     "feishu": Feishu,
     "qq": QQ,
     "dingtalk": DingTalk,
+    "wecom": WeCom,
 }
 
 
