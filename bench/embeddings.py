@@ -27,8 +27,9 @@ What is measured, per candidate:
 - recall: LoCoMo's development half (`bench/recall.py`'s data and judging; the
   held-out half is never read). `messages` is the message index (BM25) with the
   candidate's similarity fused in as `MessageIndex` does (convex, weight
-  `DENSE_WEIGHT`); "sign" keeps 256 sign bits per document as `DenseIndex` does,
-  "float" keeps the normalized vector. `facts` is the per-turn fact recall
+  `DENSE_WEIGHT`); "sign" keeps one sign bit per dimension per document as
+  `DenseIndex` does (256, or 384 for the chosen model), "float" keeps the normalized
+  vector. `facts` is the per-turn fact recall
   (`relevant_memory`: the facts' BM25 ranks fused with their origin messages' ranks),
   its message search fused with the candidate. hit@8 over categories 1-4.
 - cache: precision and recall of the near-duplicate layer (`NearDuplicateIndex` +
@@ -656,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         systems[f"{name} float"] = lambda e=embedder: FloatDenseIndex(e)
         if name in ("wordllama", "m2v-minilm"):  # 256 dims: their signs are the codes
             systems[f"{name} sign"] = lambda e=embedder: DenseIndex(e)
+        if name == "minilm-int8-pypi":  # the chosen model: all 384 signs
+            systems[f"{name} sign"] = lambda e=embedder: DenseIndex(e, bits=384)
     recall = recall_rows(convs, systems)
     tune = public_pairs("tune")
     kinds = hard_negatives(tune)
