@@ -106,10 +106,10 @@ def fast_model(cache_dir: Path) -> Path:
     """The shipped model rebuilt for speed, once, into `cache_dir`.
 
     The shipped file stores int8 weights but computes in float (each weight is cast and
-    scaled, then a float MatMul): 4.1 ms a question and 218 MB resident. onnxruntime
-    folds those casts into float weights, and its dynamic quantization turns the
-    MatMuls into integer ones (MatMulInteger): 0.8 ms and 73 MB, the same LoCoMo hit@8
-    (bench/results/embeddings.md). The shipped file is checked against `MODEL_SHA256`
+    scaled, then a float MatMul): about 4 ms a question and 184 MB resident.
+    onnxruntime folds those casts into float weights, and its dynamic quantization turns
+    the MatMuls into integer ones (MatMulInteger): 1.0-1.4 ms and 76 MB, the same LoCoMo
+    hit@8 (bench/results/embeddings.md). The shipped file is checked against `MODEL_SHA256`
     first; the build takes about 3 s of CPU and writes the file atomically."""
     target = cache_dir / f"minilm-l6-int8-dynamic-{MODEL_SHA256[:16]}.onnx"
     if target.exists():
