@@ -25,7 +25,12 @@ from gateway.agent.tool_outputs import OutputLimits, ToolOutputs
 from gateway.agent.tools import ToolRegistry
 from gateway.agent.toolset import build_mcp, build_tools
 from gateway.agent.windows import ContextWindows, window_probe, window_routes
-from gateway.cache import CacheSettings, SemanticCache, backend_from_url
+from gateway.cache import (
+    CacheSettings,
+    NearDuplicateUnavailable,
+    SemanticCache,
+    backend_from_url,
+)
 from gateway.channel import Channel, DeliveryFailed, Ticket, enrich_for_turn
 from gateway.config import ConfigError, Settings
 from gateway.dispatch.queue_modes import QueueModes
@@ -277,17 +282,22 @@ def build_cache(settings: Settings) -> SemanticCache | None:
     url = section.url or str(settings.workspace_path / "cache.sqlite")
     try:
         backend = backend_from_url(url, namespace=section.namespace, io_on_loop=settings.io_on_loop)
-        return SemanticCache(
-            backend,
-            CacheSettings(
-                enabled=True,
-                ttl_seconds=section.ttl_seconds,
-                max_entries=section.max_entries,
-                max_temperature=section.max_temperature,
-                near_duplicates=section.near_duplicates,
-                near_duplicate_threshold=section.near_duplicate_threshold,
-            ),
+        cache_settings = CacheSettings(
+            enabled=True,
+            ttl_seconds=section.ttl_seconds,
+            max_entries=section.max_entries,
+            max_temperature=section.max_temperature,
+            near_duplicates=section.near_duplicates,
+            near_duplicate_model=section.near_duplicate_model,
+            near_duplicate_threshold=section.near_duplicate_threshold,
         )
+        try:
+            return SemanticCache(backend, cache_settings)
+        except NearDuplicateUnavailable as exc:
+            # The semantic layer is optional: without its model the cache still answers
+            # exact repeats, and says why it does no more.
+            logger.warning("cache: {}; matching exact questions only", exc)
+            return SemanticCache(backend, replace(cache_settings, near_duplicates=False))
     except OSError as exc:
         if write_denied(exc):
             raise cannot_write(exc.filename or url, exc) from None

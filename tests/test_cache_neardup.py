@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from gateway import embedding
 from gateway.cache import (
     CacheContext,
     CacheSettings,
@@ -27,6 +28,11 @@ from gateway.cache import (
 )
 from gateway.cache import guard as guard_module
 from gateway.cache.neardup import DEFAULT_THRESHOLD, score_pairs
+from gateway.cache.policy import (
+    DEFAULT_NEAR_DUPLICATE_THRESHOLD,
+    MINILM_NEAR_DUPLICATE_THRESHOLD,
+)
+from gateway.embedding import embedding_unavailable
 from tests.public_pairs import SPLIT_SEED, public_pairs, public_pairs_available
 
 PAIRS_FILE = Path(__file__).parent / "data" / "cache_pairs.json"
@@ -301,3 +307,84 @@ async def test_threshold_alone_would_give_false_hits() -> None:
     index = NearDuplicateIndex(WordLlamaEmbedder(), use_guard=False)
     scores = await score_pairs(index, [(p["a"], p["b"], p["same"]) for p in PAIRS])
     assert scores.near_miss_false_hits > 10
+
+
+# -- all-MiniLM-L6-v2 (the embedding extra) ----------------------------------------------
+
+needs_embedding = pytest.mark.skipif(
+    embedding_unavailable() is not None, reason="the embedding extra is not installed"
+)
+
+
+def test_each_model_has_its_own_threshold_unless_one_is_set() -> None:
+    assert CacheSettings().near_duplicate_cutoff == DEFAULT_NEAR_DUPLICATE_THRESHOLD
+    minilm = CacheSettings(near_duplicate_model="minilm")
+    assert minilm.near_duplicate_cutoff == MINILM_NEAR_DUPLICATE_THRESHOLD
+    chosen = CacheSettings(near_duplicate_model="minilm", near_duplicate_threshold=0.9)
+    assert chosen.near_duplicate_cutoff == 0.9
+    with pytest.raises(ValueError, match="near_duplicate_model"):
+        CacheSettings(near_duplicate_model="bert")
+
+
+def test_minilm_without_its_extra_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        embedding, "embedding_unavailable", lambda: "onnxruntime missing: pip install X"
+    )
+    with pytest.raises(NearDuplicateUnavailable, match="matching is off: onnxruntime missing"):
+        SemanticCache(
+            SqliteCacheBackend(tmp_path / "c.sqlite3"),
+            CacheSettings(near_duplicates=True, near_duplicate_model="minilm"),
+        )
+
+
+@needs_embedding
+@pytest.mark.anyio
+async def test_minilm_serves_a_reworded_repeat_but_not_a_reversed_transfer(
+    tmp_path: Path,
+) -> None:
+    cache = SemanticCache(
+        SqliteCacheBackend(tmp_path / "c.sqlite3"),
+        CacheSettings(near_duplicates=True, near_duplicate_model="minilm"),
+    )
+    await cache.store(ctx("How do I renew my car insurance online?"), "In your account.")
+    await cache.store(ctx("How do I transfer money from savings to checking?"), "Use Move.")
+    hit = await cache.lookup(ctx("How can I renew my car insurance online?", "slack:C1"))
+    assert hit is not None and hit.match == "near" and hit.response == "In your account."
+    # 0.983 with MiniLM: word order is the guard's and the threshold's to catch.
+    assert await cache.lookup(ctx("How do I transfer money from checking to savings?")) is None
+    await cache.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_daemon_keeps_exact_matching_and_says_why_without_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loguru import logger
+
+    from gateway.config import load_settings
+    from gateway.daemon import build_cache
+
+    monkeypatch.setattr(
+        embedding, "embedding_unavailable", lambda: "onnxruntime missing: pip install X"
+    )
+    settings = load_settings(
+        None,
+        environ={
+            "GATEWAY_CACHE__URL": str(tmp_path / "c.sqlite3"),
+            "GATEWAY_CACHE__NEAR_DUPLICATES": "true",
+            "GATEWAY_CACHE__NEAR_DUPLICATE_MODEL": "minilm",
+        },
+    )
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(str(m)), level="WARNING", format="{message}")
+    try:
+        cache = build_cache(settings)
+    finally:
+        logger.remove(sink)
+    assert cache is not None and not cache.settings.near_duplicates
+    assert any("onnxruntime missing" in w and "exact questions only" in w for w in warnings)
+    await cache.store(ctx("How do I renew my car insurance online?"), "In your account.")
+    assert await cache.lookup(ctx("how do I renew my car insurance online")) is not None
+    await cache.aclose()

@@ -5,11 +5,12 @@ PostgreSQL sessions with a PostgresMemoryStore (CI=true refuses to skip it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from gateway.agent.memory_tools import blend_recall, memory_texts, memory_tools, relevant_memory
@@ -330,6 +331,32 @@ def test_dense_similarity_reorders_what_the_keywords_found_equally() -> None:
     # a keyword rank, as reciprocal rank fusion does, is not).
     assert [h.text for h in keyword.search("dog food", 2)] == texts[::-1]
     assert [h.text for h in hybrid.search("dog food", 2)] == texts
+
+
+def test_a_wider_sign_code_keeps_the_signs_past_256_dimensions() -> None:
+    from gateway.memory.dense import DenseIndex
+
+    class Fixed:
+        """Three 384-dimension vectors that differ only past the 256th dimension."""
+
+        def embed(self, texts: Sequence[str]) -> np.ndarray:
+            rows = np.ones((len(texts), 384), np.float32)
+            for row, text in enumerate(texts):
+                rows[row, 256:] = -1.0 if "minus" in text else 1.0
+            return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+    narrow, wide = DenseIndex(Fixed()), DenseIndex(Fixed(), bits=384)
+    for index in (narrow, wide):
+        index.add([1, 2], ["plus", "minus"])
+    # 256 bits see two equal documents (newer first); 384 see the one that matches.
+    assert narrow.search("plus query", 1) == [2]
+    assert wide.search("plus query", 1) == [1]
+    # 128 of 384 signs differ: 1 - 128 / 192.
+    assert wide.similarities(wide.query_code("minus query"), [2, 1]) == [1.0, pytest.approx(1 / 3)]
+    wide.remove(1)
+    assert wide.search("plus query", 2) == [2]
+    with pytest.raises(ValueError, match="multiple of 64"):
+        DenseIndex(Fixed(), bits=100)
 
 
 def test_a_turn_does_not_wait_long_for_a_scopes_first_reading() -> None:

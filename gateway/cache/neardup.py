@@ -101,6 +101,27 @@ class WordLlamaEmbedder:
         return np.nan_to_num(np.asarray(vectors, dtype=np.float32))
 
 
+class MiniLMEmbedder:
+    """all-MiniLM-L6-v2 (gateway/embedding.py, the `embedding` extra) for this layer;
+    built lazily, so a missing extra is reported when the layer is turned on."""
+
+    def __init__(self) -> None:
+        from gateway.embedding import SentenceEmbedder, embedding_unavailable
+
+        reason = embedding_unavailable()
+        if reason is not None:
+            raise NearDuplicateUnavailable(f"near-duplicate cache matching is off: {reason}")
+        self._model = SentenceEmbedder()
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self._model.embed(texts)
+
+
+def near_duplicate_embedder(model: str) -> Embedder:
+    """The embedder `cache.near_duplicate_model` names."""
+    return MiniLMEmbedder() if model == "minilm" else WordLlamaEmbedder()
+
+
 @dataclass(frozen=True, slots=True)
 class NearMatch:
     """A stored shared question judged to ask the same as the new one."""

