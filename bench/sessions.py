@@ -249,6 +249,25 @@ def concurrent_users(
     return anyio.run(run)
 
 
+def cold_loads(folder: Path, runs: int = 15) -> dict[str, float]:
+    """Median ms of loading a 10,000-message session in a fresh `SessionManager` (the
+    file is written first, once), and with its context built."""
+    if not (folder / "plain.jsonl").exists():
+        seed = SessionManager(folder, fsync="never")
+        grow(seed.get_or_create("plain"), 10_000)
+        seed.close()
+
+    def load() -> Session:
+        session = SessionManager(folder, fsync="never").get("plain")
+        assert session is not None
+        return session
+
+    return {
+        "cold_ms": timed(load, runs),
+        "context_ms": timed(lambda: load().build_context(), runs),
+    }
+
+
 def _child(args: list[str], code: Path | None) -> dict[str, float]:
     env = dict(os.environ)
     if code is not None:
@@ -318,10 +337,14 @@ def main() -> int:
     parser.add_argument("--cache", type=int, default=200, help=argparse.SUPPRESS)
     parser.add_argument("--concurrent", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--fsync", default="batch", help=argparse.SUPPRESS)
+    parser.add_argument("--cold", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logger.remove()
     if args.many:
         print(json.dumps(many_sessions(args.many, args.cache)))
+        return 0
+    if args.cold:
+        print(json.dumps(cold_loads(args.cold)))
         return 0
     if args.concurrent:
         seconds, cpu = concurrent_users(args.concurrent, args.fsync)
