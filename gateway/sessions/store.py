@@ -1027,12 +1027,14 @@ class FileSessionStore:
                 f"the session entry was written but could not be fsynced: {exc.strerror}"
             ) from None
 
-    def _open_new(self, *, wait: bool) -> int | None:
+    def _open_new(self, *, wait: bool, logged: bool = False) -> int | None:
         """A descriptor of a new, empty file at our path (a linked spare, or an
         ``O_EXCL`` create), or None if the path exists. With ``wait=False`` raises
-        `_WouldBlock` unless a spare is at hand and nothing must be fsynced."""
+        `_WouldBlock` unless a spare is at hand and nothing must be fsynced here
+        (``"never"``, or ``logged``: the group commit fsyncs the folder)."""
         pool = self._spares
-        spare = pool.take() if pool is not None and (wait or self._policy == "never") else None
+        no_fsync = self._policy == "never" or logged
+        spare = pool.take() if pool is not None and (wait or no_fsync) else None
         if pool is not None and spare is not None:
             try:
                 os.link(spare.path, self._path)  # never replaces an existing name
@@ -1066,7 +1068,7 @@ class FileSessionStore:
         and adopt its file. A crash in between leaves an empty file, which the next
         append fills.
         """
-        fd = self._open_new(wait=wait)
+        fd = self._open_new(wait=wait, logged=logged)
         if fd is None:
             return False
         handle = _FileHandle(fd)
