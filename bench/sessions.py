@@ -268,6 +268,21 @@ def cold_loads(folder: Path, runs: int = 15) -> dict[str, float]:
     }
 
 
+def turn_at_10k(folder: Path, turns: int = 60) -> dict[str, float]:
+    """Median ms of one turn (a message pair, each appended and acknowledged under the
+    default ``fsync="batch"``) on a 10,000-message session, from a thread."""
+    if not (folder / "plain.jsonl").exists():
+        seed = SessionManager(folder, fsync="never")
+        grow(seed.get_or_create("plain"), 10_000)
+        seed.close()
+    manager = SessionManager(folder)
+    session = manager.get_or_create("plain")
+    turn(session)  # warm up (opens the file)
+    _mean, median = per_turn_ms(session, turns)
+    manager.close()
+    return {"turn_ms": median}
+
+
 def _child(args: list[str], code: Path | None) -> dict[str, float]:
     env = dict(os.environ)
     if code is not None:
@@ -338,10 +353,14 @@ def main() -> int:
     parser.add_argument("--concurrent", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--fsync", default="batch", help=argparse.SUPPRESS)
     parser.add_argument("--cold", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--turn", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logger.remove()
     if args.many:
         print(json.dumps(many_sessions(args.many, args.cache)))
+        return 0
+    if args.turn:
+        print(json.dumps(turn_at_10k(args.turn)))
         return 0
     if args.cold:
         print(json.dumps(cold_loads(args.cold)))

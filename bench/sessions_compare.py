@@ -8,6 +8,8 @@ Rows, each run in a child process of `bench/sessions.py` importing the checkout'
 `gateway` (``BENCH_CODE``):
 - 1,000 users x 20 turns at once on one event loop, ``fsync="batch"`` (the default) and
   ``"never"``: wall and CPU seconds (issue 42's goal: 2 s with batch);
+- a turn (a message pair appended and acknowledged, ``"batch"``) on a 10,000-message
+  session, from a thread (goal: kept);
 - a cold load of a 10,000-message session (goal: 5 ms on the issue's machine), and the
   same with its context built.
 Each round runs every row of every checkout in turn, so a busy machine slows both alike.
@@ -117,6 +119,10 @@ def main() -> int:
                     add(f"1,000 users x 20 turns, fsync={mode} (s)", i, got["seconds"])
                     add(f"1,000 users x 20 turns, fsync={mode} (CPU s)", i, got["cpu"])
                     shutil.rmtree(root / f"c-{mode}-{r}-{i}", ignore_errors=True)
+            for i, code in enumerate(codes):
+                got = child(code, "--turn", str(root / f"turn-{i}-{r}"))
+                add("turn (pair + save) @ 10,000 msgs, batch (ms)", i, got["turn_ms"])
+                shutil.rmtree(root / f"turn-{i}-{r}", ignore_errors=True)
             for i, code in enumerate(codes):
                 got = child(code, "--cold", str(root / f"cold-{i}"))
                 add("cold load, 10,000 msgs (ms)", i, got["cold_ms"])
