@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from gateway.logs import logger
@@ -481,6 +482,9 @@ class AsyncGroupCommitter:
         running = self._running
         if running is not None:
             await running.wait()
+        # One pass of the loop first: the turns woken with us append too and join this
+        # round (else a round of one, then one of all the others, each its own fsync).
+        await anyio.lowlevel.checkpoint()
         batch, self._queue = self._queue, []
         self._next_done, self._running = None, done
         errors: dict[int, OSError] = {}
