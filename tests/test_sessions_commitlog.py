@@ -13,7 +13,7 @@ import anyio
 import pytest
 from loguru import logger
 
-from gateway.sessions import SessionManager, commitlog
+from gateway.sessions import SessionError, SessionManager, commitlog
 from gateway.sessions.commitlog import LOG_DIR, recover_commit_logs
 from gateway.sessions.store import FileSessionStore
 from tests.llm_messages import assistant, user
@@ -203,3 +203,28 @@ def test_a_log_outside_the_folder_is_never_followed(tmp_path: Path) -> None:
     (tmp_path / "s" / LOG_DIR / "1-x.jsonl").write_text(json.dumps(line) + "\n")
     assert recover_commit_logs(tmp_path / "s") == 0
     assert victim.read_bytes() == b""
+
+
+def test_an_append_whose_log_fsync_failed_is_not_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promise: no acknowledgement before the log is on disk. A failed log fsync raises
+    for every append of its round and takes their lines back out of the log."""
+    manager = SessionManager(tmp_path, fsync="batch")
+    session = manager.get_or_create("k")
+    session.add_message(user("one"))
+    session.add_message(user("two"))
+    size = the_log(tmp_path).stat().st_size
+
+    def fail(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(commitlog, "_datasync", fail)
+    with pytest.raises(SessionError, match="could not be fsynced"):
+        session.add_message(user("three"))
+    assert the_log(tmp_path).stat().st_size == size  # no half round for the next to extend
+    monkeypatch.undo()
+    session.add_message(user("four"))
+    rows = [json.loads(line) for line in the_log(tmp_path).read_text().splitlines()]
+    assert [r["line"]["message"]["content"] for r in rows[-2:]] == ["two", "four"]
+    manager.close()
