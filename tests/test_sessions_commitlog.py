@@ -228,3 +228,22 @@ def test_an_append_whose_log_fsync_failed_is_not_acknowledged(
     rows = [json.loads(line) for line in the_log(tmp_path).read_text().splitlines()]
     assert [r["line"]["message"]["content"] for r in rows[-2:]] == ["two", "four"]
     manager.close()
+
+
+@pytest.mark.anyio
+async def test_a_checkpoint_bounds_the_files_held_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files a log covers stay open until its checkpoint: past `MAX_LOG_FILES` of
+    them the checkpoint comes, whatever the log's size."""
+    monkeypatch.setattr(commitlog, "MAX_LOG_FILES", 4)
+    manager = SessionManager(tmp_path, fsync="batch")
+    sessions = [manager.get_or_create(f"k:{n}") for n in range(10)]
+    for session in sessions:
+        session.add_message(user("first"))
+    async with anyio.create_task_group() as tg:
+        for session in sessions:
+            tg.start_soon(session.aadd_message, assistant("reply"))
+    log = manager._commit_log
+    assert log is not None and log.checkpoints >= 1 and len(log._covered) <= 4
+    manager.close()

@@ -7,8 +7,9 @@ Promises kept here:
 - A session file is never overwritten by a replay: recovery only appends the missing
   end of a logged line to the file it was written to (same name, same inode), at the
   offset it was written at; a file that holds other bytes there is reported and kept.
-- The log never grows without bound: past `MAX_LOG_BYTES` or `MAX_LOG_FILES` files a
-  checkpoint fsyncs every session file the log covers, then empties the log.
+- The log never grows without bound: past `MAX_LOG_BYTES` or `MAX_LOG_FILES` files (4,096,
+  or a quarter of the process's descriptor limit) a checkpoint fsyncs every session file
+  the log covers, then empties the log.
 
 The log is human-readable JSONL in ``<sessions>/.commit-log/<pid>-<random>.jsonl``, one
 line per appended session line: ``{"file": name, "ino": inode, "at": offset, "line":
@@ -23,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import resource
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,10 +34,24 @@ from gateway.fsutil import fsync_dir
 from gateway.logs import logger
 
 LOG_DIR = ".commit-log"
+
+
+def _max_log_files() -> int:
+    """4,096 files, or a quarter of the descriptors the process may open if that is
+    less: each file the log covers stays open until the checkpoint."""
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 256
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(64, min(4096, soft // 4))
+
+
 #: A checkpoint empties the log past this many bytes ...
 MAX_LOG_BYTES = 64 * 1024 * 1024
-#: ... or once it covers this many session files (each held open until then).
-MAX_LOG_FILES = 4096
+#: ... or once it covers this many session files.
+MAX_LOG_FILES = _max_log_files()
 _OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 _datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 
