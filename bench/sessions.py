@@ -9,6 +9,11 @@ Issue 29's rows: 1,000 users x 20 turns through the session API on one event loo
 (e.g. a ``git worktree`` of turn 2's commit) the same rows run against that checkout
 too, alternating with ours, and the table gives both and their ratio (medians).
 
+Issue 42's before/after table comes from `bench/sessions_compare.py`, which runs this
+file's ``--concurrent``, ``--turn`` and ``--cold`` rows for two checkouts alternating
+(with callgrind instruction counts); results and commands in
+`bench/results/sessions-i42.md`.
+
 A turn is a user message (80 chars) and an assistant reply (240 chars) appended with
 `Session.add_message`. Everything runs in a temporary folder that is removed afterwards.
 """
