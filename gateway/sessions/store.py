@@ -877,11 +877,11 @@ class FileSessionStore:
         """Append one entry built by ``factory`` under the locks; return it once durable."""
         with self.lock:
             entry, pending = self._append_locked(factory)
-        if self._policy == "batch":
+        if pending is not None:
             self._committer.commit(pending)
         return entry
 
-    def try_append_nowait(self, factory: EntryFactory[E]) -> tuple[E, _Pending] | None:
+    def try_append_nowait(self, factory: EntryFactory[E]) -> tuple[E, _Pending | None] | None:
         """`append` without blocking: the entry is written (not yet fsynced) and
         returned with its file, or None (nothing written) when appending would wait
         for a lock, create the file, read much, or fsync (``"always"``). Under
@@ -906,7 +906,7 @@ class FileSessionStore:
         if done is None:
             return await anyio.to_thread.run_sync(self.append, factory)
         entry, pending = done
-        if self._policy == "batch":
+        if pending is not None:
             await self._async_committer.commit(pending)
         return entry
 
@@ -946,7 +946,11 @@ class FileSessionStore:
         finally:
             self.lock.release()
 
-    def _append_locked(self, factory: EntryFactory[E], *, wait: bool = True) -> tuple[E, _Pending]:
+    def _append_locked(
+        self, factory: EntryFactory[E], *, wait: bool = True
+    ) -> tuple[E, _Pending | None]:
+        """Write the entry (under the locks); with it, what its group commit needs under
+        ``"batch"`` (None otherwise: ``"always"`` fsynced it here, ``"never"`` does not)."""
         for _ in range(_MAX_ATTEMPTS):
             handle = self._acquire_current(wait=wait)
             if handle is None:
@@ -958,8 +962,8 @@ class FileSessionStore:
                     self._tree.add(entry)
                     new = self._handle
                     assert new is not None
-                    if log is None:
-                        return entry, _Pending(new)  # fsynced unless "never"
+                    if log is None:  # fsynced here unless "never"
+                        return entry, _Pending(new) if self._policy == "batch" else None
                     # The round fsyncs the folder (the name) and the log (the bytes).
                     lines = record(self._log_name, new.ino, 0, head) + record(
                         self._log_name, new.ino, len(head), first
@@ -980,7 +984,7 @@ class FileSessionStore:
                 self._tree.add(entry)
                 self._on_disk = True
                 self._unterminated = False
-                pending = _Pending(handle)
+                pending = _Pending(handle) if self._policy == "batch" else None
                 if self._commit_log is not None:
                     # O_APPEND left the file offset at the end of our bytes.
                     at = os.lseek(handle.fd, 0, os.SEEK_CUR) - len(data)
