@@ -9,6 +9,11 @@ Issue 29's rows: 1,000 users x 20 turns through the session API on one event loo
 (e.g. a ``git worktree`` of turn 2's commit) the same rows run against that checkout
 too, alternating with ours, and the table gives both and their ratio (medians).
 
+Issue 42's before/after table comes from `bench/sessions_compare.py`, which runs this
+file's ``--concurrent``, ``--turn`` and ``--cold`` rows for two checkouts alternating
+(with callgrind instruction counts); results and commands in
+`bench/results/sessions-i42.md`.
+
 A turn is a user message (80 chars) and an assistant reply (240 chars) appended with
 `Session.add_message`. Everything runs in a temporary folder that is removed afterwards.
 """
@@ -249,6 +254,40 @@ def concurrent_users(
     return anyio.run(run)
 
 
+def cold_loads(folder: Path, runs: int = 15) -> dict[str, float]:
+    """Median ms of loading a 10,000-message session in a fresh `SessionManager` (the
+    file is written first, once), and with its context built."""
+    if not (folder / "plain.jsonl").exists():
+        seed = SessionManager(folder, fsync="never")
+        grow(seed.get_or_create("plain"), 10_000)
+        seed.close()
+
+    def load() -> Session:
+        session = SessionManager(folder, fsync="never").get("plain")
+        assert session is not None
+        return session
+
+    return {
+        "cold_ms": timed(load, runs),
+        "context_ms": timed(lambda: load().build_context(), runs),
+    }
+
+
+def turn_at_10k(folder: Path, turns: int = 60) -> dict[str, float]:
+    """Median ms of one turn (a message pair, each appended and acknowledged under the
+    default ``fsync="batch"``) on a 10,000-message session, from a thread."""
+    if not (folder / "plain.jsonl").exists():
+        seed = SessionManager(folder, fsync="never")
+        grow(seed.get_or_create("plain"), 10_000)
+        seed.close()
+    manager = SessionManager(folder)
+    session = manager.get_or_create("plain")
+    turn(session)  # warm up (opens the file)
+    _mean, median = per_turn_ms(session, turns)
+    manager.close()
+    return {"turn_ms": median}
+
+
 def _child(args: list[str], code: Path | None) -> dict[str, float]:
     env = dict(os.environ)
     if code is not None:
@@ -318,10 +357,18 @@ def main() -> int:
     parser.add_argument("--cache", type=int, default=200, help=argparse.SUPPRESS)
     parser.add_argument("--concurrent", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--fsync", default="batch", help=argparse.SUPPRESS)
+    parser.add_argument("--cold", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--turn", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logger.remove()
     if args.many:
         print(json.dumps(many_sessions(args.many, args.cache)))
+        return 0
+    if args.turn:
+        print(json.dumps(turn_at_10k(args.turn)))
+        return 0
+    if args.cold:
+        print(json.dumps(cold_loads(args.cold)))
         return 0
     if args.concurrent:
         seconds, cpu = concurrent_users(args.concurrent, args.fsync)

@@ -114,8 +114,11 @@ async def test_a_large_session_loads_in_a_thread_and_whole(tmp_path: Path) -> No
     assert manager.open_nowait("t:small") is opened  # one live object per key
 
 
-async def test_new_sessions_start_from_spare_files(tmp_path: Path) -> None:
-    manager = SessionManager(tmp_path, fsync="never", spare_files=4)
+@pytest.mark.parametrize("fsync", ["never", "batch"])
+async def test_new_sessions_start_from_spare_files(tmp_path: Path, fsync: str) -> None:
+    """On the loop: under "batch" too, whose group commit fsyncs the folder and logs the
+    new file's bytes."""
+    manager = SessionManager(tmp_path, fsync=fsync, spare_files=4)  # type: ignore[arg-type]
     pool = manager._spares
     assert pool is not None
     first = await manager.aget_or_create("t:0")
@@ -125,6 +128,7 @@ async def test_new_sessions_start_from_spare_files(tmp_path: Path) -> None:
             break
         await anyio.sleep(0.01)
     assert len(pool._spares) == 4
+    rounds = manager._async_committer.rounds
     for n in range(1, 4):
         session = await manager.aget_or_create(f"t:{n}")
         await session.aadd_message(user(f"hi {n}"))
@@ -132,6 +136,8 @@ async def test_new_sessions_start_from_spare_files(tmp_path: Path) -> None:
         assert stat.S_IMODE(session.path.stat().st_mode) == 0o600
         assert [r["message"]["content"] for r in message_lines(session.path)] == [f"hi {n}"]
     assert pool.taken >= 3
+    if fsync == "batch":  # each appended on the loop, made durable by its group commit
+        assert manager._async_committer.rounds == rounds + 3
     spares_dir = tmp_path / SPARES_DIR
     assert stat.S_IMODE(spares_dir.stat().st_mode) == 0o700
     paths = [manager.get_or_create(f"t:{n}").path for n in range(4)]

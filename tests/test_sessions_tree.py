@@ -433,3 +433,35 @@ def test_tree_invariants_under_random_operations(ops: list[tuple[str, int]]) -> 
         assert again.build_context() == s.build_context()
         assert again.labels == s.labels and again.name == s.name
         assert again.load_report.clean
+
+
+def test_lines_indexed_in_bulk_keep_the_first_of_a_repeated_id() -> None:
+    """A repeated id is a bad line wherever it repeats (within a run of message lines or
+    after another entry); the first line with the id is the entry, the leaf the last good
+    line, exactly as when every line was indexed one by one."""
+    from gateway.sessions.store import encode_line
+    from gateway.sessions.tree import SessionTree
+
+    def message(eid: str, parent: str | None, text: str) -> str:
+        entry = MessageEntry(id=eid, parent_id=parent, timestamp=1.0, message=user(text))
+        return encode_line(entry).rstrip("\n")
+
+    model = encode_line(ModelChangeEntry(id="m1", parent_id="b", timestamp=1.0, model="x"))
+    lines = [
+        message("a", None, "one"),
+        message("b", "a", "two"),
+        message("a", "b", "again"),  # line 4: repeats a within the run
+        model.rstrip("\n"),
+        "",
+        message("c", "m1", "three"),
+        message("b", "c", "twice"),  # line 8: repeats b after the model change
+        message("d", "c", "four"),
+    ]
+    tree = SessionTree("k")
+    assert tree.ingest_lines(lines, 2) == [4, 8]
+    assert tree.leaf_id == "d"
+    assert [e.id for e in tree.get_branch()] == ["a", "b", "m1", "c", "d"]
+    first = tree.get_entry("a")
+    assert isinstance(first, MessageEntry) and first.message.content == "one"
+    assert [m.content for m in tree.build_context().messages] == ["one", "two", "three", "four"]
+    assert tree.build_context().model == "x"

@@ -12,8 +12,9 @@ from gateway.config.section import Section
 class SessionSettings(Section):
     fsync: Literal["always", "batch", "never"] = Field(
         "batch",
-        description="always: fsync each append; batch: group commit, a turn is still "
-        "acknowledged only once on disk; never: leave it to the OS.",
+        description="always: fsync each append; batch: group commit through a commit "
+        "log (one fsync a round), a turn is still acknowledged only once on disk; never: "
+        "leave it to the OS.",
     )
     max_cache_size: int = Field(
         2000,

@@ -27,6 +27,7 @@ import anyio.to_thread
 from gateway.fsutil import probe_writable
 from gateway.llm import LLMMessage
 from gateway.logs import logger
+from gateway.sessions.commitlog import CommitLog, recover_commit_logs
 from gateway.sessions.context import SessionContext, choose_cut
 from gateway.sessions.entries import (
     BranchEntry,
@@ -72,6 +73,7 @@ from gateway.sessions.store import (
     MemorySessionStore,
     SessionStore,
     check_fsync_policy,
+    checkpoint_files,
     new_header,
 )
 from gateway.sessions.tree import SessionTree, TreeNode
@@ -460,6 +462,11 @@ class SessionManager:
         #: Tool outputs too big for the context, kept beside the sessions.
         self.outputs: ToolOutputStore = FileToolOutputs(self._dir)
         self._setup(max_cache_size, fsync, hooks, committer, max_cache_bytes, io_on_loop)
+        # Lines a power cut took from the files of a process that died come back first.
+        recover_commit_logs(self._dir)
+        self._commit_log: CommitLog | None = (
+            CommitLog(self._dir) if self._fsync == "batch" else None
+        )
         # Empty files kept ready for new sessions (`gateway.sessions.spares`): for a
         # long-running owner that calls `close`; 0 (the default) keeps none.
         self._spares: SparePool | None = None
@@ -526,6 +533,7 @@ class SessionManager:
         self.hooks = hooks or HookRegistry()
         self._committer = committer
         self._async_committer = AsyncGroupCommitter()
+        self._commit_log = None
         #: False: the `a*`/`*_nowait` methods never touch files on the caller's
         #: thread (every file operation goes to a worker thread).
         self.io_on_loop = io_on_loop
@@ -568,6 +576,7 @@ class SessionManager:
                 spares=self._spares,
                 io_on_loop=self.io_on_loop,
                 header=header,
+                commit_log=self._commit_log,
             )
         return Session(store, self.hooks)
 
@@ -715,6 +724,9 @@ class SessionManager:
         """Close every live session's file (they reopen on next use)."""
         with self._lock:
             sessions = list(self._live.values()) + list(self._memory.values())
+        if self._commit_log is not None:
+            # First: the files it covers are fsynced many at a time, not one by one.
+            self._commit_log.close(checkpoint_files)
         for session in sessions:
             session._store.close()
         if self._spares is not None:

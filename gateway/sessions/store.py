@@ -5,7 +5,8 @@ Promises kept here:
   its file; earlier bytes are never rewritten (the one exception, truncating a torn
   last line, first copies those bytes to a sidecar file, so nothing is lost).
 - An acknowledged append is on disk: with ``fsync="always"`` or ``"batch"``,
-  `FileSessionStore.append` returns only after the entry's bytes were fsynced
+  `FileSessionStore.append` returns only after the entry's bytes were fsynced, in the
+  session file or (``"batch"`` with a `CommitLog`) in the commit log a restart replays
   (``"never"`` leaves that to the OS; the bytes are still in the page cache, which a
   killed process does not lose).
 - A damaged file is never overwritten or deleted: bad lines are skipped and counted,
@@ -21,7 +22,8 @@ The event loop's fast path (`FileSessionStore.try_append_nowait`, `try_load_nowa
 `aappend`): an append to a file that is open, with its locks free and little or nothing
 new to read, costs a few microseconds of system calls and runs on the loop itself; the
 fsync of ``"batch"`` is then a group commit (`AsyncGroupCommitter`) whose one worker
-thread covers every append of the round. Anything that could block (a lock held
+thread covers every append of the round: with a commit log, one write and one fsync of
+the log; without, one fsync of each file of the round. Anything that could block (a lock held
 elsewhere, a file to create or to read at length, ``"always"``) goes to a worker thread.
 """
 
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from gateway.logs import logger
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
     from loguru import Logger
 
 from gateway.fsutil import fsync_dir
+from gateway.sessions.commitlog import CommitLog, Syncable, encoded_name, record
 from gateway.sessions.entries import (
     Entry,
     ParentSessionRef,
@@ -240,14 +244,15 @@ def _close_quietly(fd: int) -> None:
 class _FileHandle:
     """An open session file: its descriptor, identity, and what is not fsynced yet."""
 
-    __slots__ = ("_closed", "_lock", "_synced", "dev", "fd", "ino", "written")
+    __slots__ = ("_closed", "_lock", "_logged", "_synced", "dev", "fd", "ino", "written")
 
     def __init__(self, fd: int) -> None:
         st = os.fstat(fd)
         self.fd = fd
         self.dev, self.ino = st.st_dev, st.st_ino
         self.written = 0  # writes so far (bumped under the store lock)
-        self._synced = 0  # writes covered by an fsync
+        self._synced = 0  # writes covered by an fsync of the file
+        self._logged = 0  # writes covered by an fsync of the commit log
         self._closed = False
         self._lock = threading.Lock()
 
@@ -259,7 +264,12 @@ class _FileHandle:
 
     @property
     def dirty(self) -> bool:
-        return self.written != self._synced
+        """Some write is not durable yet (neither the file nor a commit log fsynced)."""
+        return self.written > max(self._synced, self._logged)
+
+    def logged(self, writes: int) -> None:
+        """The first ``writes`` writes are durable in a fsynced commit log."""
+        self._logged = max(self._logged, writes)
 
     @property
     def closed(self) -> bool:
@@ -287,10 +297,24 @@ class _FileHandle:
 
 
 class _Pending:
-    __slots__ = ("done", "error", "handle")
+    """An append waiting for its group commit: its file, and with a commit log the
+    log line that makes it durable and the file's write count it covers."""
 
-    def __init__(self, handle: _FileHandle) -> None:
+    __slots__ = ("done", "error", "folder", "handle", "log", "log_line", "writes")
+
+    def __init__(
+        self,
+        handle: _FileHandle,
+        log: CommitLog | None = None,
+        log_line: bytes = b"",
+        writes: int = 0,
+        folder: Path | None = None,
+    ) -> None:
         self.handle = handle
+        self.log = log
+        self.log_line = log_line
+        self.writes = writes
+        self.folder = folder  # a new file's folder, to fsync with the round
         self.done = False
         self.error: OSError | None = None
 
@@ -322,17 +346,55 @@ def _sync_some(handles: list[_FileHandle]) -> dict[int, OSError]:
     return errors
 
 
-def _sync_handles(batch: list[_Pending]) -> dict[int, OSError]:
-    """fsync each file of a round once, `_SYNC_THREADS` at a time (each thread a share
-    of the files), and only when all are done does the round end: no append is
-    acknowledged before its file's fsync."""
-    handles = [h for h in {id(p.handle): p.handle for p in batch}.values() if h.dirty]
+def _sync_files(handles: list[_FileHandle]) -> dict[int, OSError]:
+    """fsync each file, `_SYNC_THREADS` at a time (each thread a share of the files)."""
     if len(handles) <= 1:
         return _sync_some(handles)
     shares = [handles[i::_SYNC_THREADS] for i in range(min(_SYNC_THREADS, len(handles)))]
     errors: dict[int, OSError] = {}
     for found in _pool().map(_sync_some, shares):
         errors.update(found)
+    return errors
+
+
+def checkpoint_files(handles: list[Syncable]) -> None:
+    """A commit log's checkpoint: every file it covers fsynced, or `OSError`."""
+    errors = _sync_files(handles)  # type: ignore[arg-type]
+    if errors:
+        raise next(iter(errors.values()))
+
+
+def _sync_handles(batch: list[_Pending]) -> dict[int, OSError]:
+    """Make a round durable, and only then does the round end: no append is acknowledged
+    before its bytes are on disk. Appends with a commit log: their lines written to the
+    log, one fsync per log. Others: each file fsynced once (`_sync_files`)."""
+    errors: dict[int, OSError] = {}
+    logs: dict[int, list[_Pending]] = {}
+    plain: dict[int, _FileHandle] = {}
+    for p in batch:
+        if p.log is not None:
+            logs.setdefault(id(p.log), []).append(p)
+        elif p.handle.dirty:
+            plain[id(p.handle)] = p.handle
+    for folder in {p.folder for group in logs.values() for p in group if p.folder}:
+        fsync_dir(folder)  # new files' names, once per folder and round
+    for pending in logs.values():
+        log = pending[0].log
+        assert log is not None
+        try:
+            log.commit(
+                [p.log_line for p in pending],
+                {id(p.handle): p.handle for p in pending}.values(),
+                checkpoint_files,
+            )
+        except OSError as exc:
+            for p in pending:
+                errors[id(p.handle)] = exc
+        else:
+            for p in pending:
+                p.handle.logged(p.writes)
+    if plain:
+        errors.update(_sync_files(list(plain.values())))
     return errors
 
 
@@ -352,8 +414,7 @@ class GroupCommitter:
         self._leader_busy = False
         self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
 
-    def commit(self, handle: _FileHandle) -> None:
-        request = _Pending(handle)
+    def commit(self, request: _Pending) -> None:
         with self._cond:
             self._queue.append(request)
             while not request.done:
@@ -385,42 +446,58 @@ DEFAULT_COMMITTER = GroupCommitter()
 
 
 class AsyncGroupCommitter:
-    """`GroupCommitter` for appends made on the event loop: the first waiter of a round
-    fsyncs every file queued so far in one worker-thread hop (shielded from
-    cancellation, so a round always completes), the others wait for it; appends that
-    arrive meanwhile form the next round. One per event loop user (a `SessionManager`).
+    """`GroupCommitter` for appends made on the event loop: a round makes every append
+    queued so far durable in one worker-thread hop (shielded from cancellation, so a
+    round always completes); appends that arrive meanwhile form the next round. One per
+    event loop user (a `SessionManager`).
+
+    The first append queued for a round leads it: it waits for the running round to
+    end, then runs its own. Every other append waits once, for the end of its round
+    (a wake-up per append, not one per round it sat through).
     """
 
     def __init__(self) -> None:
-        self._queue: list[_Pending] = []
-        self._busy: anyio.Event | None = None
+        self._queue: list[_Pending] = []  # the next round's appends; [0] leads it
+        self._next_done: anyio.Event | None = None  # set when the next round ends
+        self._running: anyio.Event | None = None  # set when the running round ends
         self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
 
-    async def commit(self, handle: _FileHandle) -> None:
-        request = _Pending(handle)
+    async def commit(self, request: _Pending) -> None:
         self._queue.append(request)
-        while not request.done:
-            if self._busy is not None:
-                await self._busy.wait()
-                continue
-            batch, self._queue = self._queue, []
-            self._busy = busy = anyio.Event()
-            errors: dict[int, OSError] = {}
-            try:
-                with anyio.CancelScope(shield=True):
-                    errors = await anyio.to_thread.run_sync(_sync_handles, batch)
-            finally:
-                for p in batch:
-                    p.error = errors.get(id(p.handle))
-                    p.done = True
-                self.rounds += 1
-                self._busy = None
-                busy.set()
+        if len(self._queue) > 1:
+            done = self._next_done
+            assert done is not None
+            await done.wait()  # a cancelled wait leaves the append in its round
+        else:
+            with anyio.CancelScope(shield=True):  # followers count on their leader
+                await self._lead()
         if request.error is not None:
             raise SessionError(
                 f"the session entry was written but could not be fsynced: "
                 f"{request.error.strerror}; check the disk"
             )
+
+    async def _lead(self) -> None:
+        self._next_done = done = anyio.Event()
+        running = self._running
+        if running is not None:
+            await running.wait()
+        # One pass of the loop first: the turns woken with us append too and join this
+        # round (else a round of one, then one of all the others, each its own fsync).
+        await anyio.lowlevel.checkpoint()
+        batch, self._queue = self._queue, []
+        self._next_done, self._running = None, done
+        errors: dict[int, OSError] = {}
+        try:
+            errors = await anyio.to_thread.run_sync(_sync_handles, batch)
+        finally:
+            for p in batch:
+                p.error = errors.get(id(p.handle))
+                p.done = True
+            self.rounds += 1
+            if self._running is done:
+                self._running = None
+            done.set()
 
 
 # -- the file store ------------------------------------------------------------------
@@ -440,11 +517,15 @@ class FileSessionStore:
         spares: SparePool | None = None,
         io_on_loop: bool = True,
         header: SessionHeader | None = None,
+        commit_log: CommitLog | None = None,
     ) -> None:
         self.lock = threading.RLock()
         self.key = key
         self._path = path
         self._policy = fsync
+        # Under "batch", a commit log makes a round durable in one fsync (`commitlog`).
+        self._commit_log = commit_log if fsync == "batch" else None
+        self._log_name = encoded_name(path) if self._commit_log is not None else b""
         self._committer = committer or DEFAULT_COMMITTER
         self._async_committer = async_committer or AsyncGroupCommitter()
         self._spares = spares
@@ -795,12 +876,12 @@ class FileSessionStore:
     def append(self, factory: EntryFactory[E]) -> E:
         """Append one entry built by ``factory`` under the locks; return it once durable."""
         with self.lock:
-            entry, handle = self._append_locked(factory)
-        if self._policy == "batch":
-            self._committer.commit(handle)
+            entry, pending = self._append_locked(factory)
+        if pending is not None:
+            self._committer.commit(pending)
         return entry
 
-    def try_append_nowait(self, factory: EntryFactory[E]) -> tuple[E, _FileHandle] | None:
+    def try_append_nowait(self, factory: EntryFactory[E]) -> tuple[E, _Pending | None] | None:
         """`append` without blocking: the entry is written (not yet fsynced) and
         returned with its file, or None (nothing written) when appending would wait
         for a lock, create the file, read much, or fsync (``"always"``). Under
@@ -824,9 +905,9 @@ class FileSessionStore:
         done = self.try_append_nowait(factory)
         if done is None:
             return await anyio.to_thread.run_sync(self.append, factory)
-        entry, handle = done
-        if self._policy == "batch":
-            await self._async_committer.commit(handle)
+        entry, pending = done
+        if pending is not None:
+            await self._async_committer.commit(pending)
         return entry
 
     def try_load_nowait(self) -> bool:
@@ -867,16 +948,27 @@ class FileSessionStore:
 
     def _append_locked(
         self, factory: EntryFactory[E], *, wait: bool = True
-    ) -> tuple[E, _FileHandle]:
+    ) -> tuple[E, _Pending | None]:
+        """Write the entry (under the locks); with it, what its group commit needs under
+        ``"batch"`` (None otherwise: ``"always"`` fsynced it here, ``"never"`` does not)."""
         for _ in range(_MAX_ATTEMPTS):
             handle = self._acquire_current(wait=wait)
             if handle is None:
                 entry = build_entry(self._tree, factory)
-                data = (encode_line(self._header) + encode_line(entry)).encode()
-                if self._create_file(data, wait=wait):
+                head = encode_line(self._header).encode()
+                first = encode_line(entry).encode()
+                log = self._commit_log
+                if self._create_file(head + first, wait=wait, logged=log is not None):
                     self._tree.add(entry)
-                    assert self._handle is not None
-                    return entry, self._handle
+                    new = self._handle
+                    assert new is not None
+                    if log is None:  # fsynced here unless "never"
+                        return entry, _Pending(new) if self._policy == "batch" else None
+                    # The round fsyncs the folder (the name) and the log (the bytes).
+                    lines = record(self._log_name, new.ino, 0, head) + record(
+                        self._log_name, new.ino, len(head), first
+                    )
+                    return entry, _Pending(new, log, lines, new.written, self._path.parent)
                 continue  # another writer created it first: adopt that file
             try:
                 if self._torn:
@@ -887,15 +979,26 @@ class FileSessionStore:
                     line = encode_line(self._header) + line
                 elif self._unterminated:
                     line = "\n" + line
-                self._write(handle, line.encode())
+                data = line.encode()
+                self._write(handle, data)
                 self._tree.add(entry)
                 self._on_disk = True
                 self._unterminated = False
+                pending = _Pending(handle) if self._policy == "batch" else None
+                if self._commit_log is not None:
+                    # O_APPEND left the file offset at the end of our bytes.
+                    at = os.lseek(handle.fd, 0, os.SEEK_CUR) - len(data)
+                    pending = _Pending(
+                        handle,
+                        self._commit_log,
+                        record(self._log_name, handle.ino, at, data),
+                        handle.written,
+                    )
             finally:
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
             if self._policy == "always":
                 self._sync_now(handle)
-            return entry, handle
+            return entry, pending
         raise SessionError(f"session file {self._path} keeps changing; try again")
 
     def _write(self, handle: _FileHandle, data: bytes) -> None:
@@ -932,12 +1035,14 @@ class FileSessionStore:
                 f"the session entry was written but could not be fsynced: {exc.strerror}"
             ) from None
 
-    def _open_new(self, *, wait: bool) -> int | None:
+    def _open_new(self, *, wait: bool, logged: bool = False) -> int | None:
         """A descriptor of a new, empty file at our path (a linked spare, or an
         ``O_EXCL`` create), or None if the path exists. With ``wait=False`` raises
-        `_WouldBlock` unless a spare is at hand and nothing must be fsynced."""
+        `_WouldBlock` unless a spare is at hand and nothing must be fsynced here
+        (``"never"``, or ``logged``: the group commit fsyncs the folder)."""
         pool = self._spares
-        spare = pool.take() if pool is not None and (wait or self._policy == "never") else None
+        no_fsync = self._policy == "never" or logged
+        spare = pool.take() if pool is not None and (wait or no_fsync) else None
         if pool is not None and spare is not None:
             try:
                 os.link(spare.path, self._path)  # never replaces an existing name
@@ -960,8 +1065,10 @@ class FileSessionStore:
                 f"could not create session file {self._path}: {exc.strerror}"
             ) from None
 
-    def _create_file(self, data: bytes, *, wait: bool = True) -> bool:
+    def _create_file(self, data: bytes, *, wait: bool = True, logged: bool = False) -> bool:
         """Create the file holding ``data`` (header first); False if it already exists.
+        Durable when this returns unless ``"never"`` or ``logged`` (the caller's group
+        commit then fsyncs the folder and logs the bytes).
 
         A new empty file (see `_open_new`), then the write under the lock. Until the
         write lands the file is empty, which every reader treats as "no session yet";
@@ -969,7 +1076,7 @@ class FileSessionStore:
         and adopt its file. A crash in between leaves an empty file, which the next
         append fills.
         """
-        fd = self._open_new(wait=wait)
+        fd = self._open_new(wait=wait, logged=logged)
         if fd is None:
             return False
         handle = _FileHandle(fd)
@@ -982,7 +1089,7 @@ class FileSessionStore:
                 written = os.write(fd, data)
                 if written != len(data):
                     raise OSError(errno.ENOSPC, "short write")
-                if self._policy != "never":
+                if self._policy != "never" and not logged:
                     _datasync(fd)
             except OSError as exc:
                 try:
@@ -997,12 +1104,14 @@ class FileSessionStore:
         finally:
             if not handle.closed:
                 fcntl.flock(fd, fcntl.LOCK_UN)
-        if self._policy == "never":
-            handle.written += 1  # not fsynced yet: flush() will
-        self._adopt_new_file(handle, len(data), data.count(b"\n"))
+        if self._policy == "never" or logged:
+            handle.written += 1  # not fsynced yet: flush() or the group commit will
+        self._adopt_new_file(handle, len(data), data.count(b"\n"), sync_dir=not logged)
         return True
 
-    def _adopt_new_file(self, handle: _FileHandle, size: int, lines: int) -> None:
+    def _adopt_new_file(
+        self, handle: _FileHandle, size: int, lines: int, *, sync_dir: bool = True
+    ) -> None:
         self._close_handle()
         self._handle = handle
         self._ident = (handle.dev, handle.ino)
@@ -1011,10 +1120,10 @@ class FileSessionStore:
         self._unterminated = False
         self._torn = False
         self._on_disk = True
-        if self._policy != "never":
-            fsync_dir(self._path.parent)
-        else:
+        if self._policy == "never":
             self._dir_dirty = True
+        elif sync_dir:
+            fsync_dir(self._path.parent)
 
     def create_with(self, entries: Sequence[Entry]) -> None:
         """Write a new file holding the header and ``entries`` (a fork's copied branch)."""
@@ -1053,6 +1162,8 @@ class FileSessionStore:
                 return None
             old_id = self._header.id
             try:
+                if self._commit_log is not None:  # its lines leave the log's reach with the name
+                    handle.sync()
                 stem = self._path.name[: -len(SUFFIX)]
                 archive = self._path.parent / ARCHIVE_DIR
                 archive.mkdir(mode=DIR_MODE, exist_ok=True)
