@@ -11,6 +11,12 @@ Telegram offset, answer a webhook with 200, ack a Slack event). When the ticket 
 message was not taken, the channel must leave it with the platform, which sends it
 again. A channel with a `pause_intake()` method stops taking new events when the daemon
 begins to drain, leaving them with the platform for the next start.
+
+A platform that never hands a message over again (a push without a receipt, a webhook
+nobody retries, a line on IRC) cannot be asked to keep one: its channel says so with
+`redelivers = False`, and the dispatcher then takes its messages whatever the load and
+journals them while draining, for the next start to answer. Such a channel keeps
+submitting while the daemon drains (its `pause_intake`, if any, must not refuse).
 """
 
 from __future__ import annotations
@@ -77,6 +83,12 @@ class Channel(Protocol):
         """Deliver a reply (or a notice) to the platform; raise `DeliveryFailed` when it
         certainly did not go out and may later."""
         ...
+
+
+def redelivers(channel: object) -> bool:
+    """Does `channel`'s platform hand over again what the gateway did not confirm? Its
+    `redelivers` attribute; True when it has none (the documented contract above)."""
+    return bool(getattr(channel, "redelivers", True))
 
 
 @runtime_checkable

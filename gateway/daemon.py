@@ -31,7 +31,7 @@ from gateway.cache import (
     SemanticCache,
     backend_from_url,
 )
-from gateway.channel import Channel, DeliveryFailed, Ticket, enrich_for_turn
+from gateway.channel import Channel, DeliveryFailed, Ticket, enrich_for_turn, redelivers
 from gateway.config import ConfigError, Settings
 from gateway.dispatch.queue_modes import QueueModes
 from gateway.gcpolicy import GCPolicy
@@ -596,6 +596,7 @@ class Daemon:
             deliver_timeout=settings.dispatch.deliver_timeout_seconds,
             redeliver_window=settings.dispatch.redeliver_window_seconds,
             urgent=_is_stop,
+            redelivers=self._redelivers,
         )
         self.router: ReplicaRouter | None = storage.router(self.dispatcher)
         if self.router is not None:
@@ -1136,6 +1137,12 @@ class Daemon:
         while True:
             await anyio.sleep(self.STORAGE_CHECK_INTERVAL)
             await check()
+
+    def _redelivers(self, channel_name: str) -> bool:
+        """Does this channel's platform hand over again what was not confirmed
+        (`gateway.channel.redelivers`)? The dispatcher keeps what it would not."""
+        channel = self.channels.get(channel_name)
+        return channel is None or redelivers(channel)
 
     async def _drain(self) -> None:
         """Stop intake and let turns in flight finish (the dispatcher logs the drain)."""

@@ -316,7 +316,11 @@ def room_gate(tmp_path: Path) -> AccessGate:
 
 async def settle_lanes(dispatcher: Dispatcher) -> None:
     with anyio.fail_after(10):
-        while dispatcher.stats().queued_total or dispatcher.stats().in_flight:  # noqa: ASYNC110
+        while (  # noqa: ASYNC110
+            dispatcher.stats().queued_total
+            or dispatcher.stats().in_flight
+            or dispatcher.stats().waiting_in_journal
+        ):
             await anyio.sleep(0.01)
         await anyio.sleep(0.05)
 
@@ -410,13 +414,15 @@ async def test_a_backlog_longer_than_the_lane_is_answered_once_each_in_order(
     assert d.stats().dropped_full == 0
 
 
-async def test_past_the_total_bound_a_platform_message_is_left_with_the_platform(
+async def test_past_the_total_bound_a_platform_message_waits_in_the_journal(
     tmp_path: Path,
 ) -> None:
-    """At `max_queued_total` the gateway takes no more in: a platform's message is not
-    taken (the channel does not confirm it, the platform hands it over again) and nobody
-    is told anything; a message its sender holds (no platform id) is refused with a
-    notice, as before. Once there is room, the redelivered message is answered."""
+    """At `max_queued_total` the gateway holds no more in memory, but a platform's
+    message is still taken (many platforms would hand it over again only at a
+    reconnect): it is journaled (`KEPT`), its sender is told nothing, and it is fed to
+    its lane once the gateway is down to half its bound, behind its session's earlier
+    messages and ahead of its later ones. A redelivery of it meanwhile is a duplicate.
+    A message its sender holds (no platform id) is refused with a notice, as before."""
     release = anyio.Event()
 
     async def handler(msg: InboundMessage) -> OutboundMessage:
@@ -425,22 +431,32 @@ async def test_past_the_total_bound_a_platform_message_is_left_with_the_platform
 
     outbox = Outbox()
     store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
-    full = Dispatcher(handler, outbox.deliver, dedupe=store, max_queued_total=3)
+    full = Dispatcher(handler, outbox.deliver, dedupe=store, max_queued_total=4)
     async with running(full) as d:
-        accepted = [await d.submit(inbound(f"s{i}", "hi", message_id=str(i))) for i in range(3)]
-        left = await d.submit(inbound("late", "from the platform", message_id="9"))
+        held = [await d.submit(inbound(f"s{i}", "hi", message_id=str(i))) for i in range(3)]
+        first = await d.submit(inbound("late", "l0", message_id="l0"))
+        kept = [await d.submit(inbound("late", f"l{i}", message_id=f"l{i}")) for i in (1, 2)]
+        again = await d.submit(inbound("late", "l1", message_id="l1"))
         refused = await d.submit(inbound("api", "from the chat API"))
-        assert left.status is SubmitStatus.RETRY_LATER and not left.taken
-        assert await left.reply() is None
+        assert all(t.status is SubmitStatus.ACCEPTED for t in [*held, first])
+        assert all(t.status is SubmitStatus.KEPT and t.taken for t in kept)
+        assert await kept[0].reply() is None
+        assert again.status is SubmitStatus.DUPLICATE
         assert refused.status is SubmitStatus.REJECTED_FULL
+        stats = d.stats()
+        assert stats.kept_in_journal == 2 and stats.waiting_in_journal == 2
+        # Once room is back, a newer message of the same conversation waits behind them.
         release.set()
-        for ticket in accepted:
+        for ticket in [*held, first]:
             await ticket.reply()
-        again = await d.submit(inbound("late", "from the platform", message_id="9"))
-        assert again.status is SubmitStatus.ACCEPTED
-        await again.reply()
+        newer = await d.submit(inbound("late", "l3", message_id="l3"))
+        await settle_lanes(d)
+        await newer.reply()
+        await settle_lanes(d)
+        assert d.stats().waiting_in_journal == 0
+    assert await store.unanswered() == []
     await store.aclose()
-    assert outbox.texts("late") == ["re: from the platform"]
+    assert outbox.texts("late") == ["re: l0", "re: l1", "re: l2", "re: l3"]
     assert outbox.texts("api") == [BUSY_TEXT]
 
 
@@ -471,6 +487,94 @@ async def test_while_draining_a_platform_message_is_left_with_the_platform(
     assert late.status is SubmitStatus.RETRY_LATER and not late.taken
     assert chatter.status is SubmitStatus.IGNORED
     assert [o.text for o in outbox.sent] == ["re: @bot hi"]
+
+
+def pushed(chat: str, text: str, message_id: str) -> InboundMessage:
+    """A message of a platform that never hands one over again (channel "push")."""
+    return InboundMessage(channel="push", chat_id=chat, text=text, message_id=message_id)
+
+
+def only_test_redelivers(channel: str) -> bool:
+    return channel != "push"
+
+
+async def test_a_platform_that_never_redelivers_is_never_left_a_message_while_draining(
+    tmp_path: Path,
+) -> None:
+    """A push without a receipt (WeCom's robot, Google Chat, IRC) cannot be left with
+    its platform: while draining, its message is journaled (`KEPT`, taken) and the next
+    start's replay answers it once; its sender is told nothing meanwhile. A redelivering
+    platform's message is still left with its platform, and a second push of the same
+    message is a duplicate."""
+    path = tmp_path / "dedupe.sqlite3"
+    started = anyio.Event()
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        started.set()
+        await anyio.sleep(0.2)
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(path)
+    dispatcher = Dispatcher(handler, outbox.deliver, dedupe=store, redelivers=only_test_redelivers)
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        await dispatcher.submit(pushed("p", "first", "1"))
+        await started.wait()
+        tg.start_soon(dispatcher.drain, 5)
+        await anyio.sleep(0.01)
+        kept = await dispatcher.submit(pushed("p", "during the drain", "2"))
+        again = await dispatcher.submit(pushed("p", "during the drain", "2"))
+        left = await dispatcher.submit(inbound("t", "redelivered later", message_id="3"))
+    # ... and after the drain, while the channels stop:
+    after = await dispatcher.submit(pushed("q", "after the drain", "4"))
+    await store.aclose()
+    assert kept.status is SubmitStatus.KEPT and kept.taken and await kept.reply() is None
+    assert again.status is SubmitStatus.DUPLICATE
+    assert after.status is SubmitStatus.KEPT
+    assert left.status is SubmitStatus.RETRY_LATER and not left.taken
+    assert dispatcher.stats().kept_in_journal == 2
+    assert [o.text for o in outbox.sent] == ["re: first"]
+
+    store = FileDedupeStore(path)
+    async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
+        assert await d.replay() == 2
+        await settle_lanes(d)
+    assert await store.unanswered() == []
+    await store.aclose()
+    assert outbox.texts("p") == ["re: first", "re: during the drain"]
+    assert outbox.texts("q") == ["re: after the drain"]
+
+
+async def test_many_messages_past_the_bound_keep_every_conversation_in_order(
+    tmp_path: Path,
+) -> None:
+    """200 platform messages over 5 conversations into a gateway with room for 10:
+    every one is answered once, each conversation's in the order written, and the
+    gateway never held more than its bound in memory."""
+    peak = 0
+    current = 0
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        nonlocal peak, current
+        current += 1
+        await anyio.sleep(0.001)
+        current -= 1
+        return await echo(msg)
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    bounded = Dispatcher(handler, outbox.deliver, dedupe=store, max_queued_total=10)
+    async with running(bounded) as d:
+        for n in range(200):
+            await d.submit(pushed(f"c{n % 5}", f"m{n}", f"id{n}"))
+            peak = max(peak, d.stats().queued_total + d.stats().in_flight)
+        await settle_lanes(d)
+    assert await store.unanswered() == []
+    await store.aclose()
+    assert peak <= 10
+    for c in range(5):
+        assert outbox.texts(f"c{c}") == [f"re: m{n}" for n in range(c, 200, 5)]
 
 
 async def test_at_the_drain_deadline_journaled_messages_wait_for_the_next_start(

@@ -18,7 +18,7 @@ from channels.teams.channel import Pacing, TeamsChannel, TeamsSetupError, check_
 from channels.teams.settings import TeamsSettings
 from channels.teams.spec import checks
 from channels.teams.translate import Skip, join_conversation, translate_activity
-from gateway.channel import DeliveryFailed
+from gateway.channel import DeliveryFailed, redelivers
 from gateway.config import Settings
 from gateway.http import HealthState, HttpServer
 from gateway.http.metrics import Metrics
@@ -280,11 +280,15 @@ async def test_a_forged_activity_is_refused_before_anything_is_read(world: World
     assert gate.texts == [] and world.channel.stats.refused["401"] == 2
 
 
-async def test_a_stopping_gateway_leaves_activities_with_teams(world: World) -> None:
-    world.channel.pause_intake()
+async def test_a_stopping_gateway_still_takes_activities(world: World) -> None:
+    """Teams sends an activity again about once and never to a later start, so nothing
+    pauses its intake at a drain: the channel says its platform does not redeliver, and
+    the dispatcher journals what comes for the next start (tests/test_dispatch.py)."""
+    assert redelivers(world.channel) is False
+    assert not hasattr(world.channel, "pause_intake")
     fake = world.fake
     delivery = await fake.deliver(fake.message(world.ada, fake.personal_chat(world.ada), "x"))
-    assert {a.status for a in delivery.attempts} == {503} and world.gate.texts == []
+    assert {a.status for a in delivery.attempts} == {200} and world.gate.texts == ["x"]
 
 
 # --------------------------------------------------------------------------- replies

@@ -26,9 +26,11 @@ Promises (tested in tests/test_googlechat*.py and the conformance kit):
 - Journal before the 200: the endpoint answers `{}` (HTTP 200) only once the message is
   in the journal (or settled: a duplicate, a stranger's). Google Chat sends an event
   once and never again (no retry is documented, and none happens when the endpoint
-  fails): so a message the gateway cannot take (it is starting or stopping, the journal
-  failed) is answered, in the same HTTP response, with a message asking the person to
-  send it again, rather than with an error Chat would show as "not responding".
+  fails): so the channel says `redelivers = False`, and a stopping gateway still
+  journals what comes for its next start (`gateway.channel`). A message the gateway
+  cannot take (it is starting, the journal failed) is answered, in the same HTTP
+  response, with a message asking the person to send it again, rather than with an
+  error Chat would show as "not responding".
 - Events of one space are submitted in the order they arrive.
 - A reply is never posted twice: each message of it carries a `messageId` made from the
   message it answers, its place in the reply and its text, which the Chat API refuses to
@@ -165,6 +167,9 @@ class GoogleChatChannel:
     """The Google Chat adapter; see the module docstring for what it promises."""
 
     name = CHANNEL
+    #: Google Chat sends an event once: the dispatcher keeps what comes while the
+    #: gateway stops (`gateway.channel`).
+    redelivers = False
 
     def __init__(
         self,
@@ -193,7 +198,6 @@ class GoogleChatChannel:
         self._api: ChatApi | None = None
         self._submit: Submit | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._paused = False
         self._mounted = False
         self._locks = [anyio.Lock() for _ in range(_LOCKS)]
         self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
@@ -249,7 +253,6 @@ class GoogleChatChannel:
                 async with anyio.create_task_group() as tg:
                     self._tg = tg
                     self._submit = submit
-                    self._paused = False
                     logger.info(
                         "googlechat: app {} ready; events at POST {} (audience {})",
                         self.account.client_email,
@@ -277,11 +280,6 @@ class GoogleChatChannel:
             await self.verifier.prefetch(session)
         except KeysUnavailable as exc:
             logger.warning("googlechat: {}; requests cannot be checked until it works", exc)
-
-    def pause_intake(self) -> None:
-        """Take no more messages (the daemon is draining): their senders are asked, in
-        the HTTP answer, to send them again (Chat would not send them again itself)."""
-        self._paused = True
 
     # ----------------------------------------------------------------- webhook
 
@@ -339,7 +337,7 @@ class GoogleChatChannel:
         """Submit one message, in its space's order; whether it is journaled (or
         settled). Reaches the failpoint between the journal and the 200."""
         submit = self._submit
-        if submit is None or self._paused:
+        if submit is None:
             logger.warning("googlechat: a message came while not taking any; asked to resend")
             return False
         lock = self._locks[int(hashlib.blake2b(message.chat_id.encode()).hexdigest(), 16) % _LOCKS]

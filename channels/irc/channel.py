@@ -56,8 +56,10 @@ is not connected is gone, and there is no message id and no redelivery. So:
   pages, oldest first, and the conversation's live messages wait until its history is
   in. Bounds: `history_max_age_seconds`, `history_max_messages` per conversation; the
   first connection reads nothing back (there is no position yet).
-- At a drain (`pause_intake`) the bot marks itself away, so the server tells people who
-  write to it meanwhile that their message is not read (docs/irc.md says what is
+- IRC hands no line over twice, so the channel says `redelivers = False`: at a drain
+  the bot goes on reading, the dispatcher journals what people write for the next
+  start (`gateway.channel`), and the bot marks itself away (`pause_intake`), so the
+  server tells them the answer comes after the restart (docs/irc.md says what is
   promised instead of catch-up where there is no chathistory).
 - A reply goes out as one PRIVMSG per line, each at most what fits in 512 bytes with the
   prefix the server adds (`channels.irc.format`), paced by a token bucket
@@ -149,7 +151,7 @@ JOIN_REFUSED = {"403", "405", "471", "473", "474", "475", "476", "477", "489"}
 #: A host part as long as a server may show it, for the budget before the bot knows its own.
 LONGEST_HOST = 63
 _REMEMBERED = 10_000
-AWAY_TEXT = "restarting: messages sent to me now are not read; write again in a minute"
+AWAY_TEXT = "restarting: what you write now is answered once I am back"
 
 
 class IrcSetupError(Exception):
@@ -592,6 +594,8 @@ class IrcChannel:
     """The IRC adapter; see the module docstring for what it promises."""
 
     name = CHANNEL
+    #: A line is read once: the dispatcher keeps what comes while the gateway stops.
+    redelivers = False
 
     def __init__(self, settings: IrcSettings, *, pacing: Pacing | None = None) -> None:
         if not settings.host:
@@ -677,9 +681,10 @@ class IrcChannel:
             self.live = anyio.Event()
 
     def pause_intake(self) -> None:
-        """Take no more messages (the daemon is draining): lines read from now on are
-        not submitted, and the bot marks itself away, so the server tells whoever writes
-        to it that it is not reading. Replies still go out until the channel stops."""
+        """The daemon is draining: the bot marks itself away, so the server tells whoever
+        writes to it that the answer comes after the restart. Lines are still read and
+        submitted (the dispatcher journals them for the next start: IRC would not hand
+        them over again). Replies still go out until the channel stops."""
         self._paused = True
         self._spawn(self._mark_away)
 
@@ -1117,9 +1122,6 @@ class IrcChannel:
         if isinstance(result, Skip):
             logger.debug("irc: line skipped: {}", result.reason)
             return True
-        if self._paused:
-            logger.info("irc: a message from {} arrived while draining; not read", line.nick)
-            return False
         submit = self._submit
         assert submit is not None
         while True:

@@ -25,7 +25,8 @@ Promises (tested in tests/test_teams*.py and the conformance kit):
   service URL a 403, and nothing of the body is used.
 - Journal before the 200: an activity is answered 200 only once `submit` returned with
   the message taken (journaled, or settled: a duplicate, a refusal, something skipped);
-  otherwise 503. A stopping gateway answers 503 too (`pause_intake`).
+  otherwise 503. A stopping gateway still takes them: Teams would not send them to
+  the next start, so the dispatcher journals them for it (`redelivers = False`).
 - What Teams does with a 503, a refused connection or no answer within its 15 seconds:
   it sends the activity again, about once, and then never (it keeps nothing for a bot,
   and a bot cannot read back what it missed). An activity id seen twice is answered once
@@ -200,6 +201,9 @@ class TeamsChannel:
     """The Teams adapter (Channel protocol); see the module docstring."""
 
     name = CHANNEL
+    #: Teams sends an unanswered activity again about once, and never to a later start:
+    #: the dispatcher keeps what comes while the gateway stops (`gateway.channel`).
+    redelivers = False
 
     def __init__(
         self,
@@ -230,7 +234,6 @@ class TeamsChannel:
         self.connector = Connector(self.token, self._http)
         self._submit: Submit | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._paused = False
         self._mounted = False
         #: conversation -> the service URL of its last activity (for replies to nothing)
         self._service_urls: OrderedDict[str, str] = OrderedDict()
@@ -255,9 +258,11 @@ class TeamsChannel:
     # ----------------------------------------------------------------- wiring
 
     def mount(self, http: Mount) -> bool:
-        """Route the messaging endpoint on the daemon's server to this channel (answered
-        503 while the gateway starts or drains: Teams sends it again); before it runs."""
-        http.mount("POST", self.settings.endpoint_path, self._webhook)
+        """Route the messaging endpoint on the daemon's server to this channel; before it
+        runs."""
+        # Not gated while the gateway drains: Teams would not send an activity to the
+        # next start, so the channel takes it (the handler answers 503 until it runs).
+        http.mount("POST", self.settings.endpoint_path, self._webhook, require_ready=False)
         self._mounted = True
         return True
 
@@ -276,7 +281,6 @@ class TeamsChannel:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 self._submit = submit
-                self._paused = False
                 logger.info(
                     "teams: bot {} takes activities at POST {}",
                     self.app_id,
@@ -305,11 +309,6 @@ class TeamsChannel:
             if exc.final:
                 raise TeamsSetupError(_credentials_hint(str(exc), self.settings)) from None
             logger.warning("teams: no access token yet ({}); tried again with the first reply", exc)
-
-    def pause_intake(self) -> None:
-        """Take no more activities (the daemon is draining): they are answered 503, and
-        Teams sends them again (to the next start, if it is quick)."""
-        self._paused = True
 
     # ----------------------------------------------------------------- inbound
 
@@ -348,7 +347,7 @@ class TeamsChannel:
         if not isinstance(activity, dict):
             return json_error(400, "the body is not a JSON activity")
         submit = self._submit
-        if submit is None or self._paused:
+        if submit is None:
             return json_error(
                 503, "the Teams channel is not taking activities", {"Retry-After": "5"}
             )

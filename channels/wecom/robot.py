@@ -27,7 +27,9 @@ Promises (tested in tests/test_wecom_robot.py and by the conformance kit):
 - What WeCom does not promise, said out loud: the long connection has no receipt for a
   pushed message. A message pushed in the moment the gateway dies, before its journal
   commit, is lost, and WeCom keeps nothing for a robot whose connection is down: what
-  people write meanwhile never reaches the gateway (docs/wecom.md, "Robot mode").
+  people write meanwhile never reaches the gateway (docs/wecom.md, "Robot mode"). So
+  the channel says `redelivers = False`: what is pushed while the gateway stops is
+  journaled for its next start, and a busy gateway takes it past its queue bound.
 - A reply goes with `aibot_respond_msg` and its message's req_id while the connection
   that pushed it is open, else (after a reconnect or a restart) with `aibot_send_msg` to
   the chat, naming the sender in a group (`<@userid>`). Its Markdown is split at 20,480
@@ -122,6 +124,8 @@ class WeComRobotChannel:
     """The robot adapter (Channel protocol); see the module docstring."""
 
     name = CHANNEL
+    #: A push has no receipt: the dispatcher keeps what comes while the gateway stops.
+    redelivers = False
 
     def __init__(
         self, settings: WeComSettings, *, bot_secret: str, pacing: Pacing | None = None
@@ -135,7 +139,6 @@ class WeComRobotChannel:
         self.pacing = pacing or Pacing()
         self._secret = bot_secret
         self._submit: Submit | None = None
-        self._paused = False
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         #: This connection's id, unique across processes (a reply context names it).
         self._connection = ""
@@ -162,7 +165,6 @@ class WeComRobotChannel:
         (`task_status.started`) once subscribed, or once the first attempt failed for the
         network. Raises WeComSetupError when WeCom refuses the BotID or Secret."""
         self._submit = submit
-        self._paused = False
         started = [False]
 
         def live() -> None:
@@ -174,12 +176,6 @@ class WeComRobotChannel:
             await self._connect_loop(live)
         finally:
             self._submit = None
-
-    def pause_intake(self) -> None:
-        """Take no more messages (the daemon is draining); the connection stays open so the
-        replies of turns in flight go out. WeCom keeps nothing for a robot: what it pushes
-        from now on is not taken (docs/wecom.md, "Robot mode")."""
-        self._paused = True
 
     async def _connect_loop(self, live: Callable[[], None]) -> None:
         delay = self.pacing.reconnect
@@ -283,9 +279,6 @@ class WeComRobotChannel:
         message = translate_frame(body, req_id=req_id, connection=connection)
         submit = self._submit
         if message is None or submit is None:
-            return
-        if self._paused:
-            logger.warning("wecom: message {} pushed while draining, not taken", message.message_id)
             return
         with logger.contextualize(session=message.session_key):
             ticket = await submit(message)

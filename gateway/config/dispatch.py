@@ -22,8 +22,9 @@ class DispatchSettings(Section):
     max_queued_total: int = Field(
         10_000,
         ge=1,
-        description="Messages waiting in all sessions together, at most; past it a "
-        "platform's message is left with the platform, which sends it again.",
+        description="Messages held in memory in all sessions together, at most; past it "
+        "a platform's message waits in the journal (file mode) or is left with the "
+        "platform, which sends it again (shared mode).",
     )
     mode: QueueMode = Field(
         "followup",

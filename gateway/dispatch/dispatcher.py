@@ -20,9 +20,18 @@ The promises it keeps (each one tested in tests/test_dispatch.py):
 - A platform's message (it has a platform id and is journaled) is never refused for want
   of room: the lane bound (`max_queue_per_lane`) holds only for messages whose sender
   still has them (the chat APIs, the terminal, scheduled runs), so a backlog after
-  downtime waits its turn however long it is. Past `max_queued_total`, or while
-  draining, a platform's message is not taken (`SubmitStatus.RETRY_LATER`): the
-  channel does not confirm it and the platform hands it over again; nobody is told.
+  downtime waits its turn however long it is. Past `max_queued_total` a platform's
+  message is journaled but not held in memory (`SubmitStatus.KEPT`, taken: the
+  channel confirms it): it waits in the journal, behind its session's, and is fed to
+  its lane from there once the gateway is down to half its bound (`_refill`), or by the
+  next start's replay; nobody is told anything. Many platforms would hand it over
+  again only at a reconnect, or a few times within minutes, so leaving it with them is
+  no promise. (In the shared mode the router feeds the journal: there a message past
+  the bound is left with its platform, `SubmitStatus.RETRY_LATER`.)
+  While draining, a platform's message is left with its platform, which hands it over
+  again at the next start; a platform that never does (`redelivers(channel)` is False:
+  a push with no receipt, a webhook nobody retries) has it journaled for the next
+  start instead (`KEPT`), since leaving it with the platform loses it.
   At a drain deadline a journaled message waits for the next start's replay; only
   senders who hold their message get a "please send it again" notice.
 - A message carrying a platform id is answered once, also when the platform
@@ -164,6 +173,12 @@ class DispatcherStats:
     queued_total: int
     max_queue_depth: int
     queue_depths: Mapping[str, int] = field(default_factory=dict)
+    #: Platform messages journaled but not held in memory (`SubmitStatus.KEPT`): past
+    #: `max_queued_total`, or while draining when their platform never hands one over
+    #: again.
+    kept_in_journal: int = 0
+    #: Of those, still waiting in the journal for room.
+    waiting_in_journal: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +218,7 @@ class _Item:
     """One submitted message while it waits in its lane."""
 
     __slots__ = (
+        "claimed",
         "dedupe_key",
         "enqueued_ns",
         "fence",
@@ -221,8 +237,11 @@ class _Item:
         checked: bool,
         recorded: Unanswered | None = None,
         fence: Fence | None = None,
+        claimed: bool = False,
     ) -> None:
         self.message = ticket.message
+        # Journaled by this process past the bound: its key is claimed here already.
+        self.claimed = claimed
         self.ticket = ticket
         self.dedupe_key = dedupe_key
         # Set once access and dedupe have answered; None when there is nothing to ask.
@@ -277,6 +296,7 @@ class _Counters:
     delivery_failures: int = 0
     dedupe_errors: int = 0
     not_taken: int = 0
+    kept_in_journal: int = 0
     in_flight: int = 0
 
 
@@ -329,6 +349,7 @@ class Dispatcher:
         deliver_timeout: float = 60.0,
         redeliver_window: float = 3600.0,
         urgent: Callable[[InboundMessage], bool] | None = None,
+        redelivers: Callable[[str], bool] | None = None,
     ) -> None:
         if max_concurrent_turns < 1:
             raise ValueError("max_concurrent_turns must be at least 1")
@@ -356,6 +377,7 @@ class Dispatcher:
         self._access = access
         self._on_turn_done = on_turn_done
         self._urgent = urgent
+        self._redelivers = redelivers
         self._limiter = anyio.CapacityLimiter(max_concurrent_turns)
         self._lanes: dict[str, _Lane] = {}
         self._counters = _Counters()
@@ -370,6 +392,11 @@ class Dispatcher:
         self._resent: set[str] = set()  # recorded replies the replay has sent again
         # Replies of replayed turns sent, by session entry (bounded: a replay's own).
         self._resent_entries: deque[str] = deque(maxlen=RESENT_REMEMBERED)
+        # Messages journaled past `max_queued_total` (session key, journal key), oldest
+        # first, and how many of each session's: its newer messages queue behind them.
+        self._spill: deque[tuple[str, str]] = deque()
+        self._spilled: dict[str, int] = {}
+        self._refilling = False
         #: In the shared mode (`gateway.dispatch.router`): journaled messages are handed to the
         #: router, which feeds each session's messages, in journal order, to the one
         #: replica holding that session's lease.
@@ -426,20 +453,30 @@ class Dispatcher:
         return len(pending)
 
     async def feed(
-        self, entry: Unanswered, *, current: bool = False, fence: Fence | None = None
+        self,
+        entry: Unanswered,
+        *,
+        current: bool = False,
+        fence: Fence | None = None,
+        claimed: bool = False,
     ) -> Ticket:
         """Queue a journaled message (a crash's leftover, or in the shared mode one the
         router hands over): marked `META_REPLAYED`, never refused by the queue bounds.
         `current`: the router knows it is new to the session, and the session cached
         here is current (`META_SESSION_CURRENT` instead of `META_REPLAYED`). `fence`: the
-        session's lease its turn runs under (the shared mode's router)."""
+        session's lease its turn runs under (the shared mode's router). `claimed`: this
+        process claimed its key already (a message journaled past the bound)."""
         flag = META_SESSION_CURRENT if current else META_REPLAYED
         metadata = {**entry.message.metadata, flag: True}
         message = replace(entry.message, metadata=metadata)
-        return await self._enqueue(message, replace(entry, message=message), fence)
+        return await self._enqueue(message, replace(entry, message=message), fence, claimed)
 
     async def _enqueue(
-        self, msg: InboundMessage, recorded: Unanswered | None, fence: Fence | None = None
+        self,
+        msg: InboundMessage,
+        recorded: Unanswered | None,
+        fence: Fence | None = None,
+        claimed: bool = False,
     ) -> Ticket:
         tracing = telemetry()
         if tracing.enabled and META_TRACEPARENT not in msg.metadata:
@@ -462,7 +499,14 @@ class Dispatcher:
         # A platform's message is never refused for want of room, only left with the
         # platform, which hands it over again (see `_leave`).
         redelivered = recorded is None and not self._sender_holds(msg)
+        # ... unless the platform never hands it over again: then only we can keep it.
+        only_here = (
+            redelivered and self._redelivers is not None and not self._redelivers(msg.channel)
+        )
         if self._draining or self._tg is None:
+            if only_here:
+                await self._keep_in_journal(ticket)
+                return ticket
             if redelivered:
                 self._leave(ticket, "the gateway is stopping")
                 return ticket
@@ -478,6 +522,16 @@ class Dispatcher:
             return ticket
         # A replayed message was taken before the crash: the bounds never refuse it.
         bounded = recorded is None
+        # Past the bound, or behind its session's messages waiting there: into the
+        # journal only, fed to its lane when there is room (`_refill`).
+        spills = self._spilled.get(key) or self._outstanding >= self.max_queued_total
+        if spills and redelivered and self.router is None and self._dedupe is not None:
+            await self._keep_in_journal(ticket, spill=True)
+            return ticket
+        # In the shared mode, a message no platform would hand over again is taken past
+        # the bound (the platform's pace bounds these, and the journal holds them).
+        if bounded and only_here:
+            bounded = False
         if bounded and self._outstanding >= self.max_queued_total:
             # Bounded memory however many sessions write at once.
             if redelivered:
@@ -515,6 +569,7 @@ class Dispatcher:
             checked=self._access is not None,
             recorded=recorded,
             fence=fence,
+            claimed=claimed,
         )
         lane.queue.append(item)
         lane.wakeup.set()
@@ -549,6 +604,107 @@ class Dispatcher:
         with logger.contextualize(session=ticket.message.session_key):
             logger.info("message left with the platform for now: {}", why)
 
+    async def _keep_in_journal(self, ticket: Ticket, *, spill: bool = False) -> None:
+        """Journal a platform's message without holding it in memory (`KEPT`, taken):
+        while draining, one its platform would never hand over again, for the next
+        start's replay (or, in the shared mode, another replica); with `spill`, one past
+        `max_queued_total`, for `_refill` to feed to its lane. A duplicate is settled as
+        one. Not taken (`RETRY_LATER`) only when the journal fails: the platform, not
+        told we have it, may still hand it over again."""
+        msg = ticket.message
+        store = self._dedupe
+        assert store is not None  # `_sender_holds` is True without a journal
+        key = dedupe_key(msg)
+        assert key is not None  # a platform's message has its id
+        take_in = getattr(store, "take_in", None)
+        try:
+            if take_in is not None:
+                duplicate = await take_in(key, msg, None)
+            else:
+                duplicate = await self._is_duplicate(key, store)
+                if not duplicate and not await self._journal(key, store, msg):
+                    self._leave(ticket, "the journal failed")
+                    return
+        except ClaimBusy as exc:
+            self._leave(ticket, str(exc))
+            return
+        except Exception as exc:
+            self._counters.dedupe_errors += 1
+            self._leave(ticket, f"the journal failed ({exc})")
+            return
+        if duplicate:
+            ticket.status = SubmitStatus.DUPLICATE
+            self._counters.duplicates += 1
+        else:
+            ticket.status = SubmitStatus.KEPT
+            self._counters.kept_in_journal += 1
+            if spill:
+                session = msg.session_key
+                self._spill.append((session, key))
+                self._spilled[session] = self._spilled.get(session, 0) + 1
+                self._refill_if_room()
+            else:
+                with logger.contextualize(session=msg.session_key):
+                    logger.info(
+                        "message {} kept for the next start (its platform would not send it again)",
+                        msg.message_id,
+                    )
+        ticket._resolve(None)
+        ticket._done.set()
+
+    def _refill_if_room(self) -> None:
+        """Start feeding journaled messages to their lanes once the gateway is down to
+        half its bound (hysteresis: one journal read feeds many)."""
+        if (
+            self._spill
+            and not self._refilling
+            and self._tg is not None
+            and not self._draining
+            and self._outstanding <= self.max_queued_total // 2
+        ):
+            self._refilling = True
+            self._tg.start_soon(self._refill, name="refill from the journal")
+
+    async def _refill(self) -> None:
+        """Feed messages journaled past the bound to their lanes, oldest first, as many
+        as there is room for, reading the journal once per batch. A message answered
+        meanwhile (its platform's redelivery, say) is gone from the journal and skipped.
+        Whatever is still waiting at a drain stays journaled for the next start."""
+        store = self._dedupe
+        assert store is not None
+        try:
+            while self._spill and not self._draining:
+                room = self.max_queued_total - self._outstanding
+                if room <= 0:
+                    return
+                try:
+                    waiting = {
+                        dedupe_key(entry.message): entry for entry in await store.unanswered()
+                    }
+                except Exception as exc:
+                    self._counters.dedupe_errors += 1
+                    logger.error("journal unreadable ({}); its waiting messages wait", exc)
+                    return
+                logger.info(
+                    "feeding {} of {} messages waiting in the journal",
+                    min(room, len(self._spill)),
+                    len(self._spill),
+                )
+                for _ in range(min(room, len(self._spill))):
+                    if self._draining:
+                        return
+                    session, key = self._spill.popleft()
+                    entry = waiting.get(key)
+                    if entry is not None:
+                        await self.feed(entry, claimed=True)
+                    left = self._spilled.get(session, 0) - 1
+                    if left > 0:
+                        self._spilled[session] = left
+                    else:
+                        self._spilled.pop(session, None)
+        finally:
+            self._refilling = False
+
     def _replica(self) -> str:
         """This replica's id in traces ("" in the file mode: one process)."""
         return self.router.replica_id if self.router is not None else ""
@@ -562,7 +718,7 @@ class Dispatcher:
         try:
             key, store = item.dedupe_key, self._dedupe
             # A journaled message fed by the router is claimed already (by its journal row).
-            fed = self.router is not None and item.recorded is not None
+            fed = item.recorded is not None and (self.router is not None or item.claimed)
             take_in = getattr(store, "take_in", None)
             if key is not None and item.recorded is None and take_in is not None:
                 allowed = await self._admit_shared(item, key, take_in)
@@ -1212,6 +1368,8 @@ class Dispatcher:
         self._outstanding -= count
         if self._idle is not None and self._outstanding <= 0:
             self._idle.set()
+        if self._spill:
+            self._refill_if_room()
 
     # ------------------------------------------------------------------ drain
 
@@ -1333,6 +1491,8 @@ class Dispatcher:
             delivery_failures=c.delivery_failures,
             dedupe_errors=c.dedupe_errors,
             not_taken=c.not_taken,
+            kept_in_journal=c.kept_in_journal,
+            waiting_in_journal=len(self._spill),
             in_flight=c.in_flight,
             lanes=len(self._lanes),
             queued_total=sum(depths.values()),

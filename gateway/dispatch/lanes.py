@@ -31,6 +31,10 @@ class SubmitStatus(StrEnum):
     REJECTED_DRAINING = "rejected_draining"
     # Not journaled (the journal failed): not taken; the platform must send it again.
     RETRY_LATER = "retry_later"
+    # Journaled, not held in memory (taken): past `max_queued_total`, fed to its lane
+    # when there is room; or while the gateway stops, for the next start's replay, when
+    # its platform would never hand it over again.
+    KEPT = "kept"
 
 
 class Ticket:

@@ -154,7 +154,15 @@ class GatewayProcess:
 
     def terminate(self, timeout: float = 60) -> int:
         """SIGTERM (drain, then stop); the exit code."""
+        self.begin_stop()
+        return self.wait_exit(timeout)
+
+    def begin_stop(self) -> None:
+        """SIGTERM without waiting: the gateway drains while the caller goes on."""
         self.proc.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        """The exit code, once the process has ended."""
         return self.proc.wait(timeout)
 
     def stop(self) -> None:

@@ -24,6 +24,7 @@ from gateway.testing.plugin import needs
 from gateway.testing.tally import Said, Tally, answered_token
 
 __all__ = [
+    "test_a_full_gateway_loses_nothing",
     "test_backlog_while_down_is_answered_once_each_in_order",
     "test_busy_room_backlog_while_down_answers_only_the_mentions",
     "test_busy_room_live_answers_only_the_mentions",
@@ -36,6 +37,7 @@ __all__ = [
     "test_kills_right_after_start_lose_nothing_of_a_backlog",
     "test_kills_while_people_write_lose_nothing",
     "test_long_reply_arrives_whole_and_in_order",
+    "test_messages_written_while_the_gateway_drains_are_answered",
     "test_no_reply_pings_everyone",
     "test_one_reply_per_direct_message",
     "test_platform_outage_loses_nothing",
@@ -284,6 +286,47 @@ def test_kills_while_people_write_lose_nothing(kit: Kit) -> None:
         for n in range(count):
             time.sleep(max(0.0, began + n / rate - time.monotonic()))
             write_somewhere(kit, people)
+    kit.settle()
+    kit.check(run)
+
+
+def test_messages_written_while_the_gateway_drains_are_answered(kit: Kit) -> None:
+    """Three people write while the gateway drains (SIGTERM with a 3-second turn in
+    flight): each message is answered once, in order, after the next start. A platform
+    that hands messages over again keeps them meanwhile (the channel does not confirm
+    them); one that never does (a push, a webhook nobody retries) gets them journaled
+    for the next start (`redelivers = False`). Nobody is asked to write again."""
+    run = kit.gateways()
+    run.start()
+    introduce(kit, [kit.dm(person) for person in range(3)])
+    kit.dm(0, words="kit:slow=3")  # the drain waits for this turn
+    time.sleep(0.5)
+    process = run.current
+    assert process is not None
+    process.begin_stop()
+    for n in range(kit.sized(6)):
+        time.sleep(0.25)
+        kit.dm(n % 3)
+    run.exit_code = process.wait_exit()
+    assert run.exit_code == 0, f"the drain ended with exit code {run.exit_code}"
+    run.start()
+    kit.settle()
+    kit.check(run)
+
+
+def test_a_full_gateway_loses_nothing(kit: Kit) -> None:
+    """With room for two waiting messages in the whole gateway (`max_queued_total`),
+    four people write 16 DMs at once to a slow model: every message is answered once,
+    in order, and nobody is told the gateway is busy. A platform that hands messages
+    over again keeps what does not fit (not confirmed, sent again); one that never does
+    has its messages taken past the bound."""
+    kit.model.delay = 0.2
+    run = kit.gateways({"GATEWAY_DISPATCH__MAX_QUEUED_TOTAL": "2"})
+    run.start()
+    writers = [p for p in range(4) for _ in range(kit.sized(4))]
+    kit.rng.shuffle(writers)
+    for person in writers:
+        kit.dm(person)
     kit.settle()
     kit.check(run)
 
