@@ -21,8 +21,9 @@ submitting while the daemon drains (its `pause_intake`, if any, must not refuse)
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Protocol, runtime_checkable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import anyio
 import anyio.abc
@@ -63,6 +64,42 @@ class DeliveryFailed(Exception):
     def __init__(self, message: str, *, sent: int = 0) -> None:
         super().__init__(message)
         self.sent = sent
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+D = TypeVar("D")
+
+
+class PartsSent(Generic[K, V]):
+    """How far each reply cut short by `DeliveryFailed` got (its parts that went out),
+    so that the same reply, sent again by the dispatcher, goes on from there. Bounded:
+    past `bound` replies the oldest are forgotten (such a reply would be sent whole).
+    Every channel that splits replies keeps one, keyed by what identifies a reply to
+    it (its session, the message it answers, its text)."""
+
+    def __init__(self, bound: int = 1024) -> None:
+        if bound < 1:
+            raise ValueError("bound must be at least 1")
+        self.bound = bound
+        self._parts: OrderedDict[K, V] = OrderedDict()
+
+    def take(self, key: K, default: D) -> V | D:
+        """How far the reply `key` got (forgotten here: a new failure keeps it again)."""
+        return self._parts.pop(key, default)
+
+    def keep(self, key: K, value: V) -> None:
+        """Remember how far the reply `key` got, as the newest."""
+        self._parts[key] = value
+        self._parts.move_to_end(key)
+        while len(self._parts) > self.bound:
+            self._parts.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parts
 
 
 class Channel(Protocol):

@@ -461,3 +461,25 @@ async def test_a_reply_undeliverable_past_the_window_is_given_up(tmp_path: Path)
     assert len(platform.attempts) >= 2 and platform.sent == []
     assert ticket.marked and await store.unanswered() == []
     await store.aclose()
+
+
+# --------------------------------------------------------------------------- parts sent
+
+
+def test_parts_sent_remembers_the_newest_replies_and_forgets_a_taken_one() -> None:
+    """`PartsSent`, every splitting channel's memory of replies cut short: a reply kept
+    again is the newest, the oldest go past the bound, and taking one forgets it (a
+    reply that then goes out whole is not resumed a second time)."""
+    from gateway.channel import PartsSent
+
+    parts = PartsSent[str, int](3)
+    for n, reply in enumerate("abcd"):
+        parts.keep(reply, n)
+    assert "a" not in parts and len(parts) == 3
+    parts.keep("b", 5)  # the newest now: "c" goes first
+    parts.keep("e", 6)
+    assert "c" not in parts and "b" in parts
+    assert parts.take("b", 0) == 5 and parts.take("b", 0) == 0
+    assert parts.take("zzz", None) is None
+    with pytest.raises(ValueError, match="bound"):
+        PartsSent[str, int](0)

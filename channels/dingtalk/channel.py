@@ -67,7 +67,7 @@ from channels.dingtalk.translate import (
     Skip,
     translate_callback,
 )
-from gateway.channel import DeliveryFailed, Submit
+from gateway.channel import DeliveryFailed, PartsSent, Submit
 from gateway.config import ConfigError
 from gateway.messages import OutboundMessage
 
@@ -159,7 +159,7 @@ class DingTalkChannel:
         #: Callbacks (msgId) this process journaled: a re-push is acked at once.
         self._taken: OrderedDict[str, None] = OrderedDict()
         #: Replies a failure cut short, by (session, reply_to, text): the parts posted.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_REMEMBERED)
         #: Replies to a message posted whole, by (session, reply_to, text): when.
         self._posted: OrderedDict[tuple[str, str, str], float] = OrderedDict()
         #: One-to-one conversations' people, for a message without a reply context.
@@ -342,13 +342,13 @@ class DingTalkChannel:
                 logger.info("dingtalk: a reply posted whole before is not posted again")
                 return
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             for index in range(done, len(parts)):
                 try:
                     await self._post(message.chat_id, context, parts[index])
                 except (DeliveryFailed, PossiblySent) as exc:
                     posted = index + 1 if isinstance(exc, PossiblySent) else index
-                    _remember(self._sent_parts, reply, posted)
+                    self._sent_parts.keep(reply, posted)
                     if isinstance(exc, DeliveryFailed):
                         raise DeliveryFailed(str(exc), sent=index) from exc
                     raise

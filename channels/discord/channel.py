@@ -99,7 +99,7 @@ from channels.discord.format import DISCORD_LIMIT, discord_messages, split_disco
 from channels.discord.settings import DiscordSettings
 from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
-from gateway.channel import DeliveryFailed, Submit, Ticket
+from gateway.channel import DeliveryFailed, PartsSent, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
@@ -686,7 +686,7 @@ class DiscordChannel:
         self._typing = TypingIndicators[int](self._send_typing)
         self._streams: dict[str, _Stream] = {}
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_SEEN_MESSAGES)
         self.backfilled = 0  # messages read back through the HTTP API (tests, logs)
         self.live = anyio.Event()  # set once a session is up and read back (tests, probes)
 
@@ -1282,7 +1282,7 @@ class DiscordChannel:
             if pieces and shown is not None and await self._edit(target, shown, pieces[0]):
                 first = 1
             reply = (message.session_key, message.reply_to, message.text)
-            done = max(first, self._sent_parts.pop(reply, 0))
+            done = max(first, self._sent_parts.take(reply, 0))
             try:
                 for index in range(done, len(pieces)):
                     reply_to = message.reply_to if index == 0 else None
@@ -1302,9 +1302,7 @@ class DiscordChannel:
             except Exception as exc:
                 if not not_sent(exc):
                     raise
-                self._sent_parts[reply] = done
-                while len(self._sent_parts) > _SEEN_MESSAGES:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(reply, done)
                 raise DeliveryFailed(f"discord: {exc!r}", sent=done) from exc
 
     async def _post(

@@ -90,7 +90,7 @@ from channels.feishu.translate import (
     parse_attachment_id,
     translate_event,
 )
-from gateway.channel import DeliveryFailed, Submit
+from gateway.channel import DeliveryFailed, PartsSent, Submit
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -253,7 +253,7 @@ class FeishuChannel:
         #: Messages the bot sent (a reply to one addresses the bot).
         self._sent_ids: OrderedDict[str, None] = OrderedDict()
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_REMEMBERED)
         self._names: OrderedDict[str, str] = OrderedDict()
         self._chat_next: dict[str, float] = {}
         self._streams: dict[str, _Stream] = {}
@@ -606,7 +606,7 @@ class FeishuChannel:
                 logger.warning("feishu: empty reply not sent")
                 return
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             first = 0
             try:
                 if (
@@ -632,9 +632,7 @@ class FeishuChannel:
                 repeatable = isinstance(exc, FeishuSetupError | NoAnswer) or certainly_not_sent(exc)
                 if not repeatable:
                     raise
-                self._sent_parts[reply] = done
-                while len(self._sent_parts) > _REMEMBERED:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(reply, done)
                 raise DeliveryFailed(f"feishu: {exc}", sent=done) from exc
 
     async def _post(self, target: Target, text: str, uuid: str, *, quote: bool) -> str:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -78,7 +78,7 @@ from channels.googlechat.format import chat_messages, client_message_id, mention
 from channels.googlechat.settings import GoogleChatSettings
 from channels.googlechat.translate import CHANNEL, Skip, target_of, translate_event
 from gateway import failpoints
-from gateway.channel import DeliveryFailed, Submit
+from gateway.channel import DeliveryFailed, PartsSent, Submit
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -200,7 +200,7 @@ class GoogleChatChannel:
         self._tg: anyio.abc.TaskGroup | None = None
         self._mounted = False
         self._locks = [anyio.Lock() for _ in range(_LOCKS)]
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_SEEN)
         self._streams: dict[str, _Stream] = {}
 
     @classmethod
@@ -390,7 +390,7 @@ class GoogleChatChannel:
                 logger.warning("googlechat: empty reply not sent")
                 return
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             deadline = time.monotonic() + self.pacing.reply_deadline
             try:
                 if done == 0 and await self._into_preview(
@@ -404,9 +404,7 @@ class GoogleChatChannel:
             except (Unreachable, NoAnswer, ChatApiError, SetupError) as exc:
                 if isinstance(exc, ChatApiError) and not exc.transient:
                     raise
-                self._sent_parts[reply] = done
-                while len(self._sent_parts) > _SEEN:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(reply, done)
                 raise DeliveryFailed(f"googlechat: {exc}", sent=done) from exc
 
     async def _into_preview(

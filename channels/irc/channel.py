@@ -91,7 +91,6 @@ import re
 import secrets
 import ssl
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,7 +114,7 @@ from channels.irc.wire import (
     strip_formatting,
 )
 from gateway.agent.commands import COMMANDS
-from gateway.channel import DeliveryFailed, Submit
+from gateway.channel import DeliveryFailed, PartsSent, Submit
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.messages import (
@@ -643,7 +642,7 @@ class IrcChannel:
         self._joining: set[str] = set()
         self._joined = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None  # the connection's tasks
-        self._sent_parts: OrderedDict[str, tuple[list[str], int]] = OrderedDict()
+        self._sent_parts = PartsSent[str, tuple[list[str], int]](_REMEMBERED)
         self.connections = 0  # connections registered (tests, logs)
         self.live = anyio.Event()  # set once the first connection joined its channels
 
@@ -1164,7 +1163,7 @@ class IrcChannel:
         link = await self._wait_link()
         me = self._me
         assert me is not None
-        lines, done = self._sent_parts.pop(key, (None, 0))
+        lines, done = self._sent_parts.take(key, (None, 0))
         if lines is None:
             is_channel = me.isupport.is_channel(target)
             lead = f"{nick}: " if is_channel and nick else ""
@@ -1180,9 +1179,7 @@ class IrcChannel:
                 await link.send(Line("PRIVMSG", (target, lines[index])))
                 done = index + 1
         except (ConnectionLost, DeliveryFailed) as exc:
-            self._sent_parts[key] = (lines, done)
-            while len(self._sent_parts) > _REMEMBERED:
-                self._sent_parts.popitem(last=False)
+            self._sent_parts.keep(key, (lines, done))
             raise DeliveryFailed(f"irc: {exc}", sent=done) from exc
         return done
 

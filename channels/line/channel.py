@@ -81,7 +81,7 @@ from channels.line.translate import (
 from channels.notices import NoticeCooldown
 from channels.typing_indicators import TypingIndicators
 from gateway import failpoints
-from gateway.channel import DeliveryFailed, Submit, Ticket
+from gateway.channel import DeliveryFailed, PartsSent, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -216,7 +216,7 @@ class LineChannel:
         #: Ids of the messages the bot sent: a message quoting one replies to the bot.
         self._own: OrderedDict[str, None] = OrderedDict()
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_REMEMBERED)
         #: Retry keys of replies to no message, by (session, text, first part).
         self._keys: OrderedDict[tuple[str, str, int], str] = OrderedDict()
         self._names: dict[tuple[str, str], tuple[float, str]] = {}
@@ -446,7 +446,7 @@ class LineChannel:
                 f"from a public URL: {names}]"
             )
         again = (message.session_key, message.reply_to, message.text)
-        done = self._sent_parts.pop(again, 0)
+        done = self._sent_parts.take(again, 0)
         context = ReplyContext.from_metadata(message.metadata)
         group = is_group_chat(message.chat_id)
         deadline = time.monotonic() + self.pacing.reply_deadline
@@ -471,9 +471,7 @@ class LineChannel:
                 done += len(batch)
 
     def _remember_cut(self, again: tuple[str, str | None, str], done: int) -> None:
-        self._sent_parts[again] = done
-        while len(self._sent_parts) > _REMEMBERED:
-            self._sent_parts.popitem(last=False)
+        self._sent_parts.keep(again, done)
 
     async def _send_batch(
         self,

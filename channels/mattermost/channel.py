@@ -96,7 +96,7 @@ from channels.mattermost.translate import (
     translate_post,
 )
 from channels.typing_indicators import TypingIndicators
-from gateway.channel import DeliveryFailed, Submit, Ticket
+from gateway.channel import DeliveryFailed, PartsSent, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
@@ -282,7 +282,7 @@ class MattermostChannel:
         self._backoff: dict[str, float] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._edits_seen: OrderedDict[str, None] = OrderedDict()
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_SEEN_POSTS)
         self._typing = TypingIndicators[tuple[str, str]](self._send_typing)
         self._streams: dict[str, _Stream] = {}
         self.live = anyio.Event()  # set once connected and read back (tests, probes)
@@ -968,7 +968,7 @@ class MattermostChannel:
                 logger.warning("mattermost: empty reply not sent")
                 return
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             first = 0
             shown = stream.post_id if stream is not None else None
             try:
@@ -992,9 +992,7 @@ class MattermostChannel:
             except (Unreachable, MattermostError, MattermostSetupError) as exc:
                 if not (isinstance(exc, MattermostSetupError) or certainly_not_sent(exc)):
                     raise
-                self._sent_parts[reply] = done
-                while len(self._sent_parts) > _SEEN_POSTS:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(reply, done)
                 raise DeliveryFailed(f"mattermost: {exc}", sent=done) from exc
 
     async def _post(

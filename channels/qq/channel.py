@@ -105,7 +105,7 @@ from channels.qq.translate import (
     target_of,
     translate_event,
 )
-from gateway.channel import DeliveryFailed, Submit
+from gateway.channel import DeliveryFailed, PartsSent, Submit
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
@@ -271,7 +271,7 @@ class QQChannel:
         self._backoff: dict[str, float] = {}
         self._seen = _Cache()
         self._authors = _Cache()  # "<conversation>/<message id>" -> who wrote it
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_SEEN)
         self.live = anyio.Event()  # set once connected and read back (tests, probes)
 
     # ----------------------------------------------------------------- running
@@ -864,7 +864,7 @@ class QQChannel:
                 logger.warning("qq: empty reply not sent")
                 return
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             parts: list[tuple[str, list[Segment]]] = []
             for index, body in enumerate(texts):
                 segments: list[Segment] = []
@@ -882,9 +882,7 @@ class QQChannel:
                     await self._send_part(kind, number, segments, context, what)
                     done = index + 1
             except (DeliveryFailed, NotSent, TokenRefused) as exc:
-                self._sent_parts[reply] = done
-                while len(self._sent_parts) > _SEEN:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(reply, done)
                 if isinstance(exc, DeliveryFailed):
                     raise DeliveryFailed(str(exc), sent=done) from exc
                 raise DeliveryFailed(f"qq: {exc}", sent=done) from exc

@@ -54,7 +54,6 @@ import binascii
 import json
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +79,7 @@ from channels.signal.inbound import (
 )
 from channels.signal.settings import SignalSettings
 from channels.typing_indicators import TypingIndicators
-from gateway.channel import DeliveryFailed, Submit, Ticket
+from gateway.channel import DeliveryFailed, PartsSent, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.journal.protocol import CursorStore, Lead
 from gateway.media import MediaError
@@ -163,7 +162,7 @@ class SignalChannel:
         self._notices = NoticeCooldown()
         self._typing = TypingIndicators[Target](self._show_typing)
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_REMEMBERED_REPLIES)
         self._held_stored = False
         self.stats = SignalStats()
         self.live = anyio.Event()  # set once messages flow (for tests and probes)
@@ -442,7 +441,7 @@ class SignalChannel:
             return
         quote = self._quote(message) if target.group_id is not None else {}
         key = (message.session_key, message.reply_to, message.text)
-        done = self._sent_parts.pop(key, 0)
+        done = self._sent_parts.take(key, 0)
         with logger.contextualize(session=message.session_key):
             try:
                 for index, part in enumerate(parts):
@@ -456,9 +455,7 @@ class SignalChannel:
             except SignalError as exc:
                 if exc.kind != "not_done":
                     raise
-                self._sent_parts[key] = done
-                while len(self._sent_parts) > _REMEMBERED_REPLIES:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(key, done)
                 raise DeliveryFailed(f"signal: {exc}", sent=done) from exc
 
     def _quote(self, message: OutboundMessage) -> dict[str, Any]:

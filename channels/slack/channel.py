@@ -64,7 +64,6 @@ import dataclasses
 import enum
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -92,7 +91,7 @@ from channels.slack.format import (
     split_mrkdwn,
 )
 from channels.slack.settings import SlackSettings
-from gateway.channel import DeliveryFailed, Submit
+from gateway.channel import DeliveryFailed, PartsSent, Submit
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -528,7 +527,7 @@ class SlackChannel:
         self._mounted = False
         self._streams: dict[str, _Stream] = {}
         #: Replies a failure cut short, by (session, reply_to, text): the parts posted.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_CUT_SHORT)
         self._bot_token = bot_token
         self._names: dict[str, str] = {}  # user id -> display name (users.info)
         self.app = AsyncApp(
@@ -762,13 +761,11 @@ class SlackChannel:
                         first = 1
             # A reply sent again after a failure goes on where the failure stopped it.
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             for index in range(max(first, done), len(parts)):
                 outcome, _ = await self._post_part(channel, thread_ts, parts[index], deadline)
                 if outcome is Delivery.FAILED:
-                    self._sent_parts[reply] = index
-                    while len(self._sent_parts) > _CUT_SHORT:
-                        self._sent_parts.popitem(last=False)
+                    self._sent_parts.keep(reply, index)
                     raise DeliveryFailed(
                         f"slack: reply part {index + 1} of {len(parts)} to {channel} not "
                         "posted; it is sent again later",

@@ -88,7 +88,7 @@ from channels.teams.translate import (
 )
 from channels.typing_indicators import TypingIndicators
 from gateway import failpoints
-from gateway.channel import DeliveryFailed, Submit, Ticket
+from gateway.channel import DeliveryFailed, PartsSent, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -237,7 +237,7 @@ class TeamsChannel:
         self._mounted = False
         #: conversation -> the service URL of its last activity (for replies to nothing)
         self._service_urls: OrderedDict[str, str] = OrderedDict()
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_REMEMBERED)
         self._typing = TypingIndicators[tuple[str, str]](self._send_typing)
         self._streams: dict[str, _Stream] = {}
 
@@ -448,7 +448,7 @@ class TeamsChannel:
                 logger.warning("teams: empty reply not sent")
                 return
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             first = 0
             try:
                 shown = stream.activity_id if stream is not None else None
@@ -478,9 +478,7 @@ class TeamsChannel:
                     raise TeamsSetupError(_credentials_hint(str(exc), self.settings)) from None
                 if not certainly_not_sent(exc):
                     raise
-                self._sent_parts[reply] = done
-                while len(self._sent_parts) > _REMEMBERED:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(reply, done)
                 raise DeliveryFailed(f"teams: {exc}", sent=done) from exc
 
     def _poster(self, target: Target, activity: dict[str, Any]) -> Callable[[], Any]:

@@ -92,7 +92,7 @@ from channels.telegram.format import html_to_text, markdown_to_html, split_markd
 from channels.telegram.settings import TelegramSettings
 from channels.typing_indicators import TypingIndicators
 from gateway.agent.commands import COMMANDS
-from gateway.channel import DeliveryFailed, Submit, Ticket
+from gateway.channel import DeliveryFailed, PartsSent, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -531,7 +531,7 @@ class TelegramChannel:
                 "@BotFather gave you) or channels.telegram.token_file"
             )
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_SEEN_UPDATES)
         #: Shared mode (`gateway.journal.pg_cursors.run_as_leader`): runs the poll loop once this
         #: replica is the one that polls; None polls at once.
         self.poll_leader: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None
@@ -888,7 +888,7 @@ class TelegramChannel:
                 quote = None
             # A reply sent again after a failure goes on where the failure stopped it.
             reply = (message.session_key, message.reply_to, message.text)
-            done = self._sent_parts.pop(reply, 0)
+            done = self._sent_parts.take(reply, 0)
             parts = len(pieces)
             try:
                 for index, piece in enumerate(pieces):
@@ -905,9 +905,7 @@ class TelegramChannel:
                 retry = isinstance(exc, TelegramSetupError) or failure_kind(exc) == "retry"
                 if not retry:
                     raise
-                self._sent_parts[reply] = done
-                while len(self._sent_parts) > _SEEN_UPDATES:
-                    self._sent_parts.popitem(last=False)
+                self._sent_parts.keep(reply, done)
                 raise DeliveryFailed(f"telegram: {exc!r}", sent=done) from exc
 
     async def _send_file(self, where: Address, file: OutboundFile) -> Message:

@@ -45,7 +45,7 @@ Promises (tested in tests/test_wecom*.py and by the conformance kit, tests/confo
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +70,7 @@ from channels.wecom.translate import (
     translate_message,
 )
 from gateway import failpoints
-from gateway.channel import DeliveryFailed, Submit
+from gateway.channel import DeliveryFailed, PartsSent, Submit
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.messages import OutboundMessage
@@ -177,7 +177,7 @@ class WeComChannel:
         self._mounted = False
         self._notices = NoticeCooldown()
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_REMEMBERED)
         self.given_up: deque[GivenUp] = deque(maxlen=_GIVEN_UP_LISTED)
 
     @classmethod
@@ -367,7 +367,7 @@ class WeComChannel:
             names = ", ".join(f.name for f in message.files)
             texts.append(f"[{len(message.files)} file(s) not sent: {names}]")
         again = (message.session_key, message.reply_to, message.text)
-        done = self._sent_parts.pop(again, 0)
+        done = self._sent_parts.take(again, 0)
         deadline = time.monotonic() + self.pacing.reply_deadline
         with logger.contextualize(session=message.session_key):
             if not texts:
@@ -420,9 +420,7 @@ class WeComChannel:
             return
 
     def _remember_cut(self, again: tuple[str, str | None, str], done: int) -> None:
-        self._sent_parts[again] = done
-        while len(self._sent_parts) > _REMEMBERED:
-            self._sent_parts.popitem(last=False)
+        self._sent_parts.keep(again, done)
 
     def _give_up(self, message: OutboundMessage, reason: str, why: str) -> None:
         self.stats.refused[reason] += 1

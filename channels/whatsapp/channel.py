@@ -48,7 +48,7 @@ import json
 import re
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -64,7 +64,7 @@ from channels.whatsapp.format import markdown_to_whatsapp, plain_line, split_wha
 from channels.whatsapp.settings import WhatsAppSettings
 from channels.whatsapp.store import HeldReply, SentMessage, WhatsAppStore
 from gateway import failpoints
-from gateway.channel import DeliveryFailed, Submit, Ticket
+from gateway.channel import DeliveryFailed, PartsSent, Submit, Ticket
 from gateway.config import ConfigError
 from gateway.http import json_error
 from gateway.media import MediaError
@@ -637,7 +637,7 @@ class WhatsAppChannel:
         self._mounted = False
         self._notices = NoticeCooldown()
         #: Replies a failure cut short, by (session, reply_to, text): the parts sent.
-        self._sent_parts: OrderedDict[tuple[str, str | None, str], int] = OrderedDict()
+        self._sent_parts = PartsSent[tuple[str, str | None, str], int](_CUT_SHORT)
 
     @classmethod
     def from_settings(cls, settings: WhatsAppSettings, store: WhatsAppStore) -> WhatsAppChannel:
@@ -910,7 +910,7 @@ class WhatsAppChannel:
         deadline = time.monotonic() + self.retry.reply_deadline
         # A reply sent again after a failure goes on where the failure stopped it.
         again = (message.session_key, message.reply_to, message.text)
-        done = self._sent_parts.pop(again, 0)
+        done = self._sent_parts.take(again, 0)
         with logger.contextualize(session=message.session_key):
             if not parts and not message.files:
                 logger.warning("whatsapp: empty reply not sent")
@@ -962,9 +962,7 @@ class WhatsAppChannel:
     ) -> DeliveryFailed:
         """Remember that the first `index` parts of a reply went out, for when it comes
         again; the `DeliveryFailed` to raise."""
-        self._sent_parts[again] = index
-        while len(self._sent_parts) > _CUT_SHORT:
-            self._sent_parts.popitem(last=False)
+        self._sent_parts.keep(again, index)
         return DeliveryFailed(
             f"whatsapp: part {index + 1} of {total} not sent ({failure.reason}); it is sent "
             "again later",
