@@ -42,6 +42,9 @@ MAX_OBSERVATIONS = 64
 DEFAULT_AUDIT_RATE = 0.05
 #: The default bound: 1% of served near-duplicate hits may be wrong.
 DEFAULT_MAX_ERROR = 0.01
+#: One-sided 95%: the wrong rate of the labels above a certified threshold is within
+#: the bound with that confidence (Wilson's interval).
+CONFIDENCE_Z = 1.645
 #: A threshold above every similarity: nothing is served.
 NEVER = math.inf
 
@@ -82,11 +85,24 @@ def shared_threshold(
             wrong += 1
             highest_wrong = max(highest_wrong, obs.similarity)
         last_at_this_similarity = i + 1 == len(labels) or labels[i + 1].similarity < obs.similarity
-        if last_at_this_similarity and (wrong + 1) / (labelled + 1) <= max_error:
+        if last_at_this_similarity and wrong_rate_bound(wrong, labelled) <= max_error:
             best = obs.similarity
     if best is not None:
         return best
-    return max(prior, highest_wrong + MARGIN)
+    # The prior stands while no label contradicts it; once one does, only labels can
+    # certify a threshold again.
+    return prior if highest_wrong < prior else NEVER
+
+
+def wrong_rate_bound(wrong: int, labelled: int, *, z: float = CONFIDENCE_Z) -> float:
+    """Wilson's upper confidence bound on a wrong rate seen as `wrong` of `labelled`."""
+    if labelled == 0:
+        return 1.0
+    p = wrong / labelled
+    z2 = z * z
+    centre = p + z2 / (2 * labelled)
+    spread = z * math.sqrt(p * (1 - p) / labelled + z2 / (4 * labelled * labelled))
+    return (centre + spread) / (1 + z2 / labelled)
 
 
 def entry_threshold(shared: float, observations: Iterable[Observation]) -> float:
