@@ -72,7 +72,6 @@ class _PendingLabel:
     partition: str
     key: str
     similarity: float
-    response: str
 
 
 @dataclass(slots=True)
@@ -251,7 +250,9 @@ class SemanticCache:
             match.threshold,
         )
         tag = (ctx.session_key, partition, query)
-        self._pending[tag] = _PendingLabel(partition, match.key, match.similarity, record.response)
+        # The candidate's answer is read again when labelled: a pending label holds no
+        # response (a thousand of them would otherwise hold up to 256 MB).
+        self._pending[tag] = _PendingLabel(partition, match.key, match.similarity)
         self._pending.move_to_end(tag)
         while len(self._pending) > MAX_PENDING_LABELS:
             self._pending.popitem(last=False)
@@ -268,8 +269,11 @@ class SemanticCache:
         )
         if pending is None or ctx.tool_calls_made or not response.strip():
             return None
+        stored = await self.backend.get(pending.key, now=self._clock())
+        if stored is None:
+            return None  # gone meanwhile: its labels went with it
         correct = await self._near.answers_agree(
-            response, pending.response, agreement=self.settings.near_duplicate_answer_agreement
+            response, stored.response, agreement=self.settings.near_duplicate_answer_agreement
         )
         await self.backend.add_observation(
             pending.key, pending.similarity, correct, now=self._clock()
