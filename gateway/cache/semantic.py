@@ -6,6 +6,11 @@ the one key the policy allows for this context, and rejects a record whose scope
 the scope that context may read; `store` files an answer as shared only when the policy
 calls the question standalone, and never stores an answer that involved tool calls.
 
+The near-duplicate layer (on when its model is installed) serves a paraphrase only at
+or above its entry's threshold (gateway/cache/verified.py); a candidate below it is a
+miss, and `store` compares the model's answer with the candidate's to label the entry.
+`lookup` takes the turn's question vector (`embed_query`) so a turn embeds it once.
+
 The cache is an optimisation: `lookup` and `store` log and swallow backend failures
 (a broken cache means misses, never a failed turn; a backend that says it is
 unavailable, `CacheUnavailable`, has logged that itself and is not logged again per
