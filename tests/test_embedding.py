@@ -114,3 +114,33 @@ def test_only_the_first_max_tokens_word_pieces_are_read(embedder: SentenceEmbedd
     long = "the committee discussed the budget at length " * 40  # far past MAX_TOKENS
     first, longer = embedder.embed([long, long + " and then something else entirely"])
     assert float(np.abs(first - longer).max()) < 1e-5
+
+
+@needs_extra
+def test_two_processes_starting_together_build_the_fast_model_once(tmp_path: Path) -> None:
+    """The daemon and `gateway doctor` (or two replicas on one disk) may start at once:
+    the second waits for the first's build and uses its file."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time; from pathlib import Path; "
+        "from gateway.embedding import fast_model; "
+        "start = time.process_time(); path = fast_model(Path(sys.argv[1])); "
+        "print(path, time.process_time() - start)"
+    )
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [run.communicate(timeout=300)[0].split() for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    paths = {path for path, _ in outputs}
+    cpu = sorted(float(seconds) for _, seconds in outputs)
+    (built,) = tmp_path.glob("minilm-l6-int8-dynamic-*.onnx")
+    assert paths == {str(built)}
+    assert cpu[0] < cpu[1] / 4, f"both built it: {cpu} s of CPU"
+    leftovers = [p.name for p in tmp_path.iterdir() if p != built and p.name != ".build.lock"]
+    assert leftovers == []

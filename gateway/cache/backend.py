@@ -12,8 +12,9 @@ class CacheRecord:
 
     `scope` is `"shared"` or `"session:<key>"`; `partition` groups entries answered under
     the same model, system prompt and tools; `query` is the normalized question, kept
-    for shared entries only (near-duplicate matching needs it; a scoped entry's
-    question may be private and is never needed again). Times are epoch seconds.
+    for shared entries the near-duplicate layer indexes only (a scoped entry's question
+    may be private and is never needed again; a paraphrase whose candidate's answer
+    was right is found through that candidate). Times are epoch seconds.
     """
 
     key: str
@@ -92,7 +93,22 @@ class CacheBackend(Protocol):
     async def counts(self, *, now: float) -> BackendCounts: ...
 
     async def shared_queries(self, partition: str, *, now: float) -> list[tuple[str, str]]:
-        """`(key, normalized query)` of the live shared entries of one partition."""
+        """`(key, normalized query)` of the live shared entries of one partition that
+        have a query (those the near-duplicate layer indexes)."""
+        ...
+
+    async def add_observation(
+        self, key: str, similarity: float, correct: bool, *, now: float
+    ) -> None:
+        """Keep a near-duplicate label on entry `key` (the newest `MAX_OBSERVATIONS`;
+        none for an entry that is gone); the labels go when the entry goes."""
+        ...
+
+    async def partition_observations(
+        self, partition: str, *, now: float
+    ) -> dict[str, list[tuple[float, bool]]]:
+        """`key -> [(similarity, correct), ...]` (oldest first) of the live shared
+        entries of one partition that have labels."""
         ...
 
     async def check(self) -> None:

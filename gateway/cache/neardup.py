@@ -1,18 +1,20 @@
-"""The optional near-duplicate layer: embeddings find a similar shared question, the guard
-decides whether it really is the same question.
+"""The near-duplicate layer: embeddings find a similar shared question, the guard
+decides whether it really is the same question, and the entry's threshold (kept under
+the operator's error bound by labels, gateway/cache/verified.py) whether to serve it.
 
-Off by default. It needs the `cache-neardup` extra (`wordllama`, which ships its
-weights and runs offline on CPU without torch), imported only when the layer is turned
-on. Only shared entries (standalone questions) are ever indexed or matched, and only
-within one partition (same model, system prompt and tools), so this layer can never
-widen who sees an answer: it can only map one standalone question onto another, and
-`guard_conflict` vetoes every pair whose negations, numbers, times, entities, persons or
-antonyms differ.
+On by default with all-MiniLM-L6-v2 (the `embedding` extra, gateway/embedding.py);
+wordllama (the `cache-neardup` extra) can be chosen instead. Without the model's extra
+the cache says so once at start and matches exact questions only. Only shared entries
+(standalone questions) are ever indexed or matched, and only within one partition (same
+model, system prompt and tools), so this layer can never widen who sees an answer: it
+can only map one standalone question onto another, and `guard_conflict` vetoes every
+pair whose negations, numbers, times, entities, persons, antonyms or word order differ.
 
-The index lives in this process: it is loaded from the backend per partition on first
-use, refreshed when older than `refresh_seconds` (entries written by other replicas
-show up then), and a candidate is always re-read from the backend before it is served,
-so an evicted, expired or invalidated entry is never returned.
+The index lives in this process: it is loaded from the backend per partition (with the
+entries' labels) on first use, refreshed when older than `refresh_seconds` (entries and
+labels written by other replicas show up then), and a candidate is always re-read from
+the backend before it is served, so an evicted, expired or invalidated entry is never
+returned.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ from loguru import logger
 
 from gateway.cache.guard import guard_conflict, load_dictionary
 from gateway.cache.policy import DEFAULT_NEAR_DUPLICATE_THRESHOLD, normalize_query
+from gateway.cache.verified import (
+    DEFAULT_MAX_ERROR,
+    MAX_OBSERVATIONS,
+    Observation,
+    entry_threshold,
+    shared_threshold,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -124,11 +133,13 @@ def near_duplicate_embedder(model: str) -> Embedder:
 
 @dataclass(frozen=True, slots=True)
 class NearMatch:
-    """A stored shared question judged to ask the same as the new one."""
+    """A stored shared question the guard accepts as asking the same as the new one,
+    and the threshold its entry holds now (`verified.entry_threshold`)."""
 
     key: str
     query: str
     similarity: float
+    threshold: float = 0.0
 
 
 @dataclass(slots=True)
@@ -137,16 +148,30 @@ class _Partition:
     queries: list[str] = field(default_factory=list)
     matrix: Any = None  # np.ndarray with capacity >= len(keys)
     loaded_at: float = -math.inf
+    #: key -> its labels, newest last (at most `verified.MAX_OBSERVATIONS`).
+    observations: dict[str, list[Observation]] = field(default_factory=dict)
+    shared_threshold: float = 0.0
+
+
+ObservationLoader = Callable[[], Awaitable[dict[str, list[tuple[float, bool]]]]]
 
 
 class NearDuplicateIndex:
-    """Shared questions per partition, their vectors, and the guarded nearest match."""
+    """Shared questions per partition, their vectors and labels, and the guarded nearest
+    match.
+
+    `threshold` is the candidate floor: a stored question less similar than that is no
+    candidate at all. `prior` (default: `threshold`) is the similarity a candidate must
+    reach to be served until the partition's labels certify another under `max_error`
+    (gateway/cache/verified.py)."""
 
     def __init__(
         self,
         embedder: Embedder,
         *,
         threshold: float = DEFAULT_THRESHOLD,
+        prior: float | None = None,
+        max_error: float = DEFAULT_MAX_ERROR,
         refresh_seconds: float = 60.0,
         candidates: int = 5,
         clock: Callable[[], float] = time.monotonic,
@@ -155,6 +180,8 @@ class NearDuplicateIndex:
         """`use_guard=False` exists only to measure what the guard prevents."""
         self._embedder = embedder
         self.threshold = threshold
+        self.prior = threshold if prior is None else max(prior, threshold)
+        self.max_error = max_error
         self._refresh_seconds = refresh_seconds
         self._candidates = candidates
         self._clock = clock
@@ -166,8 +193,27 @@ class NearDuplicateIndex:
     async def _embed(self, texts: Sequence[str]) -> np.ndarray:
         return await anyio.to_thread.run_sync(self._embedder.embed, list(texts))
 
+    async def warm_up(self) -> None:
+        """Load the model (MiniLM builds its fast file once, about 3 s of CPU) and the
+        guard's word list now, in a worker thread, so no turn pays for them."""
+
+        def warm() -> None:
+            self._embedder.embed(["warm up"])
+            if self._use_guard:
+                load_dictionary()
+
+        await anyio.to_thread.run_sync(warm, abandon_on_cancel=True)  # a stop never waits
+
+    async def embed_query(self, query: str) -> np.ndarray:
+        """The unit vector of one (normalized) question, computed in a worker thread."""
+        vector: np.ndarray = (await self._embed([query]))[0]
+        return vector
+
     async def _ensure(
-        self, partition: str, load: Callable[[], Awaitable[list[tuple[str, str]]]]
+        self,
+        partition: str,
+        load: Callable[[], Awaitable[list[tuple[str, str]]]],
+        load_observations: ObservationLoader | None = None,
     ) -> _Partition:
         import numpy as np
 
@@ -177,6 +223,7 @@ class NearDuplicateIndex:
         if self._use_guard:
             await anyio.to_thread.run_sync(load_dictionary)  # off the event loop, once
         rows = await load()
+        labels = await load_observations() if load_observations is not None else {}
         missing = [(k, q) for k, q in rows if k not in self._vectors]
         if missing:
             vectors = await self._embed([q for _, q in missing])
@@ -187,6 +234,11 @@ class NearDuplicateIndex:
         part.queries = [q for _, q in rows]
         if rows:
             part.matrix = np.stack([self._vectors[k] for k in part.keys])
+        part.observations = {
+            key: [Observation(s, c) for s, c in obs[-MAX_OBSERVATIONS:]]
+            for key, obs in labels.items()
+        }
+        self._recalibrate(part)
         live = set(part.keys)
         for other in self._partitions.values():
             live.update(other.keys)
@@ -194,6 +246,34 @@ class NearDuplicateIndex:
         self._dead -= set(part.keys)
         self._partitions[partition] = part
         return part
+
+    def _recalibrate(self, part: _Partition) -> None:
+        part.shared_threshold = shared_threshold(
+            (o for obs in part.observations.values() for o in obs),
+            max_error=self.max_error,
+            prior=self.prior,
+        )
+
+    def observe(self, partition: str, key: str, observation: Observation) -> None:
+        """Add a label to `key`'s entry here (the backend keeps it for the replicas)."""
+        part = self._partitions.get(partition)
+        if part is None:
+            return  # read from the backend with the partition
+        obs = part.observations.setdefault(key, [])
+        obs.append(observation)
+        del obs[:-MAX_OBSERVATIONS]
+        self._recalibrate(part)
+
+    def shared_threshold(self, partition: str) -> float:
+        """The serving threshold the partition's labels give (the prior until loaded)."""
+        part = self._partitions.get(partition)
+        return self.prior if part is None else part.shared_threshold
+
+    def entry_threshold(self, partition: str, key: str) -> float:
+        part = self._partitions.get(partition)
+        if part is None:
+            return self.prior
+        return entry_threshold(part.shared_threshold, part.observations.get(key, ()))
 
     async def add(self, partition: str, key: str, query: str) -> None:
         """Index a freshly stored shared question (if its partition is loaded here)."""
@@ -227,21 +307,34 @@ class NearDuplicateIndex:
         self._vectors.clear()
         self._dead.clear()
 
+    async def answers_agree(self, fresh: str, stored: str, *, agreement: float) -> bool:
+        """Whether the model's fresh answer says what a candidate's stored one says:
+        the same text once normalized, or answer vectors at least `agreement` alike."""
+        if normalize_query(fresh) == normalize_query(stored):
+            return True
+        vectors = await self._embed([fresh, stored])
+        return float(vectors[0] @ vectors[1]) >= agreement
+
     async def find(
         self,
         partition: str,
         query: str,
         load: Callable[[], Awaitable[list[tuple[str, str]]]],
+        *,
+        vector: Any = None,
+        load_observations: ObservationLoader | None = None,
     ) -> NearMatch | None:
-        """The most similar stored question at or above the threshold that the guard
-        accepts as the same question as `query`; None otherwise."""
+        """The most similar stored question at or above the candidate floor that the
+        guard accepts as the same question as `query`; None otherwise. `vector`: the
+        query's own, when the turn has computed it already (one embedding a turn)."""
         import numpy as np
 
-        part = await self._ensure(partition, load)
+        part = await self._ensure(partition, load, load_observations)
         n = len(part.keys)
         if n == 0:
             return None
-        vector = (await self._embed([query]))[0]
+        if vector is None:
+            vector = await self.embed_query(query)
         scores = part.matrix[:n] @ vector
         k = min(self._candidates, n)
         top = np.argpartition(-scores, k - 1)[:k]
@@ -256,7 +349,8 @@ class NearDuplicateIndex:
             if conflict is not None:
                 logger.debug("near-duplicate {:.8} vetoed ({}), score {:.3f}", key, conflict, score)
                 continue
-            return NearMatch(key=key, query=candidate, similarity=score)
+            threshold = entry_threshold(part.shared_threshold, part.observations.get(key, ()))
+            return NearMatch(key=key, query=candidate, similarity=score, threshold=threshold)
         return None
 
 
@@ -306,7 +400,7 @@ async def score_pairs(
         t0 = time.perf_counter()
         match = await index.find("labelled", normalize_query(b), load)
         lookup_seconds.append(time.perf_counter() - t0)
-        if match is None:
+        if match is None or match.similarity < match.threshold:
             continue
         if match.query == normalize_query(b) or (same and match.query == normalize_query(a)):
             true_hits += int(same)

@@ -40,6 +40,10 @@ NEAR_DUPLICATE_MODELS = ("wordllama", "minilm")
 #: generated hard negatives (bench/embeddings.py): the lowest at which no wrong answer
 #: was served. MiniLM scores "from A to B" against "from B to A" up to 0.983.
 MINILM_NEAR_DUPLICATE_THRESHOLD = 0.985
+#: MiniLM's candidate floor: a stored question at least this similar (and accepted by the
+#: guard) but below its entry's threshold is not served; the model's answer to it is
+#: compared with the stored one, a label for the thresholds (gateway/cache/verified.py).
+MINILM_CANDIDATE_FLOOR = 0.90
 
 _WHITESPACE = re.compile(r"\s+")
 _TRAILING_QUESTION_MARKS = re.compile(r"\s*\?+$")
@@ -73,6 +77,12 @@ class CacheSettings:
     near_duplicate_model: str = "wordllama"
     #: None: the model's own (`DEFAULT_NEAR_DUPLICATE_THRESHOLD`, `MINILM_...`).
     near_duplicate_threshold: float | None = None
+    #: The share of served near-duplicate hits allowed to be wrong (gateway/cache/verified.py).
+    near_duplicate_max_error: float = 0.01
+    #: The share of servable near-duplicates answered by the model for a label instead.
+    near_duplicate_audit_rate: float = 0.05
+    #: How alike (cosine) two answers must be for a stored one to count as right.
+    near_duplicate_answer_agreement: float = 0.92
 
     def __post_init__(self) -> None:
         if self.ttl_seconds <= 0:
@@ -86,6 +96,10 @@ class CacheSettings:
         threshold = self.near_duplicate_threshold
         if threshold is not None and not 0.0 < threshold <= 1.0:
             raise ValueError("cache near_duplicate_threshold must be in (0, 1]")
+        if not 0.0 < self.near_duplicate_max_error < 1.0:
+            raise ValueError("cache near_duplicate_max_error must be in (0, 1)")
+        if not 0.0 <= self.near_duplicate_audit_rate < 1.0:
+            raise ValueError("cache near_duplicate_audit_rate must be in [0, 1)")
         if self.near_duplicate_model not in NEAR_DUPLICATE_MODELS:
             raise ValueError(
                 f"cache near_duplicate_model must be one of {', '.join(NEAR_DUPLICATE_MODELS)}"
@@ -99,6 +113,13 @@ class CacheSettings:
         if self.near_duplicate_model == "minilm":
             return MINILM_NEAR_DUPLICATE_THRESHOLD
         return DEFAULT_NEAR_DUPLICATE_THRESHOLD
+
+    @property
+    def near_duplicate_floor(self) -> float:
+        """The least similarity of a candidate: labelled when not served."""
+        if self.near_duplicate_model == "minilm":
+            return min(MINILM_CANDIDATE_FLOOR, self.near_duplicate_cutoff)
+        return self.near_duplicate_cutoff
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,8 @@ Layout under the namespace `ns` (default `gateway:cache:`):
 - `ns meta`           hash key -> [model, scope, size, partition], for cleaning indexes
 - `ns model:<model>`, `ns scope:<scope>`, `ns part:<partition>`  index sets
 - `ns stats`          hash with hits, misses and bytes, shared by every replica
+- `ns obs:<key>`      list of the entry's near-duplicate labels ("similarity:0|1"), newest
+                      last, expiring with the entry and dropped with it
 
 Every multi-key change runs in one Lua script, so replicas never see an entry without
 its index entries or an index entry left behind by an eviction. The scripts build key
@@ -37,6 +39,7 @@ from redis.exceptions import RedisError
 
 from gateway.cache.backend import BackendCounts, CacheRecord, CacheUnavailable
 from gateway.cache.policy import SHARED_SCOPE
+from gateway.cache.verified import MAX_OBSERVATIONS
 
 DEFAULT_NAMESPACE = "gateway:cache:"
 #: Seconds one call of a turn may take, connecting included, before it counts as failed.
@@ -61,8 +64,9 @@ _FAILURES = (RedisError, OSError, TimeoutError)
 # Shared by every script: drop one entry and everything that indexes it; 1 if it existed.
 _REMOVE = """
 local ns = ARGV[1]
-local function remove(key)
+local function remove(key, keep_labels)
   local meta = redis.call('HGET', ns .. 'meta', key)
+  if not keep_labels then redis.call('DEL', ns .. 'obs:' .. key) end
   redis.call('ZREM', ns .. 'lru', key)
   redis.call('ZREM', ns .. 'exp', key)
   redis.call('DEL', ns .. 'e:' .. key)
@@ -103,8 +107,9 @@ _PUT = (
 local key, now, ttl_ms, max = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local value, expires_at, model, scope = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local partition, size = ARGV[10], tonumber(ARGV[11])
-remove(key)
+remove(key, true)
 redis.call('SET', ns .. 'e:' .. key, value, 'PX', ttl_ms)
+redis.call('PEXPIRE', ns .. 'obs:' .. key, ttl_ms)
 redis.call('HSET', ns .. 'meta', key, cjson.encode({model, scope, size, partition}))
 redis.call('ZADD', ns .. 'lru', now, key)
 redis.call('ZADD', ns .. 'exp', expires_at, key)
@@ -133,6 +138,16 @@ for _, k in ipairs(members) do removed = removed + remove(k) end
 return removed
 """
 )
+
+_OBSERVE = """
+local ns, key, label, max = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local ttl = redis.call('PTTL', ns .. 'e:' .. key)
+if ttl <= 0 then return 0 end
+redis.call('RPUSH', ns .. 'obs:' .. key, label)
+redis.call('LTRIM', ns .. 'obs:' .. key, -max, -1)
+redis.call('PEXPIRE', ns .. 'obs:' .. key, ttl)
+return 1
+"""
 
 _DELETE_KEY = _REMOVE + "\nreturn remove(ARGV[2])\n"
 
@@ -307,6 +322,7 @@ class RedisCacheBackend:
         self._delete_key = self._client.register_script(_DELETE_KEY)
         self._clear = self._client.register_script(_CLEAR)
         self._counts = self._client.register_script(_COUNTS)
+        self._observe = self._client.register_script(_OBSERVE)
 
     async def check(self) -> None:
         """Raise `CacheUnavailable` unless Redis answers PING within `CHECK_TIMEOUT`
@@ -362,7 +378,8 @@ class RedisCacheBackend:
             repr(record.expires_at),
             record.model,
             record.scope,
-            record.partition if record.scope == SHARED_SCOPE else "",
+            # Only entries with a query are indexed for near-duplicate matching.
+            record.partition if record.scope == SHARED_SCOPE and record.query else "",
             record.size,
             self._purge_batch,
         ]
@@ -409,9 +426,37 @@ class RedisCacheBackend:
             if raw is None:
                 continue
             record = _decode(key, raw)
-            if record.expires_at > now:
+            if record.expires_at > now and record.query:
                 result.append((key, record.query))
         return result
+
+    async def add_observation(
+        self, key: str, similarity: float, correct: bool, *, now: float
+    ) -> None:
+        label = f"{similarity!r}:{int(correct)}"
+        args: list[str | int] = [self.namespace, key, label, MAX_OBSERVATIONS]
+        await self._in_turn(lambda: self._observe(args=args))
+
+    async def partition_observations(
+        self, partition: str, *, now: float
+    ) -> dict[str, list[tuple[float, bool]]]:
+        async def read() -> tuple[list[str], list[Any]]:
+            members = await self._client.smembers(self.namespace + "part:" + partition)
+            keys = [_text(k) for k in members]
+            if not keys:
+                return [], []
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.lrange(self.namespace + "obs:" + key, 0, -1)
+            return keys, await pipe.execute()
+
+        keys, lists = await self._in_turn(read)
+        found: dict[str, list[tuple[float, bool]]] = {}
+        for key, labels in zip(keys, lists, strict=True):
+            for raw in labels or ():
+                similarity, _, correct = _text(raw).partition(":")
+                found.setdefault(key, []).append((float(similarity), correct == "1"))
+        return found
 
     async def aclose(self) -> None:
         if self._owns_client:

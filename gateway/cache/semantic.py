@@ -6,6 +6,11 @@ the one key the policy allows for this context, and rejects a record whose scope
 the scope that context may read; `store` files an answer as shared only when the policy
 calls the question standalone, and never stores an answer that involved tool calls.
 
+The near-duplicate layer (on when its model is installed) serves a paraphrase only at
+or above its entry's threshold (gateway/cache/verified.py); a candidate below it is a
+miss, and `store` compares the model's answer with the candidate's to label the entry.
+`lookup` takes the turn's question vector (`embed_query`) so a turn embeds it once.
+
 The cache is an optimisation: `lookup` and `store` log and swallow backend failures
 (a broken cache means misses, never a failed turn; a backend that says it is
 unavailable, `CacheUnavailable`, has logged that itself and is not logged again per
@@ -15,6 +20,7 @@ turn). Administrative calls (`invalidate`, `clear`, `stats`) raise.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +46,10 @@ from gateway.cache.policy import (
     partition_id,
     session_scope,
 )
+from gateway.cache.verified import Observation, Verdict, verdict
+
+#: Near-duplicate candidates awaiting the model's answer for a label, at most.
+MAX_PENDING_LABELS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +68,29 @@ class CachedAnswer:
     age_seconds: float
     match: Literal["exact", "near"] = "exact"
     similarity: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingLabel:
+    """A candidate not served: labelled when the model's answer to the turn is stored."""
+
+    partition: str
+    key: str
+    similarity: float
+
+
+@dataclass(slots=True)
+class NearDuplicateCounts:
+    """This process's near-duplicate lookups (sum them over replicas): `hits` served,
+    `explorations` candidates below their threshold answered by the model, `audits`
+    servable ones answered by the model, `labels_correct`/`labels_wrong` what the
+    comparisons of answers found."""
+
+    hits: int = 0
+    explorations: int = 0
+    audits: int = 0
+    labels_correct: int = 0
+    labels_wrong: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +121,45 @@ class SemanticCache:
         self.backend = backend
         self.settings = settings or CacheSettings()
         self._clock = clock
+        self._servable = 0
         self._near: NearDuplicateIndex | None = None
+        self._pending: OrderedDict[tuple[str, str, str], _PendingLabel] = OrderedDict()
+        self.near_counts = NearDuplicateCounts()
         if self.settings.near_duplicates:
             self._near = near_duplicates or NearDuplicateIndex(
                 near_duplicate_embedder(self.settings.near_duplicate_model),
-                threshold=self.settings.near_duplicate_cutoff,
+                threshold=self.settings.near_duplicate_floor,
+                prior=self.settings.near_duplicate_cutoff,
+                max_error=self.settings.near_duplicate_max_error,
             )
+
+    async def warm_up(self) -> None:
+        """Get the near-duplicate layer's model ready (the daemon's start, `gateway
+        doctor`); a failure is logged, and turns load it later."""
+        if self._near is None:
+            return
+        started = time.perf_counter()
+        try:
+            await self._near.warm_up()
+        except Exception as exc:
+            logger.warning(
+                "cache: near-duplicate model not loaded: {}: {}", type(exc).__name__, exc
+            )
+            return
+        logger.debug("cache: near-duplicate model ready in {:.1f} s", time.perf_counter() - started)
+
+    @property
+    def near_duplicates_on(self) -> bool:
+        """Whether the near-duplicate layer runs (its model is there and it is on)."""
+        return self._near is not None
+
+    async def embed_query(self, query: str) -> object | None:
+        """The vector of `query` as the near-duplicate layer reads it (normalized), in a
+        worker thread; None without the layer. A turn computes it once, for the cache
+        lookup (`lookup(query_vector=...)`) and the memory recall."""
+        if self._near is None:
+            return None
+        return await self._near.embed_query(normalize_query(query))
 
     async def __aenter__(self) -> SemanticCache:
         return self
@@ -112,14 +178,17 @@ class SemanticCache:
 
     # -- the agent loop's API -----------------------------------------------------
 
-    async def lookup(self, ctx: CacheContext) -> CachedAnswer | None:
-        """The stored answer valid for `ctx`, or None (miss, bypass or backend failure)."""
+    async def lookup(
+        self, ctx: CacheContext, *, query_vector: object | None = None
+    ) -> CachedAnswer | None:
+        """The stored answer valid for `ctx`, or None (miss, bypass or backend failure).
+        `query_vector`: `embed_query(ctx.query)` when the turn has it already."""
         decision = self.decide(ctx)
         if not decision.cacheable:
             self._log(ctx).debug("cache bypass: {}", decision.reason)
             return None
         try:
-            answer = await self._lookup(ctx, decision)
+            answer = await self._lookup(ctx, decision, query_vector)
             await self.backend.record_lookup(hit=answer is not None)
         except CacheUnavailable as exc:
             self._log(ctx).debug("cache lookup skipped, a miss: {}", exc)
@@ -139,7 +208,9 @@ class SemanticCache:
     def _log(ctx: CacheContext) -> Logger:
         return logger.bind(session_key=ctx.session_key)
 
-    async def _lookup(self, ctx: CacheContext, decision: Decision) -> CachedAnswer | None:
+    async def _lookup(
+        self, ctx: CacheContext, decision: Decision, query_vector: object | None
+    ) -> CachedAnswer | None:
         now = self._clock()
         key = cache_key(ctx, decision)
         record = await self.backend.get(key, now=now)
@@ -148,10 +219,13 @@ class SemanticCache:
         if decision.mode is not CacheMode.SHARED or self._near is None:
             return None
         partition = partition_id(ctx)
+        query = normalize_query(ctx.query)
         match = await self._near.find(
             partition,
-            normalize_query(ctx.query),
+            query,
             lambda: self.backend.shared_queries(partition, now=now),
+            vector=query_vector,
+            load_observations=lambda: self.backend.partition_observations(partition, now=now),
         )
         if match is None:
             return None
@@ -159,7 +233,62 @@ class SemanticCache:
         if record is None or record.partition != partition:
             self._near.discard(match.key)
             return None
-        return self._answer(record, decision, now, "near", match.similarity)
+        self._servable += match.similarity >= match.threshold
+        chosen = verdict(
+            match.similarity,
+            match.threshold,
+            servable_seen=self._servable,
+            audit_rate=self.settings.near_duplicate_audit_rate,
+        )
+        if chosen is Verdict.SERVE:
+            self.near_counts.hits += 1
+            return self._answer(record, decision, now, "near", match.similarity)
+        if chosen is Verdict.AUDIT:
+            self.near_counts.audits += 1
+        else:
+            self.near_counts.explorations += 1
+        self._log(ctx).debug(
+            "near-duplicate {:.12} not served ({}): similarity {:.3f}, threshold {:.3f}",
+            match.key,
+            chosen.value,
+            match.similarity,
+            match.threshold,
+        )
+        tag = (ctx.session_key, partition, query)
+        # The candidate's answer is read again when labelled: a pending label holds no
+        # response (a thousand of them would otherwise hold up to 256 MB).
+        self._pending[tag] = _PendingLabel(partition, match.key, match.similarity)
+        self._pending.move_to_end(tag)
+        while len(self._pending) > MAX_PENDING_LABELS:
+            self._pending.popitem(last=False)
+        return None
+
+    async def _label(self, ctx: CacheContext, response: str) -> bool | None:
+        """Whether the candidate this turn's lookup did not serve had the right answer
+        (the model's `response`), recorded on its entry; None when there was none. A
+        turn that called tools gives no label: its answer is not the stored kind."""
+        if self._near is None:
+            return None
+        pending = self._pending.pop(
+            (ctx.session_key, partition_id(ctx), normalize_query(ctx.query)), None
+        )
+        if pending is None or ctx.tool_calls_made or not response.strip():
+            return None
+        stored = await self.backend.get(pending.key, now=self._clock())
+        if stored is None:
+            return None  # gone meanwhile: its labels went with it
+        correct = await self._near.answers_agree(
+            response, stored.response, agreement=self.settings.near_duplicate_answer_agreement
+        )
+        await self.backend.add_observation(
+            pending.key, pending.similarity, correct, now=self._clock()
+        )
+        self._near.observe(pending.partition, pending.key, Observation(pending.similarity, correct))
+        if correct:
+            self.near_counts.labels_correct += 1
+        else:
+            self.near_counts.labels_wrong += 1
+        return correct
 
     @staticmethod
     def _answer(
@@ -194,6 +323,14 @@ class SemanticCache:
         """
         decision = self.decide(ctx)
         log = logger.bind(session_key=ctx.session_key)
+        try:
+            agreed = await self._label(ctx, response)
+        except CacheUnavailable as exc:
+            log.debug("near-duplicate label not recorded: {}", exc)
+            agreed = None
+        except Exception as exc:
+            log.warning("near-duplicate label failed: {}: {}", type(exc).__name__, exc)
+            agreed = None
         if not decision.cacheable:
             log.debug("cache store skipped: {}", decision.reason)
             return None
@@ -209,6 +346,9 @@ class SemanticCache:
             key = cache_key(ctx, decision)
             partition = partition_id(ctx)
             shared = decision.mode is CacheMode.SHARED
+            # A paraphrase whose answer matched its candidate's is found through that
+            # entry: it is stored for exact repeats, not indexed as a question of its own.
+            indexed = shared and not agreed
             query = normalize_query(ctx.query)
             record = CacheRecord(
                 key=key,
@@ -216,12 +356,12 @@ class SemanticCache:
                 model=ctx.model,
                 scope=decision.scope,
                 partition=partition,
-                query=query if shared else "",
+                query=query if indexed else "",
                 created_at=now,
                 expires_at=now + self.settings.ttl_seconds,
             )
             removed = await self.backend.put(record, now=now, max_entries=self.settings.max_entries)
-            if shared and self._near is not None:
+            if indexed and self._near is not None:
                 await self._near.add(partition, key, query)
         except CacheUnavailable as exc:
             log.debug("cache store skipped: {}", exc)

@@ -25,9 +25,10 @@ from loguru import logger
 
 from gateway.cache.backend import BackendCounts, CacheRecord, CacheUnavailable
 from gateway.cache.policy import SHARED_SCOPE
+from gateway.cache.verified import MAX_OBSERVATIONS
 from gateway.fsutil import SqliteFile, immediate
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _T = TypeVar("_T")
 
 _SCHEMA = (
@@ -64,6 +65,17 @@ _SCHEMA = (
     END""",
     """CREATE TRIGGER entries_resized AFTER UPDATE OF size ON entries BEGIN
         UPDATE totals SET bytes = bytes - OLD.size + NEW.size WHERE id = 1;
+    END""",
+    # Near-duplicate labels of an entry (gateway/cache/verified.py): they go with it.
+    """CREATE TABLE observations (
+        id INTEGER PRIMARY KEY,
+        key TEXT NOT NULL,
+        similarity REAL NOT NULL,
+        correct INTEGER NOT NULL
+    )""",
+    "CREATE INDEX observations_by_key ON observations(key, id)",
+    """CREATE TRIGGER entries_dropped_labels AFTER DELETE ON entries BEGIN
+        DELETE FROM observations WHERE key = OLD.key;
     END""",
 )
 
@@ -113,7 +125,7 @@ class SqliteCacheBackend:
             if version != SCHEMA_VERSION:
                 if version != 0:
                     logger.info("cache schema {} -> {}: rebuilding", version, SCHEMA_VERSION)
-                for table in ("entries", "totals"):
+                for table in ("observations", "entries", "totals"):
                     conn.execute(f"DROP TABLE IF EXISTS {table}")
                 for statement in _SCHEMA:
                     conn.execute(statement)
@@ -244,10 +256,45 @@ class SqliteCacheBackend:
         def read(conn: sqlite3.Connection) -> list[tuple[str, str]]:
             rows = conn.execute(
                 "SELECT key, query FROM entries "
-                "WHERE scope = ? AND partition = ? AND expires_at > ?",
+                "WHERE scope = ? AND partition = ? AND expires_at > ? AND query != ''",
                 (SHARED_SCOPE, partition, now),
             ).fetchall()
             return [(str(k), str(q)) for k, q in rows]
+
+        return await self._db.run(read)
+
+    async def add_observation(
+        self, key: str, similarity: float, correct: bool, *, now: float
+    ) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            if conn.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is None:
+                return  # evicted meanwhile: its labels would have gone with it
+            conn.execute(
+                "INSERT INTO observations (key, similarity, correct) VALUES (?, ?, ?)",
+                (key, similarity, int(correct)),
+            )
+            conn.execute(
+                "DELETE FROM observations WHERE key = ? AND id NOT IN "
+                "(SELECT id FROM observations WHERE key = ? ORDER BY id DESC LIMIT ?)",
+                (key, key, MAX_OBSERVATIONS),
+            )
+
+        await self._db.run(lambda conn: immediate(conn, write))
+
+    async def partition_observations(
+        self, partition: str, *, now: float
+    ) -> dict[str, list[tuple[float, bool]]]:
+        def read(conn: sqlite3.Connection) -> dict[str, list[tuple[float, bool]]]:
+            rows = conn.execute(
+                "SELECT o.key, o.similarity, o.correct FROM observations o "
+                "JOIN entries e ON e.key = o.key "
+                "WHERE e.scope = ? AND e.partition = ? AND e.expires_at > ? ORDER BY o.id",
+                (SHARED_SCOPE, partition, now),
+            ).fetchall()
+            found: dict[str, list[tuple[float, bool]]] = {}
+            for key, similarity, correct in rows:
+                found.setdefault(str(key), []).append((float(similarity), bool(correct)))
+            return found
 
         return await self._db.run(read)
 

@@ -24,12 +24,12 @@ class CacheSettingsSection(Section):
         0.3, ge=0, description="Replies sampled hotter than this are not cached."
     )
     near_duplicates: bool = Field(
-        False,
+        True,
         description="Also match paraphrases of standalone questions (needs the extra of "
         "near_duplicate_model; without it the cache says so and matches exact questions).",
     )
     near_duplicate_model: Literal["wordllama", "minilm"] = Field(
-        "wordllama",
+        "minilm",
         description="The embedding model that finds paraphrases: wordllama (the "
         "cache-neardup extra) or all-MiniLM-L6-v2 (the embedding extra; more precise, "
         "1.4 ms of CPU a lookup: bench/results/embeddings.md).",
@@ -38,9 +38,17 @@ class CacheSettingsSection(Section):
         None,
         gt=0,
         le=1,
-        description="Cosine similarity a paraphrase must reach; unset: the model's own "
-        "(wordllama 0.70, minilm 0.985).",
+        description="Cosine similarity a paraphrase must reach until the labels of "
+        "answers compared certify another under near_duplicate_max_error; unset: the "
+        "model's own (wordllama 0.70, minilm 0.985).",
         examples=[0.985],
+    )
+    near_duplicate_max_error: float = Field(
+        0.01,
+        gt=0,
+        lt=1,
+        description="Share of served paraphrase hits allowed to be wrong: each entry's "
+        "threshold is kept under it by comparing answers (gateway/cache/verified.py).",
     )
     disabled_channels: list[str] = Field(
         default_factory=list, description='Channels that never use the cache, e.g. ["api"].'

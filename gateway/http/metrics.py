@@ -153,6 +153,26 @@ class CacheStatsSource(Protocol):
     async def stats(self) -> CacheCounts: ...
 
 
+class NearDuplicateCountsView(Protocol):
+    """What `SemanticCache.near_counts` holds, as far as metrics care."""
+
+    @property
+    def hits(self) -> int: ...
+    @property
+    def explorations(self) -> int: ...
+    @property
+    def audits(self) -> int: ...
+    @property
+    def labels_correct(self) -> int: ...
+    @property
+    def labels_wrong(self) -> int: ...
+
+
+class NearDuplicateSource(Protocol):
+    @property
+    def near_counts(self) -> NearDuplicateCountsView: ...
+
+
 class Metrics:
     """The gateway's series, declared once so every part records into the same names,
     in a registry of their own. `collect` is what a scrape returns."""
@@ -193,6 +213,19 @@ class Metrics:
         )
         self.cache_misses = self._mirror(
             "gateway_cache_misses_total", "Semantic cache lookups that found nothing."
+        )
+        self.cache_near_duplicates = self._mirror(
+            "gateway_cache_near_duplicates_total",
+            "Near-duplicate candidates of this process, by outcome: hit (served), explore "
+            "(below its threshold: the model answered) or audit (servable, answered by the "
+            "model for a label). Sum over replicas.",
+            ("outcome",),
+        )
+        self.cache_near_duplicate_labels = self._mirror(
+            "gateway_cache_near_duplicate_labels_total",
+            "Candidates not served whose stored answer the model's answer confirmed "
+            "(correct) or contradicted (wrong), in this process.",
+            ("label",),
         )
         self.cache_entries = Gauge(
             "gateway_cache_entries", "Live semantic cache entries.", registry=registry
@@ -398,6 +431,19 @@ class Metrics:
             self.cache_bytes.set(stats.bytes)
 
         self.on_scrape("cache", refresh)
+
+    def watch_near_duplicates(self, cache: NearDuplicateSource) -> None:
+        """Mirror the near-duplicate layer's counters (this process's) at each scrape."""
+
+        async def refresh() -> None:
+            counts = cache.near_counts
+            self.cache_near_duplicates.set_total(counts.hits, "hit")
+            self.cache_near_duplicates.set_total(counts.explorations, "explore")
+            self.cache_near_duplicates.set_total(counts.audits, "audit")
+            self.cache_near_duplicate_labels.set_total(counts.labels_correct, "correct")
+            self.cache_near_duplicate_labels.set_total(counts.labels_wrong, "wrong")
+
+        self.on_scrape("cache-near-duplicates", refresh)
 
     async def refresh(self) -> None:
         """Run every scrape refresher concurrently, each bounded by `refresh_timeout`;
