@@ -50,6 +50,7 @@ from gateway.sessions.errors import (
     SessionExistsError,
 )
 from gateway.sessions.hooks import HookRegistry
+from gateway.sessions.index import INDEX_DIR
 from gateway.sessions.keys import SUFFIX, encode_key, session_path
 from gateway.sessions.listing import (
     ArchivedSessionInfo,
@@ -577,6 +578,7 @@ class SessionManager:
                 io_on_loop=self.io_on_loop,
                 header=header,
                 commit_log=self._commit_log,
+                index_dir=self._dir / INDEX_DIR,
             )
         return Session(store, self.hooks)
 

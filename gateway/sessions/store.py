@@ -62,6 +62,16 @@ from gateway.sessions.entries import (
     new_entry_id,
 )
 from gateway.sessions.errors import SessionError, SessionExistsError, UnsupportedVersionError
+from gateway.sessions.index import (
+    MIN_ENTRIES,
+    FileIdentity,
+    IndexDamaged,
+    build_index,
+    index_path,
+    read_index,
+    remove_index,
+    write_index,
+)
 from gateway.sessions.keys import SUFFIX
 from gateway.sessions.listing import ARCHIVE_DIR, ARCHIVE_TAG
 from gateway.sessions.spares import SparePool
@@ -134,6 +144,10 @@ class LoadReport:
     ``bad_lines`` counts skipped lines and entries found damaged when first decoded;
     ``torn`` says the last line was cut off (``torn_sidecar``: where it was set aside);
     ``moved_aside`` is where a file with an invalid header went (then ``started_fresh``).
+    ``index`` says how the last full load used the sidecar index (`gateway.sessions.index`):
+    ``"used"``, ``"missing"``, ``"stale"``, ``"damaged"`` (the last three then parsed the
+    whole file), or ``""`` (no index kept: the store has no index folder, or the
+    session is too small); ``parsed_lines`` counts the lines that load parsed.
     """
 
     path: Path | None = None
@@ -145,6 +159,8 @@ class LoadReport:
     torn_sidecar: Path | None = None
     moved_aside: Path | None = None
     started_fresh: bool = True
+    index: str = ""
+    parsed_lines: int = 0
 
     @property
     def clean(self) -> bool:
@@ -518,6 +534,8 @@ class FileSessionStore:
         io_on_loop: bool = True,
         header: SessionHeader | None = None,
         commit_log: CommitLog | None = None,
+        index_dir: Path | None = None,
+        index_min_entries: int = MIN_ENTRIES,
     ) -> None:
         self.lock = threading.RLock()
         self.key = key
@@ -536,6 +554,11 @@ class FileSessionStore:
         self._bad_lines: list[int] = []
         self._torn_sidecar: Path | None = None
         self._moved_aside: Path | None = None
+        # The sidecar index (`gateway.sessions.index`): None keeps none.
+        self._index = None if index_dir is None else index_path(index_dir, path)
+        self._index_min = max(index_min_entries, 1)
+        self._index_state = ""
+        self._parsed_lines = 0
         self._start_fresh(header=header)
 
     # -- state ------------------------------------------------------------------------
@@ -605,6 +628,8 @@ class FileSessionStore:
             torn_sidecar=self._torn_sidecar,
             moved_aside=self._moved_aside,
             started_fresh=not self._on_disk,
+            index=self._index_state,
+            parsed_lines=self._parsed_lines,
         )
 
     # -- syncing with the file ----------------------------------------------------------
@@ -689,7 +714,12 @@ class FileSessionStore:
             return self._load_whole(handle, size)  # another file, or rewritten: read it all
         if size == self._seen_size:
             return True
-        data = _pread_from(handle.fd, self._size, size)
+        self._ingest_appended(_pread_from(handle.fd, self._size, size))
+        return True
+
+    def _ingest_appended(self, data: bytes) -> None:
+        """Apply ``data``, the file's bytes from `_size` on (complete lines and maybe a
+        last line without its newline yet)."""
         lines = _decode_lines(data)
         tail = lines.pop()
         if self._unterminated and lines:
@@ -709,7 +739,6 @@ class FileSessionStore:
         self._torn = False  # a torn tail seen before may have been repaired by another writer
         if tail_bytes:
             self._take_tail(tail)
-        return True
 
     def _load_whole(self, handle: _FileHandle, size: int) -> bool:
         data = _pread_from(handle.fd, 0, size)
@@ -718,9 +747,8 @@ class FileSessionStore:
                 self._start_fresh(previous_session=self._header.id)
             self._ident = (handle.dev, handle.ino)
             return True
-        lines = _decode_lines(data)
-        tail = lines.pop()
-        first = lines[0] if lines else tail
+        header_end = data.find(b"\n")
+        first = _decode_lines(data[:header_end] if header_end >= 0 else data)[0]
         try:
             header = entry_from_dict(json.loads(first))
             if not isinstance(header, SessionHeader):
@@ -742,20 +770,119 @@ class FileSessionStore:
         self._torn_sidecar = None
         self._on_disk = True
         self._ident = (handle.dev, handle.ino)
-        tail_bytes = len(data) - (data.rfind(b"\n") + 1)
-        if not lines:  # a header without its newline
+        self._index_state = ""
+        self._parsed_lines = 0
+        if header_end < 0:  # a header without its newline
             self._size = self._seen_size = len(data)
             self._unterminated = True
             self._next_lineno = 2
             return True
+        covered = self._load_from_index(handle, data, header_end)
+        if covered:
+            self._size = self._seen_size = covered
+            if covered < len(data):
+                lines_before = self._next_lineno
+                self._ingest_appended(data[covered:])
+                self._parsed_lines = self._next_lineno - lines_before
+                if self._parsed_lines >= self._index_min:
+                    self._write_index(handle, data, header_end)
+            return True
+        lines = _decode_lines(data)
+        tail = lines.pop()
         body = lines[1:]
         self._note_bad(self._tree.ingest_lines(body, 2))
+        self._parsed_lines = len(body) + (1 if tail else 0)
         self._next_lineno = 2 + len(body)
+        tail_bytes = len(data) - (data.rfind(b"\n") + 1)
         self._size = len(data) - tail_bytes
         self._seen_size = len(data)
         if tail_bytes:
             self._take_tail(tail)
+        if self._index_state and len(self._tree) >= self._index_min:
+            self._write_index(handle, data, header_end)
+        elif self._index is not None and self._index_state in ("stale", "damaged"):
+            remove_index(self._index)  # a small session keeps none
         return True
+
+    def _identity(self, handle: _FileHandle, size: int) -> FileIdentity:
+        st = os.fstat(handle.fd)
+        return FileIdentity(handle.dev, handle.ino, size, st.st_mtime_ns)
+
+    def _load_from_index(self, handle: _FileHandle, data: bytes, header_end: int) -> int:
+        """Fill the fresh tree from the sidecar index; the bytes it covers (0: not used,
+        `_index_state` says why). Message lines stay undecoded in ``data``."""
+        if self._index is None:
+            return 0
+        try:
+            index = read_index(self._index, self._identity(handle, len(data)), data, header_end)
+        except IndexDamaged as exc:
+            self._index_state = "damaged"
+            self._log.warning(
+                "session index {} is damaged ({}); ignoring it: the session loads from its "
+                "file, and the index is written anew",
+                self._index,
+                exc,
+            )
+            return 0
+        if index is None:
+            self._index_state = "missing" if not self._index.exists() else "stale"
+            return 0
+        ids, offsets = index.ids, index.offsets
+        lazy = dict(zip(ids, offsets, strict=True))
+        decoded: list[Entry] = []
+        find = data.find
+        try:
+            for k in index.decoded:
+                start = offsets[k]
+                line = data[start : find(b"\n", start)].decode("utf-8")
+                entry = entry_from_dict(json.loads(line))
+                if isinstance(entry, SessionHeader) or entry.id != ids[k]:
+                    raise SessionError("not the entry the index names")
+                decoded.append(entry)
+                del lazy[ids[k]]
+            self._tree.ingest_index(ids, index.parents, lazy, data, decoded)
+        except (ValueError, KeyError, SessionError):
+            # The file changed where the index looked (a hand edit): parse it all.
+            self._tree = SessionTree(self.key, str(self._path))
+            self._index_state = "stale"
+            return 0
+        self._index_state = "used"
+        self._next_lineno = index.next_lineno
+        self._note_bad(index.bad_lines)
+        return index.size
+
+    def _write_index(self, handle: _FileHandle, data: bytes, header_end: int) -> None:
+        """Index the complete lines of ``data`` (just loaded into the tree); a failure
+        only costs the next load a full parse."""
+        assert self._index is not None
+        covered = data.rfind(b"\n") + 1
+        order, parents, plain = self._tree.index_rows()
+        bad = set(self._bad_lines)
+        built = build_index(data, covered, order, parents, bad, plain)
+        if built is None or not (
+            len(built[0]) == len(order) or (self._unterminated and len(built[0]) == len(order) - 1)
+        ):
+            self._log.debug("session file {}: its lines do not fit an index", self._path)
+            return
+        offsets, decode = built
+        ids = order[: len(offsets)]
+        next_lineno = self._next_lineno - (1 if self._unterminated else 0)
+        try:
+            write_index(
+                self._index,
+                self._identity(handle, len(data)),
+                data,
+                header_end,
+                covered,
+                next_lineno,
+                ids,
+                [parents[eid] for eid in ids],
+                offsets,
+                decode,
+                sorted(n for n in bad if n < next_lineno),
+            )
+        except OSError as exc:
+            self._log.debug("could not write session index {}: {}", self._index, exc)
 
     def _take_tail(self, tail: str) -> None:
         """A last line without newline: a complete entry (keep it) or torn (set aside later)."""
@@ -1182,6 +1309,8 @@ class FileSessionStore:
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
             self._close_handle()
             self._start_fresh(previous_session=old_id)
+            if self._index is not None:
+                remove_index(self._index)
             self._log.info("archived session {} to {}", old_id, target)
             return target
 
@@ -1209,6 +1338,8 @@ class FileSessionStore:
                     fcntl.flock(handle.fd, fcntl.LOCK_UN)
                 self._handle = None
                 handle.close(sync=False)
+            if self._index is not None:
+                remove_index(self._index)
             self._start_fresh()
             return removed
 
