@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from math import isfinite
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
@@ -56,6 +57,7 @@ from gateway.fsutil import fsync_dir
 from gateway.sessions.commitlog import CommitLog, Syncable, encoded_name, record
 from gateway.sessions.entries import (
     Entry,
+    MessageEntry,
     ParentSessionRef,
     SessionHeader,
     entry_from_dict,
@@ -89,6 +91,8 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 _OPEN_FLAGS = STORE_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+#: What the encoder writes for a str with ``ensure_ascii=False`` (its C function).
+_quote: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
 _datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 _MAX_ATTEMPTS = 16  # reopen retries when other processes keep replacing the file
 #: The most bytes the event loop's fast path reads from a session file (a small file
@@ -106,8 +110,39 @@ def check_fsync_policy(value: str) -> FsyncPolicy:
     return value  # type: ignore[return-value]
 
 
+def _message_line(entry: MessageEntry) -> str | None:
+    """`encode_line` of the common message entry (a plain message: a role and a text,
+    no meta), the same characters the encoder writes, in about half its time: a turn
+    on the event loop appends two of them. None for any other message."""
+    m = entry.message
+    content = m.content
+    if (
+        entry.meta is not None
+        or type(content) is not str
+        or m.tool_calls
+        or m.tool_call_id is not None
+        or m.name is not None
+        or m.usage is not None
+        or m.model is not None
+        or type(m.role) is not str
+        or (entry.parent_id is not None and type(entry.parent_id) is not str)
+        or type(entry.timestamp) is not float
+        or not isfinite(entry.timestamp)
+    ):
+        return None
+    parent = "null" if entry.parent_id is None else _quote(entry.parent_id)
+    return (
+        f'{{"id":{_quote(entry.id)},"parent_id":{parent},"timestamp":{entry.timestamp!r},'
+        f'"type":"message","message":{{"role":{_quote(m.role)},"content":{_quote(content)}}}}}\n'
+    )
+
+
 def encode_line(entry: Entry) -> str:
     """The one-line JSON form of an entry, newline included."""
+    if type(entry) is MessageEntry and type(entry.id) is str:
+        line = _message_line(entry)
+        if line is not None:
+            return line
     try:
         return _ENCODER.encode(entry.to_dict()) + "\n"
     except (TypeError, ValueError) as exc:
@@ -1111,7 +1146,7 @@ class FileSessionStore:
                 self._tree.add(entry)
                 self._on_disk = True
                 self._unterminated = False
-                pending = _Pending(handle) if self._policy == "batch" else None
+                pending = None
                 if self._commit_log is not None:
                     # O_APPEND left the file offset at the end of our bytes.
                     at = os.lseek(handle.fd, 0, os.SEEK_CUR) - len(data)
@@ -1121,6 +1156,8 @@ class FileSessionStore:
                         record(self._log_name, handle.ino, at, data),
                         handle.written,
                     )
+                elif self._policy == "batch":
+                    pending = _Pending(handle)
             finally:
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
             if self._policy == "always":
