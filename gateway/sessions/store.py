@@ -12,6 +12,10 @@ Promises kept here:
 - A damaged file is never overwritten or deleted: bad lines are skipped and counted,
   a torn tail is set aside before the next append, a file without a valid header is
   renamed to ``<name>.corrupt-<time>``.
+- The sidecar index (`gateway.sessions.index`, for sessions of `MIN_ENTRIES` entries
+  and more) is only a cache of where lines start: a load uses it when it matches the
+  file, parses what it does not cover, and writes a new one when it is missing, stale,
+  damaged or far behind; the JSONL file is never changed for it.
 
 Each append is one ``os.write`` of one complete line to an ``O_APPEND`` descriptor, under
 ``flock(LOCK_EX)`` so several processes can share a session: under the lock the store

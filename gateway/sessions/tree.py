@@ -3,7 +3,9 @@
 Pure data structure: no I/O and no locking (the owning store holds its lock around every
 call). Loading is the hot path, so message lines written by this package are indexed
 from a cheap prefix match and decoded only when first needed (context, branch, entries);
-all other lines are decoded and validated at once. A lazily decoded line that turns out
+all other lines are decoded and validated at once. A load from the sidecar index
+(`gateway.sessions.index`) does not even cut message lines out of the file's bytes
+until one is needed (`ingest_index`). A lazily decoded line that turns out
 damaged is logged and reported (`damaged`) and left out of branches and contexts, while
 the entries after it stay connected (its id and parent were readable).
 """
