@@ -579,6 +579,7 @@ class FileSessionStore:
         self.lock = threading.RLock()
         self.key = key
         self._path = path
+        self._fspath = os.fspath(path)  # for the stat of every append: no Path call
         self._policy = fsync
         # Under "batch", a commit log makes a round durable in one fsync (`commitlog`).
         self._commit_log = commit_log if fsync == "batch" else None
@@ -681,7 +682,7 @@ class FileSessionStore:
     def _current_size(self, handle: _FileHandle) -> int | None:
         """Size of the file at our path if it is still ``handle``'s file, else None."""
         try:
-            st = os.stat(self._path)
+            st = os.stat(self._fspath)
         except FileNotFoundError:
             return None
         if st.st_ino != handle.ino or st.st_dev != handle.dev:
@@ -708,7 +709,7 @@ class FileSessionStore:
             handle = self._handle
             if handle is None:
                 try:
-                    fd = os.open(self._path, _OPEN_FLAGS)
+                    fd = os.open(self._fspath, _OPEN_FLAGS)
                 except FileNotFoundError:
                     self._vanished()
                     return None
@@ -1022,7 +1023,7 @@ class FileSessionStore:
         """Pick up other writers' changes; costs one ``stat`` when nothing changed."""
         with self.lock:
             try:
-                st = os.stat(self._path)
+                st = os.stat(self._fspath)
             except FileNotFoundError:
                 self._vanished()
                 return
@@ -1098,7 +1099,7 @@ class FileSessionStore:
             return False
         try:
             try:
-                st = os.stat(self._path)
+                st = os.stat(self._fspath)
             except FileNotFoundError:
                 return not self._on_disk
             except OSError:
