@@ -116,7 +116,7 @@ def test_a_cold_load_uses_the_index_and_finds_the_same_session(folder: Path) -> 
     first = load(folder)  # no index yet: a full parse, then one is written
     assert first.report.index == "missing"
     assert first.report.parsed_lines == len(full.tree)
-    assert index_file(folder).exists()
+    assert list((folder / INDEX_DIR).iterdir()) == [index_file(folder)]  # no temp file left
 
     cold = load(folder)
     assert cold.report.index == "used"

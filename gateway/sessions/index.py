@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import secrets
 import sys
 import zlib
 from collections.abc import Container
@@ -232,7 +233,8 @@ def write_index(
         "body_crc": zlib.crc32(body),
     }
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Two managers of one process may write the same index at once: a name of its own.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(json.dumps(meta, separators=(",", ":")).encode() + b"\n" + body)
