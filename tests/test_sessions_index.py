@@ -245,6 +245,7 @@ def test_damaged_lines_are_reported_the_same_with_the_index(folder: Path) -> Non
     lines[5] = b"not json at all"  # a bad line: skipped at load
     # A message line whose prefix reads but whose body does not: found when decoded.
     lines[8] = lines[8][: lines[8].index(b'"message":')] + b'"message":{"role":"user",}}'
+    lines[12:12] = [b"", b"  "]  # blank lines: skipped, not bad
     path.write_bytes(b"\n".join(lines))
     full = load(folder, index=False)
     assert full.report.bad_line_numbers == (6,)
@@ -317,3 +318,25 @@ def test_listing_ignores_the_index_folder(folder: Path) -> None:
     rich_session(folder)
     load(folder)
     assert [s.key for s in SessionManager(folder).list_sessions()] == [KEY]
+
+
+@pytest.mark.parametrize("ascii_only", [True, False])
+def test_a_blank_line_and_an_unterminated_last_entry(folder: Path, ascii_only: bool) -> None:
+    """A complete last line without its newline is an entry the index does not cover;
+    a blank line before it holds none (the line count alone would say otherwise)."""
+    manager = SessionManager(folder, fsync="never")
+    s = manager.get_or_create(KEY)
+    for i in range(SMALL + 5):
+        s.add_message(LLMMessage(role="user", content=f"m{i}" if ascii_only else f"é{i}"))
+    manager.close()
+    path = session_file(folder)
+    last = path.read_bytes().split(b"\n")[-2]
+    with open(path, "ab") as f:
+        f.write(b"\n" + last.replace(last[7:19], b"0123456789ab"))
+    full = load(folder, index=False)
+    assert len(full.tree) == SMALL + 6 and not full.report.bad_lines
+    load(folder)
+    cold = load(folder)
+    assert (cold.report.index, cold.report.parsed_lines) == ("used", 1)
+    assert snapshot(cold) == snapshot(full)
+    assert not cold.report.damaged_entry_ids

@@ -33,8 +33,9 @@ import os
 import secrets
 import sys
 import zlib
-from collections.abc import Container
+from collections.abc import Collection
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 #: Folder (inside the sessions folder) of the index files.
@@ -155,42 +156,50 @@ def build_index(
     data: bytes,
     size: int,
     order: list[str],
-    parents: dict[str, str | None],
-    bad_lines: Container[int],
-    lazy: Container[str],
+    bad_lines: Collection[int],
+    lazy: Collection[str],
+    line_lengths: list[int] | None = None,
 ) -> tuple[list[int], list[int]] | None:
     """Offsets of the entries of ``data[:size]`` (complete lines, header first) and the
     positions of those a load must decode, given what a full parse found: the entries
-    in file order, the bad line numbers, and which entries are plain message lines.
-    None when the lines and the entries do not line up (then no index is written)."""
-    offsets: list[int] = []
-    decode: list[int] = []
-    pos = data.find(b"\n") + 1
-    lineno = 2
-    k = 0
-    find = data.find
-    while pos < size:
-        end = find(b"\n", pos)
-        if end < 0 or end >= size:
+    of those lines in file order, the bad line numbers, and which entries are plain
+    message lines.
+    ``line_lengths``: the bytes of each line, when the parse knows them (no second
+    split). None when the lines and the entries do not line up (no index then)."""
+    every_line = not bad_lines  # then only blank lines hold no entry
+    lines: list[bytes] = []
+    if line_lengths is None or not every_line or len(line_lengths) - 1 != len(order):
+        lines = data[:size].split(b"\n")
+        if lines.pop() != b"":
+            return None  # ``size`` must end a line
+        line_lengths = list(map(len, lines))
+    # Where each line starts (line i has number i + 1; line 0 is the header).
+    starts = list(accumulate(map((1).__add__, line_lengths), initial=0))
+    if starts[-1] != size:
+        return None
+    if every_line and len(line_lengths) - 1 == len(order):
+        offsets = starts[1 : len(line_lengths)]  # no blank line: each holds an entry
+    else:
+        if not lines:
+            lines = data[:size].split(b"\n")[:-1]
+        offsets = [
+            starts[i]
+            for i, line in enumerate(lines)
+            if i and (line.startswith(b"{") or line.strip()) and i + 1 not in bad_lines
+        ]
+    k = len(offsets)
+    if k != len(order):
+        return None
+    # The lines and the entries line up: checked on 64 lines and the last (a line that
+    # says its id up front), as a shift would show on every line after it.
+    for j in [*range(0, k, max(k // 64, 1)), k - 1] if k else ():
+        at = offsets[j]
+        if data.startswith(_PREFIX, at) and not data.startswith(
+            b'%s%s"' % (_PREFIX, order[j].encode()), at
+        ):
             return None
-        if lineno not in bad_lines and data[pos:end].strip():
-            if k >= len(order):
-                return None
-            eid = order[k]
-            if data.startswith(_PREFIX, pos) and not data.startswith(
-                b'%s%s"' % (_PREFIX, eid.encode()), pos
-            ):
-                return None
-            offsets.append(pos)
-            if eid not in lazy:
-                decode.append(k)
-            k += 1
-        pos = end + 1
-        lineno += 1
-    if k > len(order) or any("\n" in eid for eid in order[:k]):
-        return None
-    if any(p is not None and ("\n" in p or not p) for p in map(parents.get, order[:k])):
-        return None
+    others = set(order).difference(lazy)
+    decode = [j for j, eid in enumerate(order) if eid in others] if others else []
     return offsets, decode
 
 
@@ -208,9 +217,18 @@ def write_index(
     bad_lines: list[int],
 ) -> None:
     """Write the index of ``data[:size]`` (temp file and rename; not fsynced: a cache).
-    Raises `OSError`."""
-    id_bytes = "\n".join(ids).encode("utf-8")
-    parent_bytes = "\n".join([p or "" for p in parents]).encode("utf-8")
+    Raises `OSError`, or `ValueError` for ids the format cannot hold (a newline in one,
+    an empty parent id)."""
+    id_text = "\n".join(ids)
+    parent_text = "\n".join([p or "" for p in parents])
+    if (
+        id_text.count("\n") != len(ids) - 1
+        or parent_text.count("\n") != len(parents) - 1
+        or "" in parents
+    ):
+        raise ValueError("an id holds a newline, or a parent id is empty")
+    id_bytes = id_text.encode("utf-8")
+    parent_bytes = parent_text.encode("utf-8")
     body = id_bytes + parent_bytes + array.array("q", offsets).tobytes()
     meta = {
         "format": FORMAT,

@@ -829,6 +829,8 @@ class FileSessionStore:
             return True
         lines = _decode_lines(data)
         tail = lines.pop()
+        # An ASCII file's characters are its bytes: the index needs no second split.
+        lengths = list(map(len, lines)) if self._index_state and data.isascii() else None
         body = lines[1:]
         self._note_bad(self._tree.ingest_lines(body, 2))
         self._parsed_lines = len(body) + (1 if tail else 0)
@@ -839,7 +841,7 @@ class FileSessionStore:
         if tail_bytes:
             self._take_tail(tail)
         if self._index_state and len(self._tree) >= self._index_min:
-            self._write_index(handle, data, header_end)
+            self._write_index(handle, data, header_end, lengths)
         elif self._index is not None and self._index_state in ("stale", "damaged"):
             remove_index(self._index)  # a small session keeps none
         return True
@@ -891,21 +893,27 @@ class FileSessionStore:
         self._note_bad(index.bad_lines)
         return index.size
 
-    def _write_index(self, handle: _FileHandle, data: bytes, header_end: int) -> None:
+    def _write_index(
+        self,
+        handle: _FileHandle,
+        data: bytes,
+        header_end: int,
+        line_lengths: list[int] | None = None,
+    ) -> None:
         """Index the complete lines of ``data`` (just loaded into the tree); a failure
         only costs the next load a full parse."""
         assert self._index is not None
         covered = data.rfind(b"\n") + 1
         order, parents, plain = self._tree.index_rows()
         bad = set(self._bad_lines)
-        built = build_index(data, covered, order, parents, bad, plain)
-        if built is None or not (
-            len(built[0]) == len(order) or (self._unterminated and len(built[0]) == len(order) - 1)
-        ):
+        if self._unterminated:  # the last entry's line has no newline: not covered
+            order = order[:-1]
+        built = build_index(data, covered, order, bad, plain, line_lengths)
+        if built is None:
             self._log.debug("session file {}: its lines do not fit an index", self._path)
             return
         offsets, decode = built
-        ids = order[: len(offsets)]
+        ids = order
         next_lineno = self._next_lineno - (1 if self._unterminated else 0)
         try:
             write_index(
@@ -921,7 +929,7 @@ class FileSessionStore:
                 decode,
                 sorted(n for n in bad if n < next_lineno),
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self._log.debug("could not write session index {}: {}", self._index, exc)
 
     def _take_tail(self, tail: str) -> None:
