@@ -117,6 +117,7 @@ def test_a_cold_load_uses_the_index_and_finds_the_same_session(folder: Path) -> 
     assert first.report.index == "missing"
     assert first.report.parsed_lines == len(full.tree)
     assert list((folder / INDEX_DIR).iterdir()) == [index_file(folder)]  # no temp file left
+    assert index_file(folder).stat().st_mode & 0o777 == 0o600
 
     cold = load(folder)
     assert cold.report.index == "used"

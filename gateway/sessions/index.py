@@ -254,7 +254,9 @@ def write_index(
     # Two managers of one process may write the same index at once: a name of its own.
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        # Private like the session files (0600): it names every entry of the session.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
             f.write(json.dumps(meta, separators=(",", ":")).encode() + b"\n" + body)
         os.replace(tmp, path)
     except OSError:
