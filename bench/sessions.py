@@ -256,7 +256,8 @@ def concurrent_users(
 
 def cold_loads(folder: Path, runs: int = 15) -> dict[str, float]:
     """Median ms of loading a 10,000-message session in a fresh `SessionManager` (the
-    file is written first, once), and with its context built."""
+    file is written first, once), and with its context built; and of a load that finds
+    no sidecar index (``.index/``: removed before each; that load writes it anew)."""
     if not (folder / "plain.jsonl").exists():
         seed = SessionManager(folder, fsync="never")
         grow(seed.get_or_create("plain"), 10_000)
@@ -267,9 +268,17 @@ def cold_loads(folder: Path, runs: int = 15) -> dict[str, float]:
         assert session is not None
         return session
 
+    def unindexed() -> float:
+        shutil.rmtree(folder / ".index", ignore_errors=True)
+        start = time.perf_counter()
+        load()
+        return time.perf_counter() - start
+
+    load()  # the first load after the file was written (may write the index)
     return {
         "cold_ms": timed(load, runs),
         "context_ms": timed(lambda: load().build_context(), runs),
+        "unindexed_ms": statistics.median(unindexed() for _ in range(runs)) * 1e3,
     }
 
 

@@ -14,8 +14,11 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from loguru import logger
 
+from gateway.llm import LLMMessage
 from gateway.sessions import (
     GroupCommitter,
     MessageEntry,
@@ -24,7 +27,7 @@ from gateway.sessions import (
     UnsupportedVersionError,
 )
 from gateway.sessions.spares import SPARES_DIR
-from gateway.sessions.store import FileSessionStore
+from gateway.sessions.store import FileSessionStore, encode_line
 from tests.llm_messages import user
 
 REPO = Path(__file__).resolve().parents[1]
@@ -462,3 +465,29 @@ def test_concurrent_first_appends_make_one_file(folder: Path) -> None:
     for prev, rec in pairwise(records[1:]):
         assert rec["parent_id"] == prev["id"]
     assert len({s.session_id for s in sessions}) == 1
+
+
+_TEXT = st.text(st.characters(codec="utf-8") | st.sampled_from('"\\\n\t\x00\x7f\u2028'))
+
+
+@given(
+    content=_TEXT,
+    role=st.sampled_from(["user", "assistant", "system", "tool"]) | _TEXT,
+    parent=st.none() | _TEXT,
+    timestamp=st.floats(allow_nan=False, allow_infinity=False) | st.just(1764400000.123456),
+)
+def test_a_message_line_is_what_the_json_encoder_writes(
+    content: str, role: str, parent: str | None, timestamp: float
+) -> None:
+    """The message entry's own line writer (`store._message_line`, the turn's fast path)
+    writes the very characters of the generic encoder."""
+    entry = MessageEntry(
+        id="0123456789ab",
+        parent_id=parent,
+        timestamp=timestamp,
+        message=LLMMessage(role=role, content=content),  # type: ignore[arg-type]
+    )
+    generic = json.dumps(entry.to_dict(), ensure_ascii=False, separators=(",", ":"))
+    assert encode_line(entry) == generic + "\n"
+    if role in ("user", "assistant", "system", "tool"):
+        assert MessageEntry.from_dict(json.loads(encode_line(entry))) == entry

@@ -50,6 +50,7 @@ from gateway.sessions.errors import (
     SessionExistsError,
 )
 from gateway.sessions.hooks import HookRegistry
+from gateway.sessions.index import INDEX_DIR
 from gateway.sessions.keys import SUFFIX, encode_key, session_path
 from gateway.sessions.listing import (
     ArchivedSessionInfo,
@@ -577,6 +578,7 @@ class SessionManager:
                 io_on_loop=self.io_on_loop,
                 header=header,
                 commit_log=self._commit_log,
+                index_dir=self._dir / INDEX_DIR,
             )
         return Session(store, self.hooks)
 
@@ -635,17 +637,17 @@ class SessionManager:
         """`get_or_create` without blocking: the session when it is cached and current
         or its file is small and free, None when that needs a worker thread (a busy
         lock, a large file, a change by another process to read)."""
-        stem = encode_key(key)
         if not self.io_on_loop or not self._lock.acquire(blocking=False):
+            encode_key(key)  # an unusable key raises here as on every other path
             return None
         try:
-            session = self._lookup(key)
+            session = self._lookup(key)  # a key found here was checked when it was opened
             if session is not None:
                 store = session._store
                 if isinstance(store, FileSessionStore) and not store.is_current_nowait():
                     return None
                 return session
-            session = self._new_session(key, stem=stem)
+            session = self._new_session(key, stem=encode_key(key))
             store = session._store
             if isinstance(store, FileSessionStore) and not store.try_load_nowait():
                 return None  # dropped unused: the worker thread loads it afresh

@@ -3,7 +3,9 @@
 Pure data structure: no I/O and no locking (the owning store holds its lock around every
 call). Loading is the hot path, so message lines written by this package are indexed
 from a cheap prefix match and decoded only when first needed (context, branch, entries);
-all other lines are decoded and validated at once. A lazily decoded line that turns out
+all other lines are decoded and validated at once. A load from the sidecar index
+(`gateway.sessions.index`) does not even cut message lines out of the file's bytes
+until one is needed (`ingest_index`). A lazily decoded line that turns out
 damaged is logged and reported (`damaged`) and left out of branches and contexts, while
 the entries after it stay connected (its id and parent were readable).
 """
@@ -58,12 +60,14 @@ class SessionTree:
     """Entries of one session, by id, with parent links, children, leaf and labels."""
 
     __slots__ = (
+        "_blob",
         "_children",
         "_context",
         "_context_leaf",
         "_context_tail",
         "_entries",
         "_info",
+        "_lazy",
         "_name",
         "_order",
         "_parent",
@@ -82,6 +86,10 @@ class SessionTree:
         self._parent: dict[str, str | None] = {}
         self._entries: dict[str, Entry] = {}
         self._raw: dict[str, str] = {}  # message lines not decoded yet
+        # Message lines not even cut out yet (a load from an index): where each starts
+        # in `_blob`, the file's bytes.
+        self._lazy: dict[str, int] = {}
+        self._blob = b""
         self._children: dict[str | None, list[str]] | None = None  # built on demand
         # The context of the branch ending at `_context_leaf`: `_context` plus the
         # messages appended at the leaf since (`_context_tail`), so a turn costs O(1).
@@ -147,6 +155,74 @@ class SessionTree:
         self._context = None
         return bad
 
+    def ingest_index(
+        self,
+        ids: list[str],
+        parents: list[str | None],
+        lazy: dict[str, int],
+        blob: bytes,
+        decoded: list[Entry],
+    ) -> None:
+        """Take a whole file's entries from its index (`gateway.sessions.index`) into an
+        empty tree: ``ids`` in file order with their ``parents``, the message lines
+        ``lazy`` (id: offset in ``blob``) and every other entry ``decoded`` (file order).
+        Raises `SessionError` when they do not fit together (nothing is kept then)."""
+        if self._order:
+            raise SessionError("an index is only taken by an empty tree")
+        parent = dict(zip(ids, parents, strict=True))
+        if len(parent) != len(ids) or len(lazy) + len(decoded) != len(ids):
+            raise SessionError("the index repeats an id")
+        for entry in decoded:
+            if entry.id not in parent or entry.id in lazy or parent[entry.id] != entry.parent_id:
+                raise SessionError(f"entry {entry.id!r} differs from the index")
+        self._parent = parent
+        self._order = ids
+        self._lazy = lazy
+        self._blob = blob
+        for entry in decoded:  # the side effects of `_add` (labels, name, info)
+            self._entries[entry.id] = entry
+            if isinstance(entry, LabelEntry):
+                if entry.label is None:
+                    self.labels.pop(entry.target_id, None)
+                else:
+                    self.labels[entry.target_id] = entry.label
+            elif isinstance(entry, SessionInfoEntry):
+                self._name = entry.name
+            elif isinstance(entry, CustomInfoEntry):
+                self._info[entry.custom_type] = entry.data
+        last = self._entries.get(ids[-1]) if ids else None
+        self.leaf_id = last.target_id if isinstance(last, LeafEntry) else (ids[-1] if ids else None)
+        self._children = None
+        self._context = None
+
+    def index_rows(self) -> tuple[list[str], dict[str, str | None], set[str]]:
+        """What an index of this tree holds: ids in file order, their parents, and the
+        ids of plain message entries (decoded lazily: they change nothing at load)."""
+        plain = {eid for eid, e in self._entries.items() if isinstance(e, MessageEntry)}
+        plain.update(self._raw, self._lazy, self.damaged)
+        return self._order, self._parent, plain
+
+    def _undecoded(self, entry_id: str) -> bool:
+        return entry_id in self._raw or entry_id in self._lazy
+
+    def _line(self, entry_id: str) -> str:
+        """The undecoded line of ``entry_id`` (`KeyError`; `UnicodeDecodeError`)."""
+        line = self._raw.get(entry_id)
+        if line is not None:
+            return line
+        blob = self._blob
+        start = self._lazy[entry_id]
+        end = blob.find(b"\n", start)
+        return blob[start : end if end >= 0 else len(blob)].decode("utf-8")
+
+    def _forget_line(self, entry_id: str) -> None:
+        if (
+            self._raw.pop(entry_id, None) is None
+            and self._lazy.pop(entry_id, None) is not None
+            and not self._lazy
+        ):
+            self._blob = b""  # every line decoded: the file's bytes can go
+
     def add(self, entry: Entry) -> None:
         """Apply one new entry (appended by us, or read as a complete unterminated line)."""
         if isinstance(entry, SessionHeader):
@@ -205,10 +281,13 @@ class SessionTree:
         entry = self._entries.get(entry_id)
         if entry is not None:
             return entry
-        line = self._raw.pop(entry_id, None)
-        if line is None:
+        if not self._undecoded(entry_id):
             return None
         try:
+            try:
+                line = self._line(entry_id)
+            finally:
+                self._forget_line(entry_id)
             entry = entry_from_dict(json.loads(line))
             if not isinstance(entry, MessageEntry):
                 raise EntryFormatError("line does not hold a message entry")
@@ -347,9 +426,10 @@ class SessionTree:
         compaction: CompactionEntry | None = None
         compaction_at = -1
         raw = self._raw
+        lazy = self._lazy
         entries = self._entries
         for i, eid in enumerate(ids):
-            if eid in raw:
+            if eid in raw or eid in lazy:
                 continue  # an undecoded message line: nothing to learn here
             entry = entries.get(eid)
             if isinstance(entry, CompactionEntry):
@@ -365,7 +445,7 @@ class SessionTree:
             head = ids[:compaction_at]
             start = head.index(kept) if kept is not None and kept in head else len(head)
             selected = [*head[start:], *ids[compaction_at + 1 :]]
-        self._decode_many([eid for eid in selected if eid in raw])
+        self._decode_many([eid for eid in selected if eid in raw or eid in lazy])
         messages: list[LLMMessage] = []
         entry_ids: list[str] = []
         for eid, message in self._messages_of(selected):
@@ -388,9 +468,9 @@ class SessionTree:
         as fast as one call per line); anything unexpected falls back to `get_entry`."""
         if len(ids) < 16:
             return
-        raw = self._raw
+        line = self._line
         try:
-            decoded = json.loads("[" + ",".join([raw[eid] for eid in ids]) + "]")
+            decoded = json.loads("[" + ",".join([line(eid) for eid in ids]) + "]")
         except ValueError:
             return  # a damaged line among them: decode one by one
         if not isinstance(decoded, list) or len(decoded) != len(ids):
@@ -410,11 +490,11 @@ class SessionTree:
             except SessionError:
                 continue
             entries[eid] = entry
-            del raw[eid]
+            self._forget_line(eid)
 
     def _messages_of(self, ids: Iterable[str]) -> Iterator[tuple[str, LLMMessage]]:
         for eid in ids:
-            entry = self._entries.get(eid) if eid not in self._raw else self.get_entry(eid)
+            entry = self.get_entry(eid) if self._undecoded(eid) else self._entries.get(eid)
             if isinstance(entry, MessageEntry):
                 yield eid, entry.message
             elif isinstance(entry, BranchEntry):
