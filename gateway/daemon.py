@@ -462,8 +462,10 @@ class Gateway:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.agent.windows.ensure, self.settings.llm.model)
             if self.cache is not None:
-                # The near-duplicate model's one-time build and load, off any turn.
+                # The near-duplicate model's one-time build and load, off any turn,
+                # and the labels of explored candidates, compared off the turns too.
                 tg.start_soon(self.cache.warm_up)
+                await tg.start(self.cache.run)
             if self.consolidator is not None:
                 await tg.start(self.consolidator.run)
             if self.subagents is not None:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from gateway.cache import CacheContext, CacheSettings, SemanticCache
@@ -179,6 +180,28 @@ async def test_a_candidate_not_served_is_labelled_and_replicas_share_the_label(
     assert await two.lookup(ctx(PARAPHRASE + " now", "slack:C2")) is None
     key = next(iter(labels))
     assert two._near is not None and two._near.entry_threshold(_partition(), key) == 0.99
+
+
+@pytest.mark.anyio
+async def test_with_the_labeller_running_a_turn_does_not_wait_for_its_label(
+    store: Store,
+) -> None:
+    """The daemon runs `SemanticCache.run`: `store` hands the comparison of answers
+    (two embeddings, ~10 ms) to it and returns; the label is recorded afterwards."""
+    cache = replica(store)
+    await cache.store(ctx(QUESTION), "Use the reset link.")
+    async with anyio.create_task_group() as tg:
+        await tg.start(cache.run)
+        assert await cache.lookup(ctx(PARAPHRASE, "slack:C1")) is None
+        await cache.store(ctx(PARAPHRASE, "slack:C1"), "use the reset link.")
+        assert cache.near_counts.labels_correct == 0  # not on the turn
+        with anyio.fail_after(10):
+            while cache.near_counts.labels_correct == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    labels = await cache.backend.partition_observations(_partition(), now=store.clock())
+    assert [obs for obs in labels.values()] == [[(pytest.approx(0.9535, abs=1e-3), True)]]
+    assert cache.labels_dropped == 0
 
 
 @pytest.mark.anyio

@@ -835,7 +835,10 @@ class AgentLoop:
             return _TurnResult(text, {"stopped": True})
         if cache_ctx is not None and self.cache is not None:
             stored_ctx = dataclasses.replace(cache_ctx, tool_calls_made=used_tools)
-            await self.cache.store(stored_ctx, reply)
+            same_text = query_vector is not None and cache_ctx.query == vector_text
+            await self.cache.store(
+                stored_ctx, reply, query_vector=query_vector if same_text else None
+            )
         return _TurnResult(reply, files=tuple(attached))
 
     async def _tool_loop(

@@ -275,8 +275,9 @@ class NearDuplicateIndex:
             return self.prior
         return entry_threshold(part.shared_threshold, part.observations.get(key, ()))
 
-    async def add(self, partition: str, key: str, query: str) -> None:
-        """Index a freshly stored shared question (if its partition is loaded here)."""
+    async def add(self, partition: str, key: str, query: str, *, vector: Any = None) -> None:
+        """Index a freshly stored shared question (if its partition is loaded here);
+        `vector`: its embedding when the turn has it already."""
         import numpy as np
 
         part = self._partitions.get(partition)
@@ -285,7 +286,8 @@ class NearDuplicateIndex:
         self._dead.discard(key)
         if key in part.keys:
             return
-        vector = (await self._embed([query]))[0]
+        if vector is None:
+            vector = (await self._embed([query]))[0]
         self._vectors[key] = vector
         n = len(part.keys)
         if part.matrix is None or part.matrix.shape[0] == n:

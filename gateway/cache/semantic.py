@@ -25,8 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectSendStream
 from loguru import logger
 
 if TYPE_CHECKING:
@@ -68,6 +71,10 @@ class CachedAnswer:
     age_seconds: float
     match: Literal["exact", "near"] = "exact"
     similarity: float = 1.0
+
+
+#: Labels waiting for `SemanticCache.run` at most.
+LABELS_WAITING = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +131,10 @@ class SemanticCache:
         self._servable = 0
         self._near: NearDuplicateIndex | None = None
         self._pending: OrderedDict[tuple[str, str, str], _PendingLabel] = OrderedDict()
+        #: Labels waiting for `run` (comparing two answers embeds both, ~10 ms: never on
+        #: a turn); None while no `run` takes them, and `store` labels in place.
+        self._labels: MemoryObjectSendStream[tuple[_PendingLabel, str]] | None = None
+        self.labels_dropped = 0
         self.near_counts = NearDuplicateCounts()
         if self.settings.near_duplicates:
             self._near = near_duplicates or NearDuplicateIndex(
@@ -147,6 +158,30 @@ class SemanticCache:
             )
             return
         logger.debug("cache: near-duplicate model ready in {:.1f} s", time.perf_counter() - started)
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Label explored candidates in the background until cancelled (the daemon's
+        services): `store` hands them over and returns, so a turn that explored pays
+        none of the comparison. At most `LABELS_WAITING` wait; past that a label is
+        dropped (counted): a label is evidence, and one fewer only keeps a threshold
+        where it is."""
+        send, receive = anyio.create_memory_object_stream[tuple[_PendingLabel, str]](LABELS_WAITING)
+        self._labels = send
+        task_status.started()
+        try:
+            async with receive:
+                async for pending, response in receive:
+                    try:
+                        await self._record_label(pending, response)
+                    except Exception as exc:
+                        logger.warning(
+                            "near-duplicate label failed: {}: {}", type(exc).__name__, exc
+                        )
+        finally:
+            self._labels = None
+            send.close()
 
     @property
     def near_duplicates_on(self) -> bool:
@@ -274,6 +309,19 @@ class SemanticCache:
         )
         if pending is None or ctx.tool_calls_made or not response.strip():
             return None
+        if self._labels is not None:
+            try:
+                self._labels.send_nowait((pending, response))
+            except anyio.WouldBlock:
+                self.labels_dropped += 1
+                logger.debug("near-duplicate label dropped: {} waiting", LABELS_WAITING)
+            return None  # known later; meanwhile the answer is indexed as its own
+        return await self._record_label(pending, response)
+
+    async def _record_label(self, pending: _PendingLabel, response: str) -> bool | None:
+        """Compare the model's `response` with the candidate's stored answer and record
+        the outcome on the candidate's entry; None when the entry is gone."""
+        assert self._near is not None
         stored = await self.backend.get(pending.key, now=self._clock())
         if stored is None:
             return None  # gone meanwhile: its labels went with it
@@ -315,11 +363,14 @@ class SemanticCache:
             similarity=similarity,
         )
 
-    async def store(self, ctx: CacheContext, response: str) -> str | None:
+    async def store(
+        self, ctx: CacheContext, response: str, *, query_vector: Any = None
+    ) -> str | None:
         """Store `response` as the answer for `ctx` if the policy allows; return its key.
 
         Pass the context as it stands after the turn: `tool_calls_made=True` if the
-        model called any tool (such answers are not stored).
+        model called any tool (such answers are not stored). `query_vector`: the turn's
+        `embed_query(ctx.query)`, so the question is not embedded twice.
         """
         decision = self.decide(ctx)
         log = logger.bind(session_key=ctx.session_key)
@@ -362,7 +413,7 @@ class SemanticCache:
             )
             removed = await self.backend.put(record, now=now, max_entries=self.settings.max_entries)
             if indexed and self._near is not None:
-                await self._near.add(partition, key, query)
+                await self._near.add(partition, key, query, vector=query_vector)
         except CacheUnavailable as exc:
             log.debug("cache store skipped: {}", exc)
             return None
