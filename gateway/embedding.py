@@ -180,6 +180,11 @@ class SentenceEmbedder:
         self._tokenizer: Any = None
         self._loading = threading.Lock()  # a warm-up and a first turn load it once
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the model is open (a text is then embedded without loading it)."""
+        return self._session is not None
+
     def load(self) -> None:
         """Build (`fast_model`) and open the model now, not on the first text."""
         with self._loading:

@@ -348,6 +348,7 @@ async def test_minilm_serves_a_reworded_repeat_but_not_a_reversed_transfer(
         SqliteCacheBackend(tmp_path / "c.sqlite3"),
         CacheSettings(near_duplicates=True, near_duplicate_model="minilm"),
     )
+    await cache.warm_up()  # the daemon's start does this: no turn waits for the model
     await cache.store(ctx("How do I renew my car insurance online?"), "In your account.")
     await cache.store(ctx("How do I transfer money from savings to checking?"), "Use Move.")
     hit = await cache.lookup(ctx("How can I renew my car insurance online?", "slack:C1"))

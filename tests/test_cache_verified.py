@@ -5,6 +5,7 @@ Redis, counted in /metrics, and the layer on by default."""
 from __future__ import annotations
 
 import random
+import threading
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -143,9 +144,25 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         yield s
 
 
-def replica(store: Store, *, prior: float = 0.99) -> SemanticCache:
+class GatedAnswers(BagOfWords):
+    """`BagOfWords` whose embedding of an answer (a text with "link") waits for `gate`."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        if any("link" in text for text in texts):
+            self.gate.wait(10)
+        return super().embed(texts)
+
+
+def replica(
+    store: Store, *, prior: float = 0.99, embedder: BagOfWords | None = None
+) -> SemanticCache:
     """A cache over `store` whose candidates start at 0.5 and are served from `prior`."""
-    index = NearDuplicateIndex(BagOfWords(), threshold=0.5, prior=prior, refresh_seconds=0.0)
+    index = NearDuplicateIndex(
+        embedder or BagOfWords(), threshold=0.5, prior=prior, refresh_seconds=0.0
+    )
     return SemanticCache(
         store.backend(),
         CacheSettings(near_duplicates=True, near_duplicate_audit_rate=0.0),
@@ -187,20 +204,27 @@ async def test_with_the_labeller_running_a_turn_does_not_wait_for_its_label(
     store: Store,
 ) -> None:
     """The daemon runs `SemanticCache.run`: `store` hands the comparison of answers
-    (two embeddings, ~10 ms) to it and returns; the label is recorded afterwards."""
-    cache = replica(store)
+    (two embeddings, ~10 ms with MiniLM) to it and returns; the label is recorded
+    afterwards."""
+    gate = threading.Event()
+    cache = replica(store, embedder=GatedAnswers(gate))
     await cache.store(ctx(QUESTION), "Use the reset link.")
     async with anyio.create_task_group() as tg:
         await tg.start(cache.run)
         assert await cache.lookup(ctx(PARAPHRASE, "slack:C1")) is None
-        await cache.store(ctx(PARAPHRASE, "slack:C1"), "use the reset link.")
-        assert cache.near_counts.labels_correct == 0  # not on the turn
+        # Other words than the stored answer: compared by their embeddings, which wait
+        # on the gate. `store` returns all the same.
         with anyio.fail_after(10):
-            while cache.near_counts.labels_correct == 0:  # noqa: ASYNC110
+            await cache.store(ctx(PARAPHRASE, "slack:C1"), "Follow the link to reset it.")
+        counts = cache.near_counts
+        assert counts.labels_correct + counts.labels_wrong == 0
+        gate.set()
+        with anyio.fail_after(10):
+            while counts.labels_correct + counts.labels_wrong == 0:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         tg.cancel_scope.cancel()
     labels = await cache.backend.partition_observations(_partition(), now=store.clock())
-    assert [obs for obs in labels.values()] == [[(pytest.approx(0.9535, abs=1e-3), True)]]
+    assert [len(obs) for obs in labels.values()] == [1]
     assert cache.labels_dropped == 0
 
 
@@ -284,6 +308,7 @@ async def test_the_default_configuration_matches_paraphrases(tmp_path: Path) -> 
     assert settings.cache.near_duplicate_max_error == 0.01
     cache = build_cache(settings)
     assert cache is not None and cache.near_duplicates_on
+    await cache.warm_up()  # the daemon's start does this: no turn waits for the model
     vector = await cache.embed_query("How do I renew my car insurance online?")
     assert vector is not None and vector.dtype == np.float32
     assert float(np.linalg.norm(vector)) == pytest.approx(1.0, abs=1e-4)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,10 @@ class WordLlamaEmbedder:
             )
         self._model: Any = None
 
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         import numpy as np
 
@@ -121,6 +126,10 @@ class MiniLMEmbedder:
         if reason is not None:
             raise NearDuplicateUnavailable(f"near-duplicate cache matching is off: {reason}")
         self._model = SentenceEmbedder()
+
+    @property
+    def loaded(self) -> bool:
+        return self._model.loaded
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         return self._model.embed(texts)
@@ -189,6 +198,36 @@ class NearDuplicateIndex:
         self._partitions: dict[str, _Partition] = {}
         self._vectors: dict[str, Any] = {}  # key -> vector, so a refresh re-embeds only new keys
         self._dead: set[str] = set()
+        self._loader: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the model is loaded. A turn never waits for it: until it is, the
+        cache looks up exact questions only (`load_in_background` starts the load).
+        An embedder without a `loaded` attribute has nothing to load."""
+        return bool(getattr(self._embedder, "loaded", True))
+
+    def load_in_background(self) -> None:
+        """Load the model in a thread of its own, once (the daemon's `warm_up` usually
+        has; this covers a cache used without it). Returns at once."""
+        if self.ready or self._loader is not None:
+            return
+
+        def load() -> None:
+            try:
+                self._warm()
+            except Exception as exc:
+                logger.warning(
+                    "cache: near-duplicate model not loaded: {}: {}", type(exc).__name__, exc
+                )
+
+        self._loader = threading.Thread(target=load, name="near-duplicate model", daemon=True)
+        self._loader.start()
+
+    def _warm(self) -> None:
+        self._embedder.embed(["warm up"])
+        if self._use_guard:
+            load_dictionary()
 
     async def _embed(self, texts: Sequence[str]) -> np.ndarray:
         return await anyio.to_thread.run_sync(self._embedder.embed, list(texts))
@@ -197,12 +236,7 @@ class NearDuplicateIndex:
         """Load the model (MiniLM builds its fast file once, about 3 s of CPU) and the
         guard's word list now, in a worker thread, so no turn pays for them."""
 
-        def warm() -> None:
-            self._embedder.embed(["warm up"])
-            if self._use_guard:
-                load_dictionary()
-
-        await anyio.to_thread.run_sync(warm, abandon_on_cancel=True)  # a stop never waits
+        await anyio.to_thread.run_sync(self._warm, abandon_on_cancel=True)  # a stop never waits
 
     async def embed_query(self, query: str) -> np.ndarray:
         """The unit vector of one (normalized) question, computed in a worker thread."""

@@ -194,6 +194,9 @@ class SemanticCache:
         lookup (`lookup(query_vector=...)`) and the memory recall."""
         if self._near is None:
             return None
+        if not self._near.ready:
+            self._near.load_in_background()
+            return None  # no turn waits for the model
         return await self._near.embed_query(normalize_query(query))
 
     async def __aenter__(self) -> SemanticCache:
@@ -253,6 +256,9 @@ class SemanticCache:
             return self._answer(record, decision, now, "exact", 1.0)
         if decision.mode is not CacheMode.SHARED or self._near is None:
             return None
+        if not self._near.ready:
+            self._near.load_in_background()
+            return None  # exact questions only until the model is loaded: no turn waits
         partition = partition_id(ctx)
         query = normalize_query(ctx.query)
         match = await self._near.find(
@@ -412,7 +418,7 @@ class SemanticCache:
                 expires_at=now + self.settings.ttl_seconds,
             )
             removed = await self.backend.put(record, now=now, max_entries=self.settings.max_entries)
-            if indexed and self._near is not None:
+            if indexed and self._near is not None and self._near.ready:
                 await self._near.add(partition, key, query, vector=query_vector)
         except CacheUnavailable as exc:
             log.debug("cache store skipped: {}", exc)
