@@ -49,7 +49,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -58,12 +58,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loguru import logger
 
-from gateway.agent.memory_tools import recall_lines, relevant_memory
+from gateway.agent.memory_tools import recall_lines, recall_time, relevant_memory
 from gateway.memory import MemoryManager
-from gateway.memory.dense import DenseIndex, StaticEmbedder, dense_available
+from gateway.memory.dense import DenseIndex, StaticEmbedder, dense_available, sentence_embedder
 from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import parse_fact
-from gateway.memory.messages import DENSE_WEIGHT, FUSION_DEPTH, MessageIndex, StoredMessage
+from gateway.memory.messages import (
+    DENSE_WEIGHT,
+    FUSION_DEPTH,
+    TIME_WEIGHT,
+    MessageIndex,
+    StoredMessage,
+)
 from gateway.memory.text import normalize_text
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
@@ -195,6 +201,68 @@ class OursMessages(Retriever):
         return [int(hit.entry_id) for hit in self.index.search(query, k, context=False)]
 
 
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What the product's recall is given, trial by trial (issue 41): messages indexed
+    under the facts drawn from them (`facts`), MiniLM's sign codes fused in with the
+    query's vector computed once (`dense`), the time range a question names ranking its
+    messages higher (`time`)."""
+
+    facts: bool = False
+    dense: bool = False
+    time: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [
+            n
+            for n, on in (("facts", self.facts), ("minilm", self.dense), ("time", self.time))
+            if on
+        ]
+        return "+".join(["ours", *parts])
+
+
+#: The trials `--trials` runs (each on facts and messages).
+TRIALS = {
+    "facts": Recipe(facts=True),
+    "minilm": Recipe(dense=True),
+    "time": Recipe(time=True),
+    "facts+minilm": Recipe(facts=True, dense=True),
+    "facts+time": Recipe(facts=True, time=True),
+    "facts+minilm+time": Recipe(facts=True, dense=True, time=True),
+}
+
+#: The question's unit vector, computed once per question before anything is timed (the
+#: agent loop computes it once a turn and shares it with the cache).
+QUERY_VECTORS: dict[str, Any] = {}
+
+
+def query_vector(query: str) -> Any:
+    vector = QUERY_VECTORS.get(query)
+    if vector is None:
+        embedder = sentence_embedder()
+        assert embedder is not None, "the embedding extra is needed for the minilm trials"
+        vector = QUERY_VECTORS[query] = embedder.embed([query])[0]
+    return vector
+
+
+def recipe_index(turns: Sequence[Turn], recipe: Recipe, manager: MemoryManager) -> MessageIndex:
+    """The message index as the product builds it for `recipe`, every message embedded
+    (the background pass, run here to its end)."""
+    dense = None
+    if recipe.dense:
+        embedder = sentence_embedder()
+        assert embedder is not None, "the embedding extra is needed for the minilm trials"
+        dense = DenseIndex(embedder, bits=384)
+    index = MessageIndex(dense=dense, fact_keys=manager.fact_keys if recipe.facts else None)
+    index.embed_in_background = False
+    index.time_weight = TIME_WEIGHT if recipe.time else 0.0
+    for sid, messages in stored_messages(turns).items():
+        index.add(sid, messages)
+    index.embed_pending()
+    return index
+
+
 class OursHybrid(OursMessages):
     """The message index with dense ranks fused in (`gateway.memory.dense`)."""
 
@@ -269,7 +337,12 @@ class OursFacts(Retriever):
         facts: Sequence[FactRow],
         turns: Sequence[Turn],
         summaries: Sequence[tuple[str, datetime]] = (),
+        recipe: Recipe = Recipe(),
     ) -> None:
+        self.recipe = recipe
+        self.name = recipe.name
+        # The questions are asked after the last session: relative time words read so.
+        self.now = max(t.when for t in turns) + timedelta(days=1)
         self.when = datetime.now(UTC)
         self.manager = MemoryManager(root, "locomo", clock=lambda: self.when)
         entry_of = {t.dia_id: str(i) for i, t in enumerate(turns)}
@@ -283,7 +356,7 @@ class OursFacts(Retriever):
             self.when = when
             self.manager.append_history(text)
         self.manager.load_indexes()
-        self.manager.messages = OursMessages(turns).index
+        self.manager.messages = recipe_index(turns, recipe, self.manager)
         self.positions: dict[str, int] = {}
         for i, (text, _, _) in enumerate(facts):
             self.positions.setdefault(normalize_text(text), i)
@@ -291,15 +364,36 @@ class OursFacts(Retriever):
         facts_memory = index.memory_bytes() if index is not None else 0
         self.memory = facts_memory + self.manager.messages.memory_bytes()
 
+    def vector(self, query: str) -> Any:
+        return query_vector(query) if self.recipe.dense else None
+
     def search(self, query: str, k: int) -> list[int]:
         out: list[int] = []
-        for line in relevant_memory(self.manager, query, limit=k):
+        found = relevant_memory(
+            self.manager, query, limit=k, query_vector=self.vector(query), now=self.now
+        )
+        for line in found:
             parsed = parse_fact(f"- {line}")
             text = parsed.text if parsed is not None else line
             pos = self.positions.get(normalize_text(text))
             if pos is not None:
                 out.append(pos)
         return out
+
+
+class OursRecipeMessages(OursFacts):
+    """Message search as the per-turn recall runs it (`recall_lines`' first search: the
+    question's vector, the time range it names), over the index built for a recipe."""
+
+    def search(self, query: str, k: int) -> list[int]:
+        hits = self.manager.search_messages(
+            query,
+            k,
+            context=False,
+            query_vector=self.vector(query),
+            during=recall_time(query, self.now),
+        )
+        return [int(hit.entry_id) for hit in hits]
 
 
 class OursHistory(Retriever):
@@ -460,7 +554,12 @@ def judge(
             conv_score.extend(score)
 
 
-def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], dict[str, float]]:
+def evaluate(
+    convs: list[Conversation],
+    systems: list[str],
+    trials: Sequence[Recipe] = (),
+    layers_wanted: Sequence[str] = ("facts", "messages", "sessions", "recall"),
+) -> tuple[list[Run], dict[str, float]]:
     runs: dict[tuple[str, str], Run] = {}
     ceiling: list[float] = []
 
@@ -538,7 +637,21 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                     facts_evidence,
                 ),
             ]
+            for recipe in trials:
+                layers[0][1][recipe.name] = partial(
+                    OursFacts, Path(tmp) / f"f-{recipe.name}", fact_rows, conv.turns, (), recipe
+                )
+                layers[1][1][recipe.name] = partial(
+                    OursRecipeMessages,
+                    Path(tmp) / f"m-{recipe.name}",
+                    fact_rows,
+                    conv.turns,
+                    (),
+                    recipe,
+                )
             for layer, makers, sets, evidence_of in layers:
+                if layer not in layers_wanted:
+                    continue
                 for system, make in makers.items():
                     if re.split(r"[-+]", system)[0] not in systems:
                         continue
@@ -773,6 +886,16 @@ def main(argv: list[str] | None = None) -> int:
         default="ours,rank_bm25,dense",
         help="comma-separated subset of ours,rank_bm25,dense",
     )
+    parser.add_argument(
+        "--trials",
+        default="",
+        help=f"issue 41's recall trials on facts and messages: 'all' or some of {','.join(TRIALS)}",
+    )
+    parser.add_argument(
+        "--layers",
+        default="facts,messages,sessions,recall",
+        help="comma-separated subset of facts,messages,sessions,recall",
+    )
     args = parser.parse_args(argv)
     logger.remove()  # the indexes' debug lines would bury the table
     files = sorted(args.data.glob("*.json"))
@@ -782,7 +905,17 @@ def main(argv: list[str] | None = None) -> int:
         files = files[:2]
     convs = [load_conversation(path) for path in files]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    runs, extra = evaluate(convs, systems)
+    names = list(TRIALS) if args.trials == "all" else [t for t in args.trials.split(",") if t]
+    unknown = [name for name in names if name not in TRIALS]
+    if unknown:
+        parser.error(f"unknown trials {unknown}; choose from {list(TRIALS)}")
+    trials = [TRIALS[name] for name in names]
+    if any(recipe.dense for recipe in trials):
+        for conv in convs:  # the turn's vector, computed before anything is timed
+            for question in conv.questions:
+                query_vector(question.text)
+    layers = [layer.strip() for layer in args.layers.split(",") if layer.strip()]
+    runs, extra = evaluate(convs, systems, trials, layers)
     rows = results(runs)
     scale = [] if args.quick or args.scale <= 0 else scale_rows(convs, args.scale)
     if args.pg:

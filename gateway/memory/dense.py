@@ -33,6 +33,7 @@ a removed document is never returned. Not thread-safe: the owner holds its lock.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -81,6 +82,40 @@ class StaticEmbedder:
         return out
 
 
+class _Locked:
+    """An embedder one caller at a time (a model is not thread-safe: the background
+    indexing of every scope shares one)."""
+
+    def __init__(self, embedder: Any, model_id: str) -> None:
+        self._embedder = embedder
+        self._lock = threading.Lock()
+        self.model_id = model_id
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        with self._lock:
+            result: npt.NDArray[np.float32] = self._embedder.embed(texts)
+            return result
+
+
+_shared: list[TextEmbedder | None] = []
+_shared_lock = threading.Lock()
+
+
+def sentence_embedder() -> TextEmbedder | None:
+    """The process's sentence model (gateway/embedding.py), loaded on first use and
+    shared by every scope's message index; None without the `embedding` extra (search
+    is then BM25 alone)."""
+    from gateway import embedding
+
+    if embedding.embedding_unavailable() is not None:
+        return None
+    with _shared_lock:
+        if not _shared:
+            model = embedding.SentenceEmbedder()
+            _shared.append(_Locked(model, f"minilm-l6-int8-{embedding.MODEL_SHA256[:16]}"))
+        return _shared[0]
+
+
 class TextEmbedder(Protocol):
     """Texts to normalized float rows: `StaticEmbedder`, or the sentence model of
     gateway/embedding.py (384 dimensions)."""
@@ -124,11 +159,50 @@ class DenseIndex:
         arrays = self._codes.nbytes + self._ids.nbytes + self._dead.nbytes
         return int(arrays) + 60 * len(self._row)
 
+    @property
+    def words(self) -> int:
+        """A code's width in 64-bit words."""
+        return self._words
+
+    @property
+    def model(self) -> str:
+        """What made the codes: the embedder's `model_id` (else its class) and the width;
+        codes saved by another model are not used (`MessageIndex`)."""
+        name = getattr(self._embedder, "model_id", type(self._embedder).__name__)
+        return f"{name}/{64 * self._words}"
+
+    def __contains__(self, doc_id: object) -> bool:
+        return doc_id in self._row
+
+    def codes_of(self, texts: Sequence[str]) -> npt.NDArray[np.uint64]:
+        """Embed texts into codes (one row each), without adding them: the slow part,
+        which an owner runs outside its lock (2.8-10 ms a message with MiniLM)."""
+        return sign_codes(self._embedder.embed(texts), self._words)
+
+    def code_of(self, vector: npt.NDArray[np.float32]) -> npt.NDArray[np.uint64]:
+        """The code of a vector already computed (the turn's query vector)."""
+        row = np.asarray(vector, np.float32).reshape(1, -1)
+        code: npt.NDArray[np.uint64] = sign_codes(row, self._words)[0]
+        return code
+
     def add(self, doc_ids: Sequence[int], texts: Sequence[str]) -> None:
         """Embed and add documents (ids increasing)."""
-        if not doc_ids:
+        if doc_ids:
+            self.add_codes(doc_ids, self.codes_of(texts))
+
+    def export(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]:
+        """The live documents' ids and codes (rows of `words` uint64), to save."""
+        rows = np.asarray(sorted(self._row.values()), np.int64)
+        return self._ids[rows].copy(), np.ascontiguousarray(self._codes[:, rows].T)
+
+    def add_codes(self, doc_ids: Sequence[int], codes: npt.NDArray[np.uint64]) -> None:
+        """Add documents by their codes (`codes_of`, or loaded from a file)."""
+        if not len(doc_ids):
             return
-        codes = sign_codes(self._embedder.embed(texts), self._words)
+        if codes.shape != (len(doc_ids), self._words):
+            raise ValueError("one code of this index's width per document")
+        for doc in doc_ids:
+            self.remove(doc)  # a document coded again replaces its old code
         need = self._count + len(doc_ids)
         if need > self._codes.shape[1]:
             size = max(need, 2 * self._codes.shape[1], 1024)
@@ -142,7 +216,7 @@ class DenseIndex:
         self._ids[rows] = doc_ids
         self._dead[rows] = 0
         for offset, doc in enumerate(doc_ids):
-            self._row[doc] = self._count + offset
+            self._row[int(doc)] = self._count + offset
         self._count = need
 
     def remove(self, doc_id: int) -> None:

@@ -35,11 +35,13 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 from loguru import logger
 
 from gateway.fsutil import (
@@ -76,6 +78,7 @@ from gateway.memory.format import (
     is_heading,
     memory_documents,
     parse_bullet,
+    parse_fact,
 )
 from gateway.memory.knowledge import KnowledgeBase, KnowledgeEntry
 from gateway.memory.live import Doc, FileIndex
@@ -146,6 +149,9 @@ class MemoryManager:
         # MEMORY.md's fact lines by their origin message's entry id, with the file's stat
         # when read (`facts_from_messages`); appended facts keep it current.
         self._origins: tuple[tuple[int, int] | None, dict[str, list[str]]] | None = None
+        # Guards `_origins` alone: the message index asks for facts under its own lock
+        # (`fact_keys`), while an append holds this manager's lock and then the index's.
+        self._origins_lock = threading.Lock()
         self._history_index = FileIndex(
             self.dir / HISTORY_INDEX_FILE,
             lambda: [*self.history_archives(), self.history_path],
@@ -163,7 +169,7 @@ class MemoryManager:
         # The scope's past messages (`gateway.memory.messages`), when the store knows
         # where its sessions are.
         self.messages = (
-            MessageIndex(messages, saved=self.dir / MESSAGE_INDEX_FILE)
+            MessageIndex(messages, saved=self.dir / MESSAGE_INDEX_FILE, fact_keys=self.fact_keys)
             if messages is not None
             else None
         )
@@ -227,14 +233,19 @@ class MemoryManager:
                 lead = "\n" if self._memory_size() > 0 else ""
                 block = f"{lead}{consolidated_heading(day)}\n{block}"
             # The facts' origins, when read and current, learn the new lines too.
-            current = self._origins is not None and self._origins[0] == self._memory_stat()
-            self.append_to_memory(block)
-            self._remember_last_day(day)
-            if current and self._origins is not None:
-                origins = self._origins[1]
-                for entry, lines in facts_by_origin(block).items():
-                    origins.setdefault(entry, []).extend(lines)
-                self._origins = (self._memory_stat(), origins)
+            added = facts_by_origin(block)
+            with self._origins_lock:
+                current = self._origins is not None and self._origins[0] == self._memory_stat()
+                self.append_to_memory(block)
+                self._remember_last_day(day)
+                if current and self._origins is not None:
+                    origins = self._origins[1]
+                    for entry, lines in added.items():
+                        origins.setdefault(entry, []).extend(lines)
+                    self._origins = (self._memory_stat(), origins)
+            if added and self.messages is not None:
+                # Their messages are found by the facts' words too (`fact_keys`).
+                self.messages.add_fact_keys(added)
         return len(bullets)
 
     def search_memory(
@@ -271,12 +282,22 @@ class MemoryManager:
         wanted = list(entry_ids)
         if not wanted:
             return {}
-        with self._lock:
+        with self._origins_lock:
             stat = self._memory_stat()
             if self._origins is None or self._origins[0] != stat:
                 self._origins = (stat, facts_by_origin(self.read_memory()))
             found = self._origins[1]
             return {entry: list(found[entry]) for entry in wanted if entry in found}
+
+    def fact_keys(self, entry_ids: Sequence[str]) -> dict[str, list[str]]:
+        """The texts of the facts drawn from these messages, by entry id: the message
+        index's `fact_keys` (a message is found by its facts' words too)."""
+        out: dict[str, list[str]] = {}
+        for entry, lines in self.facts_from_messages(entry_ids).items():
+            texts = [fact.text for line in lines if (fact := parse_fact(line)) is not None]
+            if texts:
+                out[entry] = texts
+        return out
 
     def compact_memory(self, similarity_threshold: float = 0.85) -> int:
         """Remove facts that another kept fact implies; return how many were removed.
@@ -383,13 +404,23 @@ class MemoryManager:
         exclude: Iterable[str] = (),
         context: bool = True,
         wait: float | None = None,
+        query_vector: npt.NDArray[np.float32] | None = None,
+        during: tuple[float, float] | None = None,
     ) -> list[MessageHit]:
         """The scope's past user and assistant messages best matching `query`, each with
         its session, entry id, time, speaker and neighbours; entry ids in `exclude` (those
         in the context window) are skipped. [] when the scope's sessions are unknown."""
         if self.messages is None:
             return []
-        return self.messages.search(query, max_results, exclude=exclude, context=context, wait=wait)
+        return self.messages.search(
+            query,
+            max_results,
+            exclude=exclude,
+            context=context,
+            wait=wait,
+            query_vector=query_vector,
+            during=during,
+        )
 
     # -- consolidation -----------------------------------------------------------
 

@@ -89,6 +89,8 @@ from gateway.people.protocol import PeopleStore, person_scope
 from gateway.plumbing import fence
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     import psycopg
     from psycopg_pool import ConnectionPool
 
@@ -402,12 +404,22 @@ class PostgresMemoryScope(_Scoped):
         exclude: Iterable[str] = (),
         context: bool = True,
         wait: float | None = None,
+        query_vector: npt.NDArray[np.float32] | None = None,
+        during: tuple[float, float] | None = None,
     ) -> list[MessageHit]:
         """As the file mode's: this replica's index of the scope's messages, caught up
         from the session tables at each search."""
         if self.messages is None:
             return []
-        return self.messages.search(query, max_results, exclude=exclude, context=context, wait=wait)
+        return self.messages.search(
+            query,
+            max_results,
+            exclude=exclude,
+            context=context,
+            wait=wait,
+            query_vector=query_vector,
+            during=during,
+        )
 
     @property
     def scope(self) -> str:
