@@ -109,6 +109,12 @@ def relevant_memory(
     finds more often: on LoCoMo's development half (bench/recall.py) an evidence-citing
     fact is in the top 8 for 63% of questions by the facts' words alone and for 69.5%
     fused (70% with twice as deep a search of each; not worth its 0.15 ms a turn).
+    Issue 41's message keys (the facts' words, MiniLM, the time a question names) lift
+    the messages to 80.8 but the facts only to 70.7: a fact hits only when one cites an
+    evidence turn, which no fact does for 17% of the questions (the ceiling is 83.0),
+    and only 68% of the questions have a fact-bearing evidence message in the messages'
+    top 8 (bench/results/recall-i41.md). Lending facts at their message's rank, or
+    counting lent facts twice, moved it by at most +0.7: not taken.
 
     `query_vector`: the query's unit vector from the sentence model (gateway/embedding.py),
     computed once a turn and shared with the cache; without it, a scope whose message

@@ -24,7 +24,18 @@ Issue 41's side-by-side trial (bench/results/embeddings.md) since chose a senten
 for recall and the cache: all-MiniLM-L6-v2 int8 on onnxruntime (gateway/embedding.py,
 the `embedding` extra): 78.4 on the same measure with its signs as
 `DenseIndex(SentenceEmbedder(), bits=384)` (48 bytes a message), at 1.0-1.4 ms a
-query. No store turns dense similarity on yet.
+query.
+
+Both stores now turn it on when the `embedding` extra is installed
+(`sentence_dense_index`: one model per process, shared by every scope's message index
+behind a lock). A message is embedded off the turn, by the index's background pass
+(2.8-10 ms a message), and the turn's query vector comes from the agent loop, computed
+once for the cache and the recall; the fused search's own dense part is a sign code and
+50 popcounts (bench/recall.py: tens of microseconds). The file mode saves the codes
+beside the message index (`messages.vectors`), so a restart embeds nothing again.
+Measured on LoCoMo's development half (issue 41, bench/results/recall-i41.md), messages
+hit@8: BM25 75.5, + MiniLM 78.4, with messages also keyed by their facts 78.8 -> 80.5,
+and the time a question names 80.8.
 
 Invariants: document ids are the caller's (the BM25 index's), added in increasing order;
 a removed document is never returned. Not thread-safe: the owner holds its lock.
@@ -92,9 +103,13 @@ class _Locked:
         self.model_id = model_id
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-        with self._lock:
-            result: npt.NDArray[np.float32] = self._embedder.embed(texts)
-            return result
+        """One text per hold of the lock: a turn's query waits for one message of the
+        background pass at most (3-10 ms), never a batch."""
+        rows = []
+        for text in texts:
+            with self._lock:
+                rows.append(self._embedder.embed([text]))
+        return np.concatenate(rows) if rows else np.zeros((0, 384), np.float32)
 
 
 _shared: list[TextEmbedder | None] = []
@@ -114,6 +129,20 @@ def sentence_embedder() -> TextEmbedder | None:
             model = embedding.SentenceEmbedder()
             _shared.append(_Locked(model, f"minilm-l6-int8-{embedding.MODEL_SHA256[:16]}"))
         return _shared[0]
+
+
+#: The sentence model's floor (`DenseIndex(floor=...)`): a sign-code similarity of 0.2 is
+#: a cosine of about 0.31. Below it, a search for a word the conversation never said would
+#: answer with its nearest unrelated messages (MiniLM: "dog" and "my puppy Max chewed the
+#: sofa" 0.28; "kayak" and "ok" 0.09).
+SENTENCE_FLOOR = 0.2
+
+
+def sentence_dense_index() -> DenseIndex | None:
+    """A message index's dense part as the stores build it: the shared sentence model's
+    signs, 384 bits (48 bytes) a message; None without the `embedding` extra."""
+    embedder = sentence_embedder()
+    return DenseIndex(embedder, bits=384, floor=SENTENCE_FLOOR) if embedder is not None else None
 
 
 class TextEmbedder(Protocol):
@@ -139,10 +168,15 @@ class DenseIndex:
     (at most 257 values), not by sorting them. `bits` (a multiple of 64) sets the code's
     width: 384 keeps every sign of a 384-dimension sentence model."""
 
-    def __init__(self, embedder: TextEmbedder, *, bits: int = 64 * _WORDS) -> None:
+    def __init__(
+        self, embedder: TextEmbedder, *, bits: int = 64 * _WORDS, floor: float = -1.0
+    ) -> None:
+        """`floor`: the least similarity at which a document no keyword found joins a
+        fused search's candidates (`MessageIndex._ranked`); it depends on the model."""
         if bits <= 0 or bits % 64:
             raise ValueError("a sign code's width is a positive multiple of 64 bits")
         self._embedder = embedder
+        self.floor = floor
         self._words = bits // 64
         self._half = bits / 2  # the distance of orthogonal vectors
         self._removed = 2 * bits  # beyond any distance

@@ -54,6 +54,7 @@ from gateway.fsutil import (
     read_text,
 )
 from gateway.memory.dedupe import redundant_facts
+from gateway.memory.dense import sentence_dense_index
 from gateway.memory.facts import (
     ID_CHARS,
     Fact,
@@ -117,7 +118,10 @@ class MemoryManager:
         knowledge_flush_every: int = 32,
         clock: Callable[[], datetime] = utc_now,
         messages: MessageSource | None = None,
+        dense: bool = False,
     ) -> None:
+        """`dense`: fuse the sentence model's similarity into message search when the
+        `embedding` extra is installed (`gateway.memory.dense`)."""
         if history_max_bytes < 2:
             raise ValueError("history_max_bytes must be at least 2")
         self.scope = scope
@@ -169,7 +173,12 @@ class MemoryManager:
         # The scope's past messages (`gateway.memory.messages`), when the store knows
         # where its sessions are.
         self.messages = (
-            MessageIndex(messages, saved=self.dir / MESSAGE_INDEX_FILE, fact_keys=self.fact_keys)
+            MessageIndex(
+                messages,
+                saved=self.dir / MESSAGE_INDEX_FILE,
+                fact_keys=self.fact_keys,
+                dense=sentence_dense_index() if dense else None,
+            )
             if messages is not None
             else None
         )
@@ -292,12 +301,7 @@ class MemoryManager:
     def fact_keys(self, entry_ids: Sequence[str]) -> dict[str, list[str]]:
         """The texts of the facts drawn from these messages, by entry id: the message
         index's `fact_keys` (a message is found by its facts' words too)."""
-        out: dict[str, list[str]] = {}
-        for entry, lines in self.facts_from_messages(entry_ids).items():
-            texts = [fact.text for line in lines if (fact := parse_fact(line)) is not None]
-            if texts:
-                out[entry] = texts
-        return out
+        return fact_texts(self.facts_from_messages, entry_ids)
 
     def compact_memory(self, similarity_threshold: float = 0.85) -> int:
         """Remove facts that another kept fact implies; return how many were removed.
@@ -698,6 +702,19 @@ class _Locked:
                 manager._file_lock.__exit__()
         finally:
             manager._lock.release()
+
+
+def fact_texts(
+    lookup: Callable[[Sequence[str]], dict[str, list[str]]], entry_ids: Sequence[str]
+) -> dict[str, list[str]]:
+    """The texts (without `- [category]`) of the fact lines `lookup` gives by message
+    (a scope's `facts_from_messages`): what a message is indexed under besides its words."""
+    out: dict[str, list[str]] = {}
+    for entry, lines in lookup(entry_ids).items():
+        texts = [fact.text for line in lines if (fact := parse_fact(line)) is not None]
+        if texts:
+            out[entry] = texts
+    return out
 
 
 def _said_by(facts: Iterable[Fact]) -> list[tuple[str | None, str]]:
