@@ -864,12 +864,13 @@ class MessageIndex:
             if during is None:
                 return [
                     (h.doc_id, h.score)
-                    for h in self._index.search(query, want, decay_rate=decay_rate)
+                    for h in self._index.search(query, want, decay_rate=decay_rate, texts=False)
                 ]
             dense = None
         depth = max(FUSION_DEPTH, want)
         keyword = {
-            h.doc_id: h.score for h in self._index.search(query, depth, decay_rate=decay_rate)
+            h.doc_id: h.score
+            for h in self._index.search(query, depth, decay_rate=decay_rate, texts=False)
         }
         best = max(keyword.values(), default=0.0)
         if dense is None:
