@@ -5,9 +5,10 @@ back to BM25), and everything as BM25 without the `embedding` extra."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -345,3 +346,29 @@ def test_with_the_extra_the_store_fuses_the_sentence_model(
     assert hits and hits[0].text == "my puppy Max chewed the sofa"
     store.close()
     assert (scope_dir(tmp_path / "workspace", ALICE) / MESSAGE_VECTORS_FILE).exists()
+
+
+def test_postgres_indexes_a_message_under_the_facts_drawn_from_it(
+    pg_pools: Callable[[], Any],
+) -> None:
+    from gateway.memory.pg_store import PostgresMemoryStore
+    from gateway.sessions.pg_store import PostgresSessions
+
+    sessions = SessionManager.shared(PostgresSessions(pg_pools()))
+    store = PostgresMemoryStore(pg_pools())
+    try:
+        told = say(sessions, "we picked him up from the shelter on Sunday")
+        memory = store.for_session(ALICE)
+        assert memory.search_messages("beagle") == []  # indexed before the fact exists
+        memory.record_consolidation(
+            [NewFact("learned_fact", "Alice adopted a beagle puppy", Origin(ALICE, told))], ""
+        )
+        assert [hit.entry_id for hit in memory.search_messages("beagle")] == [told]
+        # Another replica (a new index) reads the fact with the message.
+        other = PostgresMemoryStore(pg_pools())
+        found = other.for_session(ALICE).search_messages("beagle")
+        assert [hit.entry_id for hit in found] == [told]
+        other.close()
+    finally:
+        store.close()
+        sessions.close()
