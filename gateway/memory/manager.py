@@ -22,6 +22,10 @@ Invariants:
 - Forgetting or correcting a fact (`forget_fact`, `correct_fact`) rewrites MEMORY.md
   atomically and takes the text out of the knowledge entries saying the same thing, of
   `MEMORY.md.bak` and of the saved search indexes (rebuilt without it).
+- A fact appended with its origin message has that message indexed again under the
+  fact's words (`MessageIndex.add_fact_keys`, issue 41: LoCoMo's messages hit@8 75.5 ->
+  78.8). The message index asks for facts (`fact_keys`) under its own lock, so the
+  origins cache has a lock of its own (`_origins_lock`), never the manager's.
 - All methods are thread-safe (one lock per manager). Changes to MEMORY.md also hold
   an `flock` on `MEMORY.md.lock`, so an operator's `gateway memory forget` in another
   process cannot lose an append of the running gateway. Keep one manager per scope per
