@@ -372,3 +372,35 @@ def test_postgres_indexes_a_message_under_the_facts_drawn_from_it(
     finally:
         store.close()
         sessions.close()
+
+
+@pytest.mark.skipif(
+    embedding.embedding_unavailable() is not None, reason="the embedding extra is not installed"
+)
+def test_a_process_exiting_while_messages_are_embedded_exits_cleanly(tmp_path: Path) -> None:
+    """A short command (`gateway memory search`) starts the background pass and exits:
+    the pass stops at the next text instead of being killed inside onnxruntime (which
+    aborted the process once in tests/test_memory_e2e.py: "terminate called without an
+    active exception"; this smoke test did not reproduce it without the fix)."""
+    import subprocess
+    import sys
+
+    script = f"""
+from pathlib import Path
+from gateway.llm import LLMMessage
+from gateway.memory import MemoryStore
+from gateway.sessions import SessionManager
+root = Path({str(tmp_path)!r})
+sessions = SessionManager(root / "sessions", fsync="never")
+session = sessions.get_or_create("cli:x")
+for i in range(200):
+    session.add_message(LLMMessage("user", f"message {{i}} about a long walk by the river"))
+session.flush()
+store = MemoryStore(root / "workspace", sessions_dir=root / "sessions", dense=True)
+print(len(store.for_session("cli:x").search_messages("river", 3)))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3"

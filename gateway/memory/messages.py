@@ -63,6 +63,7 @@ Thread-safe: `MessageIndex` holds a lock around every method.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -408,10 +409,11 @@ class MessageIndex:
         if not self.embed_in_background or not self._pending or self._source is None:
             return
         with self._start_lock:
-            if self._embedding is None:
+            if self._embedding is None and not _EXITING.is_set():
                 self._embedding = threading.Thread(
                     target=self._embed_all, name="message-embedding", daemon=True
                 )
+                _EMBEDDING.add(self._embedding)
                 self._embedding.start()
 
     def _embed_all(self) -> None:
@@ -421,9 +423,10 @@ class MessageIndex:
             logger.warning("past messages not embedded for search: {}", exc)
         finally:
             with self._start_lock:
+                _EMBEDDING.discard(threading.current_thread())
                 self._embedding = None
 
-    def embed_pending(self, batch: int = 32) -> int:
+    def embed_pending(self, batch: int = 8) -> int:
         """Embed every message not embedded yet (a background thread does it after each
         catch-up; a caller may too): the model runs outside the index's lock, so a
         search never waits for it. How many were embedded."""
@@ -432,7 +435,7 @@ class MessageIndex:
             return 0
         done = 0
         with self._embed_lock:
-            while True:
+            while not _EXITING.is_set():
                 with self._lock:
                     work = list(itertools.islice(self._pending.items(), batch))
                 if not work:
@@ -447,6 +450,7 @@ class MessageIndex:
                         del self._pending[work[i][0]]
                     self._unsaved += len(fresh)
                 done += len(fresh)
+        return done
 
     @property
     def pending(self) -> int:
@@ -956,6 +960,20 @@ class MessageIndex:
 
 
 # -- the messages behind document ids -------------------------------------------------
+
+# Background embedding passes running, and the flag that stops them at exit: a thread
+# killed inside onnxruntime when the interpreter finalizes aborts the process ("terminate
+# called without an active exception"), so exit waits for the text being embedded.
+_EMBEDDING: set[threading.Thread] = set()
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _stop_embedding() -> None:
+    _EXITING.set()
+    for thread in list(_EMBEDDING):
+        thread.join(timeout=5.0)
+
 
 #: The file beside `messages.index` holding its messages' dense codes.
 MESSAGE_VECTORS_FILE = "messages.vectors"
