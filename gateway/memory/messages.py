@@ -273,9 +273,10 @@ class MessageIndex:
         saved: Path | None = None,
         fact_keys: FactKeys | None = None,
     ) -> None:
-        """`dense`: static-embedding similarity fused with BM25, its share of the fused
-        score `dense_weight` (`_ranked`). An index with `dense` is not saved (its vectors
-        are not part of the file)."""
+        """`dense`: embedding similarity fused with BM25, its share of the fused score
+        `dense_weight` (`_ranked`); its codes are saved beside `saved` in
+        `messages.vectors`. `fact_keys`: the facts drawn from messages, by entry id: a
+        message is indexed under their words too (`searchable_text`)."""
         self._source = source
         self._fact_keys = fact_keys
         self._lock = threading.RLock()
