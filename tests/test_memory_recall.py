@@ -404,3 +404,24 @@ print(len(store.for_session("cli:x").search_messages("river", 3)))
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "3"
+
+
+def test_postgres_finds_the_facts_of_many_messages_at_once(pg_pools: Callable[[], Any]) -> None:
+    from gateway.memory.pg_store import PostgresMemoryStore
+
+    store = PostgresMemoryStore(pg_pools())
+    try:
+        memory = store.for_session(ALICE)
+        memory.append_facts(
+            [
+                NewFact("learned_fact", "Alice adopted a beagle", Origin(ALICE, "e7")),
+                NewFact("learned_fact", "Alice likes tea", Origin(ALICE, "e70")),
+                NewFact("learned_fact", "Alice has no origin"),
+            ]
+        )
+        few = memory.facts_from_messages(["e7", "e8"])
+        many = memory.facts_from_messages([f"e{i}" for i in range(7, 200)])
+        assert few == {"e7": ["- [learned_fact] Alice adopted a beagle"]}
+        assert many == {**few, "e70": ["- [learned_fact] Alice likes tea"]}
+    finally:
+        store.close()

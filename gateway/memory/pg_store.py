@@ -502,16 +502,19 @@ class PostgresMemoryScope(_Scoped):
         return Found(without_fact_comment(line) for line in lines)
 
     def facts_from_messages(self, entry_ids: Iterable[str]) -> dict[str, list[str]]:
-        wanted = list(dict.fromkeys(entry_ids))
+        wanted = set(entry_ids)
         if not wanted:
             return {}
-        patterns = [f"%{_like_escaped(origin_marker(entry))}%" for entry in wanted]
+        if len(wanted) > _ORIGINS_BY_PATTERN:
+            # A first reading of the messages asks for thousands: one pass over the
+            # scope's facts with an origin, not a pattern per message.
+            query = "SELECT day, line FROM gw_memory_facts WHERE scope = %s AND line LIKE %s"
+            params: tuple[Any, ...] = (self._key, f"%{_like_escaped(' entry ')}%")
+        else:
+            query = "SELECT day, line FROM gw_memory_facts WHERE scope = %s AND line LIKE ANY(%s)"
+            params = (self._key, [f"%{_like_escaped(origin_marker(e))}%" for e in sorted(wanted)])
         with self._pool.connection() as conn:
-            rows = conn.execute(
-                "SELECT day, line FROM gw_memory_facts WHERE scope = %s AND line LIKE ANY(%s)"
-                " ORDER BY id",
-                (self._key, patterns),
-            ).fetchall()
+            rows = conn.execute(f"{query} ORDER BY id", params).fetchall()
         found: dict[str, list[str]] = {}
         for day, line in rows:
             fact = parse_fact_line(str(line), day)
@@ -686,6 +689,11 @@ class PostgresMemoryScope(_Scoped):
 
     def close(self) -> None:
         """Nothing held open: connections go back to the pool after each call."""
+
+
+#: Above this many messages, `facts_from_messages` reads every fact with an origin once
+#: instead of matching a pattern per message (the message index's first reading).
+_ORIGINS_BY_PATTERN = 64
 
 
 class PostgresMemoryStore:
