@@ -32,9 +32,18 @@ in the same run, over the same documents.
 Metrics (per question, averaged): `hit@k` (an evidence unit in the top k), `all@k`
 (every evidence unit in the top k), `R@k` (the share of evidence units in the top k).
 "all" aggregates categories 1-4; category 5 (adversarial: the answer is not in the
-conversation) is shown on its own. Latency is per query, in microseconds; memory is
-the index's size (ours: the index's own estimate; rank_bm25: bytes allocated while it
-is built; dense: the matrix, without the model's weights shared by all indexes).
+conversation) is shown on its own. Latency is CPU per query (`time.process_time`: the
+machine is shared), in microseconds, the query's vector computed before (the agent loop
+computes it once a turn for the cache and the recall: 1.0-1.4 ms); memory is the index's
+size (ours: the index's own estimate; rank_bm25: bytes allocated while it is built;
+dense: the matrix, without the model's weights shared by all indexes).
+
+Issue 41's trials (`--trials all`, on facts, messages and the blended recall): "ours+facts"
+indexes each message also under the facts drawn from it (LoCoMo's observations, each
+citing its turn, as consolidation records a fact's origin message); "+minilm" fuses
+all-MiniLM-L6-v2's sign codes (`DenseIndex(..., bits=384)`); "+time" ranks the messages in
+the time range a question names higher (`gateway.memory.timewords`, read against the day
+after the last session). Results and command: bench/results/recall-i41.md.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -58,12 +67,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loguru import logger
 
-from gateway.agent.memory_tools import recall_lines, relevant_memory
+from gateway.agent.memory_tools import recall_lines, recall_time, relevant_memory
 from gateway.memory import MemoryManager
-from gateway.memory.dense import DenseIndex, StaticEmbedder, dense_available
+from gateway.memory.dense import SENTENCE_FLOOR, DenseIndex, StaticEmbedder, sentence_embedder
 from gateway.memory.facts import NewFact, Origin
 from gateway.memory.format import parse_fact
-from gateway.memory.messages import DENSE_WEIGHT, FUSION_DEPTH, MessageIndex, StoredMessage
+from gateway.memory.messages import (
+    DENSE_WEIGHT,
+    FUSION_DEPTH,
+    TIME_WEIGHT,
+    MessageIndex,
+    StoredMessage,
+)
 from gateway.memory.text import normalize_text
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "locomo-dev"
@@ -195,6 +210,95 @@ class OursMessages(Retriever):
         return [int(hit.entry_id) for hit in self.index.search(query, k, context=False)]
 
 
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What the product's recall is given, trial by trial (issue 41): messages indexed
+    under the facts drawn from them (`facts`), MiniLM's sign codes fused in with the
+    query's vector computed once (`dense`), the time range a question names ranking its
+    messages higher (`time`)."""
+
+    facts: bool = False
+    dense: bool = False
+    time: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [
+            n
+            for n, on in (("facts", self.facts), ("minilm", self.dense), ("time", self.time))
+            if on
+        ]
+        return "+".join(["ours", *parts])
+
+
+#: The trials `--trials` runs (each on facts and messages).
+TRIALS = {
+    "facts": Recipe(facts=True),
+    "minilm": Recipe(dense=True),
+    "time": Recipe(time=True),
+    "facts+minilm": Recipe(facts=True, dense=True),
+    "facts+time": Recipe(facts=True, time=True),
+    "facts+minilm+time": Recipe(facts=True, dense=True, time=True),
+}
+
+#: The question's unit vector, computed once per question before anything is timed (the
+#: agent loop computes it once a turn and shares it with the cache).
+QUERY_VECTORS: dict[str, Any] = {}
+
+
+class _Remembered:
+    """The sentence model with its vectors kept by text: the bench builds an index per
+    trial over the same messages (a text always maps to the same vector), and the scale
+    rows repeat LoCoMo's turns."""
+
+    def __init__(self, embedder: Any) -> None:
+        self._embedder = embedder
+        self.model_id = embedder.model_id
+        self._known: dict[str, Any] = {}
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        import numpy as np
+
+        missing = [t for t in dict.fromkeys(texts) if t not in self._known]
+        if missing:
+            for text, row in zip(missing, self._embedder.embed(missing), strict=True):
+                self._known[text] = row
+        return np.stack([self._known[t] for t in texts]) if texts else np.zeros((0, 384))
+
+
+_REMEMBERED: list[_Remembered] = []
+
+
+def bench_embedder() -> _Remembered:
+    if not _REMEMBERED:
+        embedder = sentence_embedder()
+        assert embedder is not None, "the embedding extra is needed for the minilm trials"
+        _REMEMBERED.append(_Remembered(embedder))
+    return _REMEMBERED[0]
+
+
+def query_vector(query: str) -> Any:
+    vector = QUERY_VECTORS.get(query)
+    if vector is None:
+        embedder = sentence_embedder()
+        assert embedder is not None, "the embedding extra is needed for the minilm trials"
+        vector = QUERY_VECTORS[query] = embedder.embed([query])[0]
+    return vector
+
+
+def recipe_index(turns: Sequence[Turn], recipe: Recipe, manager: MemoryManager) -> MessageIndex:
+    """The message index as the product builds it for `recipe`, every message embedded
+    (the background pass, run here to its end)."""
+    dense = DenseIndex(bench_embedder(), bits=384, floor=SENTENCE_FLOOR) if recipe.dense else None
+    index = MessageIndex(dense=dense, fact_keys=manager.fact_keys if recipe.facts else None)
+    index.embed_in_background = False
+    index.time_weight = TIME_WEIGHT if recipe.time else 0.0
+    for sid, messages in stored_messages(turns).items():
+        index.add(sid, messages)
+    index.embed_pending()
+    return index
+
+
 class OursHybrid(OursMessages):
     """The message index with dense ranks fused in (`gateway.memory.dense`)."""
 
@@ -231,9 +335,16 @@ class OursRecall(Retriever):
 
     name = "ours"
 
-    def __init__(self, root: Path, conv: Conversation, fact_rows: Sequence[FactRow]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        conv: Conversation,
+        fact_rows: Sequence[FactRow],
+        recipe: Recipe = Recipe(),
+    ) -> None:
         summaries = [(text, when) for _, text, when in conv.summaries]
-        self.facts = OursFacts(root, fact_rows, conv.turns, summaries)
+        self.facts = OursFacts(root, fact_rows, conv.turns, summaries, recipe)
+        self.name = recipe.name
         self.manager = self.facts.manager
         self.by_message = {message_of(t): i for i, t in enumerate(conv.turns)}
         self.fact_count = len(fact_rows)
@@ -241,7 +352,14 @@ class OursRecall(Retriever):
 
     def search(self, query: str, k: int) -> list[int]:
         out: list[int] = []
-        for line in recall_lines(self.manager, query, limit=RECALL_LIMIT):
+        lines = recall_lines(
+            self.manager,
+            query,
+            limit=RECALL_LIMIT,
+            query_vector=self.facts.vector(query),
+            now=self.facts.now,
+        )
+        for line in lines:
             if line.startswith("[earlier message, "):
                 pos = self.by_message.get(line.split("] ", 1)[1])
                 if pos is not None:
@@ -269,7 +387,12 @@ class OursFacts(Retriever):
         facts: Sequence[FactRow],
         turns: Sequence[Turn],
         summaries: Sequence[tuple[str, datetime]] = (),
+        recipe: Recipe = Recipe(),
     ) -> None:
+        self.recipe = recipe
+        self.name = recipe.name
+        # The questions are asked after the last session: relative time words read so.
+        self.now = max(t.when for t in turns) + timedelta(days=1)
         self.when = datetime.now(UTC)
         self.manager = MemoryManager(root, "locomo", clock=lambda: self.when)
         entry_of = {t.dia_id: str(i) for i, t in enumerate(turns)}
@@ -283,7 +406,7 @@ class OursFacts(Retriever):
             self.when = when
             self.manager.append_history(text)
         self.manager.load_indexes()
-        self.manager.messages = OursMessages(turns).index
+        self.manager.messages = recipe_index(turns, recipe, self.manager)
         self.positions: dict[str, int] = {}
         for i, (text, _, _) in enumerate(facts):
             self.positions.setdefault(normalize_text(text), i)
@@ -291,15 +414,36 @@ class OursFacts(Retriever):
         facts_memory = index.memory_bytes() if index is not None else 0
         self.memory = facts_memory + self.manager.messages.memory_bytes()
 
+    def vector(self, query: str) -> Any:
+        return query_vector(query) if self.recipe.dense else None
+
     def search(self, query: str, k: int) -> list[int]:
         out: list[int] = []
-        for line in relevant_memory(self.manager, query, limit=k):
+        found = relevant_memory(
+            self.manager, query, limit=k, query_vector=self.vector(query), now=self.now
+        )
+        for line in found:
             parsed = parse_fact(f"- {line}")
             text = parsed.text if parsed is not None else line
             pos = self.positions.get(normalize_text(text))
             if pos is not None:
                 out.append(pos)
         return out
+
+
+class OursRecipeMessages(OursFacts):
+    """Message search as the per-turn recall runs it (`recall_lines`' first search: the
+    question's vector, the time range it names), over the index built for a recipe."""
+
+    def search(self, query: str, k: int) -> list[int]:
+        hits = self.manager.search_messages(
+            query,
+            k,
+            context=False,
+            query_vector=self.vector(query),
+            during=recall_time(query, self.now),
+        )
+        return [int(hit.entry_id) for hit in hits]
 
 
 class OursHistory(Retriever):
@@ -450,9 +594,9 @@ def judge(
     run.memory.append(retriever.memory)
     conv_score = run.by_conv.setdefault(conv.name, Score())
     for question in conv.questions:
-        start = time.perf_counter()
+        start = time.process_time()  # CPU: the machine is shared, waiting does not count
         ranked = retriever.search(question.text, DEPTH)
-        run.latencies.append(time.perf_counter() - start)
+        run.latencies.append(time.process_time() - start)
         score = Score()
         score.add([units(i) for i in ranked], evidence_of(question))
         run.by_category.setdefault(question.category, Score()).extend(score)
@@ -460,7 +604,12 @@ def judge(
             conv_score.extend(score)
 
 
-def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], dict[str, float]]:
+def evaluate(
+    convs: list[Conversation],
+    systems: list[str],
+    trials: Sequence[Recipe] = (),
+    layers_wanted: Sequence[str] = ("facts", "messages", "sessions", "recall"),
+) -> tuple[list[Run], dict[str, float]]:
     runs: dict[tuple[str, str], Run] = {}
     ceiling: list[float] = []
 
@@ -538,7 +687,24 @@ def evaluate(convs: list[Conversation], systems: list[str]) -> tuple[list[Run], 
                     facts_evidence,
                 ),
             ]
+            for recipe in trials:
+                layers[0][1][recipe.name] = partial(
+                    OursFacts, Path(tmp) / f"f-{recipe.name}", fact_rows, conv.turns, (), recipe
+                )
+                layers[3][1][recipe.name] = partial(
+                    OursRecall, Path(tmp) / f"r-{recipe.name}", conv, fact_rows, recipe
+                )
+                layers[1][1][recipe.name] = partial(
+                    OursRecipeMessages,
+                    Path(tmp) / f"m-{recipe.name}",
+                    fact_rows,
+                    conv.turns,
+                    (),
+                    recipe,
+                )
             for layer, makers, sets, evidence_of in layers:
+                if layer not in layers_wanted:
+                    continue
                 for system, make in makers.items():
                     if re.split(r"[-+]", system)[0] not in systems:
                         continue
@@ -650,11 +816,33 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
                 break
         copy += 1
     del turns
+    # The facts drawn from each turn, by its entry id in its conversation (the copies of
+    # a conversation share them; for timing, the first conversation's are enough).
+    facts_of: dict[str, list[str]] = {}
+    first = convs[0]
+    entry_of = {t.dia_id: str(i) for i, t in enumerate(first.turns)}
+    for text, dia, _ in first.facts:
+        if dia in entry_of:
+            facts_of.setdefault(entry_of[dia], []).append(text)
+
+    def fact_keys(entry_ids: Sequence[str]) -> dict[str, list[str]]:
+        return {e: facts_of[e] for e in entry_ids if e in facts_of}
+
+    now = max(t.when for conv in convs for t in conv.turns) + timedelta(days=1)
     rows: list[ScaleRow] = []
     engines: list[tuple[str, Callable[[], MessageIndex]]] = [("bm25", MessageIndex)]
-    if dense_available():
-        embedder = StaticEmbedder()
-        engines.append(("bm25+dense", lambda: MessageIndex(dense=DenseIndex(embedder))))
+    if sentence_embedder() is not None:
+        engines.append(
+            (
+                "facts+minilm+time",
+                lambda: MessageIndex(
+                    dense=DenseIndex(bench_embedder(), bits=384, floor=SENTENCE_FLOOR),
+                    fact_keys=fact_keys,
+                ),
+            )
+        )
+        for question in questions:
+            query_vector(question)
     for name, make in engines:
         start = time.perf_counter()
         index = make()
@@ -663,10 +851,13 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
         index.search("warm up", 1)
         build = time.perf_counter() - start
         lat: list[float] = []
+        dense_on = index._dense is not None
         for question in questions:
-            t0 = time.perf_counter()
-            index.search(question, RECALL_LIMIT, context=False)
-            lat.append(time.perf_counter() - t0)
+            vector = query_vector(question) if dense_on else None
+            during = recall_time(question, now) if dense_on else None
+            t0 = time.process_time()
+            index.search(question, RECALL_LIMIT, context=False, query_vector=vector, during=during)
+            lat.append(time.process_time() - t0)
         lat.sort()
         rows.append(
             ScaleRow(
@@ -683,9 +874,10 @@ def scale_rows(convs: list[Conversation], size: int, queries: int = 200) -> list
             candidates = [h.doc_id for h in index._index.search("warm up", FUSION_DEPTH)]
             lat = []
             for question in questions:
-                t0 = time.perf_counter()
-                dense.similarities(dense.query_code(question), candidates)
-                lat.append(time.perf_counter() - t0)
+                vector = query_vector(question)
+                t0 = time.process_time()
+                dense.similarities(dense.code_of(vector), candidates)
+                lat.append(time.process_time() - t0)
             lat.sort()
             rows.append(
                 ScaleRow(
@@ -773,6 +965,16 @@ def main(argv: list[str] | None = None) -> int:
         default="ours,rank_bm25,dense",
         help="comma-separated subset of ours,rank_bm25,dense",
     )
+    parser.add_argument(
+        "--trials",
+        default="",
+        help=f"issue 41's recall trials on facts and messages: 'all' or some of {','.join(TRIALS)}",
+    )
+    parser.add_argument(
+        "--layers",
+        default="facts,messages,sessions,recall",
+        help="comma-separated subset of facts,messages,sessions,recall",
+    )
     args = parser.parse_args(argv)
     logger.remove()  # the indexes' debug lines would bury the table
     files = sorted(args.data.glob("*.json"))
@@ -782,7 +984,17 @@ def main(argv: list[str] | None = None) -> int:
         files = files[:2]
     convs = [load_conversation(path) for path in files]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    runs, extra = evaluate(convs, systems)
+    names = list(TRIALS) if args.trials == "all" else [t for t in args.trials.split(",") if t]
+    unknown = [name for name in names if name not in TRIALS]
+    if unknown:
+        parser.error(f"unknown trials {unknown}; choose from {list(TRIALS)}")
+    trials = [TRIALS[name] for name in names]
+    if any(recipe.dense for recipe in trials):
+        for conv in convs:  # the turn's vector, computed before anything is timed
+            for question in conv.questions:
+                query_vector(question.text)
+    layers = [layer.strip() for layer in args.layers.split(",") if layer.strip()]
+    runs, extra = evaluate(convs, systems, trials, layers)
     rows = results(runs)
     scale = [] if args.quick or args.scale <= 0 else scale_rows(convs, args.scale)
     if args.pg:

@@ -12,6 +12,7 @@ memory, never from part of it. Blocking file work runs in a worker thread.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -25,8 +26,11 @@ from gateway.memory.knowledge import entry_id
 from gateway.memory.messages import MessageHit
 from gateway.memory.protocol import Found, MemoryBackend, MemoryScope
 from gateway.memory.text import normalize_text, one_line
+from gateway.memory.timewords import time_range
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from gateway.cache import SemanticCache
 
 DEFAULT_RESULTS = 5
@@ -90,6 +94,8 @@ def relevant_memory(
     limit: int = 8,
     wait: float | None = None,
     messages: Sequence[MessageHit] | None = None,
+    query_vector: np.ndarray | None = None,
+    now: datetime | None = None,
 ) -> Found:
     """`[category] text` lines of MEMORY.md facts and knowledge entries for `query`,
     best first, each once, and whether they come from all the facts (`wait` bounds the
@@ -103,6 +109,17 @@ def relevant_memory(
     finds more often: on LoCoMo's development half (bench/recall.py) an evidence-citing
     fact is in the top 8 for 63% of questions by the facts' words alone and for 69.5%
     fused (70% with twice as deep a search of each; not worth its 0.15 ms a turn).
+    Issue 41's message keys (the facts' words, MiniLM, the time a question names) lift
+    the messages to 80.8 but the facts only to 70.7: a fact hits only when one cites an
+    evidence turn, which no fact does for 17% of the questions (the ceiling is 83.0),
+    and only 68% of the questions have a fact-bearing evidence message in the messages'
+    top 8 (bench/results/recall-i41.md). Lending facts at their message's rank, or
+    counting lent facts twice, moved it by at most +0.7: not taken.
+
+    `query_vector`: the query's unit vector from the sentence model (gateway/embedding.py),
+    computed once a turn and shared with the cache; without it, a scope whose message
+    index has a dense part embeds the query itself (the `memory_search` tool). `now`: the
+    time relative words ("last month") are read against (`recall_time`).
 
     The agent's memory block and the `memory_search` tool both use it.
     """
@@ -118,7 +135,14 @@ def relevant_memory(
 
     facts = manager.search_memory(query, max_results=limit, category=category, wait=wait)
     if messages is None:
-        messages = manager.search_messages(query, max_results=limit, context=False, wait=wait)
+        messages = manager.search_messages(
+            query,
+            max_results=limit,
+            context=False,
+            wait=wait,
+            query_vector=query_vector,
+            during=recall_time(query, now),
+        )
     said = [hit.entry_id for hit in messages[:limit]]
     given = manager.facts_from_messages(said) if said else {}
     lent = [line for entry in said for line in given.get(entry, ())]
@@ -145,6 +169,7 @@ def memory_texts(
     export_chars: int = 2000,
     wait: float | None = None,
     exclude: Iterable[str] = (),
+    query_vector: np.ndarray | None = None,
 ) -> Found:
     """What `fit_context` takes as `memory_texts` for a turn: the memory relevant to
     `query` (facts and knowledge, history summaries and past messages, blended by
@@ -153,11 +178,13 @@ def memory_texts(
     the facts (it waits at most `wait` seconds for an index being built). Messages whose
     entry ids are in `exclude` (those already in the context) are left out. Scoped by
     `session_key`. Blocking: worker thread. A conversation without memory yet costs one
-    stat: reading creates nothing."""
+    stat: reading creates nothing. `query_vector` as for `relevant_memory`."""
     if not store.exists(session_key):
         return Found()
     manager = store.for_session(session_key)
-    lines = recall_lines(manager, query, limit=limit, wait=wait, exclude=exclude)
+    lines = recall_lines(
+        manager, query, limit=limit, wait=wait, exclude=exclude, query_vector=query_vector
+    )
     texts = ["\n".join(lines), manager.knowledge.export_for_context(export_chars)]
     return Found(texts, complete=lines.complete)
 
@@ -169,18 +196,28 @@ def recall_lines(
     limit: int = 8,
     wait: float | None = None,
     exclude: Iterable[str] = (),
+    query_vector: np.ndarray | None = None,
+    now: datetime | None = None,
 ) -> Found:
     """The memory relevant to `query`, one ranking: facts and knowledge
     (`relevant_memory`, lent facts by the same messages), history summaries and past
     messages not in `exclude`, each layer's best `limit` blended by `blend_recall`.
     Each line says what it is: a fact its `[category]`, a summary and a message where
-    and when they are from. Blocking."""
+    and when they are from. `query_vector` and `now` as for `relevant_memory`. Blocking."""
     if not query.strip():
         return Found()
     found = manager.search_messages(
-        query, max_results=limit, exclude=exclude, context=False, wait=wait
+        query,
+        max_results=limit,
+        exclude=exclude,
+        context=False,
+        wait=wait,
+        query_vector=query_vector,
+        during=recall_time(query, now),
     )
-    relevant = relevant_memory(manager, query, limit=limit, wait=wait, messages=found)
+    relevant = relevant_memory(
+        manager, query, limit=limit, wait=wait, messages=found, query_vector=query_vector
+    )
     history = [
         _history_line(line) for line in manager.search_history(query, max_results=limit, wait=wait)
     ]
@@ -189,6 +226,12 @@ def recall_lines(
         for hit in found
     ]
     return Found(blend_recall([list(relevant), history, messages]), complete=relevant.complete)
+
+
+def recall_time(query: str, now: datetime | None = None) -> tuple[float, float] | None:
+    """The time range `query` names, read against `now` (default: the present), whose
+    messages recall ranks higher (`gateway.memory.timewords`)."""
+    return time_range(query, now or datetime.now(UTC))
 
 
 #: Reciprocal rank fusion's constant (Cormack et al. 2009 use 60): ranks far down a list

@@ -47,3 +47,9 @@ class MemorySettings(Section):
         "built (after a restart without a saved index, an import); then it answers from the "
         "newest facts, logged and counted in gateway_memory_search_incomplete_total.",
     )
+    dense_recall: bool = Field(
+        True,
+        description="Fuse the local embedding model's similarity (the `embedding` extra) "
+        "into the search of past messages, each message embedded in the background; "
+        "without the extra, keyword search alone.",
+    )

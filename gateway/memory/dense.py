@@ -24,7 +24,18 @@ Issue 41's side-by-side trial (bench/results/embeddings.md) since chose a senten
 for recall and the cache: all-MiniLM-L6-v2 int8 on onnxruntime (gateway/embedding.py,
 the `embedding` extra): 78.4 on the same measure with its signs as
 `DenseIndex(SentenceEmbedder(), bits=384)` (48 bytes a message), at 1.0-1.4 ms a
-query. No store turns dense similarity on yet.
+query.
+
+Both stores now turn it on when the `embedding` extra is installed
+(`sentence_dense_index`: one model per process, shared by every scope's message index
+behind a lock). A message is embedded off the turn, by the index's background pass
+(2.8-10 ms a message), and the turn's query vector comes from the agent loop, computed
+once for the cache and the recall; the fused search's own dense part is a sign code and
+50 popcounts (bench/recall.py: tens of microseconds). The file mode saves the codes
+beside the message index (`messages.vectors`), so a restart embeds nothing again.
+Measured on LoCoMo's development half (issue 41, bench/results/recall-i41.md), messages
+hit@8: BM25 75.5, + MiniLM 78.4, with messages also keyed by their facts 78.8 -> 80.5,
+and the time a question names 80.8.
 
 Invariants: document ids are the caller's (the BM25 index's), added in increasing order;
 a removed document is never returned. Not thread-safe: the owner holds its lock.
@@ -33,6 +44,7 @@ a removed document is never returned. Not thread-safe: the owner holds its lock.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -81,6 +93,58 @@ class StaticEmbedder:
         return out
 
 
+class _Locked:
+    """An embedder one caller at a time (a model is not thread-safe: the background
+    indexing of every scope shares one)."""
+
+    def __init__(self, embedder: Any, model_id: str) -> None:
+        self._embedder = embedder
+        self._lock = threading.Lock()
+        self.model_id = model_id
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """One text per hold of the lock: a turn's query waits for one message of the
+        background pass at most (3-10 ms), never a batch."""
+        rows = []
+        for text in texts:
+            with self._lock:
+                rows.append(self._embedder.embed([text]))
+        return np.concatenate(rows) if rows else np.zeros((0, 384), np.float32)
+
+
+_shared: list[TextEmbedder | None] = []
+_shared_lock = threading.Lock()
+
+
+def sentence_embedder() -> TextEmbedder | None:
+    """The process's sentence model (gateway/embedding.py), loaded on first use and
+    shared by every scope's message index; None without the `embedding` extra (search
+    is then BM25 alone)."""
+    from gateway import embedding
+
+    if embedding.embedding_unavailable() is not None:
+        return None
+    with _shared_lock:
+        if not _shared:
+            model = embedding.SentenceEmbedder()
+            _shared.append(_Locked(model, f"minilm-l6-int8-{embedding.MODEL_SHA256[:16]}"))
+        return _shared[0]
+
+
+#: The sentence model's floor (`DenseIndex(floor=...)`): a sign-code similarity of 0.2 is
+#: a cosine of about 0.31. Below it, a search for a word the conversation never said would
+#: answer with its nearest unrelated messages (MiniLM: "dog" and "my puppy Max chewed the
+#: sofa" 0.28; "kayak" and "ok" 0.09).
+SENTENCE_FLOOR = 0.2
+
+
+def sentence_dense_index() -> DenseIndex | None:
+    """A message index's dense part as the stores build it: the shared sentence model's
+    signs, 384 bits (48 bytes) a message; None without the `embedding` extra."""
+    embedder = sentence_embedder()
+    return DenseIndex(embedder, bits=384, floor=SENTENCE_FLOOR) if embedder is not None else None
+
+
 class TextEmbedder(Protocol):
     """Texts to normalized float rows: `StaticEmbedder`, or the sentence model of
     gateway/embedding.py (384 dimensions)."""
@@ -104,10 +168,15 @@ class DenseIndex:
     (at most 257 values), not by sorting them. `bits` (a multiple of 64) sets the code's
     width: 384 keeps every sign of a 384-dimension sentence model."""
 
-    def __init__(self, embedder: TextEmbedder, *, bits: int = 64 * _WORDS) -> None:
+    def __init__(
+        self, embedder: TextEmbedder, *, bits: int = 64 * _WORDS, floor: float = -1.0
+    ) -> None:
+        """`floor`: the least similarity at which a document no keyword found joins a
+        fused search's candidates (`MessageIndex._ranked`); it depends on the model."""
         if bits <= 0 or bits % 64:
             raise ValueError("a sign code's width is a positive multiple of 64 bits")
         self._embedder = embedder
+        self.floor = floor
         self._words = bits // 64
         self._half = bits / 2  # the distance of orthogonal vectors
         self._removed = 2 * bits  # beyond any distance
@@ -124,11 +193,50 @@ class DenseIndex:
         arrays = self._codes.nbytes + self._ids.nbytes + self._dead.nbytes
         return int(arrays) + 60 * len(self._row)
 
+    @property
+    def words(self) -> int:
+        """A code's width in 64-bit words."""
+        return self._words
+
+    @property
+    def model(self) -> str:
+        """What made the codes: the embedder's `model_id` (else its class) and the width;
+        codes saved by another model are not used (`MessageIndex`)."""
+        name = getattr(self._embedder, "model_id", type(self._embedder).__name__)
+        return f"{name}/{64 * self._words}"
+
+    def __contains__(self, doc_id: object) -> bool:
+        return doc_id in self._row
+
+    def codes_of(self, texts: Sequence[str]) -> npt.NDArray[np.uint64]:
+        """Embed texts into codes (one row each), without adding them: the slow part,
+        which an owner runs outside its lock (2.8-10 ms a message with MiniLM)."""
+        return sign_codes(self._embedder.embed(texts), self._words)
+
+    def code_of(self, vector: npt.NDArray[np.float32]) -> npt.NDArray[np.uint64]:
+        """The code of a vector already computed (the turn's query vector)."""
+        row = np.asarray(vector, np.float32).reshape(1, -1)
+        code: npt.NDArray[np.uint64] = sign_codes(row, self._words)[0]
+        return code
+
     def add(self, doc_ids: Sequence[int], texts: Sequence[str]) -> None:
         """Embed and add documents (ids increasing)."""
-        if not doc_ids:
+        if doc_ids:
+            self.add_codes(doc_ids, self.codes_of(texts))
+
+    def export(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]:
+        """The live documents' ids and codes (rows of `words` uint64), to save."""
+        rows = np.asarray(sorted(self._row.values()), np.int64)
+        return self._ids[rows].copy(), np.ascontiguousarray(self._codes[:, rows].T)
+
+    def add_codes(self, doc_ids: Sequence[int], codes: npt.NDArray[np.uint64]) -> None:
+        """Add documents by their codes (`codes_of`, or loaded from a file)."""
+        if not len(doc_ids):
             return
-        codes = sign_codes(self._embedder.embed(texts), self._words)
+        if codes.shape != (len(doc_ids), self._words):
+            raise ValueError("one code of this index's width per document")
+        for doc in doc_ids:
+            self.remove(doc)  # a document coded again replaces its old code
         need = self._count + len(doc_ids)
         if need > self._codes.shape[1]:
             size = max(need, 2 * self._codes.shape[1], 1024)
@@ -142,7 +250,7 @@ class DenseIndex:
         self._ids[rows] = doc_ids
         self._dead[rows] = 0
         for offset, doc in enumerate(doc_ids):
-            self._row[doc] = self._count + offset
+            self._row[int(doc)] = self._count + offset
         self._count = need
 
     def remove(self, doc_id: int) -> None:

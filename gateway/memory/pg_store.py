@@ -37,6 +37,7 @@ the files cannot promise). Calls block on the network: run them in worker thread
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -46,10 +47,12 @@ from dataclasses import replace
 from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any
 
+from gateway.memory.dense import sentence_dense_index
 from gateway.memory.facts import (
     ID_CHARS,
     Fact,
     FactInput,
+    NewFact,
     all_facts,
     corrected,
     correction_now,
@@ -74,7 +77,7 @@ from gateway.memory.knowledge import (
     entry_id,
     searchable_text,
 )
-from gateway.memory.manager import utc_now
+from gateway.memory.manager import fact_texts, utc_now
 from gateway.memory.messages import (
     MessageHit,
     MessageIndex,
@@ -89,6 +92,8 @@ from gateway.people.protocol import PeopleStore, person_scope
 from gateway.plumbing import fence
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     import psycopg
     from psycopg_pool import ConnectionPool
 
@@ -402,12 +407,22 @@ class PostgresMemoryScope(_Scoped):
         exclude: Iterable[str] = (),
         context: bool = True,
         wait: float | None = None,
+        query_vector: npt.NDArray[np.float32] | None = None,
+        during: tuple[float, float] | None = None,
     ) -> list[MessageHit]:
         """As the file mode's: this replica's index of the scope's messages, caught up
         from the session tables at each search."""
         if self.messages is None:
             return []
-        return self.messages.search(query, max_results, exclude=exclude, context=context, wait=wait)
+        return self.messages.search(
+            query,
+            max_results,
+            exclude=exclude,
+            context=context,
+            wait=wait,
+            query_vector=query_vector,
+            during=during,
+        )
 
     @property
     def scope(self) -> str:
@@ -429,8 +444,18 @@ class PostgresMemoryScope(_Scoped):
         return render_memory((day, str(line)) for day, line in rows)
 
     def append_facts(self, facts: Iterable[FactInput], day: date | None = None) -> int:
+        cleaned = new_facts(facts)
         with self._writing() as conn:
-            return self._append_facts(conn, facts, day)
+            written = self._append_facts(conn, cleaned, day)
+        self._index_fact_keys(cleaned)
+        return written
+
+    def _index_fact_keys(self, facts: Iterable[FactInput]) -> None:
+        """This replica's message index learns the facts' words for their messages (other
+        replicas read them when they next index those messages)."""
+        origins = [f.origin.entry_id for f in facts if isinstance(f, NewFact) and f.origin]
+        if origins and self.messages is not None:
+            self.messages.add_fact_keys(origins)
 
     def _append_facts(
         self, conn: psycopg.Connection[Any], facts: Iterable[FactInput], day: date | None
@@ -477,16 +502,19 @@ class PostgresMemoryScope(_Scoped):
         return Found(without_fact_comment(line) for line in lines)
 
     def facts_from_messages(self, entry_ids: Iterable[str]) -> dict[str, list[str]]:
-        wanted = list(dict.fromkeys(entry_ids))
+        wanted = set(entry_ids)
         if not wanted:
             return {}
-        patterns = [f"%{_like_escaped(origin_marker(entry))}%" for entry in wanted]
+        if len(wanted) > _ORIGINS_BY_PATTERN:
+            # A first reading of the messages asks for thousands: one pass over the
+            # scope's facts with an origin, not a pattern per message.
+            query = "SELECT day, line FROM gw_memory_facts WHERE scope = %s AND line LIKE %s"
+            params: tuple[Any, ...] = (self._key, f"%{_like_escaped(' entry ')}%")
+        else:
+            query = "SELECT day, line FROM gw_memory_facts WHERE scope = %s AND line LIKE ANY(%s)"
+            params = (self._key, [f"%{_like_escaped(origin_marker(e))}%" for e in sorted(wanted)])
         with self._pool.connection() as conn:
-            rows = conn.execute(
-                "SELECT day, line FROM gw_memory_facts WHERE scope = %s AND line LIKE ANY(%s)"
-                " ORDER BY id",
-                (self._key, patterns),
-            ).fetchall()
+            rows = conn.execute(f"{query} ORDER BY id", params).fetchall()
         found: dict[str, list[str]] = {}
         for day, line in rows:
             fact = parse_fact_line(str(line), day)
@@ -654,12 +682,18 @@ class PostgresMemoryScope(_Scoped):
             for fact in cleaned:
                 self._knowledge.add_in(conn, fact.category, fact.text, source=source)
             self._append_history(conn, summary)
+        self._index_fact_keys(cleaned)
 
     def flush(self) -> None:
         """Every change was committed already."""
 
     def close(self) -> None:
         """Nothing held open: connections go back to the pool after each call."""
+
+
+#: Above this many messages, `facts_from_messages` reads every fact with an origin once
+#: instead of matching a pattern per message (the message index's first reading).
+_ORIGINS_BY_PATTERN = 64
 
 
 class PostgresMemoryStore:
@@ -672,9 +706,14 @@ class PostgresMemoryStore:
         mode: ScopeMode = "per_session",
         clock: Callable[[], datetime] = utc_now,
         people: PeopleStore | None = None,
+        dense: bool = False,
     ) -> None:
+        """`dense`: fuse the sentence model into message search when its extra is
+        installed (each replica embeds its scopes' messages in the background; the codes
+        are not stored in PostgreSQL)."""
         scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
         self.people = people
+        self._dense = dense
         self._pool = pool
         self._mode: ScopeMode = mode
         self._clock = clock
@@ -712,7 +751,12 @@ class PostgresMemoryStore:
             index = self._messages.get(scope)
             if index is None:
                 source = PostgresMessageSource(self._pool, scope, self._keys_of(scope))
-                index = self._messages[scope] = MessageIndex(source)
+                reader = PostgresMemoryScope(self._pool, scope, self._clock)
+                index = self._messages[scope] = MessageIndex(
+                    source,
+                    dense=sentence_dense_index() if self._dense else None,
+                    fact_keys=functools.partial(fact_texts, reader.facts_from_messages),
+                )
             self._messages.move_to_end(scope)
             while len(self._messages) > MESSAGE_INDEXES_KEPT:
                 self._messages.popitem(last=False)

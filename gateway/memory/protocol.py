@@ -32,6 +32,9 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import date, datetime
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from gateway.memory.facts import Fact, FactInput
 from gateway.memory.knowledge import KnowledgeEntry
 from gateway.memory.messages import MessageHit
@@ -154,12 +157,16 @@ class MemoryScope(Protocol):
         exclude: Iterable[str] = (),
         context: bool = True,
         wait: float | None = None,
+        query_vector: npt.NDArray[np.float32] | None = None,
+        during: tuple[float, float] | None = None,
     ) -> list[MessageHit]:
         """Past user and assistant messages of every session of the scope, best first,
         each with session, entry id, time, speaker and (with `context`) neighbours; entry
         ids in `exclude` are skipped. Forgotten messages are never returned. `wait`:
         seconds to wait for a scope's first reading of its sessions, then [] (None: as
-        long as it takes)."""
+        long as it takes). `query_vector`: the query's unit vector from the sentence
+        model (computed once a turn), for the dense part of the ranking; `during`: a time
+        range (epoch seconds) the query names, whose messages rank higher."""
         ...
 
     def facts_from_messages(self, entry_ids: Iterable[str]) -> dict[str, list[str]]:

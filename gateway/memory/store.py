@@ -54,9 +54,13 @@ class MemoryStore:
         clock: Callable[[], datetime] = utc_now,
         people: PeopleStore | None = None,
         sessions_dir: Path | None = None,
+        dense: bool = False,
     ) -> None:
         """`sessions_dir`: where the sessions are, so that each scope's past messages are
-        searchable (`MemoryManager.search_messages`); None leaves them out."""
+        searchable (`MemoryManager.search_messages`); None leaves them out. `dense`: fuse
+        the sentence model into message search when its extra is installed (the daemon
+        passes `memory.dense_recall`; off by default, as a library's search stays
+        deterministic while a background pass embeds)."""
         scope_for_session("probe:key", mode)  # reject an unknown mode now, not per call
         self.people = people
         self.workspace_path = Path(workspace_path)
@@ -69,6 +73,7 @@ class MemoryStore:
             "fsync_appends": fsync_appends,
             "knowledge_flush_every": knowledge_flush_every,
         }
+        self._dense = dense
         self._clock = clock
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, MemoryManager] = OrderedDict()
@@ -107,6 +112,7 @@ class MemoryStore:
                     knowledge_flush_every=int(self._options["knowledge_flush_every"]),
                     clock=self._clock,
                     messages=self._message_source(scope),
+                    dense=self._dense,
                 )
                 self._alive[scope] = manager
             self._recent[scope] = manager

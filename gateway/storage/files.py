@@ -106,6 +106,7 @@ class FileStorage:
             history_max_bytes=settings.memory.history_max_bytes,
             people=self.people(),
             sessions_dir=settings.sessions_dir,
+            dense=settings.memory.dense_recall,
         )
 
     def consolidation_guard(self) -> ConsolidationGuard | None:

@@ -132,7 +132,10 @@ class PostgresStorage:
         from gateway.memory.pg_store import PostgresMemoryStore
 
         return PostgresMemoryStore(
-            self.db.sync, mode=self.settings.memory.scope, people=self.people()
+            self.db.sync,
+            mode=self.settings.memory.scope,
+            people=self.people(),
+            dense=self.settings.memory.dense_recall,
         )
 
     def consolidation_guard(self) -> ConsolidationGuard | None:
