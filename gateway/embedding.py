@@ -179,6 +179,7 @@ class SentenceEmbedder:
         self._session: Any = None
         self._tokenizer: Any = None
         self._loading = threading.Lock()  # a warm-up and a first turn load it once
+        self._running = threading.Lock()  # one text at a time: callers share one model
 
     @property
     def loaded(self) -> bool:
@@ -227,7 +228,23 @@ class SentenceEmbedder:
                 "attention_mask": np.ones_like(ids),
                 "token_type_ids": 0 * ids,
             }
-            (hidden,) = self._session.run(None, feed)
+            with self._running:
+                (hidden,) = self._session.run(None, feed)
             pooled = hidden[0].mean(0)
             out[row] = pooled / max(float(np.linalg.norm(pooled)), 1e-12)
         return out
+
+
+_shared: list[SentenceEmbedder] = []
+_shared_lock = threading.Lock()
+
+
+def shared_sentence_embedder() -> SentenceEmbedder:
+    """The process's one sentence model, shared by the cache's near-duplicate layer and
+    the memory's message search (one load, ~76 MB, not two; one text runs at a time, so
+    a turn's question waits for one background message at most). Raises
+    `EmbeddingUnavailable` without the `embedding` extra."""
+    with _shared_lock:
+        if not _shared:
+            _shared.append(SentenceEmbedder())
+        return _shared[0]

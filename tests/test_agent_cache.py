@@ -182,6 +182,7 @@ async def test_a_turn_embeds_its_question_once_for_the_near_duplicate_lookup(
         assert cache is not None and cache.near_duplicates_on  # the default
         near = cache._near
         assert near is not None
+        await cache.warm_up()  # the daemon's start does this: no turn waits for it
         counting = CountingEmbedder(near._embedder)
         near._embedder = counting
         await gw.agent.handle(msg("How do I renew my car insurance online?"))

@@ -449,7 +449,7 @@ class AgentLoop:
             # shared by the cache's near-duplicate lookup and the memory recall.
             query_vector = await self._query_vector(said.text)
             ctx, texts = await self._open_turn(
-                session, user_message, inbound, earlier is None, said.meta
+                session, user_message, inbound, earlier is None, said.meta, query_vector
             )
             if said.problem is not None:
                 # The entry is stored (nothing the person sent is lost); no model call.
@@ -648,6 +648,7 @@ class AgentLoop:
         inbound: InboundMessage,
         append: bool,
         meta: dict[str, Any] | None = None,
+        query_vector: Any = None,
     ) -> tuple[SessionContext, list[str]]:
         """The user's message appended (the promise: what the user said is on disk
         before the model sees it) unless the session holds it already, the context
@@ -678,6 +679,7 @@ class AgentLoop:
                     user_message.content or "",
                     wait=wait,
                     exclude=ctx.entry_ids,  # messages the model sees anyway
+                    query_vector=query_vector,  # the cache's: one embedding a turn
                 )
             )
             if not recall.complete:
@@ -693,7 +695,9 @@ class AgentLoop:
 
     async def _query_vector(self, text: str) -> Any:
         """The turn's question embedded once (a numpy float32 unit vector), or None
-        when no part of the turn reads it (no near-duplicate model)."""
+        when the cache's near-duplicate layer is off or not loaded yet (the memory
+        recall then embeds it itself when its dense search is on). Cache and memory
+        share one model (`gateway.embedding.shared_sentence_embedder`)."""
         if self.cache is None or not self.cache.near_duplicates_on or not text.strip():
             return None
         try:

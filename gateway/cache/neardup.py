@@ -120,12 +120,12 @@ class MiniLMEmbedder:
     built lazily, so a missing extra is reported when the layer is turned on."""
 
     def __init__(self) -> None:
-        from gateway.embedding import SentenceEmbedder, embedding_unavailable
+        from gateway.embedding import embedding_unavailable, shared_sentence_embedder
 
         reason = embedding_unavailable()
         if reason is not None:
             raise NearDuplicateUnavailable(f"near-duplicate cache matching is off: {reason}")
-        self._model = SentenceEmbedder()
+        self._model = shared_sentence_embedder()
 
     @property
     def loaded(self) -> bool:

@@ -126,7 +126,7 @@ def sentence_embedder() -> TextEmbedder | None:
         return None
     with _shared_lock:
         if not _shared:
-            model = embedding.SentenceEmbedder()
+            model = embedding.shared_sentence_embedder()
             _shared.append(_Locked(model, f"minilm-l6-int8-{embedding.MODEL_SHA256[:16]}"))
         return _shared[0]
 
