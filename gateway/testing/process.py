@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +25,28 @@ __all__ = ["GatewayProcess", "GatewayRuns", "child_pythonpath", "wait_until"]
 READY_LINE = "gateway ready: http://"
 #: A cold start imports for seconds, more on a busy machine.
 START_TIMEOUT = 90.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now, for a server that must keep its
+    address across restarts (where port 0 would not do): below the kernel's ephemeral
+    range. A port inside it can be taken meanwhile by a connection toward it that gets it
+    as its own source port (TCP's self-connect): a platform's retries toward a stopped
+    gateway did that, and the restarted gateway found its port in use."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as found:
+            low = int(found.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10_000, max(10_001, low))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:

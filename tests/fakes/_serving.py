@@ -5,13 +5,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import random
-import socket
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 from aiohttp import web
+
+from gateway.testing.process import free_port as free_port  # the fakes and drivers use it
 
 T = TypeVar("T")
 
@@ -22,28 +22,6 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now, for a server that must keep its
-    address across restarts (where port 0 would not do): below the kernel's ephemeral
-    range. A port inside it can be taken meanwhile by a connection toward it that gets it
-    as its own source port (TCP's self-connect): a platform's retries toward a stopped
-    gateway did that, and the restarted gateway found its port in use."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as found:
-            low = int(found.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        port = random.randrange(10_000, max(10_001, low))
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def at_least(count: int, items: Callable[[], list[T]]) -> Callable[[], list[T] | None]:

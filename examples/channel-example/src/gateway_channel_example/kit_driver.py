@@ -13,7 +13,6 @@ kit against it (the gateway's repository does, for the kit's own negative contro
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from gateway.testing import ChannelDriver, MessageRef, Place, Post, Requirements
+from gateway.testing.process import free_port
 
 from gateway_channel_example.platform import MAX_TEXT, SIGNATURE_HEADER, ExampleChat, sign
 from gateway_channel_example.settings import Defect
@@ -32,13 +32,6 @@ BOT = "examplebot"
 GROUP = "g-kit"
 WEBHOOK_SECRET = "kit-example-webhook-secret"
 PREFIX = "GATEWAY_CHANNELS__EXAMPLE__"
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 free right now (the webhook's address must be known early)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ExampleDriver(ChannelDriver):
