@@ -181,15 +181,7 @@ class SessionTree:
         self._blob = blob
         for entry in decoded:  # the side effects of `_add` (labels, name, info)
             self._entries[entry.id] = entry
-            if isinstance(entry, LabelEntry):
-                if entry.label is None:
-                    self.labels.pop(entry.target_id, None)
-                else:
-                    self.labels[entry.target_id] = entry.label
-            elif isinstance(entry, SessionInfoEntry):
-                self._name = entry.name
-            elif isinstance(entry, CustomInfoEntry):
-                self._info[entry.custom_type] = entry.data
+            self._apply_info(entry)
         last = self._entries.get(ids[-1]) if ids else None
         self.leaf_id = last.target_id if isinstance(last, LeafEntry) else (ids[-1] if ids else None)
         self._children = None
@@ -255,6 +247,10 @@ class SessionTree:
             self.leaf_id = entry.target_id
             return
         self.leaf_id = eid
+        self._apply_info(entry)
+
+    def _apply_info(self, entry: Entry) -> None:
+        """What a label, session-info or custom-info entry changes (loaded or added)."""
         if isinstance(entry, LabelEntry):
             if entry.label is None:
                 self.labels.pop(entry.target_id, None)
