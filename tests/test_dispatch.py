@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from gateway import failpoints
 from gateway.access.policy import ALLOW, AccessGate, ChannelAccessPolicy, Decision, Ignore
 from gateway.access.store import PairingStore
 from gateway.dispatch.dispatcher import (
@@ -28,7 +29,7 @@ from gateway.dispatch.dispatcher import (
     Handler,
     merge_messages,
 )
-from gateway.dispatch.lanes import SubmitStatus
+from gateway.dispatch.lanes import SubmitStatus, Ticket
 from gateway.dispatch.queue_modes import QueueMode, TurnInbox, current_inbox
 from gateway.journal.protocol import dedupe_key
 from gateway.journal.store import FileDedupeStore, MemoryDedupeStore
@@ -642,6 +643,89 @@ async def test_a_redelivered_message_is_answered_once_also_after_a_restart(
     assert redelivered.status is SubmitStatus.DUPLICATE
     assert same_id_other_chat.status is SubmitStatus.ACCEPTED
     assert calls == ["hello", "no id", "no id", "hello"]
+
+
+async def test_a_copy_that_comes_while_the_first_is_journaled_is_confirmed_after_it(
+    tmp_path: Path,
+) -> None:
+    """A platform that re-sends after a few seconds without a confirmation (Slack's and
+    Feishu's do) can hand a message over again while its first copy is still on its way
+    into the journal. The copy is a duplicate, but only the first copy's journal write
+    makes it safe to confirm: until then the copy waits (a crash in between loses
+    nothing), and once the write is done it is confirmed as a duplicate."""
+    paused, resume = anyio.Event(), anyio.Event()
+
+    async def slow_write(name: str, key: str) -> None:
+        paused.set()
+        await resume.wait()
+
+    outbox = Outbox()
+    path = tmp_path / "dedupe.sqlite3"
+    store = FileDedupeStore(path)
+    failpoints.arm("dispatch.before_journal", slow_write, "test:a")
+    try:
+        async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
+            tickets: dict[str, Ticket] = {}
+
+            async def submit(name: str) -> None:
+                tickets[name] = await d.submit(inbound("a", "hello", message_id="42"))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(submit, "first")
+                await paused.wait()
+                tg.start_soon(submit, "copy")
+                await anyio.sleep(0.2)
+                # Only in memory so far: nothing may tell the platform we have it.
+                assert tickets == {}
+                assert await FileDedupeStore(path).unanswered() == []
+                resume.set()
+            assert tickets["first"].status is SubmitStatus.ACCEPTED
+            assert tickets["copy"].status is SubmitStatus.DUPLICATE and tickets["copy"].taken
+            await tickets["first"].reply()
+    finally:
+        failpoints.disarm_all()
+        await store.aclose()
+    assert outbox.texts("a") == ["re: hello"]
+
+
+async def test_a_copy_of_a_message_whose_first_copy_was_never_journaled_is_not_taken(
+    tmp_path: Path,
+) -> None:
+    """The first copy's intake is cancelled before its journal write (its request was
+    aborted): the copy that waited on it is not taken (its platform keeps it), the claim
+    is given back, and the platform's next copy is taken in and answered."""
+    paused = anyio.Event()
+
+    async def stuck(name: str, key: str) -> None:
+        paused.set()
+        await anyio.sleep_forever()
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    failpoints.arm("dispatch.before_journal", stuck, "test:a")
+    try:
+        async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
+            copies: list[Ticket] = []
+
+            async def copy() -> None:
+                copies.append(await d.submit(inbound("a", "hello", message_id="42")))
+
+            async with anyio.create_task_group() as tg, anyio.create_task_group() as first:
+                first.start_soon(d.submit, inbound("a", "hello", message_id="42"))
+                await paused.wait()
+                tg.start_soon(copy)
+                await anyio.sleep(0.2)
+                assert copies == []
+                first.cancel_scope.cancel()
+            assert [t.status for t in copies] == [SubmitStatus.RETRY_LATER]
+            assert not copies[0].taken
+            again = await d.submit(inbound("a", "hello", message_id="42"))
+            assert again.status is SubmitStatus.ACCEPTED
+            reply = await again.reply()
+    finally:
+        failpoints.disarm_all()
+        await store.aclose()
+    assert reply is not None and outbox.texts("a") == ["re: hello"]
 
 
 async def test_a_message_cut_off_by_a_restart_is_answered_when_redelivered(

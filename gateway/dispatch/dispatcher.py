@@ -214,6 +214,17 @@ def merge_messages(messages: Sequence[InboundMessage]) -> InboundMessage:
     )
 
 
+class _Admission:
+    """A platform message being taken in (claimed, its journal write not finished):
+    `kept` once the journal holds it (or it was settled without one), `done` at the end."""
+
+    __slots__ = ("done", "kept")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.kept = False
+
+
 class _Item:
     """One submitted message while it waits in its lane."""
 
@@ -397,6 +408,8 @@ class Dispatcher:
         self._spill: deque[tuple[str, str]] = deque()
         self._spilled: dict[str, int] = {}
         self._refilling = False
+        # Platform messages claimed here whose journal write has not finished (file mode).
+        self._admitting: dict[str, _Admission] = {}
         #: In the shared mode (`gateway.dispatch.router`): journaled messages are handed to the
         #: router, which feeds each session's messages, in journal order, to the one
         #: replica holding that session's lease.
@@ -622,9 +635,19 @@ class Dispatcher:
                 duplicate = await take_in(key, msg, None)
             else:
                 duplicate = await self._is_duplicate(key, store)
-                if not duplicate and not await self._journal(key, store, msg):
-                    self._leave(ticket, "the journal failed")
+                if duplicate and not await self._first_admission_kept(key):
+                    self._leave(ticket, "its first copy could not be journaled")
                     return
+                if not duplicate:
+                    admission = self._admitting[key] = _Admission()
+                    journaled: bool | None = None  # None: cancelled, the claim still held
+                    try:
+                        journaled = admission.kept = await self._journal(key, store, msg)
+                    finally:
+                        await self._admitted(key, admission, given_back=journaled is False)
+                    if not journaled:
+                        self._leave(ticket, "the journal failed")
+                        return
         except ClaimBusy as exc:
             self._leave(ticket, str(exc))
             return
@@ -715,6 +738,7 @@ class Dispatcher:
         second refusal (or a second pairing code)."""
         assert item.ready is not None
         allowed = self._access is None
+        admission: _Admission | None = None
         try:
             key, store = item.dedupe_key, self._dedupe
             # A journaled message fed by the router is claimed already (by its journal row).
@@ -732,12 +756,16 @@ class Dispatcher:
                     self._skip(item, None, status=SubmitStatus.RETRY_LATER)
                     return
                 if duplicate:
-                    self._skip(item, None)
+                    self._skip_duplicate(item, await self._first_admission_kept(key))
                     return
+                if item.recorded is None:
+                    admission = self._admitting[key] = _Admission()
             if self._access is not None:
                 decision = await self._check_access(item.message)
                 if not isinstance(decision, Allow):
                     self._skip(item, decision)
+                    if admission is not None:
+                        admission.kept = True  # settled: its sender was told, or nobody is
                     if key is not None and store is not None and item.recorded is not None:
                         # Replayed, and no longer allowed: out of the journal, or it
                         # would come back at every start.
@@ -749,6 +777,8 @@ class Dispatcher:
             if not await self._journal(key, store, item.message):
                 self._skip(item, None, status=SubmitStatus.RETRY_LATER)
                 return
+            if admission is not None:
+                admission.kept = True
             if self.router is not None:
                 self._forward(item, key, self.router)
         finally:
@@ -756,7 +786,56 @@ class Dispatcher:
                 # `submit` was cancelled before the access check answered: nothing
                 # unchecked may reach the handler.
                 self._skip(item, Ignore("submit cancelled during the access check"))
+            if admission is not None:
+                assert key is not None
+                # `_journal` gives back a claim it failed to write.
+                given_back = item.ticket.status is SubmitStatus.RETRY_LATER
+                if not admission.kept and not item.skip:
+                    # Cancelled before the journal held it: nobody confirmed it, and
+                    # its platform's next copy is the one to answer.
+                    self._skip(item, None, status=SubmitStatus.RETRY_LATER)
+                await self._admitted(key, admission, given_back=given_back)
             item.ready.set()  # also when cancelled: the lane must not wait forever
+
+    async def _first_admission_kept(self, key: str) -> bool:
+        """A duplicate's key was claimed here: may its platform forget the message? Yes
+        when it is on file (journaled or answered, or being replayed from the journal).
+        A claim whose journal write has not finished holds the message in memory only,
+        and a confirmation now would lose it to a crash (or a failed write) before the
+        write: such a duplicate waits for that first admission and is taken only when it
+        kept the message (a platform that retries after a few seconds, as Slack's and
+        Feishu's do, can hand a message over again while its first copy is still being
+        journaled)."""
+        first = self._admitting.get(key)
+        if first is None:
+            return True
+        await first.done.wait()
+        return first.kept
+
+    def _skip_duplicate(self, item: _Item, kept: bool) -> None:
+        if kept:
+            self._skip(item, None)
+            return
+        with logger.contextualize(session=item.message.session_key):
+            logger.info("message not taken now: its first copy could not be journaled")
+        self._skip(item, None, status=SubmitStatus.RETRY_LATER)
+
+    async def _admitted(self, key: str, admission: _Admission, *, given_back: bool) -> None:
+        """The end of a first admission: its duplicates waiting on it are told whether
+        the message was kept; a claim that kept nothing (cancelled before the journal
+        wrote it) is given back, or the platform's next copy would be a duplicate of a
+        message nobody holds."""
+        if self._admitting.get(key) is admission:
+            del self._admitting[key]
+        if not admission.kept and not given_back:
+            store = self._dedupe
+            if store is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await store.release(key)
+                    except Exception as exc:
+                        logger.error("dedupe store failed to give a claim back: {}", exc)
+        admission.done.set()
 
     async def _admit_shared(
         self,
