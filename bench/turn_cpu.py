@@ -1,0 +1,209 @@
+"""The whole turn's CPU in the gateway process, through the real HTTP path: `gateway run`
+(the CLI, headless) with a fake OpenAI-compatible server on 127.0.0.1 in a process of its
+own, sequential `POST /api/chat` turns over 50 conversations, each question new (no cache
+hit). The gateway process's CPU (user + system, from /proc) per turn, after a warm-up;
+the configurations switch parts off one at a time so the table says what each costs.
+
+    .venv/bin/python bench/turn_cpu.py [--turns 300] [--runs 3] [--only NAME] [--json]
+
+This is issue 42's measure ("300 sequential /api/chat turns over 50 conversations: 3.0-3.5
+ms of the gateway process's CPU per turn"). Each configuration is a fresh workspace and
+process; the median of `--runs` runs is printed, runs of the configurations alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SERVER = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+from tests.fakes.openai_server import FakeOpenAI
+
+async def main():
+    fake = FakeOpenAI(api_key=None, validate=False)
+    await fake.start()
+    print(fake.base_url, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+TOKEN = "bench-token"
+
+#: name -> the environment that makes it (on top of the defaults).
+CONFIGURATIONS: dict[str, dict[str, str]] = {
+    "default (cache with near-duplicates, memory with dense recall)": {},
+    "near-duplicate cache off": {"GATEWAY_CACHE__NEAR_DUPLICATES": "false"},
+    "cache off": {"GATEWAY_CACHE__ENABLED": "false"},
+    "cache off, memory's dense recall off": {
+        "GATEWAY_CACHE__ENABLED": "false",
+        "GATEWAY_MEMORY__DENSE_RECALL": "false",
+    },
+    "cache and memory off": {
+        "GATEWAY_CACHE__ENABLED": "false",
+        "GATEWAY_MEMORY__ENABLED": "false",
+    },
+}
+
+#: Words the questions are made of: each question is new to the cache.
+WORDS = [
+    "weather",
+    "trip",
+    "lisbon",
+    "pack",
+    "shoes",
+    "rain",
+    "museum",
+    "dinner",
+    "train",
+    "ticket",
+    "hotel",
+    "budget",
+    "friend",
+    "beach",
+    "morning",
+    "evening",
+    "coffee",
+    "market",
+    "bridge",
+    "tram",
+    "river",
+    "castle",
+    "music",
+    "book",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+
+def ask(port: int, session: str, text: str) -> None:
+    body = json.dumps({"session": session, "text": text}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/chat",
+        data=body,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.read()
+
+
+def question(n: int) -> str:
+    words = [WORDS[(n * 7 + i * 3) % len(WORDS)] for i in range(6)]
+    return f"question {n}: what about the {' '.join(words)}?"
+
+
+def run_once(
+    base_url: str, env_extra: dict[str, str], turns: int, warmup: int, profile: str | None = None
+) -> float:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-turn-") as workspace:
+        env = {
+            **os.environ,
+            "GATEWAY_WORKSPACE": workspace,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": "",
+            "GATEWAY_HTTP__PORT": str(port),
+            "GATEWAY_HTTP__TOKEN": TOKEN,
+            **env_extra,
+        }
+        command = [str(Path(sys.executable).with_name("gateway")), "run"]
+        if profile:  # the whole process under cProfile (start-up included)
+            runner = Path(workspace) / "run_gateway.py"
+            runner.write_text("import sys\nfrom gateway.cli import main\nsys.exit(main(['run']))\n")
+            command = [sys.executable, "-m", "cProfile", "-o", profile, str(runner)]
+        gateway = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    ask(port, "warm", "hello")
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    if time.monotonic() > deadline or gateway.poll() is not None:
+                        raise RuntimeError("the gateway did not answer within 60 s") from None
+                    time.sleep(0.2)
+            for n in range(warmup):
+                ask(port, f"s{n % 50}", question(100_000 + n))
+            time.sleep(2.0)  # background work of the warm-up (embeddings, facts) settles
+            before = cpu_seconds(gateway.pid)
+            for n in range(turns):
+                ask(port, f"s{n % 50}", question(n))
+            return (cpu_seconds(gateway.pid) - before) / turns * 1e3
+        finally:
+            gateway.terminate()
+            try:
+                gateway.wait(30)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
+                gateway.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--only", help="run the configurations whose name contains this")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", help="write the gateway's cProfile stats here (one run)")
+    args = parser.parse_args()
+    chosen = {k: v for k, v in CONFIGURATIONS.items() if not args.only or args.only in k}
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER.format(root=str(ROOT))], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        base_url = server.stdout.readline().strip()
+        samples: dict[str, list[float]] = {name: [] for name in chosen}
+        for _ in range(args.runs):
+            for name, extra in chosen.items():
+                samples[name].append(
+                    run_once(base_url, extra, args.turns, args.warmup, args.profile)
+                )
+    finally:
+        server.terminate()
+        server.wait()
+    if args.json:
+        print(json.dumps(samples, indent=2))
+        return 0
+    print(f"{args.turns} sequential POST /api/chat turns over 50 conversations, {args.runs} runs")
+    print("| configuration | gateway CPU per turn (ms), median | runs |")
+    print("|---|---|---|")
+    for name, values in samples.items():
+        runs = ", ".join(f"{v:.2f}" for v in values)
+        print(f"| {name} | {statistics.median(values):.2f} | {runs} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
