@@ -57,6 +57,11 @@ CONFIGURATIONS: dict[str, dict[str, str]] = {
         "GATEWAY_CACHE__ENABLED": "false",
         "GATEWAY_MEMORY__ENABLED": "false",
     },
+    "cache and memory off, log level WARNING": {
+        "GATEWAY_CACHE__ENABLED": "false",
+        "GATEWAY_MEMORY__ENABLED": "false",
+        "GATEWAY_LOG__LEVEL": "WARNING",
+    },
 }
 
 #: Words the questions are made of: each question is new to the cache.
