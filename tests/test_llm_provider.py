@@ -767,3 +767,60 @@ async def test_without_falling_back_to_its_model_a_provider_tries_only_what_was_
 
     assert [r.model for r in fake.chat_requests] == ["chosen", "backup"]
     assert answer.model == "backup"
+
+
+class ForwardProxy:
+    """A plain HTTP forward proxy on 127.0.0.1 (RFC 9110: requests in absolute form, sent
+    on to their origin), counting what went through it."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.port = 0
+
+    async def __aenter__(self) -> ForwardProxy:
+        from aiohttp import ClientSession, web
+
+        async def forward(request: web.Request) -> web.Response:
+            self.seen.append(str(request.url))
+            body = await request.read()
+            headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+            async with (
+                ClientSession() as session,
+                session.request(request.method, request.url, data=body, headers=headers) as answer,
+            ):
+                return web.Response(
+                    status=answer.status,
+                    body=await answer.read(),
+                    content_type=answer.content_type,
+                )
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._runner.cleanup()
+
+
+@pytest.mark.anyio
+async def test_the_proxy_the_environment_names_carries_the_model_requests(
+    fake: FakeOpenAI, make_provider: MakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP(S)_PROXY is honoured as the openai client's transport honours it, and
+    NO_PROXY exempts a host: an operator behind a proxy reaches a hosted model."""
+    async with ForwardProxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        answer = await make_provider().chat(HELLO)
+        assert answer.message.content == "echo: hello"
+        assert proxy.seen == [f"{fake.base_url}/chat/completions"]
+
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        answer = await make_provider().chat(HELLO)
+        assert answer.message.content == "echo: hello" and len(proxy.seen) == 1
