@@ -1,7 +1,9 @@
-"""The model request's own CPU, side by side: the gateway's provider on the `openai`
-client (with the SDK's aiohttp transport, as configured), the bare `openai` client, and
-one aiohttp request with the same body and headers whose JSON answer is read with orjson.
-Issue 42 asks for this trial before the transport is chosen.
+"""The model request's own CPU, side by side: `OpenAIProvider.chat` (its own aiohttp
+request with the client's retry rules), the `openai` client's `post` as the provider used
+it before (orjson bytes in, the raw answer out; the SDK's aiohttp transport), the client's
+`chat.completions.create`, and a bare aiohttp request with the same body and headers
+whose JSON answer is read with orjson (the floor). Issue 42 asked for this trial before
+the transport was chosen.
 
     .venv/bin/python bench/llm_transport.py [--calls 2000] [--rounds 5] [--json]
 
@@ -19,7 +21,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -32,24 +33,11 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 import openai  # noqa: E402
 import orjson  # noqa: E402
+from fake_llm_process import fake_openai_process  # noqa: E402
 from loguru import logger  # noqa: E402
 
-from gateway.llm.openai_provider import OpenAIProvider  # noqa: E402
+from gateway.llm.openai_provider import OpenAIProvider, response_from_wire  # noqa: E402
 from gateway.llm.types import LLMMessage, LLMResponse, TokenUsage  # noqa: E402
-
-SERVER = """
-import asyncio, sys
-sys.path.insert(0, {root!r})
-from tests.fakes.openai_server import FakeOpenAI
-
-async def main():
-    fake = FakeOpenAI(api_key=None, validate=False)
-    await fake.start()
-    print(fake.base_url, flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
 
 MODEL = "gpt-4o-mini"
 
@@ -109,6 +97,17 @@ async def main(base_url: str, calls: int, rounds: int) -> dict[str, dict[str, fl
         async def via_openai() -> Any:
             return await client.chat.completions.create(model=MODEL, messages=wire)
 
+        async def via_client_post() -> LLMResponse | None:
+            # OpenAIProvider.chat before it had its own request: the client's post with
+            # orjson bytes in and the raw answer out, read by `response_from_wire`.
+            answer = await client.post(
+                "/chat/completions",
+                content=body,
+                options={"headers": {"Content-Type": "application/json"}},
+                cast_to=bytes,
+            )
+            return response_from_wire(answer, MODEL)
+
         async def via_aiohttp() -> LLMResponse:
             async with session.post(
                 f"{base_url}/chat/completions", data=body, headers=headers
@@ -135,9 +134,10 @@ async def main(base_url: str, calls: int, rounds: int) -> dict[str, dict[str, fl
             )
 
         variants = {
-            "gateway provider (openai + aiohttp transport)": via_provider,
-            "openai client alone (aiohttp transport)": via_openai,
-            "aiohttp request + orjson": via_aiohttp,
+            "OpenAIProvider.chat (its own aiohttp request, retries as the client's)": via_provider,
+            "the client's post, orjson in and out (OpenAIProvider.chat before)": via_client_post,
+            "the client's chat.completions.create (its pydantic models)": via_openai,
+            "a bare aiohttp request + orjson (the floor)": via_aiohttp,
         }
         found: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
         for _ in range(rounds):
@@ -162,16 +162,8 @@ def cli() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logger.remove()
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER.format(root=str(ROOT))], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert server.stdout is not None
-        base_url = server.stdout.readline().strip()
+    with fake_openai_process() as base_url:
         results = asyncio.run(main(base_url, args.calls, args.rounds))
-    finally:
-        server.terminate()
-        server.wait()
     if args.json:
         print(json.dumps(results, indent=2))
         return 0

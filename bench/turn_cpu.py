@@ -27,20 +27,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 
-SERVER = """
-import asyncio, sys
-sys.path.insert(0, {root!r})
-from tests.fakes.openai_server import FakeOpenAI
-
-async def main():
-    fake = FakeOpenAI(api_key=None, validate=False)
-    await fake.start()
-    print(fake.base_url, flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
+from fake_llm_process import fake_openai_process  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -183,21 +172,13 @@ def main() -> int:
     parser.add_argument("--profile", help="write the gateway's cProfile stats here (one run)")
     args = parser.parse_args()
     chosen = {k: v for k, v in CONFIGURATIONS.items() if not args.only or args.only in k}
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER.format(root=str(ROOT))], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert server.stdout is not None
-        base_url = server.stdout.readline().strip()
-        samples: dict[str, list[float]] = {name: [] for name in chosen}
+    samples: dict[str, list[float]] = {name: [] for name in chosen}
+    with fake_openai_process() as base_url:
         for _ in range(args.runs):
             for name, extra in chosen.items():
                 samples[name].append(
                     run_once(base_url, extra, args.turns, args.warmup, args.profile)
                 )
-    finally:
-        server.terminate()
-        server.wait()
     if args.json:
         print(json.dumps(samples, indent=2))
         return 0
