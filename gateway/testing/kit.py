@@ -331,6 +331,35 @@ class Kit:
         self.report(tally.summary())
         problems = tally.problems() + (extra(tally) if extra is not None else [])
         if problems:
-            problems.append(f"every gateway's log and the platform's record: {self.save_logs()}")
+            folder = self.save_logs()
+            problems.append(f"every gateway's log and the platform's record: {folder}")
+            problems.extend(self._evidence(tally, folder))
             raise AssertionError(tally.summary() + "\n" + "\n".join(problems))
         return tally
+
+    def _evidence(
+        self, tally: Tally, folder: Path, *, tokens: int = 3, lines: int = 12
+    ) -> list[str]:
+        """The log lines that name the first few messages lost or never answered (their
+        token, or a platform id long enough to be unique), so that a failure on a
+        machine whose files are gone (CI) still says what happened to them."""
+        missing = [*tally.lost, *tally.unanswered][:tokens]
+        if not missing:
+            return []
+        said = {s.token: s for s in self.said}
+        files = sorted(path for path in folder.rglob("*") if path.is_file())
+        texts = [(path, path.read_text(encoding="utf-8", errors="replace")) for path in files]
+        found: list[str] = []
+        for token in missing:
+            needles = [token]
+            if token in said and len(said[token].ref.id) >= 6:
+                needles.append(said[token].ref.id)
+            hits = [
+                f"  {path.relative_to(folder)}: {line[:240]}"
+                for path, text in texts
+                for line in text.splitlines()
+                if any(needle in line for needle in needles)
+            ]
+            found.append(f"what the logs say of {token} ({', '.join(needles)}): {len(hits)} lines")
+            found.extend(hits[:lines])
+        return found

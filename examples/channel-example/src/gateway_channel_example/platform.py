@@ -230,15 +230,13 @@ class ExampleChat:
         with self._lock:
             message = self._new_message(author, name or author, conversation, text, reply_to)
             update = self._queue(message)
-        self._notify()
-        return update
+        return self._queued(update)
 
     def redeliver(self, message_id: str) -> Json:
         """Hand the message over again in a new update (delivery is at least once)."""
         with self._lock:
             update = self._queue(self._messages[message_id])
-        self._notify()
-        return update
+        return self._queued(update)
 
     def bot_posts(self) -> list[Json]:
         """What the bot posted, in the order the platform took it."""
@@ -311,6 +309,14 @@ class ExampleChat:
         self._next_update += 1
         self._updates.append(update)
         return copy.deepcopy(update)
+
+    def _queued(self, update: Json) -> Json:
+        """The record of a new update (what it brings, for a failure's evidence)."""
+        message = update["message"]
+        text = str(message.get("text", ""))[:60]
+        self._record(f"update {update['update_id']}: message {message['id']} {text!r}")
+        self._notify()
+        return update
 
     # -- the bot's API ----------------------------------------------------------------------
 
