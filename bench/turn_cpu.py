@@ -5,6 +5,7 @@ hit). The gateway process's CPU (user + system, from /proc) per turn, after a wa
 the configurations switch parts off one at a time so the table says what each costs.
 
     .venv/bin/python bench/turn_cpu.py [--turns 300] [--runs 3] [--only NAME] [--json]
+    .venv/bin/python bench/turn_cpu.py --code /tmp/before   # and another checkout, alternating
 
 This is issue 42's measure ("300 sequential /api/chat turns over 50 conversations: 3.0-3.5
 ms of the gateway process's CPU per turn"). Each configuration is a fresh workspace and
@@ -111,12 +112,18 @@ def question(n: int) -> str:
 
 
 def run_once(
-    base_url: str, env_extra: dict[str, str], turns: int, warmup: int, profile: str | None = None
+    base_url: str,
+    env_extra: dict[str, str],
+    turns: int,
+    warmup: int,
+    profile: str | None = None,
+    code: str | None = None,
 ) -> float:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-turn-") as workspace:
         env = {
             **os.environ,
+            **({"PYTHONPATH": code} if code else {}),
             "GATEWAY_WORKSPACE": workspace,
             "OPENAI_BASE_URL": base_url,
             "OPENAI_API_KEY": "",
@@ -170,15 +177,23 @@ def main() -> int:
     parser.add_argument("--only", help="run the configurations whose name contains this")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", help="write the gateway's cProfile stats here (one run)")
+    parser.add_argument(
+        "--code",
+        action="append",
+        help="also run another checkout's gateway package (by PYTHONPATH), alternating",
+    )
     args = parser.parse_args()
     chosen = {k: v for k, v in CONFIGURATIONS.items() if not args.only or args.only in k}
-    samples: dict[str, list[float]] = {name: [] for name in chosen}
+    checkouts: list[str | None] = [None, *(args.code or [])]
+    samples: dict[str, list[float]] = {}
     with fake_openai_process() as base_url:
         for _ in range(args.runs):
             for name, extra in chosen.items():
-                samples[name].append(
-                    run_once(base_url, extra, args.turns, args.warmup, args.profile)
-                )
+                for code in checkouts:
+                    row = name if code is None else f"{name} [{code}]"
+                    samples.setdefault(row, []).append(
+                        run_once(base_url, extra, args.turns, args.warmup, args.profile, code)
+                    )
     if args.json:
         print(json.dumps(samples, indent=2))
         return 0
