@@ -47,6 +47,8 @@ REPLICA_TTL = 15.0
 #: Seconds a released or expired lease's row is kept: a write of a turn that started
 #: under it is refused by its epoch until then, and by the missing row after.
 LEASE_KEPT = 86400.0
+#: How long `aclose` waits for the pool's workers to finish what they run (see there).
+POOL_CLOSE_WAIT = 30.0
 
 
 def new_replica_id() -> str:
@@ -367,4 +369,9 @@ class PostgresDedupeStore:
         except Exception as exc:
             logger.warning("storage: could not withdraw replica {}: {}", self.replica_id, exc)
         finally:
-            await self._pool.close()
+            # psycopg_pool's async workers swallow a cancellation that comes while they run
+            # a maintenance task (CancelledError is among its CLIENT_EXCEPTIONS): one left
+            # running past `close`'s wait (5 s by default) would keep its event loop from
+            # ever closing, as a CI run once hung after a test of two replicas. Wait for
+            # the workers to finish their task and stop; it takes milliseconds normally.
+            await self._pool.close(timeout=POOL_CLOSE_WAIT)
