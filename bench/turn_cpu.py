@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,9 +26,13 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+# This checkout first (bench/gateway.py would shadow the package); bench/ is the
+# script's own folder, for fake_llm_process.
+sys.path.insert(0, str(ROOT))
 
 from fake_llm_process import fake_openai_process  # noqa: E402
+
+from gateway.testing.process import GatewayProcess  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -46,11 +48,6 @@ CONFIGURATIONS: dict[str, dict[str, str]] = {
     "cache and memory off": {
         "GATEWAY_CACHE__ENABLED": "false",
         "GATEWAY_MEMORY__ENABLED": "false",
-    },
-    "cache and memory off, log level WARNING": {
-        "GATEWAY_CACHE__ENABLED": "false",
-        "GATEWAY_MEMORY__ENABLED": "false",
-        "GATEWAY_LOG__LEVEL": "WARNING",
     },
 }
 
@@ -83,18 +80,6 @@ WORDS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-
-
 def ask(port: int, session: str, text: str) -> None:
     body = json.dumps({"session": session, "text": text}).encode()
     request = urllib.request.Request(
@@ -119,7 +104,6 @@ def run_once(
     profile: str | None = None,
     code: str | None = None,
 ) -> float:
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-turn-") as workspace:
         env = {
             **os.environ,
@@ -127,46 +111,27 @@ def run_once(
             "GATEWAY_WORKSPACE": workspace,
             "OPENAI_BASE_URL": base_url,
             "OPENAI_API_KEY": "",
-            "GATEWAY_HTTP__PORT": str(port),
+            "GATEWAY_HTTP__PORT": "0",
             "GATEWAY_HTTP__TOKEN": TOKEN,
             **env_extra,
         }
-        command = [str(Path(sys.executable).with_name("gateway")), "run"]
-        if profile:  # the whole process under cProfile (start-up included)
-            runner = Path(workspace) / "run_gateway.py"
-            runner.write_text("import sys\nfrom gateway.cli import main\nsys.exit(main(['run']))\n")
-            command = [sys.executable, "-m", "cProfile", "-o", profile, str(runner)]
-        gateway = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        # With `profile`, the whole process under cProfile (start-up included).
+        python_args = ("-m", "cProfile", "-o", profile) if profile else ()
+        gateway = GatewayProcess(env, Path(workspace), python_args=python_args)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    ask(port, "warm", "hello")
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    if time.monotonic() > deadline or gateway.poll() is not None:
-                        raise RuntimeError("the gateway did not answer within 60 s") from None
-                    time.sleep(0.2)
+            port = gateway.wait_ready()
             for n in range(warmup):
                 ask(port, f"s{n % 50}", question(100_000 + n))
             time.sleep(2.0)  # background work of the warm-up (embeddings, facts) settles
-            before = cpu_seconds(gateway.pid)
+            before = gateway.cpu_seconds()
             for n in range(turns):
                 ask(port, f"s{n % 50}", question(n))
-            return (cpu_seconds(gateway.pid) - before) / turns * 1e3
+            return (gateway.cpu_seconds() - before) / turns * 1e3
         finally:
-            gateway.terminate()
             try:
-                gateway.wait(30)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-                gateway.wait()
+                gateway.terminate(30)
+            finally:
+                gateway.stop()
 
 
 def main() -> int:

@@ -216,13 +216,26 @@ def merge_messages(messages: Sequence[InboundMessage]) -> InboundMessage:
 
 class _Admission:
     """A platform message being taken in (claimed, its journal write not finished):
-    `kept` once the journal holds it (or it was settled without one), `done` at the end."""
+    `kept` once the journal holds it (or it was settled without one). A copy of it that
+    arrives meanwhile `wait`s for the `end`; the event is made only then (a copy while
+    the write runs is rare, and every platform message has an admission)."""
 
-    __slots__ = ("done", "kept")
+    __slots__ = ("_ended", "kept")
 
     def __init__(self) -> None:
-        self.done = anyio.Event()
+        self._ended: anyio.Event | None = None
         self.kept = False
+
+    async def wait(self) -> bool:
+        """Whether the first copy was kept, once its admission ended."""
+        if self._ended is None:
+            self._ended = anyio.Event()
+        await self._ended.wait()
+        return self.kept
+
+    def end(self) -> None:
+        if self._ended is not None:
+            self._ended.set()
 
 
 class _Item:
@@ -638,16 +651,9 @@ class Dispatcher:
                 if duplicate and not await self._first_admission_kept(key):
                     self._leave(ticket, "its first copy could not be journaled")
                     return
-                if not duplicate:
-                    admission = self._admitting[key] = _Admission()
-                    journaled: bool | None = None  # None: cancelled, the claim still held
-                    try:
-                        journaled = admission.kept = await self._journal(key, store, msg)
-                    finally:
-                        await self._admitted(key, admission, given_back=journaled is False)
-                    if not journaled:
-                        self._leave(ticket, "the journal failed")
-                        return
+                if not duplicate and not await self._journal_claimed(key, store, msg):
+                    self._leave(ticket, "the journal failed")
+                    return
         except ClaimBusy as exc:
             self._leave(ticket, str(exc))
             return
@@ -807,10 +813,18 @@ class Dispatcher:
         Feishu's do, can hand a message over again while its first copy is still being
         journaled)."""
         first = self._admitting.get(key)
-        if first is None:
-            return True
-        await first.done.wait()
-        return first.kept
+        return True if first is None else await first.wait()
+
+    async def _journal_claimed(self, key: str, store: DedupeStore, msg: InboundMessage) -> bool:
+        """`_journal` for a message claimed here just now, its copies waiting meanwhile
+        (`_first_admission_kept`)."""
+        admission = self._admitting[key] = _Admission()
+        journaled: bool | None = None  # None: cancelled, the claim still held
+        try:
+            journaled = admission.kept = await self._journal(key, store, msg)
+        finally:
+            await self._admitted(key, admission, given_back=journaled is False)
+        return journaled
 
     def _skip_duplicate(self, item: _Item, kept: bool) -> None:
         if kept:
@@ -835,7 +849,7 @@ class Dispatcher:
                         await store.release(key)
                     except Exception as exc:
                         logger.error("dedupe store failed to give a claim back: {}", exc)
-        admission.done.set()
+        admission.end()
 
     async def _admit_shared(
         self,

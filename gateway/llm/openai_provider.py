@@ -9,7 +9,10 @@ What users rely on from the client is kept, in `_post_chat`: its retries (408, 4
 minutes, else backoff from 0.5 s doubling to 8 s with jitter), its headers, its timeouts
 (connect, and the wait between bytes) and its exceptions, built by the client itself from
 the answer, so `classify_failure` reads one kind of error. Streams and the server-window
-probe still go through the client.
+probe still go through the client. Two of the client's methods used here are private
+(`_should_retry`, `_make_status_error_from_response`), and `_retry_wait` restates its
+`_calculate_retry_timeout` (which wants the client's request options): an upgrade of
+`openai` that changes them fails tests/test_llm_provider.py's retry and error tests.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import gateway
@@ -82,9 +82,13 @@ def child_pythonpath() -> str:
 class GatewayProcess:
     """One `gateway run` (stdin closed: no terminal chat) whose stderr is collected."""
 
-    def __init__(self, env: Mapping[str, str], cwd: Path) -> None:
+    def __init__(
+        self, env: Mapping[str, str], cwd: Path, *, python_args: Sequence[str] = ()
+    ) -> None:
+        """`python_args`: the interpreter's own, before ``-m gateway.cli run`` (a
+        benchmark's ``-m cProfile -o FILE``)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "run"],
+            [sys.executable, *python_args, "-m", "gateway.cli", "run"],
             env=dict(env),
             cwd=cwd,
             stdin=subprocess.DEVNULL,
@@ -145,6 +149,15 @@ class GatewayProcess:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return None
+
+    def cpu_seconds(self) -> float:
+        """The process's user + system CPU so far (Linux's /proc; 0 once it is gone)."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text(encoding="ascii")
+        except OSError:
+            return 0.0
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def wait_stopped(self, failpoint: str, timeout: float = START_TIMEOUT) -> None:
         """Wait until the process stopped itself at `failpoint` (its SIGSTOP,
