@@ -39,6 +39,9 @@ POINTS = frozenset(
         "dispatch.before_outbox",
         "dispatch.before_send",
         "dispatch.before_mark",
+        # Messages journaled past the bound, about to be read back for their lanes: the
+        # read takes a while, and other conversations take room meanwhile.
+        "dispatch.before_refill",
     }
 )
 #: The core's places and those the channels declared.

@@ -578,6 +578,60 @@ async def test_many_messages_past_the_bound_keep_every_conversation_in_order(
         assert outbox.texts(f"c{c}") == [f"re: m{n}" for n in range(c, 200, 5)]
 
 
+async def test_room_taken_while_the_journal_is_read_back_is_not_given_twice(
+    tmp_path: Path,
+) -> None:
+    """Messages journaled past the bound are read back once there is room; another
+    conversation's messages that take that room while the journal is read are not
+    followed by as many from the journal as there was room before: memory stays within
+    the bound (a full run once saw 11 of 10)."""
+    gates = {"a": anyio.Event(), "b": anyio.Event()}
+    seen: list[int] = []
+    dispatcher: Dispatcher | None = None
+
+    async def handler(msg: InboundMessage) -> OutboundMessage:
+        assert dispatcher is not None
+        held = dispatcher.stats()
+        seen.append(held.queued_total + held.in_flight)  # this one among them
+        await gates[msg.chat_id].wait()
+        return await echo(msg)
+
+    paused, resume = anyio.Event(), anyio.Event()
+
+    async def slow_read(name: str, session_key: str) -> None:
+        paused.set()
+        await resume.wait()
+
+    outbox = Outbox()
+    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    dispatcher = Dispatcher(handler, outbox.deliver, dedupe=store, max_queued_total=4)
+    failpoints.arm("dispatch.before_refill", slow_read)
+    try:
+        async with running(dispatcher) as d:
+            for n in range(6):  # four in memory, two journaled past the bound
+                await d.submit(pushed("a", f"a{n}", f"a{n}"))
+            assert d.stats().waiting_in_journal == 2
+            gates["a"].set()
+            with anyio.fail_after(10):
+                await paused.wait()  # room for the two: the refill reads the journal
+                while len(outbox.texts("a")) < 4:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+                for n in range(3):  # another conversation takes three of the four places
+                    await d.submit(pushed("b", f"b{n}", f"b{n}"))
+                resume.set()
+                while len(outbox.texts("a")) < 5:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            gates["b"].set()
+            await settle_lanes(d)
+    finally:
+        failpoints.disarm_all()
+    assert await store.unanswered() == []
+    await store.aclose()
+    assert max(seen) <= 4, seen
+    assert outbox.texts("a") == [f"re: a{n}" for n in range(6)]
+    assert outbox.texts("b") == [f"re: b{n}" for n in range(3)]
+
+
 async def test_at_the_drain_deadline_journaled_messages_wait_for_the_next_start(
     tmp_path: Path,
 ) -> None:

@@ -706,6 +706,7 @@ class Dispatcher:
                 room = self.max_queued_total - self._outstanding
                 if room <= 0:
                     return
+                await failpoints.reach("dispatch.before_refill", self._spill[0][0])
                 try:
                     waiting = {
                         dedupe_key(entry.message): entry for entry in await store.unanswered()
@@ -722,6 +723,10 @@ class Dispatcher:
                 for _ in range(min(room, len(self._spill))):
                     if self._draining:
                         return
+                    # Room is taken meanwhile too: a conversation with nothing in the
+                    # journal is let in directly while a feed awaits.
+                    if self._outstanding >= self.max_queued_total:
+                        break
                     session, key = self._spill.popleft()
                     entry = waiting.get(key)
                     if entry is not None:
