@@ -27,12 +27,52 @@ READY_LINE = "gateway ready: http://"
 START_TIMEOUT = 90.0
 
 
+#: One byte per port of this file is locked (POSIX record locks) by the process that
+#: picked the port, until it exits: every test process on the machine sees it.
+_PORTS_FILE = Path(os.environ.get("TMPDIR", "/tmp")) / "gateway-test-ports.lock"
+_ports_lock = threading.Lock()
+_ports_fd: int | None = None
+_ports_taken: dict[int, None] = {}  # oldest first
+#: A process holds at most this many (the oldest goes first): the range below the
+#: ephemeral ports stays open to the other test processes however long a run is.
+_PORTS_HELD = 2_000
+
+
+def _reserve(port: int) -> bool:
+    """Hold `port` for this process's life (or until it has picked `_PORTS_HELD` more):
+    False when another process (or thread) of this machine picked it first. The locks
+    go with the process, however it ends."""
+    global _ports_fd
+    import fcntl
+
+    with _ports_lock:
+        if port in _ports_taken:
+            return False
+        if _ports_fd is None:
+            _ports_fd = os.open(_PORTS_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.lockf(_ports_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+        except OSError:
+            return False
+        _ports_taken[port] = None
+        if len(_ports_taken) > _PORTS_HELD:
+            oldest = next(iter(_ports_taken))
+            del _ports_taken[oldest]
+            fcntl.lockf(_ports_fd, fcntl.LOCK_UN, 1, oldest)
+        return True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, for a server that must keep its
     address across restarts (where port 0 would not do): below the kernel's ephemeral
     range. A port inside it can be taken meanwhile by a connection toward it that gets it
     as its own source port (TCP's self-connect): a platform's retries toward a stopped
-    gateway did that, and the restarted gateway found its port in use."""
+    gateway did that, and the restarted gateway found its port in use.
+
+    The port is reserved for this process until it exits (`_reserve`): a server that is
+    stopped for a while (a gateway killed and started again, a proxy cut and restored)
+    finds its port still its own, where another test process picking at random found it
+    free and took it meanwhile (seen in CI, with the tests spread over workers)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as found:
             low = int(found.read().split()[0])
@@ -45,6 +85,7 @@ def free_port() -> int:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if _reserve(port):
             return port
     raise RuntimeError("no free TCP port below the ephemeral range")
 
