@@ -489,6 +489,10 @@ async def test_a_backup_with_a_smaller_window_gets_the_turn_fitted_to_its_own(
                 tmp_path,
                 {"primary": f"http://127.0.0.1:{proxy.port}/v1", "backup": backup.base_url},
                 memory__auto_consolidate="false",
+                # The primary stays open through the turns: a trial after the 0.3 s of
+                # the others (a slow machine) would fit a turn to the primary's window
+                # again, and the backup would refuse it once more before fitting it.
+                llm__failover__cooldown_seconds="600",
             )
             gw = Gateway.build(settings)
             try:
