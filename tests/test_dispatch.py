@@ -742,12 +742,13 @@ async def test_a_copy_that_comes_while_the_first_is_journaled_is_confirmed_after
     assert outbox.texts("a") == ["re: hello"]
 
 
-async def test_a_copy_of_a_message_whose_first_copy_was_never_journaled_is_not_taken(
+async def test_a_copy_of_a_message_whose_first_copy_was_never_journaled_is_taken_instead(
     tmp_path: Path,
 ) -> None:
     """The first copy's intake is cancelled before its journal write (its request was
-    aborted): the copy that waited on it is not taken (its platform keeps it), the claim
-    is given back, and the platform's next copy is taken in and answered."""
+    aborted, and the copy waiting on it is likely the platform's retry): the claim is
+    given back and the copy is taken in its place, journaled, confirmed and answered
+    once. A later copy is a duplicate."""
     paused = anyio.Event()
 
     async def stuck(name: str, key: str) -> None:
@@ -755,7 +756,8 @@ async def test_a_copy_of_a_message_whose_first_copy_was_never_journaled_is_not_t
         await anyio.sleep_forever()
 
     outbox = Outbox()
-    store = FileDedupeStore(tmp_path / "dedupe.sqlite3")
+    path = tmp_path / "dedupe.sqlite3"
+    store = FileDedupeStore(path)
     failpoints.arm("dispatch.before_journal", stuck, "test:a")
     try:
         async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
@@ -769,10 +771,61 @@ async def test_a_copy_of_a_message_whose_first_copy_was_never_journaled_is_not_t
                 await paused.wait()
                 tg.start_soon(copy)
                 await anyio.sleep(0.2)
-                assert copies == []
+                assert copies == []  # nothing confirmed while only in memory
                 first.cancel_scope.cancel()
-            assert [t.status for t in copies] == [SubmitStatus.RETRY_LATER]
-            assert not copies[0].taken
+            assert [t.status for t in copies] == [SubmitStatus.ACCEPTED]
+            assert copies[0].taken
+            # Journaled before it was confirmed: a crash now would replay it.
+            assert [e.message.message_id for e in await FileDedupeStore(path).unanswered()] in (
+                ["42"],
+                [],  # answered already
+            )
+            reply = await copies[0].reply()
+            again = await d.submit(inbound("a", "hello", message_id="42"))
+            assert again.status is SubmitStatus.DUPLICATE and again.taken
+    finally:
+        failpoints.disarm_all()
+        await store.aclose()
+    assert reply is not None and outbox.texts("a") == ["re: hello"]
+
+
+async def test_a_copy_is_left_with_its_platform_when_the_journal_fails_for_it_too(
+    tmp_path: Path,
+) -> None:
+    """The first copy's journal write fails, and so does the copy's own: the copy is not
+    taken (its platform keeps it), and once the journal works the next copy is."""
+    paused, resume = anyio.Event(), anyio.Event()
+
+    async def slow_write(name: str, key: str) -> None:
+        paused.set()
+        await resume.wait()
+
+    class FailingJournal(FileDedupeStore):
+        failing = True
+
+        async def journal(self, key: str, msg: InboundMessage) -> None:
+            if self.failing:
+                raise OSError(28, "No space left on device")
+            await super().journal(key, msg)
+
+    outbox = Outbox()
+    store = FailingJournal(tmp_path / "dedupe.sqlite3")
+    failpoints.arm("dispatch.before_journal", slow_write, "test:a")
+    try:
+        async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
+            tickets: dict[str, Ticket] = {}
+
+            async def submit(name: str) -> None:
+                tickets[name] = await d.submit(inbound("a", "hello", message_id="42"))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(submit, "first")
+                await paused.wait()
+                tg.start_soon(submit, "copy")
+                await anyio.sleep(0.2)
+                resume.set()
+            assert [tickets[n].taken for n in ("first", "copy")] == [False, False]
+            store.failing = False
             again = await d.submit(inbound("a", "hello", message_id="42"))
             assert again.status is SubmitStatus.ACCEPTED
             reply = await again.reply()

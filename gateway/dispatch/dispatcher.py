@@ -648,9 +648,12 @@ class Dispatcher:
                 duplicate = await take_in(key, msg, None)
             else:
                 duplicate = await self._is_duplicate(key, store)
-                if duplicate and not await self._first_admission_kept(key):
-                    self._leave(ticket, "its first copy could not be journaled")
-                    return
+                if duplicate:
+                    fate = await self._duplicate_fate(key, store)
+                    if fate is None:
+                        self._leave(ticket, "its first copy could not be journaled")
+                        return
+                    duplicate = fate
                 if not duplicate and not await self._journal_claimed(key, store, msg):
                     self._leave(ticket, "the journal failed")
                     return
@@ -767,8 +770,10 @@ class Dispatcher:
                     self._skip(item, None, status=SubmitStatus.RETRY_LATER)
                     return
                 if duplicate:
-                    self._skip_duplicate(item, await self._first_admission_kept(key))
-                    return
+                    fate = await self._duplicate_fate(key, store)
+                    if fate is not False:
+                        self._skip_duplicate(item, fate is True)
+                        return
                 if item.recorded is None:
                     admission = self._admitting[key] = _Admission()
             if self._access is not None:
@@ -819,6 +824,24 @@ class Dispatcher:
         journaled)."""
         first = self._admitting.get(key)
         return True if first is None else await first.wait()
+
+    async def _duplicate_fate(self, key: str, store: DedupeStore) -> bool | None:
+        """What becomes of a copy of a message whose key is claimed: True, settle it as
+        a duplicate (its first copy is on file); False, take it in as the first (the
+        first copy's intake ended without keeping it: cancelled, its request aborted,
+        or its journal write failed; the claim was given back and this copy claimed the
+        key again); None, leave it with its platform (claimed again by a copy that was
+        not kept either, or the store is busy). The copy that waited is very often the
+        platform's own retry of the aborted request: leaving it too would spend one of
+        the platform's few retries (Slack makes three)."""
+        if await self._first_admission_kept(key):
+            return True
+        try:
+            if not await self._is_duplicate(key, store):
+                return False
+        except ClaimBusy:
+            return None
+        return True if await self._first_admission_kept(key) else None
 
     async def _journal_claimed(self, key: str, store: DedupeStore, msg: InboundMessage) -> bool:
         """`_journal` for a message claimed here just now, its copies waiting meanwhile
