@@ -49,6 +49,13 @@ CONFIGURATIONS: dict[str, dict[str, str]] = {
         "GATEWAY_CACHE__ENABLED": "false",
         "GATEWAY_MEMORY__ENABLED": "false",
     },
+    # What the session appends' durability costs (not a configuration to run: a turn
+    # is then acknowledged before it is on disk).
+    "cache and memory off, sessions fsync never": {
+        "GATEWAY_CACHE__ENABLED": "false",
+        "GATEWAY_MEMORY__ENABLED": "false",
+        "GATEWAY_SESSIONS__FSYNC": "never",
+    },
 }
 
 #: Words the questions are made of: each question is new to the cache.
