@@ -833,7 +833,10 @@ class Dispatcher:
         key again); None, leave it with its platform (claimed again by a copy that was
         not kept either, or the store is busy). The copy that waited is very often the
         platform's own retry of the aborted request: leaving it too would spend one of
-        the platform's few retries (Slack makes three)."""
+        the platform's few retries (Slack makes three).
+
+        Claimed again with no copy being taken in is a claim the store failed to give
+        back, not a message on file: left, not settled (settling it would lose it)."""
         if await self._first_admission_kept(key):
             return True
         try:
@@ -841,7 +844,8 @@ class Dispatcher:
                 return False
         except ClaimBusy:
             return None
-        return True if await self._first_admission_kept(key) else None
+        other = self._admitting.get(key)
+        return True if other is not None and await other.wait() else None
 
     async def _journal_claimed(self, key: str, store: DedupeStore, msg: InboundMessage) -> bool:
         """`_journal` for a message claimed here just now, its copies waiting meanwhile
