@@ -54,6 +54,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, without installing
 
+from gateway.testing.process import process_cpu_seconds  # noqa: E402
 from tests.fakes.openai_server import FakeOpenAI, Reply, echo_responder  # noqa: E402
 from tests.fakes.pg_wire_counter import PgWireCounter  # noqa: E402
 from tests.gateway_process import GatewayProcess, base_env  # noqa: E402
@@ -261,18 +262,6 @@ async def open_loop(url: str, rate: float, seconds: float, sessions: int) -> lis
     return latencies
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of one process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
 def postgres_pids() -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
@@ -293,8 +282,8 @@ class CpuMeter:
     start: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def read(self) -> tuple[float, float, float]:
-        gw = sum(cpu_seconds(pid) for pid in self.gateways)
-        pg = sum(cpu_seconds(pid) for pid in postgres_pids())
+        gw = sum(process_cpu_seconds(pid) for pid in self.gateways)
+        pg = sum(process_cpu_seconds(pid) for pid in postgres_pids())
         t = os.times()
         return gw, pg, t.user + t.system
 

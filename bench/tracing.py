@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -26,19 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gateway.testing.process import process_cpu_seconds as gateway_cpu  # noqa: E402
 from tests.fakes.openai_server import FakeOpenAI  # noqa: E402
 from tests.fakes.otlp_receiver import otlp_receiver  # noqa: E402
 from tests.gateway_process import GatewayProcess, base_env  # noqa: E402
 
 TOKEN = "bench-tracing-token-0123456789"
 WARMUP = 20
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def chat(port: int, n: int) -> None:
@@ -67,10 +60,10 @@ def run(turns: int, endpoint: str | None) -> tuple[float, float]:
             port = gateway.wait_ready()
             for n in range(WARMUP):
                 chat(port, n)
-            cpu, wall = cpu_seconds(gateway.proc.pid), time.perf_counter()
+            cpu, wall = gateway_cpu(gateway.proc.pid), time.perf_counter()
             for n in range(WARMUP, WARMUP + turns):
                 chat(port, n)
-            cpu = cpu_seconds(gateway.proc.pid) - cpu
+            cpu = gateway_cpu(gateway.proc.pid) - cpu
             wall = time.perf_counter() - wall
             gateway.terminate()
         finally:

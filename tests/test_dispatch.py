@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -699,6 +699,28 @@ async def test_a_redelivered_message_is_answered_once_also_after_a_restart(
     assert calls == ["hello", "no id", "no id", "hello"]
 
 
+async def first_and_copy(
+    d: Dispatcher,
+    paused: anyio.Event,
+    meanwhile: Callable[[dict[str, Ticket]], Awaitable[None]],
+) -> dict[str, Ticket]:
+    """A platform message ("first") held at the `dispatch.before_journal` failpoint
+    (which sets `paused`), and a copy of it submitted then; `meanwhile` runs 0.2 s
+    later with the tickets so far, and must let the first go on. Both tickets."""
+    tickets: dict[str, Ticket] = {}
+
+    async def submit(name: str) -> None:
+        tickets[name] = await d.submit(inbound("a", "hello", message_id="42"))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(submit, "first")
+        await paused.wait()
+        tg.start_soon(submit, "copy")
+        await anyio.sleep(0.2)
+        await meanwhile(tickets)
+    return tickets
+
+
 async def test_a_copy_that_comes_while_the_first_is_journaled_is_confirmed_after_it(
     tmp_path: Path,
 ) -> None:
@@ -719,20 +741,14 @@ async def test_a_copy_that_comes_while_the_first_is_journaled_is_confirmed_after
     failpoints.arm("dispatch.before_journal", slow_write, "test:a")
     try:
         async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
-            tickets: dict[str, Ticket] = {}
 
-            async def submit(name: str) -> None:
-                tickets[name] = await d.submit(inbound("a", "hello", message_id="42"))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(submit, "first")
-                await paused.wait()
-                tg.start_soon(submit, "copy")
-                await anyio.sleep(0.2)
+            async def meanwhile(tickets: dict[str, Ticket]) -> None:
                 # Only in memory so far: nothing may tell the platform we have it.
                 assert tickets == {}
                 assert await FileDedupeStore(path).unanswered() == []
                 resume.set()
+
+            tickets = await first_and_copy(d, paused, meanwhile)
             assert tickets["first"].status is SubmitStatus.ACCEPTED
             assert tickets["copy"].status is SubmitStatus.DUPLICATE and tickets["copy"].taken
             await tickets["first"].reply()
@@ -813,17 +829,11 @@ async def test_a_copy_is_left_with_its_platform_when_the_journal_fails_for_it_to
     failpoints.arm("dispatch.before_journal", slow_write, "test:a")
     try:
         async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
-            tickets: dict[str, Ticket] = {}
 
-            async def submit(name: str) -> None:
-                tickets[name] = await d.submit(inbound("a", "hello", message_id="42"))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(submit, "first")
-                await paused.wait()
-                tg.start_soon(submit, "copy")
-                await anyio.sleep(0.2)
+            async def meanwhile(tickets: dict[str, Ticket]) -> None:
                 resume.set()
+
+            tickets = await first_and_copy(d, paused, meanwhile)
             assert [tickets[n].taken for n in ("first", "copy")] == [False, False]
             store.failing = False
             again = await d.submit(inbound("a", "hello", message_id="42"))
@@ -833,6 +843,41 @@ async def test_a_copy_is_left_with_its_platform_when_the_journal_fails_for_it_to
         failpoints.disarm_all()
         await store.aclose()
     assert reply is not None and outbox.texts("a") == ["re: hello"]
+
+
+async def test_a_copy_is_not_settled_on_a_claim_the_store_could_not_give_back(
+    tmp_path: Path,
+) -> None:
+    """The first copy's journal write fails, and so does giving its claim back: the key
+    stays claimed with nothing on file. The copy that waited is left with its platform,
+    not settled as a duplicate (which would lose the message)."""
+    paused, resume = anyio.Event(), anyio.Event()
+
+    async def slow_write(name: str, key: str) -> None:
+        paused.set()
+        await resume.wait()
+
+    class BrokenStore(FileDedupeStore):
+        async def journal(self, key: str, msg: InboundMessage) -> None:
+            raise OSError(5, "Input/output error")
+
+        async def release(self, key: str) -> None:
+            raise OSError(5, "Input/output error")
+
+    store = BrokenStore(tmp_path / "dedupe.sqlite3")
+    failpoints.arm("dispatch.before_journal", slow_write, "test:a")
+    try:
+        async with running(Dispatcher(echo, Outbox().deliver, dedupe=store)) as d:
+
+            async def meanwhile(tickets: dict[str, Ticket]) -> None:
+                resume.set()
+
+            tickets = await first_and_copy(d, paused, meanwhile)
+    finally:
+        failpoints.disarm_all()
+        await store.aclose()
+    assert [tickets[n].status for n in ("first", "copy")] == [SubmitStatus.RETRY_LATER] * 2
+    assert not tickets["copy"].taken
 
 
 async def test_a_message_cut_off_by_a_restart_is_answered_when_redelivered(

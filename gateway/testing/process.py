@@ -4,6 +4,7 @@ workspace, its log kept for failure messages."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
 import random
@@ -20,7 +21,13 @@ from pathlib import Path
 
 import gateway
 
-__all__ = ["GatewayProcess", "GatewayRuns", "child_pythonpath", "wait_until"]
+__all__ = [
+    "GatewayProcess",
+    "GatewayRuns",
+    "child_pythonpath",
+    "process_cpu_seconds",
+    "wait_until",
+]
 
 READY_LINE = "gateway ready: http://"
 #: A cold start imports for seconds, more on a busy machine.
@@ -43,8 +50,6 @@ def _reserve(port: int) -> bool:
     False when another process (or thread) of this machine picked it first. The locks
     go with the process, however it ends."""
     global _ports_fd
-    import fcntl
-
     with _ports_lock:
         if port in _ports_taken:
             return False
@@ -60,6 +65,17 @@ def _reserve(port: int) -> bool:
             del _ports_taken[oldest]
             fcntl.lockf(_ports_fd, fcntl.LOCK_UN, 1, oldest)
         return True
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU of process `pid` so far (Linux's /proc; 0 once it is gone): the
+    benchmarks' measure of a gateway's (or a database's) work."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -192,13 +208,8 @@ class GatewayProcess:
         return None
 
     def cpu_seconds(self) -> float:
-        """The process's user + system CPU so far (Linux's /proc; 0 once it is gone)."""
-        try:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text(encoding="ascii")
-        except OSError:
-            return 0.0
-        fields = stat.rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """The process's user + system CPU so far (`process_cpu_seconds`)."""
+        return process_cpu_seconds(self.proc.pid)
 
     def wait_stopped(self, failpoint: str, timeout: float = START_TIMEOUT) -> None:
         """Wait until the process stopped itself at `failpoint` (its SIGSTOP,
