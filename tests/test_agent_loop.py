@@ -91,6 +91,79 @@ async def test_llm_failure_keeps_the_message_and_tells_the_user(
     ]
 
 
+def store_of(gw: Gateway, key: str = "cli:test") -> Any:
+    session = gw.agent.sessions.cached(key)
+    assert session is not None
+    return session._store
+
+
+async def test_a_turn_makes_question_and_reply_durable_in_one_round(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """Cost: under fsync="batch" the user's message rides the reply's group commit (one
+    round a turn, not two); promise: both are durable when the reply is given."""
+    settings = make_settings(fake_openai)
+    assert settings.sessions.fsync == "batch"
+    gw = Gateway.build(settings)
+    try:
+        await gw.agent.handle(inbound("first"))  # the file is made
+        committer = gw.agent.sessions._async_committer
+        rounds = committer.rounds
+        for n in range(3):
+            reply = await gw.agent.handle(inbound(f"question {n}"))
+            assert not reply.is_error
+            store = store_of(gw)
+            assert not store.unsettled and not store._handle.dirty
+        assert committer.rounds == rounds + 3
+    finally:
+        await gw.aclose()
+
+
+async def test_a_failed_turn_makes_the_message_durable_before_its_answer(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """Promise: an LLM failure stores nothing after the user's message; the message is
+    made durable before the error reply is given all the same."""
+    settings = make_settings(fake_openai)
+    gw = Gateway.build(settings)
+    try:
+        await gw.agent.handle(inbound("first"))
+        committer = gw.agent.sessions._async_committer
+        rounds = committer.rounds
+        fake_openai.fail_model("gpt-4o-mini", status=500, message="boom")
+        reply = await gw.agent.handle(inbound("are you there?"))
+        assert reply.is_error
+        store = store_of(gw)
+        assert not store.unsettled and not store._handle.dirty
+        assert committer.rounds == rounds + 1
+    finally:
+        await gw.aclose()
+
+
+async def test_a_cancelled_turn_makes_the_message_durable(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """A turn cancelled while the model is asked (a shutdown) leaves the user's message
+    durable, not only in the file."""
+    settings = make_settings(fake_openai)
+    gw = Gateway.build(settings)
+    try:
+        await gw.agent.handle(inbound("first"))
+        fake_openai.hold(lambda body: True)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gw.agent.handle, inbound("never answered"))
+            await fake_openai.wait_held_async()
+            store = store_of(gw)
+            assert store.unsettled  # in the file, waiting for the turn's next round
+            tg.cancel_scope.cancel()
+        assert not store.unsettled and not store._handle.dirty
+        fake_openai.release()
+    finally:
+        await gw.aclose()
+    stored = [m["content"] for m in file_messages(session_path(settings, "cli:test"))]
+    assert stored[-1] == "never answered"
+
+
 async def test_tool_loop_persists_calls_and_results(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:

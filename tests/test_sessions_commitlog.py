@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -247,3 +248,146 @@ async def test_a_checkpoint_bounds_the_files_held_open(
     log = manager._commit_log
     assert log is not None and log.checkpoints >= 1 and len(log._covered) <= 4
     manager.close()
+
+
+# -- deferred appends: a turn's question and reply in one round ----------------------
+
+
+def log_texts(folder: Path) -> list[str]:
+    rows = [json.loads(line) for line in the_log(folder).read_text().splitlines()]
+    return [r["line"]["message"]["content"] for r in rows if r["line"].get("type") == "message"]
+
+
+def file_handle(session: object) -> Any:
+    store = session._store  # type: ignore[attr-defined]
+    assert isinstance(store, FileSessionStore) and store._handle is not None
+    return store._handle
+
+
+@pytest.mark.anyio
+async def test_a_deferred_append_is_in_the_file_and_durable_with_the_next_round(
+    tmp_path: Path,
+) -> None:
+    """Promise: a deferred append is written at once (a killed process keeps it) and
+    made durable in the round of the session's next append: one round for both."""
+    manager = SessionManager(tmp_path, fsync="batch")
+    session = manager.get_or_create("k")
+    session.add_message(user("earlier"))
+    rounds = manager._async_committer.rounds
+    await session.aadd_message(user("question"), defer=True)
+    assert session.path is not None and b'"question"' in session.path.read_bytes()
+    handle = file_handle(session)
+    assert handle.dirty and manager._async_committer.rounds == rounds  # not yet durable
+    assert "question" not in log_texts(tmp_path)
+    await session.aadd_message(assistant("answer"))
+    assert manager._async_committer.rounds == rounds + 1  # one round made both durable
+    assert not handle.dirty
+    assert log_texts(tmp_path)[-2:] == ["question", "answer"]
+    await session.asettle()  # nothing left: no round
+    assert manager._async_committer.rounds == rounds + 1
+    manager.close()
+
+
+@pytest.mark.anyio
+async def test_settling_makes_a_deferred_append_durable_without_another(tmp_path: Path) -> None:
+    manager = SessionManager(tmp_path, fsync="batch")
+    session = manager.get_or_create("k")
+    session.add_message(user("earlier"))
+    await session.aadd_message(user("question"), defer=True)
+    rounds = manager._async_committer.rounds
+    await session.asettle()
+    assert manager._async_committer.rounds == rounds + 1
+    assert not file_handle(session).dirty and log_texts(tmp_path)[-1] == "question"
+    manager.close()
+
+
+@pytest.mark.anyio
+async def test_a_blocking_append_takes_the_deferred_ones_into_its_round(tmp_path: Path) -> None:
+    """The thread path (`append`: a model change, a compaction, a busy lock) commits
+    what was deferred before its own line."""
+    manager = SessionManager(tmp_path, fsync="batch")
+    session = manager.get_or_create("k")
+    session.add_message(user("earlier"))
+    await session.aadd_message(user("question"), defer=True)
+    session.append_model_change("other-model")
+    assert not file_handle(session).dirty
+    assert log_texts(tmp_path)[-1] == "question"
+    manager.close()
+
+
+@pytest.mark.anyio
+async def test_a_deferred_turn_lost_to_a_power_cut_comes_back_whole(tmp_path: Path) -> None:
+    """Promise: an acknowledged turn survives a power cut that took both its lines from
+    the session file: the reply's round logged the deferred question too."""
+    manager = SessionManager(tmp_path, fsync="batch")
+    session = manager.get_or_create("k")
+    session.add_message(user("earlier"))
+    assert session.path is not None
+    before = session.path.read_bytes()
+    await session.aadd_message(user("question"), defer=True)
+    await session.aadd_message(assistant("answer"))  # acknowledged here
+    data = session.path.read_bytes()
+    kept = the_log(tmp_path).read_bytes()
+    manager.close()
+    (tmp_path / LOG_DIR / "4242-dead.jsonl").write_bytes(kept)  # the process died ...
+    session.path.write_bytes(before)  # ... and the page cache with both lines
+    assert recover_commit_logs(tmp_path) == 2
+    assert session.path.read_bytes() == data
+    assert contents(tmp_path, "k") == ["earlier", "question", "answer"]
+
+
+@pytest.mark.anyio
+async def test_an_append_after_another_writers_lines_fsyncs_the_file(tmp_path: Path) -> None:
+    """Two processes on one session (each its own log): B's line comes after A's
+    deferred one, which no log holds yet, so logging B's line alone could not bring it
+    back after a power cut that lost A's. B's round fsyncs the file instead (both lines
+    durable); B's next append, with nothing new of A's, is logged again."""
+    a = SessionManager(tmp_path, fsync="batch")
+    b = SessionManager(tmp_path, fsync="batch")
+    mine = a.get_or_create("k")
+    mine.add_message(user("first"))
+    theirs = b.get_or_create("k")
+    await theirs.aadd_message(assistant("loaded, then appended"))  # B read A's lines
+    await mine.aadd_message(user("question"), defer=True)  # A: in the file, no log
+    await theirs.aadd_message(assistant("after the question"))
+    handle = file_handle(theirs)
+    assert handle._synced == handle.written  # the file itself fsynced, A's line with it
+    await theirs.aadd_message(assistant("nothing new of A's"))
+    assert handle._synced < handle.written and not handle.dirty  # the cheap path again
+    logged = [
+        json.loads(line)["line"]["message"]["content"]
+        for log in (tmp_path / LOG_DIR).iterdir()
+        for line in log.read_text().splitlines()
+        if '"type":"message"' in line
+    ]
+    assert "after the question" not in logged and "nothing new of A's" in logged
+    await mine.asettle()
+    a.close()
+    b.close()
+    assert contents(tmp_path, "k") == [
+        "first",
+        "loaded, then appended",
+        "question",
+        "after the question",
+        "nothing new of A's",
+    ]
+
+
+def test_recovery_fsyncs_the_files_a_dead_log_covers_even_when_they_lost_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed process's lines are in the page cache, not necessarily on disk: the
+    log that could restore them is removed only after their files were fsynced."""
+    path, data = died_with_log(tmp_path, "k", ["one", "two"])
+    synced: list[int] = []
+    real = commitlog._datasync
+
+    def datasync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_ino)
+        real(fd)
+
+    monkeypatch.setattr(commitlog, "_datasync", datasync)
+    assert recover_commit_logs(tmp_path) == 0  # nothing was missing ...
+    assert synced == [path.stat().st_ino]  # ... and the file was fsynced all the same
+    assert list((tmp_path / LOG_DIR).iterdir()) == []
+    assert path.read_bytes() == data

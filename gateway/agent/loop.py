@@ -201,8 +201,12 @@ def _turn_start(ctx: SessionContext, turn_entry: str | None) -> int | None:
 class AgentLoop:
     """Runs turns. The promises it keeps:
 
-    - the user's message is on disk before the model is called, so neither a crash nor
-      an LLM failure loses what the user said;
+    - the user's message is in the session file before the model is called, so neither
+      a crash nor an LLM failure loses what the user said; it is made durable (fsynced,
+      under `fsync = "batch"`) in the group-commit round of the turn's next append, or
+      when the turn ends without one, and always before the turn's reply is given (a
+      power cut before that loses it from the file, not from the inbound journal, which
+      gives it again; an API request is not answered then);
     - a message is stored once: its entry carries the platform message id, and a
       message replayed after a crash (`META_REPLAYED`) that the session holds already
       is not stored again; its turn goes on where it stopped, or, when it had finished,
@@ -377,6 +381,7 @@ class AgentLoop:
             return dataclasses.replace(answer, metadata=marked)
 
         started = time.monotonic()
+        opened: Session | None = None
         try:
             user_message = LLMMessage(role="user", content=text)
             if inbound.attachments and not text:
@@ -384,6 +389,7 @@ class AgentLoop:
                 names = ", ".join(a.name or a.kind for a in inbound.attachments)
                 user_message = LLMMessage(role="user", content=f"[sent files: {names}]")
             session, earlier = await self._open_session(inbound)
+            opened = session
             inbox = current_inbox(session.key)
             if inbox is not None:  # the dispatcher's interrupt check reads it there
                 inbox.mode = self.config.queue_modes.resolve(
@@ -488,6 +494,14 @@ class AgentLoop:
                 "Please try again shortly.",
                 is_error=True,
             )
+        finally:
+            if opened is not None:
+                # The user's message was appended deferred (`_open_turn`); a turn that
+                # stored nothing after it (an LLM failure, a message it could not read,
+                # a cancelled turn) makes it durable here, before its reply goes out.
+                # Raises SessionError if the disk refuses: the reply is then not given.
+                with anyio.CancelScope(shield=True):
+                    await opened.asettle()
         logger.info(
             "turn done in {:.0f} ms ({} chars)",
             (time.monotonic() - started) * 1000,
@@ -558,7 +572,7 @@ class AgentLoop:
         and the model is not called."""
         if append:
             meta = {**(user_entry_meta(inbound) or {}), reason: True}
-            await session.aadd_message(user_message, meta)
+            await session.aadd_message(user_message, meta, defer=True)  # in the notice's round
         await session.aadd_message(LLMMessage(role="assistant", content=notice), {reason: True})
         return reply_for(inbound, notice, metadata={reason: True, META_IN_SESSION: True})
 
@@ -650,8 +664,9 @@ class AgentLoop:
         meta: dict[str, Any] | None = None,
         query_vector: Any = None,
     ) -> tuple[SessionContext, list[str]]:
-        """The user's message appended (the promise: what the user said is on disk
-        before the model sees it) unless the session holds it already, the context
+        """The user's message appended (the promise: what the user said is in the
+        session file before the model sees it, durable before the reply is given) unless
+        the session holds it already, the context
         rebuilt from the branch, and the memory relevant to the message. The session
         steps run on the event loop when they cannot block (see
         `SessionManager.aget_or_create`); memory search runs in a worker thread when
@@ -664,7 +679,9 @@ class AgentLoop:
         if append:
             entry_meta = {**(user_entry_meta(inbound) or {}), **(meta or {})} or None
             await failpoints.reach("turn.before_user_append", key)
-            await session.aadd_message(user_message, entry_meta)
+            # Deferred: in the file now, durable in the round of the turn's next append
+            # (the reply, or the first tool call), one group commit a turn.
+            await session.aadd_message(user_message, entry_meta, defer=True)
         texts: list[str] = []
         ctx = session.build_context()
         if self.memory is not None and (

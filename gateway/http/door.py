@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from gateway.config import LLMSettings
     from gateway.dispatch.lanes import SubmitStatus
     from gateway.messages import OutboundMessage
+    from gateway.sessions import Session
     from gateway.usage.protocol import UsageRow
 
 #: How a message of the API is run and answered: the daemon's `api_turn` (its submit
@@ -123,9 +124,10 @@ class AgentDoor:
         counter: Counter[str] = Counter()
         with self._usage_lock:
             self._usage[key] = counter
+        seeded: Session | None = None
         try:
             if turn.stateless:
-                await self._seed(key, turn)
+                seeded = await self._seed(key, turn)
             try:
                 status, reply = await self.api_turn(message)
             except ApiError as exc:
@@ -143,6 +145,11 @@ class AgentDoor:
                 self.streams.pop(stream_id, None)
             if turn.stateless and turn.message_id is None:
                 await self._discard(key)
+            elif seeded is not None:
+                # Kept for a retry (its Idempotency-Key): durable even if no turn ran
+                # (a turn's own appends made them so already: then nothing to do).
+                with anyio.CancelScope(shield=True):
+                    await seeded.asettle()
         if status is SubmitStatus.REJECTED_FULL:
             raise OpenAIError(
                 429,
@@ -200,13 +207,16 @@ class AgentDoor:
             headers={"Retry-After": "1"},
         )
 
-    async def _seed(self, key: str, turn: DoorTurn) -> None:
-        """A stateless call's throwaway session, holding the client's messages."""
+    async def _seed(self, key: str, turn: DoorTurn) -> Session | None:
+        """A stateless call's throwaway session, holding the client's messages (None
+        when it needs none or holds them already)."""
         session = await self.agent.sessions.aget_or_create(key)
         if not turn.earlier or session.message_count > 0:
-            return  # nothing to hold, or a retry's session, seeded already
+            return None  # nothing to hold, or a retry's session, seeded already
         for said in turn.earlier:
-            await session.aadd_message(LLMMessage(role=said.role, content=said.text))
+            # Durable in the turn's round, with the question and the reply.
+            await session.aadd_message(LLMMessage(role=said.role, content=said.text), defer=True)
+        return session
 
     async def _discard(self, key: str) -> None:
         try:

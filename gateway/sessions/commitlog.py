@@ -206,15 +206,18 @@ def _replay_file(path: Path, ino: int, rows: list[tuple[int, bytes]]) -> int:
                 continue
             os.write(fd, data[len(have) :])
             restored += 1
-        if restored:
-            _datasync(fd)
+        # Also when every line was there already (the process was killed, the machine
+        # stayed up): they may still be only in the page cache, and once the log is
+        # removed nothing else would restore them after a power cut.
+        _datasync(fd)
     finally:
         os.close(fd)
     return restored
 
 
 def recover_commit_logs(sessions_dir: Path) -> int:
-    """Replay and remove the logs of processes that died; the lines restored."""
+    """Replay and remove the logs of processes that died; the lines restored. Every
+    file a log covers is fsynced before the log is removed."""
     folder = sessions_dir / LOG_DIR
     try:
         names = sorted(os.listdir(folder))

@@ -297,11 +297,18 @@ class Session:
         return self._store.append(_message_factory(msg, meta))
 
     async def aadd_message(
-        self, msg: LLMMessage, meta: Mapping[str, Any] | None = None
+        self, msg: LLMMessage, meta: Mapping[str, Any] | None = None, *, defer: bool = False
     ) -> MessageEntry:
         """`add_message` for the event loop: the same promise (in the file, fsynced as
-        the policy says, when this returns) without blocking the loop."""
-        return await self._store.aappend(_message_factory(msg, meta))
+        the policy says, when this returns) without blocking the loop. With ``defer`` it
+        is in the file (a killed process does not lose it) and made durable with the
+        session's next append or `asettle`, in that append's group-commit round
+        (`FileSessionStore.aappend`): the caller settles if it appends nothing more."""
+        return await self._store.aappend(_message_factory(msg, meta), defer=defer)
+
+    async def asettle(self) -> None:
+        """Make the session's deferred appends durable now (nothing if there are none)."""
+        await self._store.asettle()
 
     def append_model_change(self, model: str) -> ModelChangeEntry:
         return self._store.append(

@@ -374,11 +374,17 @@ class PostgresSessionStore:
             self._session_id = self.header.id
         return entry, int(row[0]), size
 
-    async def aappend(self, factory: EntryFactory[E]) -> E:
+    async def asettle(self) -> None:
+        """Nothing to do: every append commits at once."""
+        return None
+
+    async def aappend(self, factory: EntryFactory[E], *, defer: bool = False) -> E:
         """`append` for the event loop. On the loop, one round trip over the loop's pool,
         when nothing else holds the store: the entry stored if the tree is current (or,
         for a session not stored yet, with the session's row if the key has none). In a
-        worker thread otherwise, or when that found another writer's work to read."""
+        worker thread otherwise, or when that found another writer's work to read.
+        ``defer`` changes nothing: every append is one transaction, committed before
+        this returns."""
         aconnect = self._backend.aconnect if self._backend is not None else None
         if (
             aconnect is None

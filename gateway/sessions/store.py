@@ -228,7 +228,15 @@ class SessionStore(Protocol):
     def size(self) -> int: ...
     def load(self) -> None: ...
     def append(self, factory: EntryFactory[E]) -> E: ...
-    async def aappend(self, factory: EntryFactory[E]) -> E: ...
+    async def aappend(self, factory: EntryFactory[E], *, defer: bool = False) -> E:
+        """``defer``: durable with the store's next commit at the latest (a store that
+        commits every append at once ignores it; `FileSessionStore.aappend`)."""
+        ...
+
+    async def asettle(self) -> None:
+        """Make the deferred appends durable now."""
+        ...
+
     def create_with(self, entries: Sequence[Entry]) -> None: ...
     def refresh(self) -> None: ...
     def flush(self) -> None: ...
@@ -469,8 +477,11 @@ class GroupCommitter:
         self._leader_busy = False
         self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
 
-    def commit(self, request: _Pending) -> None:
+    def commit(self, request: _Pending, *earlier: _Pending) -> None:
+        """``earlier`` (a store's deferred appends, `FileSessionStore.aappend`) join
+        ``request``'s round, before it."""
         with self._cond:
+            self._queue.extend(earlier)
             self._queue.append(request)
             while not request.done:
                 if self._leader_busy:
@@ -490,14 +501,19 @@ class GroupCommitter:
                     self.rounds += 1
                     self._leader_busy = False
                     self._cond.notify_all()
+        _raise_unsynced(request, *earlier)
+
+
+DEFAULT_COMMITTER = GroupCommitter()
+
+
+def _raise_unsynced(*requests: _Pending) -> None:
+    for request in requests:
         if request.error is not None:
             raise SessionError(
                 f"the session entry was written but could not be fsynced: "
                 f"{request.error.strerror}; check the disk"
             )
-
-
-DEFAULT_COMMITTER = GroupCommitter()
 
 
 class AsyncGroupCommitter:
@@ -517,20 +533,19 @@ class AsyncGroupCommitter:
         self._running: anyio.Event | None = None  # set when the running round ends
         self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
 
-    async def commit(self, request: _Pending) -> None:
+    async def commit(self, request: _Pending, *earlier: _Pending) -> None:
+        """``earlier`` (a store's deferred appends) join ``request``'s round, before it."""
+        first = not self._queue
+        self._queue.extend(earlier)
         self._queue.append(request)
-        if len(self._queue) > 1:
+        if not first:
             done = self._next_done
             assert done is not None
             await done.wait()  # a cancelled wait leaves the append in its round
         else:
             with anyio.CancelScope(shield=True):  # followers count on their leader
                 await self._lead()
-        if request.error is not None:
-            raise SessionError(
-                f"the session entry was written but could not be fsynced: "
-                f"{request.error.strerror}; check the disk"
-            )
+        _raise_unsynced(request, *earlier)
 
     async def _lead(self) -> None:
         self._next_done = done = anyio.Event()
@@ -579,6 +594,13 @@ class FileSessionStore:
         self.lock = threading.RLock()
         self.key = key
         self._path = path
+        # Appends written with ``defer=True`` whose group commit is still to come: the
+        # store's next commit takes them into its round, before its own (`aappend`).
+        self._deferred: list[_Pending] = []
+        # Another process appended to the file since our last commit: our next append
+        # fsyncs the file itself rather than only logging its own line, since the log
+        # could not restore our line after theirs if a power cut lost theirs.
+        self._foreign = False
         self._fspath = os.fspath(path)  # for the stat of every append: no Path call
         self._policy = fsync
         # Under "batch", a commit log makes a round durable in one fsync (`commitlog`).
@@ -675,6 +697,7 @@ class FileSessionStore:
     # -- syncing with the file ----------------------------------------------------------
 
     def _close_handle(self) -> None:
+        # The file's fsync covers the deferred appends to it (`_take_deferred`).
         if self._handle is not None:
             self._handle.close(sync=self._policy != "never")
             self._handle = None
@@ -755,6 +778,7 @@ class FileSessionStore:
         if size == self._seen_size:
             return True
         self._ingest_appended(_pread_from(handle.fd, self._size, size))
+        self._foreign = True
         return True
 
     def _ingest_appended(self, data: bytes) -> None:
@@ -810,6 +834,7 @@ class FileSessionStore:
         self._torn_sidecar = None
         self._on_disk = True
         self._ident = (handle.dev, handle.ino)
+        self._foreign = True  # bytes read, not written here: not known to be durable
         self._index_state = ""
         self._parsed_lines = 0
         if header_end < 0:  # a header without its newline
@@ -1049,18 +1074,30 @@ class FileSessionStore:
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
 
     def append(self, factory: EntryFactory[E]) -> E:
-        """Append one entry built by ``factory`` under the locks; return it once durable."""
+        """Append one entry built by ``factory`` under the locks; return it once durable
+        (with every deferred append before it)."""
         with self.lock:
             entry, pending = self._append_locked(factory)
+            earlier = self._take_deferred() if pending is not None else ()
         if pending is not None:
-            self._committer.commit(pending)
+            self._committer.commit(pending, *earlier)
         return entry
 
-    def try_append_nowait(self, factory: EntryFactory[E]) -> tuple[E, _Pending | None] | None:
+    def _take_deferred(self) -> list[_Pending]:
+        """The deferred appends still to commit (under `lock`). One whose file was
+        closed since is left out: closing fsynced it (`_close_handle`), or it was the
+        file of a session deleted since."""
+        deferred, self._deferred = self._deferred, []
+        return [p for p in deferred if not p.handle.closed]
+
+    def try_append_nowait(
+        self, factory: EntryFactory[E], *, defer: bool = False
+    ) -> tuple[E, list[_Pending]] | None:
         """`append` without blocking: the entry is written (not yet fsynced) and
-        returned with its file, or None (nothing written) when appending would wait
-        for a lock, create the file, read much, or fsync (``"always"``). Under
-        ``"batch"`` the entry is durable once the file's group commit is done."""
+        returned with what its group commit must cover (under ``"batch"``: its own
+        append and the deferred ones before it; nothing with ``defer``, which keeps it
+        for the next commit), or None (nothing written) when appending would wait for a
+        lock, create the file, read much, or fsync (``"always"``)."""
         if (
             self._policy == "always"
             or not self._io_on_loop
@@ -1068,22 +1105,62 @@ class FileSessionStore:
         ):
             return None
         try:
-            return self._append_locked(factory, wait=False)
+            entry, pending = self._append_locked(factory, wait=False)
+            if pending is None:
+                return entry, []
+            if defer:
+                self._deferred.append(pending)
+                return entry, []
+            return entry, [*self._take_deferred(), pending]
         except _WouldBlock:
             return None
         finally:
             self.lock.release()
 
-    async def aappend(self, factory: EntryFactory[E]) -> E:
+    async def aappend(self, factory: EntryFactory[E], *, defer: bool = False) -> E:
         """`append` for the event loop: on the loop when that cannot block (then
-        awaiting the group commit under ``"batch"``), else in a worker thread."""
-        done = self.try_append_nowait(factory)
+        awaiting the group commit under ``"batch"``), else in a worker thread.
+
+        With ``defer`` (``"batch"`` on the loop's path), the entry is written to the
+        file, where a killed process does not lose it, but not yet fsynced: the store's
+        next commit (any append without ``defer``, `settle`, `asettle`, closing the
+        file) makes it durable in the same round as its own, so a turn's user message
+        and its reply cost one round. A power cut before then loses it from the file;
+        a caller defers only what is kept elsewhere until then (the inbound journal) or
+        not yet acknowledged to anyone, and settles when it ends without appending."""
+        done = self.try_append_nowait(factory, defer=defer)
         if done is None:
             return await anyio.to_thread.run_sync(self.append, factory)
         entry, pending = done
-        if pending is not None:
-            await self._async_committer.commit(pending)
+        if pending:
+            await self._async_committer.commit(pending[-1], *pending[:-1])
         return entry
+
+    @property
+    def unsettled(self) -> bool:
+        """Some append was deferred and is not durable yet."""
+        return bool(self._deferred)
+
+    def settle(self) -> None:
+        """Make the deferred appends durable now (one group-commit round)."""
+        with self.lock:
+            pending = self._take_deferred()
+        if pending:
+            self._committer.commit(pending[-1], *pending[:-1])
+
+    async def asettle(self) -> None:
+        """`settle` for the event loop."""
+        if not self._deferred:
+            return
+        if not self.lock.acquire(blocking=False):
+            await anyio.to_thread.run_sync(self.settle)
+            return
+        try:
+            pending = self._take_deferred()
+        finally:
+            self.lock.release()
+        if pending:
+            await self._async_committer.commit(pending[-1], *pending[:-1])
 
     def try_load_nowait(self) -> bool:
         """`load` without blocking: False (nothing loaded) when it would wait for a
@@ -1160,7 +1237,12 @@ class FileSessionStore:
                 self._on_disk = True
                 self._unterminated = False
                 pending = None
-                if self._commit_log is not None:
+                if self._commit_log is not None and self._foreign:
+                    # Another writer's lines come before ours and may not be durable:
+                    # the round fsyncs the file, theirs with ours.
+                    pending = _Pending(handle)
+                    self._foreign = False
+                elif self._commit_log is not None:
                     # O_APPEND left the file offset at the end of our bytes.
                     at = os.lseek(handle.fd, 0, os.SEEK_CUR) - len(data)
                     pending = _Pending(
@@ -1316,9 +1398,11 @@ class FileSessionStore:
                 self._tree.add(entry)
 
     def flush(self) -> None:
-        """Under ``fsync="never"`` fsync now; otherwise every append already was."""
+        """Under ``fsync="never"`` fsync now; otherwise every append already was, but
+        the deferred ones (`settle`)."""
         with self.lock:
             if self._policy != "never":
+                self.settle()
                 return
             if self._handle is not None:
                 self._sync_now(self._handle)
@@ -1444,8 +1528,11 @@ class MemorySessionStore:
             self._tree.add(entry)
             return entry
 
-    async def aappend(self, factory: EntryFactory[E]) -> E:
+    async def aappend(self, factory: EntryFactory[E], *, defer: bool = False) -> E:
         return self.append(factory)
+
+    async def asettle(self) -> None:
+        return None
 
     def create_with(self, entries: Sequence[Entry]) -> None:
         with self.lock:
