@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from inspect import signature
 from pathlib import Path
 
 # A child run for another checkout (--code) imports that checkout's gateway.
@@ -237,10 +238,14 @@ def concurrent_users(
         manager = SessionManager(folder, fsync=fsync)  # type: ignore[arg-type]
         keys = [f"telegram:{100000 + i}" for i in range(users)]
 
+        # As the agent loop does: the user's message deferred into the reply's round
+        # (a checkout from before deferred appends makes each durable on its own).
+        deferred = {"defer": True} if "defer" in signature(Session.aadd_message).parameters else {}
+
         async def user(key: str) -> None:
             for _ in range(turns):
                 session = await manager.aget_or_create(key)
-                await session.aadd_message(USER)
+                await session.aadd_message(USER, **deferred)
                 await session.aadd_message(ASSISTANT)
 
         start, cpu = time.perf_counter(), time.process_time()
