@@ -1,19 +1,15 @@
-"""`gateway run` as a real subprocess for tests, with its log lines readable as they come."""
+"""`gateway run` as a real subprocess for tests, with its log lines readable as they come
+(`gateway.testing.process`, which the conformance kit uses too), and the environments
+the channel tests start it with."""
 
 from __future__ import annotations
 
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from gateway.testing.process import GatewayProcess as _Process
+from gateway.testing.process import wait_until
 
 if TYPE_CHECKING:
     from tests.fakes.discord_server import FakeDiscord
@@ -36,101 +32,31 @@ class BotApiServer(Protocol):
 
 ROOT = Path(__file__).resolve().parents[1]
 
+__all__ = [
+    "ROOT",
+    "BotApiServer",
+    "GatewayProcess",
+    "base_env",
+    "discord_env",
+    "telegram_env",
+    "telegram_webhook_env",
+    "wait_until",
+]
 
-def wait_until(predicate: Callable[[], object], timeout: float = 20, what: str = "") -> None:
-    """Poll `predicate` every 50 ms until it is true; AssertionError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what or 'condition'} not met within {timeout:g}s")
 
-
-class GatewayProcess:
-    """A running `gateway run` (stdin closed: headless) whose stderr is collected."""
+class GatewayProcess(_Process):
+    """`gateway.testing.process.GatewayProcess` as these tests start it: ready once it
+    logs its address (a test of a channel that is not up yet polls /readyz itself,
+    `wait_readyz`), and stopped within 30 s."""
 
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "run"],
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []  # every line so far, for diagnostics
-        threading.Thread(target=self._pump, daemon=True).start()
+        super().__init__(env, cwd)
 
-    def _pump(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            self._lines.put(line)
-
-    def wait_for_line(self, text: str, timeout: float = 20) -> str:
-        """The first log line containing `text`; AssertionError after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if text in line:
-                return line
-        tail = "".join(self.log[-20:])
-        raise AssertionError(f"the gateway never logged {text!r}; its last lines:\n{tail}")
-
-    def wait_logged(self, text: str, timeout: float = 20) -> str:
-        """A line containing `text` logged at any time so far, or within `timeout`
-        (unlike `wait_for_line`, which reads on from the lines already waited past)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in list(self.log):
-                if text in line:
-                    return line
-            if time.monotonic() >= deadline or self.proc.poll() is not None:
-                tail = "".join(self.log[-20:])
-                raise AssertionError(f"the gateway never logged {text!r}; its last lines:\n{tail}")
-            time.sleep(0.05)
-
-    def wait_ready(self, timeout: float = 60) -> int:
-        """Wait for start-up (a cold start imports for seconds, more on a busy machine);
-        the HTTP port it listens on."""
-        line = self.wait_for_line("gateway ready: http://", timeout)
-        return int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
-
-    def wait_readyz(self, port: int, timeout: float = 60) -> None:
-        """Poll ``GET /readyz`` until it answers 200 (every channel is up)."""
-
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
-                    return bool(r.status == 200)
-            except (urllib.error.URLError, OSError):
-                return False
-
-        wait_until(ready, timeout, f"/readyz 200 on port {port}")
-
-    def kill(self) -> None:
-        """SIGKILL: no drain, no flush, nothing after this instant."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+    def wait_ready(self, timeout: float = 60, *, readyz: bool = False) -> int:
+        return super().wait_ready(timeout, readyz=readyz)
 
     def terminate(self, timeout: float = 30) -> int:
-        """SIGTERM (drain, then stop); the exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        """Kill it if it still runs (for `finally`)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        return super().terminate(timeout)
 
 
 def base_env(workspace: Path, llm: FakeOpenAI, *, llm_timeout: float = 30) -> dict[str, str]:

@@ -106,14 +106,16 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port below the ephemeral range")
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+def wait_until(
+    predicate: Callable[[], object], timeout: float = 20, what: str = "condition"
+) -> None:
     """Poll `predicate` every 50 ms until it is true; AssertionError after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.05)
-    raise AssertionError(f"{what} not within {timeout:g}s")
+    raise AssertionError(f"{what or 'condition'} not met within {timeout:g}s")
 
 
 def child_pythonpath() -> str:
@@ -167,22 +169,54 @@ class GatewayProcess:
     def tail(self, lines: int = 30) -> str:
         return "".join(self.log[-lines:])
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> int:
-        """Wait for the ready line, then for /readyz to answer 200; the HTTP port."""
+    def wait_for_line(self, text: str, timeout: float = 20) -> str:
+        """The next log line containing `text` (reading on from the lines already
+        waited past); AssertionError, with the last lines, after `timeout` or when the
+        process ended first."""
         deadline = time.monotonic() + timeout
-        port = None
-        while port is None:
+        while time.monotonic() < deadline:
             try:
                 line = self._lines.get(timeout=0.2)
             except queue.Empty:
-                line = ""
-            if READY_LINE in line:
-                port = int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if text in line:
+                return line
+        raise AssertionError(
+            f"the gateway never logged {text!r} (exit code {self.proc.poll()}); its last "
+            f"lines:\n{self.tail(20)}"
+        )
+
+    def wait_logged(self, text: str, timeout: float = 20) -> str:
+        """A line containing `text` logged at any time so far, or within `timeout`
+        (unlike `wait_for_line`, which reads on from the lines already waited past)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in list(self.log):
+                if text in line:
+                    return line
+            if time.monotonic() >= deadline or self.proc.poll() is not None:
                 raise AssertionError(
-                    f"the gateway never became ready (exit code {self.proc.poll()}); its last "
-                    f"lines:\n{self.tail()}"
+                    f"the gateway never logged {text!r}; its last lines:\n{self.tail(20)}"
                 )
+            time.sleep(0.05)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT, *, readyz: bool = True) -> int:
+        """Wait for the ready line, then (with `readyz`) for /readyz to answer 200 (every
+        channel up); the HTTP port."""
+        deadline = time.monotonic() + timeout
+        try:
+            line = self.wait_for_line(READY_LINE, timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"the gateway never became ready: {exc}") from None
+        port = int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
+        if readyz:
+            self.wait_readyz(port, max(1.0, deadline - time.monotonic()))
+        return port
+
+    def wait_readyz(self, port: int, timeout: float = START_TIMEOUT) -> None:
+        """Poll ``GET /readyz`` until it answers 200 (every channel is up)."""
 
         def ready() -> bool:
             try:
@@ -192,8 +226,7 @@ class GatewayProcess:
             except (urllib.error.URLError, OSError):
                 return False
 
-        wait_until(ready, max(1.0, deadline - time.monotonic()), f"/readyz 200 on port {port}")
-        return port
+        wait_until(ready, timeout, f"/readyz 200 on port {port}")
 
     def peak_memory_mb(self) -> float | None:
         """The process's peak resident memory so far (Linux's VmHWM), None where the
