@@ -308,6 +308,52 @@ async def test_a_stateless_call_sees_the_clients_messages_and_keeps_nothing(
         assert left == (0,)
 
 
+async def test_a_kept_stateless_session_is_durable_in_the_turns_one_round(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
+) -> None:
+    """A stateless call with an Idempotency-Key keeps its session for a retry: the
+    client's earlier messages, its question and the reply are made durable together,
+    in one group-commit round, before the answer is given."""
+    from gateway.http.namespace import STATELESS_PREFIX
+    from gateway.sessions.keys import key_from_filename
+    from gateway.sessions.store import FileSessionStore
+
+    settings = door_settings(make_settings, fake_openai)
+    async with running(settings) as (url, daemon):
+        manager = daemon.gateway.sessions
+        rounds = manager._async_committer.rounds
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0)
+        answer = await client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=[
+                {"role": "user", "content": "my name is Ada"},
+                {"role": "assistant", "content": "hello Ada"},
+                {"role": "user", "content": "what is my name?"},
+            ],
+            extra_headers={"Idempotency-Key": "kept-1"},
+        )
+        await client.close()
+        ((key, path),) = [
+            (key, path)
+            for path in (Path(settings.workspace_path) / "sessions").glob("*.jsonl")
+            if STATELESS_PREFIX in (key := key_from_filename(path.name) or "")
+        ]
+        session = manager.cached(key)
+        assert session is not None
+        store = session._store
+        assert isinstance(store, FileSessionStore) and store._handle is not None
+        assert not store.unsettled and not store._handle.dirty
+        assert manager._async_committer.rounds == rounds + 1
+    assert answer.choices[0].message.content == "echo: what is my name?"
+    stored = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["message"]["content"] for e in stored if e["type"] == "message"] == [
+        "my name is Ada",
+        "hello Ada",
+        "what is my name?",
+        "echo: what is my name?",
+    ]
+
+
 async def test_streamed_deltas_reach_the_client_as_the_model_writes(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
