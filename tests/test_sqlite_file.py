@@ -20,6 +20,10 @@ from tests.loop_probe import hold_sqlite_write_lock, loop_ticks
 pytestmark = pytest.mark.anyio
 
 
+def file_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
 def schema(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TABLE IF NOT EXISTS t (k TEXT PRIMARY KEY, v TEXT)")
 
@@ -214,3 +218,136 @@ async def test_wal_and_shm_files_are_0600_while_open(tmp_path: Path, leftover: b
         await dedupe.aclose()
     finally:
         os.umask(old_umask)
+
+
+async def test_every_write_counts_towards_the_checkpoint_however_it_was_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Autocommitted writes (`run`, `try_run_nowait`), not only `transaction`s, bring
+    the checkpoint: the cache wrote only so, and its WAL grew without bound. Reads do
+    not count."""
+    monkeypatch.setattr(fsutil, "CHECKPOINT_EVERY", 10)
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
+    await db.run(lambda conn: None)
+
+    def settled() -> None:  # no write while a checkpoint runs (that brings the next one)
+        if db._checkpointer is not None:
+            db._checkpointer.join()
+
+    for n in range(25):
+        await db.run(lambda conn, n=n: conn.execute("INSERT INTO t VALUES (?, 'x')", (str(n),)))
+        await db.run(lambda conn: conn.execute("SELECT count(*) FROM t").fetchone())
+        settled()
+    assert db.checkpoints == 2
+    await db.aclose()
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
+    await db.run(lambda conn: None)
+    for n in range(25, 35):
+        ran, _ = db.try_run_nowait(
+            lambda conn, n=n: conn.execute("INSERT INTO t VALUES (?, 'x')", (str(n),))
+        )
+        assert ran
+        settled()
+    assert db.checkpoints == 1
+    await db.aclose()
+
+
+async def test_a_commit_during_a_checkpoint_brings_the_next_one_soon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite starts the WAL over only at a write that finds all of it copied. A commit
+    that came while the checkpoint ran left some of it uncopied: waiting a thousand
+    commits for the next checkpoint, which a steady stream of writes (the cache's puts
+    a few ms apart) again overlaps, grew the WAL for ever (past 175 MB measured). The
+    next checkpoint comes `CHECKPOINT_CHASE_EVERY` commits later, and once one ends
+    with nothing written meanwhile, the next write starts the WAL over."""
+    import threading
+
+    monkeypatch.setattr(fsutil, "CHECKPOINT_EVERY", 20)
+    monkeypatch.setattr(fsutil, "WAL_SIZE_LIMIT", 32 * 1024)
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
+    release = threading.Event()
+    real = SqliteFile._checkpoint
+
+    def slow_checkpoint(self: SqliteFile) -> None:
+        release.wait(10)  # a checkpoint that takes a while
+        real(self)
+
+    monkeypatch.setattr(SqliteFile, "_checkpoint", slow_checkpoint)
+    rows = iter(range(10_000))
+
+    async def write() -> None:
+        n = next(rows)
+        await db.transaction(
+            lambda conn: conn.execute("INSERT INTO t VALUES (?, ?)", (str(n), "x" * 2000))
+        )
+
+    for _ in range(20):
+        await write()
+    assert db.checkpoints == 1 and db._checkpointer is not None
+    await write()  # comes while the checkpoint runs
+    release.set()
+    db._checkpointer.join()
+    assert file_size(Path(f"{db.path}-wal")) > 32 * 1024  # not started over
+    writes = 0
+    while db.checkpoints < 2 and writes < 100:
+        await write()
+        writes += 1
+    assert db.checkpoints == 2 and writes <= fsutil.CHECKPOINT_CHASE_EVERY  # soon
+    db._checkpointer.join()  # nothing written meanwhile: it copied all of it
+    await write()  # SQLite starts the WAL over, cut back to the limit
+    assert file_size(Path(f"{db.path}-wal")) <= 32 * 1024
+    for _ in range(fsutil.CHECKPOINT_CHASE_EVERY):
+        await write()
+    assert db.checkpoints == 2  # caught up: back to one every `CHECKPOINT_EVERY`
+    await db.aclose()
+
+
+async def test_a_bloated_wal_is_cut_back_once_checkpointed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A WAL left large (by a version that never checkpointed) shrinks to the limit
+    when SQLite next starts it over."""
+    monkeypatch.setattr(fsutil, "WAL_SIZE_LIMIT", 64 * 1024)
+    monkeypatch.setattr(fsutil, "CHECKPOINT_EVERY", 10**9)  # none while it grows
+    db = SqliteFile(tmp_path / "x.sqlite3", what="test", init=schema)
+    for n in range(300):
+        await db.transaction(
+            lambda conn, n=n: conn.execute("INSERT INTO t VALUES (?, ?)", (str(n), "x" * 2000))
+        )
+    wal = Path(f"{db.path}-wal")
+    assert file_size(wal) > 1_000_000
+    monkeypatch.setattr(fsutil, "CHECKPOINT_EVERY", 1)
+    await db.transaction(lambda conn: conn.execute("INSERT INTO t VALUES ('c', 'x')"))
+    assert db._checkpointer is not None
+    db._checkpointer.join()
+    await db.transaction(lambda conn: conn.execute("INSERT INTO t VALUES ('d', 'x')"))
+    assert file_size(wal) <= 64 * 1024
+    await db.aclose()
+
+
+async def test_a_put_with_much_to_evict_leaves_the_loop_and_evicts_it_all(tmp_path: Path) -> None:
+    """A put runs on the loop when its work is small; one that must evict many entries
+    (the limit was lowered) is rolled back there and done whole by the worker."""
+
+    def record(n: int) -> CacheRecord:
+        return CacheRecord(
+            key=f"k{n}",
+            response="answer",
+            model="m",
+            scope="shared",
+            partition="p",
+            query=f"q{n}",
+            created_at=0.0,
+            expires_at=1e12,
+        )
+
+    backend = SqliteCacheBackend(tmp_path / "cache.sqlite3")
+    for n in range(40):
+        assert await backend.put(record(n), now=float(n), max_entries=1000) == 0
+    assert await backend.put(record(40), now=40.0, max_entries=38) == 3  # on the loop
+    assert await backend.put(record(41), now=41.0, max_entries=5) == 34  # the worker
+    assert (await backend.counts(now=42.0)).entries == 5
+    assert await backend.get("k41", now=42.0) is not None  # the newest stays
+    assert await backend.get("k0", now=42.0) is None  # the least recently used went
+    await backend.aclose()

@@ -30,6 +30,15 @@ from gateway.fsutil import SqliteFile, immediate
 
 SCHEMA_VERSION = 3
 _T = TypeVar("_T")
+#: A put on the event loop purges at most this many expired entries ...
+_NOWAIT_PURGE = 16
+#: ... and evicts at most this many (more: the put goes to a worker thread).
+_NOWAIT_EVICT = 16
+
+
+class _TooMuchForTheLoop(Exception):
+    """A put on the event loop met more work than it may do there."""
+
 
 _SCHEMA = (
     """CREATE TABLE entries (
@@ -135,11 +144,11 @@ class SqliteCacheBackend:
             conn.execute("ROLLBACK")
             raise
 
-    def _purge_expired(self, conn: sqlite3.Connection, now: float) -> int:
+    def _purge_expired(self, conn: sqlite3.Connection, now: float, limit: int) -> int:
         return conn.execute(
             "DELETE FROM entries WHERE key IN "
             "(SELECT key FROM entries WHERE expires_at <= ? LIMIT ?)",
-            (now, self._purge_batch),
+            (now, limit),
         ).rowcount
 
     # -- the CacheBackend protocol ------------------------------------------------
@@ -165,7 +174,12 @@ class SqliteCacheBackend:
         return await self._db.run(query)
 
     async def put(self, record: CacheRecord, *, now: float, max_entries: int) -> int:
-        def write(conn: sqlite3.Connection) -> int:
+        """Store `record` (one transaction, with the expired entries' purge and the
+        eviction down to `max_entries`); the entries removed. On the event loop when the
+        file is free and the work is small (at most `_NOWAIT_PURGE` expired entries
+        purged, an eviction of at most `_NOWAIT_EVICT`), else in a worker thread."""
+
+        def write(conn: sqlite3.Connection, *, nowait: bool) -> int:
             conn.execute(
                 f"INSERT INTO entries ({_COLUMNS}, accessed_at, size) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -187,9 +201,14 @@ class SqliteCacheBackend:
                     record.size,
                 ),
             )
-            removed = self._purge_expired(conn, now)
+            # On the loop a few expired entries go a put (the rest with later puts, or
+            # when a lookup meets them); a worker purges a whole batch.
+            purge = _NOWAIT_PURGE if nowait else self._purge_batch
+            removed = self._purge_expired(conn, now, purge)
             total = conn.execute("SELECT entries FROM totals WHERE id = 1").fetchone()[0]
             if total > max_entries:
+                if nowait and total - max_entries > _NOWAIT_EVICT:
+                    raise _TooMuchForTheLoop  # rolled back by `immediate`
                 removed += conn.execute(
                     "DELETE FROM entries WHERE key IN (SELECT key FROM entries WHERE key != ? "
                     "ORDER BY accessed_at, rowid LIMIT ?)",
@@ -197,7 +216,13 @@ class SqliteCacheBackend:
                 ).rowcount
             return removed
 
-        return await self._db.run(lambda conn: immediate(conn, write))
+        try:
+            ran, removed = self._db.try_transaction_nowait(lambda conn: write(conn, nowait=True))
+        except _TooMuchForTheLoop:
+            ran, removed = False, None  # nothing written: the worker does it whole
+        if ran and removed is not None:
+            return removed
+        return await self._db.transaction(lambda conn: write(conn, nowait=False))
 
     async def delete(self, key: str) -> bool:
         def write(conn: sqlite3.Connection) -> bool:
@@ -241,7 +266,7 @@ class SqliteCacheBackend:
         def read(conn: sqlite3.Connection) -> tuple[int, int, int, int]:
             def fold_and_purge(c: sqlite3.Connection) -> None:
                 self._fold_counts(c)
-                self._purge_expired(c, now)
+                self._purge_expired(c, now, self._purge_batch)
 
             immediate(conn, fold_and_purge)
             entries, size, hits, misses = conn.execute(
