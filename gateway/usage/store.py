@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gateway.fsutil import open_sqlite
@@ -87,10 +89,24 @@ class SqliteUsageLedger:
         # 0600 like every workspace database (it names conversations), and a damaged file
         # is moved aside, not overwritten.
         self._db = open_sqlite(path, what="usage ledger", init=_create_usage_table)
+        # Never waits for another process's lock unless a call says so (`_waiting`): the
+        # turn's upsert on the event loop (`try_add_nowait`) then costs one statement.
+        self._db.execute("PRAGMA busy_timeout = 0")
+
+    @contextmanager
+    def _waiting(self) -> Iterator[sqlite3.Connection]:
+        """The connection, waiting up to the busy timeout for another writer's lock
+        (under `_lock`, off the event loop)."""
+        with self._lock:
+            self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("PRAGMA busy_timeout = 0")
 
     def add(self, row: UsageRow) -> None:
-        with self._lock:
-            self._db.execute(_UPSERT, row_values(row))
+        with self._waiting() as db:
+            db.execute(_UPSERT, row_values(row))
 
     def try_add_nowait(self, row: UsageRow) -> bool:
         """`add` here and now, on the event loop, when that cannot wait (the connection
@@ -99,16 +115,12 @@ class SqliteUsageLedger:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            self._db.execute("PRAGMA busy_timeout = 0")
-            try:
-                self._db.execute(_UPSERT, row_values(row))
-                return True
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) or "busy" in str(exc):
-                    return False
-                raise
-            finally:
-                self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+            self._db.execute(_UPSERT, row_values(row))  # busy timeout 0: never waits
+            return True
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                return False
+            raise
         finally:
             self._lock.release()
 
@@ -118,13 +130,13 @@ class SqliteUsageLedger:
             f"SELECT {USAGE_COLUMNS} FROM usage{where} "
             "ORDER BY day, session_key, kind, model, provider"
         )
-        with self._lock:
-            return [usage_row(values) for values in self._db.execute(sql, params)]
+        with self._waiting() as db:
+            return [usage_row(values) for values in db.execute(sql, params)]
 
     def tokens(self, day: str, session_key: str | None = None) -> int:
         sql, params = budget_sql("usage", day, session_key, "?")
-        with self._lock:
-            (total,) = self._db.execute(sql, params).fetchone()
+        with self._waiting() as db:
+            (total,) = db.execute(sql, params).fetchone()
         return int(total)
 
     def close(self) -> None:
