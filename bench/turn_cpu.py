@@ -6,6 +6,7 @@ the configurations switch parts off one at a time so the table says what each co
 
     .venv/bin/python bench/turn_cpu.py [--turns 300] [--runs 3] [--only NAME] [--json]
     .venv/bin/python bench/turn_cpu.py --code /tmp/before   # and another checkout, alternating
+    .venv/bin/python bench/turn_cpu.py --keep-alive   # one connection, as an API client's pool
 
 This is issue 42's measure ("300 sequential /api/chat turns over 50 conversations: 3.0-3.5
 ms of the gateway process's CPU per turn"). Each configuration is a fresh workspace and
@@ -15,6 +16,7 @@ process; the median of `--runs` runs is printed, runs of the configurations alte
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import statistics
@@ -88,6 +90,7 @@ WORDS = [
 
 
 def ask(port: int, session: str, text: str) -> None:
+    """One turn on a new connection (urllib's way: connect, ask, close)."""
     body = json.dumps({"session": session, "text": text}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/api/chat",
@@ -96,6 +99,26 @@ def ask(port: int, session: str, text: str) -> None:
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         response.read()
+
+
+class KeptConnection:
+    """Turns on one kept-alive connection, as an API client's pool sends them (the
+    `openai` client, httpx, aiohttp): `--keep-alive`."""
+
+    def __init__(self, port: int) -> None:
+        self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def __call__(self, port: int, session: str, text: str) -> None:
+        body = json.dumps({"session": session, "text": text}).encode()
+        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        self._conn.request("POST", "/api/chat", body=body, headers=headers)
+        response = self._conn.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"/api/chat answered {response.status}: {data[:200]!r}")
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 def question(n: int) -> str:
@@ -110,6 +133,7 @@ def run_once(
     warmup: int,
     profile: str | None = None,
     code: str | None = None,
+    keep_alive: bool = False,
 ) -> float:
     with tempfile.TemporaryDirectory(prefix="bench-turn-") as workspace:
         env = {
@@ -127,13 +151,19 @@ def run_once(
         gateway = GatewayProcess(env, Path(workspace), python_args=python_args)
         try:
             port = gateway.wait_ready()
-            for n in range(warmup):
-                ask(port, f"s{n % 50}", question(100_000 + n))
-            time.sleep(2.0)  # background work of the warm-up (embeddings, facts) settles
-            before = gateway.cpu_seconds()
-            for n in range(turns):
-                ask(port, f"s{n % 50}", question(n))
-            return (gateway.cpu_seconds() - before) / turns * 1e3
+            kept = KeptConnection(port) if keep_alive else None
+            send = kept or ask
+            try:
+                for n in range(warmup):
+                    send(port, f"s{n % 50}", question(100_000 + n))
+                time.sleep(2.0)  # background work of the warm-up (embeddings, facts) settles
+                before = gateway.cpu_seconds()
+                for n in range(turns):
+                    send(port, f"s{n % 50}", question(n))
+                return (gateway.cpu_seconds() - before) / turns * 1e3
+            finally:
+                if kept is not None:
+                    kept.close()
         finally:
             try:
                 gateway.terminate(30)
@@ -150,6 +180,12 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", help="write the gateway's cProfile stats here (one run)")
     parser.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="send the turns on one kept-alive connection (an API client's pool) instead "
+        "of a new connection a turn (urllib's way)",
+    )
+    parser.add_argument(
         "--code",
         action="append",
         help="also run another checkout's gateway package (by PYTHONPATH), alternating",
@@ -164,12 +200,24 @@ def main() -> int:
                 for code in checkouts:
                     row = name if code is None else f"{name} [{code}]"
                     samples.setdefault(row, []).append(
-                        run_once(base_url, extra, args.turns, args.warmup, args.profile, code)
+                        run_once(
+                            base_url,
+                            extra,
+                            args.turns,
+                            args.warmup,
+                            args.profile,
+                            code,
+                            args.keep_alive,
+                        )
                     )
     if args.json:
         print(json.dumps(samples, indent=2))
         return 0
-    print(f"{args.turns} sequential POST /api/chat turns over 50 conversations, {args.runs} runs")
+    how = "one kept-alive connection" if args.keep_alive else "a new connection a turn"
+    print(
+        f"{args.turns} sequential POST /api/chat turns over 50 conversations ({how}), "
+        f"{args.runs} runs"
+    )
     print("| configuration | gateway CPU per turn (ms), median | runs |")
     print("|---|---|---|")
     for name, values in samples.items():
