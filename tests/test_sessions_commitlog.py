@@ -391,3 +391,23 @@ def test_recovery_fsyncs_the_files_a_dead_log_covers_even_when_they_lost_nothing
     assert synced == [path.stat().st_ino]  # ... and the file was fsynced all the same
     assert list((tmp_path / LOG_DIR).iterdir()) == []
     assert path.read_bytes() == data
+
+
+@pytest.mark.anyio
+async def test_closing_the_file_settles_what_was_deferred_to_it(tmp_path: Path) -> None:
+    """Closing a session's file fsyncs it, the deferred lines with it: nothing is left
+    unsettled, and no later round logs them again."""
+    manager = SessionManager(tmp_path, fsync="batch")
+    session = manager.get_or_create("k")
+    session.add_message(user("earlier"))
+    await session.aadd_message(user("question"), defer=True)
+    store = session._store
+    assert isinstance(store, FileSessionStore) and store.unsettled
+    handle = file_handle(session)
+    store.close()
+    assert not store.unsettled and handle.closed and handle._synced == handle.written
+    rounds = manager._async_committer.rounds
+    await session.asettle()
+    assert manager._async_committer.rounds == rounds
+    manager.close()
+    assert contents(tmp_path, "k") == ["earlier", "question"]

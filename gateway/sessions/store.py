@@ -697,10 +697,11 @@ class FileSessionStore:
     # -- syncing with the file ----------------------------------------------------------
 
     def _close_handle(self) -> None:
-        # The file's fsync covers the deferred appends to it (`_take_deferred`).
         if self._handle is not None:
             self._handle.close(sync=self._policy != "never")
             self._handle = None
+            # The file's fsync covered the appends deferred to it.
+            self._deferred = [p for p in self._deferred if not p.handle.closed]
 
     def _current_size(self, handle: _FileHandle) -> int | None:
         """Size of the file at our path if it is still ``handle``'s file, else None."""
@@ -1472,6 +1473,7 @@ class FileSessionStore:
                     fcntl.flock(handle.fd, fcntl.LOCK_UN)
                 self._handle = None
                 handle.close(sync=False)
+                self._deferred = []  # their file is gone
             if self._index is not None:
                 remove_index(self._index)
             self._start_fresh()
