@@ -477,12 +477,12 @@ class GroupCommitter:
         self._leader_busy = False
         self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
 
-    def commit(self, request: _Pending, *earlier: _Pending) -> None:
-        """``earlier`` (a store's deferred appends, `FileSessionStore.aappend`) join
-        ``request``'s round, before it."""
+    def commit(self, requests: Sequence[_Pending]) -> None:
+        """Make ``requests`` durable, in one round (a store's deferred appends first,
+        `FileSessionStore.aappend`, then the one that commits them)."""
+        request = requests[-1]  # queued last, done with the round that takes them all
         with self._cond:
-            self._queue.extend(earlier)
-            self._queue.append(request)
+            self._queue.extend(requests)
             while not request.done:
                 if self._leader_busy:
                     self._cond.wait()
@@ -501,13 +501,13 @@ class GroupCommitter:
                     self.rounds += 1
                     self._leader_busy = False
                     self._cond.notify_all()
-        _raise_unsynced(request, *earlier)
+        _raise_unsynced(requests)
 
 
 DEFAULT_COMMITTER = GroupCommitter()
 
 
-def _raise_unsynced(*requests: _Pending) -> None:
+def _raise_unsynced(requests: Sequence[_Pending]) -> None:
     for request in requests:
         if request.error is not None:
             raise SessionError(
@@ -533,11 +533,10 @@ class AsyncGroupCommitter:
         self._running: anyio.Event | None = None  # set when the running round ends
         self.rounds = 0  # fsync rounds so far (for tests and the benchmark)
 
-    async def commit(self, request: _Pending, *earlier: _Pending) -> None:
-        """``earlier`` (a store's deferred appends) join ``request``'s round, before it."""
+    async def commit(self, requests: Sequence[_Pending]) -> None:
+        """Make ``requests`` durable, in one round (`GroupCommitter.commit`)."""
         first = not self._queue
-        self._queue.extend(earlier)
-        self._queue.append(request)
+        self._queue.extend(requests)
         if not first:
             done = self._next_done
             assert done is not None
@@ -545,7 +544,7 @@ class AsyncGroupCommitter:
         else:
             with anyio.CancelScope(shield=True):  # followers count on their leader
                 await self._lead()
-        _raise_unsynced(request, *earlier)
+        _raise_unsynced(requests)
 
     async def _lead(self) -> None:
         self._next_done = done = anyio.Event()
@@ -1079,17 +1078,17 @@ class FileSessionStore:
         (with every deferred append before it)."""
         with self.lock:
             entry, pending = self._append_locked(factory)
-            earlier = self._take_deferred() if pending is not None else ()
-        if pending is not None:
-            self._committer.commit(pending, *earlier)
+            requests = [] if pending is None else [*self._take_deferred(), pending]
+        if requests:
+            self._committer.commit(requests)
         return entry
 
     def _take_deferred(self) -> list[_Pending]:
-        """The deferred appends still to commit (under `lock`). One whose file was
-        closed since is left out: closing fsynced it (`_close_handle`), or it was the
-        file of a session deleted since."""
+        """The deferred appends still to commit (under `lock`). Closing or deleting
+        their file drops them (`_close_handle`, `delete`): its fsync covered them, or
+        they went with it."""
         deferred, self._deferred = self._deferred, []
-        return [p for p in deferred if not p.handle.closed]
+        return deferred
 
     def try_append_nowait(
         self, factory: EntryFactory[E], *, defer: bool = False
@@ -1134,7 +1133,7 @@ class FileSessionStore:
             return await anyio.to_thread.run_sync(self.append, factory)
         entry, pending = done
         if pending:
-            await self._async_committer.commit(pending[-1], *pending[:-1])
+            await self._async_committer.commit(pending)
         return entry
 
     @property
@@ -1147,7 +1146,7 @@ class FileSessionStore:
         with self.lock:
             pending = self._take_deferred()
         if pending:
-            self._committer.commit(pending[-1], *pending[:-1])
+            self._committer.commit(pending)
 
     async def asettle(self) -> None:
         """`settle` for the event loop."""
@@ -1161,7 +1160,7 @@ class FileSessionStore:
         finally:
             self.lock.release()
         if pending:
-            await self._async_committer.commit(pending[-1], *pending[:-1])
+            await self._async_committer.commit(pending)
 
     def try_load_nowait(self) -> bool:
         """`load` without blocking: False (nothing loaded) when it would wait for a
