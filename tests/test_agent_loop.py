@@ -140,6 +140,31 @@ async def test_a_failed_turn_makes_the_message_durable_before_its_answer(
         await gw.aclose()
 
 
+async def test_a_message_the_disk_will_not_take_is_answered_so_not_raised(
+    fake_openai: FakeOpenAI, make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed turn settles the user's message before its answer; when the disk refuses
+    that (the commit log's fsync fails), the person is told the conversation could not
+    be saved, as for any storage failure, and `handle` does not raise."""
+    from gateway.sessions import commitlog
+
+    settings = make_settings(fake_openai)
+    gw = Gateway.build(settings)
+    try:
+        await gw.agent.handle(inbound("first"))
+        fake_openai.fail_model("gpt-4o-mini", status=500, message="boom")
+
+        def refuse(fd: int) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(commitlog, "_datasync", refuse)
+        reply = await gw.agent.handle(inbound("are you there?"))
+        monkeypatch.undo()
+        assert reply.is_error and "could not save this conversation" in reply.text
+    finally:
+        await gw.aclose()
+
+
 async def test_a_cancelled_turn_makes_the_message_durable(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:

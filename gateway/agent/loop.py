@@ -198,6 +198,17 @@ def _turn_start(ctx: SessionContext, turn_entry: str | None) -> int | None:
     )
 
 
+def _unsaved(inbound: InboundMessage, exc: SessionError) -> OutboundMessage:
+    """The answer to a turn whose session could not be stored."""
+    logger.error("session storage failed: {}", exc)
+    return reply_for(
+        inbound,
+        "I could not save this conversation right now, so I did not answer. "
+        "Please try again shortly.",
+        is_error=True,
+    )
+
+
 class AgentLoop:
     """Runs turns. The promises it keeps:
 
@@ -341,7 +352,10 @@ class AgentLoop:
                         logger.error("/stop could not be passed to the other replicas: {}", exc)
                 return reply_for(inbound, text, metadata={"command": "stop"})
             async with self._lock_for(key), self._usage_riding():
-                return await self._handle_locked(inbound, on_delta, token_budget, files)
+                try:
+                    return await self._handle_locked(inbound, on_delta, token_budget, files)
+                except SessionError as exc:  # the user's message could not be settled
+                    return _unsaved(inbound, exc)
 
     def _usage_riding(self) -> AbstractAsyncContextManager[None]:
         """The turn's model calls counted with its session appends (`UsageMeter.riding`)."""
@@ -487,19 +501,14 @@ class AgentLoop:
                 is_error=True,
             )
         except SessionError as exc:
-            logger.error("session storage failed: {}", exc)
-            return reply_for(
-                inbound,
-                "I could not save this conversation right now, so I did not answer. "
-                "Please try again shortly.",
-                is_error=True,
-            )
+            return _unsaved(inbound, exc)
         finally:
             if opened is not None:
                 # The user's message was appended deferred (`_open_turn`); a turn that
                 # stored nothing after it (an LLM failure, a message it could not read,
                 # a cancelled turn) makes it durable here, before its reply goes out.
-                # Raises SessionError if the disk refuses: the reply is then not given.
+                # Raises SessionError if the disk refuses: `_handle` answers that
+                # instead of the reply.
                 with anyio.CancelScope(shield=True):
                     await opened.asettle()
         logger.info(
