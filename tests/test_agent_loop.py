@@ -97,6 +97,12 @@ def store_of(gw: Gateway, key: str = "cli:test") -> Any:
     return session._store
 
 
+def assert_settled(gw: Gateway) -> None:
+    """Nothing of the session waits for a round: every line it wrote is durable."""
+    store = store_of(gw)
+    assert not store.unsettled and not store._handle.dirty
+
+
 async def test_a_turn_makes_question_and_reply_durable_in_one_round(
     fake_openai: FakeOpenAI, make_settings: Callable[..., Settings]
 ) -> None:
@@ -112,8 +118,7 @@ async def test_a_turn_makes_question_and_reply_durable_in_one_round(
         for n in range(3):
             reply = await gw.agent.handle(inbound(f"question {n}"))
             assert not reply.is_error
-            store = store_of(gw)
-            assert not store.unsettled and not store._handle.dirty
+            assert_settled(gw)
         assert committer.rounds == rounds + 3
     finally:
         await gw.aclose()
@@ -133,8 +138,7 @@ async def test_a_failed_turn_makes_the_message_durable_before_its_answer(
         fake_openai.fail_model("gpt-4o-mini", status=500, message="boom")
         reply = await gw.agent.handle(inbound("are you there?"))
         assert reply.is_error
-        store = store_of(gw)
-        assert not store.unsettled and not store._handle.dirty
+        assert_settled(gw)
         assert committer.rounds == rounds + 1
     finally:
         await gw.aclose()
@@ -181,7 +185,7 @@ async def test_a_cancelled_turn_makes_the_message_durable(
             store = store_of(gw)
             assert store.unsettled  # in the file, waiting for the turn's next round
             tg.cancel_scope.cancel()
-        assert not store.unsettled and not store._handle.dirty
+        assert_settled(gw)
         fake_openai.release()
     finally:
         await gw.aclose()

@@ -701,23 +701,34 @@ async def test_a_redelivered_message_is_answered_once_also_after_a_restart(
 
 async def first_and_copy(
     d: Dispatcher,
-    paused: anyio.Event,
-    meanwhile: Callable[[dict[str, Ticket]], Awaitable[None]],
+    meanwhile: Callable[[dict[str, Ticket]], Awaitable[None]] | None = None,
 ) -> dict[str, Ticket]:
-    """A platform message ("first") held at the `dispatch.before_journal` failpoint
-    (which sets `paused`), and a copy of it submitted then; `meanwhile` runs 0.2 s
-    later with the tickets so far, and must let the first go on. Both tickets."""
+    """A platform message ("first") held at the `dispatch.before_journal` failpoint, and
+    a copy of it submitted then; 0.2 s later `meanwhile` runs with the tickets so far,
+    then the first goes on. Both tickets."""
+    paused, resume = anyio.Event(), anyio.Event()
+
+    async def hold(name: str, key: str) -> None:
+        paused.set()
+        await resume.wait()
+
     tickets: dict[str, Ticket] = {}
 
     async def submit(name: str) -> None:
         tickets[name] = await d.submit(inbound("a", "hello", message_id="42"))
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(submit, "first")
-        await paused.wait()
-        tg.start_soon(submit, "copy")
-        await anyio.sleep(0.2)
-        await meanwhile(tickets)
+    failpoints.arm("dispatch.before_journal", hold, "test:a")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit, "first")
+            await paused.wait()
+            tg.start_soon(submit, "copy")
+            await anyio.sleep(0.2)
+            if meanwhile is not None:
+                await meanwhile(tickets)
+            resume.set()
+    finally:
+        failpoints.disarm_all()
     return tickets
 
 
@@ -729,16 +740,9 @@ async def test_a_copy_that_comes_while_the_first_is_journaled_is_confirmed_after
     into the journal. The copy is a duplicate, but only the first copy's journal write
     makes it safe to confirm: until then the copy waits (a crash in between loses
     nothing), and once the write is done it is confirmed as a duplicate."""
-    paused, resume = anyio.Event(), anyio.Event()
-
-    async def slow_write(name: str, key: str) -> None:
-        paused.set()
-        await resume.wait()
-
     outbox = Outbox()
     path = tmp_path / "dedupe.sqlite3"
     store = FileDedupeStore(path)
-    failpoints.arm("dispatch.before_journal", slow_write, "test:a")
     try:
         async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
 
@@ -746,14 +750,12 @@ async def test_a_copy_that_comes_while_the_first_is_journaled_is_confirmed_after
                 # Only in memory so far: nothing may tell the platform we have it.
                 assert tickets == {}
                 assert await FileDedupeStore(path).unanswered() == []
-                resume.set()
 
-            tickets = await first_and_copy(d, paused, meanwhile)
+            tickets = await first_and_copy(d, meanwhile)
             assert tickets["first"].status is SubmitStatus.ACCEPTED
             assert tickets["copy"].status is SubmitStatus.DUPLICATE and tickets["copy"].taken
             await tickets["first"].reply()
     finally:
-        failpoints.disarm_all()
         await store.aclose()
     assert outbox.texts("a") == ["re: hello"]
 
@@ -810,11 +812,6 @@ async def test_a_copy_is_left_with_its_platform_when_the_journal_fails_for_it_to
 ) -> None:
     """The first copy's journal write fails, and so does the copy's own: the copy is not
     taken (its platform keeps it), and once the journal works the next copy is."""
-    paused, resume = anyio.Event(), anyio.Event()
-
-    async def slow_write(name: str, key: str) -> None:
-        paused.set()
-        await resume.wait()
 
     class FailingJournal(FileDedupeStore):
         failing = True
@@ -826,21 +823,15 @@ async def test_a_copy_is_left_with_its_platform_when_the_journal_fails_for_it_to
 
     outbox = Outbox()
     store = FailingJournal(tmp_path / "dedupe.sqlite3")
-    failpoints.arm("dispatch.before_journal", slow_write, "test:a")
     try:
         async with running(Dispatcher(echo, outbox.deliver, dedupe=store)) as d:
-
-            async def meanwhile(tickets: dict[str, Ticket]) -> None:
-                resume.set()
-
-            tickets = await first_and_copy(d, paused, meanwhile)
+            tickets = await first_and_copy(d)
             assert [tickets[n].taken for n in ("first", "copy")] == [False, False]
             store.failing = False
             again = await d.submit(inbound("a", "hello", message_id="42"))
             assert again.status is SubmitStatus.ACCEPTED
             reply = await again.reply()
     finally:
-        failpoints.disarm_all()
         await store.aclose()
     assert reply is not None and outbox.texts("a") == ["re: hello"]
 
@@ -851,11 +842,6 @@ async def test_a_copy_is_not_settled_on_a_claim_the_store_could_not_give_back(
     """The first copy's journal write fails, and so does giving its claim back: the key
     stays claimed with nothing on file. The copy that waited is left with its platform,
     not settled as a duplicate (which would lose the message)."""
-    paused, resume = anyio.Event(), anyio.Event()
-
-    async def slow_write(name: str, key: str) -> None:
-        paused.set()
-        await resume.wait()
 
     class BrokenStore(FileDedupeStore):
         async def journal(self, key: str, msg: InboundMessage) -> None:
@@ -865,16 +851,10 @@ async def test_a_copy_is_not_settled_on_a_claim_the_store_could_not_give_back(
             raise OSError(5, "Input/output error")
 
     store = BrokenStore(tmp_path / "dedupe.sqlite3")
-    failpoints.arm("dispatch.before_journal", slow_write, "test:a")
     try:
         async with running(Dispatcher(echo, Outbox().deliver, dedupe=store)) as d:
-
-            async def meanwhile(tickets: dict[str, Ticket]) -> None:
-                resume.set()
-
-            tickets = await first_and_copy(d, paused, meanwhile)
+            tickets = await first_and_copy(d)
     finally:
-        failpoints.disarm_all()
         await store.aclose()
     assert [tickets[n].status for n in ("first", "copy")] == [SubmitStatus.RETRY_LATER] * 2
     assert not tickets["copy"].taken

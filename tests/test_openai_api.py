@@ -69,6 +69,14 @@ def user_texts(daemon: Daemon, key: str) -> list[str]:
     return [str(m.content) for m in session.messages if m.role == "user"]
 
 
+#: A stateless call's history: the client holds the conversation.
+ADA: Any = [
+    {"role": "user", "content": "my name is Ada"},
+    {"role": "assistant", "content": "hello Ada"},
+    {"role": "user", "content": [{"type": "text", "text": "what is my name?"}]},
+]
+
+
 # ---------------------------------------------------------------- the openai client
 
 
@@ -284,11 +292,7 @@ async def test_a_stateless_call_sees_the_clients_messages_and_keeps_nothing(
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0)
         answer = await client.chat.completions.create(
             model="gpt-4o-mini",
-            messages=[
-                {"role": "user", "content": "my name is Ada"},
-                {"role": "assistant", "content": "hello Ada"},
-                {"role": "user", "content": [{"type": "text", "text": "what is my name?"}]},
-            ],
+            messages=ADA,
         )
         await client.close()
     assert answer.choices[0].message.content == "echo: what is my name?"
@@ -325,11 +329,7 @@ async def test_a_kept_stateless_session_is_durable_in_the_turns_one_round(
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0)
         answer = await client.chat.completions.create(
             model="gpt-4o-mini",
-            messages=[
-                {"role": "user", "content": "my name is Ada"},
-                {"role": "assistant", "content": "hello Ada"},
-                {"role": "user", "content": "what is my name?"},
-            ],
+            messages=ADA,
             extra_headers={"Idempotency-Key": "kept-1"},
         )
         await client.close()
