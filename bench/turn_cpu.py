@@ -89,13 +89,17 @@ WORDS = [
 ]
 
 
+HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+
+def chat_body(session: str, text: str) -> bytes:
+    return json.dumps({"session": session, "text": text}).encode()
+
+
 def ask(port: int, session: str, text: str) -> None:
     """One turn on a new connection (urllib's way: connect, ask, close)."""
-    body = json.dumps({"session": session, "text": text}).encode()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/chat",
-        data=body,
-        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        f"http://127.0.0.1:{port}/api/chat", data=chat_body(session, text), headers=HEADERS
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         response.read()
@@ -109,9 +113,7 @@ class KeptConnection:
         self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
 
     def __call__(self, port: int, session: str, text: str) -> None:
-        body = json.dumps({"session": session, "text": text}).encode()
-        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-        self._conn.request("POST", "/api/chat", body=body, headers=headers)
+        self._conn.request("POST", "/api/chat", body=chat_body(session, text), headers=HEADERS)
         response = self._conn.getresponse()
         data = response.read()
         if response.status != 200:
